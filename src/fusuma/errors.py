@@ -1,0 +1,97 @@
+"""Root of fusuma's exception tree.
+
+Every error a user can trigger carries one sentence that says what is wrong and how to
+fix it; the CLI prints ``str(exc)`` and exits non-zero.
+
+    FusumaError
+     ├── SpecError          a malformed or impossible host spec / CLI argument
+     ├── NotFoundError      an unknown partition, VM or disk
+     ├── ConflictError      a duplicate name, an overlapping core, a disk in use
+     ├── ResourceError      more cores or memory than the host or partition can give
+     ├── StateError         an operation called in the wrong lifecycle state
+     ├── HostError          the host lacks something (a binary, cgroups, /dev/kvm, ...)
+     ├── ImageError         the guest image is missing or cannot be built
+     ├── CgroupError        a cgroup operation failed (fusuma.host.cgroups)
+     ├── QemuError          QEMU failed to start or answer (fusuma.qemu)
+     │    └── GuestAgentError  the guest agent did not answer or a command failed
+     └── SupervisorError    a partition supervisor is down or answered with an error
+"""
+
+from __future__ import annotations
+
+
+class FusumaError(Exception):
+    """Base of all fusuma errors; ``str()`` is the sentence shown to the user."""
+
+    exit_code = 1
+
+
+class SpecError(FusumaError):
+    """A malformed or impossible spec or argument."""
+
+    exit_code = 2
+
+
+class NotFoundError(FusumaError):
+    """An object named by the user does not exist."""
+
+    exit_code = 3
+
+
+class ConflictError(FusumaError):
+    """The request collides with an existing object."""
+
+    exit_code = 4
+
+
+class ResourceError(FusumaError):
+    """Not enough cores or memory."""
+
+    exit_code = 5
+
+
+class StateError(FusumaError):
+    """An operation was called in a lifecycle state that does not allow it."""
+
+    exit_code = 6
+
+
+class HostError(FusumaError):
+    """The host lacks a binary, a kernel feature or a permission fusuma needs."""
+
+    exit_code = 7
+
+
+class ImageError(FusumaError):
+    """The guest image is missing or could not be built."""
+
+    exit_code = 8
+
+
+class CgroupError(FusumaError):
+    """A cgroup could not be created, changed or removed."""
+
+    exit_code = 9
+
+
+class QemuError(FusumaError):
+    """QEMU failed to start, crashed, or did not answer on QMP."""
+
+    exit_code = 10
+
+    def __init__(self, message: str, *, argv: list[str] | None = None,
+                 exit_status: int | None = None, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.argv = argv or []
+        self.exit_status = exit_status
+        self.log_tail = log_tail
+
+
+class GuestAgentError(QemuError):
+    """The guest agent did not answer, or a guest command could not run."""
+
+
+class SupervisorError(FusumaError):
+    """A partition supervisor is not running or reported an error."""
+
+    exit_code = 11
