@@ -1,0 +1,60 @@
+# fusuma: `make demo` and `make test` do all set-up on a fresh Debian machine (as root).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+FUSUMA := $(VENV)/bin/fusuma
+DEB_PACKAGES := qemu-system-x86 qemu-utils busybox-static erofs-utils cpio \
+                qemu-guest-agent python3-venv gcc libc6-dev
+
+.PHONY: deps venv image demo test lint unit integration fault clean bench-boot
+
+deps:
+	@missing=$$(for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:" $$missing; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+venv: deps $(VENV)/.installed
+
+image: venv
+	$(FUSUMA) image build
+
+demo: image
+	$(FUSUMA) up
+	$(FUSUMA) ps
+	@for v in $$($(FUSUMA) vm list --json | $(VENV)/bin/python -c 'import json,sys; print(" ".join(v["name"] for v in json.load(sys.stdin)))'); do \
+	  echo "--- $$v: uname -r; cores the guest's vCPU thread may use:"; \
+	  $(FUSUMA) vm exec $$v -- /bin/sh -c 'uname -r; hostname'; \
+	done
+	@echo
+	@echo "Two partitions are up. Try: $(FUSUMA) ps, $(FUSUMA) vm console vm0,"
+	@echo "$(FUSUMA) partition restart p0. Remove everything with: $(FUSUMA) down"
+
+lint: venv
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
+
+unit: venv
+	$(VENV)/bin/pytest -q tests/unit
+
+integration: image
+	$(VENV)/bin/pytest -q tests/integration
+
+fault: image
+	$(VENV)/bin/pytest -q tests/fault
+
+test: image lint
+	$(VENV)/bin/pytest -q tests
+
+bench-boot: image
+	$(FUSUMA) bench boot --vms 2 --runs 5 --json results/boot.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

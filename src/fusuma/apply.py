@@ -1,0 +1,166 @@
+"""`fusuma up` and `fusuma down`: make the host match a spec, or undo it.
+
+``up`` plans first (every check runs before anything changes), then applies the plan
+with a Reverter, so a spec that fails half-way leaves the host as it was. Applying the
+same spec twice finds nothing to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fusuma.errors import ConflictError, SpecError
+from fusuma.partition.manager import PartitionManager
+from fusuma.spec import DiskSpec, HostSpec, PartitionSpec, VmSpec, check_host_fit
+from fusuma.state import Database, VmState
+from fusuma.undo import Reverter
+from fusuma.vm import VmManager, VmView
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass
+class Plan:
+    create_partitions: list[PartitionSpec] = field(default_factory=list)
+    resize_partitions: list[tuple[PartitionSpec, bool]] = field(default_factory=list)
+    add_disks: list[DiskSpec] = field(default_factory=list)
+    move_disks: list[DiskSpec] = field(default_factory=list)
+    create_vms: list[VmSpec] = field(default_factory=list)
+    start_vms: list[str] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.create_partitions or self.resize_partitions or self.add_disks
+                    or self.move_disks or self.create_vms or self.start_vms)
+
+    def describe(self) -> list[str]:
+        out = [f"create partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
+               for p in self.create_partitions]
+        out += [f"resize partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
+                for p, _ in self.resize_partitions]
+        out += [f"add disk {d.name} ({d.path}) to {d.partition}" for d in self.add_disks]
+        out += [f"move disk {d.name} to {d.partition}" for d in self.move_disks]
+        out += [f"create vm {v.name} in {v.partition}" for v in self.create_vms]
+        out += [f"start vm {n}" for n in self.start_vms]
+        return out
+
+
+def _vm_diff(db: Database, v: VmSpec) -> list[str]:
+    cur = db.vm(v.name)
+    diffs = []
+    for key in ("partition", "vcpus", "memory_mib", "image", "disks", "accel"):
+        a, b = getattr(cur, key), getattr(v, key)
+        if a != b:
+            diffs.append(f"{key} {a} -> {b}")
+    return diffs
+
+
+def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> Plan:
+    check_host_fit(spec, parts.host, source)
+    p = Plan()
+    for ps in spec.partition:
+        cur = db.find_partition(ps.name)
+        if cur is None:
+            p.create_partitions.append(ps)
+        elif cur.cpus != ps.cpus or cur.memory_mib != ps.memory_mib:
+            shrinking = set(ps.cpus) <= set(cur.cpus)
+            p.resize_partitions.append((ps, shrinking))
+        elif cur.qemu != ps.qemu or cur.io_weight != ps.io_weight:
+            raise SpecError(f"{source}: partition {ps.name!r} exists with another qemu or "
+                            "io_weight; those cannot change on a live partition.")
+    for ds in spec.disk:
+        cur_d = db.find_disk(ds.name)
+        if cur_d is None:
+            p.add_disks.append(ds)
+        elif cur_d.path != ds.path:
+            raise SpecError(f"{source}: disk {ds.name!r} exists with path {cur_d.path}, "
+                            f"not {ds.path}.")
+        elif cur_d.partition != ds.partition:
+            p.move_disks.append(ds)
+    for vs in spec.vm:
+        cur_v = db.find_vm(vs.name)
+        if cur_v is None:
+            p.create_vms.append(vs)
+        else:
+            diffs = _vm_diff(db, vs)
+            if diffs:
+                raise SpecError(f"{source}: VM {vs.name!r} exists with other settings "
+                                f"({'; '.join(diffs)}); delete it first (`fusuma vm delete "
+                                f"{vs.name} --force`).")
+        if vs.autostart and (cur_v is None or VmView(cur_v).state != "running"):
+            p.start_vms.append(vs.name)
+    # Shrinks first, so that cores they give up are free for the grows.
+    p.resize_partitions.sort(key=lambda t: not t[1])
+    return p
+
+
+def up(paths_db: Database, parts: PartitionManager, vms: VmManager, spec: HostSpec,
+       source: str, progress: Callable[[str], None] = lambda s: None,
+       wait_agent: float = 0.0) -> Plan:
+    """Apply ``spec``; on any failure undo every step already taken and re-raise."""
+    db = paths_db
+    the_plan = plan(db, parts, spec, source)
+    with Reverter() as rev:
+        for ps, _ in the_plan.resize_partitions:
+            old = db.partition(ps.name)
+            progress(f"resizing partition {ps.name}")
+            parts.resize(ps.name, ps.cpus, ps.memory_mib)
+            rev.add(lambda o=old: parts.resize(o.name, o.cpus, o.memory_mib))  # type: ignore[misc]
+        for ps in the_plan.create_partitions:
+            progress(f"creating partition {ps.name} on cores {ps.cpus}")
+            parts.create(ps)
+            rev.add(lambda n=ps.name: parts.delete(n, force=True))  # type: ignore[misc]
+        for ds in the_plan.add_disks:
+            progress(f"adding disk {ds.name}")
+            parts.add_disk(ds)
+            rev.add(lambda d=ds: parts.remove_disk(d.name, delete_file=d.size_mib is not None
+                                                   and not Path(d.path).is_block_device()))  # type: ignore[misc]
+        for ds in the_plan.move_disks:
+            old_p = db.disk(ds.name).partition
+            parts.move_disk(ds.name, ds.partition)
+            rev.add(lambda d=ds, o=old_p: parts.move_disk(d.name, o))  # type: ignore[misc]
+        for vs in the_plan.create_vms:
+            progress(f"creating vm {vs.name}")
+            vms.create(vs)
+            rev.add(lambda n=vs.name: vms.delete(n, force=True))  # type: ignore[misc]
+        for name in the_plan.start_vms:
+            progress(f"starting vm {name}")
+            vms.start(name)
+            rev.add(lambda n=name: vms.kill(n))  # type: ignore[misc]
+        if wait_agent > 0:
+            for name in the_plan.start_vms:
+                progress(f"waiting for the guest agent of {name}")
+                vms.wait_agent(name, timeout=wait_agent)
+        rev.commit()
+    return the_plan
+
+
+def down(db: Database, parts: PartitionManager, vms: VmManager,
+         progress: Callable[[str], None] = lambda s: None) -> list[str]:
+    """Remove every VM, disk registration and partition of this FUSUMA_HOME.
+
+    Disk files that fusuma created (a spec's ``size_mib``) are deleted; disk files the
+    user brought are left in place.
+    """
+    done: list[str] = []
+    for v in db.vms():
+        progress(f"deleting vm {v.name}")
+        vms.delete(v.name, force=True)
+        done.append(f"deleted vm {v.name}")
+    for d in db.disks():
+        parts.remove_disk(d.name, delete_file=d.created_file)
+        done.append(f"removed disk {d.name}")
+    for p in db.partitions():
+        progress(f"deleting partition {p.name}")
+        parts.delete(p.name, force=True)
+        done.append(f"deleted partition {p.name}")
+    with contextlib.suppress(ConflictError):
+        parts.cg.remove_parent_if_empty()
+    return done
+
+
+def stopped_states() -> tuple[VmState, ...]:
+    return (VmState.STOPPED, VmState.CRASHED)

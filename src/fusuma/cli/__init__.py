@@ -1,0 +1,1 @@
+"""The `fusuma` command line: one module per command group."""

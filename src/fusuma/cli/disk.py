@@ -1,0 +1,66 @@
+"""`fusuma disk ...`: disks belong to one partition, as a Mint node owns its devices."""
+
+from __future__ import annotations
+
+import click
+
+from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
+from fusuma.spec import DiskSpec, build
+
+
+@click.group()
+def disk() -> None:
+    """Register disks (image files or block devices) to partitions and move them.
+
+    A disk belongs to exactly one partition; only that partition's VMs can use it. It
+    can be handed to another partition while no VM has it attached."""
+
+
+@disk.command("add")
+@click.argument("name")
+@click.argument("path")
+@click.option("--partition", "-p", required=True)
+@click.option("--size-mib", type=int, default=None,
+              help="Create PATH as a sparse raw file of this size if it does not exist.")
+@pass_ctx
+def add(c: Ctx, name: str, path: str, partition: str, size_mib: int | None) -> None:
+    """Give disk NAME at PATH to a partition."""
+    rec = c.parts.add_disk(build(DiskSpec, "disk", name=name, path=path,
+                                 partition=partition, size_mib=size_mib))
+    click.echo(f"disk {rec.name}: {rec.path} in partition {rec.partition}")
+
+
+@disk.command("move")
+@click.argument("name")
+@click.option("--to", "to", required=True, help="The partition that gets the disk.")
+@pass_ctx
+def move(c: Ctx, name: str, to: str) -> None:
+    """Hand disk NAME to another partition (refused while a VM has it attached)."""
+    rec = c.parts.move_disk(name, to)
+    click.echo(f"disk {rec.name}: now in partition {rec.partition}")
+
+
+@disk.command("remove")
+@click.argument("name")
+@click.option("--delete-file", is_flag=True, help="Also delete the image file.")
+@pass_ctx
+def remove(c: Ctx, name: str, delete_file: bool) -> None:
+    """Unregister disk NAME (the file stays unless --delete-file)."""
+    c.parts.remove_disk(name, delete_file=delete_file)
+    click.echo(f"removed disk {name}")
+
+
+@disk.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def list_(c: Ctx, as_json: bool) -> None:
+    """List disks and the partition each belongs to."""
+    users = {d: v.name for v in c.db.vms() for d in v.disks}
+    rows: list[dict[str, str | None]] = [{"name": d.name, "path": d.path, "partition": d.partition,
+             "vm": users.get(d.name)} for d in c.db.disks()]
+    if as_json:
+        emit_json(rows)
+        return
+    click.echo(table([[str(r["name"]), str(r["path"]), str(r["partition"]), r["vm"] or "-"]
+                      for r in rows],
+                     ["name", "path", "partition", "vm"]))

@@ -1,0 +1,119 @@
+"""`fusuma up`, `fusuma down`, `fusuma ps`: the whole host at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from fusuma import apply
+from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress, table
+from fusuma.host.topology import format_cpulist
+from fusuma.spec import HostSpec, default_spec, dump_spec, load_spec
+from fusuma.vm import VmView
+
+
+@click.command()
+@click.argument("spec", required=False, type=click.Path(path_type=Path))
+@click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default=None,
+              help="Override every VM's accelerator (default: the spec's, else auto).")
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until each started VM's guest agent answers.")
+@click.option("--timeout", type=float, default=120.0, show_default=True,
+              help="Seconds to wait for each guest agent.")
+@click.option("--print-default", is_flag=True,
+              help="Print the built-in spec for this host as TOML and exit.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was done as JSON.")
+@pass_ctx
+def up(c: Ctx, spec: Path | None, accel: str | None, wait: bool, timeout: float,
+       print_default: bool, as_json: bool) -> None:
+    """Make the host match SPEC (a TOML file); without SPEC, a built-in default.
+
+    The default splits this host's cores into two partitions and runs one small VM
+    (1 vCPU, 256 MiB, the built-in guest image) in each. Objects that already match are
+    left alone, so running `up` twice changes nothing. If any step fails, every step
+    already taken is undone.
+
+    \b
+    Spec format (see README.md for all keys):
+      [[partition]]  name, cpus ("0-1" or [0,1]), memory_mib, io_weight?, qemu?
+      [[disk]]       name, path, partition, size_mib?
+      [[vm]]         name, partition, vcpus=1, memory_mib=256, image="minimal",
+                     disks=[], accel="auto", autostart=true
+    """
+    if print_default:
+        click.echo(dump_spec(default_spec(c.parts.host)))
+        return
+    if spec is None:
+        host_spec: HostSpec = default_spec(c.parts.host)
+        source = "<built-in default>"
+    else:
+        host_spec = load_spec(spec)
+        source = str(spec)
+    if accel is not None:
+        host_spec = host_spec.model_copy(update={"vm": [
+            v.model_copy(update={"accel": accel}) for v in host_spec.vm]})
+    for v in host_spec.vm:
+        c.accel_notice(v.accel)
+    done = apply.up(c.db, c.parts, c.vms, host_spec, source, progress=progress,
+                    wait_agent=timeout if wait else 0.0)
+    if as_json:
+        emit_json({"actions": done.describe()})
+    elif done.empty():
+        click.echo("nothing to do: the host already matches the spec")
+    else:
+        for line in done.describe():
+            click.echo(line)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print what was removed as JSON.")
+@pass_ctx
+def down(c: Ctx, as_json: bool) -> None:
+    """Remove every VM, disk and partition of this host (this FUSUMA_HOME).
+
+    Running VMs are killed. Disk files that fusuma created from a spec's size_mib are
+    deleted; disk files you brought are left in place."""
+    done = apply.down(c.db, c.parts, c.vms, progress=progress)
+    if as_json:
+        emit_json({"actions": done})
+    else:
+        click.echo("\n".join(done) if done else "nothing to do")
+
+
+def ps_data(c: Ctx) -> dict[str, Any]:
+    parts = []
+    for p in c.db.partitions():
+        pid = c.parts.supervisor_pid(p.name)
+        parts.append({"name": p.name, "cpus": p.cpus, "memory_mib": p.memory_mib,
+                      "supervisor_pid": pid,
+                      "state": "running" if pid is not None else "supervisor-down",
+                      "qemu": p.qemu, "io_weight": p.io_weight,
+                      "disks": [d.name for d in c.db.disks(p.name)]})
+    vms = [VmView(v).as_json() for v in c.db.vms()]
+    return {"partitions": parts, "vms": vms}
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"partitions": [...], "vms": [...]} as JSON.')
+@pass_ctx
+def ps(c: Ctx, as_json: bool) -> None:
+    """Show partitions and VMs with their state.
+
+    A partition is `running` while its supervisor answers, `supervisor-down` after the
+    supervisor died (its VMs keep running; `fusuma partition restart` re-adopts them).
+    A VM is `crashed` when its QEMU ended without being asked to."""
+    data = ps_data(c)
+    if as_json:
+        emit_json(data)
+        return
+    prow = [[p["name"], format_cpulist(p["cpus"]), str(p["memory_mib"]),
+             str(p["supervisor_pid"] or "-"), p["state"]] for p in data["partitions"]]
+    click.echo(table(prow, ["partition", "cpus", "memory_mib", "supervisor", "state"]))
+    click.echo()
+    vrow = [[v["name"], v["partition"], v["state"], str(v["pid"] or "-"), v["accel"],
+             str(v["vcpus"]), str(v["memory_mib"]), v["error"] or ""] for v in data["vms"]]
+    click.echo(table(vrow, ["vm", "partition", "state", "pid", "accel", "vcpus",
+                            "memory_mib", "note"]))

@@ -1,0 +1,107 @@
+"""`fusuma partition ...`."""
+
+from __future__ import annotations
+
+import click
+
+from fusuma.cli.common import Ctx, cpus_option, emit_json, pass_ctx, table
+from fusuma.cli.host import ps_data
+from fusuma.host.topology import format_cpulist, parse_cpulist
+from fusuma.spec import PartitionSpec, build
+
+
+@click.group()
+def partition() -> None:
+    """Create, resize, restart and delete partitions.
+
+    A partition owns whole cores (no two partitions share one), a memory limit and
+    disks, and runs its own supervisor process: the hypervisor instance that starts and
+    watches its VMs. Killing or restarting one partition's supervisor never touches
+    another partition, nor its own running VMs."""
+
+
+@partition.command("create")
+@click.argument("name")
+@click.option("--cpus", required=True, help='Cores, e.g. "0", "0-3" or "0,2".')
+@click.option("--memory", "memory_mib", type=int, required=True,
+              help="Memory limit in MiB (guest RAM + QEMU overhead of all its VMs).")
+@click.option("--io-weight", type=click.IntRange(1, 10000), default=None,
+              help="Block I/O weight 1-10000 (best effort; needs the io/bfq controller).")
+@click.option("--qemu", default=None,
+              help="Absolute path of this partition's QEMU binary (its hypervisor version).")
+@click.option("--json", "as_json", is_flag=True, help="Print the new partition as JSON.")
+@pass_ctx
+def create(c: Ctx, name: str, cpus: str, memory_mib: int, io_weight: int | None,
+           qemu: str | None, as_json: bool) -> None:
+    """Create partition NAME and start its supervisor."""
+    spec = build(PartitionSpec, "partition", name=name, cpus=parse_cpulist(cpus),
+                 memory_mib=memory_mib, io_weight=io_weight, qemu=qemu)
+    rec = c.parts.create(spec)
+    if as_json:
+        emit_json({"name": rec.name, "cpus": rec.cpus, "memory_mib": rec.memory_mib,
+                   "supervisor_pid": rec.supervisor_pid})
+    else:
+        click.echo(f"partition {rec.name}: cores {format_cpulist(rec.cpus)}, "
+                   f"{rec.memory_mib} MiB, supervisor pid {rec.supervisor_pid}")
+
+
+@partition.command("resize")
+@click.argument("name")
+@click.option("--cpus", default=None, help="New set of cores (replaces the old set).")
+@click.option("--memory", "memory_mib", type=int, default=None, help="New memory limit, MiB.")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def resize(c: Ctx, name: str, cpus: str | None, memory_mib: int | None,
+           as_json: bool) -> None:
+    """Move cores and memory to or from running partition NAME.
+
+    The vCPUs of its running VMs are pinned again to the new cores. To move a core
+    from partition A to B, shrink A first, then grow B: fusuma refuses any layout in
+    which two partitions would share a core."""
+    if cpus is None and memory_mib is None:
+        raise click.UsageError("give --cpus and/or --memory.")
+    rec = c.parts.resize(name, cpus_option(cpus), memory_mib)
+    if as_json:
+        emit_json({"name": rec.name, "cpus": rec.cpus, "memory_mib": rec.memory_mib})
+    else:
+        click.echo(f"partition {rec.name}: cores {format_cpulist(rec.cpus)}, "
+                   f"{rec.memory_mib} MiB")
+
+
+@partition.command("restart")
+@click.argument("name")
+@pass_ctx
+def restart(c: Ctx, name: str) -> None:
+    """Start a new supervisor for NAME; it re-adopts the running VMs.
+
+    Use it after a supervisor died, or to pick up a new fusuma version. VMs keep
+    running throughout."""
+    pid = c.parts.restart(name)
+    adopted = [v.name for v in c.db.vms(name) if v.state.value == "running"]
+    click.echo(f"partition {name}: supervisor pid {pid}; running VMs: "
+               f"{', '.join(adopted) or 'none'}")
+
+
+@partition.command("delete")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Also kill and delete the partition's VMs.")
+@pass_ctx
+def delete(c: Ctx, name: str, force: bool) -> None:
+    """Delete partition NAME: its supervisor, cgroup and disk registrations."""
+    c.parts.delete(name, force=force)
+    click.echo(f"deleted partition {name}")
+
+
+@partition.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def list_(c: Ctx, as_json: bool) -> None:
+    """List partitions."""
+    data = ps_data(c)["partitions"]
+    if as_json:
+        emit_json(data)
+        return
+    click.echo(table([[p["name"], format_cpulist(p["cpus"]), str(p["memory_mib"]),
+                       str(p["supervisor_pid"] or "-"), p["state"], ",".join(p["disks"])]
+                      for p in data],
+                     ["name", "cpus", "memory_mib", "supervisor", "state", "disks"]))

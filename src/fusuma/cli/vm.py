@@ -1,0 +1,212 @@
+"""`fusuma vm ...`."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import sys
+import termios
+import tty
+
+import click
+
+from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
+from fusuma.errors import NotFoundError, StateError
+from fusuma.spec import VmSpec, build
+from fusuma.vm import VmView
+
+
+@click.group()
+def vm() -> None:
+    """Create, start, stop and use VMs.
+
+    A VM is one QEMU process in its partition's cgroup; its vCPU threads are pinned to
+    the partition's cores. Guest RAM is a named shared file under FUSUMA_SHM_DIR
+    (what makes zero-copy migration possible)."""
+
+
+@vm.command("create")
+@click.argument("name")
+@click.option("--partition", "-p", required=True, help="Partition to run in.")
+@click.option("--vcpus", type=int, default=1, show_default=True)
+@click.option("--memory", "memory_mib", type=int, default=256, show_default=True,
+              help="Guest RAM in MiB.")
+@click.option("--image", default="minimal", show_default=True, help="Guest image kind.")
+@click.option("--disk", "disks", multiple=True,
+              help="A disk of the partition to attach (repeatable); see `fusuma disk`.")
+@click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto",
+              show_default=True, help="auto: KVM when usable, else TCG.")
+@click.option("--start", is_flag=True, help="Start it right away.")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image: str,
+           disks: tuple[str, ...], accel: str, start: bool, as_json: bool) -> None:
+    """Define VM NAME in a partition (and optionally start it)."""
+    spec = build(VmSpec, "vm", name=name, partition=partition, vcpus=vcpus,
+                 memory_mib=memory_mib, image=image, disks=list(disks), accel=accel)
+    c.vms.create(spec)
+    if start:
+        c.accel_notice(accel)
+        c.vms.start(name)
+    view = VmView(c.db.vm(name))
+    if as_json:
+        emit_json(view.as_json())
+    else:
+        click.echo(f"vm {name}: {view.state} in partition {partition}")
+
+
+@vm.command("start")
+@click.argument("name")
+@click.option("--wait/--no-wait", default=False, show_default=True,
+              help="Wait until the guest agent answers.")
+@click.option("--timeout", type=float, default=120.0, show_default=True)
+@pass_ctx
+def start(c: Ctx, name: str, wait: bool, timeout: float) -> None:
+    """Start VM NAME in its partition."""
+    c.accel_notice(c.db.vm(name).accel)
+    rec = c.vms.start(name, wait_agent=timeout if wait else 0.0)
+    click.echo(f"vm {name}: running, pid {rec.pid}, {rec.accel_used}")
+
+
+@vm.command("stop")
+@click.argument("name")
+@click.option("--timeout", type=float, default=10.0, show_default=True,
+              help="Seconds to wait for QEMU to quit before it is killed.")
+@pass_ctx
+def stop(c: Ctx, name: str, timeout: float) -> None:
+    """Stop VM NAME: flush guest filesystems (sync via the guest agent), then quit QEMU."""
+    c.vms.stop(name, timeout=timeout)
+    click.echo(f"vm {name}: stopped")
+
+
+@vm.command("kill")
+@click.argument("name")
+@pass_ctx
+def kill(c: Ctx, name: str) -> None:
+    """Kill VM NAME's QEMU at once (SIGKILL); the guest gets no chance to flush."""
+    c.vms.kill(name)
+    click.echo(f"vm {name}: killed")
+
+
+@vm.command("delete")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Kill it first if it is running.")
+@pass_ctx
+def delete(c: Ctx, name: str, force: bool) -> None:
+    """Delete VM NAME's definition, logs and RAM file (its disks stay)."""
+    c.vms.delete(name, force=force)
+    click.echo(f"deleted vm {name}")
+
+
+@vm.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def list_(c: Ctx, as_json: bool) -> None:
+    """List VMs."""
+    data = [VmView(v).as_json() for v in c.db.vms()]
+    if as_json:
+        emit_json(data)
+        return
+    click.echo(table([[v["name"], v["partition"], v["state"], str(v["pid"] or "-"),
+                       v["accel"], str(v["vcpus"]), str(v["memory_mib"])] for v in data],
+                     ["name", "partition", "state", "pid", "accel", "vcpus", "memory_mib"]))
+
+
+@vm.command("attach")
+@click.argument("name")
+@click.argument("disk")
+@pass_ctx
+def attach(c: Ctx, name: str, disk: str) -> None:
+    """Attach DISK (of the VM's partition) to stopped VM NAME."""
+    c.vms.attach_disk(name, disk)
+    click.echo(f"vm {name}: disk {disk} attached")
+
+
+@vm.command("detach")
+@click.argument("name")
+@click.argument("disk")
+@pass_ctx
+def detach(c: Ctx, name: str, disk: str) -> None:
+    """Detach DISK from stopped VM NAME."""
+    c.vms.detach_disk(name, disk)
+    click.echo(f"vm {name}: disk {disk} detached")
+
+
+@vm.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("name")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--timeout", type=float, default=60.0, show_default=True)
+@click.option("--stdin", "use_stdin", is_flag=True, help="Send this command's stdin to it.")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"exit_code", "stdout", "stderr"} instead of passing them through.')
+@pass_ctx
+def exec_(c: Ctx, name: str, command: tuple[str, ...], timeout: float, use_stdin: bool,
+          as_json: bool) -> None:
+    """Run COMMAND in VM NAME through the guest agent: `fusuma vm exec vm0 -- uname -a`.
+
+    COMMAND's stdout and stderr are printed and its exit code becomes fusuma's."""
+    data = sys.stdin.buffer.read() if use_stdin else None
+    res = c.vms.exec(name, list(command), stdin=data, timeout=timeout)
+    if as_json:
+        emit_json({"exit_code": res.exit_code, "signal": res.signal,
+                   "stdout": res.stdout.decode(errors="replace"),
+                   "stderr": res.stderr.decode(errors="replace")})
+        return
+    sys.stdout.buffer.write(res.stdout)
+    sys.stdout.flush()
+    sys.stderr.buffer.write(res.stderr)
+    sys.stderr.flush()
+    sys.exit(res.exit_code if res.signal is None else 128 + int(res.signal))
+
+
+@vm.command("console")
+@click.argument("name")
+@click.option("--log", "show_log", is_flag=True,
+              help="Print the console log so far instead of attaching.")
+@pass_ctx
+def console(c: Ctx, name: str, show_log: bool) -> None:
+    """Attach to VM NAME's serial console (detach with Ctrl-]), or print its log."""
+    rec = c.db.vm(name)
+    if show_log:
+        path = c.paths.vm_dir(name) / "console.log"
+        if not path.exists():
+            raise NotFoundError(f"VM {name!r} has no console log yet; start it first.")
+        sys.stdout.buffer.write(path.read_bytes())
+        return
+    if VmView(rec).state != "running":
+        raise StateError(f"VM {name!r} is {VmView(rec).state}; start it first.")
+    sock_path = c.paths.vm_run_dir(name) / "console.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(sock_path))
+    except OSError as exc:
+        raise StateError(f"cannot attach to the console of {name!r}: {exc}; another "
+                         "console session may hold it.") from exc
+    click.echo(f"connected to {name}'s console; Ctrl-] detaches", err=True)
+    _bridge(s)
+
+
+def _bridge(s: socket.socket) -> None:
+    fd = sys.stdin.fileno()
+    old = termios.tcgetattr(fd) if os.isatty(fd) else None
+    try:
+        if old is not None:
+            tty.setraw(fd)
+        while True:
+            ready, _, _ = select.select([fd, s], [], [])
+            if s in ready:
+                data = s.recv(4096)
+                if not data:
+                    break
+                os.write(sys.stdout.fileno(), data)
+            if fd in ready:
+                data = os.read(fd, 1024)
+                if not data or b"\x1d" in data:
+                    break
+                s.sendall(data)
+    finally:
+        if old is not None:
+            termios.tcsetattr(fd, termios.TCSADRAIN, old)
+        s.close()
+        click.echo("", err=True)

@@ -1,0 +1,477 @@
+"""cgroups for partitions: one interface, a driver for cgroup v2 and one for cgroup v1.
+
+Layout, the same in both versions (``prefix`` is ``fusuma`` unless told otherwise)::
+
+    <prefix>/                      parent: all host cpus and mems
+    <prefix>/<partition>/          limits: cpuset (exclusive where the kernel allows),
+                                   memory limit, I/O weight
+    <prefix>/<partition>/supervisor        leaf: the partition's supervisor
+    <prefix>/<partition>/vm.<name>         leaf: one QEMU process
+
+Processes live only in leaves because cgroup v2's no-internal-process rule forbids
+processes in a cgroup whose children have controllers enabled; the governor later puts
+per-VM QoS on the ``vm.*`` leaves.
+
+The drivers take their mount points as parameters, so the unit tests run them against
+a fake directory tree; the two filesystem hooks that differ on a fake tree
+(``_make_dir``, ``_remove_dir``) are methods a test can replace.
+"""
+
+from __future__ import annotations
+
+import abc
+import errno
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusuma.errors import CgroupError, HostError, SpecError
+
+LOG = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$")
+IO_WEIGHT_MIN = 1
+IO_WEIGHT_MAX = 10000
+_RMDIR_RETRY_S = 2.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a partition cgroup may use.
+
+    ``io_weight`` follows cgroup v2's ``io.weight`` scale (1..10000, default 100); it is
+    best effort: where the kernel offers no weight file the driver warns once and goes on.
+    """
+
+    cpus: list[int]
+    mems: list[int]
+    memory_bytes: int
+    io_weight: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.cpus:
+            raise SpecError("a partition needs at least one CPU")
+        if not self.mems:
+            raise SpecError("a partition needs at least one memory node")
+        if self.memory_bytes <= 0:
+            raise SpecError(f"memory limit must be positive, not {self.memory_bytes} bytes")
+        if self.io_weight is not None and not (
+            IO_WEIGHT_MIN <= self.io_weight <= IO_WEIGHT_MAX
+        ):
+            raise SpecError(
+                f"io weight {self.io_weight} is out of range; "
+                f"use {IO_WEIGHT_MIN}..{IO_WEIGHT_MAX}"
+            )
+
+
+def check_name(kind: str, name: str) -> None:
+    """Refuse a group or leaf name that is not a single safe path component."""
+    if not _NAME.match(name) or name in (".", ".."):
+        raise SpecError(
+            f"{kind} name {name!r} is not allowed; use letters, digits, '_', '.', ':' or '-' "
+            "(at most 128 characters, not starting with '.' or '-')"
+        )
+
+
+class CgroupDriver(abc.ABC):
+    """Creates, changes and removes fusuma's cgroups in one cgroup hierarchy layout."""
+
+    version: int
+
+    def __init__(self, prefix: str) -> None:
+        parts = prefix.strip("/").split("/")
+        for part in parts:
+            check_name("cgroup prefix", part)
+        self.prefix = "/".join(parts)
+        self._warned: set[str] = set()
+
+    # -- the hierarchies this driver writes to ------------------------------------------
+
+    @abc.abstractmethod
+    def _hierarchies(self) -> list[Path]:
+        """Mount points of every hierarchy fusuma uses (one in v2, one per mount in v1)."""
+
+    def _parent_dirs(self) -> list[Path]:
+        return [h / self.prefix for h in self._hierarchies()]
+
+    def _group_dirs(self, group: str) -> list[Path]:
+        return [h / self.prefix / group for h in self._hierarchies()]
+
+    def _label(self, group: str, leaf: str | None = None) -> str:
+        return "/".join(p for p in (self.prefix, group, leaf) if p)
+
+    # -- filesystem primitives (tests replace _make_dir/_remove_dir on a fake tree) ------
+
+    def _make_dir(self, path: Path) -> None:
+        os.mkdir(path)
+
+    def _remove_dir(self, path: Path) -> None:
+        # A cgroup whose last task just exited can stay busy for a moment (v1).
+        deadline = time.monotonic() + _RMDIR_RETRY_S
+        while True:
+            try:
+                os.rmdir(path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    @staticmethod
+    def _write(path: Path, value: str) -> None:
+        # No O_CREAT: cgroupfs files exist or the controller is missing; never create one.
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+        try:
+            os.write(fd, value.encode())
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _read(path: Path) -> str:
+        return path.read_text().strip()
+
+    def _get(self, path: Path) -> str:
+        """Read a control file, turning a failure into a CgroupError."""
+        try:
+            return self._read(path)
+        except OSError as exc:
+            raise CgroupError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            LOG.warning(message, *args)
+
+    def _set(self, path: Path, value: str, what: str) -> None:
+        """Write a control file, turning a refusal into one sentence naming the change."""
+        try:
+            self._write(path, value)
+        except OSError as exc:
+            raise CgroupError(
+                f"cannot set {what} ({path.name} = {value.strip()!r} in {path.parent}): "
+                f"{exc.strerror or exc}"
+            ) from exc
+        LOG.debug("%s <- %s", path, value.strip())
+
+    def _try_set(self, path: Path, value: str, key: str, what: str) -> bool:
+        """Best-effort write: warn once per ``key`` when the file is missing or refuses."""
+        if not path.exists():
+            self._warn_once(key, "%s: %s does not exist on this kernel; carrying on without it",
+                            what, path.name)
+            return False
+        try:
+            self._write(path, value)
+        except OSError as exc:
+            self._warn_once(key, "%s: writing %r to %s failed (%s); carrying on without it",
+                            what, value.strip(), path, exc.strerror or exc)
+            return False
+        LOG.debug("%s <- %s", path, value.strip())
+        return True
+
+    def _mkdirs(self, dirs: list[Path], label: str, made: list[Path]) -> None:
+        for path in dirs:
+            if path.is_dir():
+                continue
+            try:
+                self._make_dir(path)
+            except OSError as exc:
+                raise CgroupError(
+                    f"cannot create cgroup {label} at {path}: {exc.strerror or exc}"
+                ) from exc
+            made.append(path)
+
+    def _undo(self, made: list[Path]) -> None:
+        for path in reversed(made):
+            try:
+                self._remove_dir(path)
+            except OSError as exc:
+                LOG.warning("cleanup: cannot remove %s: %s", path, exc.strerror or exc)
+
+    # -- version-specific steps ----------------------------------------------------------
+
+    @abc.abstractmethod
+    def ensure_parent(self) -> None:
+        """Create the fusuma parent cgroup with all host cpus and mems; idempotent."""
+
+    @abc.abstractmethod
+    def _apply_new(self, group: str, limits: Limits) -> None:
+        """Write the limits of a freshly made partition cgroup."""
+
+    @abc.abstractmethod
+    def update(self, group: str, limits: Limits) -> None:
+        """Change a partition's limits; to move cores, shrink the donor first."""
+
+    @abc.abstractmethod
+    def _init_leaf(self, group: str, leaf: str) -> None:
+        """Make a freshly made leaf usable (v1 cpusets start empty)."""
+
+    @abc.abstractmethod
+    def memory_current(self, group: str) -> int:
+        """Bytes of memory charged to the partition and its leaves."""
+
+    @abc.abstractmethod
+    def cpus(self, group: str) -> list[int]:
+        """The CPUs the partition's processes may actually run on."""
+
+    # -- shared operations ---------------------------------------------------------------
+
+    def exists(self, group: str) -> bool:
+        """True when the partition cgroup exists in any hierarchy."""
+        check_name("partition", group)
+        return any(d.is_dir() for d in self._group_dirs(group))
+
+    def _require(self, group: str) -> None:
+        if not self.exists(group):
+            raise CgroupError(f"cgroup {self._label(group)} does not exist; create it first")
+
+    def create(self, group: str, limits: Limits) -> None:
+        """Create partition cgroup ``prefix/group`` with its limits; nothing is left on error."""
+        check_name("partition", group)
+        if self.exists(group):
+            raise CgroupError(
+                f"cgroup {self._label(group)} already exists; delete it before creating "
+                "a partition of that name"
+            )
+        if not all(d.is_dir() for d in self._parent_dirs()):
+            self.ensure_parent()
+        made: list[Path] = []
+        try:
+            self._mkdirs(self._group_dirs(group), self._label(group), made)
+            self._apply_new(group, limits)
+        except BaseException:
+            self._undo(made)
+            raise
+        LOG.info("created cgroup %s (v%d)", self._label(group), self.version)
+
+    def create_leaf(self, group: str, leaf: str) -> None:
+        """Create ``prefix/group/leaf`` for processes; idempotent (a restarted supervisor
+        calls it again for its own leaf)."""
+        check_name("leaf", leaf)
+        self._require(group)
+        made: list[Path] = []
+        try:
+            self._mkdirs([d / leaf for d in self._group_dirs(group)],
+                         self._label(group, leaf), made)
+            self._init_leaf(group, leaf)
+        except BaseException:
+            self._undo(made)
+            raise
+
+    def delete_leaf(self, group: str, leaf: str) -> None:
+        """Remove ``prefix/group/leaf`` in every hierarchy; refuses while processes
+        remain in it, and a leaf that is already gone is not an error."""
+        check_name("leaf", leaf)
+        dirs = [d / leaf for d in self._group_dirs(group)]
+        left = sorted({p for d in dirs if d.is_dir() for p in self._procs_below(d)})
+        if left:
+            raise CgroupError(f"cannot delete cgroup {self._label(group, leaf)}: processes "
+                              f"{', '.join(map(str, left))} are still in it")
+        for path in dirs:
+            if path.is_dir():
+                try:
+                    self._remove_dir(path)
+                except OSError as exc:
+                    raise CgroupError(f"cannot remove cgroup {path}: "
+                                      f"{exc.strerror or exc}") from exc
+
+    def attach(self, group: str, leaf: str, pid: int) -> None:
+        """Move process ``pid`` with all its threads into the leaf, in every hierarchy."""
+        check_name("leaf", leaf)
+        label = self._label(group, leaf)
+        dirs = [d / leaf for d in self._group_dirs(group)]
+        missing = [d for d in dirs if not d.is_dir()]
+        if missing:
+            raise CgroupError(f"cgroup {label} does not exist in {missing[0].parent}; "
+                              "create the leaf before attaching a process")
+        for path in dirs:
+            try:
+                self._write(path / "cgroup.procs", str(pid))
+            except OSError as exc:
+                raise CgroupError(
+                    f"cannot move process {pid} into cgroup {label} ({path}): "
+                    f"{exc.strerror or exc}"
+                ) from exc
+        LOG.debug("attached pid %d to %s", pid, label)
+
+    @staticmethod
+    def _walk_dirs(top: Path) -> Iterator[Path]:
+        """``top`` and every cgroup below it, children before their parent."""
+        for dirpath, _dirnames, _files in os.walk(top, topdown=False):
+            yield Path(dirpath)
+
+    def _procs_below(self, top: Path) -> set[int]:
+        pids: set[int] = set()
+        for path in self._walk_dirs(top):
+            try:
+                text = (path / "cgroup.procs").read_text()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise CgroupError(f"cannot read {path / 'cgroup.procs'}: "
+                                  f"{exc.strerror or exc}") from exc
+            pids.update(int(tok) for tok in text.split())
+        return pids
+
+    def pids(self, group: str) -> list[int]:
+        """Every process in the partition and its leaves, in any hierarchy."""
+        check_name("partition", group)
+        pids: set[int] = set()
+        for path in self._group_dirs(group):
+            if path.is_dir():
+                pids |= self._procs_below(path)
+        return sorted(pids)
+
+    def groups(self) -> list[str]:
+        """Names of the partition cgroups under the prefix."""
+        names: set[str] = set()
+        for parent in self._parent_dirs():
+            if parent.is_dir():
+                names.update(p.name for p in parent.iterdir() if p.is_dir())
+        return sorted(names)
+
+    def delete(self, group: str) -> None:
+        """Remove the partition's leaves, then the partition, in every hierarchy.
+
+        Refuses while processes remain; a group that is already gone is not an error.
+        """
+        check_name("partition", group)
+        label = self._label(group)
+        left = self.pids(group)
+        if left:
+            raise CgroupError(
+                f"cannot delete cgroup {label}: processes {', '.join(map(str, left))} "
+                "are still in it; stop them first"
+            )
+        for top in self._group_dirs(group):
+            if not top.is_dir():
+                continue
+            for path in self._walk_dirs(top):
+                try:
+                    self._remove_dir(path)
+                except OSError as exc:
+                    raise CgroupError(
+                        f"cannot remove cgroup {path}: {exc.strerror or exc}"
+                    ) from exc
+        LOG.info("deleted cgroup %s", label)
+
+    def remove_parent_if_empty(self) -> None:
+        """Remove the prefix cgroup when no partition and no process is left in it."""
+        for parent in self._parent_dirs():
+            if not parent.is_dir():
+                continue
+            if any(p.is_dir() for p in parent.iterdir()):
+                LOG.debug("keeping %s: it still has partitions", parent)
+                continue
+            if self._procs_below(parent):
+                LOG.warning("keeping %s: processes are still in it", parent)
+                continue
+            try:
+                self._remove_dir(parent)
+            except OSError as exc:
+                raise CgroupError(f"cannot remove cgroup {parent}: {exc.strerror or exc}"
+                                  ) from exc
+
+
+# -- detection ---------------------------------------------------------------------------
+
+V1_CONTROLLERS = ("cpuset", "cpu", "memory", "blkio")
+
+
+@dataclass(frozen=True)
+class CgroupMount:
+    """One cgroup filesystem mount from mountinfo."""
+
+    mountpoint: Path
+    fstype: str  # "cgroup" (v1) or "cgroup2"
+    options: frozenset[str]  # super options; for v1 these name the controllers
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def parse_mountinfo(text: str) -> list[CgroupMount]:
+    """The cgroup and cgroup2 mounts listed in a ``/proc/PID/mountinfo`` text."""
+    mounts: list[CgroupMount] = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields = left.split()
+        tail = right.split()
+        if len(fields) < 5 or len(tail) < 3 or tail[0] not in ("cgroup", "cgroup2"):
+            continue
+        mounts.append(CgroupMount(Path(_unescape(fields[4])), tail[0],
+                                  frozenset(tail[2].split(","))))
+    return mounts
+
+
+def _mounts_from_root(root: Path) -> list[CgroupMount]:
+    """Guess the mounts from the usual layout under ``root`` when mountinfo is unreadable."""
+    mounts: list[CgroupMount] = []
+    for candidate in (root, root / "unified"):
+        if (candidate / "cgroup.controllers").exists():
+            mounts.append(CgroupMount(candidate, "cgroup2", frozenset()))
+    if root.is_dir():
+        for child in sorted(root.iterdir()):
+            if child.is_dir() and (child / "cgroup.procs").exists() and child.name != "unified":
+                mounts.append(CgroupMount(child, "cgroup", frozenset(child.name.split(","))))
+    return mounts
+
+
+def _v2_controllers(mount: Path) -> set[str]:
+    try:
+        return set((mount / "cgroup.controllers").read_text().split())
+    except OSError:
+        return set()
+
+
+def detect(
+    prefix: str = "fusuma",
+    root: Path = Path("/sys/fs/cgroup"),
+    mountinfo: Path = Path("/proc/self/mountinfo"),
+    *,
+    exclusive: bool = True,
+) -> CgroupDriver:
+    """Pick the driver for this host: v2 when a cgroup2 mount offers ``cpuset``, else v1.
+
+    ``exclusive=False`` skips exclusive cpusets (v1 makes an exclusive root-level parent
+    that owns every CPU, which locks other root-level cpusets such as Docker's out).
+    """
+    # Imported here: the driver modules import CgroupDriver from this module.
+    from fusuma.host.cgroups_v1 import CgroupV1Driver
+    from fusuma.host.cgroups_v2 import CgroupV2Driver
+
+    try:
+        mounts = parse_mountinfo(mountinfo.read_text())
+    except OSError:
+        LOG.debug("cannot read %s; looking for cgroup mounts under %s", mountinfo, root)
+        mounts = []
+    if not mounts:
+        mounts = _mounts_from_root(root)
+    for mount in mounts:
+        if mount.fstype == "cgroup2" and "cpuset" in _v2_controllers(mount.mountpoint):
+            LOG.debug("cgroup v2 with cpuset at %s", mount.mountpoint)
+            return CgroupV2Driver(mount.mountpoint, prefix, exclusive=exclusive)
+    v1: dict[str, Path] = {}
+    for mount in mounts:
+        if mount.fstype != "cgroup":
+            continue
+        for ctrl in V1_CONTROLLERS:
+            if ctrl in mount.options:
+                v1.setdefault(ctrl, mount.mountpoint)
+    if "cpuset" in v1 and "memory" in v1:
+        LOG.debug("cgroup v1: %s", ", ".join(f"{c}={p}" for c, p in sorted(v1.items())))
+        return CgroupV1Driver(v1, prefix, exclusive=exclusive)
+    raise HostError(
+        "no usable cgroup cpuset and memory controllers: neither a cgroup2 mount offers "
+        "cpuset nor are v1 cpuset and memory hierarchies mounted; mount cgroup2 at "
+        "/sys/fs/cgroup (or the v1 cpuset and memory hierarchies) and try again"
+    )

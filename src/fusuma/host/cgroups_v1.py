@@ -1,0 +1,217 @@
+"""cgroup v1 driver: cpuset, cpu, memory and blkio, each at its own mount point.
+
+Kernel rules this driver follows (checked on 6.18):
+
+- A new cpuset starts with empty ``cpuset.cpus``/``cpuset.mems`` and takes no process
+  until both are written, leaves included.
+- ``cpuset.cpu_exclusive=1`` is refused (EACCES) unless the parent is exclusive too, so
+  the fusuma parent is made exclusive. Being exclusive with every CPU, it keeps any other
+  root-level cpuset from getting CPUs at all; ``exclusive=False`` turns this off.
+- No sibling, exclusive or not, may list a CPU of an exclusive sibling (EINVAL), and a
+  child's CPUs must stay inside its parent's, so cores move in steps: the donor shrinks
+  first (the caller), then the receiver grows to old+new, its leaves follow, and the
+  partition finally settles on the new set.
+- Lowering ``memory.limit_in_bytes`` below current usage fails with EBUSY after reclaim.
+- Block I/O weight is ``blkio.bfq.weight`` (1..1000, BFQ only) on current kernels;
+  legacy CFQ ``blkio.weight`` (10..1000) is used where it still exists.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+
+from fusuma.errors import CgroupError
+from fusuma.host.cgroups import CgroupDriver, Limits
+from fusuma.host.topology import format_cpulist, parse_cpulist
+
+LOG = logging.getLogger(__name__)
+
+
+class CgroupV1Driver(CgroupDriver):
+    """fusuma's cgroups on the v1 hierarchies; ``mounts`` maps controller to mount point."""
+
+    version = 1
+
+    def __init__(self, mounts: dict[str, Path], prefix: str = "fusuma", *,
+                 exclusive: bool = True) -> None:
+        super().__init__(prefix)
+        for required in ("cpuset", "memory"):
+            if required not in mounts:
+                raise CgroupError(f"the v1 {required} controller is not mounted; mount it "
+                                  f"(mount -t cgroup -o {required} ...) and try again")
+        self.mounts = dict(mounts)
+        self.exclusive = exclusive
+        for optional in ("cpu", "blkio"):
+            if optional not in mounts:
+                LOG.warning("the v1 %s controller is not mounted; its limits are skipped",
+                            optional)
+
+    def _hierarchies(self) -> list[Path]:
+        unique: list[Path] = []
+        for path in self.mounts.values():
+            if path not in unique:
+                unique.append(path)
+        return unique
+
+    def _cpuset(self, *parts: str) -> Path:
+        return self.mounts["cpuset"].joinpath(self.prefix, *parts)
+
+    def _memory(self, group: str) -> Path:
+        return self.mounts["memory"] / self.prefix / group
+
+    # -- parent --------------------------------------------------------------------------
+
+    def ensure_parent(self) -> None:
+        root = self.mounts["cpuset"]
+        cpus = self._get(root / "cpuset.cpus")
+        mems = self._get(root / "cpuset.mems")
+        made: list[Path] = []
+        try:
+            # Every level of a multi-part prefix needs its own cpus, mems and flag.
+            levels = self.prefix.split("/")
+            for depth in range(1, len(levels) + 1):
+                sub = "/".join(levels[:depth])
+                self._mkdirs([h / sub for h in self._hierarchies()], sub, made)
+                self._parent_level(root / sub, cpus, mems)
+        except BaseException:
+            self._undo(made)
+            raise
+
+    def _parent_level(self, path: Path, cpus: str, mems: str) -> None:
+        for name, value in (("cpuset.mems", mems), ("cpuset.cpus", cpus)):
+            if self._get(path / name) != value:
+                try:
+                    self._write(path / name, value)
+                    LOG.debug("%s <- %s", path / name, value)
+                except OSError as exc:
+                    raise CgroupError(
+                        f"cannot give the fusuma parent cgroup {path} {name}={value}: "
+                        f"{exc.strerror or exc}; another cgroup beside it may hold those "
+                        "CPUs exclusively"
+                    ) from exc
+        if self.exclusive and self._get(path / "cpuset.cpu_exclusive") != "1":
+            self._try_set(path / "cpuset.cpu_exclusive", "1", "parent-exclusive",
+                          f"exclusive cpusets disabled (cannot make {path} exclusive, "
+                          "a cgroup beside it shares CPUs)")
+
+    def _parent_is_exclusive(self) -> bool:
+        try:
+            return self._read(self._cpuset("cpuset.cpu_exclusive")) == "1"
+        except OSError:
+            return False
+
+    # -- partition -----------------------------------------------------------------------
+
+    def _set_cpus(self, path: Path, cpus: list[int], label: str) -> None:
+        value = format_cpulist(cpus)
+        try:
+            self._write(path / "cpuset.cpus", value)
+            LOG.debug("%s <- %s", path / "cpuset.cpus", value)
+        except OSError as exc:
+            hint = ("another partition holds some of them exclusively; shrink it first"
+                    if exc.errno == errno.EINVAL else
+                    "a leaf still uses CPUs outside the new set"
+                    if exc.errno == errno.EBUSY else "the kernel refused")
+            raise CgroupError(f"cannot give CPUs {value} to cgroup {label}: "
+                              f"{exc.strerror or exc}; {hint}") from exc
+
+    def _set_memory(self, group: str, limit: int) -> None:
+        path = self._memory(group) / "memory.limit_in_bytes"
+        try:
+            self._write(path, str(limit))
+        except OSError as exc:
+            hint = ("its processes already use more; stop a VM or choose a larger limit"
+                    if exc.errno == errno.EBUSY else "the kernel refused")
+            raise CgroupError(
+                f"cannot set the memory limit of cgroup {self._label(group)} to "
+                f"{limit // (1024 * 1024)} MiB: {exc.strerror or exc}; {hint}"
+            ) from exc
+
+    def _set_io_weight(self, group: str, weight: int | None) -> None:
+        if weight is None:
+            return
+        if "blkio" not in self.mounts:
+            self._warn_once("io-weight", "io weight: the v1 blkio controller is not mounted; "
+                            "carrying on without it")
+            return
+        path = self.mounts["blkio"] / self.prefix / group
+        if (path / "blkio.bfq.weight").exists():
+            self._try_set(path / "blkio.bfq.weight", str(min(max(weight, 1), 1000)),
+                          "io-weight", "io weight")
+        else:
+            self._try_set(path / "blkio.weight", str(min(max(weight, 10), 1000)),
+                          "io-weight", "io weight (neither blkio.bfq.weight nor blkio.weight)")
+
+    def _apply_new(self, group: str, limits: Limits) -> None:
+        label = self._label(group)
+        path = self._cpuset(group)
+        self._set(path / "cpuset.mems", format_cpulist(limits.mems), f"memory nodes of {label}")
+        self._set_cpus(path, limits.cpus, label)
+        if self.exclusive:
+            if self._parent_is_exclusive():
+                self._set(path / "cpuset.cpu_exclusive", "1", f"exclusive CPUs for {label}")
+            else:
+                self._warn_once("partition-exclusive", "the parent cpuset %s is not exclusive, "
+                                "so partitions' CPUs are not kernel-exclusive",
+                                self._cpuset())
+        self._set_memory(group, limits.memory_bytes)
+        self._set_io_weight(group, limits.io_weight)
+
+    def _leaves(self, group: str) -> list[Path]:
+        path = self._cpuset(group)
+        return sorted(p for p in path.iterdir() if p.is_dir())
+
+    def update(self, group: str, limits: Limits) -> None:
+        self._require(group)
+        label = self._label(group)
+        path = self._cpuset(group)
+        old_cpus = parse_cpulist(self._get(path / "cpuset.cpus"))
+        old_mems = parse_cpulist(self._get(path / "cpuset.mems"))
+        old_memory = int(self._get(self._memory(group) / "memory.limit_in_bytes"))
+        mems = format_cpulist(limits.mems)
+        # Memory first: lowering it is what usually fails (EBUSY), and it is easy to undo.
+        self._set_memory(group, limits.memory_bytes)
+        try:
+            # Grow to old+new so the leaves may move, move them, then settle on new.
+            union_mems = sorted(set(old_mems) | set(limits.mems))
+            union_cpus = sorted(set(old_cpus) | set(limits.cpus))
+            self._set(path / "cpuset.mems", format_cpulist(union_mems),
+                      f"memory nodes of {label}")
+            self._set_cpus(path, union_cpus, label)
+            for leaf in self._leaves(group):
+                self._set(leaf / "cpuset.mems", mems, f"memory nodes of {label}/{leaf.name}")
+                self._set_cpus(leaf, limits.cpus, f"{label}/{leaf.name}")
+            self._set_cpus(path, limits.cpus, label)
+            self._set(path / "cpuset.mems", mems, f"memory nodes of {label}")
+        except CgroupError:
+            try:
+                self._set_memory(group, old_memory)
+            except CgroupError as exc:
+                LOG.warning("could not restore the memory limit of %s: %s", label, exc)
+            raise
+        self._set_io_weight(group, limits.io_weight)
+        LOG.info("updated cgroup %s: cpus=%s mems=%s memory=%d MiB", label,
+                 format_cpulist(limits.cpus), mems, limits.memory_bytes // (1024 * 1024))
+
+    def _init_leaf(self, group: str, leaf: str) -> None:
+        label = self._label(group, leaf)
+        path = self._cpuset(group)
+        for name in ("cpuset.mems", "cpuset.cpus"):
+            self._set(path / leaf / name, self._get(path / name), f"{name} of {label}")
+
+    # -- readings ------------------------------------------------------------------------
+
+    def memory_current(self, group: str) -> int:
+        self._require(group)
+        path = self._memory(group) / "memory.usage_in_bytes"
+        text = self._get(path)
+        try:
+            return int(text)
+        except ValueError as exc:
+            raise CgroupError(f"{path} holds {text!r}, not a number of bytes") from exc
+
+    def cpus(self, group: str) -> list[int]:
+        self._require(group)
+        return parse_cpulist(self._get(self._cpuset(group, "cpuset.effective_cpus")))

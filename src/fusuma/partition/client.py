@@ -1,0 +1,55 @@
+"""The CLI's side of a partition supervisor's socket."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+from fusuma.errors import SupervisorError
+from fusuma.partition.protocol import encode, raise_reply
+from fusuma.paths import Paths
+
+
+class SupervisorClient:
+    """Synchronous request/response calls to one partition's supervisor."""
+
+    def __init__(self, paths: Paths, partition: str) -> None:
+        self.paths = paths
+        self.partition = partition
+        self.path = paths.supervisor_socket(partition)
+
+    def call(self, op: str, rpc_timeout: float = 60.0, **args: Any) -> Any:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(rpc_timeout)
+                s.connect(str(self.path))
+                s.sendall(encode({"op": op, "args": args}))
+                buf = b""
+                while not buf.endswith(b"\n"):
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    buf += chunk
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise SupervisorError(
+                f"the supervisor of partition {self.partition!r} is not running; start it "
+                f"with `fusuma partition restart {self.partition}`.") from exc
+        except TimeoutError as exc:
+            raise SupervisorError(f"the supervisor of partition {self.partition!r} did not "
+                                  f"answer {op!r} within {rpc_timeout:.0f} s.") from exc
+        except OSError as exc:
+            raise SupervisorError(f"cannot talk to the supervisor of partition "
+                                  f"{self.partition!r}: {exc}.") from exc
+        if not buf:
+            raise SupervisorError(f"the supervisor of partition {self.partition!r} closed the "
+                                  f"connection during {op!r}; see its log in "
+                                  f"{self.paths.partition_dir(self.partition)}/supervisor.log.")
+        return raise_reply(json.loads(buf))
+
+    def alive(self) -> bool:
+        try:
+            self.call("ping", rpc_timeout=2.0)
+        except SupervisorError:
+            return False
+        return True

@@ -1,0 +1,318 @@
+"""The CLI's operations on partitions: create, resize, restart, delete, disks.
+
+Each operation validates everything first (so a refused request changes nothing), then
+applies its steps with a Reverter so a failure half-way leaves nothing half-created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusuma.errors import (
+    ConflictError,
+    HostError,
+    NotFoundError,
+    ResourceError,
+    SpecError,
+    StateError,
+    SupervisorError,
+)
+from fusuma.host import cgroups
+from fusuma.host.topology import HostInfo, format_cpulist, host_info
+from fusuma.partition.client import SupervisorClient
+from fusuma.paths import Paths
+from fusuma.qemu import process
+from fusuma.qemu.cmdline import overhead_mib
+from fusuma.spec import DiskSpec, PartitionSpec, check_name
+from fusuma.state import Database, DiskRecord, PartitionRecord, VmRecord, VmState
+from fusuma.undo import Reverter
+
+LOG = logging.getLogger(__name__)
+
+# Memory a partition keeps for its supervisor (a Python process) on top of its VMs.
+SUPERVISOR_MIB = 64
+SUPERVISOR_MODULE = "fusuma.partition.supervisor"
+
+
+def vm_need_mib(vm: VmRecord) -> int:
+    """Host memory one VM needs inside its partition (guest RAM + QEMU overhead)."""
+    return vm.memory_mib + overhead_mib(vm.accel_used or "tcg")
+
+
+@dataclass(frozen=True)
+class PartitionStatus:
+    record: PartitionRecord
+    supervisor_alive: bool
+
+    @property
+    def state(self) -> str:
+        return "running" if self.supervisor_alive else "supervisor-down"
+
+
+class PartitionManager:
+    def __init__(self, paths: Paths, db: Database, host: HostInfo | None = None) -> None:
+        self.paths = paths
+        self.db = db
+        self.host = host or host_info()
+        self._cg: cgroups.CgroupDriver | None = None
+
+    @property
+    def cg(self) -> cgroups.CgroupDriver:
+        if self._cg is None:
+            self._cg = cgroups.detect(prefix=self.paths.cgroup_prefix)
+        return self._cg
+
+    def client(self, name: str) -> SupervisorClient:
+        return SupervisorClient(self.paths, name)
+
+    # -- checks -----------------------------------------------------------------------
+    def check_cpus(self, name: str, cpus: list[int]) -> None:
+        missing = [c for c in cpus if c not in self.host.cpus]
+        if missing:
+            raise ResourceError(f"core(s) {format_cpulist(missing)} do not exist; this host "
+                                f"has cores {format_cpulist(self.host.cpus)}.")
+        for other in self.db.partitions():
+            if other.name == name:
+                continue
+            shared = sorted(set(cpus) & set(other.cpus))
+            if shared:
+                raise ConflictError(
+                    f"core(s) {format_cpulist(shared)} belong to partition {other.name!r}; "
+                    "partitions cannot share a core (shrink it first with `fusuma partition "
+                    f"resize {other.name} --cpus ...`).")
+
+    def check_memory(self, name: str, memory_mib: int) -> None:
+        others = sum(p.memory_mib for p in self.db.partitions() if p.name != name)
+        avail = self.host.memory_available_for_partitions_mib
+        if others + memory_mib > avail:
+            raise ResourceError(
+                f"partition {name!r} asks for {memory_mib} MiB but only "
+                f"{max(0, avail - others)} MiB is left for partitions on this host "
+                f"({avail} MiB in all, {others} MiB given to other partitions).")
+        need = SUPERVISOR_MIB + sum(vm_need_mib(v) for v in self.db.vms(name))
+        if self.db.find_partition(name) is not None and memory_mib < need:
+            raise ResourceError(f"partition {name!r} needs at least {need} MiB for its "
+                                f"supervisor and VMs; {memory_mib} MiB is too little.")
+
+    def check_qemu(self, qemu: str | None) -> None:
+        if qemu is None:
+            return
+        path = Path(qemu)
+        if not (path.is_absolute() and os.access(path, os.X_OK) and path.is_file()):
+            raise HostError(f"QEMU binary {qemu} does not exist or is not executable; give "
+                            "the absolute path of a qemu-system-x86_64.")
+
+    # -- create / delete --------------------------------------------------------------
+    def create(self, spec: PartitionSpec) -> PartitionRecord:
+        check_name("partition", spec.name)
+        if self.db.find_partition(spec.name) is not None:
+            raise ConflictError(f"a partition named {spec.name!r} already exists.")
+        self.check_cpus(spec.name, spec.cpus)
+        self.check_memory(spec.name, spec.memory_mib)
+        self.check_qemu(spec.qemu)
+        if spec.memory_mib < SUPERVISOR_MIB + 64:
+            raise ResourceError(f"partition {spec.name!r} needs more than "
+                                f"{SUPERVISOR_MIB + 64} MiB of memory.")
+        rec = PartitionRecord(name=spec.name, cpus=spec.cpus, memory_mib=spec.memory_mib,
+                              io_weight=spec.io_weight, qemu=spec.qemu)
+        with Reverter() as rev:
+            self.cg.ensure_parent()
+            if self.cg.exists(spec.name):
+                raise ConflictError(f"cgroup of partition {spec.name!r} already exists "
+                                    "(left by an earlier run?); remove it or pick another name.")
+            self.cg.create(spec.name, self._limits(rec))
+            rev.add(lambda: self.cg.delete(spec.name), "cgroup")
+            self.db.add_partition(rec)
+            rev.add(lambda: self.db.remove_partition(spec.name), "db row")
+            pid = self.start_supervisor(spec.name)
+            rev.commit()
+        return PartitionRecord(**{**rec.__dict__, "supervisor_pid": pid})
+
+    def delete(self, name: str, force: bool = False) -> None:
+        rec = self.db.partition(name)
+        vms = self.db.vms(name)
+        if vms and not force:
+            raise StateError(f"partition {name!r} still has VM(s) "
+                             f"{', '.join(v.name for v in vms)}; delete them first or use "
+                             "--force to stop and delete them.")
+        if vms:
+            from fusuma.vm import VmManager  # circular at import time
+
+            vmm = VmManager(self.paths, self.db, self)
+            for v in vms:
+                vmm.delete(v.name, force=True)
+        self.stop_supervisor(name)
+        # QEMUs that outlived a dead supervisor are still ours to end.
+        for pid in self.cg.pids(name) if self.cg.exists(name) else []:
+            LOG.warning("killing leftover pid %d in partition %s", pid, name)
+            process.kill(pid)
+        for d in self.db.disks(name):
+            self.db.remove_disk(d.name)
+        self._wait_empty(name)
+        self.cg.delete(name)
+        self.db.remove_partition(name)
+        self.cg.remove_parent_if_empty()
+        with contextlib.suppress(OSError):
+            (self.paths.partition_dir(name) / "supervisor.log").unlink()
+            self.paths.partition_dir(name).rmdir()
+        LOG.info("deleted partition %s (cores %s)", name, format_cpulist(rec.cpus))
+
+    def _wait_empty(self, name: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.cg.exists(name) and self.cg.pids(name) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    # -- resize -----------------------------------------------------------------------
+    def resize(self, name: str, cpus: list[int] | None = None,
+               memory_mib: int | None = None) -> PartitionRecord:
+        rec = self.db.partition(name)
+        new_cpus = cpus if cpus is not None else rec.cpus
+        new_mem = memory_mib if memory_mib is not None else rec.memory_mib
+        if not new_cpus:
+            raise SpecError("a partition needs at least one core.")
+        self.check_cpus(name, new_cpus)
+        self.check_memory(name, new_mem)
+        new = PartitionRecord(**{**rec.__dict__, "cpus": sorted(new_cpus),
+                                 "memory_mib": new_mem})
+        with Reverter() as rev:
+            self.cg.update(name, self._limits(new))
+            rev.add(lambda: self.cg.update(name, self._limits(rec)), "cgroup limits")
+            self.db.update_partition(new)
+            rev.add(lambda: self.db.update_partition(rec), "db row")
+            rev.commit()
+        # The kernel resets the affinity of every task in a changed cpuset: pin again.
+        with contextlib.suppress(SupervisorError):
+            self.client(name).call("repin")
+        return new
+
+    def _limits(self, rec: PartitionRecord) -> cgroups.Limits:
+        return cgroups.Limits(cpus=rec.cpus, mems=self.host.mems,
+                              memory_bytes=rec.memory_mib * 1024 * 1024,
+                              io_weight=rec.io_weight)
+
+    # -- supervisor -------------------------------------------------------------------
+    def supervisor_pid(self, name: str) -> int | None:
+        """The live supervisor's pid, checked against its command line."""
+        rec = self.db.partition(name)
+        candidates = [rec.supervisor_pid]
+        with contextlib.suppress(OSError, ValueError):
+            candidates.append(int(self.paths.supervisor_pidfile(name).read_text()))
+        for pid in candidates:
+            if pid and process.pid_alive(pid):
+                argv = process.cmdline(pid)
+                if SUPERVISOR_MODULE in argv and argv[-1] == name:
+                    return pid
+        return None
+
+    def status(self, name: str) -> PartitionStatus:
+        return PartitionStatus(self.db.partition(name), self.supervisor_pid(name) is not None)
+
+    def start_supervisor(self, name: str, timeout: float = 20.0) -> int:
+        if self.supervisor_pid(name) is not None:
+            raise StateError(f"partition {name!r} already has a running supervisor.")
+        pdir = self.paths.partition_dir(name)
+        pdir.mkdir(parents=True, exist_ok=True)
+        self.paths.supervisor_socket(name).parent.mkdir(parents=True, exist_ok=True)
+        logf = pdir / "supervisor.log"
+        env = {**os.environ, **self.paths.as_env()}
+        with open(logf, "ab") as log:
+            child = subprocess.Popen([sys.executable, "-m", SUPERVISOR_MODULE, name],
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                     start_new_session=True, close_fds=True, env=env)
+        deadline = time.monotonic() + timeout
+        client = self.client(name)
+        while time.monotonic() < deadline:
+            if child.poll() is not None:
+                raise SupervisorError(f"the supervisor of partition {name!r} exited at start: "
+                                      f"{process.tail(logf, 1)}")
+            if client.alive():
+                return child.pid
+            time.sleep(0.05)
+        child.kill()
+        child.wait()
+        raise SupervisorError(f"the supervisor of partition {name!r} did not come up in "
+                              f"{timeout:.0f} s; see {logf}.")
+
+    def stop_supervisor(self, name: str, timeout: float = 10.0) -> bool:
+        """End the supervisor (SIGTERM, then SIGKILL); its VMs keep running."""
+        pid = self.supervisor_pid(name)
+        if pid is None:
+            return False
+        process.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while process.pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if process.pid_alive(pid):
+            process.kill(pid)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        return True
+
+    def restart(self, name: str) -> int:
+        """A new supervisor for ``name`` that re-adopts its running VMs."""
+        self.db.partition(name)
+        self.stop_supervisor(name)
+        return self.start_supervisor(name)
+
+    # -- disks ------------------------------------------------------------------------
+    def add_disk(self, spec: DiskSpec) -> DiskRecord:
+        check_name("disk", spec.name)
+        self.db.partition(spec.partition)
+        if self.db.find_disk(spec.name) is not None:
+            raise ConflictError(f"a disk named {spec.name!r} already exists.")
+        path = Path(spec.path)
+        created = False
+        if not path.exists():
+            if spec.size_mib is None:
+                raise NotFoundError(f"disk file {path} does not exist; give --size-mib to "
+                                    "create it.")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "xb") as f:
+                    f.truncate(spec.size_mib * 1024 * 1024)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                raise HostError(f"cannot create disk file {path}: {exc.strerror}.") from exc
+            created = True
+        rec = DiskRecord(spec.name, str(path), spec.partition, created)
+        try:
+            self.db.add_disk(rec)
+        except ConflictError:
+            if created:
+                path.unlink()
+            raise
+        return rec
+
+    def move_disk(self, name: str, to: str) -> DiskRecord:
+        disk = self.db.disk(name)
+        self.db.partition(to)
+        users = [v for v in self.db.vms() if name in v.disks]
+        if users:
+            v = users[0]
+            raise StateError(f"disk {name!r} is attached to VM {v.name!r} ({v.state.value}); "
+                             f"detach it first with `fusuma vm detach {v.name} {name}`.")
+        self.db.move_disk(name, to)
+        return DiskRecord(disk.name, disk.path, to, disk.created_file)
+
+    def remove_disk(self, name: str, delete_file: bool = False) -> None:
+        disk = self.db.disk(name)
+        users = [v.name for v in self.db.vms() if name in v.disks]
+        if users:
+            raise StateError(f"disk {name!r} is attached to VM {users[0]!r}; detach it first.")
+        self.db.remove_disk(name)
+        if delete_file:
+            with contextlib.suppress(FileNotFoundError):
+                Path(disk.path).unlink()
+
+
+def running_vm_states() -> tuple[VmState, ...]:
+    return (VmState.STARTING, VmState.RUNNING, VmState.STOPPING)

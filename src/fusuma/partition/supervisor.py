@@ -1,0 +1,492 @@
+"""A partition's supervisor: its own hypervisor instance (Mint's OS node).
+
+Run as ``python -m fusuma.partition.supervisor PARTITION``. It moves itself into the
+partition's cgroup, re-adopts QEMU processes left running by an earlier supervisor
+(pidfile + QMP socket), then serves requests on its UNIX socket. QEMU processes are
+started in their own session, so killing the supervisor (even with SIGKILL) never
+touches them; SIGTERM ends the supervisor and leaves the VMs running too.
+
+Everything runs in one thread (asyncio): ``preexec_fn`` is used to place QEMU in its
+cgroup before exec, which is only safe without other threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fusuma.errors import (
+    FusumaError,
+    HostError,
+    NotFoundError,
+    QemuError,
+    StateError,
+    SupervisorError,
+)
+from fusuma.host import cgroups
+from fusuma.host.accel import probe_accel
+from fusuma.images import find_image
+from fusuma.partition.protocol import encode, error_reply
+from fusuma.paths import MAX_SOCKET_PATH, Paths
+from fusuma.qemu import process
+from fusuma.qemu.cmdline import DiskConfig, VmConfig, build_argv
+from fusuma.qemu.qga import GuestAgent
+from fusuma.qemu.qmp import Qmp
+from fusuma.state import Database, VmRecord, VmState
+
+LOG = logging.getLogger("fusuma.supervisor")
+
+DEFAULT_QEMU = "qemu-system-x86_64"
+
+
+def vm_leaf(vm: str) -> str:
+    return f"vm.{vm}"
+
+
+@dataclass
+class VmRuntime:
+    """What the supervisor holds for one running QEMU."""
+
+    name: str
+    pid: int
+    qmp: Qmp
+    child: subprocess.Popen[bytes] | None = None
+    pidfd: int | None = None
+    stopping: bool = False
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Supervisor:
+    def __init__(self, paths: Paths, partition: str) -> None:
+        self.paths = paths
+        self.partition = partition
+        self.db = Database(paths.db)
+        self.cg = cgroups.detect(prefix=paths.cgroup_prefix)
+        self.vms: dict[str, VmRuntime] = {}
+        self.log = LOG.getChild(partition)
+        self._server: asyncio.AbstractServer | None = None
+        self._done = asyncio.Event()
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- lifecycle of the supervisor itself ------------------------------------------
+    async def run(self) -> None:
+        rec = self.db.partition(self.partition)
+        self.cg.create_leaf(self.partition, "supervisor")
+        self.cg.attach(self.partition, "supervisor", os.getpid())
+        sock = self.paths.supervisor_socket(self.partition)
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()
+        await self.adopt()
+        self._server = await asyncio.start_unix_server(self._handle, path=str(sock))
+        os.chmod(sock, 0o600)
+        self.paths.supervisor_pidfile(self.partition).write_text(f"{os.getpid()}\n")
+        self.db.set_supervisor_pid(self.partition, os.getpid())
+        self.log.info("supervisor %d serving %s on cores %s", os.getpid(), sock, rec.cpus)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._done.set)
+        await self._done.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Stop serving; VMs keep running and the next supervisor re-adopts them."""
+        if self._server is not None:
+            self._server.close()
+        for rt in self.vms.values():
+            await rt.qmp.disconnect()
+            if rt.pidfd is not None:
+                asyncio.get_running_loop().remove_reader(rt.pidfd)
+                os.close(rt.pidfd)
+        with contextlib.suppress(FileNotFoundError):
+            self.paths.supervisor_socket(self.partition).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.paths.supervisor_pidfile(self.partition).unlink()
+        with self.db.transaction():
+            cur = self.db.find_partition(self.partition)
+            if cur is not None and cur.supervisor_pid == os.getpid():
+                self.db.set_supervisor_pid(self.partition, None)
+        self.log.info("supervisor %d stopped; %d VM(s) left running", os.getpid(),
+                      len(self.vms))
+
+    async def adopt(self) -> None:
+        """Re-attach to QEMU processes of this partition that outlived a supervisor."""
+        for vm in self.db.vms(self.partition):
+            if vm.state not in (VmState.STARTING, VmState.RUNNING, VmState.STOPPING):
+                continue
+            qmp_sock = self.paths.vm_run_dir(vm.name) / "qmp.sock"
+            if vm.pid and process.pid_alive(vm.pid) and process.is_vm_process(
+                    vm.pid, vm.name, qmp_sock):
+                qmp = Qmp(vm.name, qmp_sock, self._vm_logger(vm.name))
+                try:
+                    await qmp.connect(timeout=5.0)
+                except QemuError as exc:
+                    self.log.warning("cannot adopt %s (pid %d): %s", vm.name, vm.pid, exc)
+                    continue
+                rt = VmRuntime(vm.name, vm.pid, qmp)
+                self.vms[vm.name] = rt
+                self._watch(rt)
+                self.db.update_vm(vm.with_(state=VmState.RUNNING))
+                await self._repin(rt)
+                self.log.info("adopted %s (pid %d)", vm.name, vm.pid)
+            else:
+                self.log.warning("%s (pid %s) exited while no supervisor watched it",
+                                 vm.name, vm.pid)
+                self._cleanup_files(vm.name)
+                self.db.update_vm(vm.with_(
+                    state=VmState.CRASHED, pid=None,
+                    error="QEMU exited while the partition's supervisor was down"))
+
+    # -- request handling -----------------------------------------------------------
+    async def _handle(self, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await reader.readline()
+            req = json.loads(line)
+            op = str(req.get("op"))
+            args = dict(req.get("args") or {})
+            handler = getattr(self, "op_" + op.replace("-", "_"), None)
+            if handler is None:
+                raise SupervisorError(f"unknown supervisor operation {op!r}.")
+            result = await handler(**args)
+            reply: dict[str, Any] = {"ok": True, "result": result}
+        except FusumaError as exc:
+            reply = error_reply(exc)
+        except Exception as exc:  # report, keep serving
+            self.log.exception("request failed")
+            reply = error_reply(SupervisorError(f"internal supervisor error: {exc!r}"))
+        try:
+            writer.write(encode(reply))
+            await writer.drain()
+            writer.close()
+        except OSError:
+            pass
+
+    def _lock(self, vm: str) -> asyncio.Lock:
+        return self._locks.setdefault(vm, asyncio.Lock())
+
+    def _vm(self, name: str) -> VmRecord:
+        vm = self.db.vm(name)
+        if vm.partition != self.partition:
+            raise NotFoundError(f"VM {name!r} is in partition {vm.partition!r}, "
+                                f"not {self.partition!r}.")
+        return vm
+
+    async def op_ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "partition": self.partition,
+                "vms": sorted(self.vms)}
+
+    async def op_status(self) -> list[dict[str, Any]]:
+        return [{"name": rt.name, "pid": rt.pid} for rt in self.vms.values()]
+
+    async def op_start(self, vm: str, wait_agent: float = 0.0) -> dict[str, Any]:
+        async with self._lock(vm):
+            await self._start(self._vm(vm))
+        if wait_agent > 0:
+            await self.op_wait_agent(vm, timeout=wait_agent)
+        return {"vm": vm, "pid": self.vms[vm].pid}
+
+    async def op_wait_agent(self, vm: str, timeout: float = 60.0) -> float:
+        """Wait until the guest agent answers; returns seconds since QEMU started."""
+        rec = self._running(vm)
+        async with GuestAgent(vm, self.paths.vm_run_dir(vm) / "qga.sock",
+                              self._vm_logger(vm)) as ga:
+            await ga.connect(timeout=timeout)
+            await ga.ping()
+        return time.time() - (rec.started_at or time.time())
+
+    async def op_stop(self, vm: str, timeout: float = 10.0) -> dict[str, Any]:
+        async with self._lock(vm):
+            rec = self._vm(vm)
+            rt = self.vms.get(vm)
+            if rt is None:
+                if rec.state in (VmState.STOPPED, VmState.CRASHED):
+                    return {"vm": vm, "was": rec.state.value}
+                raise StateError(f"VM {vm!r} is {rec.state.value}, not running.")
+            rt.stopping = True
+            self.db.update_vm(rec.with_(state=VmState.STOPPING))
+            # Flush guest filesystems first, so stopping a VM with disks loses no data.
+            with contextlib.suppress(FusumaError, OSError):
+                async with GuestAgent(vm, self.paths.vm_run_dir(vm) / "qga.sock",
+                                      self._vm_logger(vm)) as ga:
+                    await ga.connect(timeout=min(2.0, timeout))
+                    await ga.run(["/bin/sync"], timeout=min(5.0, timeout))
+            await rt.qmp.quit()
+            try:
+                await asyncio.wait_for(rt.exited.wait(), timeout)
+            except TimeoutError:
+                self.log.warning("%s did not quit in %.0f s; killing pid %d", vm, timeout,
+                                 rt.pid)
+                process.kill(rt.pid)
+                await asyncio.wait_for(rt.exited.wait(), 10)
+        return {"vm": vm, "was": "running"}
+
+    async def op_kill(self, vm: str) -> dict[str, Any]:
+        rec = self._vm(vm)
+        rt = self.vms.get(vm)
+        if rt is None:
+            raise StateError(f"VM {vm!r} is {rec.state.value}; there is no QEMU to kill.")
+        rt.stopping = True
+        process.kill(rt.pid)
+        await asyncio.wait_for(rt.exited.wait(), 10)
+        return {"vm": vm, "pid": rt.pid}
+
+    async def op_exec(self, vm: str, argv: list[str], stdin: str | None = None,
+                      timeout: float = 60.0) -> dict[str, Any]:
+        self._running(vm)
+        data = base64.b64decode(stdin) if stdin is not None else None
+        async with GuestAgent(vm, self.paths.vm_run_dir(vm) / "qga.sock",
+                              self._vm_logger(vm)) as ga:
+            await ga.connect(timeout=timeout)
+            res = await ga.run(argv, stdin=data, timeout=timeout)
+        return {"exit_code": res.exit_code, "signal": res.signal,
+                "stdout": base64.b64encode(res.stdout).decode(),
+                "stderr": base64.b64encode(res.stderr).decode()}
+
+    async def op_repin(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for rt in self.vms.values():
+            out[rt.name] = await self._repin(rt)
+        return out
+
+    def _running(self, vm: str) -> VmRecord:
+        rec = self._vm(vm)
+        if vm not in self.vms:
+            raise StateError(f"VM {vm!r} is {rec.state.value}; start it with "
+                             f"`fusuma vm start {vm}`.")
+        return rec
+
+    # -- starting and watching QEMU ---------------------------------------------------
+    def _vm_logger(self, vm: str) -> logging.Logger:
+        log = logging.getLogger(f"fusuma.vm.{vm}")
+        if not log.handlers:
+            vdir = self.paths.vm_dir(vm)
+            vdir.mkdir(parents=True, exist_ok=True)
+            h = logging.FileHandler(vdir / "qmp.log")
+            h.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+            log.addHandler(h)
+            log.setLevel(logging.DEBUG)
+            log.propagate = False
+        return log
+
+    def _qemu_binary(self) -> str:
+        rec = self.db.partition(self.partition)
+        wanted = rec.qemu or DEFAULT_QEMU
+        found = shutil.which(wanted)
+        if found is None:
+            raise HostError(f"QEMU binary {wanted!r} for partition {self.partition!r} is not "
+                            "installed; install it (`apt-get install qemu-system-x86`) or "
+                            "name another with `fusuma partition create --qemu PATH`.")
+        return found
+
+    def _config(self, vm: VmRecord, accel: str) -> VmConfig:
+        image = find_image(self.paths.cache, kind=vm.image)
+        run = self.paths.vm_run_dir(vm.name)
+        vdir = self.paths.vm_dir(vm.name)
+        disks = []
+        for dname in vm.disks:
+            d = self.db.disk(dname)
+            if d.partition != self.partition:
+                raise StateError(f"disk {dname!r} now belongs to partition {d.partition!r}; "
+                                 f"move it back with `fusuma disk move {dname} --to "
+                                 f"{self.partition}`.")
+            if not Path(d.path).exists():
+                raise HostError(f"disk {dname!r}: {d.path} does not exist.")
+            disks.append(DiskConfig(dname, Path(d.path)))
+        qmp = run / "qmp.sock"
+        if len(str(qmp)) > MAX_SOCKET_PATH - 4:
+            raise HostError(f"socket path {qmp} is too long for a UNIX socket; set "
+                            "FUSUMA_RUNTIME_DIR to a shorter directory.")
+        return VmConfig(
+            name=vm.name, vcpus=vm.vcpus, memory_mib=vm.memory_mib,
+            accel="kvm" if accel == "kvm" else "tcg",
+            kernel=image.kernel, initrd=image.initrd, append=image.append,
+            qmp_socket=qmp, qga_socket=run / "qga.sock", console_socket=run / "console.sock",
+            console_log=vdir / "console.log", pidfile=run / "qemu.pid",
+            ram_file=self.paths.ram_file(vm.name), disks=disks)
+
+    async def _start(self, vm: VmRecord) -> None:
+        if vm.name in self.vms:
+            raise StateError(f"VM {vm.name!r} is already running (pid {self.vms[vm.name].pid}).")
+        if vm.state not in (VmState.STOPPED, VmState.CRASHED):
+            raise StateError(f"VM {vm.name!r} is {vm.state.value}; it can only be started "
+                             "when stopped.")
+        accel = probe_accel(vm.accel)
+        if accel.notice:
+            self.log.info("%s", accel.notice)
+        binary = self._qemu_binary()
+        cfg = self._config(vm, accel.name)
+        argv = build_argv(cfg, binary)
+        undo: list[Any] = []
+        try:
+            for d in (self.paths.vm_run_dir(vm.name), self.paths.vm_dir(vm.name),
+                      self.paths.shm):
+                d.mkdir(parents=True, exist_ok=True)
+            self._cleanup_files(vm.name)
+            undo.append(lambda: self._cleanup_files(vm.name))
+            self.cg.create_leaf(self.partition, vm_leaf(vm.name))
+            undo.append(lambda: self._delete_leaf(vm.name))
+            log = open(self.paths.vm_dir(vm.name) / "qemu.log", "ab")  # noqa: SIM115
+            log.write(f"--- {time.ctime()} {argv}\n".encode())
+            log.flush()
+            cg, part, leaf = self.cg, self.partition, vm_leaf(vm.name)
+
+            def into_cgroup() -> None:
+                cg.attach(part, leaf, os.getpid())
+
+            self.db.update_vm(vm.with_(state=VmState.STARTING, error=None))
+            undo.append(lambda: self.db.update_vm(self.db.vm(vm.name).with_(
+                state=VmState.STOPPED, pid=None)))
+            started = time.time()
+            try:
+                child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=log, start_new_session=True, close_fds=True,
+                                         preexec_fn=into_cgroup)
+            except OSError as exc:
+                raise QemuError(f"VM {vm.name}: cannot run {binary}: {exc.strerror}.",
+                                argv=argv) from exc
+            finally:
+                log.close()
+            undo.append(lambda: self._reap(child))
+            qmp = Qmp(vm.name, cfg.qmp_socket, self._vm_logger(vm.name))
+            await self._connect_or_fail(vm.name, child, qmp)
+            rt = VmRuntime(vm.name, child.pid, qmp, child=child)
+            self.vms[vm.name] = rt
+            undo.append(lambda: self.vms.pop(vm.name, None))
+            self._watch(rt)
+            await self._repin(rt)
+            self.db.update_vm(self.db.vm(vm.name).with_(
+                state=VmState.RUNNING, pid=child.pid, accel_used=accel.name,
+                qemu_binary=binary, started_at=started, error=None))
+            self.log.info("started %s: pid %d, %s", vm.name, child.pid, accel.name)
+        except BaseException as exc:
+            for fn in reversed(undo):
+                try:
+                    fn()
+                except Exception:
+                    self.log.exception("undo step failed")
+            if isinstance(exc, FusumaError):
+                with contextlib.suppress(Exception):
+                    self.db.update_vm(self.db.vm(vm.name).with_(error=str(exc)))
+            raise
+
+    async def _connect_or_fail(self, vm: str, child: subprocess.Popen[bytes],
+                               qmp: Qmp) -> None:
+        log = self.paths.vm_dir(vm) / "qemu.log"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if child.poll() is not None:
+                raise QemuError(f"VM {vm}: QEMU exited at start with status {child.returncode}: "
+                                f"{process.tail(log, 3)}", exit_status=child.returncode,
+                                log_tail=process.tail(log))
+            try:
+                await qmp.connect(timeout=0.5)
+                return
+            except QemuError:
+                continue
+        raise QemuError(f"VM {vm}: QEMU did not open its QMP socket within 30 s; "
+                        f"see {log}.", log_tail=process.tail(log))
+
+    def _reap(self, child: subprocess.Popen[bytes]) -> None:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=10)
+
+    async def _repin(self, rt: VmRuntime) -> list[int]:
+        cpus = self.db.partition(self.partition).cpus
+        try:
+            vcpus = await rt.qmp.query_cpus_fast()
+        except QemuError as exc:
+            self.log.warning("cannot query vCPUs of %s: %s", rt.name, exc)
+            return []
+        tids = [v.thread_id for v in sorted(vcpus, key=lambda v: v.index)]
+        given = process.pin(rt.pid, tids, cpus)
+        return [given[t][0] for t in tids if t in given]
+
+    def _watch(self, rt: VmRuntime) -> None:
+        """Learn of the QEMU's exit through a pidfd (works for adopted, non-child pids)."""
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(rt.pid)
+        except ProcessLookupError:
+            loop.call_soon(lambda: asyncio.ensure_future(self._on_exit(rt)))
+            return
+        rt.pidfd = fd
+        loop.add_reader(fd, lambda: asyncio.ensure_future(self._on_exit(rt)))
+
+    async def _on_exit(self, rt: VmRuntime) -> None:
+        if rt.exited.is_set():
+            return
+        loop = asyncio.get_running_loop()
+        if rt.pidfd is not None:
+            loop.remove_reader(rt.pidfd)
+            os.close(rt.pidfd)
+            rt.pidfd = None
+        status: int | None = None
+        if rt.child is not None:
+            status = rt.child.wait()
+        await rt.qmp.disconnect()
+        self.vms.pop(rt.name, None)
+        self._cleanup_files(rt.name)
+        self._delete_leaf(rt.name)
+        rec = self.db.find_vm(rt.name)
+        if rec is not None:
+            if rt.stopping:
+                self.db.update_vm(rec.with_(state=VmState.STOPPED, pid=None, error=None))
+                self.log.info("%s stopped", rt.name)
+            else:
+                how = (f"killed by signal {-status}" if status is not None and status < 0
+                       else f"exited with status {status}" if status is not None
+                       else "exited")
+                msg = f"QEMU {how} unexpectedly"
+                tail = process.tail(self.paths.vm_dir(rt.name) / "qemu.log", 1)
+                if tail and not tail.startswith("---"):
+                    msg += f": {tail}"
+                self.db.update_vm(rec.with_(state=VmState.CRASHED, pid=None, error=msg))
+                self.log.warning("%s crashed: %s", rt.name, msg)
+        rt.exited.set()
+
+    def _cleanup_files(self, vm: str) -> None:
+        run = self.paths.vm_run_dir(vm)
+        for name in ("qmp.sock", "qga.sock", "console.sock", "qemu.pid"):
+            with contextlib.suppress(FileNotFoundError):
+                (run / name).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.paths.ram_file(vm).unlink()
+
+    def _delete_leaf(self, vm: str) -> None:
+        try:
+            self.cg.delete_leaf(self.partition, vm_leaf(vm))
+        except FusumaError as exc:
+            self.log.warning("cannot remove cgroup of %s: %s", vm, exc)
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        print("usage: python -m fusuma.partition.supervisor PARTITION", file=sys.stderr)
+        sys.exit(2)
+    partition = sys.argv[1]
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    paths = Paths.from_env()
+    try:
+        asyncio.run(Supervisor(paths, partition).run())
+    except FusumaError as exc:
+        LOG.error("%s", exc)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

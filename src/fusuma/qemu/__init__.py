@@ -1,0 +1,1 @@
+"""QEMU: pure command-line building, process lifecycle, QMP and guest-agent clients."""

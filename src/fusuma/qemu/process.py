@@ -1,0 +1,80 @@
+"""Process-level helpers for QEMU: liveness, identity, pinning, log tails."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # The state letter follows the ")" that closes the command name.
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def is_vm_process(pid: int, vm: str, qmp_socket: Path) -> bool:
+    """True if ``pid`` is the QEMU of ``vm`` (guards against pid reuse on adoption)."""
+    argv = cmdline(pid)
+    return (f"guest={vm},debug-threads=on" in argv
+            and any(str(qmp_socket) in a for a in argv))
+
+
+def threads(pid: int) -> list[int]:
+    try:
+        return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return []
+
+
+def pin(pid: int, vcpu_tids: list[int], cpus: list[int]) -> dict[int, list[int]]:
+    """Pin vCPU i to cpus[i % n] and every other thread to all of ``cpus``.
+
+    Returns the affinity given to each thread id. Threads that exit meanwhile are
+    skipped: QEMU starts and ends helper threads on its own.
+    """
+    given: dict[int, list[int]] = {}
+    vset = set(vcpu_tids)
+    for tid in threads(pid):
+        if tid in vset:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(tid, cpus)
+            given[tid] = list(cpus)
+    for i, tid in enumerate(vcpu_tids):
+        target = [cpus[i % len(cpus)]]
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(tid, target)
+            given[tid] = target
+    return given
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> bool:
+    """Send ``sig``; False if the process was already gone."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def tail(path: Path, lines: int = 10) -> str:
+    """The last ``lines`` lines of a log file, or "" if it cannot be read."""
+    try:
+        data = path.read_bytes()[-8192:]
+    except OSError:
+        return ""
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])

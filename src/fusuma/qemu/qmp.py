@@ -1,0 +1,98 @@
+"""Typed QMP commands on top of one generic call, with every exchange logged per VM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import QMPClient, QMPError
+
+from fusuma.errors import QemuError
+
+# QMP event names used by fusuma.
+EVENT_SHUTDOWN = "SHUTDOWN"
+EVENT_STOP = "STOP"
+EVENT_RESUME = "RESUME"
+EVENT_MIGRATION = "MIGRATION"
+
+
+@dataclass(frozen=True)
+class VcpuInfo:
+    index: int
+    thread_id: int
+
+
+class Qmp:
+    """One QMP connection to one VM's QEMU."""
+
+    def __init__(self, vm: str, socket: Path, log: logging.Logger) -> None:
+        self.vm = vm
+        self.socket = socket
+        self.log = log
+        self._client = QMPClient(vm)
+
+    async def connect(self, timeout: float = 10.0) -> None:
+        """Connect, retrying while QEMU creates its socket."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                await self._client.connect(str(self.socket))
+                return
+            except (QMPError, OSError) as exc:
+                if loop.time() >= deadline:
+                    raise QemuError(f"VM {self.vm}: QEMU did not answer on its QMP socket "
+                                    f"{self.socket} within {timeout:.0f} s.") from exc
+                self._client = QMPClient(self.vm)
+                await asyncio.sleep(0.05)
+
+    async def execute(self, command: str, arguments: dict[str, Any] | None = None,
+                      timeout: float = 30.0) -> Any:
+        """Run one QMP command; a QMP error becomes QemuError with QEMU's message."""
+        self.log.debug("qmp> %s %s", command, arguments or {})
+        try:
+            reply = await asyncio.wait_for(self._client.execute(command, arguments),
+                                           timeout)
+        except TimeoutError as exc:
+            raise QemuError(f"VM {self.vm}: QMP {command} got no answer in "
+                            f"{timeout:.0f} s.") from exc
+        except QMPError as exc:
+            self.log.debug("qmp< error %s", exc)
+            raise QemuError(f"VM {self.vm}: QMP {command} failed: {exc}") from exc
+        self.log.debug("qmp< %s", reply)
+        return reply
+
+    async def disconnect(self) -> None:
+        try:
+            await self._client.disconnect()
+        except (QMPError, OSError) as exc:
+            self.log.debug("qmp disconnect: %s", exc)
+
+    # -- typed commands -------------------------------------------------------------
+    async def query_status(self) -> str:
+        reply = await self.execute("query-status")
+        return str(reply["status"])
+
+    async def query_cpus_fast(self) -> list[VcpuInfo]:
+        reply = await self.execute("query-cpus-fast")
+        return [VcpuInfo(index=int(c["cpu-index"]), thread_id=int(c["thread-id"]))
+                for c in reply]
+
+    async def quit(self) -> None:
+        try:
+            await self.execute("quit", timeout=5.0)
+        except QemuError as exc:
+            # QEMU may close the socket before answering.
+            self.log.debug("quit: %s", exc)
+
+    async def system_powerdown(self) -> None:
+        await self.execute("system_powerdown")
+
+    async def cont(self) -> None:
+        await self.execute("cont")
+
+    async def stop(self) -> None:
+        await self.execute("stop")

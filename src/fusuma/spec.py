@@ -1,0 +1,290 @@
+"""The host spec: what partitions, disks and VMs a host should have.
+
+A spec is a TOML file applied with ``fusuma up``::
+
+    [[partition]]
+    name = "p0"
+    cpus = "0"            # or [0, 1], or "0-3,6"
+    memory_mib = 1024
+    # io_weight = 100     # 1..10000, best effort
+    # qemu = "/usr/bin/qemu-system-x86_64"   # this partition's hypervisor version
+
+    [[disk]]
+    name = "d0"
+    path = "/var/lib/fusuma-disks/d0.img"
+    partition = "p0"
+    size_mib = 64         # created (sparse) when the file does not exist
+
+    [[vm]]
+    name = "vm0"
+    partition = "p0"
+    vcpus = 1
+    memory_mib = 256
+    disks = ["d0"]
+
+Validation errors name the file and the key (``spec.toml: vm[1].partition: ...``).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fusuma.errors import SpecError
+from fusuma.host.topology import HostInfo, format_cpulist, parse_cpulist
+
+# Names become file names, socket names and cgroup names: keep them boring.
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+NAME_HINT = "1-32 characters of a-z, 0-9, '-' and '_', starting with a letter or digit"
+
+Accel = Literal["auto", "kvm", "tcg"]
+M = TypeVar("M", bound=BaseModel)
+
+
+def check_name(kind: str, name: str) -> str:
+    """Return ``name`` or raise SpecError: names must not escape their directory."""
+    if not NAME_RE.match(name):
+        raise SpecError(f"{kind} name {name!r} is not allowed: use {NAME_HINT}.")
+    return name
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _name_field(v: str) -> str:
+    if not NAME_RE.match(v):
+        raise ValueError(f"name {v!r} is not allowed: use {NAME_HINT}")
+    return v
+
+
+class PartitionSpec(_Model):
+    """A partition: exclusive cores, a memory limit, an I/O weight, its own supervisor."""
+
+    name: str
+    cpus: list[int]
+    memory_mib: Annotated[int, Field(gt=0)]
+    io_weight: Annotated[int, Field(ge=1, le=10000)] | None = None
+    qemu: str | None = None
+
+    _check_name = field_validator("name")(_name_field)
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _cpus(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                return parse_cpulist(v)
+            except SpecError as exc:
+                raise ValueError(str(exc)) from exc
+        if isinstance(v, int):
+            return [v]
+        return v
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus_nonempty(cls, v: list[int]) -> list[int]:
+        if not v:
+            raise ValueError("a partition needs at least one core")
+        if any(c < 0 for c in v):
+            raise ValueError("core numbers are not negative")
+        if len(set(v)) != len(v):
+            raise ValueError("a core is listed twice")
+        return sorted(v)
+
+
+class DiskSpec(_Model):
+    """A disk (image file or block device) owned by one partition."""
+
+    name: str
+    path: str
+    partition: str
+    size_mib: Annotated[int, Field(gt=0)] | None = None
+
+    _check_name = field_validator("name")(_name_field)
+
+    @field_validator("path")
+    @classmethod
+    def _abs(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"disk path {v!r} must be absolute")
+        return v
+
+
+class VmSpec(_Model):
+    """A VM: one QEMU process inside its partition's cgroup."""
+
+    name: str
+    partition: str
+    vcpus: Annotated[int, Field(ge=1, le=64)] = 1
+    memory_mib: Annotated[int, Field(ge=64)] = 256
+    image: str = "minimal"
+    disks: list[str] = []
+    accel: Accel = "auto"
+    autostart: bool = True
+
+    _check_name = field_validator("name")(_name_field)
+
+
+class HostSpec(_Model):
+    """The whole host: the unit that ``fusuma up`` applies."""
+
+    partition: list[PartitionSpec] = []
+    disk: list[DiskSpec] = []
+    vm: list[VmSpec] = []
+
+
+def _loc(path: str, loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return f"{path}: {out}" if out else path
+
+
+def parse_spec(text: str, source: str = "<spec>") -> HostSpec:
+    """Parse and validate a spec's text; errors name ``source`` and the key."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{source}: not valid TOML ({exc}).") from exc
+    try:
+        spec = HostSpec.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see `fusuma up --help`)"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        raise SpecError(f"{_loc(source, tuple(err['loc']))}: {msg}.") from exc
+    check_consistency(spec, source)
+    return spec
+
+
+def build(model: type[M], source: str = "argument", **fields: Any) -> M:
+    """Construct a spec model from CLI arguments; a bad value becomes one SpecError."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        key = ".".join(str(x) for x in err["loc"])
+        raise SpecError(f"{source} {key}: {msg}.") from exc
+
+
+def load_spec(path: Path) -> HostSpec:
+    """Read a spec file; a missing or unreadable file is a SpecError."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"cannot read spec file {path}: {exc.strerror}.") from exc
+    return parse_spec(text, str(path))
+
+
+def check_consistency(spec: HostSpec, source: str = "<spec>") -> None:
+    """Cross-object rules: unique names, disjoint cores, references that resolve."""
+    named: list[tuple[str, list[str]]] = [
+        ("partition", [p.name for p in spec.partition]),
+        ("disk", [d.name for d in spec.disk]), ("vm", [v.name for v in spec.vm])]
+    for kind, names in named:
+        seen: set[str] = set()
+        for i, name in enumerate(names):
+            if name in seen:
+                raise SpecError(f"{source}: {kind}[{i}].name: duplicate {kind} name "
+                                f"{name!r}; every {kind} needs its own name.")
+            seen.add(name)
+    owner: dict[int, str] = {}
+    for i, p in enumerate(spec.partition):
+        for c in p.cpus:
+            if c in owner:
+                raise SpecError(f"{source}: partition[{i}].cpus: core {c} is already given to "
+                                f"partition {owner[c]!r}; partitions cannot share a core.")
+            owner[c] = p.name
+    parts = {p.name for p in spec.partition}
+    disks = {d.name: d for d in spec.disk}
+    paths: set[str] = set()
+    for i, d in enumerate(spec.disk):
+        if d.partition not in parts:
+            raise SpecError(f"{source}: disk[{i}].partition: no partition named "
+                            f"{d.partition!r} in this spec.")
+        if d.path in paths:
+            raise SpecError(f"{source}: disk[{i}].path: {d.path} is already another disk.")
+        paths.add(d.path)
+    used: dict[str, str] = {}
+    for i, v in enumerate(spec.vm):
+        if v.partition not in parts:
+            raise SpecError(f"{source}: vm[{i}].partition: no partition named "
+                            f"{v.partition!r} in this spec.")
+        for dname in v.disks:
+            if dname not in disks:
+                raise SpecError(f"{source}: vm[{i}].disks: no disk named {dname!r} in this spec.")
+            if disks[dname].partition != v.partition:
+                raise SpecError(f"{source}: vm[{i}].disks: disk {dname!r} belongs to partition "
+                                f"{disks[dname].partition!r}, not {v.partition!r}.")
+            if dname in used:
+                raise SpecError(f"{source}: vm[{i}].disks: disk {dname!r} is already used by "
+                                f"vm {used[dname]!r}.")
+            used[dname] = v.name
+
+
+def check_host_fit(spec: HostSpec, host: HostInfo, source: str = "<spec>") -> None:
+    """Refuse cores the host does not have and memory it cannot give."""
+    for i, p in enumerate(spec.partition):
+        missing = [c for c in p.cpus if c not in host.cpus]
+        if missing:
+            raise SpecError(f"{source}: partition[{i}].cpus: core(s) {format_cpulist(missing)} "
+                            f"do not exist; this host has cores {format_cpulist(host.cpus)}.")
+    total = sum(p.memory_mib for p in spec.partition)
+    avail = host.memory_available_for_partitions_mib
+    if total > avail:
+        raise SpecError(f"{source}: partitions ask for {total} MiB of memory but this host can "
+                        f"give at most {avail} MiB ({host.memory_reserved_mib} MiB is kept "
+                        f"for the host itself).")
+
+
+def default_spec(host: HostInfo) -> HostSpec:
+    """The built-in layout: the cores split into two partitions, one small VM in each."""
+    cpus = host.cpus
+    if len(cpus) >= 2:
+        half = len(cpus) // 2
+        groups = [cpus[:half], cpus[half:]]
+    else:
+        groups = [cpus]
+    mem = min(1024, max(384, host.memory_available_for_partitions_mib // (2 * len(groups))))
+    parts = [PartitionSpec(name=f"p{i}", cpus=g, memory_mib=mem) for i, g in enumerate(groups)]
+    vms = [VmSpec(name=f"vm{i}", partition=f"p{i}", vcpus=1, memory_mib=256)
+           for i in range(len(groups))]
+    return HostSpec(partition=parts, vm=vms)
+
+
+def dump_spec(spec: HostSpec) -> str:
+    """Render a spec back to TOML (for `fusuma up --print-default`)."""
+    lines: list[str] = []
+    for p in spec.partition:
+        lines += ["[[partition]]", f'name = "{p.name}"', f'cpus = "{format_cpulist(p.cpus)}"',
+                  f"memory_mib = {p.memory_mib}"]
+        if p.io_weight is not None:
+            lines.append(f"io_weight = {p.io_weight}")
+        if p.qemu:
+            lines.append(f'qemu = "{p.qemu}"')
+        lines.append("")
+    for d in spec.disk:
+        lines += ["[[disk]]", f'name = "{d.name}"', f'path = "{d.path}"',
+                  f'partition = "{d.partition}"']
+        if d.size_mib:
+            lines.append(f"size_mib = {d.size_mib}")
+        lines.append("")
+    for v in spec.vm:
+        lines += ["[[vm]]", f'name = "{v.name}"', f'partition = "{v.partition}"',
+                  f"vcpus = {v.vcpus}", f"memory_mib = {v.memory_mib}"]
+        if v.disks:
+            lines.append("disks = [" + ", ".join(f'"{d}"' for d in v.disks) + "]")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,275 @@
+"""Typed access to the SQLite state file."""
+
+from __future__ import annotations
+
+import enum
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from fusuma.errors import ConflictError, HostError, NotFoundError
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS partitions (
+    name TEXT PRIMARY KEY,
+    cpus TEXT NOT NULL,
+    memory_mib INTEGER NOT NULL,
+    io_weight INTEGER,
+    qemu TEXT,
+    supervisor_pid INTEGER,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS disks (
+    name TEXT PRIMARY KEY,
+    path TEXT NOT NULL UNIQUE,
+    partition TEXT NOT NULL REFERENCES partitions(name),
+    created_file INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS vms (
+    name TEXT PRIMARY KEY,
+    partition TEXT NOT NULL REFERENCES partitions(name),
+    vcpus INTEGER NOT NULL,
+    memory_mib INTEGER NOT NULL,
+    image TEXT NOT NULL,
+    disks TEXT NOT NULL,
+    accel TEXT NOT NULL,
+    autostart INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    pid INTEGER,
+    accel_used TEXT,
+    qemu_binary TEXT,
+    started_at REAL,
+    error TEXT,
+    created_at REAL NOT NULL
+);
+"""
+
+
+class VmState(enum.StrEnum):
+    """Lifecycle of a VM. Transitions are made by its partition's supervisor."""
+
+    STOPPED = "stopped"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    CRASHED = "crashed"
+
+
+@dataclass(frozen=True)
+class PartitionRecord:
+    name: str
+    cpus: list[int]
+    memory_mib: int
+    io_weight: int | None = None
+    qemu: str | None = None
+    supervisor_pid: int | None = None
+    created_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class DiskRecord:
+    name: str
+    path: str
+    partition: str
+    created_file: bool = False
+
+
+@dataclass(frozen=True)
+class VmRecord:
+    name: str
+    partition: str
+    vcpus: int
+    memory_mib: int
+    image: str = "minimal"
+    disks: list[str] = field(default_factory=list)
+    accel: str = "auto"
+    autostart: bool = True
+    state: VmState = VmState.STOPPED
+    pid: int | None = None
+    accel_used: str | None = None
+    qemu_binary: str | None = None
+    started_at: float | None = None
+    error: str | None = None
+    created_at: float = field(default_factory=time.time)
+
+    def with_(self, **changes: object) -> VmRecord:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+class Database:
+    """One connection to the state file; cheap to open, safe across processes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(str(path), timeout=30, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:
+            raise HostError(f"cannot open the state file {path}: {exc}; check FUSUMA_HOME "
+                            "and that you are root.") from exc
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        self._conn.executescript(SCHEMA)
+        self._conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)",
+                           (str(SCHEMA_VERSION),))
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """An IMMEDIATE transaction: checks and writes inside it see one state."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    # -- partitions ---------------------------------------------------------------
+    @staticmethod
+    def _partition(row: sqlite3.Row) -> PartitionRecord:
+        return PartitionRecord(name=row["name"], cpus=json.loads(row["cpus"]),
+                               memory_mib=row["memory_mib"], io_weight=row["io_weight"],
+                               qemu=row["qemu"], supervisor_pid=row["supervisor_pid"],
+                               created_at=row["created_at"])
+
+    def partitions(self) -> list[PartitionRecord]:
+        rows = self._conn.execute("SELECT * FROM partitions ORDER BY name").fetchall()
+        return [self._partition(r) for r in rows]
+
+    def find_partition(self, name: str) -> PartitionRecord | None:
+        row = self._conn.execute("SELECT * FROM partitions WHERE name=?", (name,)).fetchone()
+        return self._partition(row) if row else None
+
+    def partition(self, name: str) -> PartitionRecord:
+        rec = self.find_partition(name)
+        if rec is None:
+            known = ", ".join(p.name for p in self.partitions()) or "none yet"
+            raise NotFoundError(f"no partition named {name!r} (known: {known}); "
+                                "see `fusuma partition list`.")
+        return rec
+
+    def add_partition(self, p: PartitionRecord) -> None:
+        try:
+            self._conn.execute(
+                "INSERT INTO partitions VALUES (?,?,?,?,?,?,?)",
+                (p.name, json.dumps(p.cpus), p.memory_mib, p.io_weight, p.qemu,
+                 p.supervisor_pid, p.created_at))
+        except sqlite3.IntegrityError as exc:
+            raise ConflictError(f"a partition named {p.name!r} already exists.") from exc
+
+    def update_partition(self, p: PartitionRecord) -> None:
+        self._conn.execute(
+            "UPDATE partitions SET cpus=?, memory_mib=?, io_weight=?, qemu=?, supervisor_pid=? "
+            "WHERE name=?",
+            (json.dumps(p.cpus), p.memory_mib, p.io_weight, p.qemu, p.supervisor_pid, p.name))
+
+    def set_supervisor_pid(self, name: str, pid: int | None) -> None:
+        self._conn.execute("UPDATE partitions SET supervisor_pid=? WHERE name=?", (pid, name))
+
+    def remove_partition(self, name: str) -> None:
+        self._conn.execute("DELETE FROM partitions WHERE name=?", (name,))
+
+    # -- disks --------------------------------------------------------------------
+    @staticmethod
+    def _disk(row: sqlite3.Row) -> DiskRecord:
+        return DiskRecord(name=row["name"], path=row["path"], partition=row["partition"],
+                          created_file=bool(row["created_file"]))
+
+    def disks(self, partition: str | None = None) -> list[DiskRecord]:
+        if partition is None:
+            rows = self._conn.execute("SELECT * FROM disks ORDER BY name").fetchall()
+        else:
+            rows = self._conn.execute("SELECT * FROM disks WHERE partition=? ORDER BY name",
+                                      (partition,)).fetchall()
+        return [self._disk(r) for r in rows]
+
+    def find_disk(self, name: str) -> DiskRecord | None:
+        row = self._conn.execute("SELECT * FROM disks WHERE name=?", (name,)).fetchone()
+        return self._disk(row) if row else None
+
+    def disk(self, name: str) -> DiskRecord:
+        rec = self.find_disk(name)
+        if rec is None:
+            raise NotFoundError(f"no disk named {name!r}; see `fusuma disk list`.")
+        return rec
+
+    def add_disk(self, d: DiskRecord) -> None:
+        try:
+            self._conn.execute("INSERT INTO disks VALUES (?,?,?,?)",
+                               (d.name, d.path, d.partition, int(d.created_file)))
+        except sqlite3.IntegrityError as exc:
+            raise ConflictError(f"a disk named {d.name!r} or with path {d.path} "
+                                "is already registered.") from exc
+
+    def move_disk(self, name: str, partition: str) -> None:
+        self._conn.execute("UPDATE disks SET partition=? WHERE name=?", (partition, name))
+
+    def remove_disk(self, name: str) -> None:
+        self._conn.execute("DELETE FROM disks WHERE name=?", (name,))
+
+    # -- vms ----------------------------------------------------------------------
+    @staticmethod
+    def _vm(row: sqlite3.Row) -> VmRecord:
+        return VmRecord(
+            name=row["name"], partition=row["partition"], vcpus=row["vcpus"],
+            memory_mib=row["memory_mib"], image=row["image"], disks=json.loads(row["disks"]),
+            accel=row["accel"], autostart=bool(row["autostart"]), state=VmState(row["state"]),
+            pid=row["pid"], accel_used=row["accel_used"], qemu_binary=row["qemu_binary"],
+            started_at=row["started_at"], error=row["error"], created_at=row["created_at"])
+
+    def vms(self, partition: str | None = None) -> list[VmRecord]:
+        if partition is None:
+            rows = self._conn.execute("SELECT * FROM vms ORDER BY name").fetchall()
+        else:
+            rows = self._conn.execute("SELECT * FROM vms WHERE partition=? ORDER BY name",
+                                      (partition,)).fetchall()
+        return [self._vm(r) for r in rows]
+
+    def find_vm(self, name: str) -> VmRecord | None:
+        row = self._conn.execute("SELECT * FROM vms WHERE name=?", (name,)).fetchone()
+        return self._vm(row) if row else None
+
+    def vm(self, name: str) -> VmRecord:
+        rec = self.find_vm(name)
+        if rec is None:
+            raise NotFoundError(f"no VM named {name!r}; see `fusuma vm list`.")
+        return rec
+
+    def add_vm(self, v: VmRecord) -> None:
+        try:
+            self._conn.execute(
+                "INSERT INTO vms VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (v.name, v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks),
+                 v.accel, int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
+                 v.started_at, v.error, v.created_at))
+        except sqlite3.IntegrityError as exc:
+            raise ConflictError(f"a VM named {v.name!r} already exists.") from exc
+
+    def update_vm(self, v: VmRecord) -> None:
+        self._conn.execute(
+            "UPDATE vms SET partition=?, vcpus=?, memory_mib=?, image=?, disks=?, accel=?, "
+            "autostart=?, state=?, pid=?, accel_used=?, qemu_binary=?, started_at=?, error=? "
+            "WHERE name=?",
+            (v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks), v.accel,
+             int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
+             v.started_at, v.error, v.name))
+
+    def remove_vm(self, name: str) -> None:
+        self._conn.execute("DELETE FROM vms WHERE name=?", (name,))

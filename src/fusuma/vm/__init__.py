@@ -1,0 +1,5 @@
+"""VMs: definitions kept by the CLI, QEMU processes run by partition supervisors."""
+
+from fusuma.vm.manager import ExecOutput, VmManager, VmView
+
+__all__ = ["ExecOutput", "VmManager", "VmView"]

@@ -1,0 +1,160 @@
+"""Shared fixtures.
+
+``host`` gives an integration test its own fusuma namespace: temporary FUSUMA_HOME,
+runtime dir, /dev/shm dir and cgroup prefix (the guest image cache is shared). At
+teardown it runs `fusuma down` and then *proves* that nothing is left: no QEMU or
+supervisor process of the namespace, no cgroup, no socket, no /dev/shm file. Whatever
+is found is removed by pid (only processes of this namespace) and the test fails.
+On failure, each VM's console, QMP and QEMU logs are copied to test-output/<test>/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FUSUMA = [sys.executable, "-m", "fusuma.cli.main"]
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    rep = yield
+    setattr(item, "rep_" + rep.when, rep)
+    return rep
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+class Host:
+    """One isolated fusuma namespace and a way to run the real CLI in it."""
+
+    def __init__(self, tmp: Path) -> None:
+        tag = uuid.uuid4().hex[:8]
+        self.tag = tag
+        self.home = tmp / "home"
+        # Short: UNIX socket paths are limited to 107 bytes.
+        self.runtime = Path(f"/tmp/fz-{tag}")
+        self.shm = Path(f"/dev/shm/fusuma-test-{tag}")
+        self.prefix = f"fusuma-test-{tag}"
+        self.env = {**os.environ,
+                    "FUSUMA_HOME": str(self.home), "FUSUMA_RUNTIME_DIR": str(self.runtime),
+                    "FUSUMA_SHM_DIR": str(self.shm), "FUSUMA_CGROUP_PREFIX": self.prefix,
+                    "PYTHONPATH": str(REPO / "src")}
+        self.env.setdefault("FUSUMA_CACHE", "/var/cache/fusuma")
+
+    def run(self, *args: str, check: bool = True, timeout: float = 300,
+            input: str | None = None) -> Result:
+        p = subprocess.run([*FUSUMA, *args], env=self.env, capture_output=True, text=True,
+                           timeout=timeout, input=input)
+        res = Result(p.returncode, p.stdout, p.stderr)
+        if check and p.returncode != 0:
+            raise AssertionError(f"fusuma {' '.join(args)} exited {p.returncode}:\n"
+                                 f"{p.stdout}\n{p.stderr}")
+        return res
+
+    def fail(self, *args: str) -> Result:
+        """Run a command that must fail; returns its result."""
+        res = self.run(*args, check=False)
+        assert res.code != 0, f"fusuma {' '.join(args)} should have failed:\n{res.out}"
+        return res
+
+    def ps(self) -> dict[str, Any]:
+        data: dict[str, Any] = self.run("ps", "--json").json()
+        return data
+
+    def vm(self, name: str) -> dict[str, Any]:
+        return next(v for v in self.ps()["vms"] if v["name"] == name)
+
+    def part(self, name: str) -> dict[str, Any]:
+        return next(p for p in self.ps()["partitions"] if p["name"] == name)
+
+    # -- leftovers -----------------------------------------------------------------
+    def our_pids(self) -> list[int]:
+        """QEMU and supervisor processes that belong to this namespace."""
+        found = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+                env = (d / "environ").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if str(self.runtime) in cmd or (
+                    "fusuma.partition.supervisor" in cmd
+                    and f"FUSUMA_RUNTIME_DIR={self.runtime}\0" in env):
+                found.append(int(d.name))
+        return found
+
+    def our_cgroups(self) -> list[Path]:
+        return [p for p in CGROUP_ROOT.glob(f"*/{self.prefix}") if p.is_dir()] + [
+            p for p in CGROUP_ROOT.glob(self.prefix) if p.is_dir()]
+
+    def leftovers(self) -> list[str]:
+        out = [f"process {pid}" for pid in self.our_pids()]
+        out += [f"cgroup {p}" for p in self.our_cgroups()]
+        if self.runtime.exists():
+            out += [f"socket {p}" for p in self.runtime.rglob("*.sock")]
+        if self.shm.exists():
+            out += [f"shm file {p}" for p in self.shm.iterdir()]
+        return out
+
+    def force_clean(self) -> None:
+        for pid in self.our_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        time.sleep(0.3)
+        for cg in sorted(self.our_cgroups(), key=lambda p: -len(p.parts)):
+            for sub in sorted((p for p in cg.rglob("*") if p.is_dir()),
+                              key=lambda p: -len(p.parts)):
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
+            with contextlib.suppress(OSError):
+                cg.rmdir()
+        shutil.rmtree(self.runtime, ignore_errors=True)
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+    def save_logs(self, dest: Path) -> None:
+        vms = self.home / "vms"
+        parts = self.home / "partitions"
+        for root in (vms, parts):
+            if root.exists():
+                shutil.copytree(root, dest / root.name, dirs_exist_ok=True)
+
+
+@pytest.fixture
+def host(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Host]:
+    h = Host(tmp_path)
+    yield h
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        h.save_logs(REPO / "test-output" / request.node.name)
+    h.run("down", check=False, timeout=120)
+    left = h.leftovers()
+    h.force_clean()
+    shutil.rmtree(h.runtime, ignore_errors=True)
+    if h.shm.exists():
+        shutil.rmtree(h.shm, ignore_errors=True)
+    assert not left, f"left behind after the test: {left}"

@@ -1,0 +1,40 @@
+"""The SQLite state file: records round-trip, conflicts are refused, two connections
+(the CLI and a supervisor) see each other's writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fusuma.errors import ConflictError, NotFoundError
+from fusuma.state import Database, DiskRecord, PartitionRecord, VmRecord, VmState
+
+
+def test_roundtrip_and_conflicts(tmp_path: Path) -> None:
+    db = Database(tmp_path / "state.db")
+    db.add_partition(PartitionRecord("p0", [0, 1], 1024, io_weight=50))
+    with pytest.raises(ConflictError, match="already exists"):
+        db.add_partition(PartitionRecord("p0", [2], 64))
+    db.add_disk(DiskRecord("d0", "/x.img", "p0", created_file=True))
+    with pytest.raises(ConflictError):
+        db.add_disk(DiskRecord("d1", "/x.img", "p0"))
+    vm = VmRecord("vm0", "p0", vcpus=2, memory_mib=256, disks=["d0"])
+    db.add_vm(vm)
+    assert db.vm("vm0") == vm
+    db.update_vm(vm.with_(state=VmState.RUNNING, pid=42, accel_used="tcg"))
+    other = Database(tmp_path / "state.db")
+    got = other.vm("vm0")
+    assert (got.state, got.pid, got.accel_used, got.disks) == (VmState.RUNNING, 42, "tcg",
+                                                               ["d0"])
+    assert other.partition("p0").cpus == [0, 1] and other.disk("d0").created_file
+    with pytest.raises(NotFoundError, match="known: p0"):
+        other.partition("nope")
+
+
+def test_transaction_rolls_back(tmp_path: Path) -> None:
+    db = Database(tmp_path / "state.db")
+    with pytest.raises(RuntimeError), db.transaction():
+        db.add_partition(PartitionRecord("p0", [0], 64))
+        raise RuntimeError("boom")
+    assert db.partitions() == []
