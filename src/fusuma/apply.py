@@ -159,6 +159,11 @@ def down(db: Database, parts: PartitionManager, vms: VmManager,
         done.append(f"deleted partition {p.name}")
     with contextlib.suppress(ConflictError):
         parts.cg.remove_parent_if_empty()
+    # Empty directories fusuma made for runtime files go too (never non-empty ones).
+    paths = parts.paths
+    for d in (paths.runtime / "vms", paths.runtime / "partitions", paths.runtime, paths.shm):
+        with contextlib.suppress(OSError):
+            d.rmdir()
     return done
 
 

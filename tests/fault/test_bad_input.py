@@ -144,7 +144,7 @@ def test_qemu_not_installed(host: Host, tmp_path: Path) -> None:
     empty = tmp_path / "bin"
     empty.mkdir()
     host.env["PATH"] = str(empty)
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "512")
+    host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
     host.run("vm", "create", "v", "-p", "a")
     err = host.fail("vm", "start", "v").err
     assert_one_sentence(err)
@@ -163,7 +163,7 @@ def test_guest_image_missing_rolls_back_up(host: Host, tmp_path: Path) -> None:
 
 
 def test_vm_killed_then_delete_partition_leaves_nothing(host: Host) -> None:
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "512")
+    host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
     host.run("vm", "create", "v", "-p", "a", "--start")
     pid = host.vm("v")["pid"]
     sup = host.part("a")["supervisor_pid"]

@@ -150,6 +150,10 @@ class PartitionManager:
             for v in vms:
                 vmm.delete(v.name, force=True)
         self.stop_supervisor(name)
+        # A supervisor that was killed leaves its socket and pidfile behind.
+        for f in (self.paths.supervisor_socket(name), self.paths.supervisor_pidfile(name)):
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
         # QEMUs that outlived a dead supervisor are still ours to end.
         for pid in self.cg.pids(name) if self.cg.exists(name) else []:
             LOG.warning("killing leftover pid %d in partition %s", pid, name)

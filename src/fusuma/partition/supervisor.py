@@ -429,6 +429,14 @@ class Supervisor:
     async def _on_exit(self, rt: VmRuntime) -> None:
         if rt.exited.is_set():
             return
+        try:
+            await self._record_exit(rt)
+        except Exception:
+            self.log.exception("handling the exit of %s failed", rt.name)
+        finally:
+            rt.exited.set()
+
+    async def _record_exit(self, rt: VmRuntime) -> None:
         loop = asyncio.get_running_loop()
         if rt.pidfd is not None:
             loop.remove_reader(rt.pidfd)
@@ -437,26 +445,26 @@ class Supervisor:
         status: int | None = None
         if rt.child is not None:
             status = rt.child.wait()
-        await rt.qmp.disconnect()
         self.vms.pop(rt.name, None)
+        await rt.qmp.disconnect()
         self._cleanup_files(rt.name)
         self._delete_leaf(rt.name)
         rec = self.db.find_vm(rt.name)
-        if rec is not None:
-            if rt.stopping:
-                self.db.update_vm(rec.with_(state=VmState.STOPPED, pid=None, error=None))
-                self.log.info("%s stopped", rt.name)
-            else:
-                how = (f"killed by signal {-status}" if status is not None and status < 0
-                       else f"exited with status {status}" if status is not None
-                       else "exited")
-                msg = f"QEMU {how} unexpectedly"
-                tail = process.tail(self.paths.vm_dir(rt.name) / "qemu.log", 1)
-                if tail and not tail.startswith("---"):
-                    msg += f": {tail}"
-                self.db.update_vm(rec.with_(state=VmState.CRASHED, pid=None, error=msg))
-                self.log.warning("%s crashed: %s", rt.name, msg)
-        rt.exited.set()
+        if rec is None:
+            return
+        if rt.stopping:
+            self.db.update_vm(rec.with_(state=VmState.STOPPED, pid=None, error=None))
+            self.log.info("%s stopped", rt.name)
+            return
+        how = (f"killed by signal {-status}" if status is not None and status < 0
+               else f"exited with status {status}" if status is not None
+               else "exited (status unknown: adopted process)")
+        msg = f"QEMU {how} unexpectedly"
+        tail = process.tail(self.paths.vm_dir(rt.name) / "qemu.log", 1)
+        if tail and not tail.startswith("---"):
+            msg += f": {tail}"
+        self.db.update_vm(rec.with_(state=VmState.CRASHED, pid=None, error=msg))
+        self.log.warning("%s crashed: %s", rt.name, msg)
 
     def _cleanup_files(self, vm: str) -> None:
         run = self.paths.vm_run_dir(vm)
@@ -480,6 +488,9 @@ def main() -> None:
     partition = sys.argv[1]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # fusuma logs every QMP exchange per VM; the library's own connection retries
+    # would only add noise.
+    logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
     paths = Paths.from_env()
     try:
         asyncio.run(Supervisor(paths, partition).run())

@@ -68,8 +68,8 @@ class Qmp:
     async def disconnect(self) -> None:
         try:
             await self._client.disconnect()
-        except (QMPError, OSError) as exc:
-            self.log.debug("qmp disconnect: %s", exc)
+        except Exception as exc:  # the library re-raises whatever ended its reader (EOF)
+            self.log.debug("qmp disconnect: %r", exc)
 
     # -- typed commands -------------------------------------------------------------
     async def query_status(self) -> str:

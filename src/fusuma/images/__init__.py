@@ -1,0 +1,13 @@
+"""Guest images: a Debian cloud kernel and a small busybox + qemu-ga initramfs.
+
+``build_image(cache)`` builds (or returns the cached) image; ``find_image(cache)``
+returns the built one or raises ``ImageError`` telling the user to build it.
+
+Errors: every failure a user can cause is a ``fusuma.errors.ImageError`` whose text says
+what is wrong and how to fix it (a missing host package, no network for the kernel
+download, an image that was never built).
+"""
+
+from fusuma.images.builder import BUILDER_VERSION, KINDS, GuestImage, build_image, find_image
+
+__all__ = ["BUILDER_VERSION", "KINDS", "GuestImage", "build_image", "find_image"]

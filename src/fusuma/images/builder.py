@@ -1,0 +1,390 @@
+"""Build and find guest images: a Debian cloud kernel plus a busybox + qemu-ga initramfs.
+
+Cache layout under ``cache``::
+
+    debs/<kernel package>.deb                 downloaded once, reused offline
+    images/<kind>-<digest[:16]>/vmlinuz       the kernel
+    images/<kind>-<digest[:16]>/initrd.img    newc cpio, uncompressed
+    images/<kind>-<digest[:16]>/image.json    what was built from what
+    images/<kind>.json                        points at the current image of that kind
+
+An image is built in a temporary directory next to its final place and renamed into
+place, and the pointer is replaced atomically, so an interrupted build leaves nothing
+that ``find_image`` would return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fusuma.errors import ImageError
+from fusuma.images import debian, elf, modules
+from fusuma.images.initramfs import Tree
+
+LOG = logging.getLogger(__name__)
+
+# Bump when the builder's output changes for the same inputs.
+BUILDER_VERSION = 1
+KERNEL_META = "linux-image-cloud-amd64"
+BUILD_HINT = "run `fusuma image build`"
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ImageKind:
+    """What goes into one kind of image."""
+
+    name: str
+    modules: tuple[str, ...]
+    append: str
+
+
+# Kernel options: quiet console on the first serial port, reboot at once on panic (QEMU
+# runs with -no-reboot, so a panic ends the VM), and skip probes that cost seconds
+# under TCG and that a VM without a keyboard or real TSC does not need.
+_APPEND = ("console=ttyS0 quiet panic=-1 i8042.noaux i8042.nomux i8042.nopnp "
+           "i8042.dumbkbd 8250.nr_uarts=1 tsc=reliable no_timer_check")
+
+KINDS: dict[str, ImageKind] = {
+    "minimal": ImageKind(
+        name="minimal",
+        modules=(
+            # the guest agent's transport first
+            "virtio_pci", "virtio_console",
+            "virtio_blk", "virtio_net", "virtio_rng",
+            # shared segments: virtio-pmem -> nd_pmem -> erofs with DAX
+            "virtio_pmem", "nd_pmem", "dax", "erofs",
+            # a future rootfs on virtio-blk
+            "ext4",
+        ),
+        append=_APPEND,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class GuestImage:
+    """A built image: the files to pass to QEMU's -kernel / -initrd / -append."""
+
+    kind: str
+    kernel: Path
+    initrd: Path
+    append: str
+    digest: str
+    kernel_version: str
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Everything that decides an image's bytes; its hash names the image."""
+
+    kind: str
+    kernel_deb: str
+    busybox_version: str
+    qemu_ga_version: str
+    init_sha256: str
+    shutdown_sha256: str
+    modules: tuple[str, ...]
+    append: str
+    builder_version: int = BUILDER_VERSION
+
+    def digest(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+def guest_script(name: str) -> bytes:
+    """A script shipped as package data (init.sh, shutdown.sh)."""
+    return resources.files("fusuma.images").joinpath(name).read_bytes()
+
+
+def _kind(kind: str) -> ImageKind:
+    try:
+        return KINDS[kind]
+    except KeyError:
+        known = ", ".join(sorted(KINDS))
+        raise ImageError(f"there is no guest image kind {kind!r}: use one of {known}"
+                         ) from None
+
+
+def find_image(cache: Path, *, kind: str = "minimal") -> GuestImage:
+    """The current image of ``kind`` in ``cache``; ImageError when none is built."""
+    _kind(kind)
+    pointer = cache / "images" / f"{kind}.json"
+    try:
+        target = json.loads(pointer.read_text())["dir"]
+    except FileNotFoundError:
+        raise ImageError(f"the {kind} guest image is not built: {BUILD_HINT}") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ImageError(f"{pointer} is unreadable ({exc}): {BUILD_HINT}") from exc
+    image = _load(cache / "images" / str(target))
+    if image is None:
+        raise ImageError(f"the {kind} guest image in {cache / 'images' / str(target)} "
+                         f"is incomplete: {BUILD_HINT}")
+    return image
+
+
+def _load(path: Path, digest: str | None = None) -> GuestImage | None:
+    """The image in ``path`` if it is complete (and has ``digest``), else None."""
+    try:
+        meta = json.loads((path / "image.json").read_text())
+        image = GuestImage(kind=meta["kind"], kernel=path.resolve() / "vmlinuz",
+                           initrd=path.resolve() / "initrd.img", append=meta["append"],
+                           digest=meta["digest"], kernel_version=meta["kernel_version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if digest is not None and image.digest != digest:
+        return None
+    if not (image.kernel.is_file() and image.initrd.is_file()):
+        return None
+    return image
+
+
+def build_image(cache: Path, *, kind: str = "minimal", force: bool = False,
+                progress: Progress | None = None) -> GuestImage:
+    """Build the ``kind`` image into ``cache``, or return the cached one if up to date.
+
+    Needs busybox-static and qemu-guest-agent installed on the host, and apt (or a
+    kernel .deb already in ``cache/debs``). ``force`` rebuilds even when cached.
+    """
+    spec = _kind(kind)
+
+    def say(msg: str) -> None:
+        LOG.info("%s", msg)
+        if progress is not None:
+            progress(msg)
+
+    images = cache / "images"
+    with _locked(images):
+        _remove_stale(images)
+        inputs, deb = _inputs(spec, cache / "debs", say)
+        if not force and (done := _load(_final_dir(images, inputs), inputs.digest())):
+            _point(images, kind, done.kernel.parent.name)
+            LOG.debug("image %s is up to date", done.digest[:16])
+            return done
+        deb_path, deb = _fetch(deb, cache / "debs", say)
+        if deb.filename != inputs.kernel_deb:
+            inputs = _replace_kernel(inputs, deb)
+            if not force and (done := _load(_final_dir(images, inputs), inputs.digest())):
+                _point(images, kind, done.kernel.parent.name)
+                return done
+        image = _build(spec, inputs, deb_path, images, say)
+        _point(images, kind, image.kernel.parent.name)
+        return image
+
+
+def _final_dir(images: Path, inputs: Inputs) -> Path:
+    return images / f"{inputs.kind}-{inputs.digest()[:16]}"
+
+
+def _replace_kernel(inputs: Inputs, deb: debian.KernelDeb) -> Inputs:
+    fields = asdict(inputs)
+    fields["kernel_deb"] = deb.filename
+    fields["modules"] = tuple(fields["modules"])
+    return Inputs(**fields)
+
+
+def _inputs(spec: ImageKind, debs: Path,
+            say: Progress) -> tuple[Inputs, debian.KernelDeb]:
+    busybox = debian.package_version("busybox-static")
+    qemu_ga = debian.package_version("qemu-guest-agent")
+    try:
+        deb = debian.resolve_kernel(KERNEL_META)
+    except debian.ToolFailed as exc:
+        cached = debian.cached_kernels(debs, KERNEL_META)
+        if not cached:
+            raise ImageError(f"apt cannot find the kernel package {KERNEL_META} "
+                             f"({exc.detail}): run `apt-get update`") from exc
+        deb = cached[0]
+        say(f"apt-cache failed ({exc.detail}); using cached {deb.filename}")
+    inputs = Inputs(
+        kind=spec.name, kernel_deb=deb.filename, busybox_version=busybox,
+        qemu_ga_version=qemu_ga,
+        init_sha256=hashlib.sha256(guest_script("init.sh")).hexdigest(),
+        shutdown_sha256=hashlib.sha256(guest_script("shutdown.sh")).hexdigest(),
+        modules=spec.modules, append=spec.append)
+    return inputs, deb
+
+
+def _fetch(deb: debian.KernelDeb, debs: Path,
+           say: Progress) -> tuple[Path, debian.KernelDeb]:
+    """The .deb for ``deb``, downloaded if needed; a cached older one if apt fails."""
+    if not (debs / deb.filename).exists():
+        say(f"downloading {deb.package} {deb.version}")
+    try:
+        return debian.download(deb, debs), deb
+    except debian.ToolFailed as exc:
+        cached = debian.cached_kernels(debs, KERNEL_META)
+        if not cached:
+            raise ImageError(f"cannot download {deb.package} ({exc.detail}): check the "
+                             "network and apt sources, then run `apt-get update`") from exc
+        say(f"download failed ({exc.detail}); using cached {cached[0].filename}")
+        return debs / cached[0].filename, cached[0]
+
+
+def _build(spec: ImageKind, inputs: Inputs, deb_path: Path, images: Path,
+           say: Progress) -> GuestImage:
+    digest = inputs.digest()
+    final = _final_dir(images, inputs)
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".build-{spec.name}-", dir=images))
+    try:
+        say(f"extracting {deb_path.name}")
+        root = tmp / "deb"
+        debian.extract(deb_path, root)
+        vmlinuz, moddir = _kernel_files(root, deb_path)
+        say("collecting kernel modules, busybox and qemu-ga")
+        tree = _tree(spec, moddir, digest)
+        say(f"packing initramfs ({len(tree.entries)} entries, "
+            f"{tree.size() / 2**20:.1f} MiB)")
+        # Uncompressed: under TCG the guest unpacks a ~10 MB cpio faster than it
+        # inflates a 4 MB gzip (median boot-to-agent 2.27 s vs 2.42 s, 6 boots each).
+        with (tmp / "initrd.img").open("wb") as out:
+            tree.write_cpio(out)
+        shutil.copyfile(vmlinuz, tmp / "vmlinuz")
+        shutil.rmtree(root)
+        meta: dict[str, Any] = {
+            "kind": spec.name, "digest": digest, "kernel_version": moddir.name,
+            "append": spec.append, "inputs": asdict(inputs),
+            "initrd_bytes": (tmp / "initrd.img").stat().st_size,
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (tmp / "image.json").write_text(json.dumps(meta, indent=2) + "\n")
+        tmp.chmod(0o755)
+        if final.exists():
+            old = Path(tempfile.mkdtemp(prefix=".old-", dir=images))
+            final.rename(old / final.name)
+            shutil.rmtree(old)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    say(f"built {final.name} in {time.monotonic() - started:.1f} s "
+        f"(initrd {meta['initrd_bytes'] / 2**20:.1f} MiB)")
+    image = _load(final, digest)
+    if image is None:  # a check that can fail: the files we just wrote must load
+        raise ImageError(f"the image just built in {final} does not load: {BUILD_HINT}")
+    return image
+
+
+def _kernel_files(root: Path, deb: Path) -> tuple[Path, Path]:
+    kernels = sorted((root / "boot").glob("vmlinuz-*"))
+    moddirs = sorted(p for base in ("lib/modules", "usr/lib/modules")
+                     for p in (root / base).glob("*") if p.is_dir())
+    if len(kernels) != 1 or len(moddirs) != 1:
+        raise ImageError(f"{deb.name} does not hold exactly one kernel and one module "
+                         "tree: delete it from the cache and rebuild")
+    return kernels[0], moddirs[0]
+
+
+def _tree(spec: ImageKind, moddir: Path, digest: str) -> Tree:
+    tree = Tree()
+    for d in ("/proc", "/sys", "/dev", "/run", "/tmp", "/root", "/mnt", "/etc/fusuma"):
+        tree.mkdir(d, 0o1777 if d == "/tmp" else 0o755)
+    tree.symlink("/var/run", "/run")
+    # The kernel opens /dev/console for init before /init can mount devtmpfs.
+    tree.chardev("/dev/console", 5, 1)
+    tree.chardev("/dev/null", 1, 3, 0o666)
+    tree.file("/etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
+    tree.file("/etc/group", b"root:x:0:\ntty:x:5:\n")
+    tree.file("/etc/fusuma/image", f"{spec.name} {digest}\n".encode())
+    tree.file("/init", guest_script("init.sh"), 0o755)
+    tree.file("/sbin/shutdown", guest_script("shutdown.sh"), 0o755)
+    _add_busybox(tree)
+    _add_qemu_ga(tree)
+    _add_modules(tree, spec, moddir)
+    return tree
+
+
+def _add_busybox(tree: Tree) -> None:
+    busybox = Path("/bin/busybox")
+    try:
+        data = busybox.read_bytes()
+        static = elf.is_static(data)
+    except (OSError, elf.ElfError):
+        static = False
+    if not static:
+        raise ImageError("/bin/busybox is missing or not statically linked: run "
+                         "`apt-get install busybox-static`")
+    tree.file("/bin/busybox", data, 0o755)
+    try:
+        applets = debian.run([str(busybox), "--list-full"])
+    except debian.ToolFailed as exc:
+        raise ImageError(f"/bin/busybox cannot list its applets ({exc.detail}): "
+                         "run `apt-get install --reinstall busybox-static`") from exc
+    for rel in applets.split():
+        path = "/" + rel
+        if "/" in rel and path not in tree:
+            tree.symlink(path, "/bin/busybox")
+
+
+def _add_qemu_ga(tree: Tree) -> None:
+    qemu_ga = debian.which("qemu-ga")
+    if qemu_ga is None:
+        raise ImageError("qemu-ga is not on this host: run `apt-get install qemu-guest-agent`")
+    tree.file("/usr/sbin/qemu-ga", qemu_ga.read_bytes(), 0o755)
+    for lib in debian.shared_libraries(qemu_ga):
+        # Copy the file a soname link points at, under the soname ldd printed.
+        tree.file(str(lib), lib.read_bytes(), 0o755)
+
+
+def _add_modules(tree: Tree, spec: ImageKind, moddir: Path) -> None:
+    selection = modules.select(moddir, spec.modules)
+    kver = moddir.name
+    order: list[str] = []
+    for name in selection.load_order:
+        rel = selection.relpath(name, moddir)
+        tree.file(f"/lib/modules/{kver}/{rel}", modules.read_module(selection.files[name]))
+        order.append(rel)
+    tree.file("/etc/fusuma/modules", "".join(f"{r}\n" for r in order).encode())
+    LOG.debug("modules %s; built in: %s", selection.load_order, selection.builtin)
+
+
+def _point(images: Path, kind: str, dirname: str) -> None:
+    """Atomically make ``images/<kind>.json`` name ``dirname``."""
+    pointer = images / f"{kind}.json"
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(pointer.read_text()).get("dir") == dirname:
+            return
+    tmp = pointer.with_name(f".{kind}.json.tmp")
+    tmp.write_text(json.dumps({"dir": dirname}) + "\n")
+    os.replace(tmp, pointer)
+
+
+def _remove_stale(images: Path) -> None:
+    """Delete leftovers of builds killed before their cleanup ran (we hold the lock)."""
+    for stale in images.glob(".build-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in images.glob(".old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _locked(images: Path) -> Iterator[None]:
+    """Serialise builds into one cache (a second builder waits for the first)."""
+    try:
+        images.mkdir(parents=True, exist_ok=True)
+        fh = (images / ".lock").open("a")
+    except OSError as exc:
+        raise ImageError(f"cannot write the image cache {images} ({exc.strerror}): "
+                         "run as root or set FUSUMA_CACHE to a writable directory") from exc
+    with fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
