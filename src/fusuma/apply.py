@@ -161,9 +161,10 @@ def down(db: Database, parts: PartitionManager, vms: VmManager,
         parts.cg.remove_parent_if_empty()
     # Empty directories fusuma made for runtime files go too (never non-empty ones).
     paths = parts.paths
-    for d in (paths.runtime / "vms", paths.runtime / "partitions", paths.runtime, paths.shm):
+    for empty in (paths.runtime / "vms", paths.runtime / "partitions", paths.runtime,
+                  paths.shm):
         with contextlib.suppress(OSError):
-            d.rmdir()
+            empty.rmdir()
     return done
 
 

@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
+
 from tests.conftest import Host
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]

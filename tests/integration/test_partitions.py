@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.conftest import Host
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -66,9 +66,11 @@ def _one_run(vms: VmManager, names: list[str], run: int,
     done: dict[str, float] = {}
     errors: list[BaseException] = []
 
+    client = vms.parts.client(PARTITION)   # threads must not share the DB connection
+
     def wait(name: str) -> None:
         try:
-            vms.wait_agent(name, timeout=timeout)
+            client.call("wait-agent", rpc_timeout=timeout + 10, vm=name, timeout=timeout)
             done[name] = time.monotonic()
         except BaseException as exc:
             errors.append(exc)

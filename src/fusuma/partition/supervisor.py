@@ -90,6 +90,7 @@ class Supervisor:
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
         await self.adopt()
+        await self._repin_all()
         self._server = await asyncio.start_unix_server(self._handle, path=str(sock))
         os.chmod(sock, 0o600)
         self.paths.supervisor_pidfile(self.partition).write_text(f"{os.getpid()}\n")
@@ -139,7 +140,6 @@ class Supervisor:
                 self.vms[vm.name] = rt
                 self._watch(rt)
                 self.db.update_vm(vm.with_(state=VmState.RUNNING))
-                await self._repin(rt)
                 self.log.info("adopted %s (pid %d)", vm.name, vm.pid)
             else:
                 self.log.warning("%s (pid %s) exited while no supervisor watched it",
@@ -256,9 +256,16 @@ class Supervisor:
                 "stderr": base64.b64encode(res.stderr).decode()}
 
     async def op_repin(self) -> dict[str, list[int]]:
+        return await self._repin_all()
+
+    async def _repin_all(self) -> dict[str, list[int]]:
+        """Spread the vCPUs of all running VMs round-robin over the partition's cores."""
         out: dict[str, list[int]] = {}
-        for rt in self.vms.values():
-            out[rt.name] = await self._repin(rt)
+        offset = 0
+        for name in sorted(self.vms):
+            rt = self.vms[name]
+            out[name] = await self._repin(rt, offset)
+            offset += len(out[name])
         return out
 
     def _running(self, vm: str) -> VmRecord:
@@ -366,7 +373,7 @@ class Supervisor:
             self.vms[vm.name] = rt
             undo.append(lambda: self.vms.pop(vm.name, None))
             self._watch(rt)
-            await self._repin(rt)
+            await self._repin_all()
             self.db.update_vm(self.db.vm(vm.name).with_(
                 state=VmState.RUNNING, pid=child.pid, accel_used=accel.name,
                 qemu_binary=binary, started_at=started, error=None))
@@ -404,7 +411,7 @@ class Supervisor:
             child.kill()
         child.wait(timeout=10)
 
-    async def _repin(self, rt: VmRuntime) -> list[int]:
+    async def _repin(self, rt: VmRuntime, offset: int = 0) -> list[int]:
         cpus = self.db.partition(self.partition).cpus
         try:
             vcpus = await rt.qmp.query_cpus_fast()
@@ -412,7 +419,7 @@ class Supervisor:
             self.log.warning("cannot query vCPUs of %s: %s", rt.name, exc)
             return []
         tids = [v.thread_id for v in sorted(vcpus, key=lambda v: v.index)]
-        given = process.pin(rt.pid, tids, cpus)
+        given = process.pin(rt.pid, tids, cpus, offset)
         return [given[t][0] for t in tids if t in given]
 
     def _watch(self, rt: VmRuntime) -> None:

@@ -40,8 +40,11 @@ def threads(pid: int) -> list[int]:
         return []
 
 
-def pin(pid: int, vcpu_tids: list[int], cpus: list[int]) -> dict[int, list[int]]:
-    """Pin vCPU i to cpus[i % n] and every other thread to all of ``cpus``.
+def pin(pid: int, vcpu_tids: list[int], cpus: list[int],
+        offset: int = 0) -> dict[int, list[int]]:
+    """Pin vCPU i to cpus[(offset + i) % n] and every other thread to all of ``cpus``.
+
+    ``offset`` spreads the vCPUs of several VMs in one partition over its cores.
 
     Returns the affinity given to each thread id. Threads that exit meanwhile are
     skipped: QEMU starts and ends helper threads on its own.
@@ -55,7 +58,7 @@ def pin(pid: int, vcpu_tids: list[int], cpus: list[int]) -> dict[int, list[int]]
             os.sched_setaffinity(tid, cpus)
             given[tid] = list(cpus)
     for i, tid in enumerate(vcpu_tids):
-        target = [cpus[i % len(cpus)]]
+        target = [cpus[(offset + i) % len(cpus)]]
         with contextlib.suppress(ProcessLookupError):
             os.sched_setaffinity(tid, target)
             given[tid] = target
