@@ -14,7 +14,8 @@ fix it; the CLI prints ``str(exc)`` and exits non-zero.
      ├── CgroupError        a cgroup operation failed (fusuma.host.cgroups)
      ├── QemuError          QEMU failed to start or answer (fusuma.qemu)
      │    └── GuestAgentError  the guest agent did not answer or a command failed
-     └── SupervisorError    a partition supervisor is down or answered with an error
+     ├── SupervisorError    a partition supervisor is down or answered with an error
+     └── MigrationError     a migration failed (the VM stays where it was)
 """
 
 from __future__ import annotations
@@ -95,3 +96,9 @@ class SupervisorError(FusumaError):
     """A partition supervisor is not running or reported an error."""
 
     exit_code = 11
+
+
+class MigrationError(FusumaError):
+    """A migration failed; the message says where the VM runs now."""
+
+    exit_code = 12

@@ -126,6 +126,9 @@ class VmSpec(_Model):
     disks: list[str] = []
     accel: Accel = "auto"
     autostart: bool = True
+    # Guest RAM in a named shared file: needed for zero-copy migration. False gives
+    # private anonymous RAM (migration by copy only).
+    shared_ram: bool = True
 
     _check_name = field_validator("name")(_name_field)
 

@@ -13,6 +13,7 @@ from fusuma.cli.common import Ctx
 from fusuma.cli.disk import disk
 from fusuma.cli.host import down, ps, up
 from fusuma.cli.image import image
+from fusuma.cli.migrate import maintain, migrate
 from fusuma.cli.partition import partition
 from fusuma.cli.vm import vm
 from fusuma.errors import FusumaError
@@ -44,7 +45,7 @@ def cli(ctx: click.Context, verbose: int) -> None:
     ctx.obj = Ctx(Paths.from_env())
 
 
-for command in (up, down, ps, partition, vm, disk, image, bench):
+for command in (up, down, ps, partition, vm, disk, migrate, maintain, image, bench):
     cli.add_command(command)
 
 

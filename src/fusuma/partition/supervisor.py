@@ -38,7 +38,9 @@ from fusuma.errors import (
 from fusuma.host import cgroups
 from fusuma.host.accel import probe_accel
 from fusuma.images import find_image
+from fusuma.migration import supervisor_ops as migration_ops
 from fusuma.partition.protocol import encode, error_reply
+from fusuma.partition.supervisor_consts import INCOMING_PREFIX
 from fusuma.paths import MAX_SOCKET_PATH, Paths
 from fusuma.qemu import process
 from fusuma.qemu.cmdline import DiskConfig, VmConfig, build_argv
@@ -49,6 +51,7 @@ from fusuma.state import Database, VmRecord, VmState
 LOG = logging.getLogger("fusuma.supervisor")
 
 DEFAULT_QEMU = "qemu-system-x86_64"
+
 
 
 def vm_leaf(vm: str) -> str:
@@ -62,10 +65,20 @@ class VmRuntime:
     name: str
     pid: int
     qmp: Qmp
+    run_dir: Path
+    ram_file: Path | None
     child: subprocess.Popen[bytes] | None = None
     pidfd: int | None = None
     stopping: bool = False
+    # False while another QEMU maps the same RAM file (zero-copy migration): then the
+    # file must outlive this process.
+    owns_ram: bool = True
+    # An incoming migration target, or a source whose VM has moved on: its exit never
+    # touches the VM's record, which belongs to the other side.
+    detached: bool = False
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    # The last QEMU log line when it started: an exit message must be newer.
+    started_log: str | None = None
 
 
 class Supervisor:
@@ -75,6 +88,10 @@ class Supervisor:
         self.db = Database(paths.db)
         self.cg = cgroups.detect(prefix=paths.cgroup_prefix)
         self.vms: dict[str, VmRuntime] = {}
+        # Migrations under way: destination QEMUs not yet running the VM, and source
+        # QEMUs whose VM has moved on but which have not exited yet.
+        self.incoming: dict[str, migration_ops.Incoming] = {}
+        self.leaving: dict[str, VmRuntime] = {}
         self.log = LOG.getChild(partition)
         self._server: asyncio.AbstractServer | None = None
         self._done = asyncio.Event()
@@ -125,18 +142,24 @@ class Supervisor:
     async def adopt(self) -> None:
         """Re-attach to QEMU processes of this partition that outlived a supervisor."""
         for vm in self.db.vms(self.partition):
-            if vm.state not in (VmState.STARTING, VmState.RUNNING, VmState.STOPPING):
+            if vm.state not in (VmState.STARTING, VmState.RUNNING, VmState.STOPPING,
+                                VmState.MIGRATING):
                 continue
-            qmp_sock = self.paths.vm_run_dir(vm.name) / "qmp.sock"
+            run = self.paths.vm_run_dir(vm.name)
+            unsettled = sorted(run.glob(f"{INCOMING_PREFIX}*/qmp.sock"))
+            if not (run / "qmp.sock").exists() and unsettled:
+                run = unsettled[-1].parent   # migrated in, sockets not yet settled
+            qmp_sock = run / "qmp.sock"
             if vm.pid and process.pid_alive(vm.pid) and process.is_vm_process(
-                    vm.pid, vm.name, qmp_sock):
+                    vm.pid, vm.name, self.paths.vm_run_dir(vm.name)):
                 qmp = Qmp(vm.name, qmp_sock, self._vm_logger(vm.name))
                 try:
                     await qmp.connect(timeout=5.0)
                 except QemuError as exc:
                     self.log.warning("cannot adopt %s (pid %d): %s", vm.name, vm.pid, exc)
                     continue
-                rt = VmRuntime(vm.name, vm.pid, qmp)
+                rt = VmRuntime(vm.name, vm.pid, qmp, run_dir=run,
+                               ram_file=Path(vm.ram_path) if vm.ram_path else None)
                 self.vms[vm.name] = rt
                 self._watch(rt)
                 self.db.update_vm(vm.with_(state=VmState.RUNNING))
@@ -144,7 +167,9 @@ class Supervisor:
             else:
                 self.log.warning("%s (pid %s) exited while no supervisor watched it",
                                  vm.name, vm.pid)
-                self._cleanup_files(vm.name)
+                self._cleanup_run(self.paths.vm_run_dir(vm.name))
+                if vm.ram_path:
+                    self._remove_ram(Path(vm.ram_path))
                 self.db.update_vm(vm.with_(
                     state=VmState.CRASHED, pid=None,
                     error="QEMU exited while the partition's supervisor was down"))
@@ -201,7 +226,7 @@ class Supervisor:
     async def op_wait_agent(self, vm: str, timeout: float = 60.0) -> float:
         """Wait until the guest agent answers; returns seconds since QEMU started."""
         rec = self._running(vm)
-        async with GuestAgent(vm, self.paths.vm_run_dir(vm) / "qga.sock",
+        async with GuestAgent(vm, self.vms[vm].run_dir / "qga.sock",
                               self._vm_logger(vm)) as ga:
             await ga.connect(timeout=timeout)
             await ga.ping()
@@ -219,7 +244,7 @@ class Supervisor:
             self.db.update_vm(rec.with_(state=VmState.STOPPING))
             # Flush guest filesystems first, so stopping a VM with disks loses no data.
             with contextlib.suppress(FusumaError, OSError):
-                async with GuestAgent(vm, self.paths.vm_run_dir(vm) / "qga.sock",
+                async with GuestAgent(vm, rt.run_dir / "qga.sock",
                                       self._vm_logger(vm)) as ga:
                     await ga.connect(timeout=min(2.0, timeout))
                     await ga.run(["/bin/sync"], timeout=min(5.0, timeout))
@@ -247,7 +272,7 @@ class Supervisor:
                       timeout: float = 60.0) -> dict[str, Any]:
         self._running(vm)
         data = base64.b64decode(stdin) if stdin is not None else None
-        async with GuestAgent(vm, self.paths.vm_run_dir(vm) / "qga.sock",
+        async with GuestAgent(vm, self.vms[vm].run_dir / "qga.sock",
                               self._vm_logger(vm)) as ga:
             await ga.connect(timeout=timeout)
             res = await ga.run(argv, stdin=data, timeout=timeout)
@@ -267,6 +292,29 @@ class Supervisor:
             out[name] = await self._repin(rt, offset)
             offset += len(out[name])
         return out
+
+    # -- migration (fusuma.migration.supervisor_ops) -----------------------------------
+    async def op_incoming_prepare(self, vm: str, mode: str) -> dict[str, Any]:
+        return await migration_ops.incoming_prepare(self, vm, mode)
+
+    async def op_migrate_out(self, vm: str, uri: str, mode: str) -> dict[str, Any]:
+        async with self._lock(vm):
+            return await migration_ops.migrate_out(self, vm, uri, mode)
+
+    async def op_incoming_finish(self, vm: str) -> dict[str, Any]:
+        return await migration_ops.incoming_finish(self, vm)
+
+    async def op_incoming_abort(self, vm: str) -> dict[str, Any]:
+        return await migration_ops.incoming_abort(self, vm)
+
+    async def op_release(self, vm: str) -> dict[str, Any]:
+        return await migration_ops.release(self, vm)
+
+    async def op_resume_source(self, vm: str) -> dict[str, Any]:
+        return await migration_ops.resume_source(self, vm)
+
+    async def op_settle(self, vm: str) -> dict[str, Any]:
+        return await migration_ops.settle(self, vm)
 
     def _running(self, vm: str) -> VmRecord:
         rec = self._vm(vm)
@@ -298,17 +346,16 @@ class Supervisor:
                             "name another with `fusuma partition create --qemu PATH`.")
         return found
 
-    def _config(self, vm: VmRecord, accel: str) -> VmConfig:
+    def _config(self, vm: VmRecord, accel: str, run: Path, ram_file: Path | None,
+                incoming: str | None = None, disk_owner: str | None = None) -> VmConfig:
         image = find_image(self.paths.cache, kind=vm.image)
-        run = self.paths.vm_run_dir(vm.name)
         vdir = self.paths.vm_dir(vm.name)
         disks = []
         for dname in vm.disks:
             d = self.db.disk(dname)
-            if d.partition != self.partition:
-                raise StateError(f"disk {dname!r} now belongs to partition {d.partition!r}; "
-                                 f"move it back with `fusuma disk move {dname} --to "
-                                 f"{self.partition}`.")
+            if d.partition != (disk_owner or self.partition):
+                raise StateError(f"disk {dname!r} belongs to partition {d.partition!r}, not "
+                                 f"{self.partition!r}; a VM can only use its partition's disks.")
             if not Path(d.path).exists():
                 raise HostError(f"disk {dname!r}: {d.path} does not exist.")
             disks.append(DiskConfig(dname, Path(d.path)))
@@ -322,7 +369,7 @@ class Supervisor:
             kernel=image.kernel, initrd=image.initrd, append=image.append,
             qmp_socket=qmp, qga_socket=run / "qga.sock", console_socket=run / "console.sock",
             console_log=vdir / "console.log", pidfile=run / "qemu.pid",
-            ram_file=self.paths.ram_file(vm.name), disks=disks)
+            ram_file=ram_file, disks=disks, incoming=incoming)
 
     async def _start(self, vm: VmRecord) -> None:
         if vm.name in self.vms:
@@ -333,30 +380,65 @@ class Supervisor:
         accel = probe_accel(vm.accel)
         if accel.notice:
             self.log.info("%s", accel.notice)
-        binary = self._qemu_binary()
-        cfg = self._config(vm, accel.name)
-        argv = build_argv(cfg, binary)
+        run = self.paths.vm_run_dir(vm.name)
+        ram = self.paths.ram_file(vm.name) if vm.shared_ram else None
         undo: list[Any] = []
         try:
-            for d in (self.paths.vm_run_dir(vm.name), self.paths.vm_dir(vm.name),
-                      self.paths.shm):
-                d.mkdir(parents=True, exist_ok=True)
-            self._cleanup_files(vm.name)
-            undo.append(lambda: self._cleanup_files(vm.name))
-            self.cg.create_leaf(self.partition, vm_leaf(vm.name))
-            undo.append(lambda: self._delete_leaf(vm.name))
-            log = open(self.paths.vm_dir(vm.name) / "qemu.log", "ab")  # noqa: SIM115
-            log.write(f"--- {time.ctime()} {argv}\n".encode())
-            log.flush()
-            cg, part, leaf = self.cg, self.partition, vm_leaf(vm.name)
-
-            def into_cgroup() -> None:
-                cg.attach(part, leaf, os.getpid())
-
             self.db.update_vm(vm.with_(state=VmState.STARTING, error=None))
             undo.append(lambda: self.db.update_vm(self.db.vm(vm.name).with_(
                 state=VmState.STOPPED, pid=None)))
             started = time.time()
+            rt = await self._launch(vm, accel.name, run, ram, None, undo)
+            self.vms[vm.name] = rt
+            undo.append(lambda: self.vms.pop(vm.name, None))
+            self._watch(rt)
+            await self._repin_all()
+            self.db.update_vm(self.db.vm(vm.name).with_(
+                state=VmState.RUNNING, pid=rt.pid, accel_used=accel.name,
+                qemu_binary=self._qemu_binary(), started_at=started, error=None,
+                ram_path=str(ram) if ram else None))
+            self.log.info("started %s: pid %d, %s", vm.name, rt.pid, accel.name)
+        except BaseException as exc:
+            self._undo(undo)
+            if isinstance(exc, FusumaError):
+                with contextlib.suppress(Exception):
+                    self.db.update_vm(self.db.vm(vm.name).with_(error=str(exc)))
+            raise
+
+    def _undo(self, undo: list[Any]) -> None:
+        for fn in reversed(undo):
+            try:
+                fn()
+            except Exception:
+                self.log.exception("undo step failed")
+
+    async def _launch(self, vm: VmRecord, accel: str, run: Path, ram: Path | None,
+                      incoming: str | None, undo: list[Any],
+                      disk_owner: str | None = None) -> VmRuntime:
+        """Start one QEMU for ``vm`` in this partition's cgroup and connect QMP.
+
+        Every step appends its undo to ``undo``; the caller runs them on failure."""
+        binary = self._qemu_binary()
+        cfg = self._config(vm, accel, run, ram, incoming, disk_owner)
+        argv = build_argv(cfg, binary)
+        self._cleanup_run(run)
+        for d in (run, self.paths.vm_dir(vm.name), self.paths.shm):
+            d.mkdir(parents=True, exist_ok=True)
+        undo.append(lambda: self._cleanup_run(run))
+        if ram is not None and incoming is None:
+            self._remove_ram(ram)
+            undo.append(lambda: self._remove_ram(ram))
+        self.cg.create_leaf(self.partition, vm_leaf(vm.name))
+        undo.append(lambda: self._delete_leaf(vm.name))
+        cg, part, leaf = self.cg, self.partition, vm_leaf(vm.name)
+
+        def into_cgroup() -> None:
+            # Before exec: QEMU's memory is charged to its own leaf from the first page.
+            cg.attach(part, leaf, os.getpid())
+
+        with open(self.paths.vm_dir(vm.name) / "qemu.log", "ab") as log:
+            log.write(f"--- {time.ctime()} {argv}\n".encode())
+            log.flush()
             try:
                 child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=log, start_new_session=True, close_fds=True,
@@ -364,30 +446,12 @@ class Supervisor:
             except OSError as exc:
                 raise QemuError(f"VM {vm.name}: cannot run {binary}: {exc.strerror}.",
                                 argv=argv) from exc
-            finally:
-                log.close()
-            undo.append(lambda: self._reap(child))
-            qmp = Qmp(vm.name, cfg.qmp_socket, self._vm_logger(vm.name))
-            await self._connect_or_fail(vm.name, child, qmp)
-            rt = VmRuntime(vm.name, child.pid, qmp, child=child)
-            self.vms[vm.name] = rt
-            undo.append(lambda: self.vms.pop(vm.name, None))
-            self._watch(rt)
-            await self._repin_all()
-            self.db.update_vm(self.db.vm(vm.name).with_(
-                state=VmState.RUNNING, pid=child.pid, accel_used=accel.name,
-                qemu_binary=binary, started_at=started, error=None))
-            self.log.info("started %s: pid %d, %s", vm.name, child.pid, accel.name)
-        except BaseException as exc:
-            for fn in reversed(undo):
-                try:
-                    fn()
-                except Exception:
-                    self.log.exception("undo step failed")
-            if isinstance(exc, FusumaError):
-                with contextlib.suppress(Exception):
-                    self.db.update_vm(self.db.vm(vm.name).with_(error=str(exc)))
-            raise
+        undo.append(lambda: self._reap(child))
+        qmp = Qmp(vm.name, cfg.qmp_socket, self._vm_logger(vm.name))
+        await self._connect_or_fail(vm.name, child, qmp)
+        undo.append(lambda: asyncio.ensure_future(qmp.disconnect()))
+        return VmRuntime(vm.name, child.pid, qmp, run_dir=run, ram_file=ram, child=child,
+                         started_log=process.tail(self.paths.vm_dir(vm.name) / "qemu.log", 1))
 
     async def _connect_or_fail(self, vm: str, child: subprocess.Popen[bytes],
                                qmp: Qmp) -> None:
@@ -395,9 +459,10 @@ class Supervisor:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if child.poll() is not None:
-                raise QemuError(f"VM {vm}: QEMU exited at start with status {child.returncode}: "
-                                f"{process.tail(log, 3)}", exit_status=child.returncode,
-                                log_tail=process.tail(log))
+                said = process.tail(log, 1)
+                raise QemuError(f"VM {vm}: QEMU exited at start with status "
+                                f"{child.returncode}: {said or 'no message'}",
+                                exit_status=child.returncode, log_tail=process.tail(log))
             try:
                 await qmp.connect(timeout=0.5)
                 return
@@ -452,12 +517,16 @@ class Supervisor:
         status: int | None = None
         if rt.child is not None:
             status = rt.child.wait()
-        self.vms.pop(rt.name, None)
+        if self.vms.get(rt.name) is rt:
+            del self.vms[rt.name]
         await rt.qmp.disconnect()
-        self._cleanup_files(rt.name)
+        self._cleanup_run(rt.run_dir)
+        if rt.ram_file is not None and rt.owns_ram:
+            self._remove_ram(rt.ram_file)
         self._delete_leaf(rt.name)
         rec = self.db.find_vm(rt.name)
-        if rec is None:
+        if rt.detached or rec is None or rec.partition != self.partition or rec.pid != rt.pid:
+            self.log.info("%s (pid %d) exited; its record belongs elsewhere", rt.name, rt.pid)
             return
         if rt.stopping:
             self.db.update_vm(rec.with_(state=VmState.STOPPED, pid=None, error=None))
@@ -468,18 +537,25 @@ class Supervisor:
                else "exited (status unknown: adopted process)")
         msg = f"QEMU {how} unexpectedly"
         tail = process.tail(self.paths.vm_dir(rt.name) / "qemu.log", 1)
-        if tail and not tail.startswith("---"):
+        if tail and (rt.started_log is None or tail != rt.started_log):
             msg += f": {tail}"
         self.db.update_vm(rec.with_(state=VmState.CRASHED, pid=None, error=msg))
         self.log.warning("%s crashed: %s", rt.name, msg)
 
-    def _cleanup_files(self, vm: str) -> None:
-        run = self.paths.vm_run_dir(vm)
+    def _cleanup_run(self, run: Path) -> None:
+        """Remove a QEMU instance's sockets and pidfile (never a RAM file)."""
         for name in ("qmp.sock", "qga.sock", "console.sock", "qemu.pid"):
             with contextlib.suppress(FileNotFoundError):
                 (run / name).unlink()
+        if run.name.startswith(INCOMING_PREFIX):
+            with contextlib.suppress(FileNotFoundError):
+                (run / "migrate.sock").unlink()
+            with contextlib.suppress(OSError):
+                run.rmdir()
+
+    def _remove_ram(self, ram: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.paths.ram_file(vm).unlink()
+            ram.unlink()
 
     def _delete_leaf(self, vm: str) -> None:
         try:

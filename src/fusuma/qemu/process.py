@@ -26,11 +26,12 @@ def cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
-def is_vm_process(pid: int, vm: str, qmp_socket: Path) -> bool:
-    """True if ``pid`` is the QEMU of ``vm`` (guards against pid reuse on adoption)."""
+def is_vm_process(pid: int, vm: str, run_dir: Path) -> bool:
+    """True if ``pid`` is a QEMU of ``vm`` whose sockets live under ``run_dir`` (guards
+    against pid reuse on adoption)."""
     argv = cmdline(pid)
     return (f"guest={vm},debug-threads=on" in argv
-            and any(str(qmp_socket) in a for a in argv))
+            and any(f"path={run_dir}/" in a for a in argv))
 
 
 def threads(pid: int) -> list[int]:
@@ -75,9 +76,14 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> bool:
 
 
 def tail(path: Path, lines: int = 10) -> str:
-    """The last ``lines`` lines of a log file, or "" if it cannot be read."""
+    """The last ``lines`` lines of a log file, or "" if it cannot be read.
+
+    fusuma's own "--- date argv" header lines in QEMU logs are skipped: they are
+    never the message a user needs."""
     try:
-        data = path.read_bytes()[-8192:]
+        data = path.read_bytes()[-16384:]
     except OSError:
         return ""
-    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+    text = [ln for ln in data.decode(errors="replace").splitlines()
+            if not ln.startswith("--- ")]
+    return "\n".join(text[-lines:])

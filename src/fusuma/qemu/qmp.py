@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qemu.qmp import QMPClient, QMPError
+from qemu.qmp import EventListener, QMPClient, QMPError
 
 from fusuma.errors import QemuError
 
@@ -17,6 +18,24 @@ EVENT_SHUTDOWN = "SHUTDOWN"
 EVENT_STOP = "STOP"
 EVENT_RESUME = "RESUME"
 EVENT_MIGRATION = "MIGRATION"
+
+
+@dataclass(frozen=True)
+class MigrationInfo:
+    """The fields of ``query-migrate`` fusuma uses (times in ms, sizes in bytes)."""
+
+    status: str
+    total_ms: float | None = None
+    downtime_ms: float | None = None
+    setup_ms: float | None = None
+    transferred: int = 0
+    error: str | None = None
+
+
+def event_time(event: Any) -> float:
+    """A QMP event's own timestamp (host realtime, seconds)."""
+    ts = event["timestamp"]
+    return float(ts["seconds"]) + float(ts["microseconds"]) / 1e6
 
 
 @dataclass(frozen=True)
@@ -90,6 +109,45 @@ class Qmp:
 
     async def system_powerdown(self) -> None:
         await self.execute("system_powerdown")
+
+    def listener(self, *names: str) -> EventListener:
+        """Start collecting events ``names``; call ``drop_listener`` when done."""
+        listener = EventListener(names)
+        self._client.register_listener(listener)
+        return listener
+
+    def drop_listener(self, listener: EventListener) -> None:
+        with contextlib.suppress(Exception):
+            self._client.remove_listener(listener)
+
+    async def wait_event(self, listener: EventListener, timeout: float) -> Any:
+        try:
+            return await asyncio.wait_for(listener.get(), timeout)
+        except TimeoutError as exc:
+            raise QemuError(f"VM {self.vm}: no {'/'.join(listener.names or [])} event "
+                            f"within {timeout:.0f} s.") from exc
+
+    async def migrate_set_capabilities(self, caps: dict[str, bool]) -> None:
+        await self.execute("migrate-set-capabilities", {"capabilities": [
+            {"capability": k, "state": v} for k, v in caps.items()]})
+
+    async def migrate(self, uri: str) -> None:
+        await self.execute("migrate", {"uri": uri})
+
+    async def migrate_incoming(self, uri: str) -> None:
+        await self.execute("migrate-incoming", {"uri": uri})
+
+    async def migrate_cancel(self) -> None:
+        await self.execute("migrate_cancel")
+
+    async def query_migrate(self) -> MigrationInfo:
+        r = await self.execute("query-migrate")
+        ram = r.get("ram") or {}
+        return MigrationInfo(status=str(r.get("status", "none")),
+                             total_ms=r.get("total-time"), downtime_ms=r.get("downtime"),
+                             setup_ms=r.get("setup-time"),
+                             transferred=int(ram.get("transferred", 0)),
+                             error=r.get("error-desc"))
 
     async def cont(self) -> None:
         await self.execute("cont")

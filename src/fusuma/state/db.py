@@ -47,7 +47,9 @@ CREATE TABLE IF NOT EXISTS vms (
     qemu_binary TEXT,
     started_at REAL,
     error TEXT,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    shared_ram INTEGER NOT NULL DEFAULT 1,
+    ram_path TEXT
 );
 """
 
@@ -60,6 +62,7 @@ class VmState(enum.StrEnum):
     RUNNING = "running"
     STOPPING = "stopping"
     CRASHED = "crashed"
+    MIGRATING = "migrating"
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class VmRecord:
     started_at: float | None = None
     error: str | None = None
     created_at: float = field(default_factory=time.time)
+    shared_ram: bool = True          # RAM in a named shared file (zero-copy migration)
+    ram_path: str | None = None      # that file, once the VM has run
 
     def with_(self, **changes: object) -> VmRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -232,7 +237,8 @@ class Database:
             memory_mib=row["memory_mib"], image=row["image"], disks=json.loads(row["disks"]),
             accel=row["accel"], autostart=bool(row["autostart"]), state=VmState(row["state"]),
             pid=row["pid"], accel_used=row["accel_used"], qemu_binary=row["qemu_binary"],
-            started_at=row["started_at"], error=row["error"], created_at=row["created_at"])
+            started_at=row["started_at"], error=row["error"], created_at=row["created_at"],
+            shared_ram=bool(row["shared_ram"]), ram_path=row["ram_path"])
 
     def vms(self, partition: str | None = None) -> list[VmRecord]:
         if partition is None:
@@ -255,21 +261,21 @@ class Database:
     def add_vm(self, v: VmRecord) -> None:
         try:
             self._conn.execute(
-                "INSERT INTO vms VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO vms VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (v.name, v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks),
                  v.accel, int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
-                 v.started_at, v.error, v.created_at))
+                 v.started_at, v.error, v.created_at, int(v.shared_ram), v.ram_path))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a VM named {v.name!r} already exists.") from exc
 
     def update_vm(self, v: VmRecord) -> None:
         self._conn.execute(
             "UPDATE vms SET partition=?, vcpus=?, memory_mib=?, image=?, disks=?, accel=?, "
-            "autostart=?, state=?, pid=?, accel_used=?, qemu_binary=?, started_at=?, error=? "
-            "WHERE name=?",
+            "autostart=?, state=?, pid=?, accel_used=?, qemu_binary=?, started_at=?, error=?, "
+            "shared_ram=?, ram_path=? WHERE name=?",
             (v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks), v.accel,
              int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
-             v.started_at, v.error, v.name))
+             v.started_at, v.error, int(v.shared_ram), v.ram_path, v.name))
 
     def remove_vm(self, name: str) -> None:
         self._conn.execute("DELETE FROM vms WHERE name=?", (name,))

@@ -7,6 +7,7 @@ import base64
 import contextlib
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fusuma.errors import ConflictError, ResourceError, StateError, SupervisorError
@@ -35,7 +36,8 @@ class VmView:
     @property
     def state(self) -> str:
         r = self.record
-        if r.state in (VmState.RUNNING, VmState.STARTING, VmState.STOPPING) and not (
+        if r.state in (VmState.RUNNING, VmState.STARTING, VmState.STOPPING,
+                       VmState.MIGRATING) and not (
                 r.pid and process.pid_alive(r.pid)):
             # The supervisor is down or has not noticed yet: say what is true.
             return VmState.CRASHED.value
@@ -72,7 +74,8 @@ class VmManager:
         find_image(self.paths.cache, kind=spec.image)
         rec = VmRecord(name=spec.name, partition=spec.partition, vcpus=spec.vcpus,
                        memory_mib=spec.memory_mib, image=spec.image, disks=list(spec.disks),
-                       accel=spec.accel, autostart=spec.autostart)
+                       accel=spec.accel, autostart=spec.autostart,
+                       shared_ram=spec.shared_ram)
         need = SUPERVISOR_MIB + sum(vm_need_mib(v) for v in self.db.vms(part.name))
         need += vm_need_mib(rec)
         if need > part.memory_mib:
@@ -120,22 +123,22 @@ class VmManager:
     def delete(self, name: str, force: bool = False) -> None:
         vm = self.db.vm(name)
         view = VmView(vm)
-        if view.state in ("running", "starting", "stopping"):
+        if view.state in ("running", "starting", "stopping", "migrating"):
             if not force:
                 raise StateError(f"VM {name!r} is {view.state}; stop it first or use --force.")
             try:
                 self.parts.client(vm.partition).call("kill", vm=name)
             except SupervisorError:
                 # No supervisor to ask: end the QEMU ourselves, by its checked pid.
-                qmp = self.paths.vm_run_dir(name) / "qmp.sock"
-                if vm.pid and process.is_vm_process(vm.pid, name, qmp):
+                if vm.pid and process.is_vm_process(vm.pid, name, self.paths.vm_run_dir(name)):
                     process.kill(vm.pid)
                     self.parts._wait_empty(vm.partition, timeout=5)
         self.db.remove_vm(name)
         for d in (self.paths.vm_dir(name), self.paths.vm_run_dir(name)):
             shutil.rmtree(d, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.paths.ram_file(name).unlink()
+        for ram in {self.paths.ram_file(name), *([Path(vm.ram_path)] if vm.ram_path else [])}:
+            with contextlib.suppress(FileNotFoundError):
+                ram.unlink()
         with contextlib.suppress(Exception):
             self.parts.cg.delete_leaf(vm.partition, f"vm.{name}")
 
