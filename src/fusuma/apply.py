@@ -16,7 +16,7 @@ from pathlib import Path
 from fusuma.errors import ConflictError, SpecError
 from fusuma.partition.manager import PartitionManager
 from fusuma.spec import DiskSpec, HostSpec, PartitionSpec, VmSpec, check_host_fit
-from fusuma.state import Database, VmState
+from fusuma.state import Database
 from fusuma.undo import Reverter
 from fusuma.vm import VmManager, VmView
 
@@ -92,8 +92,6 @@ def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> 
                                 f"{vs.name} --force`).")
         if vs.autostart and (cur_v is None or VmView(cur_v).state != "running"):
             p.start_vms.append(vs.name)
-    # Shrinks first, so that cores they give up are free for the grows.
-    p.resize_partitions.sort(key=lambda t: not t[1])
     return p
 
 
@@ -104,11 +102,21 @@ def up(paths_db: Database, parts: PartitionManager, vms: VmManager, spec: HostSp
     db = paths_db
     the_plan = plan(db, parts, spec, source)
     with Reverter() as rev:
-        for ps, _ in the_plan.resize_partitions:
-            old = db.partition(ps.name)
-            progress(f"resizing partition {ps.name}")
-            parts.resize(ps.name, ps.cpus, ps.memory_mib)
-            rev.add(lambda o=old: parts.resize(o.name, o.cpus, o.memory_mib))  # type: ignore[misc]
+        # Two phases, so cores and memory can move between partitions in one spec:
+        # first every partition gives up what it loses, then each takes what it gains.
+        for phase in ("shrink", "grow"):
+            for ps, _ in the_plan.resize_partitions:
+                old = db.partition(ps.name)
+                if phase == "shrink":
+                    cpus = [c for c in old.cpus if c in ps.cpus] or old.cpus
+                    mem = min(old.memory_mib, ps.memory_mib)
+                else:
+                    cpus, mem = ps.cpus, ps.memory_mib
+                if (cpus, mem) == (old.cpus, old.memory_mib):
+                    continue
+                progress(f"resizing partition {ps.name} ({phase})")
+                rev.add(lambda o=old: parts.resize(o.name, o.cpus, o.memory_mib))  # type: ignore[misc]
+                parts.resize(ps.name, cpus, mem)
         for ps in the_plan.create_partitions:
             progress(f"creating partition {ps.name} on cores {ps.cpus}")
             parts.create(ps)
@@ -168,5 +176,3 @@ def down(db: Database, parts: PartitionManager, vms: VmManager,
     return done
 
 
-def stopped_states() -> tuple[VmState, ...]:
-    return (VmState.STOPPED, VmState.CRASHED)

@@ -112,6 +112,9 @@ class DiskSpec(_Model):
     def _abs(cls, v: str) -> str:
         if not v.startswith("/"):
             raise ValueError(f"disk path {v!r} must be absolute")
+        if "," in v:
+            raise ValueError(f"disk path {v!r} contains a comma, which QEMU options "
+                             "cannot carry; rename or link the file")
         return v
 
 

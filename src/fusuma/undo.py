@@ -37,5 +37,6 @@ class Reverter:
         for what, fn in reversed(self._undo):
             try:
                 fn()
-            except Exception:
-                LOG.exception("undo of %s failed", what)
+            except Exception as exc:
+                LOG.warning("undo of %s failed: %s", what, exc)
+                LOG.debug("undo failure", exc_info=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from fusuma.bench import boot
+from fusuma.bench import boot, report_vmbeam, vmbeam
 from fusuma.bench.meta import write_result
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress
 
@@ -22,7 +22,8 @@ def bench() -> None:
               help="VMs started together.")
 @click.option("--runs", type=click.IntRange(1, 50), default=3, show_default=True,
               help="Repetitions; the summary is the median over all VMs and runs.")
-@click.option("--memory", "memory_mib", type=int, default=256, show_default=True)
+@click.option("--memory", "memory_mib", type=click.IntRange(64, 65536), default=256,
+              show_default=True, help="Guest RAM of each VM, MiB.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
               help="Write the result file here (default: print it).")
 @pass_ctx
@@ -40,3 +41,72 @@ def boot_cmd(c: Ctx, n: int, runs: int, memory_mib: int, json_file: Path | None)
         click.echo(f"boot to guest agent, {n} VM(s) x {runs} run(s): median "
                    f"{s['median_boot_ms']} ms (min {s['min_boot_ms']}, max "
                    f"{s['max_boot_ms']}); written to {json_file}")
+
+
+def _sizes(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        sizes = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s < 64 for s in sizes):
+        raise click.BadParameter(f"{value!r} is not a list of sizes in MiB (each >= 64), "
+                                 "e.g. 256,1024,4096.")
+    return sizes
+
+
+@bench.command("vmbeam")
+@click.option("--sizes", default=None,
+              help="Guest memory sizes in MiB, comma-separated  [default: 256,1024,4096; "
+                   "with --quick 256,1024].")
+@click.option("--moves", type=click.IntRange(1, 100), default=None,
+              help="Moves per (mode, size); figures are their median  [default: 5; with "
+                   "--quick 2].")
+@click.option("--quick", is_flag=True, help="Fewer sizes and moves (a few minutes).")
+@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
+              help="Write the result file here (default: print it, or DIR/vmbeam.json "
+                   "with --report).")
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
+              help="After the run, render DIR/report.md and DIR/vmbeam.png from the "
+                   "result file.")
+@pass_ctx
+def vmbeam_cmd(c: Ctx, sizes: str | None, moves: int | None, quick: bool,
+               json_file: Path | None, report_dir: Path | None) -> None:
+    """The VMBeam experiment: move a running VM back and forth between two partitions,
+    zero-copy and by copy, for each guest memory size; check its data after every move.
+
+    Needs every core (two scratch partitions, removed afterwards), so no partition may
+    exist."""
+    size_list = _sizes(sizes) or list(vmbeam.QUICK_SIZES if quick else vmbeam.DEFAULT_SIZES)
+    n = moves or (vmbeam.QUICK_MOVES if quick else vmbeam.DEFAULT_MOVES)
+    c.accel_notice("auto")
+    data = vmbeam.run(c.parts, c.vms, size_list, moves=n, progress=progress)
+    if json_file is None and report_dir is not None:
+        json_file = report_dir / "vmbeam.json"
+    if json_file is None:
+        emit_json(data)
+        return
+    write_result(json_file, data)
+    for r in data["results"]:
+        click.echo(f"{r['mode']:9} {r['memory_mib']:6} MiB: total {r['total_ms']} ms, "
+                   f"downtime {r['downtime_ms']} ms, {r['bytes_sent']} bytes, "
+                   f"data intact {str(r['data_intact']).lower()}")
+    click.echo(f"written to {json_file}")
+    if report_dir is not None:
+        paths = report_vmbeam.render(json_file, report_dir)
+        click.echo(f"report: {', '.join(str(p) for p in paths)}")
+
+
+@bench.group("report")
+def report() -> None:
+    """Render a report from an existing result file."""
+
+
+@report.command("vmbeam")
+@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
+def report_vmbeam_cmd(result_file: Path, out_dir: Path) -> None:
+    """Write OUT_DIR/report.md and OUT_DIR/vmbeam.png from a `bench vmbeam` result file."""
+    paths = report_vmbeam.render(result_file, out_dir)
+    click.echo(f"report: {', '.join(str(p) for p in paths)}")

@@ -104,7 +104,10 @@ def ps(c: Ctx, as_json: bool) -> None:
 
     A partition is `running` while its supervisor answers, `supervisor-down` after the
     supervisor died (its VMs keep running; `fusuma partition restart` re-adopts them).
-    A VM is `crashed` when its QEMU ended without being asked to."""
+    A VM is `crashed` when its QEMU ended without being asked to. pss_mib is the host
+    memory of the VM's QEMU from /proc/PID/smaps_rollup (shared pages split among the
+    processes that map them); it follows the process, unlike cgroup charges, which
+    stay with the cgroup that first touched a page (e.g. after a zero-copy migration)."""
     data = ps_data(c)
     if as_json:
         emit_json(data)
@@ -114,6 +117,8 @@ def ps(c: Ctx, as_json: bool) -> None:
     click.echo(table(prow, ["partition", "cpus", "memory_mib", "supervisor", "state"]))
     click.echo()
     vrow = [[v["name"], v["partition"], v["state"], str(v["pid"] or "-"), v["accel"],
-             str(v["vcpus"]), str(v["memory_mib"]), v["error"] or ""] for v in data["vms"]]
+             str(v["vcpus"]), str(v["memory_mib"]),
+             str(v["host_memory"]["pss_mib"]) if v["host_memory"] else "-",
+             v["error"] or ""] for v in data["vms"]]
     click.echo(table(vrow, ["vm", "partition", "state", "pid", "accel", "vcpus",
-                            "memory_mib", "note"]))
+                            "memory_mib", "pss_mib", "note"]))

@@ -14,6 +14,7 @@ import click
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
 from fusuma.errors import NotFoundError, StateError
 from fusuma.spec import VmSpec, build
+from fusuma.undo import Reverter
 from fusuma.vm import VmView
 
 
@@ -37,18 +38,27 @@ def vm() -> None:
               help="A disk of the partition to attach (repeatable); see `fusuma disk`.")
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto",
               show_default=True, help="auto: KVM when usable, else TCG.")
-@click.option("--start", is_flag=True, help="Start it right away.")
+@click.option("--private-ram", is_flag=True,
+              help="Private anonymous guest RAM instead of a shared file: such a VM can "
+                   "only be migrated by copy (--mode copy), never zero-copy.")
+@click.option("--start", is_flag=True, help="Start it right away (if that fails, the "
+              "VM is not kept).")
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image: str,
-           disks: tuple[str, ...], accel: str, start: bool, as_json: bool) -> None:
+           disks: tuple[str, ...], accel: str, private_ram: bool, start: bool,
+           as_json: bool) -> None:
     """Define VM NAME in a partition (and optionally start it)."""
     spec = build(VmSpec, "vm", name=name, partition=partition, vcpus=vcpus,
-                 memory_mib=memory_mib, image=image, disks=list(disks), accel=accel)
+                 memory_mib=memory_mib, image=image, disks=list(disks), accel=accel,
+                 shared_ram=not private_ram)
     c.vms.create(spec)
     if start:
         c.accel_notice(accel)
-        c.vms.start(name)
+        with Reverter() as rev:
+            rev.add(lambda: c.vms.delete(name, force=True), "vm definition")
+            c.vms.start(name)
+            rev.commit()
     view = VmView(c.db.vm(name))
     if as_json:
         emit_json(view.as_json())

@@ -105,7 +105,12 @@ def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
     source = rec.partition
     src, dst = parts.client(source), parts.client(to)
     progress(f"preparing {vm} in {to} ({mode})")
-    prep = dst.call("incoming-prepare", vm=vm, mode=mode)
+    try:
+        prep = dst.call("incoming-prepare", vm=vm, mode=mode)
+    except FusumaError as exc:
+        raise MigrationError(f"the destination for {vm!r} in partition {to!r} could not "
+                             f"be prepared ({exc}); {vm!r} stays in partition "
+                             f"{source!r}.") from exc
     src_pid, dst_pid = int(rec.pid or 0), int(prep["pid"])
     cpu0 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
     _fault_sleep(FAULT_BEFORE_STREAM)
@@ -117,7 +122,7 @@ def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
             dst.call("incoming-abort", vm=vm)
         if isinstance(exc, MigrationError):
             raise
-        raise MigrationError(f"migration of {vm!r} failed: {exc} It stays in partition "
+        raise MigrationError(f"migration of {vm!r} failed ({exc}); it stays in partition "
                              f"{source!r}.") from exc
     cpu1 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
     _fault_sleep(FAULT_AFTER_COMPLETE)

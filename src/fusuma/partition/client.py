@@ -45,7 +45,12 @@ class SupervisorClient:
             raise SupervisorError(f"the supervisor of partition {self.partition!r} closed the "
                                   f"connection during {op!r}; see its log in "
                                   f"{self.paths.partition_dir(self.partition)}/supervisor.log.")
-        return raise_reply(json.loads(buf))
+        try:
+            reply = json.loads(buf)
+        except ValueError as exc:
+            raise SupervisorError(f"the supervisor of partition {self.partition!r} sent a "
+                                  f"garbled answer to {op!r}; see its log.") from exc
+        return raise_reply(reply)
 
     def alive(self) -> bool:
         try:

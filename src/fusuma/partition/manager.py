@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fusuma.errors import (
     ConflictError,
+    FusumaError,
     HostError,
     NotFoundError,
     ResourceError,
@@ -32,7 +33,7 @@ from fusuma.paths import Paths
 from fusuma.qemu import process
 from fusuma.qemu.cmdline import overhead_mib
 from fusuma.spec import DiskSpec, PartitionSpec, check_name
-from fusuma.state import Database, DiskRecord, PartitionRecord, VmRecord, VmState
+from fusuma.state import Database, DiskRecord, PartitionRecord, VmRecord
 from fusuma.undo import Reverter
 
 LOG = logging.getLogger(__name__)
@@ -119,12 +120,13 @@ class PartitionManager:
         self.check_memory(spec.name, spec.memory_mib)
         self.check_qemu(spec.qemu)
         if spec.memory_mib < SUPERVISOR_MIB + 64:
-            raise ResourceError(f"partition {spec.name!r} needs more than "
+            raise ResourceError(f"partition {spec.name!r} needs at least "
                                 f"{SUPERVISOR_MIB + 64} MiB of memory.")
         rec = PartitionRecord(name=spec.name, cpus=spec.cpus, memory_mib=spec.memory_mib,
                               io_weight=spec.io_weight, qemu=spec.qemu)
         with Reverter() as rev:
             self.cg.ensure_parent()
+            rev.add(self.cg.remove_parent_if_empty, "parent cgroup")
             if self.cg.exists(spec.name):
                 raise ConflictError(f"cgroup of partition {spec.name!r} already exists "
                                     "(left by an earlier run?); remove it or pick another name.")
@@ -159,7 +161,7 @@ class PartitionManager:
             LOG.warning("killing leftover pid %d in partition %s", pid, name)
             process.kill(pid)
         for d in self.db.disks(name):
-            self.db.remove_disk(d.name)
+            self.remove_disk(d.name, delete_file=d.created_file)
         self._wait_empty(name)
         self.cg.delete(name)
         self.db.remove_partition(name)
@@ -187,14 +189,16 @@ class PartitionManager:
         new = PartitionRecord(**{**rec.__dict__, "cpus": sorted(new_cpus),
                                  "memory_mib": new_mem})
         with Reverter() as rev:
-            self.cg.update(name, self._limits(new))
             rev.add(lambda: self.cg.update(name, self._limits(rec)), "cgroup limits")
+            self.cg.update(name, self._limits(new))
             self.db.update_partition(new)
             rev.add(lambda: self.db.update_partition(rec), "db row")
             rev.commit()
         # The kernel resets the affinity of every task in a changed cpuset: pin again.
-        with contextlib.suppress(SupervisorError):
+        try:
             self.client(name).call("repin")
+        except FusumaError as exc:
+            LOG.warning("partition %s resized, but its vCPUs were not re-pinned: %s", name, exc)
         return new
 
     def _limits(self, rec: PartitionRecord) -> cgroups.Limits:
@@ -317,6 +321,3 @@ class PartitionManager:
             with contextlib.suppress(FileNotFoundError):
                 Path(disk.path).unlink()
 
-
-def running_vm_states() -> tuple[VmState, ...]:
-    return (VmState.STARTING, VmState.RUNNING, VmState.STOPPING)

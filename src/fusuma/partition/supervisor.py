@@ -239,7 +239,7 @@ class Supervisor:
             if rt is None:
                 if rec.state in (VmState.STOPPED, VmState.CRASHED):
                     return {"vm": vm, "was": rec.state.value}
-                raise StateError(f"VM {vm!r} is {rec.state.value}, not running.")
+                return self._kill_unmanaged(rec)
             rt.stopping = True
             self.db.update_vm(rec.with_(state=VmState.STOPPING))
             # Flush guest filesystems first, so stopping a VM with disks loses no data.
@@ -255,18 +255,42 @@ class Supervisor:
                 self.log.warning("%s did not quit in %.0f s; killing pid %d", vm, timeout,
                                  rt.pid)
                 process.kill(rt.pid)
-                await asyncio.wait_for(rt.exited.wait(), 10)
+                await self._wait_exit(rt)
         return {"vm": vm, "was": "running"}
 
     async def op_kill(self, vm: str) -> dict[str, Any]:
         rec = self._vm(vm)
         rt = self.vms.get(vm)
         if rt is None:
-            raise StateError(f"VM {vm!r} is {rec.state.value}; there is no QEMU to kill.")
+            if rec.state in (VmState.STOPPED, VmState.CRASHED):
+                raise StateError(f"VM {vm!r} is {rec.state.value}; there is no QEMU to kill.")
+            return self._kill_unmanaged(rec)
         rt.stopping = True
         process.kill(rt.pid)
-        await asyncio.wait_for(rt.exited.wait(), 10)
+        await self._wait_exit(rt)
         return {"vm": vm, "pid": rt.pid}
+
+    async def _wait_exit(self, rt: VmRuntime, timeout: float = 10.0) -> None:
+        try:
+            await asyncio.wait_for(rt.exited.wait(), timeout)
+        except TimeoutError as exc:
+            raise QemuError(f"VM {rt.name}: QEMU (pid {rt.pid}) did not exit within "
+                            f"{timeout:.0f} s of SIGKILL.") from exc
+
+    def _kill_unmanaged(self, rec: VmRecord) -> dict[str, Any]:
+        """A QEMU this supervisor could not adopt (no QMP): end it by its checked pid."""
+        if rec.pid and process.is_vm_process(rec.pid, rec.name,
+                                             self.paths.vm_run_dir(rec.name)):
+            process.kill(rec.pid)
+            deadline = time.monotonic() + 10
+            while process.pid_alive(rec.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        self._cleanup_run(self.paths.vm_run_dir(rec.name))
+        if rec.ram_path:
+            self._remove_ram(Path(rec.ram_path))
+        self._delete_leaf(rec.name)
+        self.db.update_vm(rec.with_(state=VmState.STOPPED, pid=None))
+        return {"vm": rec.name, "pid": rec.pid}
 
     async def op_exec(self, vm: str, argv: list[str], stdin: str | None = None,
                       timeout: float = 60.0) -> dict[str, Any]:
@@ -446,7 +470,16 @@ class Supervisor:
             except OSError as exc:
                 raise QemuError(f"VM {vm.name}: cannot run {binary}: {exc.strerror}.",
                                 argv=argv) from exc
+            except subprocess.SubprocessError as exc:
+                # preexec_fn (moving the child into its cgroup) failed.
+                raise QemuError(f"VM {vm.name}: cannot place QEMU in cgroup "
+                                f"{self.partition}/{vm_leaf(vm.name)}: {exc}.",
+                                argv=argv) from exc
         undo.append(lambda: self._reap(child))
+        if incoming is None:
+            # Known at once, so a supervisor killed during the start leaves a QEMU
+            # that the next one can find (or end) by its checked pid.
+            self.db.update_vm(self.db.vm(vm.name).with_(pid=child.pid))
         qmp = Qmp(vm.name, cfg.qmp_socket, self._vm_logger(vm.name))
         await self._connect_or_fail(vm.name, child, qmp)
         undo.append(lambda: asyncio.ensure_future(qmp.disconnect()))

@@ -6,17 +6,22 @@ from __future__ import annotations
 import base64
 import contextlib
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fusuma.errors import ConflictError, ResourceError, StateError, SupervisorError
+from fusuma.errors import ConflictError, FusumaError, ResourceError, StateError
+from fusuma.host.memory import process_memory
 from fusuma.images import find_image
 from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
 from fusuma.paths import Paths
 from fusuma.qemu import process
 from fusuma.spec import VmSpec, check_name
 from fusuma.state import Database, VmRecord, VmState
+
+# States in which a QEMU process should exist.
+ALIVE = (VmState.STARTING, VmState.RUNNING, VmState.STOPPING, VmState.MIGRATING)
 
 
 @dataclass(frozen=True)
@@ -36,19 +41,26 @@ class VmView:
     @property
     def state(self) -> str:
         r = self.record
-        if r.state in (VmState.RUNNING, VmState.STARTING, VmState.STOPPING,
-                       VmState.MIGRATING) and not (
-                r.pid and process.pid_alive(r.pid)):
+        if r.state == VmState.STARTING and r.pid is None:
+            return r.state.value
+        if r.state in ALIVE and not (r.pid and process.pid_alive(r.pid) and
+                                     f"guest={r.name},debug-threads=on"
+                                     in process.cmdline(r.pid)):
             # The supervisor is down or has not noticed yet: say what is true.
             return VmState.CRASHED.value
         return r.state.value
 
     def as_json(self) -> dict[str, Any]:
         r = self.record
-        return {"name": r.name, "partition": r.partition, "state": self.state,
-                "pid": r.pid if self.state != "crashed" else None,
+        state = self.state
+        alive = state in ("running", "migrating", "stopping") and r.pid is not None
+        mem = process_memory(r.pid) if alive and r.pid else None
+        return {"name": r.name, "partition": r.partition, "state": state,
+                "pid": r.pid if state != "crashed" else None,
                 "accel": r.accel_used or r.accel, "vcpus": r.vcpus,
-                "memory_mib": r.memory_mib, "disks": r.disks, "error": r.error}
+                "memory_mib": r.memory_mib, "shared_ram": r.shared_ram,
+                "host_memory": mem.as_json() if mem else None,
+                "disks": r.disks, "error": r.error}
 
 
 class VmManager:
@@ -128,11 +140,13 @@ class VmManager:
                 raise StateError(f"VM {name!r} is {view.state}; stop it first or use --force.")
             try:
                 self.parts.client(vm.partition).call("kill", vm=name)
-            except SupervisorError:
+            except FusumaError:
                 # No supervisor to ask: end the QEMU ourselves, by its checked pid.
                 if vm.pid and process.is_vm_process(vm.pid, name, self.paths.vm_run_dir(name)):
                     process.kill(vm.pid)
-                    self.parts._wait_empty(vm.partition, timeout=5)
+                    deadline = time.monotonic() + 10
+                    while process.pid_alive(vm.pid) and time.monotonic() < deadline:
+                        time.sleep(0.02)
         self.db.remove_vm(name)
         for d in (self.paths.vm_dir(name), self.paths.vm_run_dir(name)):
             shutil.rmtree(d, ignore_errors=True)

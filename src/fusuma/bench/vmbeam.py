@@ -1,0 +1,207 @@
+"""`fusuma bench vmbeam`: the VMBeam experiment (papers README §3) on fusuma.
+
+For each guest memory size and each migration mode (zero-copy, copy) two scratch
+partitions take one core each; a VM of that size boots in the first, writes a random
+blob into its tmpfs, starts a background writer that keeps dirtying memory, and is
+moved back and forth between the two partitions N times. After every move the blob's
+md5 inside the guest is compared with the one taken before the first move. Per
+(mode, size) the result is the median over the moves; every move is kept as well.
+
+It needs every core of the host, so it refuses to run beside any partition, and it
+removes everything it made afterwards, also on failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fusuma.bench.meta import meta
+from fusuma.errors import FusumaError, GuestAgentError, ResourceError
+from fusuma.host.accel import probe_accel
+from fusuma.migration import MigrationResult, migrate
+from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
+from fusuma.spec import PartitionSpec, VmSpec
+from fusuma.state import VmRecord
+from fusuma.vm import VmManager
+
+LOG = logging.getLogger(__name__)
+
+PARTITIONS = ("bench-vmbeam-a", "bench-vmbeam-b")
+VM = "bench-vmbeam-vm"
+MODES = ("zero-copy", "copy")
+DEFAULT_SIZES = (256, 1024, 4096)
+QUICK_SIZES = (256, 1024)
+DEFAULT_MOVES = 5
+QUICK_MOVES = 2
+# Room in each partition beyond the VM and the supervisor (as the boot benchmark).
+MARGIN_MIB = 64
+BLOB_MAX_MIB = 100
+EXEC_TIMEOUT_S = 300.0
+
+BLOB = "/tmp/blob"
+CHURN_PID = "/tmp/churn.pid"
+# Rewrites the same 16 MiB of tmpfs page cache forever, so the guest dirties memory
+# while it is moved. setsid + closed stdio: guest-exec returns at once instead of
+# waiting for the loop's output pipes to close.
+CHURN = ("setsid sh -c 'echo $$ > " + CHURN_PID + "; while :; do dd if=/dev/zero "
+         "of=/tmp/churn bs=1M count=16 2>/dev/null; done' </dev/null >/dev/null 2>&1 &")
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Move:
+    """One migration and the integrity check that followed it."""
+
+    memory_mib: int
+    result: MigrationResult
+    data_intact: bool
+    writer_alive: bool
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.result.as_json(), "memory_mib": self.memory_mib,
+                "data_intact": self.data_intact, "writer_alive": self.writer_alive}
+
+
+def blob_mib(memory_mib: int) -> int:
+    return max(1, min(BLOB_MAX_MIB, memory_mib // 4))
+
+
+def partition_mib(memory_mib: int, accel: str) -> int:
+    """Memory of one scratch partition: its supervisor plus one VM of this size."""
+    vm = VmRecord(name=VM, partition=PARTITIONS[0], vcpus=1, memory_mib=memory_mib,
+                  accel_used=accel)
+    return SUPERVISOR_MIB + vm_need_mib(vm) + MARGIN_MIB
+
+
+def run(parts: PartitionManager, vms: VmManager, sizes: Sequence[int],
+        moves: int = DEFAULT_MOVES, progress: Progress = lambda s: None) -> dict[str, Any]:
+    accel = probe_accel("auto").name
+    cores = _check_host(parts, sizes, accel)
+    results: list[dict[str, Any]] = []
+    all_moves: list[dict[str, Any]] = []
+    for size in sizes:
+        for mode in MODES:
+            done = _one_case(parts, vms, cores, size, mode, moves, accel, progress)
+            all_moves += [m.as_json() for m in done]
+            results.append(_summary(mode, size, done))
+            r = results[-1]
+            progress(f"{mode} {size} MiB: median total {r['total_ms']} ms, downtime "
+                     f"{r['downtime_ms']} ms, {r['bytes_sent']} bytes, data intact "
+                     f"{r['data_intact']}")
+    return {"meta": meta(accel, benchmark="vmbeam", sizes=list(sizes), moves=moves,
+                         modes=list(MODES), cores=cores,
+                         blob_mib={str(s): blob_mib(s) for s in sizes},
+                         writer="dd 16 MiB of zeros to guest tmpfs in a loop"),
+            "results": results, "moves": all_moves}
+
+
+def _check_host(parts: PartitionManager, sizes: Sequence[int], accel: str) -> list[int]:
+    """Refuse before anything is made; return the two cores the partitions get."""
+    existing = [p.name for p in parts.db.partitions()]
+    if existing:
+        raise ResourceError(f"the vmbeam benchmark needs every core of this host but "
+                            f"partition(s) {', '.join(existing)} exist; remove them first "
+                            "(`fusuma down`).")
+    if len(parts.host.cpus) < 2:
+        raise ResourceError("the vmbeam benchmark needs two cores (one per partition); "
+                            f"this host has {len(parts.host.cpus)}.")
+    need = 2 * partition_mib(max(sizes), accel)
+    avail = parts.host.memory_available_for_partitions_mib
+    if need > avail:
+        raise ResourceError(f"a {max(sizes)} MiB guest needs two partitions of "
+                            f"{need // 2} MiB but only {avail} MiB is available for "
+                            "partitions; choose smaller --sizes.")
+    return list(parts.host.cpus[:2])
+
+
+def _one_case(parts: PartitionManager, vms: VmManager, cores: list[int], size: int,
+              mode: str, moves: int, accel: str, progress: Progress) -> list[Move]:
+    mem = partition_mib(size, accel)
+    try:
+        for name, core in zip(PARTITIONS, cores, strict=True):
+            parts.create(PartitionSpec(name=name, cpus=[core], memory_mib=mem))
+        vms.create(VmSpec(name=VM, partition=PARTITIONS[0], memory_mib=size))
+        progress(f"{mode} {size} MiB: booting {VM} in {PARTITIONS[0]}")
+        vms.start(VM, wait_agent=120)
+        digest = _start_workload(vms, size, progress)
+        done: list[Move] = []
+        for i in range(moves):
+            to = PARTITIONS[(i + 1) % 2]
+            res = migrate(parts, VM, to, mode)
+            intact, alive = _check_guest(vms, digest)
+            done.append(Move(size, res, intact, alive))
+            down = f"{res.downtime_ms} ms" if res.downtime_ms is not None else "unknown"
+            progress(f"{mode} {size} MiB move {i + 1}/{moves} -> {to}: {res.total_ms} ms, "
+                     f"downtime {down}, {res.bytes_sent} bytes, data intact {intact}")
+        return done
+    finally:
+        _cleanup(parts, progress)
+
+
+def _sh(vms: VmManager, script: str) -> str:
+    out = vms.exec(VM, ["/bin/sh", "-c", script], timeout=EXEC_TIMEOUT_S)
+    if out.exit_code != 0:
+        raise GuestAgentError(f"guest command `{script}` in {VM!r} exited {out.exit_code}: "
+                              f"{out.stderr.decode(errors='replace').strip()}",
+                              log_tail=out.stderr.decode(errors="replace"))
+    return out.stdout.decode(errors="replace")
+
+
+def _start_workload(vms: VmManager, size: int, progress: Progress) -> str:
+    """Write the blob, remember its md5, start the writer; return the md5."""
+    n = blob_mib(size)
+    progress(f"writing a {n} MiB random blob in the guest")
+    _sh(vms, f"dd if=/dev/urandom of={BLOB} bs=1M count={n} 2>/dev/null")
+    digest = _sh(vms, f"md5sum {BLOB}").split()[0]
+    _sh(vms, CHURN)
+    # guest-exec has returned: the writer must still be running (and stay so).
+    if not _writer_alive(vms):
+        raise GuestAgentError(f"the background writer in {VM!r} did not keep running.")
+    return digest
+
+
+def _writer_alive(vms: VmManager) -> bool:
+    out = vms.exec(VM, ["/bin/sh", "-c", f"kill -0 $(cat {CHURN_PID})"], timeout=30)
+    return out.exit_code == 0
+
+
+def _check_guest(vms: VmManager, digest: str) -> tuple[bool, bool]:
+    """(blob md5 equals the one before the first move, writer still running)."""
+    out = vms.exec(VM, ["/bin/sh", "-c", f"md5sum {BLOB}"], timeout=EXEC_TIMEOUT_S)
+    words = out.stdout.decode(errors="replace").split()
+    intact = out.exit_code == 0 and bool(words) and words[0] == digest
+    return intact, _writer_alive(vms)
+
+
+def _cleanup(parts: PartitionManager, progress: Progress) -> None:
+    for name in PARTITIONS:
+        if parts.db.find_partition(name) is None:
+            continue
+        try:
+            parts.delete(name, force=True)
+        except FusumaError as exc:
+            progress(f"cleanup of partition {name} failed: {exc}")
+            LOG.warning("cleanup of partition %s failed: %s", name, exc)
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def _summary(mode: str, size: int, done: list[Move]) -> dict[str, Any]:
+    rs = [m.result for m in done]
+    downs = [r.downtime_ms for r in rs if r.downtime_ms is not None]
+    return {"mode": mode, "memory_mib": size,
+            "prepare_ms": _median([r.prepare_ms for r in rs]),
+            "total_ms": _median([r.total_ms for r in rs]),
+            "downtime_ms": _median(downs),
+            "bytes_sent": int(statistics.median([r.bytes_sent for r in rs])),
+            "cpu_s": _median([r.cpu_s for r in rs]),
+            "data_intact": bool(done) and all(m.data_intact for m in done),
+            "writer_alive": bool(done) and all(m.writer_alive for m in done),
+            "moves": len(done)}
