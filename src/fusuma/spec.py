@@ -27,6 +27,7 @@ Validation errors name the file and the key (``spec.toml: vm[1].partition: ...``
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -270,27 +271,29 @@ def default_spec(host: HostInfo) -> HostSpec:
     return HostSpec(partition=parts, vm=vms)
 
 
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    # JSON string escapes are valid TOML basic-string escapes.
+    return json.dumps(str(v))
+
+
 def dump_spec(spec: HostSpec) -> str:
-    """Render a spec back to TOML (for `fusuma up --print-default`)."""
+    """Render a spec back to TOML (``fusuma up --print-default``); keys left at their
+    default are omitted, so ``parse_spec(dump_spec(s)) == s``."""
     lines: list[str] = []
-    for p in spec.partition:
-        lines += ["[[partition]]", f'name = "{p.name}"', f'cpus = "{format_cpulist(p.cpus)}"',
-                  f"memory_mib = {p.memory_mib}"]
-        if p.io_weight is not None:
-            lines.append(f"io_weight = {p.io_weight}")
-        if p.qemu:
-            lines.append(f'qemu = "{p.qemu}"')
-        lines.append("")
-    for d in spec.disk:
-        lines += ["[[disk]]", f'name = "{d.name}"', f'path = "{d.path}"',
-                  f'partition = "{d.partition}"']
-        if d.size_mib:
-            lines.append(f"size_mib = {d.size_mib}")
-        lines.append("")
-    for v in spec.vm:
-        lines += ["[[vm]]", f'name = "{v.name}"', f'partition = "{v.partition}"',
-                  f"vcpus = {v.vcpus}", f"memory_mib = {v.memory_mib}"]
-        if v.disks:
-            lines.append("disks = [" + ", ".join(f'"{d}"' for d in v.disks) + "]")
-        lines.append("")
+    tables: list[tuple[str, list[BaseModel]]] = [
+        ("partition", list(spec.partition)), ("disk", list(spec.disk)), ("vm", list(spec.vm))]
+    for table, items in tables:
+        for item in items:
+            lines.append(f"[[{table}]]")
+            for key, value in item.model_dump(exclude_defaults=True).items():
+                if key == "cpus":
+                    value = format_cpulist(value)
+                lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
     return "\n".join(lines)

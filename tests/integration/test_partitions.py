@@ -29,11 +29,23 @@ def vcpu_tids(pid: int) -> list[int]:
 
 
 def cgroup_of(pid: int, controller: str) -> str:
+    """The process's cgroup in ``controller``'s v1 hierarchy, else its v2 cgroup."""
+    unified = None
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, ctrls, path = line.split(":", 2)
+        num, ctrls, path = line.split(":", 2)
         if controller in ctrls.split(","):
             return path
-    raise AssertionError(f"no {controller} cgroup for {pid}")
+        if num == "0":
+            unified = path
+    if unified is None:
+        raise AssertionError(f"no {controller} cgroup for {pid}")
+    return unified
+
+
+def memory_limit(prefix: str, partition: str) -> int:
+    v1 = Path(f"/sys/fs/cgroup/memory/{prefix}/{partition}/memory.limit_in_bytes")
+    v2 = Path(f"/sys/fs/cgroup/{prefix}/{partition}/memory.max")
+    return int((v1 if v1.exists() else v2).read_text())
 
 
 def wait_for(cond, timeout: float = 20.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
@@ -128,9 +140,7 @@ def test_resize_moves_cores_and_memory_and_repins(host: Host) -> None:
     assert host.part("a")["cpus"] == [0] and host.part("a")["memory_mib"] == 768
     assert [affinity(t) for t in vcpu_tids(pid)] == [{0}, {0}]
     assert affinity(pid) == {0}
-    limit = Path(f"/sys/fs/cgroup/memory/{host.prefix}/a/memory.limit_in_bytes")
-    if limit.exists():
-        assert int(limit.read_text()) == 768 * 1024 * 1024
+    assert memory_limit(host.prefix, "a") == 768 * 1024 * 1024
     host.run("partition", "create", "b", "--cpus", "1", "--memory", "512")
     # Growing a back onto b's core is refused; the VM keeps running on core 0.
     err = host.fail("partition", "resize", "a", "--cpus", "0-1")

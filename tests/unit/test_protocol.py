@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fusuma.errors import StateError, SupervisorError
+from fusuma.errors import FusumaError, StateError, SupervisorError
 from fusuma.partition.protocol import error_reply, raise_reply
 
 
@@ -16,8 +16,9 @@ def test_error_crosses_as_its_class() -> None:
 
 
 def test_unknown_kind_is_generic_and_ok_returns_result() -> None:
-    with pytest.raises(Exception, match="x"):
+    with pytest.raises(FusumaError, match="x") as info:
         raise_reply({"ok": False, "error": "x", "kind": "os.system"})
+    assert type(info.value) is FusumaError
     assert raise_reply({"ok": True, "result": [1]}) == [1]
     assert error_reply(ValueError("v"))["kind"] == "FusumaError"
     with pytest.raises(SupervisorError):

@@ -96,6 +96,10 @@ def test_default_spec_two_cores_two_partitions() -> None:
 def test_dump_roundtrips() -> None:
     spec = parse_spec(GOOD, "s")
     assert parse_spec(dump_spec(spec), "again") == spec
+    odd = parse_spec(GOOD.replace('vcpus = 2', 'vcpus = 2\naccel = "tcg"\nautostart = false\n'
+                                  'shared_ram = false\nimage = "min\\"imal"'), "s")
+    assert odd.vm[0].image == 'min"imal' and not odd.vm[0].autostart
+    assert parse_spec(dump_spec(odd), "again") == odd
 
 
 def test_build_from_cli_arguments() -> None:
