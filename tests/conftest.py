@@ -50,7 +50,7 @@ class Result:
 class Host:
     """One isolated fusuma namespace and a way to run the real CLI in it."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, exclusive: bool = False) -> None:
         tag = uuid.uuid4().hex[:8]
         self.tag = tag
         self.home = tmp / "home"
@@ -61,6 +61,9 @@ class Host:
         self.env = {**os.environ,
                     "FUSUMA_HOME": str(self.home), "FUSUMA_RUNTIME_DIR": str(self.runtime),
                     "FUSUMA_SHM_DIR": str(self.shm), "FUSUMA_CGROUP_PREFIX": self.prefix,
+                    # Kernel-exclusive cpusets would let only one namespace hold cores;
+                    # tests that check them ask for `exclusive_host`.
+                    "FUSUMA_CPU_EXCLUSIVE": "1" if exclusive else "0",
                     "PYTHONPATH": str(REPO / "src")}
         self.env.setdefault("FUSUMA_CACHE", "/var/cache/fusuma")
 
@@ -144,9 +147,8 @@ class Host:
                 shutil.copytree(root, dest / root.name, dirs_exist_ok=True)
 
 
-@pytest.fixture
-def host(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Host]:
-    h = Host(tmp_path)
+def _host(tmp_path: Path, request: pytest.FixtureRequest, exclusive: bool) -> Iterator[Host]:
+    h = Host(tmp_path, exclusive)
     yield h
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
@@ -158,3 +160,14 @@ def host(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Host]:
     if h.shm.exists():
         shutil.rmtree(h.shm, ignore_errors=True)
     assert not left, f"left behind after the test: {left}"
+
+
+@pytest.fixture
+def host(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Host]:
+    yield from _host(tmp_path, request, exclusive=False)
+
+
+@pytest.fixture
+def exclusive_host(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Host]:
+    """A namespace with kernel-exclusive cpusets (the production default)."""
+    yield from _host(tmp_path, request, exclusive=True)

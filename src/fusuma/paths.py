@@ -8,6 +8,11 @@ temporary directory without touching the host's real fusuma:
 - ``FUSUMA_SHM_DIR``     shared guest-RAM files (default /dev/shm/fusuma)
 - ``FUSUMA_CACHE``       built guest images (default /var/cache/fusuma)
 - ``FUSUMA_CGROUP_PREFIX`` name of fusuma's parent cgroup (default "fusuma")
+- ``FUSUMA_CPU_EXCLUSIVE`` "0" to skip the kernel's exclusive cpusets (default "1").
+  fusuma always refuses overlapping partitions itself; the kernel flag also keeps
+  every other cgroup off the partitions' cores, which on cgroup v1 means only one
+  fusuma prefix at a time can hold cores. Tests turn it off so that several test
+  namespaces (or a test run beside `make demo`) can coexist.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class Paths:
     shm: Path
     cache: Path
     cgroup_prefix: str
+    cpu_exclusive: bool = True
 
     @classmethod
     def from_env(cls) -> Paths:
@@ -39,6 +45,7 @@ class Paths:
             shm=Path(env.get("FUSUMA_SHM_DIR", "/dev/shm/fusuma")),
             cache=Path(env.get("FUSUMA_CACHE", "/var/cache/fusuma")),
             cgroup_prefix=env.get("FUSUMA_CGROUP_PREFIX", "fusuma"),
+            cpu_exclusive=env.get("FUSUMA_CPU_EXCLUSIVE", "1") != "0",
         )
 
     @property
@@ -73,4 +80,5 @@ class Paths:
             "FUSUMA_SHM_DIR": str(self.shm),
             "FUSUMA_CACHE": str(self.cache),
             "FUSUMA_CGROUP_PREFIX": self.cgroup_prefix,
+            "FUSUMA_CPU_EXCLUSIVE": "1" if self.cpu_exclusive else "0",
         }

@@ -57,7 +57,8 @@ def wait_for(cond, timeout: float = 20.0, what: str = "condition") -> None:  # t
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_default_up_two_partitions_exec_and_idempotent(host: Host) -> None:
+def test_default_up_two_partitions_exec_and_idempotent(exclusive_host: Host) -> None:
+    host = exclusive_host
     res = host.run("up")
     assert "create partition p0" in res.out and "start vm vm1" in res.out
     ps = host.ps()
@@ -82,6 +83,10 @@ def test_default_up_two_partitions_exec_and_idempotent(host: Host) -> None:
         assert out.code == 3 and out.out == f"hi-{vm}\n"
     again = host.run("up")
     assert "nothing to do" in again.out
+    # The kernel enforces the exclusivity too (cgroup v1 here; best effort on v2).
+    flag = Path(f"/sys/fs/cgroup/cpuset/{host.prefix}/p0/cpuset.cpu_exclusive")
+    if flag.exists():
+        assert flag.read_text().strip() == "1"
     assert {p["name"]: p["supervisor_pid"] for p in host.ps()["partitions"]} == sup
 
 

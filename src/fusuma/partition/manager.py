@@ -68,7 +68,8 @@ class PartitionManager:
     @property
     def cg(self) -> cgroups.CgroupDriver:
         if self._cg is None:
-            self._cg = cgroups.detect(prefix=self.paths.cgroup_prefix)
+            self._cg = cgroups.detect(prefix=self.paths.cgroup_prefix,
+                                     exclusive=self.paths.cpu_exclusive)
         return self._cg
 
     def client(self, name: str) -> SupervisorClient:

@@ -86,7 +86,8 @@ class Supervisor:
         self.paths = paths
         self.partition = partition
         self.db = Database(paths.db)
-        self.cg = cgroups.detect(prefix=paths.cgroup_prefix)
+        self.cg = cgroups.detect(prefix=paths.cgroup_prefix,
+                                 exclusive=paths.cpu_exclusive)
         self.vms: dict[str, VmRuntime] = {}
         # Migrations under way: destination QEMUs not yet running the VM, and source
         # QEMUs whose VM has moved on but which have not exited yet.
