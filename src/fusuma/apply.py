@@ -51,7 +51,8 @@ class Plan:
 def _vm_diff(db: Database, v: VmSpec) -> list[str]:
     cur = db.vm(v.name)
     diffs = []
-    for key in ("partition", "vcpus", "memory_mib", "image", "disks", "accel", "shared_ram"):
+    for key in ("partition", "vcpus", "memory_mib", "image", "disks", "accel", "shared_ram",
+                "qos"):
         a, b = getattr(cur, key), getattr(v, key)
         if a != b:
             diffs.append(f"{key} {a} -> {b}")

@@ -21,6 +21,7 @@ A spec is a TOML file applied with ``fusuma up``::
     vcpus = 1
     memory_mib = 256
     disks = ["d0"]
+    # qos = "burstable"   # guaranteed | burstable | best-effort
 
 Validation errors name the file and the key (``spec.toml: vm[1].partition: ...``).
 """
@@ -43,6 +44,7 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 NAME_HINT = "1-32 characters of a-z, 0-9, '-' and '_', starting with a letter or digit"
 
 Accel = Literal["auto", "kvm", "tcg"]
+Qos = Literal["guaranteed", "burstable", "best-effort"]
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -133,6 +135,9 @@ class VmSpec(_Model):
     # Guest RAM in a named shared file: needed for zero-copy migration. False gives
     # private anonymous RAM (migration by copy only).
     shared_ram: bool = True
+    # The governor's QoS class: guaranteed (its vCPUs' worth of CPU reserved),
+    # burstable (a weight, may use idle CPU) or best-effort (only otherwise idle CPU).
+    qos: Qos = "burstable"
 
     _check_name = field_validator("name")(_name_field)
 
@@ -225,10 +230,20 @@ def check_consistency(spec: HostSpec, source: str = "<spec>") -> None:
             raise SpecError(f"{source}: disk[{i}].path: {d.path} is already another disk.")
         paths.add(d.path)
     used: dict[str, str] = {}
+    cores = {p.name: len(p.cpus) for p in spec.partition}
+    guaranteed: dict[str, int] = {}
     for i, v in enumerate(spec.vm):
         if v.partition not in parts:
             raise SpecError(f"{source}: vm[{i}].partition: no partition named "
                             f"{v.partition!r} in this spec.")
+        if v.qos == "guaranteed":
+            guaranteed[v.partition] = guaranteed.get(v.partition, 0) + v.vcpus
+            if guaranteed[v.partition] > cores[v.partition]:
+                raise SpecError(f"{source}: vm[{i}].qos: partition {v.partition!r} has "
+                                f"{cores[v.partition]} core(s) but its guaranteed VMs would "
+                                f"have {guaranteed[v.partition]} vCPUs; a guaranteed vCPU "
+                                "needs a core: make a VM burstable or give the partition "
+                                "more cores.")
         for dname in v.disks:
             if dname not in disks:
                 raise SpecError(f"{source}: vm[{i}].disks: no disk named {dname!r} in this spec.")

@@ -136,7 +136,7 @@ def _inputs() -> builder.Inputs:
     return builder.Inputs(
         kind="minimal", kernel_deb="linux-image-6.1.0-56-cloud-amd64_6.1.192-2_amd64.deb",
         busybox_version="1:1.35.0-4", qemu_ga_version="1:7.2+dfsg-7",
-        init_sha256="a" * 64, shutdown_sha256="b" * 64,
+        init_sha256="a" * 64, shutdown_sha256="b" * 64, probe_sha256="e" * 64,
         modules=("virtio_pci", "virtio_console"), append="console=ttyS0")
 
 
@@ -149,6 +149,7 @@ def test_digest_is_stable_and_changes_with_every_input() -> None:
         "qemu_ga_version": "1:8.0+dfsg-1",
         "init_sha256": "c" * 64,
         "shutdown_sha256": "d" * 64,
+        "probe_sha256": "f" * 64,
         "modules": ("virtio_pci", "virtio_console", "virtio_blk"),
         "append": "console=ttyS0 quiet",
         "builder_version": builder.BUILDER_VERSION + 1,

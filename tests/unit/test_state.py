@@ -38,3 +38,29 @@ def test_transaction_rolls_back(tmp_path: Path) -> None:
         db.add_partition(PartitionRecord("p0", [0], 64))
         raise RuntimeError("boom")
     assert db.partitions() == []
+
+
+def test_older_state_file_gets_new_columns(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "state.db"
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE partitions (name TEXT PRIMARY KEY, cpus TEXT NOT NULL,
+            memory_mib INTEGER NOT NULL, io_weight INTEGER, qemu TEXT,
+            supervisor_pid INTEGER, created_at REAL NOT NULL);
+        CREATE TABLE vms (name TEXT PRIMARY KEY, partition TEXT NOT NULL, vcpus INTEGER
+            NOT NULL, memory_mib INTEGER NOT NULL, image TEXT NOT NULL, disks TEXT NOT NULL,
+            accel TEXT NOT NULL, autostart INTEGER NOT NULL, state TEXT NOT NULL,
+            pid INTEGER, accel_used TEXT, qemu_binary TEXT, started_at REAL, error TEXT,
+            created_at REAL NOT NULL);
+        INSERT INTO partitions VALUES ('p0', '[0]', 512, NULL, NULL, NULL, 0);
+        INSERT INTO vms VALUES ('v', 'p0', 1, 256, 'minimal', '[]', 'auto', 1, 'stopped',
+            NULL, NULL, NULL, NULL, NULL, 0);
+    """)
+    old.close()
+    db = Database(path)
+    v = db.vm("v")
+    assert (v.shared_ram, v.ram_path, v.qos) == (True, None, "burstable")
+    db.add_vm(VmRecord("w", "p0", 1, 128))
+    assert db.vm("w").memory_mib == 128

@@ -31,6 +31,8 @@ TARGET_GROWTH = 2.0          # largest size's total at most this times the small
 TARGET_SPEEDUP = 50.0        # copy total / zero-copy total at TARGET_SPEEDUP_MIB
 TARGET_SPEEDUP_MIB = 1024
 
+TICK_MS = 10.0               # /proc/<pid>/stat CPU time resolution (USER_HZ 100)
+
 PASS, FAIL, UNMEASURED = "PASS", "FAIL", "NOT MEASURED"
 
 
@@ -40,17 +42,22 @@ class Row:
 
     mode: str
     memory_mib: int
-    total_ms: float
+    total_ms: float | None          # None: no move of this case completed
     downtime_ms: float | None
-    bytes_sent: int
-    cpu_s: float
+    bytes_sent: int | None
+    cpu_s: float | None
     data_intact: bool
     moves: int
+    planned: int
+    kernel_errors: int
+    error: str | None
 
     @property
-    def cpu_pct(self) -> float:
+    def cpu_pct(self) -> float | None:
         """CPU time of both QEMUs during the move, in percent of one core."""
-        return 100.0 * self.cpu_s / (self.total_ms / 1000) if self.total_ms > 0 else 0.0
+        if self.cpu_s is None or not self.total_ms:
+            return None
+        return 100.0 * self.cpu_s / (self.total_ms / 1000)
 
 
 @dataclass(frozen=True)
@@ -70,20 +77,29 @@ class Result:
         return next((r for r in self.rows if r.mode == mode and r.memory_mib == size), None)
 
     def sizes(self, mode: str) -> list[int]:
-        return sorted(r.memory_mib for r in self.rows if r.mode == mode)
+        """Sizes with a measured total for ``mode``."""
+        return sorted(r.memory_mib for r in self.rows
+                      if r.mode == mode and r.total_ms is not None)
+
+
+def _opt(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def load(path: Path) -> Result:
     try:
         data = json.loads(path.read_text())
-        rows = [Row(mode=str(r["mode"]), memory_mib=int(r["memory_mib"]),
-                    total_ms=float(r["total_ms"]),
-                    downtime_ms=None if r["downtime_ms"] is None else float(r["downtime_ms"]),
-                    bytes_sent=int(r["bytes_sent"]), cpu_s=float(r["cpu_s"]),
-                    data_intact=bool(r["data_intact"]), moves=int(r["moves"]))
-                for r in data["results"]]
         if data["meta"].get("benchmark") != "vmbeam":
             raise ValueError("not a vmbeam result file")
+        planned = int(data["meta"]["moves"])
+        rows = [Row(mode=str(r["mode"]), memory_mib=int(r["memory_mib"]),
+                    total_ms=_opt(r["total_ms"]), downtime_ms=_opt(r["downtime_ms"]),
+                    bytes_sent=None if r["bytes_sent"] is None else int(r["bytes_sent"]),
+                    cpu_s=_opt(r["cpu_s"]), data_intact=bool(r["data_intact"]),
+                    moves=int(r["moves"]), planned=planned,
+                    kernel_errors=int(r.get("guest_kernel_errors", 0)),
+                    error=r.get("error"))
+                for r in data["results"]]
         return Result(meta=dict(data["meta"]), rows=rows, moves=list(data["moves"]))
     except OSError as exc:
         raise SpecError(f"cannot read result file {path}: {exc.strerror}.") from exc
@@ -104,20 +120,24 @@ def render(result_file: Path, out_dir: Path) -> list[Path]:
 
 # -- checks -------------------------------------------------------------------------
 def ratio(res: Result, size: int) -> float | None:
-    zc, cp = res.row("zero-copy", size), res.row("copy", size)
-    if zc is None or cp is None or zc.total_ms <= 0:
+    zc, cp = _total(res, "zero-copy", size), _total(res, "copy", size)
+    if zc is None or cp is None or zc <= 0:
         return None
-    return cp.total_ms / zc.total_ms
+    return cp / zc
 
 
 def checks(res: Result) -> list[Check]:
     zc = [r for r in res.rows if r.mode == "zero-copy"]
     out: list[Check] = []
+    if any(r.total_ms is None for r in zc):
+        out.append(Check(f"zero-copy total_ms <= {TARGET_TOTAL_MS:g} at every size",
+                         "no completed move at some size", FAIL))
+        zc = [r for r in zc if r.total_ms is not None]
     if zc:
-        worst = max(zc, key=lambda r: r.total_ms)
+        worst = max(zc, key=lambda r: r.total_ms or 0.0)
         out.append(Check(f"zero-copy total_ms <= {TARGET_TOTAL_MS:g} at every size",
                          f"max {worst.total_ms:g} ms ({worst.memory_mib} MiB)",
-                         PASS if worst.total_ms <= TARGET_TOTAL_MS else FAIL))
+                         PASS if (worst.total_ms or 0.0) <= TARGET_TOTAL_MS else FAIL))
         downs = [r for r in zc if r.downtime_ms is not None]
         if len(downs) < len(zc):
             out.append(Check(f"zero-copy downtime_ms <= {TARGET_DOWNTIME_MS:g} at every size",
@@ -132,10 +152,10 @@ def checks(res: Result) -> list[Check]:
     sizes = res.sizes("zero-copy")
     growth = f"zero-copy total at largest size <= {TARGET_GROWTH:g}x smallest"
     if len(sizes) >= 2:
-        lo, hi = res.row("zero-copy", sizes[0]), res.row("zero-copy", sizes[-1])
-        assert lo is not None and hi is not None
-        g = hi.total_ms / lo.total_ms if lo.total_ms > 0 else math.inf
-        out.append(Check(growth, f"{hi.total_ms:g} ms ({sizes[-1]} MiB) / {lo.total_ms:g} ms "
+        lo = _total(res, "zero-copy", sizes[0]) or 0.0
+        hi = _total(res, "zero-copy", sizes[-1]) or 0.0
+        g = hi / lo if lo > 0 else math.inf
+        out.append(Check(growth, f"{hi:g} ms ({sizes[-1]} MiB) / {lo:g} ms "
                                  f"({sizes[0]} MiB) = {g:.2f}x",
                          PASS if g <= TARGET_GROWTH else FAIL))
     else:
@@ -147,10 +167,15 @@ def checks(res: Result) -> list[Check]:
                      UNMEASURED if r is None else PASS if r >= TARGET_SPEEDUP else FAIL))
     bad = [m for m in res.moves if not m.get("data_intact")]
     bad_rows = [r for r in res.rows if not r.data_intact]
+    planned = sum(r.planned for r in res.rows)
     out.append(Check("data_intact after every move",
-                     f"{len(res.moves) - len(bad)}/{len(res.moves)} moves intact",
+                     f"{len(res.moves) - len(bad)}/{len(res.moves)} moves checked intact, "
+                     f"{planned} planned",
                      UNMEASURED if not res.moves else
                      PASS if not bad and not bad_rows else FAIL))
+    kernel = sum(len(m.get("kernel_errors") or []) for m in res.moves)
+    out.append(Check("no guest kernel error after any move (console)",
+                     f"{kernel} error line(s)", PASS if kernel == 0 else FAIL))
     return out
 
 
@@ -178,7 +203,9 @@ def markdown(res: Result, source: Path) -> str:
     lines += _table(["mode", "memory_mib", "total_ms", "downtime_ms", "bytes_sent", "cpu_s",
                      "data_intact"],
                     [[r.mode, str(r.memory_mib), _fmt(r.total_ms), _fmt(r.downtime_ms),
-                      str(r.bytes_sent), _fmt(r.cpu_s, 3), str(r.data_intact).lower()]
+                      "unknown" if r.bytes_sent is None else str(r.bytes_sent),
+                      _fmt(r.cpu_s, 3), str(r.data_intact).lower()
+                      + ("" if r.moves == r.planned else f" ({r.moves}/{r.planned} moves)")]
                      for r in sorted(res.rows, key=lambda r: (r.mode != "zero-copy",
                                                               r.memory_mib))])
     lines += ["", "## copy / zero-copy", ""]
@@ -191,6 +218,9 @@ def markdown(res: Result, source: Path) -> str:
     lines += _table(["target", "measured", "verdict"],
                     [[c.target, c.measured, f"**{c.verdict}**"] for c in checks(res)])
     lines += ["", "## Beside the paper", "", *_paper_table(res)]
+    problems = _problems(res)
+    if problems:
+        lines += ["", "## Problems seen", "", *problems]
     lines += ["", "## Notes", "",
               "- VMBeam swaps page ownership in Xen's P2M table, so its time grows with "
               "guest memory; fusuma's zero-copy mode maps the same shared RAM file in both "
@@ -209,29 +239,51 @@ def markdown(res: Result, source: Path) -> str:
     return "\n".join(lines)
 
 
+def _problems(res: Result) -> list[str]:
+    out = [f"- {r.mode} {r.memory_mib} MiB: {r.error}" for r in res.rows if r.error]
+    for m in res.moves:
+        errs = m.get("kernel_errors") or []
+        if errs:
+            out.append(f"- {m.get('mode')} {m.get('memory_mib')} MiB, move to {m.get('to')}: "
+                       f"guest kernel said `{errs[0]}`"
+                       + (f" (+{len(errs) - 1} more line(s))" if len(errs) > 1 else ""))
+    return out
+
+
 def _total(res: Result, mode: str, size: int) -> float | None:
     r = res.row(mode, size)
     return None if r is None else r.total_ms
 
 
+def _cpu(row: Row | None) -> str:
+    """CPU share of a move, or why it cannot be given: /proc counts 10 ms ticks."""
+    if row is None or row.cpu_pct is None or row.cpu_s is None or row.total_ms is None:
+        return "not measured"
+    if row.total_ms < 10 * TICK_MS:
+        return (f"below resolution ({row.cpu_s:g} s CPU counted in {row.total_ms:g} ms; "
+                f"{TICK_MS:g} ms ticks)")
+    return f"{row.cpu_pct:.0f}%"
+
+
 def _paper_table(res: Result) -> list[str]:
-    zc, cp = res.row("zero-copy", 1024), res.row("copy", 1024)
+    zc, cp = _total(res, "zero-copy", 1024), _total(res, "copy", 1024)
     big = max(res.sizes("zero-copy"), default=None)
-    zbig = res.row("zero-copy", big) if big else None
+    zbig = _total(res, "zero-copy", big) if big else None
     r = ratio(res, 1024)
+    zrow, crow = res.row("zero-copy", 1024), res.row("copy", 1024)
+    nm = "not measured"
     rows = [["move of a 1024 MiB guest", f"{PAPER_1024_MS / 1000:g} s",
-             f"{zc.total_ms:.2f} ms" if zc else "not measured",
-             f"{cp.total_ms:.0f} ms" if cp else "not measured"],
+             f"{zc:.2f} ms" if zc is not None else nm,
+             f"{cp:.0f} ms" if cp is not None else nm],
             ["time per GiB", f"{PAPER_S_PER_GIB:g} s/GiB",
-             f"{zbig.total_ms / (zbig.memory_mib / 1024):.2f} ms/GiB (at {big} MiB)"
-             if zbig else "not measured",
-             f"{cp.total_ms / 1000:.1f} s/GiB (at 1024 MiB)" if cp else "not measured"],
+             f"{zbig / ((big or 1024) / 1024):.2f} ms/GiB (at {big} MiB)"
+             if zbig is not None else nm,
+             f"{cp / 1000:.1f} s/GiB (at 1024 MiB)" if cp is not None else nm],
             ["against copying", f"{PAPER_FASTER_PCT}% faster than network transfer",
              f"{r:.0f}x faster than copy ({100 * (1 - 1 / r):.1f}% less time)"
-             if r else "not measured", "-"],
+             if r else nm, "-"],
             ["CPU during the move", f"{PAPER_CPU_SWAP_PCT}% (swap) vs {PAPER_CPU_NET_PCT}% "
-             "(network)", f"{zc.cpu_pct:.0f}%" if zc else "not measured",
-             f"{cp.cpu_pct:.0f}%" if cp else "not measured"]]
+             "(network)", _cpu(zrow), _cpu(crow)]]
     return _table(["", "VMBeam (paper)", "fusuma zero-copy", "fusuma copy"], rows)
 
 
@@ -249,13 +301,17 @@ def plot(res: Result, png: Path) -> None:
             sizes = res.sizes(mode)
             if not sizes:
                 continue
-            ys = [_total(res, mode, s) or math.nan for s in sizes]
+            ys = [_total(res, mode, s) or math.nan for s in sizes]  # sizes: measured only
             ax.plot(sizes, ys, color=color, marker=marker, label=f"fusuma {mode} (median)")
             pts = [(int(m["memory_mib"]), float(m["total_ms"])) for m in res.moves
-                   if m.get("mode") == mode]
+                   if m.get("mode") == mode and m.get("total_ms") is not None]
             if pts:
                 ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, alpha=0.3,
                            s=12)
+        bad = [r for r in res.rows if not r.data_intact and r.total_ms is not None]
+        if bad:
+            ax.scatter([r.memory_mib for r in bad], [r.total_ms or math.nan for r in bad],
+                       color="black", marker="x", s=90, zorder=4, label="data not intact")
         all_sizes = sorted({r.memory_mib for r in res.rows} | {1024})
         lo, hi = all_sizes[0], all_sizes[-1]
         ax.plot([lo, hi], [PAPER_S_PER_GIB * 1000 * lo / 1024, PAPER_S_PER_GIB * 1000 * hi / 1024],

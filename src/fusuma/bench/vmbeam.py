@@ -14,6 +14,7 @@ removes everything it made afterwards, also on failure or Ctrl-C.
 from __future__ import annotations
 
 import logging
+import re
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from fusuma.errors import FusumaError, GuestAgentError, ResourceError
 from fusuma.host.accel import probe_accel
 from fusuma.migration import MigrationResult, migrate
 from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
+from fusuma.paths import Paths
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
@@ -41,6 +43,10 @@ QUICK_MOVES = 2
 MARGIN_MIB = 64
 BLOB_MAX_MIB = 100
 EXEC_TIMEOUT_S = 300.0
+# A guest whose memory was corrupted often cannot answer at all: give up sooner.
+CHECK_TIMEOUT_S = 90.0
+# Guest kernel messages that mean its memory or state is not what it was.
+KERNEL_ERROR = re.compile(r"BUG|corruption|Oops|Kernel panic|general protection")
 
 BLOB = "/tmp/blob"
 CHURN_PID = "/tmp/churn.pid"
@@ -54,17 +60,39 @@ Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
+class GuestCheck:
+    """What the guest looked like after a move."""
+
+    data_intact: bool            # the blob's md5 equals its value before the first move
+    writer_alive: bool           # the background writer still runs
+    kernel_errors: list[str]     # new guest kernel error lines on the console
+    error: str | None = None     # the check itself failed (e.g. the agent is gone)
+
+
+@dataclass(frozen=True)
 class Move:
-    """One migration and the integrity check that followed it."""
+    """One migration and the check that followed it."""
 
     memory_mib: int
     result: MigrationResult
-    data_intact: bool
-    writer_alive: bool
+    check: GuestCheck
 
     def as_json(self) -> dict[str, Any]:
+        c = self.check
         return {**self.result.as_json(), "memory_mib": self.memory_mib,
-                "data_intact": self.data_intact, "writer_alive": self.writer_alive}
+                "data_intact": c.data_intact, "writer_alive": c.writer_alive,
+                "kernel_errors": c.kernel_errors, "error": c.error}
+
+
+@dataclass
+class Case:
+    """The moves of one (mode, size) and why they stopped early, if they did."""
+
+    mode: str
+    memory_mib: int
+    planned: int
+    moves: list[Move]
+    error: str | None = None
 
 
 def blob_mib(memory_mib: int) -> int:
@@ -86,13 +114,13 @@ def run(parts: PartitionManager, vms: VmManager, sizes: Sequence[int],
     all_moves: list[dict[str, Any]] = []
     for size in sizes:
         for mode in MODES:
-            done = _one_case(parts, vms, cores, size, mode, moves, accel, progress)
-            all_moves += [m.as_json() for m in done]
-            results.append(_summary(mode, size, done))
+            case = _one_case(parts, vms, cores, size, mode, moves, accel, progress)
+            all_moves += [m.as_json() for m in case.moves]
+            results.append(_summary(case))
             r = results[-1]
             progress(f"{mode} {size} MiB: median total {r['total_ms']} ms, downtime "
                      f"{r['downtime_ms']} ms, {r['bytes_sent']} bytes, data intact "
-                     f"{r['data_intact']}")
+                     f"{r['data_intact']}" + (f"; {r['error']}" if r["error"] else ""))
     return {"meta": meta(accel, benchmark="vmbeam", sizes=list(sizes), moves=moves,
                          modes=list(MODES), cores=cores,
                          blob_mib={str(s): blob_mib(s) for s in sizes},
@@ -120,8 +148,11 @@ def _check_host(parts: PartitionManager, sizes: Sequence[int], accel: str) -> li
 
 
 def _one_case(parts: PartitionManager, vms: VmManager, cores: list[int], size: int,
-              mode: str, moves: int, accel: str, progress: Progress) -> list[Move]:
+              mode: str, moves: int, accel: str, progress: Progress) -> Case:
+    """Boot, start the workload and move N times. A failed setup raises; a failed move
+    or a guest that no longer answers ends this case's moves (recorded in ``error``)."""
     mem = partition_mib(size, accel)
+    case = Case(mode, size, moves, [])
     try:
         for name, core in zip(PARTITIONS, cores, strict=True):
             parts.create(PartitionSpec(name=name, cpus=[core], memory_mib=mem))
@@ -129,17 +160,29 @@ def _one_case(parts: PartitionManager, vms: VmManager, cores: list[int], size: i
         progress(f"{mode} {size} MiB: booting {VM} in {PARTITIONS[0]}")
         vms.start(VM, wait_agent=120)
         digest = _start_workload(vms, size, progress)
-        done: list[Move] = []
+        console = Console(parts.paths)
+        console.new_errors()    # anything from boot is not the moves' doing
         for i in range(moves):
             to = PARTITIONS[(i + 1) % 2]
-            res = migrate(parts, VM, to, mode)
-            intact, alive = _check_guest(vms, digest)
-            done.append(Move(size, res, intact, alive))
+            try:
+                res = migrate(parts, VM, to, mode)
+            except FusumaError as exc:
+                case.error = f"move {i + 1} failed: {exc}"
+                break
+            check = _check_guest(vms, digest, console)
+            case.moves.append(Move(size, res, check))
             down = f"{res.downtime_ms} ms" if res.downtime_ms is not None else "unknown"
             progress(f"{mode} {size} MiB move {i + 1}/{moves} -> {to}: {res.total_ms} ms, "
-                     f"downtime {down}, {res.bytes_sent} bytes, data intact {intact}")
-        return done
+                     f"downtime {down}, {res.bytes_sent} bytes, data intact "
+                     f"{check.data_intact}"
+                     + (f", guest kernel: {check.kernel_errors[0]}" if check.kernel_errors
+                        else "") + (f", {check.error}" if check.error else ""))
+            if check.error:
+                case.error = f"after move {i + 1}: {check.error}"
+                break
+        return case
     finally:
+        progress("removing the scratch partitions")
         _cleanup(parts, progress)
 
 
@@ -166,16 +209,41 @@ def _start_workload(vms: VmManager, size: int, progress: Progress) -> str:
 
 
 def _writer_alive(vms: VmManager) -> bool:
-    out = vms.exec(VM, ["/bin/sh", "-c", f"kill -0 $(cat {CHURN_PID})"], timeout=30)
+    out = vms.exec(VM, ["/bin/sh", "-c", f"kill -0 $(cat {CHURN_PID})"],
+                   timeout=CHECK_TIMEOUT_S)
     return out.exit_code == 0
 
 
-def _check_guest(vms: VmManager, digest: str) -> tuple[bool, bool]:
-    """(blob md5 equals the one before the first move, writer still running)."""
-    out = vms.exec(VM, ["/bin/sh", "-c", f"md5sum {BLOB}"], timeout=EXEC_TIMEOUT_S)
-    words = out.stdout.decode(errors="replace").split()
-    intact = out.exit_code == 0 and bool(words) and words[0] == digest
-    return intact, _writer_alive(vms)
+class Console:
+    """New guest kernel error lines in the VM's console log since the last look."""
+
+    def __init__(self, paths: Paths) -> None:
+        self.path = paths.vm_dir(VM) / "console.log"
+        self.offset = 0
+
+    def new_errors(self) -> list[str]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                text = f.read()
+        except OSError:
+            return []
+        self.offset += len(text)
+        lines = text.decode(errors="replace").splitlines()
+        return [line.strip()[:200] for line in lines if KERNEL_ERROR.search(line)]
+
+
+def _check_guest(vms: VmManager, digest: str, console: Console) -> GuestCheck:
+    try:
+        out = vms.exec(VM, ["/bin/sh", "-c", f"md5sum {BLOB}"], timeout=CHECK_TIMEOUT_S)
+        words = out.stdout.decode(errors="replace").split()
+        intact = out.exit_code == 0 and bool(words) and words[0] == digest
+        alive = _writer_alive(vms)
+        error = None
+    except FusumaError as exc:
+        intact = alive = False
+        error = f"the guest did not answer ({exc})"
+    return GuestCheck(intact, alive, console.new_errors(), error)
 
 
 def _cleanup(parts: PartitionManager, progress: Progress) -> None:
@@ -193,15 +261,19 @@ def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def _summary(mode: str, size: int, done: list[Move]) -> dict[str, Any]:
-    rs = [m.result for m in done]
-    downs = [r.downtime_ms for r in rs if r.downtime_ms is not None]
-    return {"mode": mode, "memory_mib": size,
+def _summary(case: Case) -> dict[str, Any]:
+    """Medians over the moves done; data_intact only if every planned move was checked
+    and intact."""
+    rs = [m.result for m in case.moves]
+    checks = [m.check for m in case.moves]
+    sent = _median([float(r.bytes_sent) for r in rs])
+    return {"mode": case.mode, "memory_mib": case.memory_mib,
             "prepare_ms": _median([r.prepare_ms for r in rs]),
             "total_ms": _median([r.total_ms for r in rs]),
-            "downtime_ms": _median(downs),
-            "bytes_sent": int(statistics.median([r.bytes_sent for r in rs])),
+            "downtime_ms": _median([r.downtime_ms for r in rs if r.downtime_ms is not None]),
+            "bytes_sent": None if sent is None else int(sent),
             "cpu_s": _median([r.cpu_s for r in rs]),
-            "data_intact": bool(done) and all(m.data_intact for m in done),
-            "writer_alive": bool(done) and all(m.writer_alive for m in done),
-            "moves": len(done)}
+            "data_intact": len(checks) == case.planned and all(c.data_intact for c in checks),
+            "writer_alive": bool(checks) and all(c.writer_alive for c in checks),
+            "guest_kernel_errors": sum(len(c.kernel_errors) for c in checks),
+            "moves": len(case.moves), "error": case.error}

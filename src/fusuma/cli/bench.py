@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from fusuma.bench import boot, report_vmbeam, vmbeam
+from fusuma.bench import boot, mint, mint_report, report_scheduler, report_vmbeam, scheduler, vmbeam
 from fusuma.bench.meta import write_result
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress
 
@@ -91,11 +91,108 @@ def vmbeam_cmd(c: Ctx, sizes: str | None, moves: int | None, quick: bool,
     for r in data["results"]:
         click.echo(f"{r['mode']:9} {r['memory_mib']:6} MiB: total {r['total_ms']} ms, "
                    f"downtime {r['downtime_ms']} ms, {r['bytes_sent']} bytes, "
-                   f"data intact {str(r['data_intact']).lower()}")
+                   f"data intact {str(r['data_intact']).lower()}"
+                   + (f" ({r['error']})" if r.get("error") else ""))
     click.echo(f"written to {json_file}")
     if report_dir is not None:
         paths = report_vmbeam.render(json_file, report_dir)
         click.echo(f"report: {', '.join(str(p) for p in paths)}")
+
+
+@bench.command("mint")
+@click.option("--quick", is_flag=True, help="Smaller loop counts and 256 MiB guests "
+              "(a few minutes).")
+@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
+              help="Write the result file here (default: print it, or DIR/mint.json "
+                   "with --report).")
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
+              help="After the run, render DIR/report.md and DIR/mint-*.png from the "
+                   "result file.")
+@click.option("--disk-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Where the two scratch disk files go  [default: FUSUMA_HOME/bench-mint].")
+@pass_ctx
+def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | None,
+             disk_dir: Path | None) -> None:
+    """The Mint + KVM evaluation: the paper's probe (register, copy, O_DIRECT io) on the
+    host, in partitions and in VMs, alone, concurrently and beside a CPU hog
+    (nine configurations).
+
+    Needs every core (scratch partitions, VMs and disks, removed afterwards), so no
+    partition may exist."""
+    c.accel_notice("auto")
+    data = mint.run(c.parts, c.vms, quick=quick, disk_dir=disk_dir, progress=progress)
+    if json_file is None and report_dir is not None:
+        json_file = report_dir / "mint.json"
+    if json_file is None:
+        emit_json(data)
+        return
+    write_result(json_file, data)
+    click.echo(f"{len(data['results'])} results in {data['meta']['duration_s']} s; "
+               f"written to {json_file}")
+    if report_dir is not None:
+        paths = mint_report.render(json_file, report_dir)
+        click.echo(f"report: {', '.join(str(p) for p in paths)}")
+
+
+@bench.command("scheduler")
+@click.option("--dummies", default=None,
+              help="Dummy VM counts, comma-separated  [default: 0,1,2,4,8,16; with --quick "
+                   "0,4].")
+@click.option("--policies", default=None,
+              help="Any of default,nice,governor,partition  [default: all; with --quick "
+                   "default,governor].")
+@click.option("--loads", default=None,
+              help="Dummy load: idle,cpu  [default: both; with --quick cpu].")
+@click.option("--test-seconds", type=click.FloatRange(1, 120), default=None,
+              help="Seconds per workload test  [default: 5; with --quick 3].")
+@click.option("--quick", is_flag=True, help="Fewer counts, loads and policies (a few "
+              "minutes).")
+@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
+              help="Write the result file here (default: print it, or DIR/scheduler.json "
+                   "with --report).")
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
+              help="After the run, render DIR/report.md and DIR/scheduler.png from the "
+                   "result file.")
+@pass_ctx
+def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str | None,
+                  test_seconds: float | None, quick: bool, json_file: Path | None,
+                  report_dir: Path | None) -> None:
+    """The KVM scheduler study's dummy-VM experiment: a target VM's benchmark index
+    beside 0..16 idle or CPU-bound dummy VMs, under each policy (default, nice -5, the
+    governor, a partition of its own).
+
+    Needs both cores (scratch partitions, removed afterwards), so no partition may
+    exist."""
+    cfg = scheduler.Config(
+        dummies=scheduler.parse_counts(dummies) if dummies else list(
+            scheduler.QUICK_DUMMIES if quick else scheduler.DEFAULT_DUMMIES),
+        policies=scheduler.parse_choice(policies, scheduler.POLICIES, "policies")
+        if policies else list(scheduler.QUICK_POLICIES if quick else scheduler.POLICIES),
+        loads=scheduler.parse_choice(loads, scheduler.LOADS, "loads") if loads else list(
+            scheduler.QUICK_LOADS if quick else scheduler.LOADS),
+        test_s=test_seconds or (scheduler.QUICK_TEST_S if quick else scheduler.TEST_S),
+        progress_s=scheduler.QUICK_TEST_S if quick else scheduler.PROGRESS_S)
+    run = scheduler.Bench(c.parts, c.vms, cfg, progress)
+    run.check_host()          # a refusal is the only line printed
+    c.accel_notice("auto")
+    data = run.run()
+    if json_file is None and report_dir is not None:
+        json_file = report_dir / "scheduler.json"
+    if json_file is None:
+        emit_json(data)
+        return
+    write_result(json_file, data)
+    for r in data["results"]:
+        click.echo(f"{r['policy']:9} {r['dummies']:2} {r['dummy_load']:4} dummies: index "
+                   f"{r['index']:6.1f}")
+    for p in data["dummy_progress"]:
+        click.echo(f"{p['policy']:9} {p['dummies']:2} cpu  dummies, target idle: "
+                   f"{p['progressing']}/{p['dummies']} progressing, "
+                   f"{p['iterations_per_s']} iterations/s")
+    click.echo(f"written to {json_file}")
+    if report_dir is not None:
+        paths = report_scheduler.render(json_file, report_dir)
+        click.echo(f"report: {', '.join(str(x) for x in paths)}")
 
 
 @bench.group("report")
@@ -110,3 +207,21 @@ def report_vmbeam_cmd(result_file: Path, out_dir: Path) -> None:
     """Write OUT_DIR/report.md and OUT_DIR/vmbeam.png from a `bench vmbeam` result file."""
     paths = report_vmbeam.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(p) for p in paths)}")
+
+
+@report.command("mint")
+@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
+def report_mint_cmd(result_file: Path, out_dir: Path) -> None:
+    """Write OUT_DIR/report.md and OUT_DIR/mint-*.png from a `bench mint` result file."""
+    paths = mint_report.render(result_file, out_dir)
+    click.echo(f"report: {', '.join(str(p) for p in paths)}")
+
+
+@report.command("scheduler")
+@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
+def report_scheduler_cmd(result_file: Path, out_dir: Path) -> None:
+    """Write OUT_DIR/report.md and OUT_DIR/scheduler.png from a `bench scheduler` file."""
+    paths = report_scheduler.render(result_file, out_dir)
+    click.echo(f"report: {', '.join(str(x) for x in paths)}")

@@ -11,10 +11,12 @@ from fusuma import __version__
 from fusuma.cli.bench import bench
 from fusuma.cli.common import Ctx
 from fusuma.cli.disk import disk
+from fusuma.cli.governor import governor
 from fusuma.cli.host import down, ps, up
 from fusuma.cli.image import image
 from fusuma.cli.migrate import maintain, migrate
 from fusuma.cli.partition import partition
+from fusuma.cli.top import top
 from fusuma.cli.vm import vm
 from fusuma.errors import FusumaError
 from fusuma.paths import Paths
@@ -45,7 +47,8 @@ def cli(ctx: click.Context, verbose: int) -> None:
     ctx.obj = Ctx(Paths.from_env())
 
 
-for command in (up, down, ps, partition, vm, disk, migrate, maintain, image, bench):
+for command in (up, down, ps, partition, vm, disk, migrate, maintain, image, bench, top,
+                governor):
     cli.add_command(command)
 
 

@@ -16,7 +16,9 @@ from fusuma.migration.maintain import maintain as do_maintain
               show_default=True,
               help="zero-copy: the destination maps the VM's RAM file and only device "
                    "state is sent (needs shared RAM, the default); copy: ordinary "
-                   "pre-copy live migration over a UNIX socket.")
+                   "pre-copy live migration over a UNIX socket (under TCG with QEMU < "
+                   "9.0 the guest is paused for the copy: live pre-copy there can lose "
+                   "guest writes).")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"vm", "from", "to", "mode", "total_ms", "downtime_ms", '
                    '"bytes_sent", ...}.')
@@ -30,6 +32,10 @@ def migrate(c: Ctx, vm: str, to: str, mode: str, as_json: bool) -> None:
     at the destination; downtime_ms from the guest's stop at the source to that moment
     (both from QEMU's own event timestamps)."""
     res = do_migrate(c.parts, vm, to, mode, progress=progress)
+    if res.paused:
+        click.echo("fusuma: notice: the guest was paused during the copy: live pre-copy "
+                   "under TCG with QEMU < 9.0 can lose guest writes (fixed upstream in "
+                   "QEMU 9.0); zero-copy is not affected", err=True)
     if as_json:
         emit_json(res.as_json())
     else:

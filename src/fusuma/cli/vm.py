@@ -13,6 +13,7 @@ import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
 from fusuma.errors import NotFoundError, StateError
+from fusuma.governor import QOS_NAMES
 from fusuma.spec import VmSpec, build
 from fusuma.undo import Reverter
 from fusuma.vm import VmView
@@ -41,17 +42,22 @@ def vm() -> None:
 @click.option("--private-ram", is_flag=True,
               help="Private anonymous guest RAM instead of a shared file: such a VM can "
                    "only be migrated by copy (--mode copy), never zero-copy.")
+@click.option("--qos", type=click.Choice(list(QOS_NAMES)), default="burstable",
+              show_default=True,
+              help="CPU QoS class: guaranteed (its vCPUs' worth of CPU reserved; the "
+                   "partition's guaranteed vCPUs may not exceed its cores), burstable (a "
+                   "weight, may use idle CPU) or best-effort (only otherwise idle CPU).")
 @click.option("--start", is_flag=True, help="Start it right away (if that fails, the "
               "VM is not kept).")
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image: str,
-           disks: tuple[str, ...], accel: str, private_ram: bool, start: bool,
+           disks: tuple[str, ...], accel: str, private_ram: bool, qos: str, start: bool,
            as_json: bool) -> None:
     """Define VM NAME in a partition (and optionally start it)."""
     spec = build(VmSpec, "vm", name=name, partition=partition, vcpus=vcpus,
                  memory_mib=memory_mib, image=image, disks=list(disks), accel=accel,
-                 shared_ram=not private_ram)
+                 shared_ram=not private_ram, qos=qos)
     c.vms.create(spec)
     if start:
         c.accel_notice(accel)

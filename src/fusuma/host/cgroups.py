@@ -68,6 +68,72 @@ class Limits:
             )
 
 
+# CPU weight on cgroup v2's ``cpu.weight`` scale; v1 drivers convert to ``cpu.shares``.
+CPU_WEIGHT_MIN = 1
+CPU_WEIGHT_DEFAULT = 100
+CPU_WEIGHT_MAX = 10000
+CPU_PERIOD_US = 100_000
+
+
+@dataclass(frozen=True)
+class CpuPolicy:
+    """How the scheduler treats one leaf (a VM's QEMU) against its siblings.
+
+    ``weight`` uses cgroup v2's scale (1..10000, default 100). ``quota_us`` per
+    ``period_us`` caps the leaf's CPU time (None: no cap). ``idle`` asks for the
+    SCHED_IDLE-like ``cpu.idle`` group (runs only on CPU nobody else wants); where the
+    kernel has no ``cpu.idle`` the driver falls back to the minimal weight.
+    """
+
+    weight: int = CPU_WEIGHT_DEFAULT
+    quota_us: int | None = None
+    period_us: int = CPU_PERIOD_US
+    idle: bool = False
+
+    def __post_init__(self) -> None:
+        if not CPU_WEIGHT_MIN <= self.weight <= CPU_WEIGHT_MAX:
+            raise SpecError(f"cpu weight {self.weight} is out of range; use "
+                            f"{CPU_WEIGHT_MIN}..{CPU_WEIGHT_MAX}")
+        if not 1000 <= self.period_us <= 1_000_000:
+            raise SpecError(f"cpu period {self.period_us} us is out of range; use "
+                            "1000..1000000")
+        if self.quota_us is not None and self.quota_us < 1000:
+            raise SpecError(f"cpu quota {self.quota_us} us is below the kernel's minimum "
+                            "of 1000 us")
+
+
+@dataclass(frozen=True)
+class CpuStat:
+    """A leaf's CPU counters; ``None`` where this kernel or hierarchy has no such file."""
+
+    usage_ns: int | None
+    nr_periods: int
+    nr_throttled: int
+    throttled_ns: int
+    pressure_some_us: int | None   # PSI ``cpu.pressure`` "some" total
+
+
+def parse_pressure_total(text: str) -> int | None:
+    """The ``total=`` of the ``some`` line of a PSI file, in microseconds."""
+    for line in text.splitlines():
+        if line.startswith("some "):
+            for tok in line.split()[1:]:
+                key, _, value = tok.partition("=")
+                if key == "total" and value.isdigit():
+                    return int(value)
+    return None
+
+
+def parse_flat_keyed(text: str) -> dict[str, int]:
+    """A ``key value`` per line file such as ``cpu.stat``; non-numbers are skipped."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
 def check_name(kind: str, name: str) -> None:
     """Refuse a group or leaf name that is not a single safe path component."""
     if not _NAME.match(name) or name in (".", ".."):
@@ -218,6 +284,45 @@ class CgroupDriver(abc.ABC):
     @abc.abstractmethod
     def cpus(self, group: str) -> list[int]:
         """The CPUs the partition's processes may actually run on."""
+
+    @abc.abstractmethod
+    def set_cpu(self, group: str, leaf: str, policy: CpuPolicy) -> None:
+        """Give leaf ``prefix/group/leaf`` this CPU weight, quota and idle flag."""
+
+    @abc.abstractmethod
+    def cpu_stat(self, group: str, leaf: str) -> CpuStat:
+        """The leaf's CPU usage, throttling and pressure counters."""
+
+    @abc.abstractmethod
+    def cpu_idle_supported(self, group: str, leaf: str) -> bool:
+        """True when the kernel offers ``cpu.idle`` for the leaf."""
+
+    def _leaf_dir(self, mount: Path, group: str, leaf: str) -> Path:
+        check_name("leaf", leaf)
+        path = mount / self.prefix / group / leaf
+        if not path.is_dir():
+            raise CgroupError(f"cgroup {self._label(group, leaf)} does not exist in "
+                              f"{mount}; create the leaf first")
+        return path
+
+    def _set_weight_idle(self, path: Path, weight_file: str, weight: str,
+                         idle: bool, label: str) -> None:
+        """Write weight and ``cpu.idle`` in the order the kernel accepts: it refuses a
+        weight (EINVAL) while the group is idle."""
+        idle_file = path / "cpu.idle"
+        has_idle = idle_file.exists()
+        was_idle = has_idle and self._get(idle_file) == "1"
+        if idle and has_idle:
+            if not was_idle:
+                self._set(path / weight_file, weight, f"cpu weight of {label}")
+                self._set(idle_file, "1", f"idle scheduling of {label}")
+            return
+        if was_idle:
+            self._set(idle_file, "0", f"idle scheduling of {label}")
+        if idle:
+            self._warn_once("cpu-idle", "cpu.idle does not exist on this kernel; best-effort "
+                            "VMs get the minimal cpu weight instead")
+        self._set(path / weight_file, weight, f"cpu weight of {label}")
 
     # -- shared operations ---------------------------------------------------------------
 

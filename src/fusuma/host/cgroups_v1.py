@@ -12,6 +12,9 @@ Kernel rules this driver follows (checked on 6.18):
   first (the caller), then the receiver grows to old+new, its leaves follow, and the
   partition finally settles on the new set.
 - Lowering ``memory.limit_in_bytes`` below current usage fails with EBUSY after reclaim.
+- ``cpu.shares`` (2..262144, default 1024) is cpu.weight x 10.24; the kernel refuses
+  a new value (EINVAL) while ``cpu.idle`` is 1, so the driver orders the two writes.
+  ``cpu.cfs_quota_us`` -1 means no cap.
 - Block I/O weight is ``blkio.bfq.weight`` (1..1000, BFQ only) on current kernels;
   legacy CFQ ``blkio.weight`` (10..1000) is used where it still exists.
 """
@@ -23,7 +26,15 @@ import logging
 from pathlib import Path
 
 from fusuma.errors import CgroupError
-from fusuma.host.cgroups import CgroupDriver, Limits
+from fusuma.host.cgroups import (
+    CPU_WEIGHT_MIN,
+    CgroupDriver,
+    CpuPolicy,
+    CpuStat,
+    Limits,
+    parse_flat_keyed,
+    parse_pressure_total,
+)
 from fusuma.host.topology import format_cpulist, parse_cpulist
 
 LOG = logging.getLogger(__name__)
@@ -215,3 +226,56 @@ class CgroupV1Driver(CgroupDriver):
     def cpus(self, group: str) -> list[int]:
         self._require(group)
         return parse_cpulist(self._get(self._cpuset(group, "cpuset.effective_cpus")))
+
+    # -- per-VM CPU policy (the governor's leaves) ---------------------------------------
+
+    def _cpu_leaf(self, group: str, leaf: str) -> Path | None:
+        if "cpu" not in self.mounts:
+            self._warn_once("cpu-policy", "cpu policy: the v1 cpu controller is not mounted; "
+                            "VM QoS classes have no effect")
+            return None
+        return self._leaf_dir(self.mounts["cpu"], group, leaf)
+
+    def set_cpu(self, group: str, leaf: str, policy: CpuPolicy) -> None:
+        path = self._cpu_leaf(group, leaf)
+        if path is None:
+            return
+        label = self._label(group, leaf)
+        fallback = policy.idle and not (path / "cpu.idle").exists()
+        shares = shares_for_weight(CPU_WEIGHT_MIN if fallback else policy.weight)
+        self._set_weight_idle(path, "cpu.shares", str(shares), policy.idle, label)
+        self._set(path / "cpu.cfs_period_us", str(policy.period_us), f"cpu period of {label}")
+        quota = str(policy.quota_us) if policy.quota_us is not None else "-1"
+        self._set(path / "cpu.cfs_quota_us", quota, f"cpu quota of {label}")
+
+    def cpu_stat(self, group: str, leaf: str) -> CpuStat:
+        path = self._cpu_leaf(group, leaf)
+        if path is None:
+            return CpuStat(None, 0, 0, 0, None)
+        stat = parse_flat_keyed(self._get(path / "cpu.stat"))
+        usage = None
+        if (path / "cpuacct.usage").exists():     # cpu and cpuacct mounted together
+            usage = int(self._get(path / "cpuacct.usage"))
+        pressure = None
+        if (path / "cpu.pressure").exists():
+            pressure = parse_pressure_total(self._get(path / "cpu.pressure"))
+        return CpuStat(usage_ns=usage, nr_periods=stat.get("nr_periods", 0),
+                       nr_throttled=stat.get("nr_throttled", 0),
+                       throttled_ns=stat.get("throttled_time", 0),
+                       pressure_some_us=pressure)
+
+    def cpu_idle_supported(self, group: str, leaf: str) -> bool:
+        path = self._cpu_leaf(group, leaf)
+        return path is not None and (path / "cpu.idle").exists()
+
+
+SHARES_MIN = 2
+SHARES_MAX = 262144
+
+
+def shares_for_weight(weight: int) -> int:
+    """v1 ``cpu.shares`` for a cgroup v2 weight: the defaults match (100 -> 1024) and the
+    minimal weight is the minimal share."""
+    if weight <= CPU_WEIGHT_MIN:
+        return SHARES_MIN
+    return max(SHARES_MIN, min(SHARES_MAX, round(weight * 1024 / 100)))

@@ -11,6 +11,8 @@ Kernel rules this driver follows:
 - ``cpuset.cpus.exclusive`` (kernel 6.7+) reserves CPUs against siblings' exclusive sets;
   it must be a subset of the parent's, so the parent claims all CPUs first. Best effort:
   fusuma refuses overlapping partitions itself before it gets here.
+- ``cpu.weight`` is refused (EINVAL) while ``cpu.idle`` is 1 (kernel 5.15+), so the
+  driver orders the two writes; ``cpu.max`` is "QUOTA PERIOD" or "max PERIOD".
 - ``memory.max`` below current usage is accepted; the kernel reclaims and may OOM-kill.
 """
 
@@ -20,7 +22,15 @@ import logging
 from pathlib import Path
 
 from fusuma.errors import CgroupError
-from fusuma.host.cgroups import CgroupDriver, Limits
+from fusuma.host.cgroups import (
+    CPU_WEIGHT_MIN,
+    CgroupDriver,
+    CpuPolicy,
+    CpuStat,
+    Limits,
+    parse_flat_keyed,
+    parse_pressure_total,
+)
 from fusuma.host.topology import format_cpulist, parse_cpulist
 
 LOG = logging.getLogger(__name__)
@@ -153,3 +163,43 @@ class CgroupV2Driver(CgroupDriver):
     def cpus(self, group: str) -> list[int]:
         self._require(group)
         return parse_cpulist(self._get(self._dir(group, "cpuset.cpus.effective")))
+
+    # -- per-VM CPU policy (the governor's leaves) ---------------------------------------
+
+    def _cpu_leaf(self, group: str, leaf: str) -> Path | None:
+        path = self._leaf_dir(self.mount, group, leaf)
+        if not (path / "cpu.weight").exists():
+            self._warn_once("cpu-policy", "cpu policy: the cpu controller is not enabled for "
+                            "%s; VM QoS classes have no effect", path.parent)
+            return None
+        return path
+
+    def set_cpu(self, group: str, leaf: str, policy: CpuPolicy) -> None:
+        path = self._cpu_leaf(group, leaf)
+        if path is None:
+            return
+        label = self._label(group, leaf)
+        fallback = policy.idle and not (path / "cpu.idle").exists()
+        weight = CPU_WEIGHT_MIN if fallback else policy.weight
+        self._set_weight_idle(path, "cpu.weight", str(weight), policy.idle, label)
+        quota = str(policy.quota_us) if policy.quota_us is not None else "max"
+        self._set(path / "cpu.max", f"{quota} {policy.period_us}", f"cpu quota of {label}")
+
+    def cpu_stat(self, group: str, leaf: str) -> CpuStat:
+        path = self._cpu_leaf(group, leaf)
+        if path is None:
+            return CpuStat(None, 0, 0, 0, None)
+        stat = parse_flat_keyed(self._get(path / "cpu.stat"))
+        pressure = None
+        if (path / "cpu.pressure").exists():
+            pressure = parse_pressure_total(self._get(path / "cpu.pressure"))
+        usage = stat.get("usage_usec")
+        return CpuStat(usage_ns=None if usage is None else usage * 1000,
+                       nr_periods=stat.get("nr_periods", 0),
+                       nr_throttled=stat.get("nr_throttled", 0),
+                       throttled_ns=stat.get("throttled_usec", 0) * 1000,
+                       pressure_some_us=pressure)
+
+    def cpu_idle_supported(self, group: str, leaf: str) -> bool:
+        path = self._cpu_leaf(group, leaf)
+        return path is not None and (path / "cpu.idle").exists()

@@ -1,13 +1,22 @@
 """Guest images: a Debian cloud kernel and a small busybox + qemu-ga initramfs.
 
 ``build_image(cache)`` builds (or returns the cached) image; ``find_image(cache)``
-returns the built one or raises ``ImageError`` telling the user to build it.
+returns the built one or raises ``ImageError`` telling the user to build it;
+``probe_path(cache)`` is the host copy of the image's static probe (fusuma.guest).
 
 Errors: every failure a user can cause is a ``fusuma.errors.ImageError`` whose text says
 what is wrong and how to fix it (a missing host package, no network for the kernel
 download, an image that was never built).
 """
 
-from fusuma.images.builder import BUILDER_VERSION, KINDS, GuestImage, build_image, find_image
+from fusuma.images.builder import (
+    BUILDER_VERSION,
+    KINDS,
+    GuestImage,
+    build_image,
+    find_image,
+    probe_path,
+)
 
-__all__ = ["BUILDER_VERSION", "KINDS", "GuestImage", "build_image", "find_image"]
+__all__ = ["BUILDER_VERSION", "KINDS", "GuestImage", "build_image", "find_image",
+           "probe_path"]

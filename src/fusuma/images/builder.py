@@ -5,6 +5,7 @@ Cache layout under ``cache``::
     debs/<kernel package>.deb                 downloaded once, reused offline
     images/<kind>-<digest[:16]>/vmlinuz       the kernel
     images/<kind>-<digest[:16]>/initrd.img    newc cpio, uncompressed
+    images/<kind>-<digest[:16]>/probe         the static probe, also /usr/bin/probe inside
     images/<kind>-<digest[:16]>/image.json    what was built from what
     images/<kind>.json                        points at the current image of that kind
 
@@ -30,6 +31,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from fusuma import guest
 from fusuma.errors import ImageError
 from fusuma.images import debian, elf, modules
 from fusuma.images.initramfs import Tree
@@ -37,7 +39,7 @@ from fusuma.images.initramfs import Tree
 LOG = logging.getLogger(__name__)
 
 # Bump when the builder's output changes for the same inputs.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 KERNEL_META = "linux-image-cloud-amd64"
 BUILD_HINT = "run `fusuma image build`"
 
@@ -98,6 +100,7 @@ class Inputs:
     qemu_ga_version: str
     init_sha256: str
     shutdown_sha256: str
+    probe_sha256: str
     modules: tuple[str, ...]
     append: str
     builder_version: int = BUILDER_VERSION
@@ -136,6 +139,21 @@ def find_image(cache: Path, *, kind: str = "minimal") -> GuestImage:
         raise ImageError(f"the {kind} guest image in {cache / 'images' / str(target)} "
                          f"is incomplete: {BUILD_HINT}")
     return image
+
+
+def probe_path(cache: Path, *, kind: str = "minimal") -> Path:
+    """The host copy of the probe in the current image (the same binary as the guest's
+    /usr/bin/probe); ImageError when the image predates the probe's current source."""
+    image = find_image(cache, kind=kind)
+    path = image.kernel.parent / "probe"
+    try:
+        built_from = json.loads((path.parent / "image.json").read_text())["inputs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        built_from = {}
+    if built_from.get("probe_sha256") != guest.source_sha256() or not path.is_file():
+        raise ImageError(f"the {kind} guest image was built without the current probe: "
+                         f"{BUILD_HINT}")
+    return path
 
 
 def _load(path: Path, digest: str | None = None) -> GuestImage | None:
@@ -216,6 +234,7 @@ def _inputs(spec: ImageKind, debs: Path,
         qemu_ga_version=qemu_ga,
         init_sha256=hashlib.sha256(guest_script("init.sh")).hexdigest(),
         shutdown_sha256=hashlib.sha256(guest_script("shutdown.sh")).hexdigest(),
+        probe_sha256=guest.source_sha256(),
         modules=spec.modules, append=spec.append)
     return inputs, deb
 
@@ -247,8 +266,11 @@ def _build(spec: ImageKind, inputs: Inputs, deb_path: Path, images: Path,
         root = tmp / "deb"
         debian.extract(deb_path, root)
         vmlinuz, moddir = _kernel_files(root, deb_path)
+        say("compiling the probe")
+        guest.build_static(tmp / "probe")
         say("collecting kernel modules, busybox and qemu-ga")
         tree = _tree(spec, moddir, digest)
+        tree.file("/usr/bin/probe", (tmp / "probe").read_bytes(), 0o755)
         say(f"packing initramfs ({len(tree.entries)} entries, "
             f"{tree.size() / 2**20:.1f} MiB)")
         # Uncompressed: under TCG the guest unpacks a ~10 MB cpio faster than it

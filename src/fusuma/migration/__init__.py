@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fusuma.errors import FusumaError, MigrationError, ResourceError, StateError
+from fusuma.governor.qos import check_admission
 from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
 from fusuma.vm import VmView
 
@@ -53,6 +54,9 @@ class MigrationResult:
     cpu_s: float
     qemu_total_ms: float | None
     qemu_downtime_ms: float | None
+    # Copy mode under TCG with QEMU < 9.0: the guest was paused for the transfer
+    # (live pre-copy there can lose guest writes; see supervisor_ops.TCG_DIRTY_FIX).
+    paused: bool = False
 
     def as_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -92,6 +96,7 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
     if rec.vcpus > len(dest.cpus):
         raise ResourceError(f"partition {to!r} has {len(dest.cpus)} core(s), fewer than the "
                             f"{rec.vcpus} vCPUs of {vm!r}.")
+    check_admission(to, len(dest.cpus), db.vms(to), rec)
     for name in (rec.partition, to):
         if parts.supervisor_pid(name) is None:
             raise StateError(f"the supervisor of partition {name!r} is not running; start "
@@ -127,7 +132,7 @@ def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
     cpu1 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
     _fault_sleep(FAULT_AFTER_COMPLETE)
     try:
-        fin = dst.call("incoming-finish", vm=vm)
+        fin = dst.call("incoming-finish", vm=vm, resume=bool(out.get("paused")))
     except FusumaError as exc:
         with contextlib.suppress(FusumaError):
             dst.call("incoming-abort", vm=vm)
@@ -150,7 +155,7 @@ def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
         downtime_ms=round((resume_ts - float(stop_ts)) * 1000, 2) if stop_ts else None,
         bytes_sent=int(out["bytes_sent"]), prepare_ms=float(prep["prepare_ms"]),
         cpu_s=round(cpu1 - cpu0, 3), qemu_total_ms=out.get("qemu_total_ms"),
-        qemu_downtime_ms=out.get("qemu_downtime_ms"))
+        qemu_downtime_ms=out.get("qemu_downtime_ms"), paused=bool(out.get("paused")))
 
 
 def _fault_sleep(var: str) -> None:

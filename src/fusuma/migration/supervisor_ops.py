@@ -35,6 +35,11 @@ if TYPE_CHECKING:
     from fusuma.partition.supervisor import Supervisor, VmRuntime
 
 MODES = ("zero-copy", "copy")
+# QEMU before 9.0 loses TCG guest writes from the dirty bitmap during pre-copy
+# (fixed upstream by 03bfc2188f06 "physmem: Fix migration dirty bitmap coherency with
+# TCG memory access"): a live copy migration can hand the destination stale pages.
+# Under TCG with such a QEMU, copy mode pauses the guest for the transfer instead.
+TCG_DIRTY_FIX = (9, 0)
 SOCKET_FILES = ("qmp.sock", "qga.sock", "console.sock", "qemu.pid")
 
 
@@ -101,9 +106,14 @@ async def migrate_out(sup: Supervisor, vm: str, uri: str, mode: str,
                          f"{sup.partition!r}.")
     sup.db.update_vm(rec.with_(state=VmState.MIGRATING))
     listener = rt.qmp.listener(EVENT_STOP)
+    paused = False
     try:
         await rt.qmp.migrate_set_capabilities(capabilities(mode))
+        if mode == "copy" and await _tcg_dirty_bug(rt, rec.accel_used):
+            paused = True
         t0 = time.time()
+        if paused:
+            await rt.qmp.stop()
         await rt.qmp.migrate(uri)
         info = await _wait_migration(rt, timeout)
         if info.status != "completed":
@@ -129,7 +139,18 @@ async def migrate_out(sup: Supervisor, vm: str, uri: str, mode: str,
     sup.leaving[vm] = rt
     return {"t0": t0, "stop_ts": stop_ts, "qemu_total_ms": info.total_ms,
             "qemu_downtime_ms": info.downtime_ms, "bytes_sent": info.transferred,
-            "source_pid": rt.pid}
+            "source_pid": rt.pid, "paused": paused}
+
+
+async def _tcg_dirty_bug(rt: VmRuntime, accel: str | None) -> bool:
+    """True if this QEMU runs the guest under TCG and predates the dirty-bitmap fix."""
+    if accel != "tcg":
+        return False
+    try:
+        ver = (await rt.qmp.execute("query-version"))["qemu"]
+        return (int(ver["major"]), int(ver["minor"])) < TCG_DIRTY_FIX
+    except (QemuError, KeyError, TypeError, ValueError):
+        return True
 
 
 async def _wait_migration(rt: VmRuntime, timeout: float) -> Any:
@@ -151,11 +172,17 @@ async def _wait_migration(rt: VmRuntime, timeout: float) -> Any:
         delay = min(delay * 2, 0.05)
 
 
-async def incoming_finish(sup: Supervisor, vm: str, timeout: float = 30.0) -> dict[str, Any]:
+async def incoming_finish(sup: Supervisor, vm: str, timeout: float = 30.0,
+                          resume: bool = False) -> dict[str, Any]:
+    """``resume``: the source was paused for the transfer, so the destination starts
+    paused too and is continued here."""
     inc = sup.incoming.get(vm)
     if inc is None:
         raise NotFoundError(f"no incoming migration of {vm!r} in partition {sup.partition!r}.")
     rt = inc.rt
+    if resume:
+        await _wait_incoming_done(rt, timeout)
+        await rt.qmp.cont()
     try:
         ev = await rt.qmp.wait_event(inc.listener, timeout)
     except QemuError as exc:
@@ -178,6 +205,16 @@ async def incoming_finish(sup: Supervisor, vm: str, timeout: float = 30.0) -> di
         qemu_binary=sup._qemu_binary(), error=None))
     await sup._repin_all()
     return {"resume_ts": event_time(ev), "pid": rt.pid}
+
+
+async def _wait_incoming_done(rt: VmRuntime, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (status := await rt.qmp.query_status()) in ("inmigrate", "postmigrate"):
+        if loop.time() > deadline:
+            raise MigrationError(f"{rt.name!r} is still {status} at the destination after "
+                                 f"{timeout:.0f} s.")
+        await asyncio.sleep(0.002)
 
 
 async def release(sup: Supervisor, vm: str, timeout: float = 10.0) -> dict[str, Any]:

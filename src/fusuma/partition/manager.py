@@ -26,6 +26,7 @@ from fusuma.errors import (
     StateError,
     SupervisorError,
 )
+from fusuma.governor.qos import check_cores
 from fusuma.host import cgroups
 from fusuma.host.topology import HostInfo, format_cpulist, host_info
 from fusuma.partition.client import SupervisorClient
@@ -187,6 +188,7 @@ class PartitionManager:
             raise SpecError("a partition needs at least one core.")
         self.check_cpus(name, new_cpus)
         self.check_memory(name, new_mem)
+        check_cores(name, len(new_cpus), self.db.vms(name))
         new = PartitionRecord(**{**rec.__dict__, "cpus": sorted(new_cpus),
                                  "memory_mib": new_mem})
         with Reverter() as rev:

@@ -35,6 +35,7 @@ from fusuma.errors import (
     StateError,
     SupervisorError,
 )
+from fusuma.governor.loop import Governor
 from fusuma.host import cgroups
 from fusuma.host.accel import probe_accel
 from fusuma.images import find_image
@@ -97,6 +98,9 @@ class Supervisor:
         self._server: asyncio.AbstractServer | None = None
         self._done = asyncio.Event()
         self._locks: dict[str, asyncio.Lock] = {}
+        self.governor = Governor(partition, self.cg, self.db,
+                                 pids=lambda: {n: rt.pid for n, rt in self.vms.items()},
+                                 repin=self._repin_all, leaf=vm_leaf, log=self.log)
 
     # -- lifecycle of the supervisor itself ------------------------------------------
     async def run(self) -> None:
@@ -117,7 +121,9 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._done.set)
+        governing = asyncio.create_task(self.governor.run())
         await self._done.wait()
+        governing.cancel()
         await self.shutdown()
 
     async def shutdown(self) -> None:
@@ -165,6 +171,10 @@ class Supervisor:
                 self._watch(rt)
                 self.db.update_vm(vm.with_(state=VmState.RUNNING))
                 self.log.info("adopted %s (pid %d)", vm.name, vm.pid)
+                try:
+                    self.governor.apply_class(vm, vm.pid)
+                except FusumaError as exc:
+                    self.log.warning("cannot apply the QoS class of %s: %s", vm.name, exc)
             else:
                 self.log.warning("%s (pid %s) exited while no supervisor watched it",
                                  vm.name, vm.pid)
@@ -305,6 +315,9 @@ class Supervisor:
                 "stdout": base64.b64encode(res.stdout).decode(),
                 "stderr": base64.b64encode(res.stderr).decode()}
 
+    async def op_governor_status(self, limit: int = 50) -> dict[str, Any]:
+        return self.governor.status(limit)
+
     async def op_repin(self) -> dict[str, list[int]]:
         return await self._repin_all()
 
@@ -316,6 +329,7 @@ class Supervisor:
             rt = self.vms[name]
             out[name] = await self._repin(rt, offset)
             offset += len(out[name])
+        self.governor.pin()   # cores a guaranteed VM has to itself stay its own
         return out
 
     # -- migration (fusuma.migration.supervisor_ops) -----------------------------------
@@ -326,8 +340,8 @@ class Supervisor:
         async with self._lock(vm):
             return await migration_ops.migrate_out(self, vm, uri, mode)
 
-    async def op_incoming_finish(self, vm: str) -> dict[str, Any]:
-        return await migration_ops.incoming_finish(self, vm)
+    async def op_incoming_finish(self, vm: str, resume: bool = False) -> dict[str, Any]:
+        return await migration_ops.incoming_finish(self, vm, resume=resume)
 
     async def op_incoming_abort(self, vm: str) -> dict[str, Any]:
         return await migration_ops.incoming_abort(self, vm)
@@ -481,6 +495,7 @@ class Supervisor:
             # Known at once, so a supervisor killed during the start leaves a QEMU
             # that the next one can find (or end) by its checked pid.
             self.db.update_vm(self.db.vm(vm.name).with_(pid=child.pid))
+        self.governor.apply_class(vm, child.pid)
         qmp = Qmp(vm.name, cfg.qmp_socket, self._vm_logger(vm.name))
         await self._connect_or_fail(vm.name, child, qmp)
         undo.append(lambda: asyncio.ensure_future(qmp.disconnect()))

@@ -49,9 +49,18 @@ CREATE TABLE IF NOT EXISTS vms (
     error TEXT,
     created_at REAL NOT NULL,
     shared_ram INTEGER NOT NULL DEFAULT 1,
-    ram_path TEXT
+    ram_path TEXT,
+    qos TEXT NOT NULL DEFAULT 'burstable'
 );
 """
+
+# Columns added after a table's first version: (table, column, definition). A state
+# file from an older fusuma gets them on open.
+ADDED_COLUMNS = (
+    ("vms", "shared_ram", "INTEGER NOT NULL DEFAULT 1"),
+    ("vms", "ram_path", "TEXT"),
+    ("vms", "qos", "TEXT NOT NULL DEFAULT 'burstable'"),
+)
 
 
 class VmState(enum.StrEnum):
@@ -103,6 +112,7 @@ class VmRecord:
     created_at: float = field(default_factory=time.time)
     shared_ram: bool = True          # RAM in a named shared file (zero-copy migration)
     ram_path: str | None = None      # that file, once the VM has run
+    qos: str = "burstable"           # guaranteed | burstable | best-effort (governor)
 
     def with_(self, **changes: object) -> VmRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -123,8 +133,19 @@ class Database:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA foreign_keys=ON")
         self._conn.executescript(SCHEMA)
+        self._add_columns()
         self._conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)",
                            (str(SCHEMA_VERSION),))
+
+    def _add_columns(self) -> None:
+        for table, column, definition in ADDED_COLUMNS:
+            have = {r["name"] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                try:
+                    self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+                except sqlite3.OperationalError as exc:
+                    if "duplicate column" not in str(exc):   # another process was first
+                        raise
 
     def close(self) -> None:
         self._conn.close()
@@ -238,7 +259,7 @@ class Database:
             accel=row["accel"], autostart=bool(row["autostart"]), state=VmState(row["state"]),
             pid=row["pid"], accel_used=row["accel_used"], qemu_binary=row["qemu_binary"],
             started_at=row["started_at"], error=row["error"], created_at=row["created_at"],
-            shared_ram=bool(row["shared_ram"]), ram_path=row["ram_path"])
+            shared_ram=bool(row["shared_ram"]), ram_path=row["ram_path"], qos=row["qos"])
 
     def vms(self, partition: str | None = None) -> list[VmRecord]:
         if partition is None:
@@ -261,10 +282,13 @@ class Database:
     def add_vm(self, v: VmRecord) -> None:
         try:
             self._conn.execute(
-                "INSERT INTO vms VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO vms (name, partition, vcpus, memory_mib, image, disks, accel, "
+                "autostart, state, pid, accel_used, qemu_binary, started_at, error, "
+                "created_at, shared_ram, ram_path, qos) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (v.name, v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks),
                  v.accel, int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
-                 v.started_at, v.error, v.created_at, int(v.shared_ram), v.ram_path))
+                 v.started_at, v.error, v.created_at, int(v.shared_ram), v.ram_path, v.qos))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a VM named {v.name!r} already exists.") from exc
 
@@ -272,10 +296,10 @@ class Database:
         self._conn.execute(
             "UPDATE vms SET partition=?, vcpus=?, memory_mib=?, image=?, disks=?, accel=?, "
             "autostart=?, state=?, pid=?, accel_used=?, qemu_binary=?, started_at=?, error=?, "
-            "shared_ram=?, ram_path=? WHERE name=?",
+            "shared_ram=?, ram_path=?, qos=? WHERE name=?",
             (v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks), v.accel,
              int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
-             v.started_at, v.error, int(v.shared_ram), v.ram_path, v.name))
+             v.started_at, v.error, int(v.shared_ram), v.ram_path, v.qos, v.name))
 
     def remove_vm(self, name: str) -> None:
         self._conn.execute("DELETE FROM vms WHERE name=?", (name,))

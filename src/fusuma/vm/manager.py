@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fusuma.errors import ConflictError, FusumaError, ResourceError, StateError
+from fusuma.governor.qos import check_admission
 from fusuma.host.memory import process_memory
 from fusuma.images import find_image
 from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
@@ -58,7 +59,7 @@ class VmView:
         return {"name": r.name, "partition": r.partition, "state": state,
                 "pid": r.pid if state != "crashed" else None,
                 "accel": r.accel_used or r.accel, "vcpus": r.vcpus,
-                "memory_mib": r.memory_mib, "shared_ram": r.shared_ram,
+                "memory_mib": r.memory_mib, "shared_ram": r.shared_ram, "qos": r.qos,
                 "host_memory": mem.as_json() if mem else None,
                 "disks": r.disks, "error": r.error}
 
@@ -87,7 +88,8 @@ class VmManager:
         rec = VmRecord(name=spec.name, partition=spec.partition, vcpus=spec.vcpus,
                        memory_mib=spec.memory_mib, image=spec.image, disks=list(spec.disks),
                        accel=spec.accel, autostart=spec.autostart,
-                       shared_ram=spec.shared_ram)
+                       shared_ram=spec.shared_ram, qos=spec.qos)
+        check_admission(part.name, len(part.cpus), self.db.vms(part.name), rec)
         need = SUPERVISOR_MIB + sum(vm_need_mib(v) for v in self.db.vms(part.name))
         need += vm_need_mib(rec)
         if need > part.memory_mib:

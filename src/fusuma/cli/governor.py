@@ -1,0 +1,75 @@
+"""`fusuma governor ...`: what each partition's governor is doing, and why."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
+
+
+@click.group()
+def governor() -> None:
+    """The CPU governor that runs in every partition supervisor.
+
+    Once a second it measures each VM's CPU use and run delay; when a guaranteed VM's
+    vCPUs wait for a CPU it raises the VM's weight, gives its vCPUs a spare core of
+    their own, or caps burstable VMs (never below their floor), and undoes the caps
+    once the pressure is gone."""
+
+
+def _fmt(x: Any, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _text(st: dict[str, Any]) -> str:
+    th = st["thresholds"]
+    lines = [f"partition {st['partition']}: cores {st['cores']}, every {st['interval_s']:g} s, "
+             f"{st['ticks']} tick(s), short when a guaranteed vCPU waits > "
+             f"{th['wait_high_pct']:g}%"
+             + (f"; {st['errors']} error(s), last: {st['last_error']}" if st["errors"] else "")]
+    rows = []
+    for v in st["vms"]:
+        load = v.get("load") or {}
+        rows.append([v["name"], str(v.get("qos", "-")), str(v.get("weight", "-")),
+                     _fmt(v.get("cap_cpus"), 2),
+                     ",".join(map(str, v.get("dedicated_cores") or [])) or "-",
+                     _fmt(load.get("cpu_pct")), _fmt(load.get("wait_pct")),
+                     "yes" if v.get("short") else "no"])
+    if rows:
+        lines.append(table(rows, ["vm", "qos", "weight", "cap_cpus", "own_cores", "cpu%",
+                                  "wait%", "short"]))
+    decisions = st["decisions"]
+    lines.append("")
+    if not decisions:
+        lines.append("no decisions yet")
+    for d in decisions:
+        nums = ", ".join(f"{k} {v}" for k, v in d["numbers"].items() if v is not None)
+        stamp = time.strftime("%H:%M:%S", time.localtime(d["at"]))
+        lines.append(f"{stamp}  {d['vm']:<16} {d['action']:<13} {d['reason']}"
+                     + (f"  [{nums}]" if nums else ""))
+    return "\n".join(lines)
+
+
+@governor.command("status")
+@click.argument("partition", required=False)
+@click.option("--limit", type=click.IntRange(0, 256), default=20, show_default=True,
+              help="Recent decisions to show per partition.")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def status(c: Ctx, partition: str | None, limit: int, as_json: bool) -> None:
+    """Each VM's class and controls, and the governor's recent decisions with the
+    reason and the measured numbers (of PARTITION, or of every partition)."""
+    names = [partition] if partition else [p.name for p in c.db.partitions()]
+    if partition:
+        c.db.partition(partition)      # an unknown name is one clear sentence
+    out = [c.parts.client(n).call("governor-status", rpc_timeout=10.0, limit=limit)
+           for n in names]
+    if as_json:
+        emit_json({"partitions": out})
+        return
+    if not out:
+        click.echo("no partitions")
+    click.echo("\n\n".join(_text(st) for st in out))

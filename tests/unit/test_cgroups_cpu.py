@@ -1,0 +1,144 @@
+"""Per-VM CPU policy in both cgroup drivers (set_cpu, cpu_stat) on the fake cgroupfs of
+test_cgroups.py, with the cpu controller's files in the templates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusuma.errors import CgroupError, SpecError
+from fusuma.host.cgroups import CpuPolicy, parse_flat_keyed, parse_pressure_total
+from fusuma.host.cgroups_v1 import CgroupV1Driver, shares_for_weight
+from tests.unit.test_cgroups import (
+    LIMITS,
+    V1_CHILD,
+    V2_CHILD,
+    FakeCgroupFs,
+    make_v1,
+    make_v2,
+    read,
+)
+
+V1_CPU = {**V1_CHILD["cpu,cpuacct"], "cpu.cfs_period_us": "100000\n",
+          "cpu.cfs_quota_us": "-1\n", "cpu.idle": "0\n", "cpuacct.usage": "123456789\n",
+          "cpu.stat": "nr_periods 10\nnr_throttled 4\nthrottled_time 2500000\n"}
+V2_CPU = {**V2_CHILD, "cpu.weight": "100\n", "cpu.max": "max 100000\n", "cpu.idle": "0\n",
+          "cpu.stat": "usage_usec 5000\nuser_usec 3000\nsystem_usec 2000\nnr_periods 7\n"
+                      "nr_throttled 3\nthrottled_usec 1500\n",
+          "cpu.pressure": "some avg10=1.00 avg60=0.50 avg300=0.10 total=4242\n"
+                          "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"}
+
+
+def v1_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu: dict[str, str]
+            ) -> tuple[CgroupV1Driver, FakeCgroupFs, Path]:
+    driver, fake, base = make_v1(tmp_path, monkeypatch, child={**V1_CHILD, "cpu,cpuacct": cpu})
+    driver.create("p0", LIMITS)
+    driver.create_leaf("p0", "vm.a")
+    return driver, fake, base / "cpu,cpuacct" / "fusuma" / "p0" / "vm.a"
+
+
+def test_v1_set_cpu_writes_shares_period_and_quota(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    driver, _, leaf = v1_with(tmp_path, monkeypatch, V1_CPU)
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=1000, quota_us=25000))
+    assert read(leaf / "cpu.shares") == "10240"
+    assert read(leaf / "cpu.cfs_period_us") == "100000"
+    assert read(leaf / "cpu.cfs_quota_us") == "25000"
+    driver.set_cpu("p0", "vm.a", CpuPolicy())
+    assert read(leaf / "cpu.shares") == "1024" and read(leaf / "cpu.cfs_quota_us") == "-1"
+
+
+def test_v1_idle_is_set_after_and_cleared_before_the_weight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    driver, fake, leaf = v1_with(tmp_path, monkeypatch, V1_CPU)
+    fake.writes.clear()
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=1, idle=True))
+    names = [p.name for p, _ in fake.writes]
+    # The kernel refuses cpu.shares while cpu.idle is 1: shares first, then idle.
+    assert names.index("cpu.shares") < names.index("cpu.idle")
+    assert read(leaf / "cpu.idle") == "1"
+    fake.writes.clear()
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=1, idle=True))
+    assert "cpu.shares" not in [p.name for p, _ in fake.writes]
+    fake.writes.clear()
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=100))
+    names = [p.name for p, _ in fake.writes]
+    assert names.index("cpu.idle") < names.index("cpu.shares")
+    assert read(leaf / "cpu.idle") == "0" and read(leaf / "cpu.shares") == "1024"
+
+
+def test_v1_without_cpu_idle_falls_back_to_minimal_shares(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = {k: v for k, v in V1_CPU.items() if k != "cpu.idle"}
+    driver, _, leaf = v1_with(tmp_path, monkeypatch, cpu)
+    assert not driver.cpu_idle_supported("p0", "vm.a")
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=50, idle=True))
+    assert read(leaf / "cpu.shares") == "2" and not (leaf / "cpu.idle").exists()
+
+
+def test_v1_cpu_stat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    driver, _, _ = v1_with(tmp_path, monkeypatch, V1_CPU)
+    st = driver.cpu_stat("p0", "vm.a")
+    assert (st.usage_ns, st.nr_periods, st.nr_throttled, st.throttled_ns,
+            st.pressure_some_us) == (123456789, 10, 4, 2500000, None)
+    assert driver.cpu_idle_supported("p0", "vm.a")
+
+
+def test_v1_missing_leaf_is_a_cgroup_error(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    driver, _, _ = v1_with(tmp_path, monkeypatch, V1_CPU)
+    with pytest.raises(CgroupError, match="does not exist"):
+        driver.set_cpu("p0", "vm.nope", CpuPolicy())
+
+
+def test_v2_set_cpu_and_stat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    driver, fake, mount = make_v2(tmp_path, monkeypatch, child=V2_CPU)
+    driver.create("p0", LIMITS)
+    driver.create_leaf("p0", "vm.a")
+    leaf = mount / "fusuma" / "p0" / "vm.a"
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=10000))
+    assert read(leaf / "cpu.weight") == "10000" and read(leaf / "cpu.max") == "max 100000"
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=100, quota_us=50000, period_us=50000))
+    assert read(leaf / "cpu.max") == "50000 50000"
+    fake.writes.clear()
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=1, idle=True))
+    names = [p.name for p, _ in fake.writes]
+    assert names.index("cpu.weight") < names.index("cpu.idle")
+    assert read(leaf / "cpu.idle") == "1" and read(leaf / "cpu.max") == "max 100000"
+    st = driver.cpu_stat("p0", "vm.a")
+    assert (st.usage_ns, st.nr_periods, st.nr_throttled, st.throttled_ns,
+            st.pressure_some_us) == (5_000_000, 7, 3, 1_500_000, 4242)
+
+
+def test_v2_without_cpu_controller_does_nothing(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    driver, fake, _ = make_v2(tmp_path, monkeypatch)   # V2_CHILD has no cpu.* files
+    driver.create("p0", LIMITS)
+    driver.create_leaf("p0", "vm.a")
+    fake.writes.clear()
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=10000))
+    assert fake.writes == []
+    assert driver.cpu_stat("p0", "vm.a").usage_ns is None
+    assert not driver.cpu_idle_supported("p0", "vm.a")
+
+
+@pytest.mark.parametrize(("weight", "shares"), [(1, 2), (100, 1024), (1000, 10240),
+                                                (10000, 102400)])
+def test_shares_for_weight(weight: int, shares: int) -> None:
+    assert shares_for_weight(weight) == shares
+
+
+@pytest.mark.parametrize("kwargs", [{"weight": 0}, {"weight": 10001}, {"quota_us": 500},
+                                    {"period_us": 10}])
+def test_cpu_policy_rejects_impossible_values(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(SpecError):
+        CpuPolicy(**kwargs)
+
+
+def test_parsers() -> None:
+    assert parse_pressure_total("some avg10=0.00 avg60=0.00 avg300=0.00 total=17\n"
+                                "full avg10=0.00 avg60=0.00 avg300=0.00 total=3") == 17
+    assert parse_pressure_total("garbage") is None
+    assert parse_flat_keyed("a 1\nb x\nc -2\n") == {"a": 1, "c": -2}
