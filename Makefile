@@ -30,9 +30,12 @@ demo: image
 	$(FUSUMA) up
 	$(FUSUMA) ps
 	@for v in $$($(FUSUMA) vm list --json | $(VENV)/bin/python -c 'import json,sys; print(" ".join(v["name"] for v in json.load(sys.stdin)))'); do \
-	  echo "--- $$v: uname -r; cores the guest's vCPU thread may use:"; \
+	  echo "--- $$v: guest kernel and hostname, through the guest agent:"; \
 	  $(FUSUMA) vm exec $$v -- /bin/sh -c 'uname -r; hostname'; \
 	done
+	@echo "--- zero-copy migration of vm0 to p1 and back (the guest keeps running):"
+	$(FUSUMA) migrate vm0 --to p1
+	$(FUSUMA) migrate vm0 --to p0
 	@echo
 	@echo "Two partitions are up. Try: $(FUSUMA) ps, $(FUSUMA) vm console vm0,"
 	@echo "$(FUSUMA) partition restart p0. Remove everything with: $(FUSUMA) down"
