@@ -17,6 +17,7 @@ from fusuma.errors import ConflictError, SpecError
 from fusuma.partition.manager import PartitionManager
 from fusuma.spec import DiskSpec, HostSpec, PartitionSpec, VmSpec, check_host_fit
 from fusuma.state import Database
+from fusuma.state.lock import host_lock
 from fusuma.undo import Reverter
 from fusuma.vm import VmManager, VmView
 
@@ -100,7 +101,12 @@ def up(paths_db: Database, parts: PartitionManager, vms: VmManager, spec: HostSp
        source: str, progress: Callable[[str], None] = lambda s: None,
        wait_agent: float = 0.0) -> Plan:
     """Apply ``spec``; on any failure undo every step already taken and re-raise."""
-    db = paths_db
+    with host_lock(parts.paths.home):
+        return _up(paths_db, parts, vms, spec, source, progress, wait_agent)
+
+
+def _up(db: Database, parts: PartitionManager, vms: VmManager, spec: HostSpec,
+        source: str, progress: Callable[[str], None], wait_agent: float) -> Plan:
     the_plan = plan(db, parts, spec, source)
     with Reverter() as rev:
         # Two phases, so cores and memory can move between partitions in one spec:
@@ -154,6 +160,12 @@ def down(db: Database, parts: PartitionManager, vms: VmManager,
     Disk files that fusuma created (a spec's ``size_mib``) are deleted; disk files the
     user brought are left in place.
     """
+    with host_lock(parts.paths.home):
+        return _down(db, parts, vms, progress)
+
+
+def _down(db: Database, parts: PartitionManager, vms: VmManager,
+          progress: Callable[[str], None]) -> list[str]:
     done: list[str] = []
     for v in db.vms():
         progress(f"deleting vm {v.name}")

@@ -31,6 +31,7 @@ from typing import Any
 from fusuma.errors import FusumaError, MigrationError, ResourceError, StateError
 from fusuma.governor.qos import check_admission
 from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
+from fusuma.state.lock import host_lock
 from fusuma.vm import VmView
 
 LOG = logging.getLogger(__name__)
@@ -105,6 +106,12 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
 
 def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
             progress: Callable[[str], None] = lambda s: None) -> MigrationResult:
+    with host_lock(parts.paths.home):
+        return _migrate(parts, vm, to, mode, progress)
+
+
+def _migrate(parts: PartitionManager, vm: str, to: str, mode: str,
+             progress: Callable[[str], None]) -> MigrationResult:
     check(parts, vm, to, mode)
     rec = parts.db.vm(vm)
     source = rec.partition

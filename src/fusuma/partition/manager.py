@@ -35,6 +35,7 @@ from fusuma.qemu import process
 from fusuma.qemu.cmdline import overhead_mib
 from fusuma.spec import DiskSpec, PartitionSpec, check_name
 from fusuma.state import Database, DiskRecord, PartitionRecord, VmRecord
+from fusuma.state.lock import locked
 from fusuma.undo import Reverter
 
 LOG = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class PartitionManager:
                             "the absolute path of a qemu-system-x86_64.")
 
     # -- create / delete --------------------------------------------------------------
+    @locked
     def create(self, spec: PartitionSpec) -> PartitionRecord:
         check_name("partition", spec.name)
         if self.db.find_partition(spec.name) is not None:
@@ -140,6 +142,7 @@ class PartitionManager:
             rev.commit()
         return PartitionRecord(**{**rec.__dict__, "supervisor_pid": pid})
 
+    @locked
     def delete(self, name: str, force: bool = False) -> None:
         rec = self.db.partition(name)
         vms = self.db.vms(name)
@@ -179,6 +182,7 @@ class PartitionManager:
             time.sleep(0.05)
 
     # -- resize -----------------------------------------------------------------------
+    @locked
     def resize(self, name: str, cpus: list[int] | None = None,
                memory_mib: int | None = None) -> PartitionRecord:
         rec = self.db.partition(name)
@@ -267,6 +271,7 @@ class PartitionManager:
             os.waitpid(pid, os.WNOHANG)
         return True
 
+    @locked
     def restart(self, name: str) -> int:
         """A new supervisor for ``name`` that re-adopts its running VMs."""
         self.db.partition(name)
@@ -274,6 +279,7 @@ class PartitionManager:
         return self.start_supervisor(name)
 
     # -- disks ------------------------------------------------------------------------
+    @locked
     def add_disk(self, spec: DiskSpec) -> DiskRecord:
         check_name("disk", spec.name)
         self.db.partition(spec.partition)
@@ -303,6 +309,7 @@ class PartitionManager:
             raise
         return rec
 
+    @locked
     def move_disk(self, name: str, to: str) -> DiskRecord:
         disk = self.db.disk(name)
         self.db.partition(to)
@@ -314,6 +321,7 @@ class PartitionManager:
         self.db.move_disk(name, to)
         return DiskRecord(disk.name, disk.path, to, disk.created_file)
 
+    @locked
     def remove_disk(self, name: str, delete_file: bool = False) -> None:
         disk = self.db.disk(name)
         users = [v.name for v in self.db.vms() if name in v.disks]

@@ -20,6 +20,7 @@ from fusuma.paths import Paths
 from fusuma.qemu import process
 from fusuma.spec import VmSpec, check_name
 from fusuma.state import Database, VmRecord, VmState
+from fusuma.state.lock import locked
 
 # States in which a QEMU process should exist.
 ALIVE = (VmState.STARTING, VmState.RUNNING, VmState.STOPPING, VmState.MIGRATING)
@@ -70,6 +71,7 @@ class VmManager:
         self.db = db
         self.parts = parts
 
+    @locked
     def create(self, spec: VmSpec) -> VmRecord:
         check_name("VM", spec.name)
         if self.db.find_vm(spec.name) is not None:
@@ -134,6 +136,7 @@ class VmManager:
         return float(self.parts.client(vm.partition).call("wait-agent", rpc_timeout=timeout + 10,
                                                           vm=name, timeout=timeout))
 
+    @locked
     def delete(self, name: str, force: bool = False) -> None:
         vm = self.db.vm(name)
         view = VmView(vm)
@@ -158,6 +161,7 @@ class VmManager:
         with contextlib.suppress(Exception):
             self.parts.cg.delete_leaf(vm.partition, f"vm.{name}")
 
+    @locked
     def attach_disk(self, name: str, disk: str) -> VmRecord:
         vm = self._stopped(name, "attach a disk")
         d = self.db.disk(disk)
@@ -171,6 +175,7 @@ class VmManager:
         self.db.update_vm(new)
         return new
 
+    @locked
     def detach_disk(self, name: str, disk: str) -> VmRecord:
         vm = self._stopped(name, "detach a disk")
         if disk not in vm.disks:
