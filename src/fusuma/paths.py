@@ -69,6 +69,14 @@ class Paths:
     def supervisor_pidfile(self, partition: str) -> Path:
         return self.runtime / "partitions" / f"{partition}.pid"
 
+    @property
+    def segments_dir(self) -> Path:
+        """Shared segments: ``<name>.erofs`` files that VMs map as virtio-pmem."""
+        return self.home / "segments"
+
+    def segment_file(self, name: str) -> Path:
+        return self.segments_dir / f"{name}.erofs"
+
     def ram_file(self, vm: str) -> Path:
         return self.shm / f"{vm}.ram"
 
