@@ -15,7 +15,8 @@ fix it; the CLI prints ``str(exc)`` and exits non-zero.
      ├── QemuError          QEMU failed to start or answer (fusuma.qemu)
      │    └── GuestAgentError  the guest agent did not answer or a command failed
      ├── SupervisorError    a partition supervisor is down or answered with an error
-     └── MigrationError     a migration failed (the VM stays where it was)
+     ├── MigrationError     a migration failed (the VM stays where it was)
+     └── SegmentError       a shared segment cannot be built, found or removed
 """
 
 from __future__ import annotations
@@ -102,3 +103,9 @@ class MigrationError(FusumaError):
     """A migration failed; the message says where the VM runs now."""
 
     exit_code = 12
+
+
+class SegmentError(FusumaError):
+    """A shared segment cannot be built, attached or removed."""
+
+    exit_code = 13

@@ -22,6 +22,9 @@ A spec is a TOML file applied with ``fusuma up``::
     memory_mib = 256
     disks = ["d0"]
     # qos = "burstable"   # guaranteed | burstable | best-effort
+    # segments = ["tools", "debian-usr:/usr"]   # NAME[:MOUNTPOINT], default /mnt/NAME
+    # mergeable = false   # private RAM for KSM (copy migration only; see `share ksm`)
+    # ports = ["8080:80"] # host 127.0.0.1:8080 -> guest tcp port 80 (user networking)
 
 Validation errors name the file and the key (``spec.toml: vm[1].partition: ...``).
 """
@@ -34,7 +37,14 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fusuma.errors import SpecError
 from fusuma.host.topology import HostInfo, format_cpulist, parse_cpulist
@@ -138,8 +148,58 @@ class VmSpec(_Model):
     # The governor's QoS class: guaranteed (its vCPUs' worth of CPU reserved),
     # burstable (a weight, may use idle CPU) or best-effort (only otherwise idle CPU).
     qos: Qos = "burstable"
+    # Shared read-only segments, each "NAME" (mounted at /mnt/NAME) or "NAME:/DIR".
+    segments: list[str] = []
+    # KSM: private RAM marked mergeable. Needs private RAM, so such a VM migrates by
+    # copy only; mergeable = true alone implies shared_ram = false.
+    mergeable: bool = False
+    # TCP ports forwarded from the host's loopback: "HOSTPORT:GUESTPORT".
+    ports: list[str] = []
 
     _check_name = field_validator("name")(_name_field)
+
+    @field_validator("segments")
+    @classmethod
+    def _segments(cls, v: list[str]) -> list[str]:
+        out: list[str] = []
+        seen: set[str] = set()
+        for item in v:
+            name, _, mount = item.partition(":")
+            _name_field(name)
+            mount = mount or f"/mnt/{name}"
+            if not mount.startswith("/") or any(c in mount for c in " ,:\t\n"):
+                raise ValueError(f"segment {item!r}: the mount point must be an absolute "
+                                 "path without spaces, commas or colons")
+            if name in seen:
+                raise ValueError(f"segment {name!r} is listed twice")
+            seen.add(name)
+            out.append(f"{name}:{mount}")
+        return out
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, v: list[str]) -> list[str]:
+        hosts: set[int] = set()
+        for item in v:
+            m = re.fullmatch(r"(\d{1,5}):(\d{1,5})", item)
+            if not m or not all(0 < int(x) < 65536 for x in m.groups()):
+                raise ValueError(f"port forward {item!r} must be HOSTPORT:GUESTPORT with "
+                                 "ports 1-65535, e.g. \"8080:80\"")
+            if int(m.group(1)) in hosts:
+                raise ValueError(f"host port {m.group(1)} is forwarded twice")
+            hosts.add(int(m.group(1)))
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mergeable_ram(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("mergeable") is True:
+            if data.get("shared_ram") is True:
+                raise ValueError("mergeable = true needs private RAM (KSM merges only "
+                                 "private pages), so shared_ram = true cannot go with it; "
+                                 "drop one of them")
+            data = {**data, "shared_ram": False}
+        return data
 
 
 class HostSpec(_Model):

@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import lzma
+import os
 import shutil
 import stat
 import struct
@@ -154,6 +155,8 @@ def test_digest_is_stable_and_changes_with_every_input() -> None:
         "append": "console=ttyS0 quiet",
         "builder_version": builder.BUILDER_VERSION + 1,
         "kind": "other",
+        "scripts_sha256": "e" * 64,
+        "rootfs": "bookworm http://deb.debian.org/debian apache2",
     }
     assert set(changed) == {f.name for f in dataclasses.fields(base)}
     digests = {base.digest()}
@@ -198,7 +201,7 @@ def test_find_image_returns_the_pointed_image(tmp_path: Path) -> None:
 def test_unknown_kind_is_an_image_error(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match="no guest image kind 'huge'"):
         builder.find_image(tmp_path, kind="huge")
-    with pytest.raises(ImageError, match="use one of minimal"):
+    with pytest.raises(ImageError, match="use one of debian, minimal"):
         builder.build_image(tmp_path, kind="huge")
 
 
@@ -282,3 +285,25 @@ def test_unwritable_cache_is_an_image_error(tmp_path: Path) -> None:
     blocker.write_text("not a directory")
     with pytest.raises(ImageError, match="cannot write the image cache"):
         builder.build_image(blocker)
+
+
+def test_host_tree_keeps_owners_modes_symlinks_and_skips(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "shadow").write_text("x")
+    os.chown(root / "etc" / "shadow", 0, 42)
+    (root / "etc" / "shadow").chmod(0o640)
+    (root / "usr" / "bin").mkdir(parents=True)
+    (root / "usr" / "bin" / "big").write_bytes(b"\0" * 100)
+    (root / "bin").symlink_to("usr/bin")
+    tree = Tree()
+    tree.add_host_tree(root, "/", skip=lambda p: p.startswith("/usr/"))
+    shadow = tree.entries["/etc/shadow"]
+    assert (shadow.gid, stat.S_IMODE(shadow.mode), shadow.data) == (42, 0o640, b"x")
+    assert tree.entries["/bin"].data == b"usr/bin"
+    assert stat.S_ISLNK(tree.entries["/bin"].mode)
+    assert "/usr" in tree and "/usr/bin" not in tree and "/usr/bin/big" not in tree
+    out = io.BytesIO()
+    tree.write_cpio(out)
+    # the gid travels in the newc header (8 hex digits after mode and uid)
+    assert b"%08x%08x" % (0, 42) in out.getvalue()

@@ -16,6 +16,8 @@ from fusuma.cli.host import down, ps, up
 from fusuma.cli.image import image
 from fusuma.cli.migrate import maintain, migrate
 from fusuma.cli.partition import partition
+from fusuma.cli.segment import segment
+from fusuma.cli.share import share
 from fusuma.cli.top import top
 from fusuma.cli.vm import vm
 from fusuma.errors import FusumaError
@@ -48,7 +50,7 @@ def cli(ctx: click.Context, verbose: int) -> None:
 
 
 for command in (up, down, ps, partition, vm, disk, migrate, maintain, image, bench, top,
-                governor):
+                governor, segment, share):
     cli.add_command(command)
 
 

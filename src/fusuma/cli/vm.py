@@ -47,17 +47,40 @@ def vm() -> None:
               help="CPU QoS class: guaranteed (its vCPUs' worth of CPU reserved; the "
                    "partition's guaranteed vCPUs may not exceed its cores), burstable (a "
                    "weight, may use idle CPU) or best-effort (only otherwise idle CPU).")
+@click.option("--segment", "segments", multiple=True, metavar="NAME[:DIR]",
+              help="A shared segment to attach (repeatable), mounted read-only with DAX "
+                   "at DIR in the guest (default /mnt/NAME); see `fusuma segment`. "
+                   "Segments work with zero-copy migration.")
+@click.option("--mergeable", is_flag=True,
+              help="Private guest RAM marked mergeable for KSM (`fusuma share ksm on`). "
+                   "Implies --private-ram, so the VM migrates by copy only. KSM between "
+                   "VMs opens a memory-deduplication side channel: a guest can time "
+                   "copy-on-write faults to learn whether another guest holds a page.")
+@click.option("--port", "ports", multiple=True, metavar="HOST:GUEST",
+              help="Forward 127.0.0.1:HOST on the host to the guest's TCP port GUEST "
+                   "(repeatable; QEMU user networking).")
 @click.option("--start", is_flag=True, help="Start it right away (if that fails, the "
               "VM is not kept).")
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image: str,
-           disks: tuple[str, ...], accel: str, private_ram: bool, qos: str, start: bool,
+           disks: tuple[str, ...], accel: str, private_ram: bool, qos: str,
+           segments: tuple[str, ...], mergeable: bool, ports: tuple[str, ...], start: bool,
            as_json: bool) -> None:
-    """Define VM NAME in a partition (and optionally start it)."""
+    """Define VM NAME in a partition (and optionally start it).
+
+    \b
+    Examples:
+      fusuma vm create web0 -p p0 --image debian --port 8080:80 --start
+      fusuma vm create web1 -p p0 --image debian --segment debian-usr:/usr
+      fusuma vm create k0 -p p1 --mergeable --start"""
+    fields: dict[str, object] = {}
+    if private_ram or not mergeable:
+        fields["shared_ram"] = not private_ram
     spec = build(VmSpec, "vm", name=name, partition=partition, vcpus=vcpus,
                  memory_mib=memory_mib, image=image, disks=list(disks), accel=accel,
-                 shared_ram=not private_ram, qos=qos)
+                 qos=qos, segments=list(segments), mergeable=mergeable, ports=list(ports),
+                 **fields)
     c.vms.create(spec)
     if start:
         c.accel_notice(accel)

@@ -6,8 +6,16 @@ Cache layout under ``cache``::
     images/<kind>-<digest[:16]>/vmlinuz       the kernel
     images/<kind>-<digest[:16]>/initrd.img    newc cpio, uncompressed
     images/<kind>-<digest[:16]>/probe         the static probe, also /usr/bin/probe inside
+    images/debian-<digest[:16]>/usr.erofs     the Debian kind's /usr (see below)
     images/<kind>-<digest[:16]>/image.json    what was built from what
     images/<kind>.json                        points at the current image of that kind
+
+The ``debian`` kind is a real Debian system made by debootstrap (apache2 and qemu-ga
+installed). Its initramfs holds Debian's root directory without /usr (so /etc and /var
+are private to each VM, in its RAM) and a static busybox under /fusuma for /init; its
+/usr is the erofs image ``usr.erofs``, which a VM gets either as a read-only virtio-blk
+disk (a page-cache copy per VM) or as a shared segment mounted with DAX (one host copy
+for all VMs: the DCSS layout; ``fusuma segment create NAME --from-image debian``).
 
 An image is built in a temporary directory next to its final place and renamed into
 place, and the pointer is replaced atomically, so an interrupted build leaves nothing
@@ -39,7 +47,7 @@ from fusuma.images.initramfs import Tree
 LOG = logging.getLogger(__name__)
 
 # Bump when the builder's output changes for the same inputs.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 KERNEL_META = "linux-image-cloud-amd64"
 BUILD_HINT = "run `fusuma image build`"
 
@@ -53,6 +61,9 @@ class ImageKind:
     name: str
     modules: tuple[str, ...]
     append: str
+    # Debian packages debootstrap installs into a root filesystem; () = no rootfs
+    # (the minimal kind: a busybox initramfs only).
+    packages: tuple[str, ...] = ()
 
 
 # Kernel options: quiet console on the first serial port, reboot at once on panic (QEMU
@@ -61,21 +72,25 @@ class ImageKind:
 _APPEND = ("console=ttyS0 quiet panic=-1 i8042.noaux i8042.nomux i8042.nopnp "
            "i8042.dumbkbd 8250.nr_uarts=1 tsc=reliable no_timer_check")
 
+_MODULES = (
+    # the guest agent's transport first
+    "virtio_pci", "virtio_console",
+    "virtio_blk", "virtio_net", "virtio_rng",
+    # shared segments: virtio-pmem -> nd_pmem -> erofs with DAX
+    "virtio_pmem", "nd_pmem", "dax", "erofs",
+    # a rootfs on virtio-blk
+    "ext4",
+)
+
 KINDS: dict[str, ImageKind] = {
-    "minimal": ImageKind(
-        name="minimal",
-        modules=(
-            # the guest agent's transport first
-            "virtio_pci", "virtio_console",
-            "virtio_blk", "virtio_net", "virtio_rng",
-            # shared segments: virtio-pmem -> nd_pmem -> erofs with DAX
-            "virtio_pmem", "nd_pmem", "dax", "erofs",
-            # a future rootfs on virtio-blk
-            "ext4",
-        ),
-        append=_APPEND,
+    "minimal": ImageKind(name="minimal", modules=_MODULES, append=_APPEND),
+    "debian": ImageKind(
+        name="debian", modules=_MODULES, append=_APPEND,
+        packages=("apache2", "qemu-guest-agent", "iproute2", "procps"),
     ),
 }
+# The guest scripts that go into every image (their hashes name the image).
+SCRIPTS = ("init.sh", "init-debian.sh", "lib.sh", "shutdown.sh")
 
 
 @dataclass(frozen=True)
@@ -88,6 +103,7 @@ class GuestImage:
     append: str
     digest: str
     kernel_version: str
+    usr: Path | None = None     # debian kind: the erofs image of /usr
 
 
 @dataclass(frozen=True)
@@ -103,6 +119,8 @@ class Inputs:
     probe_sha256: str
     modules: tuple[str, ...]
     append: str
+    scripts_sha256: str = ""
+    rootfs: str = ""            # debian kind: "suite mirror pkg,pkg,..."
     builder_version: int = BUILDER_VERSION
 
     def digest(self) -> str:
@@ -160,14 +178,18 @@ def _load(path: Path, digest: str | None = None) -> GuestImage | None:
     """The image in ``path`` if it is complete (and has ``digest``), else None."""
     try:
         meta = json.loads((path / "image.json").read_text())
+        usr = path.resolve() / "usr.erofs" if meta.get("usr") else None
         image = GuestImage(kind=meta["kind"], kernel=path.resolve() / "vmlinuz",
                            initrd=path.resolve() / "initrd.img", append=meta["append"],
-                           digest=meta["digest"], kernel_version=meta["kernel_version"])
+                           digest=meta["digest"], kernel_version=meta["kernel_version"],
+                           usr=usr)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if digest is not None and image.digest != digest:
         return None
     if not (image.kernel.is_file() and image.initrd.is_file()):
+        return None
+    if image.usr is not None and not image.usr.is_file():
         return None
     return image
 
@@ -229,13 +251,21 @@ def _inputs(spec: ImageKind, debs: Path,
                              f"({exc.detail}): run `apt-get update`") from exc
         deb = cached[0]
         say(f"apt-cache failed ({exc.detail}); using cached {deb.filename}")
+    rootfs = ""
+    if spec.packages:
+        suite, mirror = debian.bootstrap_source()
+        rootfs = f"{suite} {mirror} {','.join(spec.packages)}"
+    scripts = hashlib.sha256()
+    for name in SCRIPTS:
+        scripts.update(guest_script(name))
     inputs = Inputs(
         kind=spec.name, kernel_deb=deb.filename, busybox_version=busybox,
         qemu_ga_version=qemu_ga,
         init_sha256=hashlib.sha256(guest_script("init.sh")).hexdigest(),
         shutdown_sha256=hashlib.sha256(guest_script("shutdown.sh")).hexdigest(),
         probe_sha256=guest.source_sha256(),
-        modules=spec.modules, append=spec.append)
+        modules=spec.modules, append=spec.append,
+        scripts_sha256=scripts.hexdigest(), rootfs=rootfs)
     return inputs, deb
 
 
@@ -268,9 +298,12 @@ def _build(spec: ImageKind, inputs: Inputs, deb_path: Path, images: Path,
         vmlinuz, moddir = _kernel_files(root, deb_path)
         say("compiling the probe")
         guest.build_static(tmp / "probe")
-        say("collecting kernel modules, busybox and qemu-ga")
-        tree = _tree(spec, moddir, digest)
-        tree.file("/usr/bin/probe", (tmp / "probe").read_bytes(), 0o755)
+        if spec.packages:
+            tree = _debian(spec, inputs, moddir, digest, tmp, say)
+        else:
+            say("collecting kernel modules, busybox and qemu-ga")
+            tree = _tree(spec, moddir, digest)
+            tree.file("/usr/bin/probe", (tmp / "probe").read_bytes(), 0o755)
         say(f"packing initramfs ({len(tree.entries)} entries, "
             f"{tree.size() / 2**20:.1f} MiB)")
         # Uncompressed: under TCG the guest unpacks a ~10 MB cpio faster than it
@@ -278,11 +311,14 @@ def _build(spec: ImageKind, inputs: Inputs, deb_path: Path, images: Path,
         with (tmp / "initrd.img").open("wb") as out:
             tree.write_cpio(out)
         shutil.copyfile(vmlinuz, tmp / "vmlinuz")
+        if spec.packages:
+            (tmp / "usr.erofs").chmod(0o644)
         shutil.rmtree(root)
         meta: dict[str, Any] = {
             "kind": spec.name, "digest": digest, "kernel_version": moddir.name,
             "append": spec.append, "inputs": asdict(inputs),
             "initrd_bytes": (tmp / "initrd.img").stat().st_size,
+            "usr": "usr.erofs" if spec.packages else None,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (tmp / "image.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -325,6 +361,7 @@ def _tree(spec: ImageKind, moddir: Path, digest: str) -> Tree:
     tree.file("/etc/group", b"root:x:0:\ntty:x:5:\n")
     tree.file("/etc/fusuma/image", f"{spec.name} {digest}\n".encode())
     tree.file("/init", guest_script("init.sh"), 0o755)
+    tree.file("/fusuma/lib.sh", guest_script("lib.sh"))
     tree.file("/sbin/shutdown", guest_script("shutdown.sh"), 0o755)
     _add_busybox(tree)
     _add_qemu_ga(tree)
@@ -332,7 +369,83 @@ def _tree(spec: ImageKind, moddir: Path, digest: str) -> Tree:
     return tree
 
 
-def _add_busybox(tree: Tree) -> None:
+# Debian's shutdown comes with an init system, which this guest does not run; qemu-ga's
+# guest-shutdown calls /sbin/shutdown, so /usr/sbin/shutdown is this script.
+_DEBIAN_SHUTDOWN = b"""#!/bin/sh
+# fusuma Debian guest: no init system, so sync and power off (or reboot) at once.
+sync
+for arg in "$@"; do
+    [ "$arg" = -r ] && exec /fusuma/bin/busybox reboot -f
+done
+exec /fusuma/bin/busybox poweroff -f
+"""
+# What debootstrap leaves that a guest does not need: downloaded .debs, apt lists.
+_DEBIAN_PRUNE = ("var/cache/apt/archives", "var/lib/apt/lists", "var/cache/apt",
+                 "var/cache/debconf", "var/log")
+
+
+def _debian(spec: ImageKind, inputs: Inputs, moddir: Path, digest: str, tmp: Path,
+            say: Progress) -> Tree:
+    """Bootstrap Debian into ``tmp/rootfs``, write ``tmp/usr.erofs`` from its /usr and
+    return the initramfs tree: Debian's root without /usr, plus /fusuma (busybox,
+    modules, lib.sh) and /init."""
+    from fusuma.memshare import erofs
+
+    suite, mirror, _ = inputs.rootfs.split(" ", 2)
+    rootfs = tmp / "rootfs"
+    started = time.monotonic()
+    say(f"debootstrap {suite} from {mirror} with {', '.join(spec.packages)} "
+        "(about a minute)")
+    debian.debootstrap(suite, mirror, spec.packages, rootfs)
+    say(f"debootstrap done in {time.monotonic() - started:.0f} s")
+    for rel in _DEBIAN_PRUNE:
+        target = rootfs / rel
+        if target.is_dir():
+            for child in target.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+    (rootfs / "etc/hostname").write_text("fusuma\n")
+    (rootfs / "etc/hosts").write_text("127.0.0.1 localhost\n")
+    conf = rootfs / "etc/apache2/conf-available/fusuma.conf"
+    if conf.parent.is_dir():
+        conf.write_text("ServerName localhost\n")
+        (rootfs / "etc/apache2/conf-enabled/fusuma.conf").symlink_to(
+            "../conf-available/fusuma.conf")
+    shutil.copyfile(tmp / "probe", rootfs / "usr/local/bin/probe")
+    (rootfs / "usr/local/bin/probe").chmod(0o755)
+    (rootfs / "usr/sbin/shutdown").unlink(missing_ok=True)
+    (rootfs / "usr/sbin/shutdown").write_bytes(_DEBIAN_SHUTDOWN)
+    (rootfs / "usr/sbin/shutdown").chmod(0o755)
+    say("writing usr.erofs from /usr")
+    erofs.make_image(rootfs / "usr", tmp / "usr.erofs", label="debian-usr")
+
+    say("collecting Debian's root without /usr, kernel modules and busybox")
+    tree = Tree()
+    tree.add_host_tree(rootfs, "/", skip=lambda p: p.startswith(("/usr/", "/dev/",
+                                                                  "/proc/", "/sys/")))
+    tree.file("/etc/fusuma/image", f"{spec.name} {digest}\n".encode())
+    tree.chardev("/dev/console", 5, 1)
+    tree.chardev("/dev/null", 1, 3, 0o666)
+    tree.file("/init", guest_script("init-debian.sh"), 0o755)
+    tree.file("/fusuma/lib.sh", guest_script("lib.sh"))
+    busybox = _busybox_binary()
+    tree.file("/fusuma/bin/busybox", busybox, 0o755)
+    for applet in _busybox_applets():
+        tree.symlink(f"/fusuma/bin/{applet}", "busybox")
+    selection = modules.select(moddir, spec.modules)
+    order = []
+    for name in selection.load_order:
+        rel = selection.relpath(name, moddir)
+        tree.file(f"/fusuma/modules/{rel}", modules.read_module(selection.files[name]))
+        order.append(rel)
+    tree.file("/fusuma/modules.list", "".join(f"{r}\n" for r in order).encode())
+    shutil.rmtree(rootfs)
+    return tree
+
+
+def _busybox_binary() -> bytes:
     busybox = Path("/bin/busybox")
     try:
         data = busybox.read_bytes()
@@ -342,7 +455,21 @@ def _add_busybox(tree: Tree) -> None:
     if not static:
         raise ImageError("/bin/busybox is missing or not statically linked: run "
                          "`apt-get install busybox-static`")
-    tree.file("/bin/busybox", data, 0o755)
+    return data
+
+
+def _busybox_applets() -> list[str]:
+    try:
+        applets = debian.run(["/bin/busybox", "--list"])
+    except debian.ToolFailed as exc:
+        raise ImageError(f"/bin/busybox cannot list its applets ({exc.detail}): "
+                         "run `apt-get install --reinstall busybox-static`") from exc
+    return [a for a in applets.split() if a and "/" not in a and a != "busybox"]
+
+
+def _add_busybox(tree: Tree) -> None:
+    busybox = Path("/bin/busybox")
+    tree.file("/bin/busybox", _busybox_binary(), 0o755)
     try:
         applets = debian.run([str(busybox), "--list-full"])
     except debian.ToolFailed as exc:

@@ -7,9 +7,11 @@ sorted entries).
 
 from __future__ import annotations
 
+import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 
@@ -26,6 +28,8 @@ class Entry:
     mode: int                   # full st_mode including the file type bits
     data: bytes = b""           # file contents, or the symlink target
     rdev: tuple[int, int] = (0, 0)
+    uid: int = 0
+    gid: int = 0
 
 
 class Tree:
@@ -55,6 +59,39 @@ class Tree:
         self._parents(path)
         self.entries[path] = Entry(stat.S_IFCHR | mode, rdev=(major, minor))
 
+    def add_host_tree(self, src: Path, dest: str = "/",
+                      skip: Callable[[str], bool] = lambda _: False) -> None:
+        """Copy the directory ``src`` into the tree under ``dest``, keeping modes,
+        owners and symlinks. Guest paths for which ``skip`` is true are left out (a
+        skipped directory is not descended into). Device nodes, fifos and sockets are
+        left out: the guest's devtmpfs provides devices."""
+        base = PurePosixPath(dest)
+        for dirpath, dirnames, filenames in os.walk(src):
+            rel = PurePosixPath(os.path.relpath(dirpath, src))
+            for name in sorted(dirnames + filenames):
+                host = Path(dirpath) / name
+                guest = str(base / rel / name)
+                if skip(guest):
+                    if name in dirnames:
+                        dirnames.remove(name)
+                    continue
+                st = host.lstat()
+                perm = stat.S_IMODE(st.st_mode)
+                uid, gid = st.st_uid, st.st_gid
+                if stat.S_ISLNK(st.st_mode):
+                    self._parents(guest)
+                    self.entries[guest] = Entry(stat.S_IFLNK | 0o777,
+                                                os.readlink(host).encode(), uid=uid, gid=gid)
+                    if name in dirnames:
+                        dirnames.remove(name)   # os.walk does not follow it anyway
+                elif stat.S_ISDIR(st.st_mode):
+                    self._parents(guest)
+                    self.entries[guest] = Entry(stat.S_IFDIR | perm, uid=uid, gid=gid)
+                elif stat.S_ISREG(st.st_mode):
+                    self._parents(guest)
+                    self.entries[guest] = Entry(stat.S_IFREG | perm, host.read_bytes(),
+                                                uid=uid, gid=gid)
+
     def __contains__(self, path: str) -> bool:
         return path in self.entries
 
@@ -76,7 +113,7 @@ def _pad(out: Writable, length: int) -> None:
 def _member(out: Writable, name: str, entry: Entry, ino: int) -> None:
     raw_name = name.encode() + b"\0"
     nlink = 2 if stat.S_ISDIR(entry.mode) else 1
-    fields = (ino, entry.mode, 0, 0, nlink, 0, len(entry.data), 0, 0,
+    fields = (ino, entry.mode, entry.uid, entry.gid, nlink, 0, len(entry.data), 0, 0,
               entry.rdev[0], entry.rdev[1], len(raw_name), 0)
     header = b"070701" + b"".join(b"%08x" % f for f in fields)
     out.write(header + raw_name)

@@ -86,6 +86,10 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
         raise StateError(f"VM {vm!r} is already in partition {to!r}.")
     if mode not in ("zero-copy", "copy"):
         raise StateError(f"unknown mode {mode!r}; use zero-copy or copy.")
+    if mode == "zero-copy" and rec.mergeable:
+        raise StateError(f"VM {vm!r} is mergeable: its RAM is private so that KSM can "
+                         "merge it, and zero-copy migration needs RAM in a shared file; "
+                         "use --mode copy.")
     if mode == "zero-copy" and not rec.shared_ram:
         raise StateError(f"VM {vm!r} has private RAM, which zero-copy migration cannot "
                          "hand over (it needs RAM in a shared file); use --mode copy.")

@@ -28,6 +28,7 @@ from qemu.qmp import EventListener
 from fusuma.errors import MigrationError, NotFoundError, QemuError, StateError
 from fusuma.host.accel import probe_accel
 from fusuma.partition.supervisor_consts import INCOMING_PREFIX
+from fusuma.qemu.cmdline import NET_ID, hostfwd
 from fusuma.qemu.qmp import EVENT_RESUME, EVENT_STOP, event_time
 from fusuma.state import VmState
 
@@ -254,6 +255,16 @@ async def settle(sup: Supervisor, vm: str) -> dict[str, Any]:
     rt = sup.vms.get(vm)
     if rt is None or not rt.run_dir.name.startswith(INCOMING_PREFIX):
         return {"vm": vm, "moved": False}
+    # The source held the forwarded host ports until it exited: take them over now.
+    unbound = []
+    for item in sup.db.vm(vm).ports:
+        host, guest = (int(x) for x in item.split(":"))
+        out = await rt.qmp.execute("human-monitor-command", {
+            "command-line": f"hostfwd_add {NET_ID} {hostfwd(host, guest)}"})
+        if isinstance(out, str) and out.strip():
+            unbound.append(item)
+            sup.log.warning("%s: cannot forward host port %d after migration: %s",
+                            vm, host, out.strip())
     target = rt.run_dir.parent
     for name in SOCKET_FILES:
         with contextlib.suppress(FileNotFoundError):
@@ -264,7 +275,7 @@ async def settle(sup: Supervisor, vm: str) -> dict[str, Any]:
         rt.run_dir.rmdir()
     rt.run_dir = target
     rt.qmp.socket = target / "qmp.sock"
-    return {"vm": vm, "moved": True}
+    return {"vm": vm, "moved": True, "unbound_ports": unbound}
 
 
 async def incoming_abort(sup: Supervisor, vm: str) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from fusuma.errors import (
     HostError,
     NotFoundError,
     QemuError,
+    SegmentError,
     StateError,
     SupervisorError,
 )
@@ -44,7 +45,7 @@ from fusuma.partition.protocol import encode, error_reply
 from fusuma.partition.supervisor_consts import INCOMING_PREFIX
 from fusuma.paths import MAX_SOCKET_PATH, Paths
 from fusuma.qemu import process
-from fusuma.qemu.cmdline import DiskConfig, VmConfig, build_argv
+from fusuma.qemu.cmdline import DiskConfig, SegmentConfig, VmConfig, build_argv
 from fusuma.qemu.qga import GuestAgent
 from fusuma.qemu.qmp import Qmp
 from fusuma.state import Database, VmRecord, VmState
@@ -398,6 +399,25 @@ class Supervisor:
             if not Path(d.path).exists():
                 raise HostError(f"disk {dname!r}: {d.path} does not exist.")
             disks.append(DiskConfig(dname, Path(d.path)))
+        segments = []
+        for item in vm.segments:
+            sname, _, mount = item.partition(":")
+            seg = self.db.find_segment(sname)
+            if seg is None:
+                raise SegmentError(f"VM {vm.name!r} needs segment {sname!r}, which does not "
+                                   "exist; create it with `fusuma segment create`.")
+            try:
+                size = Path(seg.path).stat().st_size
+            except OSError as exc:
+                raise SegmentError(f"segment {sname!r}: its file {seg.path} is unreadable "
+                                   f"({exc.strerror}); delete and re-create the segment."
+                                   ) from exc
+            segments.append(SegmentConfig(sname, Path(seg.path), size, mount or
+                                          f"/mnt/{sname}"))
+        usr_disk = None
+        if image.usr is not None and not any(s.mount == "/usr" for s in segments):
+            usr_disk = image.usr
+        ports = [(int(h), int(g)) for h, g in (p.split(":") for p in vm.ports)]
         qmp = run / "qmp.sock"
         if len(str(qmp)) > MAX_SOCKET_PATH - 4:
             raise HostError(f"socket path {qmp} is too long for a UNIX socket; set "
@@ -408,7 +428,9 @@ class Supervisor:
             kernel=image.kernel, initrd=image.initrd, append=image.append,
             qmp_socket=qmp, qga_socket=run / "qga.sock", console_socket=run / "console.sock",
             console_log=vdir / "console.log", pidfile=run / "qemu.pid",
-            ram_file=ram_file, disks=disks, incoming=incoming)
+            ram_file=ram_file, disks=disks, incoming=incoming, segments=segments,
+            mergeable=vm.mergeable, ports=ports, bind_ports=incoming is None,
+            usr_disk=usr_disk)
 
     async def _start(self, vm: VmRecord) -> None:
         if vm.name in self.vms:

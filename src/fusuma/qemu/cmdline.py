@@ -23,6 +23,16 @@ class DiskConfig:
 
 
 @dataclass(frozen=True)
+class SegmentConfig:
+    """A shared segment: a read-only virtio-pmem device backed by ``path``."""
+
+    name: str
+    path: Path
+    size_bytes: int       # the file's size, a multiple of 2 MiB
+    mount: str            # where the guest mounts it
+
+
+@dataclass(frozen=True)
 class VmConfig:
     """Everything QEMU needs to know about one VM."""
 
@@ -41,7 +51,21 @@ class VmConfig:
     ram_file: Path | None            # None: private anonymous RAM
     disks: list[DiskConfig] = field(default_factory=list)
     incoming: str | None = None      # "defer" or a URI, for the destination of a migration
+    segments: list[SegmentConfig] = field(default_factory=list)
+    mergeable: bool = False          # private RAM: let KSM merge it (madvise MERGEABLE)
+    ports: list[tuple[int, int]] = field(default_factory=list)   # (host, guest) tcp
+    # False on a migration's destination: the source still holds the host ports, so
+    # they are added (hostfwd_add) once the source has gone.
+    bind_ports: bool = True
+    usr_disk: Path | None = None     # Debian image: its /usr on a read-only virtio-blk
 
+
+NET_ID = "net0"
+
+
+def hostfwd(host: int, guest: int) -> str:
+    """The hostfwd rule for one forward (also what HMP ``hostfwd_add`` takes)."""
+    return f"tcp:127.0.0.1:{host}-:{guest}"
 
 def overhead_mib(accel: str) -> int:
     """Host memory a VM's QEMU needs beyond guest RAM (used for admission checks)."""
@@ -56,17 +80,29 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
         argv += ["-accel", "kvm", "-cpu", "host"]
     else:
         argv += ["-accel", f"tcg,tb-size={TCG_TB_MIB}", "-cpu", "max"]
-    argv += ["-machine", "q35,memory-backend=ram0", "-smp", str(cfg.vcpus),
-             "-m", f"{cfg.memory_mib}M"]
+    mem = f"{cfg.memory_mib}M"
+    if cfg.segments:
+        # virtio-pmem devices live in the device-memory region above RAM.
+        extra = sum(seg.size_bytes for seg in cfg.segments)
+        mem += f",slots={len(cfg.segments)},maxmem={cfg.memory_mib * 2**20 + extra}"
+    argv += ["-machine", "q35,memory-backend=ram0", "-smp", str(cfg.vcpus), "-m", mem]
     if cfg.ram_file is not None:
         # A named shared file (not a memfd): another QEMU can map the same pages,
         # which is what zero-copy migration (x-ignore-shared) relies on.
         argv += ["-object", f"memory-backend-file,id=ram0,size={cfg.memory_mib}M,"
-                 f"mem-path={cfg.ram_file},share=on"]
+                 f"mem-path={cfg.ram_file},share=on,merge=off"]
     else:
-        argv += ["-object", f"memory-backend-ram,id=ram0,size={cfg.memory_mib}M"]
+        merge = "on" if cfg.mergeable else "off"
+        argv += ["-object", f"memory-backend-ram,id=ram0,size={cfg.memory_mib}M,"
+                 f"merge={merge}"]
+    segs = "".join(f" fusuma.seg={seg.name}:{seg.mount}" for seg in cfg.segments)
+    if cfg.segments:
+        # Device memory sits above 4 GiB, so the guest kernel would set up a 64 MiB
+        # SWIOTLB bounce buffer (zeroed, so it costs host memory) for devices that
+        # cannot reach it; no device DMAs there, so it is not needed.
+        segs += " swiotlb=noforce"
     argv += ["-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd),
-             "-append", f"{cfg.append} fusuma.name={cfg.name}"]
+             "-append", f"{cfg.append} fusuma.name={cfg.name}{segs}"]
     argv += ["-chardev", f"socket,id=qmp0,path={cfg.qmp_socket},server=on,wait=off",
              "-mon", "chardev=qmp0,mode=control"]
     argv += ["-chardev", f"socket,id=con0,path={cfg.console_socket},server=on,wait=off,"
@@ -75,6 +111,21 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
     argv += ["-device", "virtio-serial-pci,id=vser0",
              "-chardev", f"socket,id=qga0,path={cfg.qga_socket},server=on,wait=off",
              "-device", f"virtserialport,bus=vser0.0,chardev=qga0,name={QGA_PORT_NAME}"]
+    for seg in cfg.segments:
+        # share=on: every VM maps the same host pages (and x-ignore-shared skips them
+        # in a zero-copy migration); readonly=on: no guest can change them.
+        argv += ["-object", f"memory-backend-file,id=seg-{seg.name},mem-path={seg.path},"
+                 f"size={seg.size_bytes},share=on,readonly=on,merge=off",
+                 "-device", f"virtio-pmem-pci,memdev=seg-{seg.name},id=pmem-{seg.name}"]
+    if cfg.usr_disk is not None:
+        argv += ["-drive", f"file={cfg.usr_disk},format=raw,if=none,id=disk-fusuma-usr,"
+                 "readonly=on",
+                 "-device", "virtio-blk-pci,drive=disk-fusuma-usr,serial=fusuma-usr"]
+    if cfg.ports:
+        fwd = "".join(f",hostfwd={hostfwd(h, g)}" for h, g in cfg.ports) \
+            if cfg.bind_ports else ""
+        argv += ["-netdev", f"user,id={NET_ID}{fwd}",
+                 "-device", f"virtio-net-pci,netdev={NET_ID},romfile="]
     for d in cfg.disks:
         ro = ",readonly=on" if d.readonly else ""
         argv += ["-drive", f"file={d.path},format=raw,if=none,id=disk-{d.name}{ro}",

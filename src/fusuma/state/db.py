@@ -50,7 +50,17 @@ CREATE TABLE IF NOT EXISTS vms (
     created_at REAL NOT NULL,
     shared_ram INTEGER NOT NULL DEFAULT 1,
     ram_path TEXT,
-    qos TEXT NOT NULL DEFAULT 'burstable'
+    qos TEXT NOT NULL DEFAULT 'burstable',
+    segments TEXT NOT NULL DEFAULT '[]',
+    mergeable INTEGER NOT NULL DEFAULT 0,
+    ports TEXT NOT NULL DEFAULT '[]'
+);
+CREATE TABLE IF NOT EXISTS segments (
+    name TEXT PRIMARY KEY,
+    path TEXT NOT NULL UNIQUE,
+    size_bytes INTEGER NOT NULL,
+    source TEXT NOT NULL,
+    created_at REAL NOT NULL
 );
 """
 
@@ -60,6 +70,9 @@ ADDED_COLUMNS = (
     ("vms", "shared_ram", "INTEGER NOT NULL DEFAULT 1"),
     ("vms", "ram_path", "TEXT"),
     ("vms", "qos", "TEXT NOT NULL DEFAULT 'burstable'"),
+    ("vms", "segments", "TEXT NOT NULL DEFAULT '[]'"),
+    ("vms", "mergeable", "INTEGER NOT NULL DEFAULT 0"),
+    ("vms", "ports", "TEXT NOT NULL DEFAULT '[]'"),
 )
 
 
@@ -113,9 +126,21 @@ class VmRecord:
     shared_ram: bool = True          # RAM in a named shared file (zero-copy migration)
     ram_path: str | None = None      # that file, once the VM has run
     qos: str = "burstable"           # guaranteed | burstable | best-effort (governor)
+    segments: list[str] = field(default_factory=list)   # "NAME:/mount/point"
+    mergeable: bool = False          # private RAM marked for KSM
+    ports: list[str] = field(default_factory=list)      # "HOSTPORT:GUESTPORT" (tcp)
 
     def with_(self, **changes: object) -> VmRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class SegmentRecord:
+    name: str
+    path: str
+    size_bytes: int
+    source: str                      # the directory or image it was built from
+    created_at: float = field(default_factory=time.time)
 
 
 class Database:
@@ -259,7 +284,9 @@ class Database:
             accel=row["accel"], autostart=bool(row["autostart"]), state=VmState(row["state"]),
             pid=row["pid"], accel_used=row["accel_used"], qemu_binary=row["qemu_binary"],
             started_at=row["started_at"], error=row["error"], created_at=row["created_at"],
-            shared_ram=bool(row["shared_ram"]), ram_path=row["ram_path"], qos=row["qos"])
+            shared_ram=bool(row["shared_ram"]), ram_path=row["ram_path"], qos=row["qos"],
+            segments=json.loads(row["segments"]), mergeable=bool(row["mergeable"]),
+            ports=json.loads(row["ports"]))
 
     def vms(self, partition: str | None = None) -> list[VmRecord]:
         if partition is None:
@@ -284,11 +311,12 @@ class Database:
             self._conn.execute(
                 "INSERT INTO vms (name, partition, vcpus, memory_mib, image, disks, accel, "
                 "autostart, state, pid, accel_used, qemu_binary, started_at, error, "
-                "created_at, shared_ram, ram_path, qos) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "created_at, shared_ram, ram_path, qos, segments, mergeable, ports) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (v.name, v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks),
                  v.accel, int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
-                 v.started_at, v.error, v.created_at, int(v.shared_ram), v.ram_path, v.qos))
+                 v.started_at, v.error, v.created_at, int(v.shared_ram), v.ram_path, v.qos,
+                 json.dumps(v.segments), int(v.mergeable), json.dumps(v.ports)))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a VM named {v.name!r} already exists.") from exc
 
@@ -296,10 +324,44 @@ class Database:
         self._conn.execute(
             "UPDATE vms SET partition=?, vcpus=?, memory_mib=?, image=?, disks=?, accel=?, "
             "autostart=?, state=?, pid=?, accel_used=?, qemu_binary=?, started_at=?, error=?, "
-            "shared_ram=?, ram_path=?, qos=? WHERE name=?",
+            "shared_ram=?, ram_path=?, qos=?, segments=?, mergeable=?, ports=? WHERE name=?",
             (v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks), v.accel,
              int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
-             v.started_at, v.error, int(v.shared_ram), v.ram_path, v.qos, v.name))
+             v.started_at, v.error, int(v.shared_ram), v.ram_path, v.qos,
+             json.dumps(v.segments), int(v.mergeable), json.dumps(v.ports), v.name))
 
     def remove_vm(self, name: str) -> None:
         self._conn.execute("DELETE FROM vms WHERE name=?", (name,))
+
+    # -- segments -----------------------------------------------------------------
+    @staticmethod
+    def _segment(row: sqlite3.Row) -> SegmentRecord:
+        return SegmentRecord(name=row["name"], path=row["path"],
+                             size_bytes=row["size_bytes"], source=row["source"],
+                             created_at=row["created_at"])
+
+    def segments(self) -> list[SegmentRecord]:
+        rows = self._conn.execute("SELECT * FROM segments ORDER BY name").fetchall()
+        return [self._segment(r) for r in rows]
+
+    def find_segment(self, name: str) -> SegmentRecord | None:
+        row = self._conn.execute("SELECT * FROM segments WHERE name=?", (name,)).fetchone()
+        return self._segment(row) if row else None
+
+    def segment(self, name: str) -> SegmentRecord:
+        rec = self.find_segment(name)
+        if rec is None:
+            raise NotFoundError(f"no segment named {name!r}; see `fusuma segment list`.")
+        return rec
+
+    def add_segment(self, seg: SegmentRecord) -> None:
+        try:
+            self._conn.execute(
+                "INSERT INTO segments (name, path, size_bytes, source, created_at) "
+                "VALUES (?,?,?,?,?)",
+                (seg.name, seg.path, seg.size_bytes, seg.source, seg.created_at))
+        except sqlite3.IntegrityError as exc:
+            raise ConflictError(f"a segment named {seg.name!r} already exists.") from exc
+
+    def remove_segment(self, name: str) -> None:
+        self._conn.execute("DELETE FROM segments WHERE name=?", (name,))

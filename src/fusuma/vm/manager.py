@@ -61,6 +61,7 @@ class VmView:
                 "pid": r.pid if state != "crashed" else None,
                 "accel": r.accel_used or r.accel, "vcpus": r.vcpus,
                 "memory_mib": r.memory_mib, "shared_ram": r.shared_ram, "qos": r.qos,
+                "mergeable": r.mergeable, "segments": r.segments, "ports": r.ports,
                 "host_memory": mem.as_json() if mem else None,
                 "disks": r.disks, "error": r.error}
 
@@ -86,11 +87,21 @@ class VmManager:
             users = [v.name for v in self.db.vms() if dname in v.disks]
             if users:
                 raise ConflictError(f"disk {dname!r} is already used by VM {users[0]!r}.")
+        for item in spec.segments:
+            self.db.segment(item.partition(":")[0])
+        taken = {p.split(":")[0]: v.name for v in self.db.vms() for p in v.ports}
+        for item in spec.ports:
+            host = item.split(":")[0]
+            if host in taken:
+                raise ConflictError(f"host port {host} is already forwarded to VM "
+                                    f"{taken[host]!r}; pick another port.")
         find_image(self.paths.cache, kind=spec.image)
         rec = VmRecord(name=spec.name, partition=spec.partition, vcpus=spec.vcpus,
                        memory_mib=spec.memory_mib, image=spec.image, disks=list(spec.disks),
                        accel=spec.accel, autostart=spec.autostart,
-                       shared_ram=spec.shared_ram, qos=spec.qos)
+                       shared_ram=spec.shared_ram, qos=spec.qos,
+                       segments=list(spec.segments), mergeable=spec.mergeable,
+                       ports=list(spec.ports))
         check_admission(part.name, len(part.cpus), self.db.vms(part.name), rec)
         need = SUPERVISOR_MIB + sum(vm_need_mib(v) for v in self.db.vms(part.name))
         need += vm_need_mib(rec)

@@ -1,0 +1,224 @@
+"""`fusuma share ...`: memory shared between VMs (segments, KSM) and where it comes from.
+
+``FUSUMA_KSM_ROOT`` moves the KSM sysfs directory (default /sys/kernel/mm/ksm); it
+exists for tests, which point it at a fake tree instead of the host's real settings.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
+from fusuma.errors import SpecError, StateError
+from fusuma.memshare.ksm import DEFAULT_ROOT, KSM_RISK, ZERO_COPY_NOTE, Ksm
+from fusuma.memshare.report import HostReport, host_report
+from fusuma.memshare.smaps import ModeAnalysis, analyze
+from fusuma.vm import VmView
+
+# VM states in which its QEMU process exists.
+LIVE = ("running", "migrating", "stopping")
+
+
+def _ksm_root() -> Path:
+    return Path(os.environ.get("FUSUMA_KSM_ROOT", str(DEFAULT_ROOT)))
+
+
+def _ksm() -> Ksm:
+    return Ksm(_ksm_root())
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def running_vms(c: Ctx) -> list[tuple[str, int]]:
+    """(name, QEMU pid) of every VM whose QEMU process is alive."""
+    out = []
+    for rec in c.db.vms():
+        if rec.pid is not None and VmView(rec).state in LIVE:
+            out.append((rec.name, rec.pid))
+    return out
+
+
+def segment_files(c: Ctx) -> dict[str, Path]:
+    d = c.paths.segments_dir
+    return {p.stem: p for p in sorted(d.glob("*.erofs"))} if d.is_dir() else {}
+
+
+@click.group()
+def share() -> None:
+    """Memory shared between VMs, and exactly where every shared MiB comes from.
+
+    Two mechanisms: segments (read-only erofs files mapped into many VMs, run in place
+    from one host copy) and KSM (the kernel merges identical private pages).
+    `report` shows each VM's host memory and the saving of each; `analyze` shows how
+    much of a process could be shared at all; `ksm` controls the host's KSM."""
+
+
+def _report_text(rep: dict[str, Any]) -> str:
+    rows = [[v["name"], str(v["pid"]), _mib(v["pss_mib"]), _mib(v["pss_anon_mib"]),
+             _mib(v["pss_file_mib"]), _mib(v["pss_shmem_mib"]), _mib(v["ksm_merged_mib"]),
+             _mib(v["segments_pss_mib"])] for v in rep["vms"]]
+    lines = [table(rows, ["vm", "pid", "pss_mib", "anon", "file", "shmem",
+                          "ksm_merged_mib", "segments_mib"]) if rows
+             else "no running VMs"]
+    lines += [f"skipped {s['vm']}: {s['reason']}" for s in rep["skipped"]]
+    tot, sav, ksm = rep["totals"], rep["savings_mib"], rep["ksm"]
+    lines += ["", f"total: {tot['vms']} VM(s), PSS {_mib(tot['pss_mib'])} MiB, "
+                  f"RSS {_mib(tot['rss_mib'])} MiB",
+              f"saved by segments: {_mib(sav['segments'])} MiB (segment pages resident "
+              "in each VM, minus their PSS)"]
+    lines += [f"  {n}: {s['vms']} VM(s), rss {_mib(s['rss_mib'])} MiB, pss "
+              f"{_mib(s['pss_mib'])} MiB, saved {_mib(s['saved_mib'])} MiB"
+              for n, s in rep["segments"].items()]
+    if ksm is None:
+        lines.append("saved by KSM: - (KSM is not available on this host)")
+    else:
+        profit = ("" if sav["ksm_vm_profit"] is None
+                  else f"; the VMs' KSM profit {_mib(sav['ksm_vm_profit'])} MiB")
+        lines.append(f"saved by KSM: {_mib(sav['ksm'])} MiB host-wide (KSM {ksm['state']}, "
+                     f"pages_sharing {ksm['pages_sharing']}){profit}")
+    return "\n".join(lines)
+
+
+@share.command("report", short_help="Each VM's host memory and the savings by mechanism.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@pass_ctx
+def report(c: Ctx, as_json: bool) -> None:
+    """Host memory of each running VM's QEMU and the host's savings by mechanism.
+
+    Per VM: PSS (shared pages split among the processes that map them) split into
+    anon, file and shmem, pages merged by KSM, and its PSS of the segments it maps.
+    Savings: segments = segment pages resident in each VM minus their PSS (what
+    separate copies would cost beyond the shared one); KSM = pages_sharing * page
+    size, host-wide, and the VMs' own KSM profit (saving minus KSM's metadata)."""
+    rep: HostReport = host_report(running_vms(c), segment_files(c), ksm_root=_ksm_root())
+    data = rep.as_json()
+    if as_json:
+        emit_json(data)
+    else:
+        click.echo(_report_text(data))
+
+
+def _analysis_text(a: ModeAnalysis) -> str:
+    total = a.total_rss_kib
+    rows = [[mode, str(kib), f"{100 * kib / total:.1f}" if total else "-",
+             "no" if mode[1] == "w" else "yes"] for mode, kib in a.by_mode.items()]
+    return "\n".join([
+        f"pid {a.pid} ({a.comm}): {total} KiB resident",
+        table(rows, ["mode", "rss_kib", "pct", "shareable"]),
+        f"shareable (resident in mappings that are not writable): "
+        f"{100 * a.shareable_fraction:.1f}%"])
+
+
+@share.command("analyze", short_help="Resident memory by mapping mode; shareable fraction.")
+@click.argument("pid", type=int, required=False)
+@click.option("--vm", "vm_name", help="Analyze this VM's QEMU process instead of PID.")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"pid", "comm", "by_mode": {mode: rss_kib}, "total_rss_kib", '
+                   '"shareable_fraction"} as JSON.')
+@pass_ctx
+def analyze_cmd(c: Ctx, pid: int | None, vm_name: str | None, as_json: bool) -> None:
+    """A process's resident memory by mapping mode (r-xp, r--p, rw-p, ...) and the
+    fraction that could be shared (resident in mappings that are not writable): the
+    DCSS paper's Table 4, for PID or for the QEMU of VM."""
+    if (pid is None) == (vm_name is None):
+        raise SpecError("give either a PID or --vm VM (one of them), e.g. "
+                        "`fusuma share analyze --vm web1`.")
+    if vm_name is not None:
+        rec = c.db.vm(vm_name)
+        state = VmView(rec).state
+        if rec.pid is None or state not in LIVE:
+            raise StateError(f"VM {vm_name!r} is {state}, so it has no QEMU process to "
+                             f"analyze; start it with `fusuma vm start {vm_name}`.")
+        pid = rec.pid
+    assert pid is not None
+    result = analyze(pid)
+    if as_json:
+        emit_json(result.as_json())
+    else:
+        click.echo(_analysis_text(result))
+
+
+@share.group("ksm", help=f"""The host's Kernel Samepage Merging (off by default).
+
+KSM merges identical private memory pages of VMs marked `mergeable` into one
+copy-on-write page.
+
+Risk: {KSM_RISK}
+
+{ZERO_COPY_NOTE}""")
+def ksm_group() -> None:
+    pass
+
+
+def _ksm_text(s: dict[str, Any]) -> str:
+    zero = "" if s["ksm_zero_pages"] is None else f" + ksm_zero_pages {s['ksm_zero_pages']}"
+    profit = ("" if s["general_profit_mib"] is None
+              else f"; net of KSM's metadata {_mib(s['general_profit_mib'])} MiB")
+    return "\n".join([
+        f"KSM {s['state']} (run={s['run']}): scans {s['pages_to_scan']} pages every "
+        f"{s['sleep_millisecs']} ms; {s['full_scans']} full scan(s) done",
+        f"pages_shared {s['pages_shared']}, pages_sharing {s['pages_sharing']}, "
+        f"pages_unshared {s['pages_unshared']}, pages_volatile {s['pages_volatile']}",
+        f"saved {_mib(s['saved_mib'])} MiB: (pages_sharing {s['pages_sharing']}{zero}) × "
+        f"{s['page_size'] // 1024} KiB pages{profit}"])
+
+
+def _show(ksm: Ksm, as_json: bool, note: str = "") -> None:
+    data = ksm.read_settings().as_json()
+    if as_json:
+        emit_json(data)
+        return
+    click.echo(_ksm_text(data))
+    if note:
+        click.echo(note)
+
+
+@ksm_group.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print the sysfs settings as JSON.")
+def ksm_status(as_json: bool) -> None:
+    """KSM's settings and counters, and the memory it saves now."""
+    _show(_ksm(), as_json)
+
+
+@ksm_group.command("on", help=f"""Run the KSM scanner (run=1).
+
+Only memory marked mergeable is scanned: VMs created with `mergeable = true`.
+
+Risk: {KSM_RISK}""")
+@click.option("--pages-to-scan", type=click.IntRange(min=1),
+              help="Pages to scan per batch (kernel default 100; more settles faster "
+                   "and costs more CPU).")
+@click.option("--sleep-ms", type=click.IntRange(min=0),
+              help="Milliseconds between batches (kernel default 20).")
+@click.option("--json", "as_json", is_flag=True, help="Print the new settings as JSON.")
+def ksm_on(pages_to_scan: int | None, sleep_ms: int | None, as_json: bool) -> None:
+    ksm = _ksm()
+    ksm.set_run(1, pages_to_scan=pages_to_scan, sleep_millisecs=sleep_ms)
+    click.echo(f"note: {KSM_RISK}", err=True)
+    _show(ksm, as_json)
+
+
+@ksm_group.command("off")
+@click.option("--unmerge", is_flag=True,
+              help="Also split every merged page back into private copies (run=2); this "
+                   "needs the memory the merging saved.")
+@click.option("--json", "as_json", is_flag=True, help="Print the new settings as JSON.")
+def ksm_off(unmerge: bool, as_json: bool) -> None:
+    """Stop the KSM scanner (run=0).
+
+    Pages already merged stay merged (and keep saving memory) until they are written
+    or until `fusuma share ksm off --unmerge` (run=2) splits them all."""
+    ksm = _ksm()
+    ksm.set_run(2 if unmerge else 0)
+    note = ("" if unmerge else "merged pages stay merged until written; "
+            "`fusuma share ksm off --unmerge` splits them now")
+    _show(ksm, as_json, note)
+
+
+__all__ = ["share"]
