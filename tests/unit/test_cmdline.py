@@ -31,7 +31,7 @@ def opt(argv: list[str], flag: str) -> list[str]:
 def test_shared_file_ram_and_tcg() -> None:
     argv = build_argv(cfg())
     assert argv[0] == "qemu-system-x86_64"
-    assert opt(argv, "-accel") == ["tcg,tb-size=128"]
+    assert opt(argv, "-accel") == ["tcg,tb-size=32"]
     assert opt(argv, "-machine") == ["q35,memory-backend=ram0"]
     assert opt(argv, "-smp") == ["2"] and opt(argv, "-m") == ["256M"]
     assert opt(argv, "-object") == [

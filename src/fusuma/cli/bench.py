@@ -6,7 +6,17 @@ from pathlib import Path
 
 import click
 
-from fusuma.bench import boot, mint, mint_report, report_scheduler, report_vmbeam, scheduler, vmbeam
+from fusuma.bench import (
+    boot,
+    dcss,
+    mint,
+    mint_report,
+    report_dcss,
+    report_scheduler,
+    report_vmbeam,
+    scheduler,
+    vmbeam,
+)
 from fusuma.bench.meta import write_result
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress
 
@@ -54,6 +64,18 @@ def _sizes(value: str | None) -> list[int] | None:
         raise click.BadParameter(f"{value!r} is not a list of sizes in MiB (each >= 64), "
                                  "e.g. 256,1024,4096.")
     return sizes
+
+
+def _counts(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        counts = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 1 or n > 64 for n in counts):
+        raise click.BadParameter(f"{value!r} is not a list of VM counts (1-64), e.g. 1,2,4,8.")
+    return counts
 
 
 @bench.command("vmbeam")
@@ -195,6 +217,58 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
         click.echo(f"report: {', '.join(str(x) for x in paths)}")
 
 
+@bench.command("dcss")
+@click.option("--vms", "counts", default=None,
+              help="VM counts, comma-separated  [default: 1,2,4,8; with --quick 1,2].")
+@click.option("--modes", default=None,
+              help="Any of none,segment,ksm,segment+ksm  [default: all].")
+@click.option("--loads", default=None, help="Any of idle,apache2  [default: both].")
+@click.option("--memory", "memory_mib", type=click.IntRange(128, 4096), default=256,
+              show_default=True, help="Guest RAM of each VM, MiB.")
+@click.option("--requests", type=click.IntRange(1, 10**6), default=None,
+              help="apache2 requests per VM (ab -c 4)  [default: 2000; with --quick 300].")
+@click.option("--quick", is_flag=True, help="VM counts 1,2 and fewer requests.")
+@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
+              help="Write the result file here (default: print it, or DIR/dcss.json "
+                   "with --report).")
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
+              help="After the run, render DIR/report.md and DIR/dcss.png.")
+@pass_ctx
+def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
+             memory_mib: int, requests: int | None, quick: bool, json_file: Path | None,
+             report_dir: Path | None) -> None:
+    """The DCSS experiment: host memory of 1..N Debian guests, idle and serving apache2,
+    with /usr on a private disk (none), in a shared segment, with KSM, or both; the
+    memory each added VM costs and the saving of each mode against none.
+
+    Needs every core (one scratch partition and a segment, removed afterwards), so no
+    partition may exist; it changes the host's KSM settings while it runs and puts
+    them back afterwards. Needs the debian image (`fusuma image build --kind debian`)
+    and ab (`apt-get install apache2-utils`)."""
+    from fusuma.memshare.segments import SegmentManager
+
+    count_list = _counts(counts) or list(dcss.QUICK_COUNTS if quick else dcss.DEFAULT_COUNTS)
+    mode_list = [m.strip() for m in modes.split(",")] if modes else list(dcss.MODES)
+    load_list = [x.strip() for x in loads.split(",")] if loads else list(dcss.LOADS)
+    n_req = requests or (dcss.QUICK_REQUESTS if quick else dcss.DEFAULT_REQUESTS)
+    c.accel_notice("auto")
+    data = dcss.run(c.parts, c.vms, SegmentManager(c.paths, c.db), count_list, mode_list,
+                    load_list, memory_mib=memory_mib, requests=n_req, progress=progress)
+    if json_file is None and report_dir is not None:
+        json_file = report_dir / "dcss.json"
+    if json_file is None:
+        emit_json(data)
+        return
+    write_result(json_file, data)
+    for r in data["summary"]:
+        click.echo(f"{r['load']:7} {r['mode']:11}: {r['slope_pss_mib']} MiB per added VM, "
+                   f"saving {r['saving_pss_pct']}%, requests/s {r['requests_per_s']}")
+    click.echo(f"written to {json_file}")
+    if report_dir is not None:
+        paths = report_dcss.render(json_file, report_dir)
+        click.echo(f"report: {', '.join(str(x) for x in paths)}")
+
+
 @bench.group("report")
 def report() -> None:
     """Render a report from an existing result file."""
@@ -224,4 +298,13 @@ def report_mint_cmd(result_file: Path, out_dir: Path) -> None:
 def report_scheduler_cmd(result_file: Path, out_dir: Path) -> None:
     """Write OUT_DIR/report.md and OUT_DIR/scheduler.png from a `bench scheduler` file."""
     paths = report_scheduler.render(result_file, out_dir)
+    click.echo(f"report: {', '.join(str(x) for x in paths)}")
+
+
+@report.command("dcss")
+@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
+def report_dcss_cmd(result_file: Path, out_dir: Path) -> None:
+    """Write OUT_DIR/report.md and OUT_DIR/dcss.png from a `bench dcss` result file."""
+    paths = report_dcss.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(x) for x in paths)}")

@@ -75,7 +75,7 @@ _APPEND = ("console=ttyS0 quiet panic=-1 i8042.noaux i8042.nomux i8042.nopnp "
 _MODULES = (
     # the guest agent's transport first
     "virtio_pci", "virtio_console",
-    "virtio_blk", "virtio_net", "virtio_rng",
+    "virtio_blk", "virtio_net", "virtio_rng", "virtio_balloon",
     # shared segments: virtio-pmem -> nd_pmem -> erofs with DAX
     "virtio_pmem", "nd_pmem", "dax", "erofs",
     # a rootfs on virtio-blk

@@ -17,6 +17,7 @@ unmerges every merged page.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import time
@@ -272,3 +273,17 @@ def process_ksm(pid: int, procfs: Path = Path("/proc")) -> ProcessKsm | None:
     except OSError:
         return None
     return parse_ksm_stat(text)
+
+
+PR_SET_MEMORY_MERGE = 67
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def enable_merge_any() -> bool:
+    """Make all of this process's private anonymous memory mergeable by KSM
+    (``prctl(PR_SET_MEMORY_MERGE, 1)``, Linux 6.4+; kept across fork and exec since 6.7).
+
+    Called in a mergeable VM's QEMU between fork and exec, so QEMU's heap and (under
+    TCG) its translation cache can merge too, not only guest RAM. False when the
+    kernel does not have it; guest RAM is still mergeable then (``merge=on``)."""
+    return bool(_LIBC.prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) == 0)

@@ -40,6 +40,7 @@ from fusuma.governor.loop import Governor
 from fusuma.host import cgroups
 from fusuma.host.accel import probe_accel
 from fusuma.images import find_image
+from fusuma.memshare.ksm import enable_merge_any
 from fusuma.migration import supervisor_ops as migration_ops
 from fusuma.partition.protocol import encode, error_reply
 from fusuma.partition.supervisor_consts import INCOMING_PREFIX
@@ -492,10 +493,13 @@ class Supervisor:
         self.cg.create_leaf(self.partition, vm_leaf(vm.name))
         undo.append(lambda: self._delete_leaf(vm.name))
         cg, part, leaf = self.cg, self.partition, vm_leaf(vm.name)
+        mergeable = vm.mergeable
 
         def into_cgroup() -> None:
             # Before exec: QEMU's memory is charged to its own leaf from the first page.
             cg.attach(part, leaf, os.getpid())
+            if mergeable:
+                enable_merge_any()
 
         with open(self.paths.vm_dir(vm.name) / "qemu.log", "ab") as log:
             log.write(f"--- {time.ctime()} {argv}\n".encode())
