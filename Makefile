@@ -25,6 +25,7 @@ venv: deps $(VENV)/.installed
 
 image: venv
 	$(FUSUMA) image build
+	$(FUSUMA) image build --kind debian
 
 demo: image
 	$(FUSUMA) up

@@ -117,13 +117,15 @@ def slope(points: Sequence[tuple[int, float]]) -> float | None:
 def guest_kib(mappings: list[Mapping], memory_mib: int, ram_file: str | None,
               segment_files: set[str]) -> int:
     """PSS of the guest's own memory inside a QEMU process: its RAM mapping (the RAM
-    file, or the anonymous mapping of the RAM's size) and its segment mappings."""
+    file, or for private RAM the anonymous mapping of the RAM's size) and its segment
+    mappings."""
     size = memory_mib * 2**20
     total = 0
     for m in mappings:
         path = m.file_path
         named = bool(path) and (path == ram_file or path in segment_files)
-        anon_ram = not path and size <= m.end - m.start <= size + 8 * 2**20
+        anon_ram = (ram_file is None and not path
+                    and size <= m.end - m.start <= size + 8 * 2**20)
         if named or anon_ram:
             total += m.pss_kib
     return total

@@ -91,7 +91,7 @@ def ps_data(c: Ctx) -> dict[str, Any]:
                       "state": "running" if pid is not None else "supervisor-down",
                       "qemu": p.qemu, "io_weight": p.io_weight,
                       "disks": [d.name for d in c.db.disks(p.name)]})
-    vms = [VmView(v).as_json() for v in c.db.vms()]
+    vms = [VmView(v, c.paths.segments_dir).as_json() for v in c.db.vms()]
     return {"partitions": parts, "vms": vms}
 
 
@@ -107,7 +107,9 @@ def ps(c: Ctx, as_json: bool) -> None:
     A VM is `crashed` when its QEMU ended without being asked to. pss_mib is the host
     memory of the VM's QEMU from /proc/PID/smaps_rollup (shared pages split among the
     processes that map them); it follows the process, unlike cgroup charges, which
-    stay with the cgroup that first touched a page (e.g. after a zero-copy migration)."""
+    stay with the cgroup that first touched a page (e.g. after a zero-copy migration).
+    seg_mib is the VM's share (PSS) of its segments, ksm_mib its pages merged by KSM;
+    --json adds the anon/file/shmem split. `fusuma share report` has host totals."""
     data = ps_data(c)
     if as_json:
         emit_json(data)
@@ -118,7 +120,14 @@ def ps(c: Ctx, as_json: bool) -> None:
     click.echo()
     vrow = [[v["name"], v["partition"], v["state"], str(v["pid"] or "-"), v["accel"],
              str(v["vcpus"]), str(v["memory_mib"]),
-             str(v["host_memory"]["pss_mib"]) if v["host_memory"] else "-",
-             v["error"] or ""] for v in data["vms"]]
+             *_mem_cells(v["host_memory"]), v["error"] or ""] for v in data["vms"]]
     click.echo(table(vrow, ["vm", "partition", "state", "pid", "accel", "vcpus",
-                            "memory_mib", "pss_mib", "note"]))
+                            "memory_mib", "pss_mib", "seg_mib", "ksm_mib", "note"]))
+
+
+def _mem_cells(mem: dict[str, Any] | None) -> list[str]:
+    if not mem:
+        return ["-", "-", "-"]
+    ksm = mem.get("ksm_merged_mib")
+    return [str(mem["pss_mib"]), str(mem["segments_pss_mib"]) if mem["segments"] else "-",
+            "-" if ksm is None else str(ksm)]

@@ -88,7 +88,7 @@ def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image
             rev.add(lambda: c.vms.delete(name, force=True), "vm definition")
             c.vms.start(name)
             rev.commit()
-    view = VmView(c.db.vm(name))
+    view = VmView(c.db.vm(name), c.paths.segments_dir)
     if as_json:
         emit_json(view.as_json())
     else:
@@ -143,7 +143,7 @@ def delete(c: Ctx, name: str, force: bool) -> None:
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
     """List VMs."""
-    data = [VmView(v).as_json() for v in c.db.vms()]
+    data = [VmView(v, c.paths.segments_dir).as_json() for v in c.db.vms()]
     if as_json:
         emit_json(data)
         return

@@ -13,8 +13,8 @@ from typing import Any
 
 from fusuma.errors import ConflictError, FusumaError, ResourceError, StateError
 from fusuma.governor.qos import check_admission
-from fusuma.host.memory import process_memory
 from fusuma.images import find_image
+from fusuma.memshare.report import vm_memory
 from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
 from fusuma.paths import Paths
 from fusuma.qemu import process
@@ -39,6 +39,8 @@ class VmView:
     """A VM as `ps` shows it: the DB record checked against the live process."""
 
     record: VmRecord
+    # Where segment files live (Paths.segments_dir), to find their mappings.
+    segments_dir: Path = Path("/var/lib/fusuma/segments")
 
     @property
     def state(self) -> str:
@@ -56,7 +58,12 @@ class VmView:
         r = self.record
         state = self.state
         alive = state in ("running", "migrating", "stopping") and r.pid is not None
-        mem = process_memory(r.pid) if alive and r.pid else None
+        mem = None
+        if alive and r.pid:
+            files = {seg: self.segments_dir / f"{seg}.erofs"
+                     for seg in (item.partition(":")[0] for item in r.segments)}
+            with contextlib.suppress(FusumaError):
+                mem = vm_memory(r.pid, files)
         return {"name": r.name, "partition": r.partition, "state": state,
                 "pid": r.pid if state != "crashed" else None,
                 "accel": r.accel_used or r.accel, "vcpus": r.vcpus,
