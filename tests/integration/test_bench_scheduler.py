@@ -39,11 +39,15 @@ def test_bench_scheduler_quick(host: Host, tmp_path: Path) -> None:
             assert t["count"] > 0 and t["elapsed_s"] > 0 and t["rate_per_s"] > 0
     gov = next(r for r in rows if r["policy"] == "governor" and r["dummies"] == 4)
     assert isinstance(gov["governor_decisions"], list)
+    # An empty decision list must mean "nothing to do", not "no governor".
+    assert gov["governor"]["ticks"] > 0 and gov["governor"]["errors"] == 0, gov["governor"]
+    assert gov["target_other_wait_pct"] >= 0 and gov["runs"] == meta["runs"] == 1
 
     prog = data["dummy_progress"]
     assert [(p["policy"], p["dummies"]) for p in prog] == [("default", 4), ("governor", 4)]
     for p in prog:
-        assert p["read"] == 4 and p["iterations_per_s"] >= 0
+        assert p["read"] == 4 and p["unread"] == {} and p["iterations_per_s"] >= 0
+        assert sorted(p["per_dummy_named"]) == [f"bench-sched-d{i:02d}" for i in range(4)]
     # The dummies still progress with the target idle under the governor.
     g = prog[1]
     assert g["progressing"] == 4, g

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,47 @@ def test_argument_parsing() -> None:
         scheduler.parse_choice("busy", scheduler.LOADS, "loads")
 
 
+def _score(rates: dict[str, float]) -> scheduler.Score:
+    return scheduler.Score(rates, {t: 1 for t in rates}, {t: 1.0 for t in rates},
+                           100.0, 0.0, 1.0)
+
+
+def test_runs_are_combined_by_their_median_rate() -> None:
+    runs = [_score({"pipe": 10.0, "cpu": 5.0}), _score({"pipe": 100.0, "cpu": 6.0}),
+            _score({"pipe": 12.0, "cpu": 7.0})]
+    s = scheduler.combine(runs)
+    # One bimodal outlier (100) does not move the point; a mean would have (40.7).
+    assert s.rates == {"pipe": 12.0, "cpu": 6.0}
+    assert s.counts == {"pipe": 3, "cpu": 3} and len(s.run_rates) == 3
+    one = scheduler.combine(runs[:1])
+    assert one.rates == runs[0].rates and one.run_rates == (runs[0].rates,)
+
+
+def test_busy_loop_counter_is_never_truncated() -> None:
+    # ">" truncates before it writes: a read in between sees an empty file, and that
+    # dummy was reported as not progressing (issue 6).
+    assert "echo $i 1<>/tmp/busy.n" in scheduler.BUSY
+    assert "echo $i >" not in scheduler.BUSY
+
+
+@pytest.mark.skipif(shutil.which("busybox") is None, reason="needs busybox")
+def test_in_place_counter_overwrite_in_busybox(tmp_path: Path) -> None:
+    f = tmp_path / "busy.n"
+    subprocess.run(["busybox", "sh", "-c", f"for i in 998 999 1000; do echo $i 1<>{f}; done"],
+                   check=True, timeout=30)
+    assert f.read_text() == "1000\n"
+
+
+@pytest.mark.skipif(shutil.which("busybox") is None, reason="needs busybox")
+def test_workload_runs_in_busybox_and_pipe_is_a_ping_pong(tmp_path: Path) -> None:
+    script = scheduler.WORKLOAD.replace("/tmp/", f"{tmp_path}/")
+    out = subprocess.run(["busybox", "sh", "-c", script, "sh", "0.2", "0"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    counts, elapsed = scheduler.parse_workload(out.stdout, 0)
+    assert counts["pipe"] > 0 and elapsed["pipe"] > 0
+    assert list(tmp_path.iterdir()) == []          # FIFOs and files removed
+
+
 def _result(gov16: float, default16: float, progressing: int) -> dict[str, Any]:
     rows = []
     for policy, at16 in (("default", default16), ("governor", gov16)):
@@ -92,6 +136,24 @@ def test_report_judges_the_targets(tmp_path: Path, gov16: float, default16: floa
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize(("progressing", "read", "verdict"), [
+    (15, 15, "NOT MEASURED"),    # issue 6: one counter unread, every read one moved
+    (14, 15, "FAIL"),            # a counter that was read and did not move
+    (16, 16, "PASS"),
+])
+def test_unread_dummy_counters_are_not_counted_as_standing_still(
+        tmp_path: Path, progressing: int, read: int, verdict: str) -> None:
+    data = _result(97.0, 12.0, progressing)
+    data["dummy_progress"][0].update(read=read, unread={} if read == 16 else {
+        "bench-sched-d07": "exit 0, stdout '', stderr ''"})
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(data))
+    checks = report_scheduler.checks(report_scheduler.load(path))
+    assert checks[2].verdict == verdict
+    md = report_scheduler.markdown(report_scheduler.load(path), path)
+    assert ("bench-sched-d07" in md) == (read < 16)
+
+
 def test_report_without_16_dummies_says_not_measured(tmp_path: Path) -> None:
     data = _result(97.0, 12.0, 16)
     data["results"] = [r for r in data["results"] if r["dummies"] == 0]
@@ -107,3 +169,48 @@ def test_report_refuses_another_file(tmp_path: Path) -> None:
     path.write_text(json.dumps({"meta": {"benchmark": "vmbeam"}, "results": []}))
     with pytest.raises(SpecError, match="not a scheduler result file"):
         report_scheduler.load(path)
+
+
+class _FakeVms:
+    """Guest agents of dummies whose counters advance by 1000 per read; ``empty`` lists
+    how many reads of each dummy come back empty first (the truncation race)."""
+
+    def __init__(self, names: list[str], empty: dict[str, int]) -> None:
+        self.count = dict.fromkeys(names, 0)
+        self.empty = dict(empty)
+        self.db = self
+
+    def vms(self) -> list[Any]:
+        return [type("V", (), {"name": n, "pid": os.getpid()})() for n in self.count]
+
+    def exec(self, name: str, argv: list[str], timeout: float = 60.0) -> Any:
+        out = type("O", (), {"exit_code": 0, "stderr": b""})()
+        if self.empty.get(name, 0) > 0:
+            self.empty[name] -= 1
+            out.stdout = b""
+            return out
+        self.count[name] += 1000
+        out.stdout = f"{self.count[name]}\n".encode()
+        return out
+
+
+@pytest.mark.parametrize(("empty", "read", "unread"), [
+    ({"d1": 1}, 3, []),                 # one empty read: the retry gets the number
+    ({"d1": 99}, 2, ["d1"]),            # never readable: unread, with the reason
+])
+def test_dummy_progress_retries_and_names_unread_counters(
+        monkeypatch: pytest.MonkeyPatch, empty: dict[str, int], read: int,
+        unread: list[str]) -> None:
+    monkeypatch.setattr(scheduler.time, "sleep", lambda s: None)
+    names = ["d0", "d1", "d2"]
+    cfg = scheduler.Config(dummies=[3], policies=["governor"], loads=["cpu"], test_s=1.0)
+    bench = scheduler.Bench.__new__(scheduler.Bench)
+    bench.vms, bench.cfg, bench.say = _FakeVms(names, empty), cfg, lambda s: None
+    bench.running, bench.dummy_progress = names, []
+    bench.measure_progress("governor", 3)
+    row = bench.dummy_progress[0]
+    assert row["read"] == read and row["progressing"] == read
+    assert sorted(row["unread"]) == unread
+    assert all("stdout ''" in why for why in row["unread"].values())
+    assert [n for n, v in row["per_dummy_named"].items()
+            if v["iterations_per_s"] is None] == unread

@@ -32,7 +32,8 @@ def test_shared_file_ram_and_tcg() -> None:
     argv = build_argv(cfg())
     assert argv[0] == "qemu-system-x86_64"
     assert opt(argv, "-accel") == ["tcg,tb-size=32"]
-    assert opt(argv, "-machine") == ["q35,memory-backend=ram0"]
+    assert opt(argv, "-machine") == [
+        "q35,sata=off,smbus=off,vmport=off,i8042=off,memory-backend=ram0"]
     assert opt(argv, "-smp") == ["2"] and opt(argv, "-m") == ["256M"]
     assert opt(argv, "-object") == [
         "memory-backend-file,id=ram0,size=256M,mem-path=/dev/shm/fusuma/vm0.ram,share=on,"

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from fusuma.errors import ResourceError
-from fusuma.governor.measure import Load, Reading, ThreadStat, load, read_threads, vcpu_threads
+from fusuma.governor.measure import (
+    Load,
+    Reading,
+    ThreadStat,
+    host_steal_s,
+    load,
+    read_threads,
+    vcpu_threads,
+)
 from fusuma.governor.policy import (
     Control,
     Decision,
@@ -223,6 +232,19 @@ def test_load_between_two_readings() -> None:
     assert ld.run_delay_ms == pytest.approx(800 / 80)
     assert ld.throttled_ms == pytest.approx(30.0)
     assert ld.pressure_pct == pytest.approx(25.0)
+    # The main loop (tid 1) on its own: 0.2 s of CPU, no wait, in 2 s.
+    assert ld.other_cpu_pct == pytest.approx(10.0)
+    assert ld.other_wait_pct == pytest.approx(0.0)
+
+
+def test_host_steal_from_proc_stat(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    hz = os.sysconf("SC_CLK_TCK")
+    stat.write_text(f"cpu  100 0 50 1000 4 0 1 {3 * hz} 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
+    assert host_steal_s(stat) == pytest.approx(3.0)
+    stat.write_text("intr 1 2\n")
+    assert host_steal_s(stat) is None
+    assert host_steal_s(tmp_path / "missing") is None
 
 
 def test_read_threads_from_a_fake_proc(tmp_path: Path) -> None:

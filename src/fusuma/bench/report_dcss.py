@@ -89,7 +89,8 @@ def _markdown(data: dict[str, Any], png: str) -> str:
         f"Revision {m['git_revision']}, {m['date']}, host {m['host']} ({m['host_cores']} "
         f"cores), {m['accel']}, {m['qemu']}. Debian guests of {m['memory_mib']} MiB "
         f"(image {m['image']}), VM counts {m['counts']}, apache2 load: "
-        f"{m['requests']} requests per VM, concurrency {m['ab_concurrency']}.",
+        f"ab with {m['requests']} requests, concurrency {m['ab_concurrency']}, "
+        f"{m.get('ab_runs', 1)} run(s) per VM (its median), median over the VMs.",
         "",
         "Memory is the PSS of the VMs' QEMU processes (a shared page is split among the "
         "processes that map it, so a segment's single copy is counted once). `guest` is "

@@ -54,6 +54,12 @@ class Result:
                 return float(r["index"])
         return None
 
+    def run_indexes(self, policy: str, n: int, load: str) -> list[float]:
+        for r in self.rows:
+            if r["policy"] == policy and r["dummies"] == n and r["dummy_load"] == load:
+                return [float(x) for x in r.get("run_indexes") or []]
+        return []
+
     def series(self, policy: str, load: str) -> list[tuple[int, float]]:
         return sorted((int(r["dummies"]), float(r["index"])) for r in self.rows
                       if r["policy"] == policy and r["dummy_load"] == load)
@@ -89,9 +95,12 @@ def render(result_file: Path, out_dir: Path) -> list[Path]:
 def checks(res: Result) -> list[Check]:
     out = []
     g = res.index("governor", TARGET_AT, "cpu")
+    runs = res.run_indexes("governor", TARGET_AT, "cpu")
     out.append(Check(f"governor: target >= {TARGET_GOVERNOR:g}% of solo at {TARGET_AT} "
                      "CPU-bound dummies",
-                     "not measured" if g is None else f"{g:.1f}%",
+                     "not measured" if g is None else f"{g:.1f}%" + (
+                         f" (runs {', '.join(f'{x:.0f}' for x in runs)})"
+                         if len(runs) > 1 else ""),
                      UNMEASURED if g is None else PASS if g >= TARGET_GOVERNOR else FAIL))
     d = res.index("default", TARGET_AT, "cpu")
     out.append(Check(f"default: target < {TARGET_DEFAULT:g}% of solo at {TARGET_AT} "
@@ -104,10 +113,15 @@ def checks(res: Result) -> list[Check]:
                          "not measured", UNMEASURED))
     for p in prog:
         n, ok = int(p["dummies"]), int(p.get("progressing", 0))
+        read = int(p.get("read", n))
+        # A dummy whose counter could not be read is not a dummy seen standing still:
+        # FAIL needs a read counter that did not move; unread ones leave it open.
+        verdict = (FAIL if ok < read or n == 0 else PASS if read == n else UNMEASURED)
+        unread = f", {n - read} unread" if read < n else ""
         out.append(Check(f"governor: all {n} CPU-bound dummies progress while the target "
-                         "is idle", f"{ok}/{n} progressing, {p.get('iterations_per_s')} "
-                         f"iterations/s, dummy CPU {p.get('dummy_cpu_pct')}%",
-                         PASS if ok == n and n > 0 else FAIL))
+                         "is idle", f"{ok}/{n} progressing{unread}, "
+                         f"{p.get('iterations_per_s')} iterations/s, dummy CPU "
+                         f"{p.get('dummy_cpu_pct')}%", verdict))
     # Smaller runs (--quick) still say how the governor did at their largest count.
     counts = sorted({int(r["dummies"]) for r in res.rows if r["dummy_load"] == "cpu"})
     top = counts[-1] if counts else None
@@ -120,6 +134,9 @@ def checks(res: Result) -> list[Check]:
 
 # A solo run whose vCPU waited more than this shared its cores with other work.
 NOISY_SOLO_WAIT_PCT = 10.0
+# Steal (per CPU) and waits of the target's other threads worth a line under Problems.
+NOISY_STEAL_PCT = 5.0
+NOISY_OTHER_WAIT_PCT = 2.0
 
 
 def _problems(res: Result) -> list[str]:
@@ -134,6 +151,24 @@ def _problems(res: Result) -> list[str]:
     if len(spread) > 1 and max(spread) - min(spread) > 10:
         out.append(f"- The runs of the target alone scored {', '.join(f'{x:.0f}' for x in spread)}"
                    " against their mean: differences of this size are noise, not policy.")
+    for p in res.progress:
+        for name, why in sorted((p.get("unread") or {}).items()):
+            out.append(f"- {p['policy']}, {p['dummies']} dummies: the busy-loop counter of "
+                       f"{name} could not be read ({why}); it is counted as unread, not as "
+                       "standing still.")
+    for r in res.rows:
+        steal = r.get("host_steal_pct")
+        if steal is not None and float(steal) > NOISY_STEAL_PCT:
+            out.append(f"- {r['policy']}, {r['dummies']} {r['dummy_load']} dummies: the "
+                       f"hypervisor below this host took {float(steal):.0f}% of its CPUs "
+                       "during the workload; the target lost that time unseen by its "
+                       "schedstat.")
+        other = r.get("target_other_wait_pct")
+        if other is not None and float(other) > NOISY_OTHER_WAIT_PCT:
+            out.append(f"- {r['policy']}, {r['dummies']} {r['dummy_load']} dummies: the "
+                       f"target's non-vCPU QEMU threads (main loop, RCU, I/O) waited "
+                       f"{float(other):.1f}% of the time for a CPU; under TCG the main loop "
+                       "delivers the guest's interrupts.")
     for r in res.rows:
         if r.get("target_wait_pct") is not None and r["policy"] == "governor" and float(
                 r["target_wait_pct"]) > 2 * NOISY_SOLO_WAIT_PCT:
@@ -180,20 +215,23 @@ def markdown(res: Result, source: Path) -> str:
                     [[c.target, c.measured, f"**{c.verdict}**"] for c in checks(res)])
     if res.progress:
         lines += ["", "## Dummy progress with the target idle", ""]
-        lines += _table(["policy", "dummies", "progressing", "iterations/s (all)",
+        lines += _table(["policy", "dummies", "progressing (read)", "iterations/s (all)",
                          "slowest dummy /s", "dummy CPU %"],
                         [[str(p["policy"]), str(p["dummies"]),
-                          f"{p.get('progressing')}/{p['dummies']}",
+                          f"{p.get('progressing')}/{p['dummies']} "
+                          f"({p.get('read', p['dummies'])})",
                           str(p.get("iterations_per_s")), str(p.get("per_dummy_min")),
                           str(p.get("dummy_cpu_pct"))] for p in res.progress])
     lines += ["", "## Per test (relative to solo)", ""]
     tests = list(m.get("tests", []))
-    lines += _table(["policy", "dummies", "load", *tests, "index", "target cpu %",
-                     "vCPU wait %"],
+    lines += _table(["policy", "dummies", "load", *tests, "index", "run indexes",
+                     "target cpu %", "vCPU wait %", "other threads wait %", "steal %"],
                     [[str(r["policy"]), str(r["dummies"]), str(r["dummy_load"]),
                       *[_f(100 * (r["tests"].get(t, {}).get("relative") or math.nan))
                         for t in tests], _f(float(r["index"])),
-                      _f(r.get("target_cpu_pct")), _f(r.get("target_wait_pct"))]
+                      " ".join(f"{x:.0f}" for x in r.get("run_indexes") or []) or "-",
+                      _f(r.get("target_cpu_pct")), _f(r.get("target_wait_pct")),
+                      _f(r.get("target_other_wait_pct")), _f(r.get("host_steal_pct"))]
                      for r in res.rows])
     problems = _problems(res)
     if problems:

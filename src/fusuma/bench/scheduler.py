@@ -12,8 +12,11 @@ disturbed by other work on the host does not shift every index.
 Tests, each for a fixed time measured with the guest's clock (so a starved guest
 scores lower, it does not run longer): ``cpu`` (the probe's register test where the
 image has /usr/bin/probe, else a busybox arithmetic loop), ``syscall`` (open/close of
-/dev/null by a shell builtin), ``pipe`` (512-byte blocks through a pipe between two
-dd), ``spawn`` (fork+exec of /bin/true) and ``copy`` (cp of a 256 KiB file in /tmp).
+/dev/null by a shell builtin), ``pipe`` (ping-pong: one line to an echoing shell and
+back over two FIFOs, so every round trip costs exactly two context switches), ``spawn``
+(fork+exec of /bin/true) and ``copy`` (cp of a 256 KiB file in /tmp). Each point is
+measured ``runs`` times and every test's rate is the median over the runs: one run of a
+few seconds on this host varies by about +-10% on its own.
 
 Policies: ``default`` (every VM in one 2-core partition, equal weight), ``nice``
 (the same, the target's QEMU threads at nice -5), ``governor`` (the same partition,
@@ -27,6 +30,7 @@ everything it made in ``finally``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -59,6 +63,9 @@ DEFAULT_DUMMIES = (0, 1, 2, 4, 8, 16)
 QUICK_DUMMIES = (0, 4)
 TEST_S = 5.0
 QUICK_TEST_S = 3.0
+RUNS = 3
+QUICK_RUNS = 1
+COUNTER_READS = 3        # tries per dummy counter read before it counts as unread
 PROGRESS_S = 5.0
 TARGET_MIB = 256
 DUMMY_MIB = 128
@@ -97,10 +104,12 @@ fi
 timer; stamp; t0=$t; n=0
 while [ ! -e $S ]; do : >/dev/null; n=$((n+1)); done
 stamp; wait; echo "syscall $n $((t-t0))"
-stamp; t0=$t
-timeout $T dd if=/dev/zero bs=512 2>/dev/null | dd of=/dev/null bs=512 2>/tmp/fz.pipe
-stamp; n=$(sed -n 's/^\([0-9]*\)+[0-9]* records in$/\1/p' /tmp/fz.pipe)
-echo "pipe ${n:-0} $((t-t0))"
+A=/tmp/fz.a; B=/tmp/fz.b; rm -f $A $B; mkfifo $A $B || exit 4
+(while read x; do echo "$x"; done <$A >$B) &
+exec 3>$A 4<$B
+timer; stamp; t0=$t; n=0
+while [ ! -e $S ]; do echo p >&3; read x <&4; n=$((n+1)); done
+stamp; exec 3>&- 4<&-; wait; echo "pipe $n $((t-t0))"
 timer; stamp; t0=$t; n=0
 while [ ! -e $S ]; do /bin/true; n=$((n+1)); done
 stamp; wait; echo "spawn $n $((t-t0))"
@@ -108,13 +117,16 @@ dd if=/dev/zero of=/tmp/fz.src bs=1k count=256 2>/dev/null
 timer; stamp; t0=$t; n=0
 while [ ! -e $S ]; do cp /tmp/fz.src /tmp/fz.dst; n=$((n+1)); done
 stamp; wait; echo "copy $n $((t-t0))"
-rm -f /tmp/fz.src /tmp/fz.dst /tmp/fz.pipe $S
+rm -f /tmp/fz.src /tmp/fz.dst $A $B $S
 """.replace("__REPS__", str(PROBE_REPS))
 
 # A CPU-bound dummy: a shell loop that writes its progress every 2000 rounds. setsid +
-# closed stdio so guest-exec returns at once.
+# closed stdio so guest-exec returns at once. The counter is overwritten in place
+# (``1<>``: no O_TRUNC): with ``>`` a read that lands between the truncation and the
+# write sees an empty file. The number only grows, so the new digits always cover the
+# old ones.
 BUSY = ("setsid sh -c 'i=0; while :; do i=$((i+1)); if [ $((i % 2000)) -eq 0 ]; then "
-        "echo $i >/tmp/busy.n; fi; done' </dev/null >/dev/null 2>&1 &")
+        "echo $i 1<>/tmp/busy.n; fi; done' </dev/null >/dev/null 2>&1 &")
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,7 @@ class Config:
     loads: list[str]
     test_s: float
     progress_s: float = PROGRESS_S
+    runs: int = 1           # workload runs per point; the rates are their medians
 
 
 @dataclass(frozen=True)
@@ -140,14 +153,39 @@ class Layout:
 
 @dataclass(frozen=True)
 class Score:
-    """One run of the workload in the target."""
+    """The workload in the target: one run, or the median of several (:func:`combine`)."""
 
     rates: dict[str, float]          # per second
     counts: dict[str, int]
     elapsed_s: dict[str, float]
-    target_cpu_pct: float
-    target_wait_pct: float
+    target_cpu_pct: float            # all of the target's QEMU threads
+    target_wait_pct: float           # its vCPU thread's runqueue wait
     wall_s: float
+    vcpu_pct: float = 0.0            # its vCPU thread alone
+    other_cpu_pct: float = 0.0       # its other threads (main loop, RCU, I/O)
+    other_wait_pct: float = 0.0      # ... and their runqueue wait
+    steal_pct: float | None = None   # taken by the hypervisor below this host, per CPU
+    run_rates: tuple[dict[str, float], ...] = ()   # every run's rates
+
+
+def combine(scores: Sequence[Score]) -> Score:
+    """Several runs of one point: per test the median rate, counts and times summed,
+    loads averaged."""
+    if len(scores) == 1:
+        return dataclasses.replace(scores[0], run_rates=(scores[0].rates,))
+    steal = [s.steal_pct for s in scores if s.steal_pct is not None]
+    return Score(
+        rates={t: statistics.median(s.rates[t] for s in scores) for t in scores[0].rates},
+        counts={t: sum(s.counts[t] for s in scores) for t in scores[0].counts},
+        elapsed_s={t: sum(s.elapsed_s[t] for s in scores) for t in scores[0].elapsed_s},
+        target_cpu_pct=statistics.fmean(s.target_cpu_pct for s in scores),
+        target_wait_pct=statistics.fmean(s.target_wait_pct for s in scores),
+        wall_s=sum(s.wall_s for s in scores),
+        vcpu_pct=statistics.fmean(s.vcpu_pct for s in scores),
+        other_cpu_pct=statistics.fmean(s.other_cpu_pct for s in scores),
+        other_wait_pct=statistics.fmean(s.other_wait_pct for s in scores),
+        steal_pct=statistics.fmean(steal) if steal else None,
+        run_rates=tuple(s.rates for s in scores))
 
 
 def partition_mib(accel: str, n: int, with_target: bool) -> int:
@@ -262,7 +300,7 @@ class Bench:
         self.setup(with_layout, "default")
         try:
             self.calibrate()
-            self.solo = self.workload()
+            self.solo = self.measure_target()
             self.alone.append(self.solo)
             self.say(f"solo rates: {_rates_text(self.solo.rates)}")
         finally:
@@ -279,7 +317,7 @@ class Bench:
         try:
             counts = sorted(set(self.cfg.dummies))
             if 0 in counts:
-                score = self.workload()
+                score = self.measure_target()
                 if lay.target_partition == lay.dummy_partition:
                     self.alone.append(score)
                 for load in self.cfg.loads:
@@ -289,13 +327,13 @@ class Bench:
             if "idle" in self.cfg.loads:
                 for n in positive:
                     self.boot_dummies(n)
-                    self.record(policy, n, "idle", self.workload())
+                    self.record(policy, n, "idle", self.measure_target())
             if "cpu" in self.cfg.loads and positive:
                 self.boot_dummies(positive[-1])
                 self.start_busy()
                 for i, n in enumerate(reversed(positive)):
                     self.keep_dummies(n)
-                    self.record(policy, n, "cpu", self.workload())
+                    self.record(policy, n, "cpu", self.measure_target())
                     if i == 0:
                         self.measure_progress(policy, n)
         finally:
@@ -420,8 +458,13 @@ class Bench:
         self.cpu_test = (f"probe --test register --reps {PROBE_REPS} --m {self.probe_m} "
                          "(median rep)")
 
+    def measure_target(self) -> Score:
+        """``runs`` runs of the workload at one point, combined."""
+        return combine([self.workload() for _ in range(max(1, self.cfg.runs))])
+
     def workload(self) -> Score:
         pid = self.vms.db.vm(TARGET).pid or 0
+        steal0 = measure.host_steal_s()
         before = measure.read(pid)
         t0 = time.monotonic()
         timeout = 120 + 60 * self.cfg.test_s
@@ -429,13 +472,18 @@ class Bench:
                                      str(self.probe_m)], timeout=timeout)
         wall = time.monotonic() - t0
         load = measure.load(before, measure.read(pid))
+        steal1 = measure.host_steal_s()
+        steal = (None if steal0 is None or steal1 is None else
+                 100.0 * (steal1 - steal0) / max(wall, 1e-3) / max(1, len(self.cores)))
         text = out.stdout.decode(errors="replace")
         if out.exit_code != 0:
             raise GuestAgentError(f"the scheduler workload in {TARGET!r} exited "
                                   f"{out.exit_code}: {out.stderr.decode(errors='replace')[:200]}")
         counts, elapsed = parse_workload(text, self.probe_m)
         rates = {t: counts[t] / elapsed[t] for t in counts}
-        return Score(rates, counts, elapsed, load.cpu_pct, load.wait_pct, wall)
+        return Score(rates, counts, elapsed, load.cpu_pct, load.wait_pct, wall,
+                     vcpu_pct=load.vcpu_pct, other_cpu_pct=load.other_cpu_pct,
+                     other_wait_pct=load.other_wait_pct, steal_pct=steal)
 
     def baseline(self) -> dict[str, float]:
         """Per test, the mean rate of the runs of the target alone."""
@@ -451,33 +499,55 @@ class Bench:
                           "rate_per_s": round(score.rates[t], 3)} for t in TESTS},
             "target_cpu_pct": round(score.target_cpu_pct, 1),
             "target_wait_pct": round(score.target_wait_pct, 1),
+            "target_vcpu_pct": round(score.vcpu_pct, 1),
+            "target_other_cpu_pct": round(score.other_cpu_pct, 1),
+            "target_other_wait_pct": round(score.other_wait_pct, 2),
+            "host_steal_pct": None if score.steal_pct is None else round(score.steal_pct, 2),
+            "runs": len(score.run_rates) or 1,
             "wall_s": round(score.wall_s, 1)}
         if note:
             row["note"] = note
         if policy == "governor":
-            row["governor_decisions"] = self.governor_decisions()
+            row["governor_decisions"], row["governor"] = self.governor_state()
         self.results.append(row)
         self.scores.append(score)
         self.say(f"{policy} {n} {load} dummies: index {idx:.1f} so far (target cpu "
                  f"{score.target_cpu_pct:.0f}%, vCPU wait {score.target_wait_pct:.0f}%)")
 
-    def governor_decisions(self) -> list[dict[str, Any]]:
+    def governor_state(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The governor's recent decisions and how it stands: ticks and errors (an empty
+        decision list means "nothing to do" only if it ticked without errors) and what
+        it holds for the target."""
         assert self.layout is not None
         try:
             st = self.parts.client(self.layout.target_partition).call(
                 "governor-status", rpc_timeout=10, limit=20)
         except FusumaError as exc:
-            return [{"error": str(exc)}]
-        return list(st.get("decisions", []))
+            return [{"error": str(exc)}], {"error": str(exc)}
+        target = next((v for v in st.get("vms", []) if v.get("name") == TARGET), None)
+        return list(st.get("decisions", [])), {
+            "ticks": st.get("ticks"), "errors": st.get("errors"),
+            "last_error": st.get("last_error"),
+            "host_pressure_pct": st.get("host_pressure_pct"), "target": target}
 
-    def read_counters(self) -> dict[str, tuple[float, int]]:
+    def read_counters(self) -> tuple[dict[str, tuple[float, int]], dict[str, str]]:
+        """Each running dummy's busy-loop counter, and why a counter could not be read."""
         out: dict[str, tuple[float, int]] = {}
+        unread: dict[str, str] = {}
         for name in self.running:
-            res = self.vms.exec(name, ["/bin/cat", "/tmp/busy.n"], timeout=60)
-            text = res.stdout.decode(errors="replace").strip()
-            if res.exit_code == 0 and text.isdigit():
-                out[name] = (time.monotonic(), int(text))
-        return out
+            why = ""
+            for _ in range(COUNTER_READS):
+                res = self.vms.exec(name, ["/bin/cat", "/tmp/busy.n"], timeout=60)
+                text = res.stdout.decode(errors="replace").strip()
+                if res.exit_code == 0 and text.isdigit():
+                    out[name] = (time.monotonic(), int(text))
+                    break
+                why = (f"exit {res.exit_code}, stdout {text[:40]!r}, stderr "
+                       f"{res.stderr.decode(errors='replace').strip()[:80]!r}")
+            else:
+                unread[name] = why
+                LOG.warning("dummy %s: busy-loop counter unreadable: %s", name, why)
+        return out, unread
 
     def measure_progress(self, policy: str, n: int) -> None:
         """The dummies' own progress while the target is idle (after the governor has
@@ -487,45 +557,59 @@ class Bench:
         time.sleep(settle)
         pids = {v.name: v.pid for v in self.vms.db.vms() if v.name in self.running and v.pid}
         before = {name: measure.read(pid) for name, pid in pids.items()}
-        first = self.read_counters()
+        first, unread = self.read_counters()
         time.sleep(self.cfg.progress_s)
-        second = self.read_counters()
-        cpu = sum(measure.load(before[name], measure.read(pid)).cpu_pct
-                  for name, pid in pids.items())
-        rates = []
-        for name, (t0, c0) in first.items():
-            if name in second:
-                t1, c1 = second[name]
-                rates.append((c1 - c0) / max(t1 - t0, 1e-3))
+        second, unread2 = self.read_counters()
+        unread.update(unread2)
+        cpus = {name: measure.load(before[name], measure.read(pid)).cpu_pct
+                for name, pid in pids.items()}
+        per_name: dict[str, float | None] = {}
+        for name in self.running:
+            if name in first and name in second:
+                (t0, c0), (t1, c1) = first[name], second[name]
+                per_name[name] = (c1 - c0) / max(t1 - t0, 1e-3)
+            else:
+                per_name[name] = None
+        rates = [r for r in per_name.values() if r is not None]
         row = {"policy": policy, "dummies": n, "dummy_load": "cpu", "target": "idle",
                "iterations_per_s": round(sum(rates), 1),
                "per_dummy_min": round(min(rates), 1) if rates else None,
                "per_dummy": [round(r, 1) for r in rates],
                "progressing": sum(1 for r in rates if r > 0), "read": len(rates),
-               "dummy_cpu_pct": round(cpu, 1), "settle_s": settle}
+               "per_dummy_named": {name: {"iterations_per_s": None if r is None
+                                          else round(r, 1),
+                                          "cpu_pct": round(cpus.get(name, 0.0), 1)}
+                                   for name, r in per_name.items()},
+               "unread": unread,
+               "dummy_cpu_pct": round(sum(cpus.values()), 1), "settle_s": settle}
         self.dummy_progress.append(row)
-        self.say(f"{policy}: {row['progressing']}/{n} dummies progressing, "
-                 f"{row['iterations_per_s']} iterations/s in all, CPU {cpu:.0f}%")
+        self.say(f"{policy}: {row['progressing']}/{n} dummies progressing "
+                 f"({len(rates)} read), {row['iterations_per_s']} iterations/s in all, "
+                 f"CPU {row['dummy_cpu_pct']:.0f}%")
 
     def result(self, elapsed: float) -> dict[str, Any]:
         assert self.solo is not None
         base = self.baseline()
         for row, score in zip(self.results, self.scores, strict=True):
             row["index"] = round(index(score.rates, base), 2)
+            row["run_indexes"] = [round(index(r, base), 2) for r in score.run_rates]
             for t in TESTS:
                 row["tests"][t]["relative"] = round(score.rates[t] / base[t], 4)
         c = self.cfg
         return {"meta": meta(self.accel, benchmark="scheduler", dummies=c.dummies,
                              policies=c.policies, loads=c.loads, test_s=c.test_s,
-                             progress_s=c.progress_s, tests=list(TESTS), cores=self.cores,
+                             progress_s=c.progress_s, runs=c.runs, tests=list(TESTS),
+                             pipe_test="ping-pong round trips over two FIFOs",
+                             cores=self.cores,
                              target_mib=TARGET_MIB, dummy_mib=DUMMY_MIB, nice=NICE,
                              cpu_test=self.cpu_test, probe_m=self.probe_m,
                              governor=Thresholds().as_json(), duration_s=round(elapsed, 1),
                              index="100 x geometric mean over the tests of rate / baseline "
                                    "rate; baseline = mean rate of the target-alone runs"),
                 "solo": {"tests": {t: {"rate_per_s": round(base[t], 3)} for t in TESTS},
-                         "runs": len(self.alone),
-                         "run_indexes": [round(index(s.rates, base), 2) for s in self.alone],
+                         "runs": sum(len(s.run_rates) or 1 for s in self.alone),
+                         "run_indexes": [round(index(r, base), 2) for s in self.alone
+                                         for r in (s.run_rates or (s.rates,))],
                          "target_cpu_pct": round(min(s.target_cpu_pct for s in self.alone), 1),
                          "target_wait_pct": round(max(s.target_wait_pct
                                                       for s in self.alone), 1)},

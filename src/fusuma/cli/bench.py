@@ -167,6 +167,9 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
               help="Dummy load: idle,cpu  [default: both; with --quick cpu].")
 @click.option("--test-seconds", type=click.FloatRange(1, 120), default=None,
               help="Seconds per workload test  [default: 5; with --quick 3].")
+@click.option("--runs", type=click.IntRange(1, 20), default=None,
+              help="Workload runs per point; each test's rate is the median over them  "
+                   "[default: 3; with --quick 1].")
 @click.option("--quick", is_flag=True, help="Fewer counts, loads and policies (a few "
               "minutes).")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
@@ -177,8 +180,8 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
                    "result file.")
 @pass_ctx
 def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str | None,
-                  test_seconds: float | None, quick: bool, json_file: Path | None,
-                  report_dir: Path | None) -> None:
+                  test_seconds: float | None, runs: int | None, quick: bool,
+                  json_file: Path | None, report_dir: Path | None) -> None:
     """The KVM scheduler study's dummy-VM experiment: a target VM's benchmark index
     beside 0..16 idle or CPU-bound dummy VMs, under each policy (default, nice -5, the
     governor, a partition of its own).
@@ -193,7 +196,8 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
         loads=scheduler.parse_choice(loads, scheduler.LOADS, "loads") if loads else list(
             scheduler.QUICK_LOADS if quick else scheduler.LOADS),
         test_s=test_seconds or (scheduler.QUICK_TEST_S if quick else scheduler.TEST_S),
-        progress_s=scheduler.QUICK_TEST_S if quick else scheduler.PROGRESS_S)
+        progress_s=scheduler.QUICK_TEST_S if quick else scheduler.PROGRESS_S,
+        runs=runs or (scheduler.QUICK_RUNS if quick else scheduler.RUNS))
     run = scheduler.Bench(c.parts, c.vms, cfg, progress)
     run.check_host()          # a refusal is the only line printed
     c.accel_notice("auto")
@@ -209,7 +213,8 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
                    f"{r['index']:6.1f}")
     for p in data["dummy_progress"]:
         click.echo(f"{p['policy']:9} {p['dummies']:2} cpu  dummies, target idle: "
-                   f"{p['progressing']}/{p['dummies']} progressing, "
+                   f"{p['progressing']}/{p['dummies']} progressing "
+                   f"({p.get('read', p['dummies'])} read), "
                    f"{p['iterations_per_s']} iterations/s")
     click.echo(f"written to {json_file}")
     if report_dir is not None:
@@ -226,7 +231,11 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
 @click.option("--memory", "memory_mib", type=click.IntRange(128, 4096), default=256,
               show_default=True, help="Guest RAM of each VM, MiB.")
 @click.option("--requests", type=click.IntRange(1, 10**6), default=None,
-              help="apache2 requests per VM (ab -c 4)  [default: 2000; with --quick 300].")
+              help="apache2 requests per ab run (ab -c 4)  [default: 1000; with --quick "
+                   "300].")
+@click.option("--ab-runs", type=click.IntRange(1, 20), default=None,
+              help="ab runs per VM; its requests/s is their median  [default: 3; with "
+                   "--quick 1].")
 @click.option("--quick", is_flag=True, help="VM counts 1,2 and fewer requests.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
               help="Write the result file here (default: print it, or DIR/dcss.json "
@@ -235,8 +244,8 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
               help="After the run, render DIR/report.md and DIR/dcss.png.")
 @pass_ctx
 def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
-             memory_mib: int, requests: int | None, quick: bool, json_file: Path | None,
-             report_dir: Path | None) -> None:
+             memory_mib: int, requests: int | None, ab_runs: int | None, quick: bool,
+             json_file: Path | None, report_dir: Path | None) -> None:
     """The DCSS experiment: host memory of 1..N Debian guests, idle and serving apache2,
     with /usr on a private disk (none), in a shared segment, with KSM, or both; the
     memory each added VM costs and the saving of each mode against none.
@@ -253,7 +262,9 @@ def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
     n_req = requests or (dcss.QUICK_REQUESTS if quick else dcss.DEFAULT_REQUESTS)
     c.accel_notice("auto")
     data = dcss.run(c.parts, c.vms, SegmentManager(c.paths, c.db), count_list, mode_list,
-                    load_list, memory_mib=memory_mib, requests=n_req, progress=progress)
+                    load_list, memory_mib=memory_mib, requests=n_req,
+                    ab_runs=ab_runs or (dcss.QUICK_AB_RUNS if quick else dcss.AB_RUNS),
+                    progress=progress)
     if json_file is None and report_dir is not None:
         json_file = report_dir / "dcss.json"
     if json_file is None:

@@ -91,6 +91,12 @@ class Load:
     run_delay_ms: float     # mean wait per timeslice, all threads
     throttled_ms: float | None
     pressure_pct: float | None   # PSI "some" of the VM's cgroup, where the kernel has it
+    # QEMU's other threads (main loop, RCU, monitor I/O thread, workers): their CPU and
+    # runqueue wait, summed, in % of one CPU. Under TCG the main loop delivers the
+    # guest's timer and device interrupts, so its wait delays the guest although the
+    # vCPU itself never waits.
+    other_cpu_pct: float = 0.0
+    other_wait_pct: float = 0.0
 
     def as_json(self) -> dict[str, float | int | None]:
         def r(x: float | None) -> float | None:
@@ -98,7 +104,8 @@ class Load:
         return {"interval_s": round(self.interval_s, 3), "vcpus": self.vcpus,
                 "cpu_pct": r(self.cpu_pct), "vcpu_pct": r(self.vcpu_pct),
                 "wait_pct": r(self.wait_pct), "run_delay_ms": r(self.run_delay_ms),
-                "throttled_ms": r(self.throttled_ms), "pressure_pct": r(self.pressure_pct)}
+                "throttled_ms": r(self.throttled_ms), "pressure_pct": r(self.pressure_pct),
+                "other_cpu_pct": r(self.other_cpu_pct), "other_wait_pct": r(self.other_wait_pct)}
 
 
 def load(prev: Reading, cur: Reading) -> Load:
@@ -129,7 +136,9 @@ def load(prev: Reading, cur: Reading) -> Load:
     return Load(interval_s=dt, vcpus=vcpus, cpu_pct=100.0 * run / ns,
                 vcpu_pct=100.0 * vrun / ns / per, wait_pct=100.0 * vwait / ns / per,
                 run_delay_ms=(wait / slices / 1e6) if slices else 0.0,
-                throttled_ms=throttled, pressure_pct=pressure)
+                throttled_ms=throttled, pressure_pct=pressure,
+                other_cpu_pct=100.0 * (run - vrun) / ns,
+                other_wait_pct=100.0 * (wait - vwait) / ns)
 
 
 def host_pressure(path: Path = PROC / "pressure" / "cpu") -> int | None:
@@ -138,3 +147,16 @@ def host_pressure(path: Path = PROC / "pressure" / "cpu") -> int | None:
         return parse_pressure_total(path.read_text())
     except OSError:
         return None
+
+
+def host_steal_s(path: Path = PROC / "stat") -> float | None:
+    """Seconds the hypervisor below this host took from all of its CPUs ("steal" in
+    /proc/stat), None where it cannot be read. On a host that is itself a VM, a vCPU
+    thread can run 100% with no runqueue wait and still make less progress."""
+    try:
+        fields = path.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")

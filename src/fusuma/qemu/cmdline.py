@@ -74,6 +74,7 @@ class VmConfig:
 
 
 NET_ID = "net0"
+MACHINE_OPTS = "sata=off,smbus=off,vmport=off,i8042=off"
 
 
 def hostfwd(host: int, guest: int) -> str:
@@ -98,7 +99,10 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
         # virtio-pmem devices live in the device-memory region above RAM.
         extra = sum(seg.size_bytes for seg in cfg.segments)
         mem += f",slots={len(cfg.segments)},maxmem={cfg.memory_mib * 2**20 + extra}"
-    argv += ["-machine", "q35,memory-backend=ram0", "-smp", str(cfg.vcpus), "-m", mem]
+    # No SATA controller, SMBus, VMware port or PS/2 controller: the guest uses none of
+    # them, and every device is state to save and load in a migration's downtime.
+    argv += ["-machine", f"q35,{MACHINE_OPTS},memory-backend=ram0", "-smp", str(cfg.vcpus),
+             "-m", mem]
     if cfg.ram_file is not None:
         # A named shared file (not a memfd): another QEMU can map the same pages,
         # which is what zero-copy migration (x-ignore-shared) relies on.
