@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 FUSUMA := $(VENV)/bin/fusuma
 DEB_PACKAGES := qemu-system-x86 qemu-utils busybox-static erofs-utils cpio \
-                qemu-guest-agent python3-venv gcc libc6-dev debootstrap apache2-utils
+                qemu-guest-agent python3-venv gcc libc6-dev debootstrap apache2-utils curl
 
 .PHONY: deps venv image demo test lint unit integration fault clean bench-boot
 
@@ -37,9 +37,18 @@ demo: image
 	@echo "--- zero-copy migration of vm0 to p1 and back (the guest keeps running):"
 	$(FUSUMA) migrate vm0 --to p1
 	$(FUSUMA) migrate vm0 --to p0
+	@echo "--- a Debian VM serving apache2 with its /usr from a shared segment (DAX):"
+	$(FUSUMA) segment list --json | grep -q '"debian-usr"' || \
+	  $(FUSUMA) segment create debian-usr --from-image debian
+	$(FUSUMA) vm list --json | grep -q '"web0"' || \
+	  $(FUSUMA) vm create web0 -p p0 --image debian --segment debian-usr:/usr --port 8080:80 --start
+	@for i in $$(seq 60); do curl -sf -o /dev/null http://127.0.0.1:8080/ && break; sleep 1; done
+	curl -s http://127.0.0.1:8080/ | grep -o '<title>.*</title>'
+	$(FUSUMA) share report
 	@echo
 	@echo "Two partitions are up. Try: $(FUSUMA) ps, $(FUSUMA) vm console vm0,"
-	@echo "$(FUSUMA) partition restart p0. Remove everything with: $(FUSUMA) down"
+	@echo "$(FUSUMA) partition restart p0, $(FUSUMA) share analyze --vm web0."
+	@echo "Remove everything with: $(FUSUMA) down; $(FUSUMA) segment delete debian-usr"
 
 lint: venv
 	$(VENV)/bin/ruff check src tests

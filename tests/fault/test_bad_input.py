@@ -185,3 +185,20 @@ def test_vm_memory_beyond_partition(host: Host) -> None:
     assert_one_sentence(err)
     assert "partition resize a --memory" in err
     assert host.ps()["vms"] == []
+
+
+def test_unusable_dev_kvm_asked_for_by_name(host: Host) -> None:
+    """On this host /dev/kvm is a PVM hypervisor that cannot run a stock kernel (or is
+    missing): asking for KVM by name is one sentence and leaves no VM behind; `auto`
+    falls back to TCG with a notice instead (every integration test does that)."""
+    from fusuma.host.accel import probe_accel
+
+    if probe_accel("auto").name == "kvm":
+        pytest.skip("this host's /dev/kvm is usable")
+    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "512")
+    res = host.fail("vm", "create", "k", "-p", "p0", "--accel", "kvm", "--start")
+    assert_one_sentence(res.err)
+    assert "--accel kvm was asked for but" in res.err and "use --accel tcg" in res.err
+    assert host.ps()["vms"] == []
+    assert not [p for p in host.our_pids()
+                if "qemu" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]

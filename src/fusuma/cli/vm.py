@@ -81,9 +81,10 @@ def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image
                  memory_mib=memory_mib, image=image, disks=list(disks), accel=accel,
                  qos=qos, segments=list(segments), mergeable=mergeable, ports=list(ports),
                  **fields)
+    if start:
+        c.accel_notice(accel)     # an accelerator that cannot work: refuse before creating
     c.vms.create(spec)
     if start:
-        c.accel_notice(accel)
         with Reverter() as rev:
             rev.add(lambda: c.vms.delete(name, force=True), "vm definition")
             c.vms.start(name)
