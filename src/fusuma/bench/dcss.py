@@ -165,6 +165,7 @@ def run(parts: PartitionManager, vms: VmManager, segs: SegmentManager,
     counts = sorted(set(counts))
     cores = _check_host(parts, counts, memory_mib, accel, modes, loads, ksm)
     saved = ksm.read_settings() if ksm.available() else None
+    started = meta(accel)      # the revision and date the run started with
     points: list[Point] = []
     try:
         if any("segment" in m for m in modes):
@@ -182,14 +183,23 @@ def run(parts: PartitionManager, vms: VmManager, segs: SegmentManager,
                 ksm.set_run(saved.run, pages_to_scan=saved.pages_to_scan,
                             sleep_millisecs=saved.sleep_millisecs)
     results = derive(points)
-    return {"meta": meta(accel, benchmark="dcss", counts=counts, modes=list(modes),
-                         loads=list(loads), memory_mib=memory_mib, requests=requests,
-                         ab_concurrency=AB_CONCURRENCY, ab_runs=ab_runs,
-                         ksm_load_pages_to_scan=KSM_LOAD_PAGES_TO_SCAN, cores=cores,
-                         settle_s=SETTLE_S,
-                         ksm_pages_to_scan=KSM_PAGES_TO_SCAN, ksm_sleep_ms=KSM_SLEEP_MS,
-                         image=find_image(parts.paths.cache, kind="debian").digest[:16]),
+    return {"meta": {**meta(accel), "git_revision": started["git_revision"],
+                     "date": started["date"], "finished": meta(accel)["date"],
+                     **_params(counts, modes, loads, memory_mib, requests, ab_runs, cores,
+                               parts)},
             "results": results, "summary": summarize(results), "paper": PAPER}
+
+
+def _params(counts: Sequence[int], modes: Sequence[str], loads: Sequence[str],
+            memory_mib: int, requests: int, ab_runs: int, cores: list[int],
+            parts: PartitionManager) -> dict[str, Any]:
+    return {"benchmark": "dcss", "counts": list(counts), "modes": list(modes),
+            "loads": list(loads), "memory_mib": memory_mib, "requests": requests,
+            "ab_concurrency": AB_CONCURRENCY, "ab_runs": ab_runs,
+            "ksm_pages_to_scan": KSM_PAGES_TO_SCAN, "ksm_sleep_ms": KSM_SLEEP_MS,
+            "ksm_load_pages_to_scan": KSM_LOAD_PAGES_TO_SCAN, "cores": cores,
+            "settle_s": SETTLE_S,
+            "image": find_image(parts.paths.cache, kind="debian").digest[:16]}
 
 
 def derive(points: Sequence[Point]) -> list[dict[str, Any]]:
