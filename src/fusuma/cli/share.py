@@ -82,6 +82,10 @@ def _report_text(rep: dict[str, Any]) -> str:
                   else f"; the VMs' KSM profit {_mib(sav['ksm_vm_profit'])} MiB")
         lines.append(f"saved by KSM: {_mib(sav['ksm'])} MiB host-wide (KSM {ksm['state']}, "
                      f"pages_sharing {ksm['pages_sharing']}){profit}")
+        if ksm["run"] != 1 and ksm["pages_sharing"]:
+            # ksmd drops the rmap items of exited processes only while it scans.
+            lines.append("  (KSM is not running: its counters may still include pages of "
+                         "processes that have exited; they are cleaned when it runs again)")
     return "\n".join(lines)
 
 
