@@ -114,7 +114,8 @@ def _http(port: int, timeout: float = 120) -> str:
 
 def test_debian_guest_serves_apache2_with_usr_from_a_segment(host: Host) -> None:
     host.run("segment", "create", "usr", "--from-image", "debian")
-    host.run("partition", "create", "p0", "--cpus", "0-1", "--memory", "1536")
+    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1536")
+    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
     host.run("vm", "create", "web", "-p", "p0", "--image", "debian", "--segment", "usr:/usr",
              "--port", "18711:80", "--start")
     host.run("vm", "create", "plain", "-p", "p0", "--image", "debian", "--port",
@@ -129,6 +130,12 @@ def test_debian_guest_serves_apache2_with_usr_from_a_segment(host: Host) -> None
     sh(host, "web", "echo web > /etc/fusuma-test")
     assert sh(host, "plain", "cat /etc/fusuma-test 2>/dev/null || echo absent").strip() \
         == "absent"
+
+    # The forwarded port follows a zero-copy move (the new QEMU takes it over once the
+    # old one has exited).
+    mig = host.run("migrate", "web", "--to", "p1", "--json").json()
+    assert mig["mode"] == "zero-copy" and host.vm("web")["partition"] == "p1"
+    assert "Apache2 Debian Default Page" in _http(18711, timeout=30)
 
     ana: dict[str, Any] = host.run("share", "analyze", "--vm", "web", "--json").json()
     assert set(ana) == {"pid", "comm", "by_mode", "total_rss_kib", "shareable_fraction"}
