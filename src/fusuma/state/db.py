@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS vms (
     qos TEXT NOT NULL DEFAULT 'burstable',
     segments TEXT NOT NULL DEFAULT '[]',
     mergeable INTEGER NOT NULL DEFAULT 0,
-    ports TEXT NOT NULL DEFAULT '[]'
+    ports TEXT NOT NULL DEFAULT '[]',
+    overhead_mib INTEGER
 );
 CREATE TABLE IF NOT EXISTS segments (
     name TEXT PRIMARY KEY,
@@ -73,6 +74,7 @@ ADDED_COLUMNS = (
     ("vms", "segments", "TEXT NOT NULL DEFAULT '[]'"),
     ("vms", "mergeable", "INTEGER NOT NULL DEFAULT 0"),
     ("vms", "ports", "TEXT NOT NULL DEFAULT '[]'"),
+    ("vms", "overhead_mib", "INTEGER"),
 )
 
 
@@ -129,6 +131,12 @@ class VmRecord:
     segments: list[str] = field(default_factory=list)   # "NAME:/mount/point"
     mergeable: bool = False          # private RAM marked for KSM
     ports: list[str] = field(default_factory=list)      # "HOSTPORT:GUESTPORT" (tcp)
+    # Host memory the VM's QEMU needs beyond guest RAM, fixed when the VM is defined
+    # (None in state files from before it was recorded: fusuma.capacity computes it).
+    overhead_mib: int | None = None
+    # SQLite rowid: unique among defined VMs, the basis of the VM's own QEMU uid
+    # (fusuma.qemu.privilege). 0 until the record has been stored.
+    slot: int = 0
 
     def with_(self, **changes: object) -> VmRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -286,18 +294,19 @@ class Database:
             started_at=row["started_at"], error=row["error"], created_at=row["created_at"],
             shared_ram=bool(row["shared_ram"]), ram_path=row["ram_path"], qos=row["qos"],
             segments=json.loads(row["segments"]), mergeable=bool(row["mergeable"]),
-            ports=json.loads(row["ports"]))
+            ports=json.loads(row["ports"]), overhead_mib=row["overhead_mib"],
+            slot=row["rowid"])
 
     def vms(self, partition: str | None = None) -> list[VmRecord]:
         if partition is None:
-            rows = self._conn.execute("SELECT * FROM vms ORDER BY name").fetchall()
+            rows = self._conn.execute("SELECT rowid, * FROM vms ORDER BY name").fetchall()
         else:
-            rows = self._conn.execute("SELECT * FROM vms WHERE partition=? ORDER BY name",
+            rows = self._conn.execute("SELECT rowid, * FROM vms WHERE partition=? ORDER BY name",
                                       (partition,)).fetchall()
         return [self._vm(r) for r in rows]
 
     def find_vm(self, name: str) -> VmRecord | None:
-        row = self._conn.execute("SELECT * FROM vms WHERE name=?", (name,)).fetchone()
+        row = self._conn.execute("SELECT rowid, * FROM vms WHERE name=?", (name,)).fetchone()
         return self._vm(row) if row else None
 
     def vm(self, name: str) -> VmRecord:
@@ -311,12 +320,13 @@ class Database:
             self._conn.execute(
                 "INSERT INTO vms (name, partition, vcpus, memory_mib, image, disks, accel, "
                 "autostart, state, pid, accel_used, qemu_binary, started_at, error, "
-                "created_at, shared_ram, ram_path, qos, segments, mergeable, ports) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "created_at, shared_ram, ram_path, qos, segments, mergeable, ports, "
+                "overhead_mib) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (v.name, v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks),
                  v.accel, int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
                  v.started_at, v.error, v.created_at, int(v.shared_ram), v.ram_path, v.qos,
-                 json.dumps(v.segments), int(v.mergeable), json.dumps(v.ports)))
+                 json.dumps(v.segments), int(v.mergeable), json.dumps(v.ports),
+                 v.overhead_mib))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a VM named {v.name!r} already exists.") from exc
 
