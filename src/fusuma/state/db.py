@@ -136,7 +136,7 @@ class VmRecord:
     overhead_mib: int | None = None
     # SQLite rowid: unique among defined VMs, the basis of the VM's own QEMU uid
     # (fusuma.qemu.privilege). 0 until the record has been stored.
-    slot: int = 0
+    slot: int = field(default=0, compare=False)
 
     def with_(self, **changes: object) -> VmRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
