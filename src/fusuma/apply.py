@@ -11,7 +11,6 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from fusuma.errors import ConflictError, SpecError
 from fusuma.partition.manager import PartitionManager
@@ -32,14 +31,19 @@ class Plan:
     move_disks: list[DiskSpec] = field(default_factory=list)
     create_vms: list[VmSpec] = field(default_factory=list)
     start_vms: list[str] = field(default_factory=list)
+    # Partitions whose supervisor is down (killed, or the host crashed): started again
+    # first; each re-adopts its VMs that still run and marks the others crashed.
+    start_supervisors: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not (self.create_partitions or self.resize_partitions or self.add_disks
-                    or self.move_disks or self.create_vms or self.start_vms)
+                    or self.move_disks or self.create_vms or self.start_vms
+                    or self.start_supervisors)
 
     def describe(self) -> list[str]:
-        out = [f"create partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
-               for p in self.create_partitions]
+        out = [f"start the supervisor of partition {n}" for n in self.start_supervisors]
+        out += [f"create partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
+                for p in self.create_partitions]
         out += [f"resize partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
                 for p, _ in self.resize_partitions]
         out += [f"add disk {d.name} ({d.path}) to {d.partition}" for d in self.add_disks]
@@ -67,7 +71,10 @@ def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> 
         cur = db.find_partition(ps.name)
         if cur is None:
             p.create_partitions.append(ps)
-        elif cur.cpus != ps.cpus or cur.memory_mib != ps.memory_mib:
+            continue
+        if parts.supervisor_pid(ps.name) is None:
+            p.start_supervisors.append(ps.name)
+        if cur.cpus != ps.cpus or cur.memory_mib != ps.memory_mib:
             shrinking = set(ps.cpus) <= set(cur.cpus)
             p.resize_partitions.append((ps, shrinking))
         elif cur.qemu != ps.qemu or cur.io_weight != ps.io_weight:
@@ -108,6 +115,9 @@ def up(paths_db: Database, parts: PartitionManager, vms: VmManager, spec: HostSp
 def _up(db: Database, parts: PartitionManager, vms: VmManager, spec: HostSpec,
         source: str, progress: Callable[[str], None], wait_agent: float) -> Plan:
     the_plan = plan(db, parts, spec, source)
+    for name in the_plan.start_supervisors:
+        progress(f"starting the supervisor of partition {name}")
+        parts.start_supervisor(name)
     with Reverter() as rev:
         # Two phases, so cores and memory can move between partitions in one spec:
         # first every partition gives up what it loses, then each takes what it gains.
@@ -130,9 +140,10 @@ def _up(db: Database, parts: PartitionManager, vms: VmManager, spec: HostSpec,
             rev.add(lambda n=ps.name: parts.delete(n, force=True))  # type: ignore[misc]
         for ds in the_plan.add_disks:
             progress(f"adding disk {ds.name}")
-            parts.add_disk(ds)
-            rev.add(lambda d=ds: parts.remove_disk(d.name, delete_file=d.size_mib is not None
-                                                   and not Path(d.path).is_block_device()))  # type: ignore[misc]
+            made = parts.add_disk(ds)
+            # Undo removes only what this command created: a disk file that existed
+            # before `up` is the user's and stays, whatever happens.
+            rev.add(lambda d=made: parts.remove_disk(d.name, delete_file=d.created_file))  # type: ignore[misc]
         for ds in the_plan.move_disks:
             old_p = db.disk(ds.name).partition
             parts.move_disk(ds.name, ds.partition)

@@ -13,16 +13,65 @@ temporary directory without touching the host's real fusuma:
   every other cgroup off the partitions' cores, which on cgroup v1 means only one
   fusuma prefix at a time can hold cores. Tests turn it off so that several test
   namespaces (or a test run beside `make demo`) can coexist.
+- ``FUSUMA_UID_BASE``    first uid of the range whose uids run VMs' QEMUs (default
+  1500000000; VM slot n runs as base + n, see fusuma.qemu.privilege)
+
+Permissions (least privilege): the shm dir and the log dirs (``vms/<vm>``,
+``partitions/<p>``) are 0700; the runtime dir and its ``vms`` and ``partitions`` are
+0711 (others may pass through to a socket they are given, never list); each VM's run
+dir is 0700 and owned by the uid its QEMU runs as. :func:`ensure_dir` creates a
+directory or fixes the mode and owner of an existing one.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from fusuma.errors import HostError
+
 # sockaddr_un.sun_path is 108 bytes including the NUL.
 MAX_SOCKET_PATH = 107
+# Directory modes: private to its owner, or passable (x) but not listable by others.
+PRIVATE_DIR = 0o700
+PASSABLE_DIR = 0o711
+DEFAULT_UID_BASE = 1_500_000_000
+UID_RANGE = 65536            # uids fusuma reserves from FUSUMA_UID_BASE on
+# uid_t is 32 bits and (uid_t)-1 means "no change": the range must stay below it.
+MAX_UID = 2**32 - 2
+
+
+def ensure_dir(path: Path, mode: int, owner: int | None = None) -> Path:
+    """Make ``path`` a directory with exactly ``mode`` (and uid = gid = ``owner`` if given).
+
+    Missing parents are created under the process's umask. An existing directory with
+    another mode or owner is fixed. The directory is opened with O_NOFOLLOW and changed
+    through that fd, so a symlink planted where a VM's uid may write never makes root
+    chmod or chown something else."""
+    try:
+        path.mkdir(mode=mode, parents=True)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise HostError(f"cannot create directory {path}: {exc.strerror}.") from exc
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HostError(f"{path} must be a directory, not a symlink or a file "
+                        f"({exc.strerror}); remove it and retry.") from exc
+    try:
+        st = os.fstat(fd)
+        if owner is not None and (st.st_uid, st.st_gid) != (owner, owner):
+            os.fchown(fd, owner, owner)
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)
+    except OSError as exc:
+        raise HostError(f"cannot set mode {mode:o} on {path}: {exc.strerror}.") from exc
+    finally:
+        os.close(fd)
+    return path
 
 
 @dataclass(frozen=True)
@@ -35,10 +84,19 @@ class Paths:
     cache: Path
     cgroup_prefix: str
     cpu_exclusive: bool = True
+    uid_base: int = DEFAULT_UID_BASE
 
     @classmethod
     def from_env(cls) -> Paths:
         env = os.environ
+        raw = env.get("FUSUMA_UID_BASE", str(DEFAULT_UID_BASE))
+        try:
+            uid_base = int(raw)
+        except ValueError:
+            uid_base = -1
+        if not 1 <= uid_base <= MAX_UID - UID_RANGE:
+            raise HostError(f"FUSUMA_UID_BASE={raw!r} is not a usable uid; give the first "
+                            f"uid of a free range of {UID_RANGE} (default {DEFAULT_UID_BASE}).")
         return cls(
             home=Path(env.get("FUSUMA_HOME", "/var/lib/fusuma")),
             runtime=Path(env.get("FUSUMA_RUNTIME_DIR", "/run/fusuma")),
@@ -46,6 +104,7 @@ class Paths:
             cache=Path(env.get("FUSUMA_CACHE", "/var/cache/fusuma")),
             cgroup_prefix=env.get("FUSUMA_CGROUP_PREFIX", "fusuma"),
             cpu_exclusive=env.get("FUSUMA_CPU_EXCLUSIVE", "1") != "0",
+            uid_base=uid_base,
         )
 
     @property
@@ -89,4 +148,10 @@ class Paths:
             "FUSUMA_CACHE": str(self.cache),
             "FUSUMA_CGROUP_PREFIX": self.cgroup_prefix,
             "FUSUMA_CPU_EXCLUSIVE": "1" if self.cpu_exclusive else "0",
+            "FUSUMA_UID_BASE": str(self.uid_base),
         }
+
+    def ensure_runtime(self) -> None:
+        """The runtime dir and its ``vms`` and ``partitions``: 0711, owned by root."""
+        for d in (self.runtime, self.runtime / "vms", self.runtime / "partitions"):
+            ensure_dir(d, PASSABLE_DIR)

@@ -46,23 +46,15 @@ from pydantic import (
     model_validator,
 )
 
+from fusuma import capacity
 from fusuma.errors import SpecError
 from fusuma.host.topology import HostInfo, format_cpulist, parse_cpulist
-
-# Names become file names, socket names and cgroup names: keep them boring.
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
-NAME_HINT = "1-32 characters of a-z, 0-9, '-' and '_', starting with a letter or digit"
+from fusuma.names import NAME_HINT, NAME_RE
+from fusuma.names import check_name as check_name  # re-exported: older callers
 
 Accel = Literal["auto", "kvm", "tcg"]
 Qos = Literal["guaranteed", "burstable", "best-effort"]
 M = TypeVar("M", bound=BaseModel)
-
-
-def check_name(kind: str, name: str) -> str:
-    """Return ``name`` or raise SpecError: names must not escape their directory."""
-    if not NAME_RE.match(name):
-        raise SpecError(f"{kind} name {name!r} is not allowed: use {NAME_HINT}.")
-    return name
 
 
 class _Model(BaseModel):
@@ -317,18 +309,26 @@ def check_consistency(spec: HostSpec, source: str = "<spec>") -> None:
 
 
 def check_host_fit(spec: HostSpec, host: HostInfo, source: str = "<spec>") -> None:
-    """Refuse cores the host does not have and memory it cannot give."""
+    """Refuse cores the host does not have, memory it cannot give, and partitions too
+    small for their VMs (the arithmetic of ``fusuma.capacity``)."""
     for i, p in enumerate(spec.partition):
         missing = [c for c in p.cpus if c not in host.cpus]
         if missing:
             raise SpecError(f"{source}: partition[{i}].cpus: core(s) {format_cpulist(missing)} "
                             f"do not exist; this host has cores {format_cpulist(host.cpus)}.")
-    total = sum(p.memory_mib for p in spec.partition)
+    total = capacity.host_need((p.name, p.memory_mib) for p in spec.partition)
     avail = host.memory_available_for_partitions_mib
-    if total > avail:
-        raise SpecError(f"{source}: partitions ask for {total} MiB of memory but this host can "
-                        f"give at most {avail} MiB ({host.memory_reserved_mib} MiB is kept "
-                        f"for the host itself).")
+    if total.total > avail:
+        raise SpecError(f"{source}: partitions ask for {total.total} MiB of memory but this "
+                        f"host can give at most {avail} MiB ({total.against(avail)}; "
+                        f"{host.memory_reserved_mib} MiB is kept for the host itself).")
+    for i, p in enumerate(spec.partition):
+        need = capacity.vms_need(capacity.planned_vm(v.name, v.partition, v.memory_mib, v.accel)
+                                 for v in spec.vm if v.partition == p.name)
+        if need.total > p.memory_mib:
+            raise SpecError(f"{source}: partition[{i}].memory_mib: partition {p.name!r} has no "
+                            f"room for its VMs ({need.against(p.memory_mib)}); set memory_mib "
+                            f"= {need.total} or give its VMs less memory.")
 
 
 def default_spec(host: HostInfo) -> HostSpec:

@@ -66,8 +66,10 @@ def test_maintain_restarts_hypervisor_and_brings_vms_back(host: Host, tmp_path: 
     host.run("vm", "exec", "vm0", "--", "/bin/sh", "-c", WRITE)
     old_sup = host.part("p0")["supervisor_pid"]
     old_pid = host.vm("vm0")["pid"]
-    # A "new hypervisor version": another path to a QEMU binary.
-    qemu = tmp_path / "qemu-system-x86_64"
+    # A "new hypervisor version": another path to a QEMU binary. QEMU runs under the
+    # VM's own unprivileged uid, so the path must be reachable by other users (not in
+    # the root-only tmp_path): the runtime dir is 0711.
+    qemu = host.runtime / "qemu-system-x86_64"
     qemu.symlink_to("/usr/bin/qemu-system-x86_64")
     res = host.run("maintain", "p0", "--via", "p1", "--qemu", str(qemu), "--json").json()
     assert [(m["from"], m["to"]) for m in res["moves"]] == [("p0", "p1"), ("p1", "p0")]

@@ -112,3 +112,49 @@ def test_debian_usr_disk_is_readonly_with_a_known_serial() -> None:
     assert opt(argv, "-drive") == [
         "file=/c/usr.erofs,format=raw,if=none,id=disk-fusuma-usr,readonly=on"]
     assert "virtio-blk-pci,drive=disk-fusuma-usr,serial=fusuma-usr" in opt(argv, "-device")
+
+
+def test_seccomp_sandbox_denies_privileges_spawn_and_resource_control() -> None:
+    argv = build_argv(cfg())
+    assert opt(argv, "-sandbox") == [
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
+    # Privileges are dropped before exec, never by QEMU itself.
+    assert "-runas" not in argv
+
+
+def test_files_opened_for_qemu_are_named_by_fd() -> None:
+    c = cfg(ram_fd=10, kernel_fd=11, initrd_fd=12, console_log_fd=13,
+            disks=[DiskConfig("d0", Path("/d0.img"), fds=(14, 15)),
+                   DiskConfig("ro", Path("/ro.img"), readonly=True, fds=(16,))],
+            segments=[SegmentConfig("usr", Path("/h/s.erofs"), 2**21, "/usr", fd=17)],
+            usr_disk=Path("/c/usr.erofs"), usr_disk_fd=18)
+    argv = build_argv(c)
+    # Plain open() in QEMU: the inherited fd's magic link.
+    objects = opt(argv, "-object")
+    assert objects[0] == ("memory-backend-file,id=ram0,size=256M,mem-path=/proc/self/fd/10,"
+                          "share=on,merge=off")
+    assert objects[1].startswith("memory-backend-file,id=seg-usr,mem-path=/proc/self/fd/17,")
+    assert opt(argv, "-kernel") == ["/proc/self/fd/11"]
+    assert opt(argv, "-initrd") == ["/proc/self/fd/12"]
+    # qemu_open(): fdsets, numbered in argv order; a read-write disk offers both modes.
+    assert opt(argv, "-add-fd") == ["fd=13,set=1,opaque=console-log",
+                                    "fd=18,set=2,opaque=disk-fusuma-usr",
+                                    "fd=14,set=3,opaque=disk-d0", "fd=15,set=3,opaque=disk-d0",
+                                    "fd=16,set=4,opaque=disk-ro"]
+    assert any("logfile=/dev/fdset/1,logappend=on" in c for c in opt(argv, "-chardev"))
+    assert opt(argv, "-drive") == [
+        "file=/dev/fdset/2,format=raw,if=none,id=disk-fusuma-usr,readonly=on",
+        "file=/dev/fdset/3,format=raw,if=none,id=disk-d0",
+        "file=/dev/fdset/4,format=raw,if=none,id=disk-ro,readonly=on"]
+    # The -add-fd options come before any user of their sets.
+    assert argv.index("-add-fd") < argv.index("-chardev")
+    assert sorted(c.passed_fds()) == list(range(10, 19))
+    # Sockets and the pidfile stay paths in the run dir (process.is_vm_process).
+    assert "socket,id=qmp0,path=/r/qmp.sock,server=on,wait=off" in opt(argv, "-chardev")
+    assert opt(argv, "-pidfile") == ["/r/qemu.pid"]
+
+
+def test_no_fds_means_no_fdsets() -> None:
+    argv = build_argv(cfg())
+    assert "-add-fd" not in argv
+    assert cfg().passed_fds() == []

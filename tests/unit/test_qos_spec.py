@@ -52,7 +52,7 @@ def test_qos_roundtrips_in_the_state_file(tmp_path: Path) -> None:
     db.add_partition(PartitionRecord("p0", [0], 1024))
     db.add_vm(VmRecord("a", "p0", vcpus=1, memory_mib=128, qos="best-effort"))
     assert db.vm("a").qos == "best-effort"
-    db.update_vm(db.vm("a").with_(qos="guaranteed"))
+    db.set_vm("a", qos="guaranteed")
     assert Database(tmp_path / "state.db").vm("a").qos == "guaranteed"
 
 

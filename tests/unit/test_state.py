@@ -22,7 +22,8 @@ def test_roundtrip_and_conflicts(tmp_path: Path) -> None:
     vm = VmRecord("vm0", "p0", vcpus=2, memory_mib=256, disks=["d0"])
     db.add_vm(vm)
     assert db.vm("vm0") == vm
-    db.update_vm(vm.with_(state=VmState.RUNNING, pid=42, accel_used="tcg"))
+    db.transition("vm0", VmState.STARTING)
+    db.transition("vm0", VmState.RUNNING, pid=42, accel_used="tcg")
     other = Database(tmp_path / "state.db")
     got = other.vm("vm0")
     assert (got.state, got.pid, got.accel_used, got.disks) == (VmState.RUNNING, 42, "tcg",

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 from fusuma.bench.meta import meta
+from fusuma.capacity import SUPERVISOR_MIB
 from fusuma.errors import FusumaError, ResourceError
 from fusuma.host.accel import probe_accel
-from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager
+from fusuma.partition.manager import PartitionManager
 from fusuma.qemu.cmdline import overhead_mib
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.vm import VmManager

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fusuma.bench.meta import meta
+from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, HostError, ResourceError
 from fusuma.host.accel import probe_accel
 from fusuma.images import find_image
@@ -47,7 +48,7 @@ from fusuma.memshare.ksm import Ksm, KsmSettings
 from fusuma.memshare.report import vm_memory
 from fusuma.memshare.segments import SegmentManager
 from fusuma.memshare.smaps import Mapping, read_smaps
-from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
+from fusuma.partition.manager import PartitionManager
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
@@ -295,7 +296,7 @@ def _check_host(parts: PartitionManager, counts: Sequence[int], memory_mib: int,
 def _partition_mib(n: int, memory_mib: int, accel: str) -> int:
     one = VmRecord(name="x", partition=PARTITION, vcpus=1, memory_mib=memory_mib,
                    accel_used=accel)
-    return SUPERVISOR_MIB + n * vm_need_mib(one) + MARGIN_MIB
+    return SUPERVISOR_MIB + n * vm_footprint(one) + MARGIN_MIB
 
 
 def _spec(i: int, mode: str, memory_mib: int) -> VmSpec:

@@ -52,12 +52,13 @@ from fusuma.bench.mint_probe import (
     parse_output,
     probe_argv,
 )
+from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, HostError, ResourceError
 from fusuma.host.accel import probe_accel
 from fusuma.host.cgroups import CgroupDriver
 from fusuma.images import find_image, probe_path
 from fusuma.partition.client import SupervisorClient
-from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
+from fusuma.partition.manager import PartitionManager
 from fusuma.spec import DiskSpec, PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
@@ -119,8 +120,8 @@ def disk_mib(params: ProbeParams) -> int:
 
 
 def vm_mib(memory_mib: int, accel: str) -> int:
-    return vm_need_mib(VmRecord(name=VM_1, partition=PART_A, vcpus=1, memory_mib=memory_mib,
-                                accel_used=accel))
+    return vm_footprint(VmRecord(name=VM_1, partition=PART_A, vcpus=1, memory_mib=memory_mib,
+                                 accel_used=accel))
 
 
 def run(parts: PartitionManager, vms: VmManager, quick: bool = False,

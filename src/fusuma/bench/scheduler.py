@@ -43,11 +43,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusuma.bench.meta import meta
+from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, GuestAgentError, ResourceError, SpecError
 from fusuma.governor import measure
 from fusuma.governor.policy import Thresholds
 from fusuma.host.accel import probe_accel
-from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
+from fusuma.partition.manager import PartitionManager
 from fusuma.qemu import process
 from fusuma.spec import PartitionSpec, Qos, VmSpec
 from fusuma.state import VmRecord
@@ -193,8 +194,8 @@ def partition_mib(accel: str, n: int, with_target: bool) -> int:
                       accel_used=accel)
     one = VmRecord(name=dummy(0), partition=SHARED, vcpus=1, memory_mib=DUMMY_MIB,
                    accel_used=accel)
-    return (SUPERVISOR_MIB + MARGIN_MIB + n * vm_need_mib(one)
-            + (vm_need_mib(target) if with_target else 0))
+    return (SUPERVISOR_MIB + MARGIN_MIB + n * vm_footprint(one)
+            + (vm_footprint(target) if with_target else 0))
 
 
 def layout(policy: str, cores: list[int], n_max: int, accel: str) -> Layout:

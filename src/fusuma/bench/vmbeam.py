@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusuma.bench.meta import meta
+from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, GuestAgentError, ResourceError
 from fusuma.host.accel import probe_accel
 from fusuma.migration import MigrationResult, migrate
-from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
+from fusuma.partition.manager import PartitionManager
 from fusuma.paths import Paths
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
@@ -103,7 +104,7 @@ def partition_mib(memory_mib: int, accel: str) -> int:
     """Memory of one scratch partition: its supervisor plus one VM of this size."""
     vm = VmRecord(name=VM, partition=PARTITIONS[0], vcpus=1, memory_mib=memory_mib,
                   accel_used=accel)
-    return SUPERVISOR_MIB + vm_need_mib(vm) + MARGIN_MIB
+    return SUPERVISOR_MIB + vm_footprint(vm) + MARGIN_MIB
 
 
 def run(parts: PartitionManager, vms: VmManager, sizes: Sequence[int],

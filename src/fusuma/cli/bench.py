@@ -1,4 +1,7 @@
-"""`fusuma bench ...`: benchmarks that write result files."""
+"""`fusuma bench ...`: benchmarks that write result files.
+
+Each command imports its benchmark (and, for reports, matplotlib) when it runs, so that
+`fusuma bench --help` and every other fusuma command stay fast."""
 
 from __future__ import annotations
 
@@ -6,18 +9,6 @@ from pathlib import Path
 
 import click
 
-from fusuma.bench import (
-    boot,
-    dcss,
-    mint,
-    mint_report,
-    report_dcss,
-    report_scheduler,
-    report_vmbeam,
-    scheduler,
-    vmbeam,
-)
-from fusuma.bench.meta import write_result
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress
 
 
@@ -41,6 +32,9 @@ def boot_cmd(c: Ctx, n: int, runs: int, memory_mib: int, json_file: Path | None)
     """Time from `vm start` to the guest agent answering, N VMs started together.
 
     Uses a scratch partition on the cores no partition holds, removed afterwards."""
+    from fusuma.bench import boot
+    from fusuma.bench.meta import write_result
+
     c.accel_notice("auto")
     data = boot.run(c.parts, c.vms, n, runs=runs, memory_mib=memory_mib, progress=progress)
     if json_file is None:
@@ -51,6 +45,56 @@ def boot_cmd(c: Ctx, n: int, runs: int, memory_mib: int, json_file: Path | None)
         click.echo(f"boot to guest agent, {n} VM(s) x {runs} run(s): median "
                    f"{s['median_boot_ms']} ms (min {s['min_boot_ms']}, max "
                    f"{s['max_boot_ms']}); written to {json_file}")
+
+
+@bench.command("cli")
+@click.option("--runs", type=click.IntRange(1, 100), default=10, show_default=True,
+              help="Timed runs of each command; the summary is their median.")
+@click.option("--vms", "n", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Also time `ps --json` with this many VMs running (in up to two "
+                   "scratch partitions on the free cores, removed afterwards).")
+@click.option("--memory", "memory_mib", type=click.IntRange(64, 4096), default=256,
+              show_default=True, help="Guest RAM of each VM for --vms, MiB.")
+@click.option("--src", "src", type=click.Path(path_type=Path, file_okay=False, exists=True),
+              default=None,
+              help="Time the fusuma package in DIR (another checkout's src/) instead of "
+                   "this one, e.g. to compare with an older revision.")
+@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
+              help="Write the result file here (default: print it).")
+@pass_ctx
+def cli_cmd(c: Ctx, runs: int, n: int, memory_mib: int, src: Path | None,
+            json_file: Path | None) -> None:
+    """Wall time of whole `fusuma` processes: the CLI's start-up.
+
+    \b
+    Times, each the median of --runs whole processes (after one uncounted warm-up):
+      ps_json_empty_ms, vm_list_json_empty_ms, help_ms, migrate_help_ms
+                          in an empty namespace (scratch FUSUMA_HOME etc.)
+      migrate_startup_ms  a `fusuma migrate` refused before its first supervisor call
+                          (unknown VM): everything a move pays besides the move itself
+      ps_json_NVMS_ms     with --vms N: `ps --json` with N VMs running
+      python_bare_ms, python_click_ms
+                          the interpreter alone and with click: the floor
+    The commands run round-robin; Python's bytecode cache is on (in a scratch dir).
+    See fusuma/bench/cli.py for exactly what each number covers."""
+    from fusuma.bench import cli as bench_cli
+    from fusuma.bench.meta import write_result
+
+    if n:
+        c.accel_notice("auto")
+    data = bench_cli.run(c.parts, c.vms, runs=runs, vms=n, memory_mib=memory_mib, src=src,
+                         progress=progress)
+    if json_file is None:
+        emit_json(data)
+        return
+    write_result(json_file, data)
+    for r in data["results"]:
+        click.echo(f"{r['metric']:24} median {r['median_ms']:7.1f} ms (min {r['min_ms']}, "
+                   f"max {r['max_ms']})  {r['command']}")
+    for t in data["targets"]:
+        click.echo(f"target {t['metric']} <= {t['target_ms']:.0f} ms: "
+                   f"{'met' if t['met'] else 'NOT met'} ({t['median_ms']} ms)")
+    click.echo(f"written to {json_file}")
 
 
 def _sizes(value: str | None) -> list[int] | None:
@@ -100,6 +144,9 @@ def vmbeam_cmd(c: Ctx, sizes: str | None, moves: int | None, quick: bool,
 
     Needs every core (two scratch partitions, removed afterwards), so no partition may
     exist."""
+    from fusuma.bench import report_vmbeam, vmbeam
+    from fusuma.bench.meta import write_result
+
     size_list = _sizes(sizes) or list(vmbeam.QUICK_SIZES if quick else vmbeam.DEFAULT_SIZES)
     n = moves or (vmbeam.QUICK_MOVES if quick else vmbeam.DEFAULT_MOVES)
     c.accel_notice("auto")
@@ -141,6 +188,9 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
 
     Needs every core (scratch partitions, VMs and disks, removed afterwards), so no
     partition may exist."""
+    from fusuma.bench import mint, mint_report
+    from fusuma.bench.meta import write_result
+
     c.accel_notice("auto")
     data = mint.run(c.parts, c.vms, quick=quick, disk_dir=disk_dir, progress=progress)
     if json_file is None and report_dir is not None:
@@ -188,6 +238,9 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
 
     Needs both cores (scratch partitions, removed afterwards), so no partition may
     exist."""
+    from fusuma.bench import report_scheduler, scheduler
+    from fusuma.bench.meta import write_result
+
     cfg = scheduler.Config(
         dummies=scheduler.parse_counts(dummies) if dummies else list(
             scheduler.QUICK_DUMMIES if quick else scheduler.DEFAULT_DUMMIES),
@@ -254,6 +307,8 @@ def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
     partition may exist; it changes the host's KSM settings while it runs and puts
     them back afterwards. Needs the debian image (`fusuma image build --kind debian`)
     and ab (`apt-get install apache2-utils`)."""
+    from fusuma.bench import dcss, report_dcss
+    from fusuma.bench.meta import write_result
     from fusuma.memshare.segments import SegmentManager
 
     count_list = _counts(counts) or list(dcss.QUICK_COUNTS if quick else dcss.DEFAULT_COUNTS)
@@ -290,6 +345,8 @@ def report() -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
 def report_vmbeam_cmd(result_file: Path, out_dir: Path) -> None:
     """Write OUT_DIR/report.md and OUT_DIR/vmbeam.png from a `bench vmbeam` result file."""
+    from fusuma.bench import report_vmbeam
+
     paths = report_vmbeam.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(p) for p in paths)}")
 
@@ -299,6 +356,8 @@ def report_vmbeam_cmd(result_file: Path, out_dir: Path) -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
 def report_mint_cmd(result_file: Path, out_dir: Path) -> None:
     """Write OUT_DIR/report.md and OUT_DIR/mint-*.png from a `bench mint` result file."""
+    from fusuma.bench import mint_report
+
     paths = mint_report.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(p) for p in paths)}")
 
@@ -308,6 +367,8 @@ def report_mint_cmd(result_file: Path, out_dir: Path) -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
 def report_scheduler_cmd(result_file: Path, out_dir: Path) -> None:
     """Write OUT_DIR/report.md and OUT_DIR/scheduler.png from a `bench scheduler` file."""
+    from fusuma.bench import report_scheduler
+
     paths = report_scheduler.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(x) for x in paths)}")
 
@@ -317,5 +378,7 @@ def report_scheduler_cmd(result_file: Path, out_dir: Path) -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
 def report_dcss_cmd(result_file: Path, out_dir: Path) -> None:
     """Write OUT_DIR/report.md and OUT_DIR/dcss.png from a `bench dcss` result file."""
+    from fusuma.bench import report_dcss
+
     paths = report_dcss.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(x) for x in paths)}")

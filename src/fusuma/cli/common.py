@@ -1,19 +1,23 @@
-"""What every command shares: the context (paths, DB, managers) and output helpers."""
+"""What every command shares: the context (paths, DB, managers) and output helpers.
+
+Light on purpose (every command imports it): the DB and the managers are imported when
+a command first uses them."""
 
 from __future__ import annotations
 
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from fusuma.host.accel import probe_accel
-from fusuma.partition.manager import PartitionManager
 from fusuma.paths import Paths
-from fusuma.state import Database
-from fusuma.vm import VmManager
+
+if TYPE_CHECKING:
+    from fusuma.partition.manager import PartitionManager
+    from fusuma.state import Database
+    from fusuma.vm import VmManager
 
 
 @dataclass
@@ -27,23 +31,31 @@ class Ctx:
     @property
     def db(self) -> Database:
         if self._db is None:
+            from fusuma.state import Database
+
             self._db = Database(self.paths.db)
         return self._db
 
     @property
     def parts(self) -> PartitionManager:
         if self._parts is None:
+            from fusuma.partition.manager import PartitionManager
+
             self._parts = PartitionManager(self.paths, self.db)
         return self._parts
 
     @property
     def vms(self) -> VmManager:
         if self._vms is None:
+            from fusuma.vm import VmManager
+
             self._vms = VmManager(self.paths, self.db, self.parts)
         return self._vms
 
     def accel_notice(self, requested: str) -> None:
         """Say once per command why a VM runs under TCG."""
+        from fusuma.host.accel import probe_accel
+
         choice = probe_accel(requested)
         if choice.notice and choice.notice not in self.notices:
             self.notices.add(choice.notice)

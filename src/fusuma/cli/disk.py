@@ -5,7 +5,6 @@ from __future__ import annotations
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
-from fusuma.spec import DiskSpec, build
 
 
 @click.group()
@@ -25,6 +24,8 @@ def disk() -> None:
 @pass_ctx
 def add(c: Ctx, name: str, path: str, partition: str, size_mib: int | None) -> None:
     """Give disk NAME at PATH to a partition."""
+    from fusuma.spec import DiskSpec, build
+
     rec = c.parts.add_disk(build(DiskSpec, "disk", name=name, path=path,
                                  partition=partition, size_mib=size_mib))
     click.echo(f"disk {rec.name}: {rec.path} in partition {rec.partition}")

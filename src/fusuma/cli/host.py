@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from fusuma import apply
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress, table
-from fusuma.host.topology import format_cpulist
-from fusuma.spec import HostSpec, default_spec, dump_spec, load_spec
-from fusuma.vm import VmView
+
+if TYPE_CHECKING:
+    from fusuma.spec import HostSpec
 
 
 @click.command()
@@ -42,6 +41,9 @@ def up(c: Ctx, spec: Path | None, accel: str | None, wait: bool, timeout: float,
       [[vm]]         name, partition, vcpus=1, memory_mib=256, image="minimal",
                      disks=[], accel="auto", autostart=true
     """
+    from fusuma import apply
+    from fusuma.spec import default_spec, dump_spec, load_spec
+
     if print_default:
         click.echo(dump_spec(default_spec(c.parts.host)))
         return
@@ -75,6 +77,8 @@ def down(c: Ctx, as_json: bool) -> None:
 
     Running VMs are killed. Disk files that fusuma created from a spec's size_mib are
     deleted; disk files you brought are left in place."""
+    from fusuma import apply
+
     done = apply.down(c.db, c.parts, c.vms, progress=progress)
     if as_json:
         emit_json({"actions": done})
@@ -83,15 +87,20 @@ def down(c: Ctx, as_json: bool) -> None:
 
 
 def ps_data(c: Ctx) -> dict[str, Any]:
+    """What `ps --json` prints, read fresh from the DB and /proc every time (no cache:
+    a QEMU killed a moment ago shows as crashed)."""
+    from fusuma.partition.liveness import supervisor_pid
+    from fusuma.vm.view import views_json
+
     parts = []
     for p in c.db.partitions():
-        pid = c.parts.supervisor_pid(p.name)
+        pid = supervisor_pid(c.paths, p.name, p.supervisor_pid)
         parts.append({"name": p.name, "cpus": p.cpus, "memory_mib": p.memory_mib,
                       "supervisor_pid": pid,
                       "state": "running" if pid is not None else "supervisor-down",
                       "qemu": p.qemu, "io_weight": p.io_weight,
                       "disks": [d.name for d in c.db.disks(p.name)]})
-    vms = [VmView(v, c.paths.segments_dir).as_json() for v in c.db.vms()]
+    vms = views_json(c.db.vms(), c.paths.segments_dir)
     return {"partitions": parts, "vms": vms}
 
 
@@ -114,6 +123,8 @@ def ps(c: Ctx, as_json: bool) -> None:
     if as_json:
         emit_json(data)
         return
+    from fusuma.host.topology import format_cpulist
+
     prow = [[p["name"], format_cpulist(p["cpus"]), str(p["memory_mib"]),
              str(p["supervisor_pid"] or "-"), p["state"]] for p in data["partitions"]]
     click.echo(table(prow, ["partition", "cpus", "memory_mib", "supervisor", "state"]))

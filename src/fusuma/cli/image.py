@@ -7,7 +7,6 @@ import time
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress
-from fusuma.images import build_image, find_image
 
 
 @click.group()
@@ -28,6 +27,8 @@ def build(c: Ctx, kind: str, force: bool, as_json: bool) -> None:
     cache, never installed on the host), with only the modules guests need; userspace
     is busybox-static and Debian's qemu-guest-agent. The image is rebuilt only when an
     input changes, and works offline once cached."""
+    from fusuma.images import build_image
+
     t0 = time.monotonic()
     img = build_image(c.paths.cache, kind=kind, force=force, progress=progress)
     data = {"kind": img.kind, "kernel": str(img.kernel), "initrd": str(img.initrd),
@@ -46,6 +47,8 @@ def build(c: Ctx, kind: str, force: bool, as_json: bool) -> None:
 @pass_ctx
 def show(c: Ctx, kind: str, as_json: bool) -> None:
     """Show the cached image, or say how to build it."""
+    from fusuma.images import find_image
+
     img = find_image(c.paths.cache, kind=kind)
     data = {"kind": img.kind, "kernel": str(img.kernel), "initrd": str(img.initrd),
             "kernel_version": img.kernel_version, "digest": img.digest,

@@ -1,27 +1,55 @@
-"""Entry point: `fusuma [OPTIONS] COMMAND ...`."""
+"""Entry point: `fusuma [OPTIONS] COMMAND ...`.
+
+Commands are loaded lazily: COMMANDS maps each name to the module that defines it and a
+one-line summary, so `fusuma ps` imports only what `ps` runs and `fusuma --help` lists
+every command without importing any of them (tests/unit/test_cli_imports.py checks that
+each summary still equals the command's own short help, and that no command pulls in
+the benchmarks, matplotlib or a server/cluster library it does not use).
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 import sys
 
 import click
 
 from fusuma import __version__
-from fusuma.cli.bench import bench
-from fusuma.cli.common import Ctx
-from fusuma.cli.disk import disk
-from fusuma.cli.governor import governor
-from fusuma.cli.host import down, ps, up
-from fusuma.cli.image import image
-from fusuma.cli.migrate import maintain, migrate
-from fusuma.cli.partition import partition
-from fusuma.cli.segment import segment
-from fusuma.cli.share import share
-from fusuma.cli.top import top
-from fusuma.cli.vm import vm
 from fusuma.errors import FusumaError
-from fusuma.paths import Paths
+
+# name -> ("module:attribute", summary). The summary is the first sentence of the
+# command's help, as click would show it in the listing.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("fusuma.cli.bench:bench",
+              "Run benchmarks; each writes a JSON result file with a `meta` block (git "
+              "revision, date, host, accelerator) and metric names that carry units."),
+    "disk": ("fusuma.cli.disk:disk",
+             "Register disks (image files or block devices) to partitions and move them."),
+    "down": ("fusuma.cli.host:down",
+             "Remove every VM, disk and partition of this host (this FUSUMA_HOME)."),
+    "governor": ("fusuma.cli.governor:governor",
+                 "The CPU governor that runs in every partition supervisor."),
+    "image": ("fusuma.cli.image:image",
+              "Build and inspect guest images (kept under FUSUMA_CACHE)."),
+    "maintain": ("fusuma.cli.migrate:maintain",
+                 "Restart PARTITION's hypervisor instance with ~no downtime for its VMs."),
+    "migrate": ("fusuma.cli.migrate:migrate",
+                "Move running VM to another partition's hypervisor on this host."),
+    "partition": ("fusuma.cli.partition:partition",
+                  "Create, resize, restart and delete partitions."),
+    "ps": ("fusuma.cli.host:ps", "Show partitions and VMs with their state."),
+    "segment": ("fusuma.cli.segment:segment",
+                "Shared segments: read-only memory shared by many VMs (z/VM's DCSS)."),
+    "share": ("fusuma.cli.share:share",
+              "Memory shared between VMs, and exactly where every shared MiB comes from."),
+    "top": ("fusuma.cli.top:top",
+            "Each running VM's CPU use and wait for a CPU, refreshed every second."),
+    "up": ("fusuma.cli.host:up",
+           "Make the host match SPEC (a TOML file); without SPEC, a built-in default."),
+    "vm": ("fusuma.cli.vm:vm", "Create, start, stop and use VMs."),
+}
 
 EPILOG = """\b
 Environment:
@@ -35,7 +63,48 @@ Start with `fusuma up` (a default layout for this host) and `fusuma ps`.
 """
 
 
-@click.group(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+def load_command(name: str) -> click.Command:
+    """Import the module that defines command NAME and return the command."""
+    module, _, attr = COMMANDS[name][0].partition(":")
+    cmd = getattr(importlib.import_module(module), attr)
+    if not isinstance(cmd, click.Command):
+        raise TypeError(f"{module}:{attr} is not a click command")
+    return cmd
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands (from COMMANDS) are imported only when run."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*COMMANDS, *self.commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.commands:
+            return self.commands[cmd_name]
+        if cmd_name not in COMMANDS:
+            return None
+        return load_command(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Like click's listing, but from the summaries: imports nothing."""
+        names = self.list_commands(ctx)
+        if not names:
+            return
+        limit = formatter.width - 6 - max(len(n) for n in names)
+        rows = []
+        for name in names:
+            if name in self.commands:
+                short = self.commands[name].get_short_help_str(limit)
+            else:
+                # A stand-in with the summary as its help: click's own shortening.
+                short = click.Command(name, help=COMMANDS[name][1]).get_short_help_str(limit)
+            rows.append((name, short))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, epilog=EPILOG,
+             context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="fusuma")
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 @click.pass_context
@@ -44,17 +113,18 @@ def cli(ctx: click.Context, verbose: int) -> None:
     memory limit and its own hypervisor supervisor, and runs QEMU VMs inside them.
 
     Must run as root (it creates cgroups and starts QEMU)."""
+    from fusuma.cli.common import Ctx
+    from fusuma.paths import Paths
+
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     ctx.obj = Ctx(Paths.from_env())
 
 
-for command in (up, down, ps, partition, vm, disk, migrate, maintain, image, bench, top,
-                governor, segment, share):
-    cli.add_command(command)
-
-
 def main() -> None:
+    # Least privilege: nothing fusuma creates (state, logs, disks, RAM files) is for
+    # other users unless it says so with an explicit mode.
+    os.umask(0o077)
     try:
         cli.main(standalone_mode=False)
     except FusumaError as exc:

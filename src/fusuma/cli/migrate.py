@@ -5,8 +5,6 @@ from __future__ import annotations
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress
-from fusuma.migration import migrate as do_migrate
-from fusuma.migration.maintain import maintain as do_maintain
 
 
 @click.command()
@@ -31,6 +29,8 @@ def migrate(c: Ctx, vm: str, to: str, mode: str, as_json: bool) -> None:
     running where it was. total_ms counts from the migrate command to the guest running
     at the destination; downtime_ms from the guest's stop at the source to that moment
     (both from QEMU's own event timestamps)."""
+    from fusuma.migration import migrate as do_migrate
+
     res = do_migrate(c.parts, vm, to, mode, progress=progress)
     if res.paused:
         click.echo("fusuma: notice: the guest was paused during the copy: live pre-copy "
@@ -57,6 +57,8 @@ def maintain(c: Ctx, partition: str, via: str, qemu: str | None, as_json: bool) 
     Moves every running VM of PARTITION to --via (zero-copy where the VM has shared RAM),
     restarts PARTITION's supervisor (with --qemu: a different QEMU for its VMs), and
     moves them back onto new QEMU processes. Prints each move's downtime."""
+    from fusuma.migration.maintain import maintain as do_maintain
+
     res = do_maintain(c.parts, partition, via, qemu, progress=progress)
     if as_json:
         emit_json({"partition": res.partition, "via": res.via, "qemu": res.qemu,

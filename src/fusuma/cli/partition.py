@@ -7,7 +7,6 @@ import click
 from fusuma.cli.common import Ctx, cpus_option, emit_json, pass_ctx, table
 from fusuma.cli.host import ps_data
 from fusuma.host.topology import format_cpulist, parse_cpulist
-from fusuma.spec import PartitionSpec, build
 
 
 @click.group()
@@ -34,6 +33,8 @@ def partition() -> None:
 def create(c: Ctx, name: str, cpus: str, memory_mib: int, io_weight: int | None,
            qemu: str | None, as_json: bool) -> None:
     """Create partition NAME and start its supervisor."""
+    from fusuma.spec import PartitionSpec, build
+
     spec = build(PartitionSpec, "partition", name=name, cpus=parse_cpulist(cpus),
                  memory_mib=memory_mib, io_weight=io_weight, qemu=qemu)
     rec = c.parts.create(spec)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress, table
-from fusuma.memshare.segments import SegmentManager
-from fusuma.state.db import SegmentRecord
+
+if TYPE_CHECKING:
+    from fusuma.memshare.segments import SegmentManager
+    from fusuma.state.db import SegmentRecord
 
 
 @click.group()
@@ -30,8 +32,14 @@ def segment() -> None:
       fusuma vm create web0 -p p0 --image debian --segment debian-usr:/usr"""
 
 
+def _mgr(c: Ctx) -> SegmentManager:
+    from fusuma.memshare.segments import SegmentManager
+
+    return SegmentManager(c.paths, c.db)
+
+
 def _row(c: Ctx, s: SegmentRecord) -> dict[str, Any]:
-    mgr = SegmentManager(c.paths, c.db)
+    mgr = _mgr(c)
     return {"name": s.name, "path": s.path, "size_mib": round(s.size_bytes / 2**20, 1),
             "source": s.source, "used_by": mgr.users(s.name),
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z",
@@ -50,8 +58,8 @@ def _row(c: Ctx, s: SegmentRecord) -> dict[str, Any]:
 def create(c: Ctx, name: str, from_dir: Path | None, from_image: str | None,
            as_json: bool) -> None:
     """Build segment NAME from a directory or an image's /usr."""
-    rec = SegmentManager(c.paths, c.db).create(name, from_dir=from_dir,
-                                               from_image=from_image, progress=progress)
+    rec = _mgr(c).create(name, from_dir=from_dir, from_image=from_image,
+                         progress=progress)
     if as_json:
         emit_json(_row(c, rec))
     else:
@@ -63,7 +71,7 @@ def create(c: Ctx, name: str, from_dir: Path | None, from_image: str | None,
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
     """List segments with their size and the VMs that attach them."""
-    rows = [_row(c, s) for s in SegmentManager(c.paths, c.db).all()]
+    rows = [_row(c, s) for s in _mgr(c).all()]
     if as_json:
         emit_json(rows)
         return
@@ -77,5 +85,5 @@ def list_(c: Ctx, as_json: bool) -> None:
 @pass_ctx
 def delete(c: Ctx, name: str) -> None:
     """Delete segment NAME (refused while a VM definition attaches it)."""
-    SegmentManager(c.paths, c.db).delete(name)
+    _mgr(c).delete(name)
     click.echo(f"segment {name} deleted")

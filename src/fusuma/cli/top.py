@@ -18,8 +18,7 @@ import click
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
 from fusuma.errors import FusumaError
 from fusuma.governor import measure
-from fusuma.partition.supervisor import vm_leaf
-from fusuma.vm import VmView
+from fusuma.vm.view import VmView
 
 
 @dataclass(frozen=True)
@@ -39,6 +38,8 @@ def _targets(c: Ctx) -> list[Target]:
 
 
 def _reading(c: Ctx, t: Target) -> measure.Reading:
+    from fusuma.partition.supervisor import vm_leaf  # pulls in QMP and asyncio
+
     try:
         stat = c.parts.cg.cpu_stat(t.partition, vm_leaf(t.name))
     except FusumaError:

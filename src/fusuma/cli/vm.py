@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import os
-import select
-import socket
 import sys
-import termios
-import tty
+from typing import TYPE_CHECKING
 
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
 from fusuma.errors import NotFoundError, StateError
-from fusuma.governor import QOS_NAMES
-from fusuma.spec import VmSpec, build
-from fusuma.undo import Reverter
-from fusuma.vm import VmView
+from fusuma.vm.view import VmView, views_json
+
+if TYPE_CHECKING:
+    import socket
+
+# fusuma.governor.QOS_NAMES, spelled out so that `vm list` does not import the governor
+# (tests/unit/test_cli_imports.py checks they are equal).
+QOS_CHOICES = ("guaranteed", "burstable", "best-effort")
 
 
 @click.group()
@@ -42,7 +43,7 @@ def vm() -> None:
 @click.option("--private-ram", is_flag=True,
               help="Private anonymous guest RAM instead of a shared file: such a VM can "
                    "only be migrated by copy (--mode copy), never zero-copy.")
-@click.option("--qos", type=click.Choice(list(QOS_NAMES)), default="burstable",
+@click.option("--qos", type=click.Choice(list(QOS_CHOICES)), default="burstable",
               show_default=True,
               help="CPU QoS class: guaranteed (its vCPUs' worth of CPU reserved; the "
                    "partition's guaranteed vCPUs may not exceed its cores), burstable (a "
@@ -74,6 +75,9 @@ def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image
       fusuma vm create web0 -p p0 --image debian --port 8080:80 --start
       fusuma vm create web1 -p p0 --image debian --segment debian-usr:/usr
       fusuma vm create k0 -p p1 --mergeable --start"""
+    from fusuma.spec import VmSpec, build
+    from fusuma.undo import Reverter
+
     fields: dict[str, object] = {}
     if private_ram or not mergeable:
         fields["shared_ram"] = not private_ram
@@ -144,7 +148,7 @@ def delete(c: Ctx, name: str, force: bool) -> None:
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
     """List VMs."""
-    data = [VmView(v, c.paths.segments_dir).as_json() for v in c.db.vms()]
+    data = views_json(c.db.vms(), c.paths.segments_dir)
     if as_json:
         emit_json(data)
         return
@@ -216,6 +220,8 @@ def console(c: Ctx, name: str, show_log: bool) -> None:
         return
     if VmView(rec).state != "running":
         raise StateError(f"VM {name!r} is {VmView(rec).state}; start it first.")
+    import socket
+
     sock_path = c.paths.vm_run_dir(name) / "console.sock"
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -228,6 +234,10 @@ def console(c: Ctx, name: str, show_log: bool) -> None:
 
 
 def _bridge(s: socket.socket) -> None:
+    import select
+    import termios
+    import tty
+
     fd = sys.stdin.fileno()
     old = termios.tcgetattr(fd) if os.isatty(fd) else None
     try:

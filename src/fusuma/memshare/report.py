@@ -71,11 +71,15 @@ class VmMemory:
 
 def vm_memory(pid: int, segment_files: dict[str, Path], procfs: Path = Path("/proc"),
               page_size: int | None = None) -> VmMemory:
-    """Host memory of the QEMU process ``pid``; NotFoundError if it is gone."""
-    mappings = read_smaps(pid, procfs)
+    """Host memory of the QEMU process ``pid``; NotFoundError if it is gone.
+
+    The full smaps (hundreds of mappings to parse: ~10 ms for a QEMU) is read only when
+    the VM has segments to find in it; otherwise smaps_rollup has everything (`fusuma
+    ps` reads this for every running VM)."""
+    mappings = read_smaps(pid, procfs) if segment_files else None
     return VmMemory(pid=pid, split=pss_split(pid, mappings, procfs),
                     ksm=process_ksm(pid, procfs),
-                    segments=segment_usage(mappings, segment_files),
+                    segments=segment_usage(mappings, segment_files) if mappings else {},
                     page_size=page_size or os.sysconf("SC_PAGE_SIZE"))
 
 

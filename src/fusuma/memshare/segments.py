@@ -20,8 +20,8 @@ from pathlib import Path
 from fusuma.errors import ConflictError, SegmentError
 from fusuma.images import find_image
 from fusuma.memshare import erofs
+from fusuma.names import check_name
 from fusuma.paths import Paths
-from fusuma.spec import check_name
 from fusuma.state.db import Database, SegmentRecord
 from fusuma.state.lock import locked
 

@@ -14,12 +14,14 @@ The CLI orchestrates; each partition's supervisor does its half
    paused source is resumed;
 5. the source QEMU is ended, then the destination's sockets take their usual names.
 
-After every outcome the VM is in exactly one partition, in ``ps`` and in the DB.
+Every step runs under the move's job (``fusuma.recovery.job``), its phase recorded
+before it: prepare, prepared, streaming, streamed, switched, released. A failure at any
+step, or the death of this process, is resolved by ``migration.resolve`` asking both
+QEMUs. After every outcome the VM is in exactly one partition, in ``ps`` and in the DB.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -28,9 +30,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fusuma import capacity, recovery
 from fusuma.errors import FusumaError, MigrationError, ResourceError, StateError
 from fusuma.governor.qos import check_admission
-from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
+from fusuma.migration.resolve import recover_move
+from fusuma.partition.manager import PartitionManager
+from fusuma.state import VmState, vm_obj
 from fusuma.state.lock import host_lock
 from fusuma.vm import VmView
 
@@ -40,6 +45,12 @@ LOG = logging.getLogger(__name__)
 # (so a test can kill the source QEMU there) or before streaming starts.
 FAULT_AFTER_COMPLETE = "FUSUMA_FAULT_SLEEP_AFTER_COMPLETE"
 FAULT_BEFORE_STREAM = "FUSUMA_FAULT_SLEEP_BEFORE_STREAM"
+FAULT_AFTER_SWITCH = "FUSUMA_FAULT_SLEEP_AFTER_SWITCH"
+# ... and passed to the supervisors: the destination waits this long between the
+# completed stream and recording the outcome; the source streams at this rate (bytes/s).
+FAULT_BEFORE_DECIDE = "FUSUMA_FAULT_SLEEP_BEFORE_DECIDE"
+FAULT_STREAM_BPS = "FUSUMA_FAULT_STREAM_BYTES_PER_S"
+FAULT_AFTER_RELEASE = "FUSUMA_FAULT_SLEEP_AFTER_RELEASE"
 
 
 @dataclass(frozen=True)
@@ -93,11 +104,7 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
     if mode == "zero-copy" and not rec.shared_ram:
         raise StateError(f"VM {vm!r} has private RAM, which zero-copy migration cannot "
                          "hand over (it needs RAM in a shared file); use --mode copy.")
-    need = SUPERVISOR_MIB + sum(vm_need_mib(v) for v in db.vms(to)) + vm_need_mib(rec)
-    if need > dest.memory_mib:
-        raise ResourceError(f"partition {to!r} has no room for {vm!r}: it would need "
-                            f"{need} MiB of its {dest.memory_mib} MiB; grow it with "
-                            f"`fusuma partition resize {to} --memory {need}`.")
+    capacity.check_move(parts.paths, db, rec, to, mode)
     if rec.vcpus > len(dest.cpus):
         raise ResourceError(f"partition {to!r} has {len(dest.cpus)} core(s), fewer than the "
                             f"{rec.vcpus} vCPUs of {vm!r}.")
@@ -111,53 +118,78 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
 def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
             progress: Callable[[str], None] = lambda s: None) -> MigrationResult:
     with host_lock(parts.paths.home):
-        return _migrate(parts, vm, to, mode, progress)
+        recovery.ensure_recovered(parts, vm_obj(vm))
+        source = parts.db.vm(vm).partition
+        with recovery.job(parts, vm_obj(vm), "migrate", source=source, peer=to) as jh:
+            check(parts, vm, to, mode)
+            return _migrate(parts, jh, vm, to, mode, progress)
 
 
-def _migrate(parts: PartitionManager, vm: str, to: str, mode: str,
+def _migrate(parts: PartitionManager, jh: recovery.JobHandle, vm: str, to: str, mode: str,
              progress: Callable[[str], None]) -> MigrationResult:
-    check(parts, vm, to, mode)
-    rec = parts.db.vm(vm)
+    """The move's steps, each phase recorded before it is taken (see the module
+    docstring). Any failure after the VM became ``migrating`` is resolved by the same
+    procedure that recovers a move whose owner died (``migration.resolve``)."""
+    db = parts.db
+    rec = db.vm(vm)
     source = rec.partition
     src, dst = parts.client(source), parts.client(to)
+    db.transition(vm, VmState.MIGRATING, expect={VmState.RUNNING})
+    jh.phase("prepare", mode=mode, source_pid=rec.pid)
     progress(f"preparing {vm} in {to} ({mode})")
     try:
-        prep = dst.call("incoming-prepare", vm=vm, mode=mode)
-    except FusumaError as exc:
-        raise MigrationError(f"the destination for {vm!r} in partition {to!r} could not "
-                             f"be prepared ({exc}); {vm!r} stays in partition "
-                             f"{source!r}.") from exc
-    src_pid, dst_pid = int(rec.pid or 0), int(prep["pid"])
-    cpu0 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
-    _fault_sleep(FAULT_BEFORE_STREAM)
-    progress(f"moving {vm} {source} -> {to}")
-    try:
-        out = src.call("migrate-out", rpc_timeout=700, vm=vm, uri=prep["uri"], mode=mode)
-    except FusumaError as exc:
-        with contextlib.suppress(FusumaError):
-            dst.call("incoming-abort", vm=vm)
-        if isinstance(exc, MigrationError):
-            raise
-        raise MigrationError(f"migration of {vm!r} failed ({exc}); it stays in partition "
-                             f"{source!r}.") from exc
-    cpu1 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
-    _fault_sleep(FAULT_AFTER_COMPLETE)
-    try:
-        fin = dst.call("incoming-finish", vm=vm, resume=bool(out.get("paused")))
-    except FusumaError as exc:
-        with contextlib.suppress(FusumaError):
-            dst.call("incoming-abort", vm=vm)
-        try:
-            src.call("resume-source", vm=vm)
-        except FusumaError as exc2:
-            raise MigrationError(f"{vm!r} did not start at {to!r} ({exc}) and its source "
-                                 f"could not be resumed ({exc2}).") from exc
-        raise MigrationError(f"{vm!r} did not start in partition {to!r} ({exc}); it was "
-                             f"resumed in {source!r}.") from exc
-    with contextlib.suppress(FusumaError):
+        prep = dst.call("incoming-prepare", vm=vm, mode=mode,
+                        fault_decide_delay=float(os.environ.get(FAULT_BEFORE_DECIDE, 0)))
+        jh.phase("prepared", dest_pid=prep["pid"], dest_run=prep.get("run_dir"),
+                 dest_ram=prep.get("dest_ram"))
+        src_pid, dst_pid = int(rec.pid or 0), int(prep["pid"])
+        cpu0 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
+        _fault_sleep(FAULT_BEFORE_STREAM)
+        progress(f"moving {vm} {source} -> {to}")
+        jh.phase("streaming")
+        out = src.call("migrate-out", rpc_timeout=700, vm=vm, uri=prep["uri"], mode=mode,
+                       max_bandwidth=int(os.environ.get(FAULT_STREAM_BPS, 0)))
+        jh.phase("streamed", bytes_sent=out.get("bytes_sent"))
+        cpu1 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
+        _fault_sleep(FAULT_AFTER_COMPLETE)
+        fin = dst.call("incoming-finish", vm=vm)
+        jh.phase("switched")
+        _fault_sleep(FAULT_AFTER_SWITCH)
         src.call("release", vm=vm)
-    with contextlib.suppress(FusumaError):
-        dst.call("settle", vm=vm)
+        jh.phase("released")
+        _fault_sleep(FAULT_AFTER_RELEASE)
+        try:
+            dst.call("settle", vm=vm)
+        except FusumaError as exc:
+            # The guest runs there; a new supervisor adopts it and settles its sockets.
+            progress(f"could not settle {vm} in {to} ({exc}); restarting its supervisor")
+            if parts.supervisor_pid(to) is None:
+                parts.start_supervisor(to)
+        after = db.vm(vm)
+        if after.partition != to or after.state not in (VmState.RUNNING, VmState.PAUSED):
+            raise MigrationError(f"{vm!r} moved to partition {to!r}, but is "
+                                 f"{after.state.value} there: {after.error or 'see ps'}; "
+                                 f"start it again with `fusuma vm start {vm}`.")
+    except FusumaError as exc:
+        cur = db.find_job(vm_obj(vm))
+        if cur is None or (isinstance(exc, MigrationError) and "moved to partition" in str(exc)):
+            raise
+        try:
+            outcome = recover_move(parts, cur)
+        except FusumaError as exc2:
+            raise MigrationError(f"migration of {vm!r} failed ({exc}) and could not be "
+                                 f"resolved ({exc2}); see `fusuma ps`.") from exc
+        if outcome.decision == "forward" and outcome.running and "fin" in locals():
+            progress(f"a step after the switch failed ({exc}); {outcome.sentence()}")
+        elif outcome.decision == "forward":
+            raise MigrationError(f"migration of {vm!r} hit a fault after the guest "
+                                 f"moved ({exc}); {outcome.sentence()}.") from exc
+        elif outcome.running:
+            raise MigrationError(f"migration of {vm!r} failed ({exc}); it stays in "
+                                 f"partition {source!r}.") from exc
+        else:
+            raise MigrationError(f"migration of {vm!r} failed ({exc}); "
+                                 f"{outcome.sentence()}.") from exc
     resume_ts = float(fin["resume_ts"])
     stop_ts = out.get("stop_ts")
     return MigrationResult(

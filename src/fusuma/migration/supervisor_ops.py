@@ -1,11 +1,18 @@
-"""The supervisor's half of a migration between two partitions on one host.
+"""The supervisor's half of a move between two partitions on one host.
 
-Destination: ``incoming_prepare`` starts a QEMU with ``-incoming defer`` in this
-partition (sockets under ``<run>/in``), ``incoming_finish`` waits for the guest to run
-and takes ownership of the VM's record, ``settle`` moves the sockets to their usual
-place once the source QEMU is gone, ``incoming_abort`` undoes a failed attempt.
-Source: ``migrate_out`` streams the VM and reports, ``release`` ends the paused source
-QEMU, ``resume_source`` lets it run again if the destination failed after completion.
+Destination: ``incoming_prepare`` starts a QEMU with ``-S -incoming defer`` in this
+partition (sockets under ``<run>/in-…``) and a task that, when the stream completes,
+records the move's outcome as "forward" and only then lets the guest run there
+(``incoming_commit``: cont, and the VM's record now names this partition and pid).
+``incoming_finish`` waits for that; ``settle`` moves the sockets to their usual place
+once the source QEMU is gone; ``incoming_abort`` ends a destination that must not run.
+Source: ``migrate_out`` streams the VM and reports; ``release`` ends the source once the
+outcome is "forward"; ``resume_source`` lets it run again once the outcome is "back".
+``instances`` tells recovery what this supervisor holds of a VM, asking QEMU.
+
+The outcome is written once (``Database.decide``): whoever records it first, the
+destination's task or a recovery, wins, and the other follows. So a source never
+resumes after its destination has run, and two QEMUs never run one guest.
 
 Zero-copy: both QEMUs map the same named RAM file and the capability
 ``x-ignore-shared`` keeps RAM out of the stream; only device state moves. The RAM file
@@ -16,21 +23,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qemu.qmp import EventListener
 
-from fusuma.errors import MigrationError, NotFoundError, QemuError, StateError
+from fusuma.errors import FusumaError, MigrationError, NotFoundError, QemuError, StateError
 from fusuma.host.accel import probe_accel
 from fusuma.partition.supervisor_consts import INCOMING_PREFIX
+from fusuma.qemu import privilege, process
 from fusuma.qemu.cmdline import NET_ID, hostfwd
-from fusuma.qemu.qmp import EVENT_RESUME, EVENT_STOP, event_time
-from fusuma.state import VmState
+from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_RESUME, EVENT_STOP, event_time
+from fusuma.state import VmState, vm_obj
 
 if TYPE_CHECKING:
     from fusuma.partition.supervisor import Supervisor, VmRuntime
@@ -47,16 +54,21 @@ SOCKET_FILES = ("qmp.sock", "qga.sock", "console.sock", "qemu.pid")
 @dataclass
 class Incoming:
     rt: VmRuntime
-    listener: EventListener
+    listener: EventListener | None
     mode: str
     source: str
+    # Resolves to the commit's result once the guest runs here (or the error).
+    done: asyncio.Future[dict[str, Any]] | None = None
+    task: asyncio.Task[None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def capabilities(mode: str) -> dict[str, bool]:
     return {"x-ignore-shared": mode == "zero-copy", "events": True}
 
 
-async def incoming_prepare(sup: Supervisor, vm: str, mode: str) -> dict[str, Any]:
+async def incoming_prepare(sup: Supervisor, vm: str, mode: str,
+                           fault_decide_delay: float = 0.0) -> dict[str, Any]:
     if mode not in MODES:
         raise StateError(f"unknown migration mode {mode!r}; use zero-copy or copy.")
     rec = sup.db.vm(vm)
@@ -64,6 +76,9 @@ async def incoming_prepare(sup: Supervisor, vm: str, mode: str) -> dict[str, Any
         raise StateError(f"VM {vm!r} is already in partition {sup.partition!r}.")
     if vm in sup.vms or vm in sup.incoming:
         raise StateError(f"partition {sup.partition!r} already runs a QEMU for {vm!r}.")
+    job = sup.db.find_job(vm_obj(vm))
+    if job is None or job.kind != "migrate" or job.peer != sup.partition:
+        raise StateError(f"no move of {vm!r} to partition {sup.partition!r} is under way.")
     if mode == "zero-copy" and not (rec.shared_ram and rec.ram_path):
         raise StateError(f"VM {vm!r} has private RAM; zero-copy migration needs RAM in a "
                          "shared file: use --mode copy.")
@@ -80,36 +95,127 @@ async def incoming_prepare(sup: Supervisor, vm: str, mode: str) -> dict[str, Any
     try:
         if mode == "copy" and ram is not None:
             undo.append(lambda: sup._remove_ram(ram))
+            # The destination's own RAM file, made like a new VM's (0600, the VM's uid).
+            privilege.create_ram_file(ram, privilege.uid_for(sup.paths, rec))
         rt = await sup._launch(rec, accel, run, ram, "defer", undo,
                                disk_owner=rec.partition)
         rt.detached = True
         rt.owns_ram = mode == "copy"
         await rt.qmp.migrate_set_capabilities(capabilities(mode))
-        listener = rt.qmp.listener(EVENT_RESUME)
+        listener = rt.qmp.listener(EVENT_MIGRATION)
         uri = f"unix:{run}/migrate.sock"
         await rt.qmp.migrate_incoming(uri)
     except BaseException:
         sup._undo(undo)
         raise
-    sup.incoming[vm] = Incoming(rt, listener, mode, rec.partition)
+    inc = Incoming(rt, listener, mode, rec.partition,
+                   done=asyncio.get_running_loop().create_future(),
+                   extra={"fault_decide_delay": fault_decide_delay})
+    sup.incoming[vm] = inc
     sup._watch(rt)
+    inc.task = asyncio.ensure_future(_resume_when_complete(sup, vm, inc))
     prepare_ms = (time.monotonic() - t0) * 1000
     sup.log.info("waiting for %s (%s) from %s on %s", vm, mode, rec.partition, uri)
-    return {"uri": uri, "pid": rt.pid, "prepare_ms": round(prepare_ms, 2)}
+    return {"uri": uri, "pid": rt.pid, "prepare_ms": round(prepare_ms, 2),
+            "run_dir": str(run), "dest_ram": str(ram) if ram and mode == "copy" else None}
+
+
+async def _resume_when_complete(sup: Supervisor, vm: str, inc: Incoming) -> None:
+    """When the stream has arrived, record "forward" and let the guest run here."""
+    rt = inc.rt
+    assert inc.done is not None and inc.listener is not None
+    try:
+        while True:
+            ev: Any = await inc.listener.get()
+            status = ev.get("data", {}).get("status")
+            if status == "completed":
+                break
+            if status in ("failed", "cancelled"):
+                raise MigrationError(f"the stream of {vm!r} into partition "
+                                     f"{sup.partition!r} {status}.")
+        delay = float(inc.extra.get("fault_decide_delay") or 0)
+        if delay > 0:     # fault injection (tests): hold between stream and outcome
+            await asyncio.sleep(delay)
+        result = await incoming_commit(sup, vm)
+        if not inc.done.done():
+            inc.done.set_result(result)
+    except asyncio.CancelledError:
+        _fail(inc.done, MigrationError(f"the incoming QEMU of {vm!r} in partition "
+                                       f"{sup.partition!r} ended before the guest ran."))
+    except Exception as exc:
+        _fail(inc.done, exc)
+    finally:
+        rt.qmp.drop_listener(inc.listener)
+
+
+def _fail(done: asyncio.Future[dict[str, Any]], exc: BaseException) -> None:
+    if not done.done():
+        done.set_exception(exc)
+        done.exception()     # retrieved: no "never retrieved" noise when nobody waits
+
+
+async def incoming_commit(sup: Supervisor, vm: str) -> dict[str, Any]:
+    """Make this partition's incoming QEMU the VM's: record "forward", run the guest,
+    take the record. Idempotent; refused if the outcome recorded is "back"."""
+    inc = sup.incoming.get(vm)
+    if inc is None:
+        rt = sup.vms.get(vm)
+        if rt is not None:
+            return {"pid": rt.pid, "resume_ts": time.time(), "already": True}
+        raise NotFoundError(f"no incoming QEMU of {vm!r} in partition {sup.partition!r}.")
+    rt = inc.rt
+    decision = sup.db.decide(vm_obj(vm), "forward")
+    if decision != "forward":
+        raise MigrationError(f"the move of {vm!r} was decided {decision!r}: the guest "
+                             f"stays at its source.")
+    status = await rt.qmp.query_status()
+    resume_ts = time.time()
+    if status != "running":
+        listener = rt.qmp.listener(EVENT_RESUME)
+        try:
+            await rt.qmp.cont()
+            with contextlib.suppress(QemuError):
+                resume_ts = event_time(await rt.qmp.wait_event(listener, 5.0))
+        finally:
+            rt.qmp.drop_listener(listener)
+    sup.incoming.pop(vm, None)
+    rt.detached = False
+    # The guest's RAM is this QEMU's now (removal still waits until no QEMU maps it).
+    rt.owns_ram = True
+    sup.vms[vm] = rt
+    rec = sup.db.vm(vm)
+    for dname in rec.disks:
+        sup.db.move_disk(dname, sup.partition)
+    fields: dict[str, Any] = dict(
+        partition=sup.partition, pid=rt.pid, error=None,
+        ram_path=str(rt.ram_file) if rt.ram_file else None,
+        qemu_binary=sup._qemu_binary())
+    if rec.state == VmState.MIGRATING:
+        sup.db.transition(vm, VmState.RUNNING, expect={VmState.MIGRATING}, **fields)
+    else:
+        sup.db.set_vm(vm, **fields)
+    if rt.runstate_task is None:
+        rt.runstate_task = asyncio.ensure_future(sup._follow_runstate(rt))
+    await sup._repin_all()
+    return {"resume_ts": resume_ts, "pid": rt.pid}
 
 
 async def migrate_out(sup: Supervisor, vm: str, uri: str, mode: str,
-                      timeout: float = 600.0) -> dict[str, Any]:
+                      timeout: float = 600.0, max_bandwidth: int = 0) -> dict[str, Any]:
     rt = sup.vms.get(vm)
     rec = sup.db.vm(vm)
     if rt is None:
         raise StateError(f"VM {vm!r} is {rec.state.value}, not running in partition "
                          f"{sup.partition!r}.")
-    sup.db.update_vm(rec.with_(state=VmState.MIGRATING))
+    if rec.state != VmState.MIGRATING:
+        raise StateError(f"VM {vm!r} is {rec.state.value}; no move of it is under way.")
     listener = rt.qmp.listener(EVENT_STOP)
     paused = False
     try:
         await rt.qmp.migrate_set_capabilities(capabilities(mode))
+        if max_bandwidth > 0:     # fault injection (tests): a stream slow enough to hit
+            await rt.qmp.execute("migrate-set-parameters",
+                                 {"max-bandwidth": max_bandwidth})
         if mode == "copy" and await _tcg_dirty_bug(rt, rec.accel_used):
             paused = True
         t0 = time.time()
@@ -118,25 +224,18 @@ async def migrate_out(sup: Supervisor, vm: str, uri: str, mode: str,
         await rt.qmp.migrate(uri)
         info = await _wait_migration(rt, timeout)
         if info.status != "completed":
-            raise MigrationError(f"migration of {vm!r} failed ({info.error or info.status}); "
-                                 f"it keeps running in partition {sup.partition!r}.")
+            raise MigrationError(f"migration of {vm!r} failed ({info.error or info.status}).")
         stop_ts = None
         with contextlib.suppress(QemuError):
             stop_ts = event_time(await rt.qmp.wait_event(listener, 5.0))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            if rt.exited.is_set():
-                raise
-            if (await rt.qmp.query_status()) != "running":
-                await rt.qmp.cont()
-            sup.db.update_vm(sup.db.vm(vm).with_(state=VmState.RUNNING))
-        raise
     finally:
         rt.qmp.drop_listener(listener)
-    # The VM now lives on at the destination; this QEMU is paused ("postmigrate").
+    # The stream is complete; this QEMU is paused ("postmigrate"). It is the leaving
+    # side now: the destination (or recovery) decides whether the guest moves on.
     rt.detached = True
     rt.owns_ram = mode == "copy"
-    del sup.vms[vm]
+    if sup.vms.get(vm) is rt:
+        del sup.vms[vm]
     sup.leaving[vm] = rt
     return {"t0": t0, "stop_ts": stop_ts, "qemu_total_ms": info.total_ms,
             "qemu_downtime_ms": info.downtime_ms, "bytes_sent": info.transferred,
@@ -173,82 +272,75 @@ async def _wait_migration(rt: VmRuntime, timeout: float) -> Any:
         delay = min(delay * 2, 0.05)
 
 
-async def incoming_finish(sup: Supervisor, vm: str, timeout: float = 30.0,
-                          resume: bool = False) -> dict[str, Any]:
-    """``resume``: the source was paused for the transfer, so the destination starts
-    paused too and is continued here."""
+async def incoming_finish(sup: Supervisor, vm: str, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until the guest runs here (the destination's own task resumes it)."""
     inc = sup.incoming.get(vm)
     if inc is None:
+        rt = sup.vms.get(vm)
+        if rt is not None:
+            return {"resume_ts": time.time(), "pid": rt.pid}
         raise NotFoundError(f"no incoming migration of {vm!r} in partition {sup.partition!r}.")
-    rt = inc.rt
-    if resume:
-        await _wait_incoming_done(rt, timeout)
-        await rt.qmp.cont()
+    if inc.done is None:
+        return await incoming_commit(sup, vm)
     try:
-        ev = await rt.qmp.wait_event(inc.listener, timeout)
-    except QemuError as exc:
-        raise MigrationError(f"{vm!r} did not start running at the destination: {exc}") \
-            from exc
-    finally:
-        rt.qmp.drop_listener(inc.listener)
-    status = await rt.qmp.query_status()
-    if status != "running":
-        raise MigrationError(f"{vm!r} is {status} at the destination, not running.")
-    del sup.incoming[vm]
-    rt.detached = False
-    sup.vms[vm] = rt
-    rec = sup.db.vm(vm)
-    for dname in rec.disks:
-        sup.db.move_disk(dname, sup.partition)
-    sup.db.update_vm(rec.with_(
-        partition=sup.partition, state=VmState.RUNNING, pid=rt.pid,
-        ram_path=str(rt.ram_file) if rt.ram_file else None,
-        qemu_binary=sup._qemu_binary(), error=None))
-    await sup._repin_all()
-    return {"resume_ts": event_time(ev), "pid": rt.pid}
-
-
-async def _wait_incoming_done(rt: VmRuntime, timeout: float) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while (status := await rt.qmp.query_status()) in ("inmigrate", "postmigrate"):
-        if loop.time() > deadline:
-            raise MigrationError(f"{rt.name!r} is still {status} at the destination after "
-                                 f"{timeout:.0f} s.")
-        await asyncio.sleep(0.002)
+        return await asyncio.wait_for(asyncio.shield(inc.done), timeout)
+    except TimeoutError as exc:
+        raise MigrationError(f"{vm!r} did not start running in partition "
+                             f"{sup.partition!r} within {timeout:.0f} s.") from exc
 
 
 async def release(sup: Supervisor, vm: str, timeout: float = 10.0) -> dict[str, Any]:
-    rt = sup.leaving.pop(vm, None)
+    """End the source QEMU of a move whose outcome is "forward"."""
+    rt = sup.leaving.get(vm)
     if rt is None:
-        return {"vm": vm, "was": "gone"}
+        cand = sup.vms.get(vm)
+        rec = sup.db.find_vm(vm)
+        if cand is None or rec is None or (rec.partition == sup.partition
+                                           and rec.pid == cand.pid):
+            return {"vm": vm, "was": "gone"}
+        rt = cand     # a source the record no longer names (adopted after a crash)
+    job = sup.db.find_job(vm_obj(vm))
+    decision = job.detail.get("decision") if job else None
+    if job is not None and decision != "forward":
+        raise MigrationError(f"the source QEMU of {vm!r} is kept: the move's outcome is "
+                             f"{decision or 'not decided'}.")
+    sup.leaving.pop(vm, None)
+    if sup.vms.get(vm) is rt:
+        del sup.vms[vm]
+    rt.detached = True
     rt.stopping = True
     if not rt.exited.is_set():
         await rt.qmp.quit()
         try:
             await asyncio.wait_for(rt.exited.wait(), timeout)
         except TimeoutError:
-            os.kill(rt.pid, 9)
+            process.kill(rt.pid)
             await asyncio.wait_for(rt.exited.wait(), 10)
     return {"vm": vm, "was": "released"}
 
 
 async def resume_source(sup: Supervisor, vm: str) -> dict[str, Any]:
-    """The destination failed after completion: run the paused source again."""
-    rt = sup.leaving.pop(vm, None)
+    """Run the source again: only once the move's outcome is recorded as "back"."""
+    rt = sup.leaving.get(vm) or sup.vms.get(vm)
     if rt is None or rt.exited.is_set():
-        raise MigrationError(f"the source QEMU of {vm!r} is gone; the VM is lost.")
-    await rt.qmp.cont()
+        raise MigrationError(f"the source QEMU of {vm!r} is gone.")
+    decision = sup.db.decide(vm_obj(vm), "back")
+    if decision not in ("back", None):
+        raise MigrationError(f"the source of {vm!r} must not run again: its destination "
+                             "may already have run the guest.")
+    if await rt.qmp.query_status() != "running":
+        await rt.qmp.cont()
+    sup.leaving.pop(vm, None)
     rt.detached = False
     rt.owns_ram = True
     sup.vms[vm] = rt
-    sup.db.update_vm(sup.db.vm(vm).with_(partition=sup.partition, state=VmState.RUNNING,
-                                         pid=rt.pid))
+    if rt.runstate_task is None:
+        rt.runstate_task = asyncio.ensure_future(sup._follow_runstate(rt))
     return {"vm": vm, "pid": rt.pid}
 
 
 async def settle(sup: Supervisor, vm: str) -> dict[str, Any]:
-    """Move the sockets of a migrated-in QEMU from ``<run>/in`` to ``<run>``.
+    """Move the sockets of a migrated-in QEMU from ``<run>/in-…`` to ``<run>``.
 
     Only after the source QEMU exited: QEMU unlinks its listening sockets' paths on
     exit, which would remove ours if they already had the same names."""
@@ -279,14 +371,43 @@ async def settle(sup: Supervisor, vm: str) -> dict[str, Any]:
 
 
 async def incoming_abort(sup: Supervisor, vm: str) -> dict[str, Any]:
-    inc = sup.incoming.pop(vm, None)
+    """End the incoming QEMU (never one the outcome "forward" lets run)."""
+    inc = sup.incoming.get(vm)
     if inc is None:
         return {"vm": vm, "was": "gone"}
+    job = sup.db.find_job(vm_obj(vm))
+    if job is not None and job.detail.get("decision") == "forward":
+        raise MigrationError(f"the incoming QEMU of {vm!r} is kept: the guest has moved "
+                             "to it.")
+    sup.incoming.pop(vm, None)
     rt = inc.rt
-    rt.qmp.drop_listener(inc.listener)
+    if inc.task is not None:
+        inc.task.cancel()
     if not rt.exited.is_set():
         rt.stopping = True
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(rt.pid, 9)
+        process.kill(rt.pid)
         await asyncio.wait_for(rt.exited.wait(), 10)
     return {"vm": vm, "was": "aborted"}
+
+
+async def instances(sup: Supervisor, vm: str) -> list[dict[str, Any]]:
+    """What this supervisor holds of ``vm``, as QEMU itself reports it."""
+    held: list[tuple[str, VmRuntime]] = []
+    if vm in sup.vms:
+        held.append(("vm", sup.vms[vm]))
+    if vm in sup.leaving:
+        held.append(("leaving", sup.leaving[vm]))
+    if vm in sup.incoming:
+        held.append(("incoming", sup.incoming[vm].rt))
+    out = []
+    for role, rt in held:
+        if rt.exited.is_set() or not process.pid_alive(rt.pid):
+            continue
+        try:
+            status = await rt.qmp.query_status()
+            migration = (await rt.qmp.query_migrate()).status
+        except FusumaError as exc:
+            status, migration = f"unknown ({exc})", "unknown"
+        out.append({"role": role, "pid": rt.pid, "status": status, "migration": migration,
+                    "run_dir": str(rt.run_dir)})
+    return out

@@ -15,7 +15,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from fusuma import capacity
+from fusuma.capacity import SUPERVISOR_MIB
 from fusuma.errors import (
     ConflictError,
     FusumaError,
@@ -29,25 +32,24 @@ from fusuma.errors import (
 from fusuma.governor.qos import check_cores
 from fusuma.host import cgroups
 from fusuma.host.topology import HostInfo, format_cpulist, host_info
+from fusuma.names import check_name
+from fusuma.partition import liveness
 from fusuma.partition.client import SupervisorClient
-from fusuma.paths import Paths
+from fusuma.partition.liveness import SUPERVISOR_MODULE
+from fusuma.paths import PRIVATE_DIR, Paths, ensure_dir
 from fusuma.qemu import process
-from fusuma.qemu.cmdline import overhead_mib
-from fusuma.spec import DiskSpec, PartitionSpec, check_name
-from fusuma.state import Database, DiskRecord, PartitionRecord, VmRecord
+from fusuma.state import Database, DiskRecord, PartitionRecord
 from fusuma.state.lock import locked
 from fusuma.undo import Reverter
 
+if TYPE_CHECKING:   # fusuma.spec needs pydantic: not imported by `fusuma ps`
+    from fusuma.spec import DiskSpec, PartitionSpec
+
 LOG = logging.getLogger(__name__)
 
-# Memory a partition keeps for its supervisor (a Python process) on top of its VMs.
-SUPERVISOR_MIB = 64
-SUPERVISOR_MODULE = "fusuma.partition.supervisor"
-
-
-def vm_need_mib(vm: VmRecord) -> int:
-    """Host memory one VM needs inside its partition (guest RAM + QEMU overhead)."""
-    return vm.memory_mib + overhead_mib(vm.accel_used or "tcg")
+# The memory arithmetic lives in fusuma.capacity; these names stay for older callers.
+__all__ = ["SUPERVISOR_MIB", "PartitionManager", "PartitionStatus", "vm_need_mib"]
+vm_need_mib = capacity.vm_footprint
 
 
 @dataclass(frozen=True)
@@ -94,17 +96,9 @@ class PartitionManager:
                     f"resize {other.name} --cpus ...`).")
 
     def check_memory(self, name: str, memory_mib: int) -> None:
-        others = sum(p.memory_mib for p in self.db.partitions() if p.name != name)
-        avail = self.host.memory_available_for_partitions_mib
-        if others + memory_mib > avail:
-            raise ResourceError(
-                f"partition {name!r} asks for {memory_mib} MiB but only "
-                f"{max(0, avail - others)} MiB is left for partitions on this host "
-                f"({avail} MiB in all, {others} MiB given to other partitions).")
-        need = SUPERVISOR_MIB + sum(vm_need_mib(v) for v in self.db.vms(name))
-        if self.db.find_partition(name) is not None and memory_mib < need:
-            raise ResourceError(f"partition {name!r} needs at least {need} MiB for its "
-                                f"supervisor and VMs; {memory_mib} MiB is too little.")
+        capacity.check_host_room(self.db, self.host, name, memory_mib)
+        if self.db.find_partition(name) is not None:
+            capacity.check_resize(self.db, name, memory_mib)
 
     def check_qemu(self, qemu: str | None) -> None:
         if qemu is None:
@@ -123,9 +117,9 @@ class PartitionManager:
         self.check_cpus(spec.name, spec.cpus)
         self.check_memory(spec.name, spec.memory_mib)
         self.check_qemu(spec.qemu)
-        if spec.memory_mib < SUPERVISOR_MIB + 64:
+        if spec.memory_mib < capacity.MIN_PARTITION_MIB:
             raise ResourceError(f"partition {spec.name!r} needs at least "
-                                f"{SUPERVISOR_MIB + 64} MiB of memory.")
+                                f"{capacity.MIN_PARTITION_MIB} MiB of memory.")
         rec = PartitionRecord(name=spec.name, cpus=spec.cpus, memory_mib=spec.memory_mib,
                               io_weight=spec.io_weight, qemu=spec.qemu)
         with Reverter() as rev:
@@ -216,16 +210,8 @@ class PartitionManager:
     # -- supervisor -------------------------------------------------------------------
     def supervisor_pid(self, name: str) -> int | None:
         """The live supervisor's pid, checked against its command line."""
-        rec = self.db.partition(name)
-        candidates = [rec.supervisor_pid]
-        with contextlib.suppress(OSError, ValueError):
-            candidates.append(int(self.paths.supervisor_pidfile(name).read_text()))
-        for pid in candidates:
-            if pid and process.pid_alive(pid):
-                argv = process.cmdline(pid)
-                if SUPERVISOR_MODULE in argv and argv[-1] == name:
-                    return pid
-        return None
+        return liveness.supervisor_pid(self.paths, name,
+                                       self.db.partition(name).supervisor_pid)
 
     def status(self, name: str) -> PartitionStatus:
         return PartitionStatus(self.db.partition(name), self.supervisor_pid(name) is not None)
@@ -233,9 +219,8 @@ class PartitionManager:
     def start_supervisor(self, name: str, timeout: float = 20.0) -> int:
         if self.supervisor_pid(name) is not None:
             raise StateError(f"partition {name!r} already has a running supervisor.")
-        pdir = self.paths.partition_dir(name)
-        pdir.mkdir(parents=True, exist_ok=True)
-        self.paths.supervisor_socket(name).parent.mkdir(parents=True, exist_ok=True)
+        pdir = ensure_dir(self.paths.partition_dir(name), PRIVATE_DIR)
+        self.paths.ensure_runtime()   # the socket's dir: runtime/partitions, 0711
         logf = pdir / "supervisor.log"
         env = {**os.environ, **self.paths.as_env()}
         with open(logf, "ab") as log:

@@ -44,16 +44,27 @@ from fusuma.memshare.ksm import enable_merge_any
 from fusuma.migration import supervisor_ops as migration_ops
 from fusuma.partition.protocol import encode, error_reply
 from fusuma.partition.supervisor_consts import INCOMING_PREFIX
-from fusuma.paths import MAX_SOCKET_PATH, Paths
-from fusuma.qemu import process
+from fusuma.paths import MAX_SOCKET_PATH, PRIVATE_DIR, Paths, ensure_dir
+from fusuma.qemu import privilege, process
 from fusuma.qemu.cmdline import DiskConfig, SegmentConfig, VmConfig, build_argv
 from fusuma.qemu.qga import GuestAgent
-from fusuma.qemu.qmp import Qmp
-from fusuma.state import Database, VmRecord, VmState
+from fusuma.qemu.qmp import EVENT_RESUME, EVENT_STOP, Qmp
+from fusuma.state import (
+    Database,
+    Job,
+    JobOwner,
+    VmRecord,
+    VmState,
+    busy_sentence,
+    vm_obj,
+)
+from fusuma.state.machine import ALIVE
 
 LOG = logging.getLogger("fusuma.supervisor")
 
 DEFAULT_QEMU = "qemu-system-x86_64"
+# Jobs a supervisor owns and recovers itself (the CLI owns moves, deletes, resizes).
+LOCAL_JOBS = ("start", "stop", "kill")
 
 
 
@@ -82,6 +93,8 @@ class VmRuntime:
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     # The last QEMU log line when it started: an exit message must be newer.
     started_log: str | None = None
+    # Follows QMP STOP/RESUME so that `ps` says paused when the guest is.
+    runstate_task: asyncio.Task[None] | None = None
 
 
 class Supervisor:
@@ -100,6 +113,11 @@ class Supervisor:
         self._server: asyncio.AbstractServer | None = None
         self._done = asyncio.Event()
         self._locks: dict[str, asyncio.Lock] = {}
+        # One caller at a time on each guest agent channel (so `stop` always flushes).
+        self._agent_locks: dict[str, asyncio.Lock] = {}
+        # Recovery processes this supervisor started, by job (obj, owner pid).
+        self._recoverers: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
+        self.owner = JobOwner.me()
         self.governor = Governor(partition, self.cg, self.db,
                                  pids=lambda: {n: rt.pid for n, rt in self.vms.items()},
                                  repin=self._repin_all, leaf=vm_leaf, log=self.log)
@@ -124,8 +142,10 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._done.set)
         governing = asyncio.create_task(self.governor.run())
+        sweeping = asyncio.create_task(self._sweep_jobs())
         await self._done.wait()
         governing.cancel()
+        sweeping.cancel()
         await self.shutdown()
 
     async def shutdown(self) -> None:
@@ -149,43 +169,254 @@ class Supervisor:
                       len(self.vms))
 
     async def adopt(self) -> None:
-        """Re-attach to QEMU processes of this partition that outlived a supervisor."""
+        """Account for every QEMU of this partition that outlived a supervisor.
+
+        Each QEMU found in this partition's VM cgroups (or named by a record) is taken
+        back as what the state and the jobs say it is: a VM's own QEMU, a move's
+        incoming destination or its leaving source. A QEMU nothing explains is ended
+        if it is not running a guest. A record whose QEMU is gone becomes crashed. Jobs
+        whose owner (an earlier supervisor) died are then finished here."""
+        found: dict[str, list[int]] = {}
         for vm in self.db.vms(self.partition):
-            if vm.state not in (VmState.STARTING, VmState.RUNNING, VmState.STOPPING,
-                                VmState.MIGRATING):
-                continue
-            run = self.paths.vm_run_dir(vm.name)
-            unsettled = sorted(run.glob(f"{INCOMING_PREFIX}*/qmp.sock"))
-            if not (run / "qmp.sock").exists() and unsettled:
-                run = unsettled[-1].parent   # migrated in, sockets not yet settled
-            qmp_sock = run / "qmp.sock"
-            if vm.pid and process.pid_alive(vm.pid) and process.is_vm_process(
-                    vm.pid, vm.name, self.paths.vm_run_dir(vm.name)):
-                qmp = Qmp(vm.name, qmp_sock, self._vm_logger(vm.name))
-                try:
-                    await qmp.connect(timeout=5.0)
-                except QemuError as exc:
-                    self.log.warning("cannot adopt %s (pid %d): %s", vm.name, vm.pid, exc)
+            if vm.pid:
+                found.setdefault(vm.name, []).append(vm.pid)
+        for name, pids in self._qemus_in_cgroup().items():
+            found.setdefault(name, []).extend(pids)
+        for name, pids in sorted(found.items()):
+            for pid in sorted(set(pids)):
+                if process.pid_alive(pid) and process.is_vm_process(
+                        pid, name, self.paths.vm_run_dir(name)):
+                    await self._adopt_one(name, pid)
+        for vm in self.db.vms(self.partition):
+            job = self.db.find_job(vm_obj(vm.name))
+            if vm.state in ALIVE and vm.name not in self.vms and (
+                    job is None or job.kind != "migrate"):
+                if vm.pid and process.pid_alive(vm.pid) and process.is_vm_process(
+                        vm.pid, vm.name, self.paths.vm_run_dir(vm.name)):
+                    self.log.error("%s (pid %d) runs but could not be adopted; left "
+                                   "alone (see the warning above)", vm.name, vm.pid)
                     continue
-                rt = VmRuntime(vm.name, vm.pid, qmp, run_dir=run,
-                               ram_file=Path(vm.ram_path) if vm.ram_path else None)
-                self.vms[vm.name] = rt
-                self._watch(rt)
-                self.db.update_vm(vm.with_(state=VmState.RUNNING))
-                self.log.info("adopted %s (pid %d)", vm.name, vm.pid)
-                try:
-                    self.governor.apply_class(vm, vm.pid)
-                except FusumaError as exc:
-                    self.log.warning("cannot apply the QoS class of %s: %s", vm.name, exc)
-            else:
                 self.log.warning("%s (pid %s) exited while no supervisor watched it",
                                  vm.name, vm.pid)
                 self._cleanup_run(self.paths.vm_run_dir(vm.name))
                 if vm.ram_path:
                     self._remove_ram(Path(vm.ram_path))
-                self.db.update_vm(vm.with_(
-                    state=VmState.CRASHED, pid=None,
-                    error="QEMU exited while the partition's supervisor was down"))
+                with contextlib.suppress(FusumaError):
+                    self._settle_state(vm.name, VmState.CRASHED, pid=None,
+                                       error="QEMU exited while the partition's "
+                                             "supervisor was down")
+        for job in self.db.jobs():
+            if job.kind in LOCAL_JOBS and job.source == self.partition \
+                    and not job.owner.alive():
+                await self._recover_local(job)
+
+    def _qemus_in_cgroup(self) -> dict[str, list[int]]:
+        """QEMU pids in this partition's per-VM cgroups, by VM name."""
+        out: dict[str, list[int]] = {}
+        if not self.cg.exists(self.partition):
+            return out
+        for pid in self.cg.pids(self.partition):
+            argv = process.cmdline(pid)
+            for arg in argv:
+                if arg.startswith("guest=") and arg.endswith(",debug-threads=on"):
+                    out.setdefault(arg[len("guest="):-len(",debug-threads=on")],
+                                   []).append(pid)
+        return out
+
+    async def _adopt_one(self, name: str, pid: int) -> None:
+        rec = self.db.find_vm(name)
+        job = self.db.find_job(vm_obj(name))
+        run = self._run_dir_of(name, pid)
+        qmp = Qmp(name, run / "qmp.sock", self._vm_logger(name))
+        try:
+            await qmp.connect(timeout=5.0)
+            status = await qmp.query_status()
+        except QemuError as exc:
+            self.log.warning("cannot adopt %s (pid %d): %s", name, pid, exc)
+            await qmp.disconnect()
+            return
+        mode = str(job.detail.get("mode", "zero-copy")) if job else "zero-copy"
+        ram = Path(rec.ram_path) if rec and rec.ram_path else None
+        rt = VmRuntime(name, pid, qmp, run_dir=run, ram_file=ram)
+        mine = rec is not None and rec.partition == self.partition and rec.pid == pid
+        if job is not None and job.kind == "migrate" and job.peer == self.partition \
+                and not mine:
+            # A move's destination, not yet the VM's QEMU: recovery decides its fate.
+            rt.detached = True
+            rt.owns_ram = mode == "copy"
+            if mode == "copy":
+                rt.ram_file = Path(str(job.detail.get("dest_ram"))) \
+                    if job.detail.get("dest_ram") else None
+            self.incoming[name] = migration_ops.Incoming(rt, None, mode,
+                                                          job.source or "")
+            self._watch(rt)
+            self.log.info("adopted %s (pid %d) as the incoming side of a move", name, pid)
+            return
+        if job is not None and job.kind == "migrate" and job.source == self.partition \
+                and not mine:
+            # The source of a move whose record has gone on to the destination.
+            rt.detached = True
+            rt.owns_ram = mode == "copy"
+            self.leaving[name] = rt
+            self._watch(rt)
+            self.log.info("adopted %s (pid %d) as the leaving side of a move", name, pid)
+            return
+        if mine and rec is not None:
+            self.vms[name] = rt
+            self._watch(rt)
+            if job is None:
+                with contextlib.suppress(FusumaError):
+                    self._settle_state(name, VmState.RUNNING if status == "running"
+                                       else VmState.PAUSED)
+                if run.name.startswith(INCOMING_PREFIX):
+                    # Migrated in, its sockets never moved to their usual place; the
+                    # source is gone (no job), so that is safe now.
+                    with contextlib.suppress(FusumaError):
+                        await migration_ops.settle(self, name)
+            self.log.info("adopted %s (pid %d, %s)", name, pid, status)
+            with contextlib.suppress(FusumaError):
+                self.governor.apply_class(rec, pid)
+            return
+        # Nothing explains this QEMU: never let it run a guest beside the VM's own.
+        self.log.warning("ending QEMU pid %d of %s: no record or job explains it (%s)",
+                         pid, name, status)
+        await qmp.disconnect()
+        process.kill(pid)
+
+    def _run_dir_of(self, name: str, pid: int) -> Path:
+        """Where this QEMU's sockets are now: where its argv put them, unless a move's
+        ``settle`` has since renamed them into the VM's usual run dir."""
+        base = self.paths.vm_run_dir(name)
+        for arg in process.cmdline(pid):
+            if "path=" in arg and "qmp.sock" in arg:
+                sock = Path(arg.split("path=", 1)[1].split(",", 1)[0])
+                if sock.exists():
+                    return sock.parent
+        return base
+
+    def _settle_state(self, name: str, to: VmState, **fields: Any) -> None:
+        """Bring a VM to ``to`` from whatever non-final state it was left in."""
+        rec = self.db.vm(name)
+        if rec.state == to:
+            if fields:
+                self.db.set_vm(name, **fields)
+            return
+        via = {VmState.CRASHED: (), VmState.STOPPED: (VmState.STOPPING,),
+               VmState.RUNNING: (), VmState.PAUSED: ()}.get(to, ())
+        from fusuma.state.machine import valid_transition
+        if not valid_transition(rec.state, to):
+            for step in via:
+                if valid_transition(rec.state, step):
+                    self.db.transition(name, step)
+                    break
+            else:
+                if rec.state == VmState.STOPPING and to in (VmState.RUNNING,
+                                                            VmState.PAUSED):
+                    # A stop that never happened: the QEMU is still there.
+                    self.db.transition(name, VmState.CRASHED)
+                    self.db.transition(name, VmState.STARTING)
+        self.db.transition(name, to, **fields)
+
+    # -- jobs this supervisor runs (start, stop, kill) --------------------------------
+    @contextlib.asynccontextmanager
+    async def _job(self, vm: str, kind: str) -> Any:
+        job = Job(vm_obj(vm), kind, "begin", self.owner, source=self.partition)
+        for _ in range(2):
+            held = self.db.begin_job(job)
+            if held is None:
+                break
+            if held.owner.alive():
+                raise StateError(busy_sentence(held))
+            if held.kind in LOCAL_JOBS and held.source == self.partition:
+                await self._recover_local(held)
+                continue
+            raise StateError(f"VM {vm!r} is being recovered: the owner (pid "
+                             f"{held.owner.pid}) of its {held.kind} job died; try again "
+                             "in a few seconds.")
+        else:
+            raise StateError(f"VM {vm!r} is busy; try again.")
+        try:
+            yield
+        finally:
+            self.db.end_job(job.obj, self.owner)
+
+    def _phase(self, vm: str, phase: str, **detail: object) -> None:
+        with contextlib.suppress(StateError):
+            self.db.set_phase(vm_obj(vm), self.owner, phase, **detail)
+
+    async def _recover_local(self, job: Job) -> None:
+        """Finish a start, stop or kill whose supervisor died, asking QEMU."""
+        if self.db.take_over(job.obj, job.owner, self.owner) is None:
+            return
+        name = job.name
+        try:
+            rec = self.db.find_vm(name)
+            rt = self.vms.get(name)
+            if rec is None:
+                pass
+            elif job.kind in ("stop", "kill"):
+                if rt is not None:
+                    rt.stopping = True
+                    process.kill(rt.pid)
+                    with contextlib.suppress(QemuError):
+                        await self._wait_exit(rt)
+                elif rec.state in ALIVE:
+                    self._kill_unmanaged(rec)
+                with contextlib.suppress(FusumaError):
+                    self._settle_state(name, VmState.STOPPED, pid=None)
+            elif job.kind == "start":
+                if rt is None:
+                    self._cleanup_run(self.paths.vm_run_dir(name))
+                    with contextlib.suppress(FusumaError):
+                        self._settle_state(name, VmState.STOPPED, pid=None,
+                                           error="the supervisor died while starting it")
+                else:
+                    status = await rt.qmp.query_status()
+                    self._settle_state(name, VmState.RUNNING if status == "running"
+                                       else VmState.PAUSED, pid=rt.pid)
+            self.log.info("recovered the %s job of %s (owner pid %d died)", job.kind, name,
+                          job.owner.pid)
+        finally:
+            self.db.end_job(job.obj, self.owner)
+
+    async def _sweep_jobs(self, every: float = 1.0) -> None:
+        """Within a second or two of a job owner's death, have its job recovered: a
+        paused guest never waits for an operator."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self._sweep_once()
+            except Exception:
+                self.log.exception("job sweep failed")
+
+    async def _sweep_once(self) -> None:
+        for key, child in list(self._recoverers.items()):
+            if child.poll() is not None:
+                del self._recoverers[key]
+        for job in self.db.jobs():
+            if job.owner.alive() or job.owner == self.owner:
+                continue
+            if job.kind in LOCAL_JOBS:
+                if job.source == self.partition:
+                    await self._recover_local(job)
+                continue
+            involved = self.partition in (job.source, job.peer)
+            if not involved and job.obj.startswith("vm:"):
+                rec = self.db.find_vm(job.name)
+                involved = rec is not None and rec.partition == self.partition
+            if not involved and job.obj == f"partition:{self.partition}":
+                involved = True
+            key = (job.obj, job.owner.pid)
+            if involved and key not in self._recoverers:
+                self.log.warning("owner pid %d of the %s job on %s died; recovering",
+                                 job.owner.pid, job.kind, job.obj)
+                env = {**os.environ, **self.paths.as_env()}
+                self._recoverers[key] = subprocess.Popen(
+                    [sys.executable, "-m", "fusuma.recovery", job.obj],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=open(self.paths.partition_dir(self.partition)  # noqa: SIM115
+                                / "recovery.log", "ab"),
+                    start_new_session=True, close_fds=True, env=env)
 
     # -- request handling -----------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader,
@@ -230,17 +461,30 @@ class Supervisor:
         return [{"name": rt.name, "pid": rt.pid} for rt in self.vms.values()]
 
     async def op_start(self, vm: str, wait_agent: float = 0.0) -> dict[str, Any]:
-        async with self._lock(vm):
+        async with self._lock(vm), self._job(vm, "start"):
             await self._start(self._vm(vm))
         if wait_agent > 0:
             await self.op_wait_agent(vm, timeout=wait_agent)
         return {"vm": vm, "pid": self.vms[vm].pid}
 
+    def _agent_lock(self, vm: str) -> asyncio.Lock:
+        return self._agent_locks.setdefault(vm, asyncio.Lock())
+
+    def _no_job(self, vm: str) -> None:
+        """Refuse to use a VM another operation holds (a move, a stop...)."""
+        job = self.db.find_job(vm_obj(vm))
+        if job is None:
+            return
+        if job.owner.alive():
+            raise StateError(busy_sentence(job))
+        raise StateError(f"VM {vm!r} is being recovered: the owner (pid {job.owner.pid}) of "
+                         f"its {job.kind} job died; try again in a few seconds.")
+
     async def op_wait_agent(self, vm: str, timeout: float = 60.0) -> float:
         """Wait until the guest agent answers; returns seconds since QEMU started."""
         rec = self._running(vm)
-        async with GuestAgent(vm, self.vms[vm].run_dir / "qga.sock",
-                              self._vm_logger(vm)) as ga:
+        async with self._agent_lock(vm), GuestAgent(
+                vm, self.vms[vm].run_dir / "qga.sock", self._vm_logger(vm)) as ga:
             await ga.connect(timeout=timeout)
             await ga.ping()
         return time.time() - (rec.started_at or time.time())
@@ -252,23 +496,33 @@ class Supervisor:
             if rt is None:
                 if rec.state in (VmState.STOPPED, VmState.CRASHED):
                     return {"vm": vm, "was": rec.state.value}
+                self._no_job(vm)
                 return self._kill_unmanaged(rec)
-            rt.stopping = True
-            self.db.update_vm(rec.with_(state=VmState.STOPPING))
-            # Flush guest filesystems first, so stopping a VM with disks loses no data.
-            with contextlib.suppress(FusumaError, OSError):
-                async with GuestAgent(vm, rt.run_dir / "qga.sock",
-                                      self._vm_logger(vm)) as ga:
-                    await ga.connect(timeout=min(2.0, timeout))
-                    await ga.run(["/bin/sync"], timeout=min(5.0, timeout))
-            await rt.qmp.quit()
-            try:
-                await asyncio.wait_for(rt.exited.wait(), timeout)
-            except TimeoutError:
-                self.log.warning("%s did not quit in %.0f s; killing pid %d", vm, timeout,
-                                 rt.pid)
-                process.kill(rt.pid)
-                await self._wait_exit(rt)
+            async with self._job(vm, "stop"):
+                rec = self.db.transition(vm, VmState.STOPPING,
+                                         expect={VmState.RUNNING, VmState.PAUSED})
+                rt.stopping = True
+                # Flush guest filesystems first, so stopping a VM with disks loses no
+                # data; the agent lock waits for a command already running there.
+                self._phase(vm, "sync")
+                with contextlib.suppress(FusumaError, OSError, TimeoutError):
+                    await asyncio.wait_for(self._agent_lock(vm).acquire(), timeout)
+                    try:
+                        async with GuestAgent(vm, rt.run_dir / "qga.sock",
+                                              self._vm_logger(vm)) as ga:
+                            await ga.connect(timeout=min(2.0, timeout))
+                            await ga.run(["/bin/sync"], timeout=min(5.0, timeout))
+                    finally:
+                        self._agent_lock(vm).release()
+                self._phase(vm, "quit")
+                await rt.qmp.quit()
+                try:
+                    await asyncio.wait_for(rt.exited.wait(), timeout)
+                except TimeoutError:
+                    self.log.warning("%s did not quit in %.0f s; killing pid %d", vm,
+                                     timeout, rt.pid)
+                    process.kill(rt.pid)
+                    await self._wait_exit(rt)
         return {"vm": vm, "was": "running"}
 
     async def op_kill(self, vm: str) -> dict[str, Any]:
@@ -277,10 +531,14 @@ class Supervisor:
         if rt is None:
             if rec.state in (VmState.STOPPED, VmState.CRASHED):
                 raise StateError(f"VM {vm!r} is {rec.state.value}; there is no QEMU to kill.")
+            self._no_job(vm)
             return self._kill_unmanaged(rec)
-        rt.stopping = True
-        process.kill(rt.pid)
-        await self._wait_exit(rt)
+        async with self._job(vm, "kill"):
+            self.db.transition(vm, VmState.STOPPING, expect={VmState.RUNNING,
+                                                             VmState.PAUSED})
+            rt.stopping = True
+            process.kill(rt.pid)
+            await self._wait_exit(rt)
         return {"vm": vm, "pid": rt.pid}
 
     async def _wait_exit(self, rt: VmRuntime, timeout: float = 10.0) -> None:
@@ -302,17 +560,20 @@ class Supervisor:
         if rec.ram_path:
             self._remove_ram(Path(rec.ram_path))
         self._delete_leaf(rec.name)
-        self.db.update_vm(rec.with_(state=VmState.STOPPED, pid=None))
+        self._settle_state(rec.name, VmState.STOPPED, pid=None)
         return {"vm": rec.name, "pid": rec.pid}
 
     async def op_exec(self, vm: str, argv: list[str], stdin: str | None = None,
                       timeout: float = 60.0) -> dict[str, Any]:
         self._running(vm)
+        self._no_job(vm)
         data = base64.b64decode(stdin) if stdin is not None else None
-        async with GuestAgent(vm, self.vms[vm].run_dir / "qga.sock",
-                              self._vm_logger(vm)) as ga:
-            await ga.connect(timeout=timeout)
-            res = await ga.run(argv, stdin=data, timeout=timeout)
+        async with self._agent_lock(vm):
+            self._running(vm)     # it may have stopped while we waited for the channel
+            async with GuestAgent(vm, self.vms[vm].run_dir / "qga.sock",
+                                  self._vm_logger(vm)) as ga:
+                await ga.connect(timeout=timeout)
+                res = await ga.run(argv, stdin=data, timeout=timeout)
         return {"exit_code": res.exit_code, "signal": res.signal,
                 "stdout": base64.b64encode(res.stdout).decode(),
                 "stderr": base64.b64encode(res.stderr).decode()}
@@ -335,15 +596,21 @@ class Supervisor:
         return out
 
     # -- migration (fusuma.migration.supervisor_ops) -----------------------------------
-    async def op_incoming_prepare(self, vm: str, mode: str) -> dict[str, Any]:
-        return await migration_ops.incoming_prepare(self, vm, mode)
+    async def op_incoming_prepare(self, vm: str, mode: str,
+                                  fault_decide_delay: float = 0.0) -> dict[str, Any]:
+        return await migration_ops.incoming_prepare(self, vm, mode, fault_decide_delay)
 
-    async def op_migrate_out(self, vm: str, uri: str, mode: str) -> dict[str, Any]:
+    async def op_migrate_out(self, vm: str, uri: str, mode: str,
+                             max_bandwidth: int = 0) -> dict[str, Any]:
         async with self._lock(vm):
-            return await migration_ops.migrate_out(self, vm, uri, mode)
+            return await migration_ops.migrate_out(self, vm, uri, mode,
+                                                   max_bandwidth=max_bandwidth)
 
-    async def op_incoming_finish(self, vm: str, resume: bool = False) -> dict[str, Any]:
-        return await migration_ops.incoming_finish(self, vm, resume=resume)
+    async def op_incoming_finish(self, vm: str, timeout: float = 30.0) -> dict[str, Any]:
+        return await migration_ops.incoming_finish(self, vm, timeout=timeout)
+
+    async def op_incoming_commit(self, vm: str) -> dict[str, Any]:
+        return await migration_ops.incoming_commit(self, vm)
 
     async def op_incoming_abort(self, vm: str) -> dict[str, Any]:
         return await migration_ops.incoming_abort(self, vm)
@@ -357,6 +624,9 @@ class Supervisor:
     async def op_settle(self, vm: str) -> dict[str, Any]:
         return await migration_ops.settle(self, vm)
 
+    async def op_instances(self, vm: str) -> list[dict[str, Any]]:
+        return await migration_ops.instances(self, vm)
+
     def _running(self, vm: str) -> VmRecord:
         rec = self._vm(vm)
         if vm not in self.vms:
@@ -368,8 +638,7 @@ class Supervisor:
     def _vm_logger(self, vm: str) -> logging.Logger:
         log = logging.getLogger(f"fusuma.vm.{vm}")
         if not log.handlers:
-            vdir = self.paths.vm_dir(vm)
-            vdir.mkdir(parents=True, exist_ok=True)
+            vdir = ensure_dir(self.paths.vm_dir(vm), PRIVATE_DIR)
             h = logging.FileHandler(vdir / "qmp.log")
             h.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
             log.addHandler(h)
@@ -438,7 +707,7 @@ class Supervisor:
             raise StateError(f"VM {vm.name!r} is already running (pid {self.vms[vm.name].pid}).")
         if vm.state not in (VmState.STOPPED, VmState.CRASHED):
             raise StateError(f"VM {vm.name!r} is {vm.state.value}; it can only be started "
-                             "when stopped.")
+                             "when stopped or crashed.")
         accel = probe_accel(vm.accel)
         if accel.notice:
             self.log.info("%s", accel.notice)
@@ -446,25 +715,27 @@ class Supervisor:
         ram = self.paths.ram_file(vm.name) if vm.shared_ram else None
         undo: list[Any] = []
         try:
-            self.db.update_vm(vm.with_(state=VmState.STARTING, error=None))
-            undo.append(lambda: self.db.update_vm(self.db.vm(vm.name).with_(
-                state=VmState.STOPPED, pid=None)))
+            self.db.transition(vm.name, VmState.STARTING,
+                               expect={VmState.STOPPED, VmState.CRASHED}, error=None)
+            undo.append(lambda: self._settle_state(vm.name, VmState.STOPPED, pid=None))
             started = time.time()
+            self._phase(vm.name, "launch")
             rt = await self._launch(vm, accel.name, run, ram, None, undo)
             self.vms[vm.name] = rt
             undo.append(lambda: self.vms.pop(vm.name, None))
             self._watch(rt)
+            self._phase(vm.name, "pin", pid=rt.pid)
             await self._repin_all()
-            self.db.update_vm(self.db.vm(vm.name).with_(
-                state=VmState.RUNNING, pid=rt.pid, accel_used=accel.name,
-                qemu_binary=self._qemu_binary(), started_at=started, error=None,
-                ram_path=str(ram) if ram else None))
+            self.db.transition(
+                vm.name, VmState.RUNNING, expect={VmState.STARTING}, pid=rt.pid,
+                accel_used=accel.name, qemu_binary=self._qemu_binary(), started_at=started,
+                error=None, ram_path=str(ram) if ram else None)
             self.log.info("started %s: pid %d, %s", vm.name, rt.pid, accel.name)
         except BaseException as exc:
             self._undo(undo)
             if isinstance(exc, FusumaError):
                 with contextlib.suppress(Exception):
-                    self.db.update_vm(self.db.vm(vm.name).with_(error=str(exc)))
+                    self.db.set_vm(vm.name, error=str(exc))
             raise
 
     def _undo(self, undo: list[Any]) -> None:
@@ -481,11 +752,20 @@ class Supervisor:
 
         Every step appends its undo to ``undo``; the caller runs them on failure."""
         binary = self._qemu_binary()
+        # QEMU runs as the VM's own uid (fusuma.qemu.privilege): what it needs is
+        # opened here and passed as fds, or lives in its run dir, which that uid owns.
+        uid = privilege.uid_for(self.paths, vm)
+        groups = privilege.groups_for(accel)
+        if accel == "kvm":
+            privilege.check_kvm_access(groups)
         cfg = self._config(vm, accel, run, ram, incoming, disk_owner)
-        argv = build_argv(cfg, binary)
         self._cleanup_run(run)
-        for d in (run, self.paths.vm_dir(vm.name), self.paths.shm):
-            d.mkdir(parents=True, exist_ok=True)
+        self.paths.ensure_runtime()
+        # ``run`` is the VM's run dir or, for a migration's destination, a dir in it.
+        for d in (self.paths.vm_run_dir(vm.name), run):
+            ensure_dir(d, PRIVATE_DIR, owner=uid)
+        for d in (self.paths.vm_dir(vm.name), self.paths.shm):
+            ensure_dir(d, PRIVATE_DIR)
         undo.append(lambda: self._cleanup_run(run))
         if ram is not None and incoming is None:
             self._remove_ram(ram)
@@ -497,30 +777,38 @@ class Supervisor:
 
         def into_cgroup() -> None:
             # Before exec: QEMU's memory is charged to its own leaf from the first page.
+            # Joining the cgroup and KSM merge-any need root: privileges go last.
             cg.attach(part, leaf, os.getpid())
             if mergeable:
                 enable_merge_any()
+            privilege.drop_to(uid, groups)
 
-        with open(self.paths.vm_dir(vm.name) / "qemu.log", "ab") as log:
+        # A new VM gets a new RAM file; a migration's destination opens the one its
+        # caller chose (the source's for zero-copy, a new one made for a copy).
+        cfg, files = privilege.open_for_qemu(cfg, uid, new_ram=incoming is None)
+        with files, open(self.paths.vm_dir(vm.name) / "qemu.log", "ab") as log:
+            argv = build_argv(cfg, binary)
             log.write(f"--- {time.ctime()} {argv}\n".encode())
             log.flush()
             try:
                 child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=log, start_new_session=True, close_fds=True,
-                                         preexec_fn=into_cgroup)
+                                         pass_fds=cfg.passed_fds(), preexec_fn=into_cgroup)
             except OSError as exc:
-                raise QemuError(f"VM {vm.name}: cannot run {binary}: {exc.strerror}.",
+                raise QemuError(f"VM {vm.name}: cannot run {binary} as uid {uid}: "
+                                f"{exc.strerror}; QEMU, its firmware and libraries must be "
+                                "readable and executable by other users.",
                                 argv=argv) from exc
             except subprocess.SubprocessError as exc:
-                # preexec_fn (moving the child into its cgroup) failed.
+                # preexec_fn (cgroup, KSM, dropping privileges) failed.
                 raise QemuError(f"VM {vm.name}: cannot place QEMU in cgroup "
-                                f"{self.partition}/{vm_leaf(vm.name)}: {exc}.",
+                                f"{self.partition}/{vm_leaf(vm.name)} as uid {uid}: {exc}.",
                                 argv=argv) from exc
         undo.append(lambda: self._reap(child))
         if incoming is None:
             # Known at once, so a supervisor killed during the start leaves a QEMU
             # that the next one can find (or end) by its checked pid.
-            self.db.update_vm(self.db.vm(vm.name).with_(pid=child.pid))
+            self.db.set_vm(vm.name, pid=child.pid)
         self.governor.apply_class(vm, child.pid)
         qmp = Qmp(vm.name, cfg.qmp_socket, self._vm_logger(vm.name))
         await self._connect_or_fail(vm.name, child, qmp)
@@ -565,6 +853,8 @@ class Supervisor:
     def _watch(self, rt: VmRuntime) -> None:
         """Learn of the QEMU's exit through a pidfd (works for adopted, non-child pids)."""
         loop = asyncio.get_running_loop()
+        if not rt.detached and rt.runstate_task is None:
+            rt.runstate_task = asyncio.ensure_future(self._follow_runstate(rt))
         try:
             fd = os.pidfd_open(rt.pid)
         except ProcessLookupError:
@@ -572,6 +862,26 @@ class Supervisor:
             return
         rt.pidfd = fd
         loop.add_reader(fd, lambda: asyncio.ensure_future(self._on_exit(rt)))
+
+    async def _follow_runstate(self, rt: VmRuntime) -> None:
+        """running <-> paused in the record as QEMU reports STOP and RESUME (only while
+        no job holds the VM: a move's pause is the move's business)."""
+        listener = rt.qmp.listener(EVENT_STOP, EVENT_RESUME)
+        try:
+            while not rt.exited.is_set():
+                ev = await listener.get()
+                if self.vms.get(rt.name) is not rt or rt.detached or rt.stopping:
+                    continue
+                if self.db.find_job(vm_obj(rt.name)) is not None:
+                    continue
+                want, was = ((VmState.PAUSED, VmState.RUNNING) if ev["event"] == EVENT_STOP
+                             else (VmState.RUNNING, VmState.PAUSED))
+                with contextlib.suppress(FusumaError):
+                    self.db.transition(rt.name, want, expect={was})
+        except asyncio.CancelledError:
+            pass
+        finally:
+            rt.qmp.drop_listener(listener)
 
     async def _on_exit(self, rt: VmRuntime) -> None:
         if rt.exited.is_set():
@@ -589,22 +899,43 @@ class Supervisor:
             loop.remove_reader(rt.pidfd)
             os.close(rt.pidfd)
             rt.pidfd = None
+        if rt.runstate_task is not None:
+            rt.runstate_task.cancel()
         status: int | None = None
         if rt.child is not None:
             status = rt.child.wait()
         if self.vms.get(rt.name) is rt:
             del self.vms[rt.name]
+        if self.leaving.get(rt.name) is rt:
+            del self.leaving[rt.name]
+        inc = self.incoming.get(rt.name)
+        if inc is not None and inc.rt is rt:
+            del self.incoming[rt.name]
+            if inc.task is not None:
+                inc.task.cancel()     # whoever waits for it learns at once
         await rt.qmp.disconnect()
         self._cleanup_run(rt.run_dir)
         if rt.ram_file is not None and rt.owns_ram:
             self._remove_ram(rt.ram_file)
         self._delete_leaf(rt.name)
         rec = self.db.find_vm(rt.name)
+        job = self.db.find_job(vm_obj(rt.name))
         if rt.detached or rec is None or rec.partition != self.partition or rec.pid != rt.pid:
             self.log.info("%s (pid %d) exited; its record belongs elsewhere", rt.name, rt.pid)
+            if rt.ram_file is not None and (rec is None or (
+                    rec.state in (VmState.CRASHED, VmState.STOPPED)
+                    and rec.ram_path == str(rt.ram_file))):
+                # The last QEMU of a guest that is gone: its RAM goes too.
+                self._remove_ram(rt.ram_file)
+            return
+        if job is not None and job.kind == "migrate" and not (
+                job.detail.get("decision") == "forward" and job.peer == self.partition):
+            # A move is under way: its owner (or recovery) decides what this means.
+            self.log.warning("%s (pid %d) exited during a move", rt.name, rt.pid)
             return
         if rt.stopping:
-            self.db.update_vm(rec.with_(state=VmState.STOPPED, pid=None, error=None))
+            with contextlib.suppress(FusumaError):
+                self._settle_state(rt.name, VmState.STOPPED, pid=None, error=None)
             self.log.info("%s stopped", rt.name)
             return
         how = (f"killed by signal {-status}" if status is not None and status < 0
@@ -614,23 +945,39 @@ class Supervisor:
         tail = process.tail(self.paths.vm_dir(rt.name) / "qemu.log", 1)
         if tail and (rt.started_log is None or tail != rt.started_log):
             msg += f": {tail}"
-        self.db.update_vm(rec.with_(state=VmState.CRASHED, pid=None, error=msg))
+        with contextlib.suppress(FusumaError):
+            self._settle_state(rt.name, VmState.CRASHED, pid=None, error=msg)
         self.log.warning("%s crashed: %s", rt.name, msg)
 
     def _cleanup_run(self, run: Path) -> None:
-        """Remove a QEMU instance's sockets and pidfile (never a RAM file)."""
-        for name in ("qmp.sock", "qga.sock", "console.sock", "qemu.pid"):
-            with contextlib.suppress(FileNotFoundError):
-                (run / name).unlink()
-        if run.name.startswith(INCOMING_PREFIX):
-            with contextlib.suppress(FileNotFoundError):
-                (run / "migrate.sock").unlink()
+        """Remove a QEMU instance's sockets and pidfile (never a RAM file).
+
+        The run dir belongs to the VM's uid, so its entries are removed through the
+        directory's fd, opened without following a symlink: nothing that uid put there
+        makes root remove a file elsewhere."""
+        names = ["qmp.sock", "qga.sock", "console.sock", "qemu.pid"]
+        incoming = run.name.startswith(INCOMING_PREFIX)
+        if incoming:
+            names.append("migrate.sock")
+        try:
+            fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return   # gone, or not a directory of ours
+        try:
+            for name in names:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+        if incoming:
             with contextlib.suppress(OSError):
                 run.rmdir()
 
     def _remove_ram(self, ram: Path) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            ram.unlink()
+        """Unlink a guest RAM file, never while any QEMU still maps it (a move's other
+        side may)."""
+        if not process.remove_unmapped(ram):
+            self.log.info("kept RAM file %s: still mapped, or already gone", ram)
 
     def _delete_leaf(self, vm: str) -> None:
         try:
@@ -644,6 +991,8 @@ def main() -> None:
         print("usage: python -m fusuma.partition.supervisor PARTITION", file=sys.stderr)
         sys.exit(2)
     partition = sys.argv[1]
+    # Nothing the supervisor (or a QEMU it starts) creates is for other users.
+    os.umask(0o077)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # fusuma logs every QMP exchange per VM; the library's own connection retries

@@ -87,3 +87,45 @@ def tail(path: Path, lines: int = 10) -> str:
     text = [ln for ln in data.decode(errors="replace").splitlines()
             if not ln.startswith("--- ")]
     return "\n".join(text[-lines:])
+
+
+def mapped_by(path: Path) -> list[int]:
+    """QEMU processes (by their argv) that map ``path`` now."""
+    target = str(path)
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if b"debug-threads=on" not in (d / "cmdline").read_bytes():
+                continue
+            maps = (d / "maps").read_text()
+        except OSError:
+            continue
+        if any(line.endswith(target) or line.endswith(target + " (deleted)")
+               for line in maps.splitlines()):
+            out.append(int(d.name))
+    return out
+
+
+def remove_unmapped(path: Path | str) -> bool:
+    """Unlink a guest RAM file unless a QEMU still maps it; True if it was removed."""
+    p = Path(path)
+    if mapped_by(p):
+        return False
+    try:
+        p.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def vm_pids(vm: str, run_dir: Path) -> list[int]:
+    """Every live QEMU process of VM ``vm`` whose sockets live under ``run_dir`` (this
+    fusuma namespace's: another FUSUMA_RUNTIME_DIR may run a VM of the same name)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and is_vm_process(int(d.name), vm, run_dir) \
+                and pid_alive(int(d.name)):
+            out.append(int(d.name))
+    return out

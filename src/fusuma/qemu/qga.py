@@ -4,6 +4,10 @@ The agent may not be running yet when we connect (the guest is booting), and the
 chardev buffers what we wrote meanwhile, so every exchange starts with
 ``guest-sync-delimited``: the agent answers a 0xFF byte then the id we sent, and any
 stale answer to an older sync is skipped.
+
+Every exchange is logged (the per-VM qmp.log), but never a guest payload: the argv,
+environment and input of ``guest-exec``, the output of ``guest-exec-status`` and file
+contents are logged as their sizes only (:func:`redact`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,31 @@ from typing import Any
 from fusuma.errors import GuestAgentError
 
 LOG = logging.getLogger(__name__)
+
+# Members of a guest-agent request's arguments or reply that carry guest data.
+PAYLOAD_KEYS = frozenset({"path", "arg", "env", "input-data", "out-data", "err-data",
+                          "buf-b64", "password", "keys"})
+
+
+def _size(value: Any) -> str:
+    if isinstance(value, str):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, list):
+        return f"<{len(value)} items, {sum(len(str(v)) for v in value)} bytes>"
+    return "<redacted>"
+
+
+def redact(msg: Any) -> Any:
+    """``msg`` with each payload member (PAYLOAD_KEYS, in "arguments" or "return")
+    replaced by its size, for the log."""
+    if not isinstance(msg, dict):
+        return msg
+    out = dict(msg)
+    for part in ("arguments", "return"):
+        body = out.get(part)
+        if isinstance(body, dict):
+            out[part] = {k: _size(v) if k in PAYLOAD_KEYS else v for k, v in body.items()}
+    return out
 
 
 @dataclass(frozen=True)
@@ -106,7 +135,7 @@ class GuestAgent:
 
     def _send(self, msg: dict[str, Any]) -> None:
         assert self._writer is not None
-        self.log.debug("qga> %s", msg)
+        self.log.debug("qga> %s", redact(msg))
         self._writer.write(json.dumps(msg).encode() + b"\n")
 
     async def execute(self, command: str, arguments: dict[str, Any] | None = None,
@@ -127,7 +156,7 @@ class GuestAgent:
             raise GuestAgentError(f"VM {self.vm}: the guest agent closed the connection "
                                   f"during {command}.")
         reply = json.loads(line.strip().lstrip(b"\xff"))
-        self.log.debug("qga< %s", reply)
+        self.log.debug("qga< %s", redact(reply))
         if "error" in reply:
             raise GuestAgentError(f"VM {self.vm}: guest agent {command} failed: "
                                   f"{reply['error'].get('desc', reply['error'])}")

@@ -1,10 +1,14 @@
 """fusuma's state: one SQLite file under FUSUMA_HOME shared by the CLI and supervisors.
 
-The CLI owns the definitions (partitions, disks, VM configuration); each partition's
-supervisor owns the runtime columns of its own VMs (state, pid, accelerator, last
-error). SQLite in WAL mode with a busy timeout lets all of them write safely.
+The CLI owns the definitions (partitions, disks, VM configuration); a VM's state moves
+only through the transition table of ``fusuma.state.machine``, and every long operation
+holds a job (``fusuma.state.jobs``). SQLite in WAL mode with a busy timeout lets all
+processes write safely; conditional updates make their races lose cleanly.
 """
 
-from fusuma.state.db import Database, DiskRecord, PartitionRecord, VmRecord, VmState
+from fusuma.state.db import Database, DiskRecord, PartitionRecord, VmRecord
+from fusuma.state.jobs import Job, JobOwner, busy_sentence, partition_obj, vm_obj
+from fusuma.state.machine import ALIVE, VmState
 
-__all__ = ["Database", "DiskRecord", "PartitionRecord", "VmRecord", "VmState"]
+__all__ = ["ALIVE", "Database", "DiskRecord", "Job", "JobOwner", "PartitionRecord",
+           "VmRecord", "VmState", "busy_sentence", "partition_obj", "vm_obj"]

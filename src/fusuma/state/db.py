@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import json
 import sqlite3
 import time
@@ -10,8 +9,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-from fusuma.errors import ConflictError, HostError, NotFoundError
+from fusuma.errors import ConflictError, HostError, NotFoundError, StateError
+from fusuma.state.jobs import Job, JobOwner, busy_sentence
+from fusuma.state.machine import DELETABLE, VmState, check_transition
 
 SCHEMA_VERSION = 1
 
@@ -56,6 +58,18 @@ CREATE TABLE IF NOT EXISTS vms (
     ports TEXT NOT NULL DEFAULT '[]',
     overhead_mib INTEGER
 );
+CREATE TABLE IF NOT EXISTS jobs (
+    obj TEXT PRIMARY KEY,            -- "vm:NAME" or "partition:NAME"
+    kind TEXT NOT NULL,
+    phase TEXT NOT NULL,
+    source TEXT,
+    peer TEXT,
+    owner_pid INTEGER NOT NULL,
+    owner_start INTEGER NOT NULL,    -- the owner's start time (clock ticks): pid reuse
+    started_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    detail TEXT NOT NULL DEFAULT '{}'
+);
 CREATE TABLE IF NOT EXISTS segments (
     name TEXT PRIMARY KEY,
     path TEXT NOT NULL UNIQUE,
@@ -76,17 +90,6 @@ ADDED_COLUMNS = (
     ("vms", "ports", "TEXT NOT NULL DEFAULT '[]'"),
     ("vms", "overhead_mib", "INTEGER"),
 )
-
-
-class VmState(enum.StrEnum):
-    """Lifecycle of a VM. Transitions are made by its partition's supervisor."""
-
-    STOPPED = "stopped"
-    STARTING = "starting"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    CRASHED = "crashed"
-    MIGRATING = "migrating"
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,9 @@ class Database:
         self._conn.row_factory = sqlite3.Row
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA foreign_keys=ON")
+        # WAL + NORMAL: a commit survives any process being killed (what fusuma must
+        # survive), without an fsync in a move's downtime.
+        self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(SCHEMA)
         self._add_columns()
         self._conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)",
@@ -330,18 +336,153 @@ class Database:
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a VM named {v.name!r} already exists.") from exc
 
-    def update_vm(self, v: VmRecord) -> None:
-        self._conn.execute(
-            "UPDATE vms SET partition=?, vcpus=?, memory_mib=?, image=?, disks=?, accel=?, "
-            "autostart=?, state=?, pid=?, accel_used=?, qemu_binary=?, started_at=?, error=?, "
-            "shared_ram=?, ram_path=?, qos=?, segments=?, mergeable=?, ports=? WHERE name=?",
-            (v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks), v.accel,
-             int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
-             v.started_at, v.error, int(v.shared_ram), v.ram_path, v.qos,
-             json.dumps(v.segments), int(v.mergeable), json.dumps(v.ports), v.name))
+    # Columns a VM's record may change after its definition; the state is not one of
+    # them: it moves only through ``transition``.
+    VM_FIELDS = frozenset({"partition", "vcpus", "memory_mib", "disks", "pid", "accel_used",
+                           "qemu_binary", "started_at", "error", "ram_path", "qos",
+                           "segments", "ports", "overhead_mib"})
+
+    @staticmethod
+    def _column_value(value: object) -> object:
+        if isinstance(value, list):
+            return json.dumps(value)
+        if isinstance(value, bool):
+            return int(value)
+        return value
+
+    def set_vm(self, name: str, *, expect: VmState | None = None, **fields: Any) -> None:
+        """Change some columns of a VM (never a blind write of the whole record).
+
+        With ``expect``, only while the VM is in that state (a conditional update)."""
+        bad = set(fields) - self.VM_FIELDS
+        if bad:
+            raise ValueError(f"not a changeable VM field: {sorted(bad)}")
+        if not fields:
+            return
+        cols = ", ".join(f"{k}=?" for k in fields)
+        args = [self._column_value(v) for v in fields.values()]
+        sql = f"UPDATE vms SET {cols} WHERE name=?"
+        args.append(name)
+        if expect is not None:
+            sql += " AND state=?"
+            args.append(expect.value)
+        cur = self._conn.execute(sql, args)
+        if cur.rowcount == 0:
+            rec = self.vm(name)
+            raise StateError(f"VM {name!r} is {rec.state.value}, no longer "
+                             f"{expect.value if expect else rec.state.value}; see "
+                             "`fusuma ps`.")
+
+    def transition(self, name: str, to: VmState, *,
+                   expect: frozenset[VmState] | set[VmState] | None = None,
+                   **fields: Any) -> VmRecord:
+        """Move VM ``name`` to state ``to`` (and set ``fields``) if the table allows it.
+
+        One IMMEDIATE transaction reads the state and writes it back conditionally, so
+        of two processes racing on one VM exactly one succeeds; the other gets a
+        StateError naming the state it found."""
+        bad = set(fields) - self.VM_FIELDS
+        if bad:
+            raise ValueError(f"not a changeable VM field: {sorted(bad)}")
+        with self.transaction():
+            cur = self.vm(name)
+            if expect is not None and cur.state not in expect:
+                want = " or ".join(sorted(s.value for s in expect))
+                raise StateError(f"VM {name!r} is {cur.state.value}, not {want}; see "
+                                 "`fusuma ps`.")
+            check_transition(name, cur.state, to)
+            cols = ", ".join(["state=?", *(f"{k}=?" for k in fields)])
+            args = [to.value, *(self._column_value(v) for v in fields.values()),
+                    name, cur.state.value]
+            self._conn.execute(f"UPDATE vms SET {cols} WHERE name=? AND state=?", args)
+        return self.vm(name)
 
     def remove_vm(self, name: str) -> None:
-        self._conn.execute("DELETE FROM vms WHERE name=?", (name,))
+        """Delete a VM's record: only while it is stopped or crashed and has no job."""
+        states = ",".join("?" * len(DELETABLE))
+        cur = self._conn.execute(
+            f"DELETE FROM vms WHERE name=? AND state IN ({states}) AND NOT EXISTS "
+            "(SELECT 1 FROM jobs WHERE obj=? AND kind != 'delete')",
+            (name, *(s.value for s in DELETABLE), f"vm:{name}"))
+        if cur.rowcount == 0 and self.find_vm(name) is not None:
+            rec = self.vm(name)
+            job = self.find_job(f"vm:{name}")
+            if job is not None and job.kind != "delete":
+                raise StateError(busy_sentence(job))
+            raise StateError(f"VM {name!r} is {rec.state.value}; stop it before deleting it.")
+
+    # -- jobs ---------------------------------------------------------------------
+    @staticmethod
+    def _job(row: sqlite3.Row) -> Job:
+        return Job(obj=row["obj"], kind=row["kind"], phase=row["phase"],
+                   owner=JobOwner(row["owner_pid"], row["owner_start"]),
+                   source=row["source"], peer=row["peer"], started_at=row["started_at"],
+                   updated_at=row["updated_at"], detail=json.loads(row["detail"]))
+
+    def jobs(self) -> list[Job]:
+        return [self._job(r) for r in
+                self._conn.execute("SELECT * FROM jobs ORDER BY started_at").fetchall()]
+
+    def find_job(self, obj: str) -> Job | None:
+        row = self._conn.execute("SELECT * FROM jobs WHERE obj=?", (obj,)).fetchone()
+        return self._job(row) if row else None
+
+    def begin_job(self, job: Job) -> Job | None:
+        """Record ``job`` if its object has none. Returns None on success, else the job
+        that holds the object (alive or not: the caller decides)."""
+        try:
+            self._conn.execute(
+                "INSERT INTO jobs (obj, kind, phase, source, peer, owner_pid, owner_start, "
+                "started_at, updated_at, detail) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (job.obj, job.kind, job.phase, job.source, job.peer, job.owner.pid,
+                 job.owner.start, job.started_at, job.updated_at, json.dumps(job.detail)))
+        except sqlite3.IntegrityError:
+            held = self.find_job(job.obj)
+            if held is None:     # ended meanwhile: try once more
+                return self.begin_job(job)
+            return held
+        return None
+
+    def set_phase(self, obj: str, owner: JobOwner, phase: str,
+                  **detail: object) -> Job:
+        """Record the next phase of a job this owner holds (merging ``detail``)."""
+        with self.transaction():
+            job = self.find_job(obj)
+            if job is None or job.owner != owner:
+                raise StateError(f"the job on {obj} was taken over by another process "
+                                 "(recovery); stopping here.")
+            merged = {**job.detail, **detail}
+            self._conn.execute("UPDATE jobs SET phase=?, detail=?, updated_at=? WHERE obj=?",
+                               (phase, json.dumps(merged), time.time(), obj))
+        return self.find_job(obj) or job
+
+    def decide(self, obj: str, decision: str) -> str | None:
+        """Record a move's outcome once: "forward" (the destination may run the guest)
+        or "back" (the source may). Returns the decision in force: the first one made.
+        Whoever loses follows it, so a source never resumes after its destination ran."""
+        with self.transaction():
+            job = self.find_job(obj)
+            if job is None:
+                return None
+            have = job.detail.get("decision")
+            if have:
+                return str(have)
+            merged = {**job.detail, "decision": decision}
+            self._conn.execute("UPDATE jobs SET detail=?, updated_at=? WHERE obj=?",
+                               (json.dumps(merged), time.time(), obj))
+        return decision
+
+    def take_over(self, obj: str, old: JobOwner, new: JobOwner) -> Job | None:
+        """Become the owner of a job whose owner ``old`` died (None if someone else did)."""
+        cur = self._conn.execute(
+            "UPDATE jobs SET owner_pid=?, owner_start=?, updated_at=? WHERE obj=? AND "
+            "owner_pid=? AND owner_start=?",
+            (new.pid, new.start, time.time(), obj, old.pid, old.start))
+        return self.find_job(obj) if cur.rowcount else None
+
+    def end_job(self, obj: str, owner: JobOwner) -> None:
+        self._conn.execute("DELETE FROM jobs WHERE obj=? AND owner_pid=? AND owner_start=?",
+                           (obj, owner.pid, owner.start))
 
     # -- segments -----------------------------------------------------------------
     @staticmethod

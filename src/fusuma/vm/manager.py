@@ -9,21 +9,21 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fusuma.errors import ConflictError, FusumaError, ResourceError, StateError
-from fusuma.governor.qos import check_admission
-from fusuma.images import find_image
-from fusuma.memshare.report import vm_memory
-from fusuma.partition.manager import SUPERVISOR_MIB, PartitionManager, vm_need_mib
+from fusuma import capacity, recovery
+from fusuma.errors import ConflictError, NotFoundError, StateError
+from fusuma.names import check_name
 from fusuma.paths import Paths
 from fusuma.qemu import process
-from fusuma.spec import VmSpec, check_name
-from fusuma.state import Database, VmRecord, VmState
+from fusuma.state import ALIVE, Database, VmRecord, VmState, busy_sentence, vm_obj
 from fusuma.state.lock import locked
+from fusuma.vm.view import VmView
 
-# States in which a QEMU process should exist.
-ALIVE = (VmState.STARTING, VmState.RUNNING, VmState.STOPPING, VmState.MIGRATING)
+if TYPE_CHECKING:   # not imported at run time: `fusuma ps` needs only VmView (issue 17)
+    from fusuma.partition.manager import PartitionManager
+    from fusuma.spec import VmSpec
+
 
 
 @dataclass(frozen=True)
@@ -32,45 +32,6 @@ class ExecOutput:
     stdout: bytes
     stderr: bytes
     signal: int | None
-
-
-@dataclass(frozen=True)
-class VmView:
-    """A VM as `ps` shows it: the DB record checked against the live process."""
-
-    record: VmRecord
-    # Where segment files live (Paths.segments_dir), to find their mappings.
-    segments_dir: Path = Path("/var/lib/fusuma/segments")
-
-    @property
-    def state(self) -> str:
-        r = self.record
-        if r.state == VmState.STARTING and r.pid is None:
-            return r.state.value
-        if r.state in ALIVE and not (r.pid and process.pid_alive(r.pid) and
-                                     f"guest={r.name},debug-threads=on"
-                                     in process.cmdline(r.pid)):
-            # The supervisor is down or has not noticed yet: say what is true.
-            return VmState.CRASHED.value
-        return r.state.value
-
-    def as_json(self) -> dict[str, Any]:
-        r = self.record
-        state = self.state
-        alive = state in ("running", "migrating", "stopping") and r.pid is not None
-        mem = None
-        if alive and r.pid:
-            files = {seg: self.segments_dir / f"{seg}.erofs"
-                     for seg in (item.partition(":")[0] for item in r.segments)}
-            with contextlib.suppress(FusumaError):
-                mem = vm_memory(r.pid, files)
-        return {"name": r.name, "partition": r.partition, "state": state,
-                "pid": r.pid if state != "crashed" else None,
-                "accel": r.accel_used or r.accel, "vcpus": r.vcpus,
-                "memory_mib": r.memory_mib, "shared_ram": r.shared_ram, "qos": r.qos,
-                "mergeable": r.mergeable, "segments": r.segments, "ports": r.ports,
-                "host_memory": mem.as_json() if mem else None,
-                "disks": r.disks, "error": r.error}
 
 
 class VmManager:
@@ -102,82 +63,110 @@ class VmManager:
             if host in taken:
                 raise ConflictError(f"host port {host} is already forwarded to VM "
                                     f"{taken[host]!r}; pick another port.")
+        from fusuma.images import find_image
+
         find_image(self.paths.cache, kind=spec.image)
         rec = VmRecord(name=spec.name, partition=spec.partition, vcpus=spec.vcpus,
                        memory_mib=spec.memory_mib, image=spec.image, disks=list(spec.disks),
                        accel=spec.accel, autostart=spec.autostart,
                        shared_ram=spec.shared_ram, qos=spec.qos,
                        segments=list(spec.segments), mergeable=spec.mergeable,
-                       ports=list(spec.ports))
+                       ports=list(spec.ports),
+                       overhead_mib=capacity.definition_overhead(spec.accel))
+        from fusuma.governor.qos import check_admission
+
         check_admission(part.name, len(part.cpus), self.db.vms(part.name), rec)
-        need = SUPERVISOR_MIB + sum(vm_need_mib(v) for v in self.db.vms(part.name))
-        need += vm_need_mib(rec)
-        if need > part.memory_mib:
-            raise ResourceError(
-                f"partition {part.name!r} has {part.memory_mib} MiB but its VMs would need "
-                f"{need} MiB with {spec.name!r} ({spec.memory_mib} MiB guest RAM + QEMU "
-                f"overhead); grow it with `fusuma partition resize {part.name} --memory "
-                f"{need}` or give the VM less memory.")
+        capacity.check_partition_room(self.db, part.name, [rec], "create",
+                                      limit=part.memory_mib)
         self.db.add_vm(rec)
         return rec
 
     def start(self, name: str, wait_agent: float = 0.0) -> VmRecord:
         vm = self.db.vm(name)
+        from fusuma.images import find_image
+
         find_image(self.paths.cache, kind=vm.image)
-        self.parts.client(vm.partition).call("start", rpc_timeout=120 + wait_agent, vm=name,
-                                             wait_agent=wait_agent)
+        if VmView(vm).state in ("stopped", "crashed"):
+            capacity.check_start(self.paths, vm)
+        self._call(name, "start", rpc_timeout=120 + wait_agent, wait_agent=wait_agent)
         return self.db.vm(name)
 
+    def _call(self, name: str, op: str, rpc_timeout: float = 60.0, **args: Any) -> Any:
+        """Ask the supervisor that runs VM ``name`` (recovering a dead job first; if
+        the VM moved meanwhile, ask its new partition)."""
+        recovery.ensure_recovered(self.parts, vm_obj(name))
+        for attempt in range(2):
+            vm = self.db.vm(name)
+            try:
+                return self.parts.client(vm.partition).call(op, rpc_timeout=rpc_timeout,
+                                                            vm=name, **args)
+            except NotFoundError:
+                if attempt or self.db.vm(name).partition == vm.partition:
+                    raise
+        raise AssertionError("unreachable")
+
     def stop(self, name: str, timeout: float = 10.0) -> VmRecord:
-        vm = self.db.vm(name)
-        self.parts.client(vm.partition).call("stop", rpc_timeout=timeout + 30, vm=name,
-                                             timeout=timeout)
+        self._call(name, "stop", rpc_timeout=timeout + 30, timeout=timeout)
         return self.db.vm(name)
 
     def kill(self, name: str) -> VmRecord:
-        vm = self.db.vm(name)
-        self.parts.client(vm.partition).call("kill", vm=name)
+        self._call(name, "kill")
         return self.db.vm(name)
 
     def exec(self, name: str, argv: list[str], stdin: bytes | None = None,
              timeout: float = 60.0) -> ExecOutput:
-        vm = self.db.vm(name)
-        res = self.parts.client(vm.partition).call(
-            "exec", rpc_timeout=timeout + 30, vm=name, argv=argv,
-            stdin=base64.b64encode(stdin).decode() if stdin is not None else None,
-            timeout=timeout)
+        res = self._call(name, "exec", rpc_timeout=timeout + 30, argv=argv,
+                         stdin=base64.b64encode(stdin).decode() if stdin is not None
+                         else None, timeout=timeout)
         return ExecOutput(int(res["exit_code"]), base64.b64decode(res["stdout"]),
                           base64.b64decode(res["stderr"]), res.get("signal"))
 
     def wait_agent(self, name: str, timeout: float = 60.0) -> float:
-        vm = self.db.vm(name)
-        return float(self.parts.client(vm.partition).call("wait-agent", rpc_timeout=timeout + 10,
-                                                          vm=name, timeout=timeout))
+        return float(self._call(name, "wait-agent", rpc_timeout=timeout + 10,
+                                timeout=timeout))
 
     @locked
     def delete(self, name: str, force: bool = False) -> None:
+        recovery.ensure_recovered(self.parts, vm_obj(name))
         vm = self.db.vm(name)
         view = VmView(vm)
-        if view.state in ("running", "starting", "stopping", "migrating"):
-            if not force:
-                raise StateError(f"VM {name!r} is {view.state}; stop it first or use --force.")
-            try:
-                self.parts.client(vm.partition).call("kill", vm=name)
-            except FusumaError:
-                # No supervisor to ask: end the QEMU ourselves, by its checked pid.
-                if vm.pid and process.is_vm_process(vm.pid, name, self.paths.vm_run_dir(name)):
-                    process.kill(vm.pid)
-                    deadline = time.monotonic() + 10
-                    while process.pid_alive(vm.pid) and time.monotonic() < deadline:
-                        time.sleep(0.02)
+        if view.state not in ("stopped", "crashed") and not force:
+            raise StateError(f"VM {name!r} is {view.state}; stop it first or use --force.")
+        with recovery.job(self.parts, vm_obj(name), "delete", source=vm.partition) as jh:
+            jh.phase("kill")
+            self.finish_delete(name)
+
+    def finish_delete(self, name: str) -> None:
+        """End the VM's QEMU (by its checked pid), then remove its record and files.
+        Run under the VM's delete job, or by recovery of one."""
+        vm = self.db.vm(name)
+        run = self.paths.vm_run_dir(name)
+        pids = {p for p in [vm.pid] if p and process.is_vm_process(p, name, run)}
+        pids |= set(process.vm_pids(name, run))
+        for pid in pids:
+            process.kill(pid)
+        deadline = time.monotonic() + 10
+        while any(process.pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # The supervisor records the exit; without one (or if it is slow) say it here.
+        deadline = time.monotonic() + 3
+        while self.db.vm(name).state in ALIVE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.db.vm(name).state in ALIVE:
+            with contextlib.suppress(StateError):
+                self.db.transition(name, VmState.CRASHED, pid=None,
+                                   error="killed to delete it")
         self.db.remove_vm(name)
         for d in (self.paths.vm_dir(name), self.paths.vm_run_dir(name)):
             shutil.rmtree(d, ignore_errors=True)
-        for ram in {self.paths.ram_file(name), *([Path(vm.ram_path)] if vm.ram_path else [])}:
-            with contextlib.suppress(FileNotFoundError):
-                ram.unlink()
-        with contextlib.suppress(Exception):
-            self.parts.cg.delete_leaf(vm.partition, f"vm.{name}")
+        rams = {self.paths.ram_file(name), *([Path(vm.ram_path)] if vm.ram_path else [])}
+        if self.paths.shm.exists():
+            rams |= set(self.paths.shm.glob(f"{name}.*.ram"))
+        for ram in rams:
+            process.remove_unmapped(ram)
+        for p in self.db.partitions():
+            with contextlib.suppress(Exception):
+                self.parts.cg.delete_leaf(p.name, f"vm.{name}")
 
     @locked
     def attach_disk(self, name: str, disk: str) -> VmRecord:
@@ -189,21 +178,23 @@ class VmManager:
         users = [v.name for v in self.db.vms() if disk in v.disks]
         if users:
             raise ConflictError(f"disk {disk!r} is already used by VM {users[0]!r}.")
-        new = vm.with_(disks=[*vm.disks, disk])
-        self.db.update_vm(new)
-        return new
+        self.db.set_vm(name, expect=vm.state, disks=[*vm.disks, disk])
+        return self.db.vm(name)
 
     @locked
     def detach_disk(self, name: str, disk: str) -> VmRecord:
         vm = self._stopped(name, "detach a disk")
         if disk not in vm.disks:
             raise StateError(f"disk {disk!r} is not attached to VM {name!r}.")
-        new = vm.with_(disks=[d for d in vm.disks if d != disk])
-        self.db.update_vm(new)
-        return new
+        self.db.set_vm(name, expect=vm.state, disks=[d for d in vm.disks if d != disk])
+        return self.db.vm(name)
 
     def _stopped(self, name: str, what: str) -> VmRecord:
+        recovery.ensure_recovered(self.parts, vm_obj(name))
         vm = self.db.vm(name)
+        job = self.db.find_job(vm_obj(name))
+        if job is not None:
+            raise StateError(busy_sentence(job))
         if VmView(vm).state not in ("stopped", "crashed"):
             raise StateError(f"VM {name!r} is {VmView(vm).state}; stop it to {what}.")
         return vm

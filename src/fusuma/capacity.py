@@ -1,0 +1,313 @@
+"""The one memory arithmetic every admission check uses: VM create, partition create and
+resize, migrate, maintain, the spec check and VM start.
+
+Two budgets are checked:
+
+- **partitions**: a partition's ``memory_mib`` must hold its supervisor (SUPERVISOR_MIB)
+  plus what each of its VMs counts there (``partition_share``); all partitions together
+  must fit in what the host gives (``host_need``). A VM's footprint is fixed when it is
+  defined (``VmRecord.overhead_mib``), so a check never changes its mind because the
+  host's settings changed since.
+- **the shm filesystem** (Paths.shm): shared guest RAM lives in sparse files there. A
+  file fills as its guest touches memory, so a new RAM file needs room for its whole
+  size plus what the other RAM files have yet to fill; a copy move of a shared-RAM VM
+  needs a second RAM file (``<vm>.<hex>.ram``) for the destination QEMU.
+
+Every refusal is a ResourceError whose sentence shows the sum, e.g.
+``64 + vm0 384 + web0 384 = 832 > 768 MiB``, and says how to fix it.
+
+What counts where lives in ``partition_share`` and ``host_need`` only: the full-host rule
+(guest RAM admitted once host-wide, a partition's memory the budget for everything else)
+changes those two functions and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from fusuma.errors import ResourceError
+from fusuma.host.topology import HostInfo
+from fusuma.paths import Paths
+from fusuma.qemu.cmdline import overhead_mib
+from fusuma.state import Database, VmRecord
+
+MIB = 1024 * 1024
+
+# Memory a partition keeps for its supervisor (a Python process) on top of its VMs.
+SUPERVISOR_MIB = 64
+# The smallest partition: a supervisor and room for at least a tiny VM's QEMU.
+MIN_PARTITION_MIB = SUPERVISOR_MIB + 64
+
+Verb = Literal["create", "move"]
+
+
+# -- one VM -------------------------------------------------------------------------------
+def definition_overhead(accel: str) -> int:
+    """QEMU's overhead for a VM being defined with ``accel`` (auto, kvm or tcg): the
+    value stored in ``VmRecord.overhead_mib``. ``auto`` is resolved on this host now."""
+    if accel in ("kvm", "tcg"):
+        return overhead_mib(accel)
+    from fusuma.host.accel import probe_accel
+
+    return overhead_mib(probe_accel("auto").name)
+
+
+def planned_vm(name: str, partition: str, memory_mib: int, accel: str) -> VmRecord:
+    """A VM not yet defined (a spec's), with the footprint its definition would fix."""
+    return VmRecord(name=name, partition=partition, vcpus=1, memory_mib=memory_mib,
+                    accel=accel, overhead_mib=definition_overhead(accel))
+
+
+def vm_overhead(rec: VmRecord) -> int:
+    """QEMU's overhead for a defined VM: as recorded at definition; a VM from a state file
+    older than that record falls back to the accelerator it used (or asked for, TCG's
+    larger figure when unknown)."""
+    if rec.overhead_mib is not None:
+        return rec.overhead_mib
+    accel = rec.accel_used or (rec.accel if rec.accel in ("kvm", "tcg") else "tcg")
+    return overhead_mib(accel)
+
+
+def vm_footprint(rec: VmRecord) -> int:
+    """Host memory one VM needs: guest RAM + its QEMU's overhead."""
+    return rec.memory_mib + vm_overhead(rec)
+
+
+def partition_share(rec: VmRecord) -> int:
+    """What one VM counts against the memory of the partition it runs in.
+
+    THE rule of what is counted where: today a partition holds its VMs' whole footprint
+    (guest RAM included), so a move needs that much room at the destination."""
+    return vm_footprint(rec)
+
+
+# -- sums ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Term:
+    """One addend of a sum: ``vm0 384``, or a bare number when it has no label."""
+
+    label: str
+    mib: int
+
+    def __str__(self) -> str:
+        return f"{self.label} {self.mib}" if self.label else str(self.mib)
+
+
+@dataclass(frozen=True)
+class Need:
+    """A sum of memory terms, rendered as ``64 + vm0 384 + web0 384 = 832``."""
+
+    terms: tuple[Term, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(t.mib for t in self.terms)
+
+    def __str__(self) -> str:
+        if not self.terms:
+            return "0"
+        if len(self.terms) == 1:
+            return str(self.terms[0])
+        return f"{' + '.join(map(str, self.terms))} = {self.total}"
+
+    def against(self, limit: int, unit: str = "MiB") -> str:
+        """``64 + vm0 384 = 448 > 400 MiB`` (or ``<=`` when it fits)."""
+        op = ">" if self.total > limit else "<="
+        return f"{self} {op} {limit} {unit}"
+
+
+def vms_need(vms: Iterable[VmRecord]) -> Need:
+    """A partition's need for these VMs: its supervisor plus each VM's share."""
+    return Need((Term("", SUPERVISOR_MIB),
+                 *(Term(v.name, partition_share(v)) for v in vms)))
+
+
+def partition_need(db: Database, partition: str, *, adding: Sequence[VmRecord] = (),
+                   removing: Iterable[str] = ()) -> Need:
+    """What ``partition`` needs with its defined VMs, less ``removing``, plus ``adding``."""
+    skip = set(removing) | {v.name for v in adding}
+    return vms_need([*(v for v in db.vms(partition) if v.name not in skip), *adding])
+
+
+def host_need(partitions: Iterable[tuple[str, int]]) -> Need:
+    """What partitions (name, memory_mib) ask of the host together."""
+    return Need(tuple(Term(name, mib) for name, mib in partitions))
+
+
+# -- partition checks ---------------------------------------------------------------------
+def check_partition_room(db: Database, partition: str, vms: Sequence[VmRecord],
+                         verb: Verb, limit: int | None = None) -> Need:
+    """Refuse unless ``partition`` can hold ``vms`` beside its own (for ``verb``: a VM
+    being created, or VMs moving in). Returns the sum that fits."""
+    if limit is None:
+        limit = db.partition(partition).memory_mib
+    need = partition_need(db, partition, adding=vms)
+    if need.total <= limit:
+        return need
+    who = (repr(vms[0].name) if len(vms) == 1
+           else "the VMs " + ", ".join(repr(v.name) for v in vms))
+    other = ("give the VM less memory" if verb == "create"
+             else "move a VM out of it first")
+    raise ResourceError(f"partition {partition!r} has no room for {who}: "
+                        f"{need.against(limit)}; grow it with `fusuma partition resize "
+                        f"{partition} --memory {need.total}` or {other}.")
+
+
+def check_resize(db: Database, partition: str, new_mib: int) -> None:
+    """Refuse a memory limit below what the partition's supervisor and VMs need."""
+    need = partition_need(db, partition)
+    if new_mib < need.total:
+        raise ResourceError(f"partition {partition!r} needs at least {need.total} MiB for "
+                            f"its supervisor and VMs ({need.against(new_mib)}); give it "
+                            f"at least {need.total} MiB or move or delete a VM first.")
+
+
+def check_host_room(db: Database, host: HostInfo, partition: str, memory_mib: int) -> None:
+    """Refuse a partition size that, with the other partitions, the host cannot give."""
+    others = [(p.name, p.memory_mib) for p in db.partitions() if p.name != partition]
+    need = host_need([*others, (partition, memory_mib)])
+    avail = host.memory_available_for_partitions_mib
+    if need.total > avail:
+        given = sum(mib for _, mib in others)
+        raise ResourceError(
+            f"partition {partition!r} asks for {memory_mib} MiB but only "
+            f"{max(0, avail - given)} MiB is left for partitions on this host "
+            f"({need.against(avail)}; {host.memory_reserved_mib} MiB is kept for the host "
+            f"itself); shrink another partition or ask for less.")
+
+
+# -- the shm filesystem -------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShmSpace:
+    """Free space of the filesystem that holds (or will hold) Paths.shm."""
+
+    path: Path              # Paths.shm
+    fstype: str             # "tmpfs", "hugetlbfs", ... ("?" when unknown)
+    free_mib: int
+
+    def __str__(self) -> str:
+        return f"{self.path} ({self.fstype})"
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _fstype(path: Path) -> str:
+    """The type of the filesystem mounted at the longest mount point above ``path``."""
+    best, kind = "", "?"
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    target = str(path.resolve())
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mnt = fields[1].encode().decode("unicode_escape")   # \040 for a space
+        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, kind = mnt, fields[2]
+    return kind
+
+
+def shm_space(paths: Paths) -> ShmSpace:
+    where = _existing(paths.shm)
+    st = os.statvfs(where)
+    return ShmSpace(paths.shm, _fstype(where), st.f_bavail * st.f_frsize // MIB)
+
+
+def _unfilled_bytes(path: Path) -> int:
+    """What a sparse file may still allocate: its size minus its allocated blocks."""
+    st = path.stat()
+    return max(0, st.st_size - st.st_blocks * 512)
+
+
+def _allocated_bytes(path: Path) -> int:
+    try:
+        return path.stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def shm_need(paths: Paths, label: str, size_mib: int, *,
+             replacing: Iterable[Path] = ()) -> Need:
+    """Room a new RAM file of ``size_mib`` needs in Paths.shm: its size, less what the
+    files it replaces hold now, then what every other file there has yet to fill as its
+    guest touches memory."""
+    replaced = {Path(p) for p in replacing}
+    size = size_mib * MIB - sum(_allocated_bytes(p) for p in replaced)
+    terms = [Term(label, max(0, math.ceil(size / MIB)))]
+    if paths.shm.is_dir():
+        for f in sorted(paths.shm.iterdir()):
+            if f in replaced or not f.is_file():
+                continue
+            try:
+                left = math.ceil(_unfilled_bytes(f) / MIB)
+            except FileNotFoundError:   # gone meanwhile
+                continue
+            if left:
+                terms.append(Term(f"unfilled {f.name.removesuffix('.ram')}", left))
+    return Need(tuple(terms))
+
+
+def check_shm_room(paths: Paths, need: Need, what: str, fix: str) -> None:
+    """Refuse ``what`` (``starting 'v'``) unless the shm filesystem's free space holds
+    ``need``; ``fix`` ends the sentence (how to make room)."""
+    space = shm_space(paths)
+    if need.total > space.free_mib:
+        raise ResourceError(f"{what} needs {need.total} MiB in {space} but "
+                            f"{space.free_mib} MiB is free there ({need.against(space.free_mib)}"
+                            f" free); {fix}.")
+
+
+def check_start(paths: Paths, rec: VmRecord) -> None:
+    """A shared-RAM VM about to start: room for its RAM file (which replaces any file
+    left at its path) and for the other RAM files to fill."""
+    if not rec.shared_ram:
+        return
+    need = shm_need(paths, rec.name, rec.memory_mib, replacing=[paths.ram_file(rec.name)])
+    check_shm_room(paths, need, f"starting {rec.name!r}",
+                   "free memory there (stop or delete a VM), grow that filesystem or give "
+                   "the VM less memory")
+
+
+# -- moves --------------------------------------------------------------------------------
+def _copies_ram_file(rec: VmRecord, mode: str) -> bool:
+    """A copy move of a shared-RAM VM: the destination QEMU gets a RAM file of its own."""
+    return mode == "copy" and rec.shared_ram
+
+
+def check_move(paths: Paths, db: Database, rec: VmRecord, to: str, mode: str) -> None:
+    """Refuse a move of ``rec`` into partition ``to`` the destination cannot hold: room in
+    the partition and, for a copy of shared RAM, a second RAM file in the shm fs."""
+    check_partition_room(db, to, [rec], "move")
+    if _copies_ram_file(rec, mode):
+        need = shm_need(paths, f"{rec.name} (second copy)", rec.memory_mib)
+        check_shm_room(paths, need, f"a copy move of {rec.name!r}",
+                       "use --mode zero-copy (the RAM file changes owner instead) or free "
+                       "memory there")
+
+
+def check_many(paths: Paths, db: Database, vms: Sequence[VmRecord], to: str,
+               modes: Mapping[str, str] | None = None) -> None:
+    """Refuse moving all of ``vms`` into ``to`` (``fusuma maintain``) unless they fit
+    there together. Moves run one after another and a copy move's source RAM file goes
+    when it ends, so the shm fs needs room for the largest second RAM file only."""
+    if not vms:
+        return
+    check_partition_room(db, to, vms, "move")
+    modes = modes or {v.name: "zero-copy" if v.shared_ram else "copy" for v in vms}
+    copies = [v for v in vms if _copies_ram_file(v, modes.get(v.name, "zero-copy"))]
+    if copies:
+        big = max(copies, key=lambda v: v.memory_mib)
+        need = shm_need(paths, f"{big.name} (second copy)", big.memory_mib)
+        check_shm_room(paths, need, f"a copy move of {big.name!r}",
+                       "use zero-copy moves or free memory there")

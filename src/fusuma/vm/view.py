@@ -1,0 +1,92 @@
+"""A VM as `fusuma ps` shows it: the DB record checked against the live process.
+
+Kept apart from ``manager`` (which needs the partition manager, cgroups and the
+supervisor client) so that `ps` and `vm list` import only what they read. Nothing is
+cached: every call reads /proc, so a QEMU killed a moment ago shows as ``crashed`` in
+the very next `ps`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fusuma.errors import FusumaError
+from fusuma.qemu import process
+from fusuma.state import ALIVE, VmRecord, VmState
+
+
+@dataclass(frozen=True)
+class VmView:
+    """A VM as `ps` shows it: the DB record checked against the live process."""
+
+    record: VmRecord
+    # Where segment files live (Paths.segments_dir), to find their mappings.
+    segments_dir: Path = Path("/var/lib/fusuma/segments")
+
+    @property
+    def state(self) -> str:
+        r = self.record
+        if r.state == VmState.STARTING and r.pid is None:
+            return r.state.value
+        if r.state in ALIVE and not (r.pid and process.pid_alive(r.pid) and
+                                     f"guest={r.name},debug-threads=on"
+                                     in process.cmdline(r.pid)):
+            # The supervisor is down or has not noticed yet: say what is true.
+            return VmState.CRASHED.value
+        return r.state.value
+
+    def as_json(self) -> dict[str, Any]:
+        r = self.record
+        state = self.state
+        alive = state in ("running", "paused", "migrating", "stopping") and r.pid is not None
+        mem = None
+        if alive and r.pid:
+            from fusuma.memshare.report import vm_memory
+
+            files = {seg: self.segments_dir / f"{seg}.erofs"
+                     for seg in (item.partition(":")[0] for item in r.segments)}
+            with contextlib.suppress(FusumaError):
+                mem = vm_memory(r.pid, files)
+        return {"name": r.name, "partition": r.partition, "state": state,
+                "pid": r.pid if state != "crashed" else None,
+                "accel": r.accel_used or r.accel, "vcpus": r.vcpus,
+                "memory_mib": r.memory_mib, "shared_ram": r.shared_ram, "qos": r.qos,
+                "mergeable": r.mergeable, "segments": r.segments, "ports": r.ports,
+                "host_memory": mem.as_json() if mem else None,
+                "disks": r.disks, "error": r.error}
+
+
+def views_json(records: Sequence[VmRecord], segments_dir: Path,
+               threads: int = 4) -> list[dict[str, Any]]:
+    """``VmView(r, segments_dir).as_json()`` of every record, in order.
+
+    Reading a running VM's PSS (smaps_rollup) makes the kernel walk the page tables of
+    its QEMU, a few ms per VM with the guest's RAM mapped; several threads do that for
+    several VMs at once (the read releases the GIL), which matters with many VMs."""
+    out: list[dict[str, Any] | None] = [None] * len(records)
+    errors: list[BaseException] = []
+
+    def work(first: int, step: int) -> None:
+        try:
+            for i in range(first, len(records), step):
+                out[i] = VmView(records[i], segments_dir).as_json()
+        except BaseException as exc:
+            errors.append(exc)
+
+    k = max(1, min(threads, len(records)))
+    if k == 1:
+        work(0, 1)
+    else:
+        pool = [threading.Thread(target=work, args=(i, k)) for i in range(k)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    if errors:
+        raise errors[0]
+    return [x for x in out if x is not None]

@@ -1,0 +1,160 @@
+"""The CLI imports only what a command runs (issue 17).
+
+Each command runs in a fresh interpreter (a subprocess, in a scratch namespace); what
+it left in ``sys.modules`` must not include the heavy libraries it does not use. The
+lazy command table must agree with the commands themselves, so `fusuma --help` can list
+them without importing them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from fusuma.cli import main as cli_main
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Never imported by a command that does not need them: plotting, an API server, a
+# Kubernetes client or operator framework.
+HEAVY = ("matplotlib", "fastapi", "uvicorn", "kubernetes", "kopf")
+# Also kept out of the commands scripts call in loops (and of help texts): pydantic
+# (fusuma.spec), the benchmarks, image building, the supervisor's QMP/asyncio stack.
+READ_ONLY = (*HEAVY, "pydantic", "fusuma.spec", "fusuma.bench", "fusuma.images",
+             "fusuma.partition.supervisor", "fusuma.partition.manager", "qemu", "asyncio")
+
+PROBE = """
+import json, sys
+out, args = sys.argv[1], json.loads(sys.argv[2])
+sys.argv = ["fusuma", *args]
+from fusuma.cli.main import main
+try:
+    main()
+except SystemExit:
+    pass
+with open(out, "w") as f:
+    json.dump(sorted(sys.modules), f)
+"""
+
+
+def modules_after(tmp_path: Path, *args: str) -> set[str]:
+    out = tmp_path / "modules.json"
+    env = {**os.environ, "FUSUMA_HOME": str(tmp_path / "home"),
+           "FUSUMA_RUNTIME_DIR": str(tmp_path / "run"),
+           "FUSUMA_SHM_DIR": str(tmp_path / "shm"),
+           "FUSUMA_CGROUP_PREFIX": f"fusuma-test-imports-{os.getpid()}",
+           "PYTHONPATH": str(REPO / "src")}
+    p = subprocess.run([sys.executable, "-c", PROBE, str(out), json.dumps(list(args))], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert out.exists(), f"fusuma {' '.join(args)} did not finish: {p.stderr}"
+    return set(json.loads(out.read_text()))
+
+
+def offenders(mods: set[str], banned: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in mods if any(m == b or m.startswith(b + ".") for b in banned))
+
+
+@pytest.mark.parametrize("args", [
+    ("ps", "--json"),
+    ("vm", "list", "--json"),
+    ("--help",),
+    ("vm", "exec", "--help"),
+    ("vm", "--help"),
+    ("partition", "list", "--json"),
+])
+def test_read_only_commands_stay_light(tmp_path: Path, args: tuple[str, ...]) -> None:
+    mods = modules_after(tmp_path, *args)
+    assert "fusuma.cli.main" in mods
+    assert not offenders(mods, READ_ONLY), f"fusuma {' '.join(args)} imported them"
+
+
+@pytest.mark.parametrize("args", [
+    ("migrate", "--help"),
+    ("migrate", "no-such-vm", "--to", "no-such-partition"),
+    ("bench", "--help"),
+    ("bench", "cli", "--help"),
+    ("top", "--help"),
+    ("share", "--help"),
+    ("segment", "list", "--json"),
+    ("image", "--help"),
+    ("up", "--help"),
+])
+def test_no_command_imports_what_it_does_not_use(tmp_path: Path,
+                                                 args: tuple[str, ...]) -> None:
+    mods = modules_after(tmp_path, *args)
+    assert "fusuma.cli.main" in mods
+    assert not offenders(mods, HEAVY), f"fusuma {' '.join(args)} imported them"
+
+
+def test_help_imports_no_command_module(tmp_path: Path) -> None:
+    mods = modules_after(tmp_path, "--help")
+    cmds = sorted(m for m in mods if m.startswith("fusuma.cli.") and m != "fusuma.cli.main")
+    assert cmds == []
+
+
+def test_migrate_help_does_not_import_migration(tmp_path: Path) -> None:
+    mods = modules_after(tmp_path, "migrate", "--help")
+    assert not offenders(mods, ("fusuma.migration", "qemu", "asyncio", "pydantic"))
+
+
+def test_migrate_imports_no_qmp(tmp_path: Path) -> None:
+    """QMP and asyncio are the supervisor's: the CLI side of a move only talks to
+    supervisors over their socket."""
+    mods = modules_after(tmp_path, "migrate", "no-such-vm", "--to", "no-such-partition")
+    assert "fusuma.migration" in mods
+    assert not offenders(mods, ("qemu", "asyncio", "fusuma.partition.supervisor",
+                                "fusuma.migration.supervisor_ops", "fusuma.bench"))
+
+
+# -- the lazy table --------------------------------------------------------------------
+def test_every_summary_is_the_commands_own_short_help() -> None:
+    """The listing's summaries are kept in cli/main.py so `--help` imports nothing;
+    each must equal what click would show from the command's own help (its first
+    sentence), so the two cannot drift."""
+    for name, (_, summary) in cli_main.COMMANDS.items():
+        cmd = cli_main.load_command(name)
+        assert cmd.name == name
+        assert summary == cmd.get_short_help_str(limit=10**6), name
+
+
+def test_help_listing_equals_the_eager_one() -> None:
+    """`fusuma --help` from the table is byte for byte what click prints with every
+    command imported."""
+    eager = click.Group(name="fusuma", help=cli_main.cli.help, epilog=cli_main.cli.epilog,
+                        params=cli_main.cli.params,
+                        context_settings=cli_main.cli.context_settings)
+    for name in cli_main.COMMANDS:
+        eager.add_command(cli_main.load_command(name), name)
+    lazy = CliRunner().invoke(cli_main.cli, ["--help"], prog_name="fusuma")
+    ref = CliRunner().invoke(eager, ["--help"], prog_name="fusuma")
+    assert lazy.exit_code == 0 and ref.exit_code == 0
+    assert lazy.output == ref.output
+    for name in cli_main.COMMANDS:
+        assert f"  {name} " in lazy.output
+
+
+def test_table_covers_every_command_module() -> None:
+    """A command added to a cli module but not to the table would be unreachable."""
+    cli_dir = Path(cli_main.__file__).parent
+    listed = {ref.split(":")[0].rsplit(".", 1)[1] for ref, _ in cli_main.COMMANDS.values()}
+    modules = {p.stem for p in cli_dir.glob("*.py")} - {"__init__", "main", "common"}
+    assert modules <= listed
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    res = CliRunner().invoke(cli_main.cli, ["no-such-command"])
+    assert res.exit_code == 2 and "No such command" in res.output
+
+
+def test_qos_choices_match_the_governor() -> None:
+    from fusuma.cli.vm import QOS_CHOICES
+    from fusuma.governor import QOS_NAMES
+
+    assert tuple(QOS_CHOICES) == tuple(QOS_NAMES)
