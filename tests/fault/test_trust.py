@@ -74,7 +74,7 @@ def test_stop_during_a_move_is_refused_and_the_move_completes(host: Host) -> Non
     assert_one_sentence(res.err)
     assert "VM 'vm0' is busy: moving to p1 (phase: streamed) since " in res.err, res.err
     assert f"by pid {held.proc.pid}" in res.err
-    out, err = held.proc.communicate(timeout=60)
+    _out, err = held.proc.communicate(timeout=60)
     assert held.proc.returncode == 0, err
     v = host.vm("vm0")
     assert (v["partition"], v["state"]) == ("p1", "running")

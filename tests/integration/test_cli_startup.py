@@ -63,7 +63,7 @@ def test_bench_cli_writes_result_file(host: Host, tmp_path: Path) -> None:
     metrics = {r["metric"]: r for r in data["results"]}
     assert set(metrics) == {"python_bare_ms", "python_click_ms", "ps_json_empty_ms",
                             "vm_list_json_empty_ms", "help_ms", "migrate_help_ms",
-                            "migrate_startup_ms", "ps_json_2vms_ms"}
+                            "migrate_startup_ms", "ps_json_2vms_ms", "python_click_2vms_ms"}
     elapsed_ms = (time.monotonic() - t0) * 1000
     for r in metrics.values():
         assert len(r["runs_ms"]) == 2

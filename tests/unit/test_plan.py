@@ -56,6 +56,9 @@ def test_plan_matching_host_is_empty_and_resizes_are_found(
     db.add_partition(PartitionRecord("a", [0, 1], 1024))
     db.add_partition(PartitionRecord("b", [2, 3], 2048))
     no_vm = SPEC.split("[[vm]]")[0]
+    # Partitions whose supervisor is down (here: none was ever started) get one first.
+    assert plan(db, parts, parse_spec(no_vm, "s"), "s").start_supervisors == ["a", "b"]
+    parts.supervisor_pid = lambda name: 1      # type: ignore[method-assign]
     assert plan(db, parts, parse_spec(no_vm, "s"), "s").empty()
     # A defined VM that is not running (here: its pid is not a QEMU) is started.
     db.add_vm(VmRecord("v", "a", 1, 256, state=VmState.RUNNING, pid=os.getpid()))

@@ -15,11 +15,13 @@ after one warm-up round that is not counted.
   the CLI and of fusuma.migration, the state DB, the host lock and the recovery check,
   and the process exit. A move's ``total_ms`` (`fusuma migrate --json`) starts after
   all of that, so a move's wall time is this plus ``total_ms``.
-- with ``vms > 0``: ``ps --json`` in the caller's namespace with that many VMs running
-  (their PSS is read from /proc/PID/smaps_rollup by every `ps`). The VMs (256 MiB, the
-  minimal image) run in up to two scratch partitions on the cores no partition holds,
-  started and booted to their guest agent before the measurement; everything is removed
-  afterwards, also when the benchmark fails.
+- with ``vms > 0``, after all of the above: ``ps --json`` in the caller's namespace with
+  that many VMs running (their PSS is read from /proc/PID/smaps_rollup by every `ps`),
+  and the click floor again while they run (idle guests still take CPU, under TCG a
+  lot). The VMs (256 MiB, the minimal image) run in up to two scratch partitions on the
+  cores no partition holds, each booted to its guest agent, then left to settle for
+  SETTLE_S seconds before the measurement; everything is removed afterwards, also when
+  the benchmark fails.
 - for scale: a bare interpreter (``python -c pass``) and one that imports click, the
   floor of any click CLI on this host.
 
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
     from fusuma.vm.manager import VmManager
 
 DEFAULT_RUNS = 10
+SETTLE_S = 20.0
 PARTITION = "bench-cli"
 # Targets of issue 17, in ms (medians).
 TARGETS = {"ps_json_empty_ms": 100.0, "vm_list_json_empty_ms": 100.0, "help_ms": 100.0,
@@ -103,8 +106,11 @@ def probes(vms: int) -> list[Probe]:
            expect_rc=NotFoundError.exit_code),
     ]
     if vms:
-        out.append(fu(f"ps_json_{vms}vms_ms", ["ps", "--json"],
-                      f"{vms} VMs running (PSS of each read from /proc)", "host"))
+        out += [Probe(f"python_click_{vms}vms_ms", [py, "-c", "import click"], "none",
+                      "python -c 'import click'",
+                      f"the floor again, while the {vms} VMs run (their CPU use shows)"),
+                fu(f"ps_json_{vms}vms_ms", ["ps", "--json"],
+                   f"{vms} VMs running (PSS of each read from /proc)", "host")]
     return out
 
 
@@ -192,13 +198,26 @@ def run(parts: PartitionManager, vms_mgr: VmManager, runs: int = DEFAULT_RUNS, v
             if states.count("running") != vms:
                 raise FusumaError(f"expected {vms} running VMs in `ps`, saw {states}")
 
+    # The empty-host commands first, on a host without the benchmark's VMs; then, with
+    # the VMs running, `ps` and the floor again.
+    before = [p for p in plan if not p.metric.endswith("vms_ms")]
+    during = [p for p in plan if p.metric.endswith("vms_ms")]
+    loads: dict[str, float] = {}
     try:
+        progress(f"timing {len(before)} commands x {runs} runs, round-robin")
+        loads["loadavg_1m_before"] = os.getloadavg()[0]
+        times = measure(before, envs, runs, check, progress)
+        loads["loadavg_1m_after"] = os.getloadavg()[0]
         if vms:
             made, cores = _start_vms(parts, vms_mgr, vms, memory_mib, accel, progress)
-        progress(f"timing {len(plan)} commands x {runs} runs, round-robin")
-        load0 = os.getloadavg()
-        times = measure(plan, envs, runs, check, progress)
-        load1 = os.getloadavg()
+            # A guest keeps busy for a while after its agent first answers (under TCG
+            # that is host CPU): measure the steady state of N running VMs.
+            progress(f"letting the guests settle for {SETTLE_S:.0f} s")
+            time.sleep(SETTLE_S)
+            progress(f"timing {len(during)} commands x {runs} runs with {vms} VMs running")
+            loads["loadavg_1m_before_vms_timing"] = os.getloadavg()[0]
+            times.update(measure(during, envs, runs, check, progress))
+            loads["loadavg_1m_after_vms_timing"] = os.getloadavg()[0]
     finally:
         for name in made:
             try:
@@ -215,6 +234,7 @@ def run(parts: PartitionManager, vms_mgr: VmManager, runs: int = DEFAULT_RUNS, v
     return {"meta": meta(accel, benchmark="cli", runs=runs, vms=vms,
                          guest_memory_mib=memory_mib if vms else None,
                          vm_partition_cores=cores or None,
+                         settle_s=SETTLE_S if vms else None,
                          fusuma_command=" ".join(fusuma_argv()),
                          python=sys.version.split()[0],
                          bytecode_cache="on (PYTHONPYCACHEPREFIX in a scratch dir, "
@@ -222,8 +242,7 @@ def run(parts: PartitionManager, vms_mgr: VmManager, runs: int = DEFAULT_RUNS, v
                          measured_src=str(src) if src else None,
                          # The host's 1-minute load average before and after the timed
                          # rounds: other work on the host shows in the wall times.
-                         loadavg_1m_before=round(load0[0], 2),
-                         loadavg_1m_after=round(load1[0], 2)),
+                         **{k: round(v, 2) for k, v in loads.items()}),
             "results": results, "summary": summ, "targets": targets(summ, vms)}
 
 

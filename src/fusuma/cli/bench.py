@@ -72,7 +72,8 @@ def cli_cmd(c: Ctx, runs: int, n: int, memory_mib: int, src: Path | None,
                           in an empty namespace (scratch FUSUMA_HOME etc.)
       migrate_startup_ms  a `fusuma migrate` refused before its first supervisor call
                           (unknown VM): everything a move pays besides the move itself
-      ps_json_NVMS_ms     with --vms N: `ps --json` with N VMs running
+      ps_json_NVMS_ms     with --vms N, afterwards: `ps --json` with N VMs running
+                          (and python_click_NVMS_ms, the floor while they run)
       python_bare_ms, python_click_ms
                           the interpreter alone and with click: the floor
     The commands run round-robin; Python's bytecode cache is on (in a scratch dir).

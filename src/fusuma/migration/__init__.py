@@ -165,6 +165,7 @@ def _migrate(parts: PartitionManager, jh: recovery.JobHandle, vm: str, to: str, 
             progress(f"could not settle {vm} in {to} ({exc}); restarting its supervisor")
             if parts.supervisor_pid(to) is None:
                 parts.start_supervisor(to)
+                dst.call("settle", vm=vm)
         after = db.vm(vm)
         if after.partition != to or after.state not in (VmState.RUNNING, VmState.PAUSED):
             raise MigrationError(f"{vm!r} moved to partition {to!r}, but is "

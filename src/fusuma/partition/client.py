@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from typing import Any
 
 from fusuma.errors import SupervisorError
@@ -19,7 +20,22 @@ class SupervisorClient:
         self.partition = partition
         self.path = paths.supervisor_socket(partition)
 
-    def call(self, op: str, rpc_timeout: float = 60.0, **args: Any) -> Any:
+    def call(self, op: str, rpc_timeout: float = 60.0, *, wait_up: float = 3.0,
+             **args: Any) -> Any:
+        """One request and its reply. A supervisor that is restarting (no socket yet)
+        is waited for up to ``wait_up`` seconds, so a command issued during
+        `partition restart` is queued rather than refused."""
+        deadline = time.monotonic() + wait_up
+        while True:
+            try:
+                return self._call(op, rpc_timeout, **args)
+            except SupervisorError as exc:
+                if not isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError)) \
+                        or time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.05)
+
+    def _call(self, op: str, rpc_timeout: float, **args: Any) -> Any:
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(rpc_timeout)
@@ -54,7 +70,7 @@ class SupervisorClient:
 
     def alive(self) -> bool:
         try:
-            self.call("ping", rpc_timeout=2.0)
+            self.call("ping", rpc_timeout=2.0, wait_up=0.0)
         except SupervisorError:
             return False
         return True
