@@ -74,6 +74,10 @@ def test_stop_during_a_move_is_refused_and_the_move_completes(host: Host) -> Non
     assert_one_sentence(res.err)
     assert "VM 'vm0' is busy: moving to p1 (phase: streamed) since " in res.err, res.err
     assert f"by pid {held.proc.pid}" in res.err
+    shown = host.vm("vm0")
+    assert shown["state"] == "migrating" and shown["job"]["phase"] == "streamed"
+    assert shown["job"]["owner_pid"] == held.proc.pid and shown["job"]["owner_alive"]
+    assert "moving to p1 (streamed" in host.run("ps").out
     _out, err = held.proc.communicate(timeout=60)
     assert held.proc.returncode == 0, err
     v = host.vm("vm0")

@@ -101,6 +101,15 @@ def ps_data(c: Ctx) -> dict[str, Any]:
                       "qemu": p.qemu, "io_weight": p.io_weight,
                       "disks": [d.name for d in c.db.disks(p.name)]})
     vms = views_json(c.db.vms(), c.paths.segments_dir)
+    # The operation holding each object, if any: what it does, its phase, since when,
+    # by which pid, and whether that pid still lives (a dead one is being recovered).
+    jobs = {j.obj: {"kind": j.kind, "phase": j.phase, "peer": j.peer,
+                    "since": j.started_at, "owner_pid": j.owner.pid,
+                    "owner_alive": j.owner.alive()} for j in c.db.jobs()}
+    for v in vms:
+        v["job"] = jobs.get(f"vm:{v['name']}")
+    for prow in parts:
+        prow["job"] = jobs.get(f"partition:{prow['name']}")
     return {"partitions": parts, "vms": vms}
 
 
@@ -131,9 +140,19 @@ def ps(c: Ctx, as_json: bool) -> None:
     click.echo()
     vrow = [[v["name"], v["partition"], v["state"], str(v["pid"] or "-"), v["accel"],
              str(v["vcpus"]), str(v["memory_mib"]),
-             *_mem_cells(v["host_memory"]), v["error"] or ""] for v in data["vms"]]
+             *_mem_cells(v["host_memory"]), _note(v)] for v in data["vms"]]
     click.echo(table(vrow, ["vm", "partition", "state", "pid", "accel", "vcpus",
                             "memory_mib", "pss_mib", "seg_mib", "ksm_mib", "note"]))
+
+
+def _note(v: dict[str, Any]) -> str:
+    job = v.get("job")
+    if job:
+        what = f"moving to {job['peer']}" if job["kind"] == "migrate" else job["kind"]
+        who = f"pid {job['owner_pid']}" if job["owner_alive"] else \
+            f"pid {job['owner_pid']} died, recovering"
+        return f"{what} ({job['phase']}, {who})"
+    return str(v["error"] or "")
 
 
 def _mem_cells(mem: dict[str, Any] | None) -> list[str]:

@@ -39,6 +39,7 @@ from fusuma.partition.liveness import SUPERVISOR_MODULE
 from fusuma.paths import PRIVATE_DIR, Paths, ensure_dir
 from fusuma.qemu import process
 from fusuma.state import Database, DiskRecord, PartitionRecord
+from fusuma.state.jobs import partition_obj
 from fusuma.state.lock import locked
 from fusuma.undo import Reverter
 
@@ -189,9 +190,15 @@ class PartitionManager:
         check_cores(name, len(new_cpus), self.db.vms(name))
         new = PartitionRecord(**{**rec.__dict__, "cpus": sorted(new_cpus),
                                  "memory_mib": new_mem})
-        with Reverter() as rev:
+        from fusuma import recovery  # imports this module
+
+        # A resize killed half-way is finished from the record by recovery (the record
+        # is written last, so the kernel gets the limits the record names).
+        with recovery.job(self, partition_obj(name), "resize") as jh, Reverter() as rev:
+            jh.phase("cgroup", cpus=new.cpus, memory_mib=new.memory_mib)
             rev.add(lambda: self.cg.update(name, self._limits(rec)), "cgroup limits")
             self.cg.update(name, self._limits(new))
+            jh.phase("record")
             self.db.update_partition(new)
             rev.add(lambda: self.db.update_partition(rec), "db row")
             rev.commit()
