@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusuma.bench.meta import meta
-from fusuma.errors import FusumaError, NotFoundError, ResourceError
+from fusuma.errors import FusumaError, NotFoundError, ResourceError, SpecError
 
 if TYPE_CHECKING:
     from fusuma.partition.manager import PartitionManager
@@ -114,6 +114,30 @@ def probes(vms: int) -> list[Probe]:
     return out
 
 
+def revision_src(revision: str, dest: Path) -> tuple[str, Path]:
+    """Extract ``src/`` of git ``revision`` of this checkout into ``dest``; returns the
+    full commit id and the directory to put first on PYTHONPATH."""
+    repo = Path(__file__).resolve().parents[3]
+    try:
+        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify",
+                              f"{revision}^{{commit}}"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        tar = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", sha, "src"],
+                             capture_output=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+        if isinstance(why, bytes):
+            why = why.decode(errors="replace")
+        raise NotFoundError(f"cannot get revision {revision!r} from the git checkout at "
+                            f"{repo}: {str(why).strip() or exc}") from exc
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        tf.extractall(dest, filter="data")
+    return sha, dest / "src"
+
+
 def child_env(base: dict[str, str], pycache: Path, src: Path | None) -> dict[str, str]:
     env = {k: v for k, v in base.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPYCACHEPREFIX"] = str(pycache)
@@ -159,7 +183,14 @@ def measure(plan: list[Probe], envs: dict[str, dict[str, str]], runs: int,
 
 
 def summary(times: dict[str, list[float]]) -> dict[str, float]:
-    return {k: round(statistics.median(v), 1) for k, v in times.items()}
+    """Each metric's median; plus ``migrate_startup_over_click_ms``, the part of
+    migrate's start-up that is fusuma's own: its median minus that of an interpreter
+    that imports click (which any click CLI pays)."""
+    out = {k: round(statistics.median(v), 1) for k, v in times.items()}
+    if "migrate_startup_ms" in out and "python_click_ms" in out:
+        out["migrate_startup_over_click_ms"] = round(
+            out["migrate_startup_ms"] - out["python_click_ms"], 1)
+    return out
 
 
 def targets(summ: dict[str, float], vms: int) -> list[dict[str, Any]]:
@@ -174,17 +205,16 @@ def targets(summ: dict[str, float], vms: int) -> list[dict[str, Any]]:
 
 
 def run(parts: PartitionManager, vms_mgr: VmManager, runs: int = DEFAULT_RUNS, vms: int = 0,
-        memory_mib: int = 256, src: Path | None = None,
+        memory_mib: int = 256, revision: str | None = None,
         progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Measure; with ``vms`` > 0, first start that many VMs in scratch partitions of
     ``parts`` (a PartitionManager) through ``vms_mgr`` (a VmManager)."""
     from fusuma.host.accel import probe_accel
 
     accel = probe_accel("auto").name
-    scratch = Path(tempfile.mkdtemp(prefix="fusuma-bench-cli-"))
-    base = child_env(dict(os.environ), scratch / "pycache", src)
-    envs = {"none": base, "host": {**base, **parts.paths.as_env()},
-            "empty": empty_namespace(base, scratch)}
+    if revision and vms:
+        raise SpecError("--revision times the empty-host commands only: an older fusuma "
+                        "may not read this host's state DB; leave out --vms.")
     plan = probes(vms)
     made: list[str] = []
     cores: list[list[int]] = []
@@ -203,7 +233,12 @@ def run(parts: PartitionManager, vms_mgr: VmManager, runs: int = DEFAULT_RUNS, v
     before = [p for p in plan if not p.metric.endswith("vms_ms")]
     during = [p for p in plan if p.metric.endswith("vms_ms")]
     loads: dict[str, float] = {}
+    scratch = Path(tempfile.mkdtemp(prefix="fusuma-bench-cli-"))
     try:
+        sha, src = revision_src(revision, scratch / "rev") if revision else (None, None)
+        base = child_env(dict(os.environ), scratch / "pycache", src)
+        envs = {"none": base, "host": {**base, **parts.paths.as_env()},
+                "empty": empty_namespace(base, scratch)}
         progress(f"timing {len(before)} commands x {runs} runs, round-robin")
         loads["loadavg_1m_before"] = os.getloadavg()[0]
         times = measure(before, envs, runs, check, progress)
@@ -239,7 +274,9 @@ def run(parts: PartitionManager, vms_mgr: VmManager, runs: int = DEFAULT_RUNS, v
                          python=sys.version.split()[0],
                          bytecode_cache="on (PYTHONPYCACHEPREFIX in a scratch dir, "
                                         "filled by the warm-up round)",
-                         measured_src=str(src) if src else None,
+                         # With --revision: the code timed is that commit's, not the
+                         # one git_revision names (the code that measured).
+                         measured_revision=sha,
                          # The host's 1-minute load average before and after the timed
                          # rounds: other work on the host shows in the wall times.
                          **{k: round(v, 2) for k, v in loads.items()}),

@@ -322,6 +322,10 @@ def _build(spec: ImageKind, inputs: Inputs, deb_path: Path, images: Path,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (tmp / "image.json").write_text(json.dumps(meta, indent=2) + "\n")
+        # fusuma runs with umask 077; an image is public (each VM's QEMU runs under its
+        # own uid and reads the kernel and initrd).
+        for f in ("vmlinuz", "initrd.img", "image.json"):
+            (tmp / f).chmod(0o644)
         tmp.chmod(0o755)
         if final.exists():
             old = Path(tempfile.mkdtemp(prefix=".old-", dir=images))
