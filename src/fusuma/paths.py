@@ -151,7 +151,27 @@ class Paths:
             "FUSUMA_UID_BASE": str(self.uid_base),
         }
 
+    def ensure_parents(self) -> None:
+        """Create missing ancestors of fusuma's roots as 0711 (passable, not listable):
+        under umask 077 they would be 0700, and VMs' QEMUs (uids of their own) must pass
+        through to their run dirs."""
+        for root in (self.home, self.runtime, self.shm, self.cache):
+            missing = [p for p in root.parents if not p.exists()]
+            for d in reversed(missing):
+                ensure_dir(d, PASSABLE_DIR)
+
     def ensure_runtime(self) -> None:
-        """The runtime dir and its ``vms`` and ``partitions``: 0711, owned by root."""
+        """The runtime dir and its ``vms`` and ``partitions``: 0711, owned by root.
+
+        Each VM's QEMU (its own uid) must walk down to its run dir: the parents fusuma
+        creates are 0711 too, and an existing parent others cannot pass is refused."""
+        self.ensure_parents()
+        for parent in self.runtime.parents:
+            if not os.stat(parent).st_mode & stat.S_IXOTH:
+                raise HostError(
+                    f"the runtime directory {self.runtime} is below {parent}, which other "
+                    "users cannot pass, so the VMs' QEMUs (each under a uid of its own) "
+                    f"cannot reach their sockets; `chmod o+x {parent}` or set "
+                    "FUSUMA_RUNTIME_DIR elsewhere (default /run/fusuma).")
         for d in (self.runtime, self.runtime / "vms", self.runtime / "partitions"):
             ensure_dir(d, PASSABLE_DIR)

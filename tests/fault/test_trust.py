@@ -5,6 +5,7 @@ Real processes, real QEMU, real kills."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -191,3 +192,27 @@ def test_host_crash_then_ps_and_up_tell_and_repair(host: Host) -> None:
         assert host.run("vm", "exec", name, "--", "/bin/true").code == 0
     # One RAM file per guest: none left from the QEMUs that died.
     assert sorted(p.name for p in host.shm.iterdir()) == sorted(f"{n}.ram" for n in before)
+
+
+def test_runtime_dir_others_cannot_pass_is_refused_up_front(host: Host,
+                                                            tmp_path: Path) -> None:
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    host.runtime = closed / "run"
+    host.env["FUSUMA_RUNTIME_DIR"] = str(host.runtime)
+    err = host.fail("partition", "create", "p0", "--cpus", "0", "--memory", "512").err
+    assert_one_sentence(err)
+    assert f"below {closed}, which other users cannot pass" in err, err
+    assert f"chmod o+x {closed}" in err
+    assert host.ps()["partitions"] == []
+    # Missing parents fusuma makes itself are passable (0711), so this works:
+    host.runtime = Path(f"/tmp/fz-{host.tag}") / "nested" / "run"
+    host.env["FUSUMA_RUNTIME_DIR"] = str(host.runtime)
+    try:
+        host.run("partition", "create", "p0", "--cpus", "0", "--memory", "512")
+        host.run("vm", "create", "v", "-p", "p0", "--memory", "128", "--start")
+        assert host.run("vm", "exec", "v", "--", "/bin/true").code == 0
+        assert (host.runtime.parent.stat().st_mode & 0o777) == 0o711
+    finally:
+        host.run("down", check=False)
+        shutil.rmtree(f"/tmp/fz-{host.tag}", ignore_errors=True)

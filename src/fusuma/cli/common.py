@@ -33,6 +33,7 @@ class Ctx:
         if self._db is None:
             from fusuma.state import Database
 
+            self.paths.ensure_parents()
             self._db = Database(self.paths.db)
         return self._db
 

@@ -136,7 +136,7 @@ async def _resume_when_complete(sup: Supervisor, vm: str, inc: Incoming) -> None
         delay = float(inc.extra.get("fault_decide_delay") or 0)
         if delay > 0:     # fault injection (tests): hold between stream and outcome
             await asyncio.sleep(delay)
-        result = await incoming_commit(sup, vm)
+        result = await incoming_commit(sup, vm, paused=True)
         if not inc.done.done():
             inc.done.set_result(result)
     except asyncio.CancelledError:
@@ -154,9 +154,12 @@ def _fail(done: asyncio.Future[dict[str, Any]], exc: BaseException) -> None:
         done.exception()     # retrieved: no "never retrieved" noise when nobody waits
 
 
-async def incoming_commit(sup: Supervisor, vm: str) -> dict[str, Any]:
+async def incoming_commit(sup: Supervisor, vm: str, paused: bool = False) -> dict[str, Any]:
     """Make this partition's incoming QEMU the VM's: record "forward", run the guest,
-    take the record. Idempotent; refused if the outcome recorded is "back"."""
+    take the record. Idempotent; refused if the outcome recorded is "back".
+
+    ``paused``: the caller knows the guest is paused here (the stream has just
+    completed into a ``-S`` QEMU), which saves a round trip in the move's downtime."""
     inc = sup.incoming.get(vm)
     if inc is None:
         rt = sup.vms.get(vm)
@@ -168,7 +171,7 @@ async def incoming_commit(sup: Supervisor, vm: str) -> dict[str, Any]:
     if decision != "forward":
         raise MigrationError(f"the move of {vm!r} was decided {decision!r}: the guest "
                              f"stays at its source.")
-    status = await rt.qmp.query_status()
+    status = "paused" if paused else await rt.qmp.query_status()
     resume_ts = time.time()
     if status != "running":
         listener = rt.qmp.listener(EVENT_RESUME)

@@ -999,6 +999,7 @@ def main() -> None:
     # would only add noise.
     logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
     paths = Paths.from_env()
+    paths.ensure_parents()
     try:
         asyncio.run(Supervisor(paths, partition).run())
     except FusumaError as exc:

@@ -459,18 +459,21 @@ class Database:
     def decide(self, obj: str, decision: str) -> str | None:
         """Record a move's outcome once: "forward" (the destination may run the guest)
         or "back" (the source may). Returns the decision in force: the first one made.
-        Whoever loses follows it, so a source never resumes after its destination ran."""
-        with self.transaction():
-            job = self.find_job(obj)
-            if job is None:
-                return None
-            have = job.detail.get("decision")
-            if have:
-                return str(have)
-            merged = {**job.detail, "decision": decision}
-            self._conn.execute("UPDATE jobs SET detail=?, updated_at=? WHERE obj=?",
-                               (json.dumps(merged), time.time(), obj))
-        return decision
+        Whoever loses follows it, so a source never resumes after its destination ran.
+
+        One conditional UPDATE (no read-then-write transaction): it sits in the move's
+        downtime, between the completed stream and the destination's `cont`."""
+        cur = self._conn.execute(
+            "UPDATE jobs SET detail=json_set(detail, '$.decision', ?), updated_at=? "
+            "WHERE obj=? AND json_extract(detail, '$.decision') IS NULL",
+            (decision, time.time(), obj))
+        if cur.rowcount:
+            return decision
+        job = self.find_job(obj)
+        if job is None:
+            return None
+        have = job.detail.get("decision")
+        return str(have) if have else None
 
     def take_over(self, obj: str, old: JobOwner, new: JobOwner) -> Job | None:
         """Become the owner of a job whose owner ``old`` died (None if someone else did)."""
