@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -108,10 +110,20 @@ def test_ensure_dir_gives_the_dir_to_its_owner(tmp_path: Path) -> None:
 
 
 def test_runtime_dirs_are_passable_not_listable(tmp_path: Path) -> None:
-    p = paths(tmp_path)
-    p.ensure_runtime()
-    assert [mode(d) for d in (p.runtime, p.runtime / "vms", p.runtime / "partitions")] \
-        == [0o711] * 3
+    # pytest's tmp_path sits below 0700 directories: refused with the fix named.
+    with pytest.raises(HostError, match="which other users cannot pass"):
+        paths(tmp_path).ensure_runtime()
+    top = Path(tempfile.mkdtemp(prefix="fusuma-unit-", dir="/tmp"))
+    try:
+        top.chmod(0o711)
+        p = paths(top / "missing" / "parents")
+        p.ensure_runtime()
+        assert [mode(d) for d in (p.runtime, p.runtime / "vms", p.runtime / "partitions")] \
+            == [0o711] * 3
+        # The parents fusuma had to make are passable too (umask 077 would make 0700).
+        assert mode(top / "missing") == 0o711
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_ram_file_is_new_private_and_owned_by_the_vm(tmp_path: Path) -> None:
