@@ -166,8 +166,10 @@ class PartitionManager:
         self.cg.delete(name)
         self.db.remove_partition(name)
         self.cg.remove_parent_if_empty()
+        for log in ("supervisor.log", "recovery.log"):
+            with contextlib.suppress(OSError):
+                (self.paths.partition_dir(name) / log).unlink()
         with contextlib.suppress(OSError):
-            (self.paths.partition_dir(name) / "supervisor.log").unlink()
             self.paths.partition_dir(name).rmdir()
         LOG.info("deleted partition %s (cores %s)", name, format_cpulist(rec.cpus))
 

@@ -58,7 +58,7 @@ from fusuma.state import (
     busy_sentence,
     vm_obj,
 )
-from fusuma.state.machine import ALIVE
+from fusuma.state.machine import ALIVE, valid_transition
 
 LOG = logging.getLogger("fusuma.supervisor")
 
@@ -303,7 +303,6 @@ class Supervisor:
             return
         via = {VmState.CRASHED: (), VmState.STOPPED: (VmState.STOPPING,),
                VmState.RUNNING: (), VmState.PAUSED: ()}.get(to, ())
-        from fusuma.state.machine import valid_transition
         if not valid_transition(rec.state, to):
             for step in via:
                 if valid_transition(rec.state, step):
@@ -411,12 +410,12 @@ class Supervisor:
                 self.log.warning("owner pid %d of the %s job on %s died; recovering",
                                  job.owner.pid, job.kind, job.obj)
                 env = {**os.environ, **self.paths.as_env()}
-                self._recoverers[key] = subprocess.Popen(
-                    [sys.executable, "-m", "fusuma.recovery", job.obj],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=open(self.paths.partition_dir(self.partition)  # noqa: SIM115
-                                / "recovery.log", "ab"),
-                    start_new_session=True, close_fds=True, env=env)
+                with open(self.paths.partition_dir(self.partition) / "recovery.log",
+                          "ab") as log:
+                    self._recoverers[key] = subprocess.Popen(
+                        [sys.executable, "-m", "fusuma.recovery", job.obj],
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                        start_new_session=True, close_fds=True, env=env)
 
     # -- request handling -----------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader,
