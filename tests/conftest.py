@@ -124,6 +124,9 @@ class Host:
             out += [f"socket {p}" for p in self.runtime.rglob("*.sock")]
         if self.shm.exists():
             out += [f"shm file {p}" for p in self.shm.iterdir()]
+        # Anything else of this namespace in /dev/shm (a mount point, a re-created dir).
+        out += [f"shm entry {p}" for p in Path("/dev/shm").glob(f"fusuma-test-{self.tag}*")
+                if p != self.shm]
         return out
 
     def force_clean(self) -> None:

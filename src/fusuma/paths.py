@@ -152,10 +152,12 @@ class Paths:
         }
 
     def ensure_parents(self) -> None:
-        """Create missing ancestors of fusuma's roots as 0711 (passable, not listable):
-        under umask 077 they would be 0700, and VMs' QEMUs (uids of their own) must pass
-        through to their run dirs."""
-        for root in (self.home, self.runtime, self.shm, self.cache):
+        """Create missing ancestors of the state and runtime roots as 0711 (passable,
+        not listable): under umask 077 they would be 0700, and VMs' QEMUs (uids of their
+        own) must pass through to their run dirs, which often share a parent with
+        FUSUMA_HOME. (RAM files, images and logs reach QEMU as open fds: the shm and
+        cache roots need no such path.)"""
+        for root in (self.home, self.runtime):
             missing = [p for p in root.parents if not p.exists()]
             for d in reversed(missing):
                 ensure_dir(d, PASSABLE_DIR)
