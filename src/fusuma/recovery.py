@@ -116,6 +116,11 @@ def _dispatch(parts: PartitionManager, j: Job) -> None:
 
         out = recover_move(parts, j)
         LOG.warning("move of %s: %s", j.name, out.sentence())
+        parts.db.emit_context("lifecycle", "vm-move-recovered", f"/1.0/vms/{j.name}",
+                              {"vm": j.name, "from": j.source, "to": j.peer,
+                               "mode": j.detail.get("mode"), "result": "recovered",
+                               "decision": out.decision, "phase": j.phase,
+                               "sentence": out.sentence()})
     elif j.kind == "delete":
         from fusuma.vm import VmManager
 

@@ -51,14 +51,19 @@ def remove(c: Ctx, name: str, delete_file: bool) -> None:
     click.echo(f"removed disk {name}")
 
 
+def disks_data(c: Ctx) -> list[dict[str, str | None]]:
+    """What `disk list --json` prints."""
+    users = {d: v.name for v in c.db.vms() for d in v.disks}
+    return [{"name": d.name, "path": d.path, "partition": d.partition,
+             "vm": users.get(d.name)} for d in c.db.disks()]
+
+
 @disk.command("list")
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
     """List disks and the partition each belongs to."""
-    users = {d: v.name for v in c.db.vms() for d in v.disks}
-    rows: list[dict[str, str | None]] = [{"name": d.name, "path": d.path, "partition": d.partition,
-             "vm": users.get(d.name)} for d in c.db.disks()]
+    rows = disks_data(c)
     if as_json:
         emit_json(rows)
         return

@@ -53,6 +53,15 @@ def _text(st: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def status_data(c: Ctx, partition: str | None, limit: int) -> dict[str, Any]:
+    """What `governor status --json` prints."""
+    names = [partition] if partition else [p.name for p in c.db.partitions()]
+    if partition:
+        c.db.partition(partition)      # an unknown name is one clear sentence
+    return {"partitions": [c.parts.client(n).call("governor-status", rpc_timeout=10.0,
+                                                  limit=limit) for n in names]}
+
+
 @governor.command("status")
 @click.argument("partition", required=False)
 @click.option("--limit", type=click.IntRange(0, 256), default=20, show_default=True,
@@ -62,11 +71,7 @@ def _text(st: dict[str, Any]) -> str:
 def status(c: Ctx, partition: str | None, limit: int, as_json: bool) -> None:
     """Each VM's class and controls, and the governor's recent decisions with the
     reason and the measured numbers (of PARTITION, or of every partition)."""
-    names = [partition] if partition else [p.name for p in c.db.partitions()]
-    if partition:
-        c.db.partition(partition)      # an unknown name is one clear sentence
-    out = [c.parts.client(n).call("governor-status", rpc_timeout=10.0, limit=limit)
-           for n in names]
+    out = status_data(c, partition, limit)["partitions"]
     if as_json:
         emit_json({"partitions": out})
         return

@@ -11,6 +11,7 @@ from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress, table
 
 if TYPE_CHECKING:
     from fusuma.spec import HostSpec
+    from fusuma.state import Job
 
 
 @click.command()
@@ -86,12 +87,20 @@ def down(c: Ctx, as_json: bool) -> None:
         click.echo("\n".join(done) if done else "nothing to do")
 
 
-def ps_data(c: Ctx) -> dict[str, Any]:
-    """What `ps --json` prints, read fresh from the DB and /proc every time (no cache:
-    a QEMU killed a moment ago shows as crashed)."""
-    from fusuma.partition.liveness import supervisor_pid
-    from fusuma.vm.view import views_json
+def job_json(j: Job) -> dict[str, Any]:
+    """The operation holding an object: what it does, its phase, since when, by which
+    pid, and whether that pid still lives (a dead one is being recovered)."""
+    return {"kind": j.kind, "phase": j.phase, "peer": j.peer, "since": j.started_at,
+            "owner_pid": j.owner.pid, "owner_alive": j.owner.alive()}
 
+
+def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None
+                    ) -> list[dict[str, Any]]:
+    """What `partition list --json` prints (and `ps --json` under "partitions")."""
+    from fusuma.partition.liveness import supervisor_pid
+
+    if jobs is None:
+        jobs = {j.obj: job_json(j) for j in c.db.jobs()}
     parts = []
     for p in c.db.partitions():
         pid = supervisor_pid(c.paths, p.name, p.supervisor_pid)
@@ -99,17 +108,21 @@ def ps_data(c: Ctx) -> dict[str, Any]:
                       "supervisor_pid": pid,
                       "state": "running" if pid is not None else "supervisor-down",
                       "qemu": p.qemu, "io_weight": p.io_weight,
-                      "disks": [d.name for d in c.db.disks(p.name)]})
+                      "disks": [d.name for d in c.db.disks(p.name)],
+                      "job": jobs.get(f"partition:{p.name}")})
+    return parts
+
+
+def ps_data(c: Ctx, vms_only: bool = False) -> dict[str, Any]:
+    """What `ps --json` prints, read fresh from the DB and /proc every time (no cache:
+    a QEMU killed a moment ago shows as crashed)."""
+    from fusuma.vm.view import views_json
+
+    jobs = {j.obj: job_json(j) for j in c.db.jobs()}
+    parts = [] if vms_only else partitions_data(c, jobs)
     vms = views_json(c.db.vms(), c.paths.segments_dir)
-    # The operation holding each object, if any: what it does, its phase, since when,
-    # by which pid, and whether that pid still lives (a dead one is being recovered).
-    jobs = {j.obj: {"kind": j.kind, "phase": j.phase, "peer": j.peer,
-                    "since": j.started_at, "owner_pid": j.owner.pid,
-                    "owner_alive": j.owner.alive()} for j in c.db.jobs()}
     for v in vms:
         v["job"] = jobs.get(f"vm:{v['name']}")
-    for prow in parts:
-        prow["job"] = jobs.get(f"partition:{prow['name']}")
     return {"partitions": parts, "vms": vms}
 
 

@@ -3,10 +3,34 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress
+from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress, table
+
+if TYPE_CHECKING:
+    from fusuma.images import GuestImage
+
+
+def image_json(img: GuestImage) -> dict[str, Any]:
+    return {"kind": img.kind, "kernel": str(img.kernel), "initrd": str(img.initrd),
+            "kernel_version": img.kernel_version, "digest": img.digest,
+            "append": img.append}
+
+
+def images_data(c: Ctx) -> list[dict[str, Any]]:
+    """What `image list --json` prints: every kind, built or not."""
+    from fusuma.errors import ImageError
+    from fusuma.images import KINDS, find_image
+
+    out: list[dict[str, Any]] = []
+    for kind in sorted(KINDS):
+        try:
+            out.append({**image_json(find_image(c.paths.cache, kind=kind)), "built": True})
+        except ImageError as exc:
+            out.append({"kind": kind, "built": False, "hint": str(exc)})
+    return out
 
 
 @click.group()
@@ -58,3 +82,17 @@ def show(c: Ctx, kind: str, as_json: bool) -> None:
     else:
         for k, v in data.items():
             click.echo(f"{k}: {v}")
+
+
+@image.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def list_(c: Ctx, as_json: bool) -> None:
+    """List the image kinds and whether each is built in the cache."""
+    rows = images_data(c)
+    if as_json:
+        emit_json(rows)
+        return
+    click.echo(table([[r["kind"], "yes" if r["built"] else "no",
+                       r.get("kernel_version", "-")] for r in rows],
+                     ["kind", "built", "kernel"]))

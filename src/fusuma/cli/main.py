@@ -42,8 +42,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ps": ("fusuma.cli.host:ps", "Show partitions and VMs with their state."),
     "segment": ("fusuma.cli.segment:segment",
                 "Shared segments: read-only memory shared by many VMs (z/VM's DCSS)."),
+    "serve": ("fusuma.cli.serve:serve",
+              "Run the host's API daemon: REST under /1.0, live events, Prometheus "
+              "metrics."),
     "share": ("fusuma.cli.share:share",
               "Memory shared between VMs, and exactly where every shared MiB comes from."),
+    "token": ("fusuma.cli.serve:token",
+              "API tokens for `fusuma serve --listen` (HTTPS): create, list, revoke."),
     "top": ("fusuma.cli.top:top",
             "Each running VM's CPU use and wait for a CPU, refreshed every second."),
     "up": ("fusuma.cli.host:up",

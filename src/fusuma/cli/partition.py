@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from fusuma.cli.common import Ctx, cpus_option, emit_json, pass_ctx, table
-from fusuma.cli.host import ps_data
+from fusuma.cli.host import partitions_data
 from fusuma.host.topology import format_cpulist, parse_cpulist
 
 
@@ -98,7 +98,7 @@ def delete(c: Ctx, name: str, force: bool) -> None:
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
     """List partitions."""
-    data = ps_data(c)["partitions"]
+    data = partitions_data(c)
     if as_json:
         emit_json(data)
         return

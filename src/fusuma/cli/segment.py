@@ -46,6 +46,11 @@ def _row(c: Ctx, s: SegmentRecord) -> dict[str, Any]:
                                         time.localtime(s.created_at))}
 
 
+def segments_data(c: Ctx) -> list[dict[str, Any]]:
+    """What `segment list --json` prints."""
+    return [_row(c, s) for s in _mgr(c).all()]
+
+
 @segment.command("create")
 @click.argument("name")
 @click.option("--from", "from_dir", type=click.Path(path_type=Path), metavar="DIR",
@@ -71,7 +76,7 @@ def create(c: Ctx, name: str, from_dir: Path | None, from_image: str | None,
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
     """List segments with their size and the VMs that attach them."""
-    rows = [_row(c, s) for s in _mgr(c).all()]
+    rows = segments_data(c)
     if as_json:
         emit_json(rows)
         return

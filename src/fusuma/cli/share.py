@@ -89,6 +89,12 @@ def _report_text(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def report_data(c: Ctx) -> dict[str, Any]:
+    """What `share report --json` prints."""
+    rep: HostReport = host_report(running_vms(c), segment_files(c), ksm_root=_ksm_root())
+    return rep.as_json()
+
+
 @share.command("report", short_help="Each VM's host memory and the savings by mechanism.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @pass_ctx
@@ -100,8 +106,7 @@ def report(c: Ctx, as_json: bool) -> None:
     Savings: segments = segment pages resident in each VM minus their PSS (what
     separate copies would cost beyond the shared one); KSM = pages_sharing * page
     size, host-wide, and the VMs' own KSM profit (saving minus KSM's metadata)."""
-    rep: HostReport = host_report(running_vms(c), segment_files(c), ksm_root=_ksm_root())
-    data = rep.as_json()
+    data = report_data(c)
     if as_json:
         emit_json(data)
     else:
@@ -119,6 +124,27 @@ def _analysis_text(a: ModeAnalysis) -> str:
         f"{100 * a.shareable_fraction:.1f}%"])
 
 
+def _analysis(c: Ctx, pid: int | None, vm_name: str | None) -> ModeAnalysis:
+    if (pid is None) == (vm_name is None):
+        raise SpecError("give either a PID or a VM (one of them), e.g. "
+                        "`fusuma share analyze --vm web1`.")
+    if vm_name is not None:
+        rec = c.db.vm(vm_name)
+        state = VmView(rec).state
+        if rec.pid is None or state not in LIVE:
+            raise StateError(f"VM {vm_name!r} is {state}, so it has no QEMU process to "
+                             f"analyze; start it with `fusuma vm start {vm_name}`.")
+        pid = rec.pid
+    assert pid is not None
+    result = analyze(pid)
+    return result
+
+
+def analyze_data(c: Ctx, pid: int | None, vm_name: str | None) -> dict[str, Any]:
+    """What `share analyze --json` prints."""
+    return _analysis(c, pid, vm_name).as_json()
+
+
 @share.command("analyze", short_help="Resident memory by mapping mode; shareable fraction.")
 @click.argument("pid", type=int, required=False)
 @click.option("--vm", "vm_name", help="Analyze this VM's QEMU process instead of PID.")
@@ -130,18 +156,7 @@ def analyze_cmd(c: Ctx, pid: int | None, vm_name: str | None, as_json: bool) -> 
     """A process's resident memory by mapping mode (r-xp, r--p, rw-p, ...) and the
     fraction that could be shared (resident in mappings that are not writable): the
     DCSS paper's Table 4, for PID or for the QEMU of VM."""
-    if (pid is None) == (vm_name is None):
-        raise SpecError("give either a PID or --vm VM (one of them), e.g. "
-                        "`fusuma share analyze --vm web1`.")
-    if vm_name is not None:
-        rec = c.db.vm(vm_name)
-        state = VmView(rec).state
-        if rec.pid is None or state not in LIVE:
-            raise StateError(f"VM {vm_name!r} is {state}, so it has no QEMU process to "
-                             f"analyze; start it with `fusuma vm start {vm_name}`.")
-        pid = rec.pid
-    assert pid is not None
-    result = analyze(pid)
+    result = _analysis(c, pid, vm_name)
     if as_json:
         emit_json(result.as_json())
     else:

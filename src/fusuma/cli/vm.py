@@ -10,7 +10,7 @@ import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
 from fusuma.errors import NotFoundError, StateError
-from fusuma.vm.view import VmView, views_json
+from fusuma.vm.view import VmView
 
 if TYPE_CHECKING:
     import socket
@@ -148,7 +148,9 @@ def delete(c: Ctx, name: str, force: bool) -> None:
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
     """List VMs."""
-    data = views_json(c.db.vms(), c.paths.segments_dir)
+    from fusuma.cli.host import ps_data
+
+    data = ps_data(c, vms_only=True)["vms"]
     if as_json:
         emit_json(data)
         return

@@ -130,6 +130,12 @@ class Governor:
         self.controls = new
         for d in decisions:
             self.log.info("%s %s: %s", d.vm, d.action, d.reason)
+            try:
+                self.db.emit_context("governor", d.action,
+                                     f"/1.0/partitions/{self.partition}",
+                                     {"partition": self.partition, **d.as_json()})
+            except Exception as exc:  # the decision stands; its event is best effort
+                self.log.warning("cannot record the governor's decision: %s", exc)
         self.decisions.extend(decisions)
         for name, ctl in new.items():
             prev = old.get(name)

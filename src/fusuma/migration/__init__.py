@@ -116,17 +116,34 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
 
 
 def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
-            progress: Callable[[str], None] = lambda s: None) -> MigrationResult:
+            progress: Callable[[str], None] = lambda s: None,
+            checkpoint: Callable[[], None] = lambda: None) -> MigrationResult:
+    """Move running ``vm`` to partition ``to``. ``checkpoint`` is called once, at the
+    last point where stopping leaves everything as it was (before the stream starts);
+    a FusumaError it raises ends the move there, the VM staying where it ran."""
     with host_lock(parts.paths.home):
         recovery.ensure_recovered(parts, vm_obj(vm))
         source = parts.db.vm(vm).partition
         with recovery.job(parts, vm_obj(vm), "migrate", source=source, peer=to) as jh:
             check(parts, vm, to, mode)
-            return _migrate(parts, jh, vm, to, mode, progress)
+            try:
+                res = _migrate(parts, jh, vm, to, mode, progress, checkpoint)
+            except FusumaError as exc:
+                where = parts.db.find_vm(vm)
+                parts.db.emit("lifecycle", "vm-move-failed", f"/1.0/vms/{vm}", vm=vm,
+                              mode=mode, result="failed", error=str(exc),
+                              partition=where.partition if where else None,
+                              state=where.state.value if where else None,
+                              **{"from": source, "to": to})
+                raise
+            parts.db.emit_context("lifecycle", "vm-moved", f"/1.0/vms/{vm}",
+                                  {**res.as_json(), "result": "ok"})
+            return res
 
 
 def _migrate(parts: PartitionManager, jh: recovery.JobHandle, vm: str, to: str, mode: str,
-             progress: Callable[[str], None]) -> MigrationResult:
+             progress: Callable[[str], None],
+             checkpoint: Callable[[], None] = lambda: None) -> MigrationResult:
     """The move's steps, each phase recorded before it is taken (see the module
     docstring). Any failure after the VM became ``migrating`` is resolved by the same
     procedure that recovers a move whose owner died (``migration.resolve``)."""
@@ -145,6 +162,7 @@ def _migrate(parts: PartitionManager, jh: recovery.JobHandle, vm: str, to: str, 
         src_pid, dst_pid = int(rec.pid or 0), int(prep["pid"])
         cpu0 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
         _fault_sleep(FAULT_BEFORE_STREAM)
+        checkpoint()
         progress(f"moving {vm} {source} -> {to}")
         jh.phase("streaming")
         out = src.call("migrate-out", rpc_timeout=700, vm=vm, uri=prep["uri"], mode=mode,

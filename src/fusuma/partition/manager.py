@@ -204,6 +204,9 @@ class PartitionManager:
             self.db.update_partition(new)
             rev.add(lambda: self.db.update_partition(rec), "db row")
             rev.commit()
+        self.db.emit("lifecycle", "partition-resized", f"/1.0/partitions/{name}",
+                     cpus=new.cpus, memory_mib=new.memory_mib,
+                     old_cpus=rec.cpus, old_memory_mib=rec.memory_mib)
         # The kernel resets the affinity of every task in a changed cpuset: pin again.
         try:
             self.client(name).call("repin")
@@ -269,8 +272,11 @@ class PartitionManager:
     def restart(self, name: str) -> int:
         """A new supervisor for ``name`` that re-adopts its running VMs."""
         self.db.partition(name)
-        self.stop_supervisor(name)
-        return self.start_supervisor(name)
+        old = self.stop_supervisor(name)
+        pid = self.start_supervisor(name)
+        self.db.emit("lifecycle", "partition-restarted", f"/1.0/partitions/{name}",
+                     supervisor_pid=pid, was_running=old)
+        return pid
 
     # -- disks ------------------------------------------------------------------------
     @locked

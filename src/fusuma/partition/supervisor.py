@@ -137,6 +137,9 @@ class Supervisor:
         os.chmod(sock, 0o600)
         self.paths.supervisor_pidfile(self.partition).write_text(f"{os.getpid()}\n")
         self.db.set_supervisor_pid(self.partition, os.getpid())
+        self.db.emit("lifecycle", "partition-supervisor-started",
+                     f"/1.0/partitions/{self.partition}", supervisor_pid=os.getpid(),
+                     vms=sorted(self.vms))
         self.log.info("supervisor %d serving %s on cores %s", os.getpid(), sock, rec.cpus)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -13,7 +13,7 @@ from typing import Any
 
 from fusuma.errors import ConflictError, HostError, NotFoundError, StateError
 from fusuma.state.jobs import Job, JobOwner, busy_sentence
-from fusuma.state.machine import DELETABLE, VmState, check_transition
+from fusuma.state.machine import DELETABLE, VmState, check_transition, lifecycle_action
 
 SCHEMA_VERSION = 1
 
@@ -69,6 +69,20 @@ CREATE TABLE IF NOT EXISTS jobs (
     started_at REAL NOT NULL,
     updated_at REAL NOT NULL,
     detail TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts REAL NOT NULL,
+    type TEXT NOT NULL,              -- lifecycle | operation | governor
+    action TEXT NOT NULL,            -- vm-started, vm-moved, partition-resized, ...
+    source TEXT NOT NULL,            -- the API path of the object: /1.0/vms/NAME
+    context TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS tokens (
+    name TEXT PRIMARY KEY,
+    hash TEXT NOT NULL UNIQUE,       -- sha256 of the token; the token itself is never kept
+    created_at REAL NOT NULL,
+    last_used_at REAL
 );
 CREATE TABLE IF NOT EXISTS segments (
     name TEXT PRIMARY KEY,
@@ -238,6 +252,8 @@ class Database:
                  p.supervisor_pid, p.created_at))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a partition named {p.name!r} already exists.") from exc
+        self.emit("lifecycle", "partition-created", f"/1.0/partitions/{p.name}",
+                  cpus=p.cpus, memory_mib=p.memory_mib)
 
     def update_partition(self, p: PartitionRecord) -> None:
         self._conn.execute(
@@ -249,7 +265,9 @@ class Database:
         self._conn.execute("UPDATE partitions SET supervisor_pid=? WHERE name=?", (pid, name))
 
     def remove_partition(self, name: str) -> None:
-        self._conn.execute("DELETE FROM partitions WHERE name=?", (name,))
+        cur = self._conn.execute("DELETE FROM partitions WHERE name=?", (name,))
+        if cur.rowcount:
+            self.emit("lifecycle", "partition-deleted", f"/1.0/partitions/{name}")
 
     # -- disks --------------------------------------------------------------------
     @staticmethod
@@ -335,6 +353,7 @@ class Database:
                  v.overhead_mib))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a VM named {v.name!r} already exists.") from exc
+        self.emit("lifecycle", "vm-created", f"/1.0/vms/{v.name}", partition=v.partition)
 
     # Columns a VM's record may change after its definition; the state is not one of
     # them: it moves only through ``transition``.
@@ -395,6 +414,15 @@ class Database:
             args = [to.value, *(self._column_value(v) for v in fields.values()),
                     name, cur.state.value]
             self._conn.execute(f"UPDATE vms SET {cols} WHERE name=? AND state=?", args)
+            action = lifecycle_action(cur.state, to)
+            if action is not None:
+                ctx: dict[str, Any] = {"partition": fields.get("partition", cur.partition),
+                                       "from_state": cur.state.value}
+                if fields.get("pid"):
+                    ctx["pid"] = fields["pid"]
+                if fields.get("error"):
+                    ctx["error"] = fields["error"]
+                self._emit("lifecycle", action, f"/1.0/vms/{name}", ctx)
         return self.vm(name)
 
     def remove_vm(self, name: str) -> None:
@@ -404,6 +432,8 @@ class Database:
             f"DELETE FROM vms WHERE name=? AND state IN ({states}) AND NOT EXISTS "
             "(SELECT 1 FROM jobs WHERE obj=? AND kind != 'delete')",
             (name, *(s.value for s in DELETABLE), f"vm:{name}"))
+        if cur.rowcount:
+            self.emit("lifecycle", "vm-deleted", f"/1.0/vms/{name}")
         if cur.rowcount == 0 and self.find_vm(name) is not None:
             rec = self.vm(name)
             job = self.find_job(f"vm:{name}")
@@ -486,6 +516,68 @@ class Database:
     def end_job(self, obj: str, owner: JobOwner) -> None:
         self._conn.execute("DELETE FROM jobs WHERE obj=? AND owner_pid=? AND owner_start=?",
                            (obj, owner.pid, owner.start))
+
+    # -- events -------------------------------------------------------------------
+    # An append-only log that every process writes (the CLI, supervisors, the API
+    # daemon), so `fusuma serve` streams and counts what any of them did. Only the
+    # newest EVENTS_KEPT rows are kept.
+    EVENTS_KEPT = 20000
+
+    def emit(self, type_: str, action: str, source: str, **context: Any) -> int:
+        """Append one event; returns its id."""
+        return self._emit(type_, action, source, context)
+
+    def emit_context(self, type_: str, action: str, source: str,
+                     context: dict[str, Any]) -> int:
+        """``emit`` with the context as one dict (keys may be any string)."""
+        return self._emit(type_, action, source, context)
+
+    def _emit(self, type_: str, action: str, source: str, context: dict[str, Any]) -> int:
+        cur = self._conn.execute(
+            "INSERT INTO events (ts, type, action, source, context) VALUES (?,?,?,?,?)",
+            (time.time(), type_, action, source, json.dumps(context, default=str)))
+        eid = int(cur.lastrowid or 0)
+        if eid % 1000 == 0:
+            self._conn.execute("DELETE FROM events WHERE id <= ?", (eid - self.EVENTS_KEPT,))
+        return eid
+
+    def events_since(self, after: int, limit: int = 1000) -> list[dict[str, Any]]:
+        """Events with an id above ``after``, oldest first."""
+        rows = self._conn.execute(
+            "SELECT * FROM events WHERE id > ? ORDER BY id LIMIT ?", (after, limit)).fetchall()
+        return [{"id": r["id"], "ts": r["ts"], "type": r["type"], "action": r["action"],
+                 "source": r["source"], "context": json.loads(r["context"])} for r in rows]
+
+    def last_event_id(self) -> int:
+        row = self._conn.execute("SELECT MAX(id) FROM events").fetchone()
+        return int(row[0] or 0)
+
+    # -- API tokens ---------------------------------------------------------------
+    def add_token(self, name: str, digest: str) -> None:
+        try:
+            self._conn.execute("INSERT INTO tokens (name, hash, created_at) VALUES (?,?,?)",
+                               (name, digest, time.time()))
+        except sqlite3.IntegrityError as exc:
+            raise ConflictError(f"a token named {name!r} already exists; revoke it first "
+                                "or pick another name.") from exc
+
+    def tokens(self) -> list[dict[str, Any]]:
+        rows = self._conn.execute(
+            "SELECT name, created_at, last_used_at FROM tokens ORDER BY name").fetchall()
+        return [dict(r) for r in rows]
+
+    def token_by_hash(self, digest: str) -> str | None:
+        row = self._conn.execute("SELECT name FROM tokens WHERE hash=?", (digest,)).fetchone()
+        return str(row["name"]) if row else None
+
+    def token_used(self, name: str) -> None:
+        self._conn.execute("UPDATE tokens SET last_used_at=? WHERE name=?",
+                           (time.time(), name))
+
+    def remove_token(self, name: str) -> None:
+        cur = self._conn.execute("DELETE FROM tokens WHERE name=?", (name,))
+        if cur.rowcount == 0:
+            raise NotFoundError(f"no token named {name!r}; see `fusuma token list`.")
 
     # -- segments -----------------------------------------------------------------
     @staticmethod

@@ -2,9 +2,11 @@
 check-then-change steps (say, two `partition create` claiming the same core, or two
 `partition restart` each starting a supervisor).
 
-It is an flock on ``FUSUMA_HOME/lock``, re-entrant within a process (``up`` creates
+It is an flock on ``FUSUMA_HOME/lock``, re-entrant within a thread (``up`` creates
 partitions, which lock too), and held only while definitions change: reads (`ps`,
-`vm exec`, `top`) never wait for it.
+`vm exec`, `top`) never wait for it. Each thread opens the file itself, so two threads
+of one process (the API daemon's operations) exclude each other as two processes do:
+flock belongs to the open file, not to the process.
 """
 
 from __future__ import annotations
@@ -12,12 +14,19 @@ from __future__ import annotations
 import fcntl
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-_held: dict[Path, tuple[int, int]] = {}   # lock path -> (fd, depth)
+
+class _Held(threading.local):
+    def __init__(self) -> None:
+        self.locks: dict[Path, tuple[int, int]] = {}   # lock path -> (fd, depth)
+
+
+_local = _Held()
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -25,6 +34,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 @contextmanager
 def host_lock(home: Path) -> Iterator[None]:
     path = (home / "lock").resolve()
+    _held = _local.locks
     if path in _held:
         fd, depth = _held[path]
         _held[path] = (fd, depth + 1)

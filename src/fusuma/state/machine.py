@@ -56,3 +56,14 @@ def check_transition(vm: str, old: VmState, new: VmState) -> None:
     if not valid_transition(old, new):
         raise StateError(f"VM {vm!r} is {old.value}; it cannot become {new.value} from "
                          "there (see `fusuma ps`).")
+
+
+def lifecycle_action(old: VmState, new: VmState) -> str | None:
+    """The lifecycle event a transition is (``vm-started``, ...), None for the steps a
+    move or a stop takes on the way (the move's own event carries its numbers)."""
+    if new == old:
+        return None
+    if new == S.RUNNING:
+        return {S.STARTING: "vm-started", S.PAUSED: "vm-resumed"}.get(old)
+    return {S.STOPPED: "vm-stopped", S.CRASHED: "vm-crashed",
+            S.PAUSED: "vm-paused"}.get(new)

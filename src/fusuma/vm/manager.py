@@ -189,6 +189,21 @@ class VmManager:
         self.db.set_vm(name, expect=vm.state, disks=[d for d in vm.disks if d != disk])
         return self.db.vm(name)
 
+    @locked
+    def set_qos(self, name: str, qos: str) -> VmRecord:
+        """Change stopped VM ``name``'s QoS class (admitted like a new VM: a guaranteed
+        VM's vCPUs must fit the partition's cores beside the other guaranteed ones)."""
+        from fusuma.governor.qos import QOS_NAMES, check_admission
+
+        if qos not in QOS_NAMES:
+            raise StateError(f"unknown QoS class {qos!r}; use one of "
+                             f"{', '.join(QOS_NAMES)}.")
+        vm = self._stopped(name, "change its QoS class")
+        part = self.db.partition(vm.partition)
+        check_admission(part.name, len(part.cpus), self.db.vms(part.name), vm.with_(qos=qos))
+        self.db.set_vm(name, expect=vm.state, qos=qos)
+        return self.db.vm(name)
+
     def _stopped(self, name: str, what: str) -> VmRecord:
         recovery.ensure_recovered(self.parts, vm_obj(name))
         vm = self.db.vm(name)

@@ -1,0 +1,1 @@
+"""fusuma serve: the host's REST API daemon."""

@@ -1,0 +1,188 @@
+"""The API's request and response bodies.
+
+Requests that define objects are the spec models the CLI and ``fusuma up`` validate
+with (``fusuma.spec``); responses have the shapes of the CLI's ``--json`` output, which
+they are made from (the same functions produce both, and
+``tests/unit/test_api_models.py`` checks the CLI's output against these models).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from fusuma.spec import DiskSpec, PartitionSpec, VmSpec, _name_field
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- requests -------------------------------------------------------------------------
+class VmCreate(VmSpec):
+    """A VM definition (the keys of a spec's ``[[vm]]``), and whether to start it."""
+
+    start: bool = False
+
+
+class PartitionCreate(PartitionSpec):
+    """A partition (the keys of a spec's ``[[partition]]``)."""
+
+
+class DiskCreate(DiskSpec):
+    """A disk (the keys of a spec's ``[[disk]]``)."""
+
+
+class PartitionPatch(_Req):
+    """New cores and/or memory limit of a running partition."""
+
+    cpus: list[int] | str | None = None
+    memory_mib: Annotated[int, Field(gt=0)] | None = None
+
+
+class VmPatch(_Req):
+    """Changes to a stopped VM: its QoS class, its disks (the full new list)."""
+
+    qos: Literal["guaranteed", "burstable", "best-effort"] | None = None
+    disks: list[str] | None = None
+
+
+class DiskPatch(_Req):
+    partition: str
+
+    _check = field_validator("partition")(_name_field)
+
+
+class VmStateChange(_Req):
+    action: Literal["start", "stop", "kill"]
+    timeout: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    wait_agent: Annotated[float, Field(ge=0, le=3600)] = 0.0
+
+
+class VmMove(_Req):
+    partition: str
+    mode: Literal["zero-copy", "copy"] = "zero-copy"
+
+    _check = field_validator("partition")(_name_field)
+
+
+class VmExec(_Req):
+    command: Annotated[list[str], Field(min_length=1)]
+    stdin: str | None = None
+    timeout: Annotated[float, Field(gt=0, le=3600)] = 60.0
+
+
+class Maintain(_Req):
+    via: str
+    qemu: str | None = None
+
+    _check = field_validator("via")(_name_field)
+
+
+class SegmentCreate(_Req):
+    name: str
+    from_dir: str | None = None
+    from_image: str | None = None
+
+    _check = field_validator("name")(_name_field)
+
+
+class ImageBuild(_Req):
+    kind: str = "minimal"
+    force: bool = False
+
+
+# -- responses ------------------------------------------------------------------------
+class _Resp(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class JobInfo(_Resp):
+    """The operation holding an object (a move, a delete, ...), from the state file."""
+
+    kind: str
+    phase: str
+    peer: str | None
+    since: float
+    owner_pid: int
+    owner_alive: bool
+
+
+class VmInfo(_Resp):
+    """A VM as `fusuma vm list --json` / `ps --json` show it."""
+
+    name: str
+    partition: str
+    state: str
+    pid: int | None
+    accel: str
+    vcpus: int
+    memory_mib: int
+    shared_ram: bool
+    qos: str
+    mergeable: bool
+    segments: list[str]
+    ports: list[str]
+    host_memory: dict[str, Any] | None
+    disks: list[str]
+    error: str | None
+    job: JobInfo | None = None
+
+
+class PartitionInfo(_Resp):
+    """A partition as `fusuma partition list --json` / `ps --json` show it."""
+
+    name: str
+    cpus: list[int]
+    memory_mib: int
+    supervisor_pid: int | None
+    state: str
+    qemu: str | None
+    io_weight: int | None
+    disks: list[str]
+    job: JobInfo | None = None
+
+
+class PsInfo(_Resp):
+    partitions: list[PartitionInfo]
+    vms: list[VmInfo]
+
+
+class DiskInfo(_Resp):
+    name: str
+    path: str
+    partition: str
+    vm: str | None
+
+
+class SegmentInfo(_Resp):
+    name: str
+    path: str
+    size_mib: float
+    source: str
+    used_by: list[str]
+    created_at: str
+
+
+class OperationInfo(_Resp):
+    id: str
+    class_: str = Field(alias="class")
+    description: str
+    kind: str
+    created_at: str
+    updated_at: str
+    status: str
+    status_code: int
+    resources: dict[str, list[str]]
+    metadata: dict[str, Any]
+    result: Any
+    may_cancel: bool
+    err: str
+    error_code: int | None
+
+
+class ErrorInfo(_Resp):
+    type: Literal["error"] = "error"
+    error: str
+    error_code: int

@@ -1,0 +1,219 @@
+"""`fusuma serve`: the sockets, the uvicorn servers and the daemon's life.
+
+One process, one event loop, one app: uvicorn serves it on the UNIX socket (no TLS, no
+token: the socket's mode and group decide) and, with ``--listen``, on TCP (TLS, and a
+bearer token on every request). Both servers share the daemon's operations, event hub
+and metrics; SIGTERM/SIGINT stop both (running operations are left to finish their
+current step: their jobs make any half-done one recoverable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fusuma.errors import ConflictError, HostError, SpecError
+from fusuma.paths import Paths
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    listen: tuple[str, int] | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    group: str = "fusuma"
+    access_log: bool = True
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT``; a clear SpecError otherwise."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536 or not host:
+        raise SpecError(f"--listen {value!r}: give HOST:PORT, e.g. 127.0.0.1:8443 (port 0: "
+                        "any free port, printed at start).")
+    return host.strip("[]"), int(port)
+
+
+def api_dir(paths: Paths) -> Path:
+    return paths.runtime / "api"
+
+
+def api_socket(paths: Paths) -> Path:
+    return api_dir(paths) / "fusuma.sock"
+
+
+def _in_use(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def unix_socket(paths: Paths, group: str) -> socket.socket:
+    """Bind ``RUNTIME/api/fusuma.sock``: directory 0750 and socket 0660, both of group
+    ``group`` (created when missing). Refuses when another daemon answers there."""
+    from fusuma.api.auth import ensure_group
+
+    gid = ensure_group(group)
+    paths.ensure_runtime()
+    d = api_dir(paths)
+    d.mkdir(mode=0o750, exist_ok=True)
+    st = d.lstat()
+    if not stat.S_ISDIR(st.st_mode) or (st.st_uid != 0 and os.geteuid() == 0):
+        raise HostError(f"{d} is not a directory owned by root; remove it and try again.")
+    os.chown(d, 0 if os.geteuid() == 0 else -1, gid)
+    os.chmod(d, 0o750)
+    path = api_socket(paths)
+    if path.exists() or path.is_symlink():
+        if _in_use(path):
+            raise ConflictError(f"another `fusuma serve` already answers on {path}; stop "
+                                "it first (or use another FUSUMA_RUNTIME_DIR).")
+        path.unlink()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        s.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chown(path, 0 if os.geteuid() == 0 else -1, gid)
+    os.chmod(path, 0o660)
+    s.listen(1024)
+    s.setblocking(False)
+    return s
+
+
+def tcp_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as exc:
+        s.close()
+        raise HostError(f"cannot listen on {host}:{port}: {exc.strerror}.") from exc
+    s.listen(1024)
+    s.setblocking(False)
+    return s
+
+
+class TokenAuth:
+    """ASGI middleware for the TCP server: every request needs a valid bearer token."""
+
+    def __init__(self, app: Any, check: Callable[[str], str | None]) -> None:
+        self.app = app
+        self.check = check
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        from fusuma.api.auth import bearer
+
+        header = next((v.decode("latin-1") for k, v in scope.get("headers", [])
+                       if k == b"authorization"), None)
+        token = bearer(header)
+        who = await asyncio.to_thread(self.check, token) if token else None
+        if who is None:
+            from fusuma.api.app import _error
+
+            sentence = ("this API needs a token: send `Authorization: Bearer TOKEN` "
+                        "(make one with `fusuma token create NAME`)." if token is None
+                        else "the token is not valid (unknown or revoked).")
+            resp = _error(401, sentence)
+            resp.headers["WWW-Authenticate"] = 'Bearer realm="fusuma"'
+            await resp(scope, receive, send)
+            return
+        scope.setdefault("state", {})["token_name"] = who
+        await self.app(scope, receive, send)
+
+
+def _quiet_server(config: Any) -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """Signals are the daemon's, not each server's (two servers share them)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            yield
+
+    return Server(config)
+
+
+async def serve(paths: Paths, opts: ServeOptions,
+                ready: Callable[[dict[str, Any]], None] = lambda info: None) -> None:
+    import uvicorn
+
+    from fusuma.api import app as api_app
+    from fusuma.api.auth import digest, ensure_certificate
+
+    daemon = api_app.Daemon(paths)
+    app = api_app.create_app(paths, daemon)
+    paths.ensure_parents()
+    uds = unix_socket(paths, opts.group)
+    servers = []
+    common: dict[str, Any] = {"lifespan": "off", "log_config": None,
+                              "access_log": opts.access_log, "timeout_keep_alive": 5,
+                              "timeout_graceful_shutdown": 3, "server_header": False}
+    servers.append((_quiet_server(uvicorn.Config(api_app.wrap(app), **common)), uds))
+    info: dict[str, Any] = {"socket": str(api_socket(paths)), "pid": os.getpid()}
+    if opts.listen is not None:
+        cert = opts.cert or paths.home / "api" / "server.crt"
+        key = opts.key or paths.home / "api" / "server.key"
+        if (opts.cert is None) != (opts.key is None):
+            raise SpecError("give both --cert and --key, or neither (a self-signed pair "
+                            "is made in FUSUMA_HOME/api).")
+        if opts.cert is None and ensure_certificate(cert, key):
+            info["certificate_made"] = str(cert)
+        for f in (cert, key):
+            if not f.is_file():
+                raise SpecError(f"{f} does not exist.")
+
+        def check(token: str | None) -> str | None:
+            if not token:
+                return None
+            db = daemon.db()
+            who = db.token_by_hash(digest(token))
+            if who is not None:
+                db.token_used(who)
+            return who
+        tcp = tcp_socket(*opts.listen)
+        tls = uvicorn.Config(TokenAuth(api_app.wrap(app), check), ssl_certfile=str(cert),
+                             ssl_keyfile=str(key), **common)
+        servers.append((_quiet_server(tls), tcp))
+        info["listen"] = f"https://{opts.listen[0]}:{tcp.getsockname()[1]}"
+        info["certificate"] = str(cert)
+    await daemon.hub.start()
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        for srv, _ in servers:
+            srv.should_exit = True
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    tasks = [asyncio.create_task(srv.serve(sockets=[sock])) for srv, sock in servers]
+    ready(info)
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        await daemon.hub.stop()
+        daemon.ops.shutdown()
+        with contextlib.suppress(FileNotFoundError):
+            api_socket(paths).unlink()
+        for _, sock in servers:
+            sock.close()

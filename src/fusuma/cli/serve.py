@@ -1,0 +1,130 @@
+"""`fusuma serve` and `fusuma token ...`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
+
+
+@click.command()
+@click.option("--listen", metavar="HOST:PORT",
+              help="Also serve HTTPS on this TCP address (every request needs a token "
+                   "from `fusuma token create`). Without it: the UNIX socket only.")
+@click.option("--cert", type=click.Path(path_type=Path, dir_okay=False),
+              help="TLS certificate (PEM) for --listen; default: a self-signed one made "
+                   "in FUSUMA_HOME/api/server.crt on first use.")
+@click.option("--key", type=click.Path(path_type=Path, dir_okay=False),
+              help="The certificate's private key (PEM), with --cert.")
+@click.option("--group", default="fusuma", show_default=True,
+              help="Group that may use the UNIX socket (created when missing).")
+@click.option("--no-access-log", is_flag=True, help="Do not log each request.")
+@pass_ctx
+def serve(c: Ctx, listen: str | None, cert: Path | None, key: Path | None, group: str,
+          no_access_log: bool) -> None:
+    """Run the host's API daemon: REST under /1.0, live events, Prometheus metrics.
+
+    \b
+    It listens on the UNIX socket FUSUMA_RUNTIME_DIR/api/fusuma.sock (directory 0750,
+    socket 0660, group fusuma): root and members of that group may use it, nobody
+    else. --listen adds HTTPS on TCP with bearer tokens (`fusuma token create`).
+
+    \b
+    Resources (OpenAPI at /openapi.json, a docs page at /docs):
+      GET  /1.0                          host and API
+      GET  /1.0/ps                       what `fusuma ps --json` shows
+      *    /1.0/partitions[/P]           list, create, get, resize (PATCH), delete
+      POST /1.0/partitions/P/restart     a new supervisor
+      POST /1.0/partitions/P/maintain    {"via": Q, "qemu": PATH?}
+      *    /1.0/disks[/D]                list, add, get, move (PATCH), remove
+      *    /1.0/vms[/V]                  list (?partition=P), create, get, change, delete
+      PUT  /1.0/vms/V/state              {"action": "start"|"stop"|"kill"}
+      POST /1.0/vms/V/move               {"partition": P, "mode": "zero-copy"|"copy"}
+      POST /1.0/vms/V/exec               {"command": [...], "stdin": "..."}
+      *    /1.0/segments[/S], GET /1.0/share/report, /1.0/share/analyze?vm=V
+      GET  /1.0/governor, /1.0/images
+      GET  /1.0/operations[/ID[/wait]], DELETE /1.0/operations/ID (cancel)
+      GET  /1.0/events                   server-sent events (?type=lifecycle,...)
+      GET  /metrics                      Prometheus text format
+
+    Long work answers 202 with an operation; its result is what the CLI prints with
+    --json. The CLI keeps working beside the daemon: both use the same locks, jobs and
+    state file, and changes made with the CLI appear in /1.0/events within a second.
+
+    \b
+    Examples:
+      fusuma serve &
+      curl --unix-socket /run/fusuma/api/fusuma.sock http://fusuma/1.0/vms
+      fusuma serve --listen 127.0.0.1:8443"""
+    import asyncio
+
+    from fusuma.api.server import ServeOptions, parse_listen
+    from fusuma.api.server import serve as run
+
+    opts = ServeOptions(listen=parse_listen(listen) if listen else None, cert=cert,
+                        key=key, group=group, access_log=not no_access_log)
+
+    def ready(info: dict[str, object]) -> None:
+        click.echo(f"fusuma serve: pid {info['pid']}, listening on {info['socket']}"
+                   + (f" and {info['listen']}" if "listen" in info else ""), err=True)
+        if "certificate_made" in info:
+            click.echo(f"fusuma serve: made a self-signed certificate "
+                       f"{info['certificate_made']}", err=True)
+        click.echo(json.dumps({"ready": info}), err=True)
+    asyncio.run(run(c.paths, opts, ready))
+
+
+@click.group()
+def token() -> None:
+    """API tokens for `fusuma serve --listen` (HTTPS): create, list, revoke.
+
+    A token is printed once, when it is made; only its SHA-256 is stored. Send it as
+    `Authorization: Bearer TOKEN`."""
+
+
+@token.command("create")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help='Print {"name", "token"}.')
+@pass_ctx
+def create(c: Ctx, name: str, as_json: bool) -> None:
+    """Make token NAME and print it (the only time it is shown)."""
+    from fusuma.api.auth import digest, new_token
+    from fusuma.names import check_name
+
+    check_name("token", name)
+    tok = new_token()
+    c.db.add_token(name, digest(tok))
+    if as_json:
+        emit_json({"name": name, "token": tok})
+    else:
+        click.echo(tok)
+        click.echo(f"token {name!r} created; it is not shown again.", err=True)
+
+
+@token.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def list_(c: Ctx, as_json: bool) -> None:
+    """List tokens (names and dates; the tokens themselves are not kept)."""
+    rows = c.db.tokens()
+    if as_json:
+        emit_json(rows)
+        return
+
+    def when(t: float | None) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "never"
+    click.echo(table([[r["name"], when(r["created_at"]), when(r["last_used_at"])]
+                      for r in rows], ["name", "created", "last_used"]))
+
+
+@token.command("revoke")
+@click.argument("name")
+@pass_ctx
+def revoke(c: Ctx, name: str) -> None:
+    """Revoke token NAME: requests carrying it get 401 from now on."""
+    c.db.remove_token(name)
+    click.echo(f"token {name!r} revoked")
