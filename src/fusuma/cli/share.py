@@ -126,7 +126,7 @@ def _analysis_text(a: ModeAnalysis) -> str:
 
 def _analysis(c: Ctx, pid: int | None, vm_name: str | None) -> ModeAnalysis:
     if (pid is None) == (vm_name is None):
-        raise SpecError("give either a PID or a VM (one of them), e.g. "
+        raise SpecError("give either a PID or --vm VM (one of them), e.g. "
                         "`fusuma share analyze --vm web1`.")
     if vm_name is not None:
         rec = c.db.vm(vm_name)

@@ -159,6 +159,22 @@ def list_(c: Ctx, as_json: bool) -> None:
                      ["name", "partition", "state", "pid", "accel", "vcpus", "memory_mib"]))
 
 
+@vm.command("set")
+@click.argument("name")
+@click.option("--qos", type=click.Choice(list(QOS_CHOICES)), required=True,
+              help="The new CPU QoS class (a guaranteed VM must fit the partition's "
+                   "cores beside its other guaranteed VMs).")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def set_(c: Ctx, name: str, qos: str, as_json: bool) -> None:
+    """Change stopped VM NAME's settings (its QoS class)."""
+    rec = c.vms.set_qos(name, qos)
+    if as_json:
+        emit_json(VmView(rec, c.paths.segments_dir).as_json())
+    else:
+        click.echo(f"vm {name}: qos {rec.qos}")
+
+
 @vm.command("attach")
 @click.argument("name")
 @click.argument("disk")
