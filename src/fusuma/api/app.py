@@ -163,6 +163,10 @@ class Daemon:
         self.registry, self.event_metrics = metrics.build_registry(
             paths, self.db, lambda: self.ctx().parts.cg)
         self.hub = EventHub(self.db, self.event_metrics.observe)
+        from fusuma.api.ui import Sampler, Sessions
+
+        self.sessions = Sessions()
+        self.sampler = Sampler(self)
 
     def ctx(self) -> Ctx:
         """This thread's context (a state-file connection is per thread)."""
@@ -200,6 +204,9 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
                               "with an operation; `GET /1.0/events` streams what happens "
                               "(server-sent events); `GET /metrics` is for Prometheus.")
     app.state.daemon = d
+    from fusuma.api.ui import router
+
+    app.include_router(router(d))
 
     # -- errors -----------------------------------------------------------------------
     @app.exception_handler(FusumaError)
@@ -225,11 +232,6 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
         return _error(500, f"internal error: {exc!r}; see the daemon's log.")
 
     # -- host -------------------------------------------------------------------------
-    @app.get("/", include_in_schema=False)
-    def root() -> dict[str, Any]:
-        return {"api_versions": ["/1.0"], "docs": "/docs", "openapi": "/openapi.json",
-                "metrics": "/metrics"}
-
     @app.get("/1.0", summary="The host and the API")
     def host_info() -> dict[str, Any]:
         c = d.ctx()

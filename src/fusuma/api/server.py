@@ -112,34 +112,74 @@ def tcp_socket(host: str, port: int) -> socket.socket:
 
 
 class TokenAuth:
-    """ASGI middleware for the TCP server: every request needs a valid bearer token."""
+    """ASGI middleware for the TCP server: a request needs a valid bearer token, or the
+    dashboard's session cookie (made by /login from a token) and, for a write, that
+    session's CSRF token in ``X-CSRF-Token``. The login page and its static files are
+    open; a browser asking for the page without a session is sent to /login."""
 
-    def __init__(self, app: Any, check: Callable[[str], str | None]) -> None:
+    PUBLIC = ("/login", "/static/")
+
+    def __init__(self, app: Any, check: Callable[[str], str | None],
+                 sessions: Any = None, still_valid: Callable[[str], bool] | None = None
+                 ) -> None:
         self.app = app
         self.check = check
+        self.sessions = sessions
+        self.still_valid = still_valid
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
+        from fusuma.api.app import _error
         from fusuma.api.auth import bearer
 
-        header = next((v.decode("latin-1") for k, v in scope.get("headers", [])
-                       if k == b"authorization"), None)
+        path = scope.get("path", "")
+        if path == "/login" or path.startswith("/static/"):
+            await self.app(scope, receive, send)
+            return
+        headers = scope.get("headers", [])
+        header = next((v.decode("latin-1") for k, v in headers if k == b"authorization"),
+                      None)
         token = bearer(header)
-        who = await asyncio.to_thread(self.check, token) if token else None
-        if who is None:
-            from fusuma.api.app import _error
-
-            sentence = ("this API needs a token: send `Authorization: Bearer TOKEN` "
-                        "(make one with `fusuma token create NAME`)." if token is None
-                        else "the token is not valid (unknown or revoked).")
-            resp = _error(401, sentence)
+        if token:
+            who = await asyncio.to_thread(self.check, token)
+            if who is not None:
+                await self.app(scope, receive, send)
+                return
+            resp = _error(401, "the token is not valid (unknown or revoked).")
             resp.headers["WWW-Authenticate"] = 'Bearer realm="fusuma"'
             await resp(scope, receive, send)
             return
-        scope.setdefault("state", {})["token_name"] = who
-        await self.app(scope, receive, send)
+        if self.sessions is not None:
+            from fusuma.api.ui import cookie
+
+            sess = self.sessions.get(cookie(headers))
+            if sess is not None and self.still_valid is not None and not \
+                    await asyncio.to_thread(self.still_valid, sess.token_hash):
+                sess = None
+            if sess is not None:
+                if scope.get("method") not in ("GET", "HEAD", "OPTIONS"):
+                    sent = next((v.decode("latin-1") for k, v in headers
+                                 if k == b"x-csrf-token"), "")
+                    import hmac
+
+                    if not hmac.compare_digest(sent, sess.csrf):
+                        await _error(403, "this write needs the page's CSRF token in "
+                                     "X-CSRF-Token; reload the page.")(scope, receive, send)
+                        return
+                scope.setdefault("state", {})["session"] = sess
+                await self.app(scope, receive, send)
+                return
+        if scope.get("method") == "GET" and (path == "/" or path.startswith("/ui/")):
+            from starlette.responses import RedirectResponse
+
+            await RedirectResponse("/login", status_code=303)(scope, receive, send)
+            return
+        resp = _error(401, "this API needs a token: send `Authorization: Bearer TOKEN` "
+                           "(make one with `fusuma token create NAME`).")
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="fusuma"'
+        await resp(scope, receive, send)
 
 
 def _quiet_server(config: Any) -> Any:
@@ -162,6 +202,9 @@ async def serve(paths: Paths, opts: ServeOptions,
     from fusuma.api import app as api_app
     from fusuma.api.auth import digest, ensure_certificate
 
+    if opts.access_log:
+        # The CLI's default level is WARNING, which would hide uvicorn's INFO lines.
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     daemon = api_app.Daemon(paths)
     app = api_app.create_app(paths, daemon)
     paths.ensure_parents()
@@ -193,12 +236,16 @@ async def serve(paths: Paths, opts: ServeOptions,
                 db.token_used(who)
             return who
         tcp = tcp_socket(*opts.listen)
-        tls = uvicorn.Config(TokenAuth(api_app.wrap(app), check), ssl_certfile=str(cert),
+        def still_valid(token_hash: str) -> bool:
+            return daemon.db().token_by_hash(token_hash) is not None
+        tls = uvicorn.Config(TokenAuth(api_app.wrap(app), check, daemon.sessions, still_valid),
+                             ssl_certfile=str(cert),
                              ssl_keyfile=str(key), **common)
         servers.append((_quiet_server(tls), tcp))
         info["listen"] = f"https://{opts.listen[0]}:{tcp.getsockname()[1]}"
         info["certificate"] = str(cert)
     await daemon.hub.start()
+    await daemon.sampler.start()
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
@@ -212,6 +259,7 @@ async def serve(paths: Paths, opts: ServeOptions,
         await asyncio.gather(*tasks)
     finally:
         await daemon.hub.stop()
+        await daemon.sampler.stop()
         daemon.ops.shutdown()
         with contextlib.suppress(FileNotFoundError):
             api_socket(paths).unlink()

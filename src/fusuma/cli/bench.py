@@ -106,6 +106,66 @@ def cli_cmd(c: Ctx, runs: int, n: int, memory_mib: int, revision: str | None,
     click.echo(f"written to {json_file}")
 
 
+@bench.command("api")
+@click.option("--vms", "n", type=click.IntRange(2, 64), default=16, show_default=True,
+              help="Running VMs (128 MiB each) while the API is measured.")
+@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
+              help="Write the result file here (default: print it).")
+@pass_ctx
+def api_cmd(c: Ctx, n: int, json_file: Path | None) -> None:
+    """Latency and throughput of `fusuma serve` with N running VMs.
+
+    \b
+    Makes two scratch partitions on the cores no partition holds, boots N VMs in them
+    (a few at a time, each to its guest agent), starts its own `fusuma serve` (access
+    log off) and measures over the UNIX socket, client-side wall time per request:
+      get_vms_p50_ms, get_vms_p99_ms      200 GET /1.0/vms, one after another
+      scrape_p50_ms, scrape_p99_ms        50 GET /metrics, one after another
+      rps_16_clients, rps_100_clients     GET /1.0/vms requests/s with 16 and 100
+                                          concurrent clients (a connection each, back
+                                          to back, 10 s each); p99_ms_K_clients too
+      event_after_move_ms_median          10 zero-copy moves through the API: arrival
+                                          of the vm-moved event on /1.0/events minus
+                                          the event's timestamp (written when the move
+                                          ended); event_after_op_end_ms_median: minus
+                                          the move operation's end instead
+    Targets (issue 11): get_vms_p99_ms <= 20, scrape_p99_ms <= 100,
+    event_after_move_ms_median <= 100; the result file says which were met.
+
+    \b
+    Needs two free cores and no other `fusuma serve` in this namespace (it starts its
+    own on the namespace's socket). The daemon is stopped by its pid and the partitions
+    and VMs are removed afterwards, also when the benchmark fails. Under TCG, booting
+    16 guests takes a few minutes; progress lines go to stderr.
+
+    \b
+    Example:
+      fusuma bench api --vms 16 --json results/api.json"""
+    from fusuma.bench import api
+    from fusuma.bench.meta import write_result
+
+    c.accel_notice("auto")
+    data = api.run(c.parts, c.vms, n, progress=progress)
+    if json_file is None:
+        emit_json(data)
+        return
+    write_result(json_file, data)
+    s = data["summary"]
+    click.echo(f"GET /1.0/vms  p50 {s['get_vms_p50_ms']} ms, p99 {s['get_vms_p99_ms']} ms "
+               f"({n} VMs running)")
+    click.echo(f"GET /metrics  p50 {s['scrape_p50_ms']} ms, p99 {s['scrape_p99_ms']} ms")
+    for k in api.LOAD_CLIENTS:
+        click.echo(f"{k:3} clients   {s[f'rps_{k}_clients']} requests/s, p99 "
+                   f"{s[f'p99_ms_{k}_clients']} ms")
+    click.echo(f"move -> event median {s['event_after_move_ms_median']} ms after the "
+               f"move's timestamp, {s['event_after_op_end_ms_median']} ms after its "
+               "operation ended")
+    for t in data["targets"]:
+        click.echo(f"target {t['metric']} <= {t['target_ms']:.0f} ms: "
+                   f"{'met' if t['met'] else 'NOT met'} ({t['value_ms']} ms)")
+    click.echo(f"written to {json_file}")
+
+
 def _sizes(value: str | None) -> list[int] | None:
     if value is None:
         return None

@@ -1,0 +1,406 @@
+"""The web dashboard's server side: the page, its data, sessions, results.
+
+- ``GET /`` is the dashboard (a Jinja2 template and a small plain-JavaScript file
+  shipped in the package: no CDN, no build step). The page reads ``/1.0/ui/state`` and
+  keeps itself current from ``/1.0/events`` (EventSource), so a change made anywhere
+  (the page, the CLI, another API client, a supervisor) shows within a second.
+- On TCP the page needs a session: ``/login`` takes an API token and sets an HttpOnly,
+  Secure, SameSite=Strict cookie; writes made with that cookie must carry the session's
+  CSRF token in ``X-CSRF-Token`` (the page has it; another site cannot read it). On the
+  UNIX socket the file system already decided who may connect.
+- A sampler keeps each running VM's CPU %, vCPU wait % and host memory for the last
+  five minutes (every ``SAMPLE_S``), for the sparklines.
+- ``/ui/results`` renders the benchmark reports in ``docs/results`` with their plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import html
+import logging
+import os
+import re
+import secrets
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Form, Request
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+
+from fusuma.errors import FusumaError, NotFoundError
+
+if TYPE_CHECKING:
+    from fusuma.api.app import Daemon
+
+LOG = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+STATIC = HERE / "static"
+TEMPLATES = HERE / "templates"
+SAMPLE_S = 2.0
+HISTORY_S = 300.0
+SESSION_S = 12 * 3600
+COOKIE = "fusuma_session"
+
+
+def results_dir() -> Path:
+    """Where the benchmark reports are: FUSUMA_RESULTS_DIR, else the source tree's
+    docs/results (next to the package when installed from a clone)."""
+    env = os.environ.get("FUSUMA_RESULTS_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[3] / "docs" / "results"
+
+
+# -- sessions -------------------------------------------------------------------------
+@dataclass
+class Session:
+    token_name: str
+    token_hash: str
+    csrf: str
+    expires: float
+
+
+class Sessions:
+    """Browser sessions of the TCP listener, in the daemon's memory (a restart logs
+    everyone out; the token stays valid)."""
+
+    def __init__(self) -> None:
+        self._s: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def create(self, token_name: str, token_hash: str) -> tuple[str, Session]:
+        sid = secrets.token_urlsafe(32)
+        s = Session(token_name, token_hash, secrets.token_urlsafe(24),
+                    time.time() + SESSION_S)
+        with self._lock:
+            now = time.time()
+            for k in [k for k, v in self._s.items() if v.expires < now]:
+                del self._s[k]
+            self._s[sid] = s
+        return sid, s
+
+    def get(self, sid: str | None) -> Session | None:
+        if not sid:
+            return None
+        with self._lock:
+            s = self._s.get(sid)
+        if s is None or s.expires < time.time():
+            return None
+        return s
+
+    def drop(self, sid: str | None) -> None:
+        with self._lock:
+            self._s.pop(sid or "", None)
+
+
+def cookie(headers: list[tuple[bytes, bytes]], name: str = COOKIE) -> str | None:
+    for k, v in headers:
+        if k == b"cookie":
+            for part in v.decode("latin-1").split(";"):
+                key, _, value = part.strip().partition("=")
+                if key == name:
+                    return value
+    return None
+
+
+# -- samples for the sparklines --------------------------------------------------------
+@dataclass
+class _VmSeries:
+    pid: int
+    prev: Any = None
+    points: collections.deque[dict[str, Any]] = field(
+        default_factory=lambda: collections.deque(maxlen=int(HISTORY_S / SAMPLE_S) + 1))
+
+
+class Sampler:
+    """Every SAMPLE_S: each running VM's CPU % and vCPU wait % (between two readings of
+    its threads' schedstat) and its PSS."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        self.series: dict[str, _VmSeries] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._lock = threading.Lock()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="ui-sampler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.sample)
+            except Exception:
+                LOG.exception("dashboard sampler failed")
+            await asyncio.sleep(SAMPLE_S)
+
+    def sample(self) -> None:
+        from fusuma.governor import measure
+        from fusuma.memshare.smaps import pss_split
+        from fusuma.vm.view import VmView
+
+        now = time.time()
+        live: set[str] = set()
+        for rec in self.d.db().vms():
+            if rec.pid is None or VmView(rec).state not in ("running", "paused",
+                                                             "migrating"):
+                continue
+            live.add(rec.name)
+            with self._lock:
+                s = self.series.get(rec.name)
+                if s is None or s.pid != rec.pid:
+                    # A new QEMU (a start, a move): same VM, history kept.
+                    old = s.points if s else None
+                    s = _VmSeries(rec.pid)
+                    if old:
+                        s.points.extend(old)
+                    self.series[rec.name] = s
+            cur = measure.read(rec.pid)
+            if not cur.threads:
+                continue
+            point: dict[str, Any] = {"t": round(now, 1)}
+            if s.prev is not None:
+                load = measure.load(s.prev, cur)
+                point["cpu_pct"] = round(load.cpu_pct, 1)
+                point["wait_pct"] = round(load.wait_pct, 1)
+            s.prev = cur
+            with contextlib.suppress(FusumaError, OSError):
+                point["pss_mib"] = round(pss_split(rec.pid, None).pss_kib / 1024, 1)
+            with self._lock:
+                s.points.append(point)
+        with self._lock:
+            for gone in set(self.series) - live:
+                # Keep a stopped VM's history until it is older than the window.
+                pts = self.series[gone].points
+                if not pts or pts[-1]["t"] < now - HISTORY_S:
+                    del self.series[gone]
+
+    def history(self) -> dict[str, list[dict[str, Any]]]:
+        with self._lock:
+            return {k: list(v.points) for k, v in self.series.items()}
+
+
+# -- the state the page shows -----------------------------------------------------------
+_versions: dict[str, str | None] = {}
+
+
+def qemu_version(binary: str | None) -> str | None:
+    """``X.Y.Z`` of a QEMU binary (cached per path; None when it does not answer)."""
+    import shutil
+
+    path = binary or shutil.which("qemu-system-x86_64") or "qemu-system-x86_64"
+    if path not in _versions:
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                 timeout=10).stdout
+            m = re.search(r"version (\d+\.\d+(?:\.\d+)?)", out)
+            _versions[path] = m.group(1) if m else None
+        except (OSError, subprocess.SubprocessError):
+            _versions[path] = None
+    return _versions[path]
+
+
+def vcpu_cores(pid: int) -> dict[int, int]:
+    """vCPU index -> the core its thread last ran on (/proc/PID/task/TID/stat field 39)."""
+    from fusuma.governor import measure
+
+    out: dict[int, int] = {}
+    for tid, st in measure.read_threads(pid).items():
+        if st.vcpu is None:
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1]
+            out[st.vcpu] = int(fields.split()[36])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def ui_state(d: Daemon) -> dict[str, Any]:
+    """Everything the dashboard shows, in one read."""
+    from fusuma.cli.host import ps_data
+    from fusuma.cli.share import report_data
+
+    c = d.ctx()
+    data = ps_data(c)
+    host = c.parts.host
+    governor: dict[str, Any] = {}
+    for p in data["partitions"]:
+        if p["supervisor_pid"] is None:
+            continue
+        try:
+            governor[p["name"]] = c.parts.client(p["name"]).call(
+                "governor-status", rpc_timeout=2.0, limit=20)
+        except FusumaError as exc:
+            governor[p["name"]] = {"error": str(exc)}
+        try:
+            p["memory_usage_mib"] = round(c.parts.cg.memory_current(p["name"]) / 2**20, 1)
+        except FusumaError:
+            p["memory_usage_mib"] = None
+        p["qemu_version"] = qemu_version(p["qemu"])
+    for p in data["partitions"]:
+        p.setdefault("memory_usage_mib", None)
+        p.setdefault("qemu_version", qemu_version(p["qemu"]))
+    samples = d.sampler.history()
+    lent: dict[int, str] = {}
+    for v in data["vms"]:
+        st = governor.get(v["partition"], {})
+        ctl: dict[str, Any] = next(
+            (x for x in st.get("vms", []) if x.get("name") == v["name"]), {})
+        v["governor"] = ctl or None
+        for core in ctl.get("dedicated_cores") or []:
+            lent[int(core)] = v["name"]
+        pts = samples.get(v["name"], [])
+        last = next((p for p in reversed(pts) if "cpu_pct" in p), None)
+        v["cpu_pct"] = last["cpu_pct"] if last else None
+        v["wait_pct"] = last["wait_pct"] if last else None
+        v["vcpu_cores"] = vcpu_cores(v["pid"]) if v["pid"] and v["state"] in (
+            "running", "paused") else {}
+    owner = {core: p["name"] for p in data["partitions"] for core in p["cpus"]}
+    cores = []
+    for core in host.cpus:
+        cores.append({"core": core, "partition": owner.get(core),
+                      "vcpus": [f"{v['name']}/{i}" for v in data["vms"]
+                                for i, cc in v["vcpu_cores"].items() if cc == core],
+                      "lent_to": lent.get(core)})
+    try:
+        share = report_data(c)
+    except FusumaError as exc:
+        share = {"error": str(exc)}
+    decisions = sorted((dd | {"partition": name} for name, st in governor.items()
+                        for dd in st.get("decisions", [])), key=lambda x: -x["at"])[:30]
+    from fusuma.memshare.ksm import KSM_RISK
+
+    return {"host": {"cores": host.cpus, "memory_mib": host.memory_total_mib,
+                     "memory_for_partitions_mib": host.memory_available_for_partitions_mib,
+                     "hostname": os.uname().nodename},
+            "partitions": data["partitions"], "vms": data["vms"], "cores": cores,
+            "share": share, "ksm_risk": KSM_RISK, "decisions": decisions,
+            "samples": samples, "last_event_id": d.hub.last_id}
+
+
+def _md_to_html(text: str) -> str:
+    import markdown
+
+    return str(markdown.markdown(text, extensions=["tables", "fenced_code"]))
+
+
+# -- routes --------------------------------------------------------------------------
+def router(d: Daemon) -> APIRouter:
+    from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+    env = Environment(loader=FileSystemLoader(str(TEMPLATES)),
+                      autoescape=select_autoescape(["html"]))
+    r = APIRouter(include_in_schema=False)
+
+    def page(template: str, **ctx: Any) -> HTMLResponse:
+        return HTMLResponse(env.get_template(template).render(**ctx),
+                            headers={"Cache-Control": "no-store",
+                                     "Content-Security-Policy":
+                                         "default-src 'self'; img-src 'self' data:; "
+                                         "style-src 'self'; script-src 'self'; "
+                                         "frame-ancestors 'none'",
+                                     "X-Content-Type-Options": "nosniff"})
+
+    @r.get("/")
+    def index(request: Request) -> HTMLResponse:
+        sess = request.scope.get("state", {}).get("session")
+        return page("index.html", csrf=sess.csrf if sess else "",
+                    tcp=sess is not None, hostname=os.uname().nodename)
+
+    @r.get("/login")
+    def login_page(request: Request, error: str = "") -> HTMLResponse:
+        return page("login.html", error=error)
+
+    @r.post("/login")
+    def login(token: str = Form(..., max_length=200)) -> Response:
+        from fusuma.api.auth import digest
+
+        h = digest(token.strip())
+        who = d.db().token_by_hash(h)
+        if who is None:
+            return RedirectResponse("/login?error=that+token+is+not+valid+(unknown+or+"
+                                    "revoked)", status_code=303)
+        sid, _ = d.sessions.create(who, h)
+        resp = RedirectResponse("/", status_code=303)
+        resp.set_cookie(COOKIE, sid, max_age=SESSION_S, httponly=True, secure=True,
+                        samesite="strict", path="/")
+        return resp
+
+    @r.post("/logout")
+    def logout(request: Request) -> Response:
+        d.sessions.drop(request.cookies.get(COOKIE))
+        resp = RedirectResponse("/login", status_code=303)
+        resp.delete_cookie(COOKIE, path="/")
+        return resp
+
+    @r.get("/static/{name}")
+    def static(name: str) -> FileResponse:
+        path = STATIC / name
+        if "/" in name or name.startswith(".") or not path.is_file():
+            raise NotFoundError(f"no static file {name!r}.")
+        return FileResponse(path, headers={"Cache-Control": "no-cache"})
+
+    @r.get("/1.0/ui/state")
+    def state() -> dict[str, Any]:
+        return ui_state(d)
+
+    @r.get("/ui/results")
+    def results() -> HTMLResponse:
+        base = results_dir()
+        reports = sorted(p.parent.name for p in base.glob("*/report.md")) \
+            if base.is_dir() else []
+        return page("results.html", reports=reports, body=None, name=None, base=str(base))
+
+    @r.get("/ui/results/{name}")
+    def result(name: str) -> HTMLResponse:
+        base = results_dir()
+        path = base / name / "report.md"
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", name) or name.startswith(".") \
+                or not path.is_file():
+            raise NotFoundError(f"no report {name!r} in {base}.")
+        body = _md_to_html(path.read_text())
+        # Plots referenced relative to the report become URLs under it.
+        body = re.sub(r'src="([A-Za-z0-9._-]+\.png)"',
+                      lambda m: f'src="/ui/results/{html.escape(name)}/{m.group(1)}"', body)
+        plots = sorted(p.name for p in (base / name).glob("*.png"))
+        return page("results.html", reports=None, body=body, name=name, plots=plots,
+                    base=str(base))
+
+    @r.get("/ui/results/{name}/{plot}")
+    def plot(name: str, plot: str) -> FileResponse:
+        base = results_dir()
+        ok = re.fullmatch(r"[A-Za-z0-9._-]+", name) and re.fullmatch(
+            r"[A-Za-z0-9._-]+\.png", plot) and not name.startswith(".")
+        path = base / name / plot
+        if not ok or not path.is_file():
+            raise NotFoundError(f"no plot {plot!r} in report {name!r}.")
+        return FileResponse(path)
+
+    @r.put("/1.0/share/ksm")
+    def ksm(body: dict[str, Any]) -> dict[str, Any]:
+        from fusuma.cli.share import _ksm
+
+        run = body.get("run")
+        if not isinstance(run, bool) or set(body) - {"run"}:
+            from fusuma.errors import SpecError
+
+            raise SpecError('give {"run": true} or {"run": false}.')
+        k = _ksm()
+        k.set_run(1 if run else 0)
+        return {"run": run, **k.read_settings().as_json()}
+
+    return r
+
