@@ -272,16 +272,34 @@ def test_tokens_store_only_a_hash(tmp_path: Path) -> None:
 
 
 def test_token_middleware(paths: Paths) -> None:
+    from fusuma.api.ui import COOKIE, Sessions
+
     good = auth.new_token()
-    app = TokenAuth(Limits(create_app(paths)),
-                    lambda t: "ci" if t == good else None)
-    c = TestClient(app)
-    r = c.get("/")
+    sessions = Sessions()
+    valid = {auth.digest(good)}
+    app = TokenAuth(Limits(create_app(paths)), lambda t: "ci" if t == good else None,
+                    sessions, lambda h: h in valid)
+    c = TestClient(app, follow_redirects=False)
+    r = c.get("/1.0/vms")
     assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
     assert "needs a token" in r.json()["error"]
-    r = c.get("/", headers={"Authorization": "Bearer wrong"})
+    r = c.get("/1.0/vms", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and "not valid" in r.json()["error"]
-    assert c.get("/", headers={"Authorization": f"Bearer {good}"}).status_code == 200
+    assert c.get("/1.0/vms", headers={"Authorization": f"Bearer {good}"}).json() == []
+    # A browser without a session is sent to the login page, and gets no data.
+    r = c.get("/")
+    assert r.status_code == 303 and r.headers["location"] == "/login"
+    # A session: reads pass; writes need its CSRF token; a revoked token ends it.
+    sid, sess = sessions.create("ci", auth.digest(good))
+    c.cookies.set(COOKIE, sid)
+    assert c.get("/1.0/vms").status_code == 200
+    r = c.put("/1.0/vms/x/state", json={"action": "start"})
+    assert r.status_code == 403 and "CSRF" in r.json()["error"]
+    r = c.put("/1.0/vms/x/state", json={"action": "start"},
+              headers={"X-CSRF-Token": sess.csrf})
+    assert r.status_code == 404        # past auth: the VM does not exist
+    valid.clear()
+    assert c.get("/1.0/vms").status_code == 401
 
 
 def test_self_signed_certificate(tmp_path: Path) -> None:
