@@ -115,9 +115,15 @@ class Limits:
             scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         seen = 0
         started = False
+        body_done = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, body_done
+            if body_done:
+                # After the whole body only http.disconnect can come, maybe hours later
+                # (Starlette's StreamingResponse waits for it under the event stream):
+                # no deadline, or every /1.0/events stream would be cut after timeout.
+                return await receive()
             try:
                 msg = await asyncio.wait_for(receive(), self.timeout)
             except TimeoutError:
@@ -128,6 +134,7 @@ class Limits:
                 if seen > self.max_body:
                     raise _BodyError(413, f"the request body is over {self.max_body} "
                                      "bytes, the most the API takes.")
+                body_done = not msg.get("more_body", False)
             return msg
 
         async def tracking_send(msg: Message) -> None:
@@ -219,6 +226,10 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI turns an error raised while it reads the body into "400 There was an
+        # error parsing the body"; the Limits middleware's 408/413 is the cause.
+        if isinstance(exc.__cause__, _BodyError):
+            return _error(exc.__cause__.code, exc.__cause__.sentence)
         if exc.status_code == 404:
             return _error(404, f"no such API path: {request.url.path} (see /docs).")
         if exc.status_code == 405:
@@ -515,6 +526,8 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
         _not_busy(c, vm_obj(name))
         state = VmView(rec).state
         if body.action == "start":
+            if state == "running" and rec.pid:     # the supervisor's (the CLI's) sentence
+                raise StateError(f"VM {name!r} is already running (pid {rec.pid}).")
             if state not in ("stopped", "crashed"):
                 raise StateError(f"VM {name!r} is {state}; it can only be started when "
                                  "stopped or crashed.")

@@ -182,6 +182,62 @@ class TokenAuth:
         await resp(scope, receive, send)
 
 
+HEADER_TIMEOUT_S = 10.0
+
+
+def guarded_h11() -> type:
+    """uvicorn's HTTP/1.1 protocol with a deadline for a request's headers: uvicorn
+    times out idle keep-alive connections, but not one that sends half its headers and
+    stalls (slowloris). Such a connection gets a 408 and is closed."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    body = (b'{"type":"error","error":"the request headers did not arrive within '
+            + str(int(HEADER_TIMEOUT_S)).encode() + b' s.","error_code":408}')
+    response = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: " + str(len(body)).encode()
+                + b"\r\n\r\n" + body)
+
+    class GuardedH11(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE:
+                self._arm()        # a request begun, its headers not complete yet
+            else:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            self._disarm()
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._expired)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _expired(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.write(response)
+                self.transport.close()
+
+    return GuardedH11
+
+
 def _quiet_server(config: Any) -> Any:
     import uvicorn
 
@@ -210,7 +266,7 @@ async def serve(paths: Paths, opts: ServeOptions,
     paths.ensure_parents()
     uds = unix_socket(paths, opts.group)
     servers = []
-    common: dict[str, Any] = {"lifespan": "off", "log_config": None,
+    common: dict[str, Any] = {"lifespan": "off", "log_config": None, "http": guarded_h11(),
                               "access_log": opts.access_log, "timeout_keep_alive": 5,
                               "timeout_graceful_shutdown": 3, "server_header": False}
     servers.append((_quiet_server(uvicorn.Config(api_app.wrap(app), **common)), uds))
