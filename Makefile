@@ -5,7 +5,7 @@ VENV := .venv
 FUSUMA := $(VENV)/bin/fusuma
 DEB_PACKAGES := qemu-system-x86 qemu-utils busybox-static erofs-utils cpio \
                 qemu-guest-agent python3-venv gcc libc6-dev debootstrap apache2-utils curl \
-                prometheus
+                prometheus chromium
 
 .PHONY: deps venv image demo test lint unit integration fault clean bench-boot
 

@@ -304,9 +304,16 @@ async def serve(paths: Paths, opts: ServeOptions,
     await daemon.sampler.start()
     loop = asyncio.get_running_loop()
 
+    ending: set[asyncio.Task[None]] = set()
+
     def stop() -> None:
         for srv, _ in servers:
             srv.should_exit = True
+        # End the event streams now: uvicorn waits for open responses (up to its
+        # graceful timeout) and then cuts them mid-chunk.
+        task = loop.create_task(daemon.hub.stop())
+        ending.add(task)
+        task.add_done_callback(ending.discard)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
     tasks = [asyncio.create_task(srv.serve(sockets=[sock])) for srv, sock in servers]
