@@ -270,7 +270,7 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     def ps() -> dict[str, Any]:
         from fusuma.cli.host import ps_data
 
-        return ps_data(d.ctx())
+        return ps_data(d.ctx(), memory=d.sampler.memory)
 
     # -- partitions -------------------------------------------------------------------
     def _partitions(c: Ctx) -> list[dict[str, Any]]:
@@ -430,7 +430,7 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     def _vm_json(c: Ctx, name: str) -> dict[str, Any]:
         from fusuma.vm.view import VmView
 
-        data = VmView(c.db.vm(name), c.paths.segments_dir).as_json()
+        data = VmView(c.db.vm(name), c.paths.segments_dir, d.sampler.memory).as_json()
         job = c.db.find_job(vm_obj(name))
         from fusuma.cli.host import job_json
 
@@ -448,7 +448,8 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
             return JSONResponse([f"/1.0/vms/{v.name}" for v in c.db.vms(partition)])
         from fusuma.cli.host import ps_data
 
-        vms: list[dict[str, Any]] = ps_data(c, vms_only=True)["vms"]
+        vms: list[dict[str, Any]] = ps_data(c, vms_only=True,
+                                            memory=d.sampler.memory)["vms"]
         return [v for v in vms if partition is None or v["partition"] == partition]
 
     @app.get("/1.0/vms/{name}", response_model=m.VmInfo)

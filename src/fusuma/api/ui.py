@@ -45,6 +45,7 @@ HERE = Path(__file__).parent
 STATIC = HERE / "static"
 TEMPLATES = HERE / "templates"
 SAMPLE_S = 2.0
+MEMORY_MAX_AGE_S = 2.0 * SAMPLE_S
 HISTORY_S = 300.0
 SESSION_S = 12 * 3600
 COOKIE = "fusuma_session"
@@ -127,6 +128,8 @@ class Sampler:
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
         self.series: dict[str, _VmSeries] = {}
+        # (name, pid) -> (monotonic time, host_memory JSON): what GET /1.0/vms shows.
+        self._memory: dict[tuple[str, int], tuple[float, dict[str, Any] | None]] = {}
         self._task: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
 
@@ -149,8 +152,7 @@ class Sampler:
 
     def sample(self) -> None:
         from fusuma.governor import measure
-        from fusuma.memshare.smaps import pss_split
-        from fusuma.vm.view import VmView
+        from fusuma.vm.view import VmView, read_memory
 
         now = time.time()
         live: set[str] = set()
@@ -177,16 +179,29 @@ class Sampler:
                 point["cpu_pct"] = round(load.cpu_pct, 1)
                 point["wait_pct"] = round(load.wait_pct, 1)
             s.prev = cur
-            with contextlib.suppress(FusumaError, OSError):
-                point["pss_mib"] = round(pss_split(rec.pid, None).pss_kib / 1024, 1)
+            mem = read_memory(rec.pid, rec.segments, self.d.paths.segments_dir)
+            if mem is not None:
+                point["pss_mib"] = mem["pss_mib"]
             with self._lock:
+                self._memory[(rec.name, rec.pid)] = (time.monotonic(), mem)
                 s.points.append(point)
         with self._lock:
+            for key in [k for k in self._memory if k[0] not in live]:
+                del self._memory[key]
             for gone in set(self.series) - live:
                 # Keep a stopped VM's history until it is older than the window.
                 pts = self.series[gone].points
                 if not pts or pts[-1]["t"] < now - HISTORY_S:
                     del self.series[gone]
+
+    def memory(self, name: str, pid: int) -> dict[str, Any] | None:
+        """The host memory of VM ``name``'s QEMU ``pid`` from the last sample, if that
+        is at most MEMORY_MAX_AGE_S old (else None: the caller reads /proc)."""
+        with self._lock:
+            got = self._memory.get((name, pid))
+        if got is None or time.monotonic() - got[0] > MEMORY_MAX_AGE_S:
+            return None
+        return got[1]
 
     def history(self) -> dict[str, list[dict[str, Any]]]:
         with self._lock:
@@ -235,7 +250,7 @@ def ui_state(d: Daemon) -> dict[str, Any]:
     from fusuma.cli.share import report_data
 
     c = d.ctx()
-    data = ps_data(c)
+    data = ps_data(c, memory=d.sampler.memory)
     host = c.parts.host
     governor: dict[str, Any] = {}
     for p in data["partitions"]:

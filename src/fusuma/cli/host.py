@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,14 +114,17 @@ def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None
     return parts
 
 
-def ps_data(c: Ctx, vms_only: bool = False) -> dict[str, Any]:
+def ps_data(c: Ctx, vms_only: bool = False,
+            memory: Callable[[str, int], dict[str, Any] | None] | None = None
+            ) -> dict[str, Any]:
     """What `ps --json` prints, read fresh from the DB and /proc every time (no cache:
-    a QEMU killed a moment ago shows as crashed)."""
+    a QEMU killed a moment ago shows as crashed). ``memory``: a recent reading of each
+    QEMU's host memory (the API daemon's sampler) instead of reading it now."""
     from fusuma.vm.view import views_json
 
     jobs = {j.obj: job_json(j) for j in c.db.jobs()}
     parts = [] if vms_only else partitions_data(c, jobs)
-    vms = views_json(c.db.vms(), c.paths.segments_dir)
+    vms = views_json(c.db.vms(), c.paths.segments_dir, memory=memory)
     for v in vms:
         v["job"] = jobs.get(f"vm:{v['name']}")
     return {"partitions": parts, "vms": vms}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,10 @@ class VmView:
     record: VmRecord
     # Where segment files live (Paths.segments_dir), to find their mappings.
     segments_dir: Path = Path("/var/lib/fusuma/segments")
+    # A recent reading of the QEMU's host memory (name, pid) -> host_memory JSON, or
+    # None to read /proc now. The API daemon samples every running VM every 2 s, so a
+    # request does not walk 16 QEMUs' page tables; the CLI always reads fresh.
+    memory: Callable[[str, int], dict[str, Any] | None] | None = None
 
     @property
     def state(self) -> str:
@@ -44,25 +48,35 @@ class VmView:
         r = self.record
         state = self.state
         alive = state in ("running", "paused", "migrating", "stopping") and r.pid is not None
-        mem = None
+        mem: dict[str, Any] | None = None
         if alive and r.pid:
-            from fusuma.memshare.report import vm_memory
-
-            files = {seg: self.segments_dir / f"{seg}.erofs"
-                     for seg in (item.partition(":")[0] for item in r.segments)}
-            with contextlib.suppress(FusumaError):
-                mem = vm_memory(r.pid, files)
+            mem = self.memory(r.name, r.pid) if self.memory is not None else None
+            if mem is None:
+                mem = read_memory(r.pid, r.segments, self.segments_dir)
         return {"name": r.name, "partition": r.partition, "state": state,
                 "pid": r.pid if state != "crashed" else None,
                 "accel": r.accel_used or r.accel, "vcpus": r.vcpus,
                 "memory_mib": r.memory_mib, "shared_ram": r.shared_ram, "qos": r.qos,
                 "mergeable": r.mergeable, "segments": r.segments, "ports": r.ports,
-                "host_memory": mem.as_json() if mem else None,
+                "host_memory": mem,
                 "disks": r.disks, "error": r.error}
 
 
-def views_json(records: Sequence[VmRecord], segments_dir: Path,
-               threads: int = 4) -> list[dict[str, Any]]:
+def read_memory(pid: int, segments: Sequence[str],
+                segments_dir: Path) -> dict[str, Any] | None:
+    """The host memory of QEMU ``pid`` as ``ps --json`` shows it (None if it is gone)."""
+    from fusuma.memshare.report import vm_memory
+
+    files = {seg: segments_dir / f"{seg}.erofs"
+             for seg in (item.partition(":")[0] for item in segments)}
+    with contextlib.suppress(FusumaError):
+        return vm_memory(pid, files).as_json()
+    return None
+
+
+def views_json(records: Sequence[VmRecord], segments_dir: Path, threads: int = 4,
+               memory: Callable[[str, int], dict[str, Any] | None] | None = None
+               ) -> list[dict[str, Any]]:
     """``VmView(r, segments_dir).as_json()`` of every record, in order.
 
     Reading a running VM's PSS (smaps_rollup) makes the kernel walk the page tables of
@@ -74,7 +88,7 @@ def views_json(records: Sequence[VmRecord], segments_dir: Path,
     def work(first: int, step: int) -> None:
         try:
             for i in range(first, len(records), step):
-                out[i] = VmView(records[i], segments_dir).as_json()
+                out[i] = VmView(records[i], segments_dir, memory).as_json()
         except BaseException as exc:
             errors.append(exc)
 
