@@ -332,3 +332,14 @@ def test_host_lock_excludes_threads_of_one_process(tmp_path: Path) -> None:
     for t in pool:
         t.join()
     assert most == 1
+
+
+def test_docs_page_needs_no_cdn(client: TestClient) -> None:
+    page = client.get("/docs")
+    assert page.status_code == 200
+    assert "/static/swagger-ui-bundle.js" in page.text and "cdn." not in page.text
+    assert client.get("/static/swagger-ui-bundle.js").status_code == 200
+    assert client.get("/static/swagger-ui.css").status_code == 200
+    spec = client.get("/openapi.json").json()
+    assert "/1.0/vms/{name}/move" in spec["paths"]
+    assert client.get("/redoc").status_code == 404     # it would need a CDN

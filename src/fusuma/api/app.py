@@ -205,7 +205,7 @@ def _not_busy(c: Ctx, obj: str) -> None:
 
 def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     d = daemon or Daemon(paths)
-    app = FastAPI(title="fusuma", version=__version__,
+    app = FastAPI(title="fusuma", version=__version__, docs_url=None, redoc_url=None,
                   description="The host API of fusuma: partitions, VMs, zero-copy moves, "
                               "shared segments, the CPU governor. Long work returns 202 "
                               "with an operation; `GET /1.0/events` streams what happens "
@@ -706,6 +706,16 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
                 summary="Cancel an operation where it can stop safely")
     def cancel_operation(op_id: str) -> dict[str, Any]:
         return d.ops.cancel(op_id).as_json()
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> Response:
+        """Swagger UI from the package (vendored swagger-ui-dist): no CDN."""
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="fusuma API",
+                                   swagger_js_url="/static/swagger-ui-bundle.js",
+                                   swagger_css_url="/static/swagger-ui.css",
+                                   swagger_favicon_url="/static/favicon.svg")
 
     # -- events and metrics -----------------------------------------------------------
     @app.get("/1.0/events", summary="Server-sent events: lifecycle, operation, governor",
