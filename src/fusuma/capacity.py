@@ -1,24 +1,34 @@
 """The one memory arithmetic every admission check uses: VM create, partition create and
 resize, migrate, maintain, the spec check and VM start.
 
-Two budgets are checked:
+Guest RAM is admitted once, host-wide, and belongs to its VM wherever it runs (VMBeam's
+premise: a zero-copy move changes the owner of the memory, it copies none). Three
+budgets are checked:
 
-- **partitions**: a partition's ``memory_mib`` must hold its supervisor (SUPERVISOR_MIB)
-  plus what each of its VMs counts there (``partition_share``); all partitions together
-  must fit in what the host gives (``host_need``). A VM's footprint is fixed when it is
+- **the host**: every partition's ``memory_mib`` plus every VM's guest RAM in a shared
+  file (``guest_ram``) must fit in what the host gives (``host_need``). A copy move of
+  such a VM holds a second RAM file until it ends, so it needs that much more.
+- **partitions**: a partition's ``memory_mib`` is the budget for what runs in it beyond
+  guest RAM: its supervisor (SUPERVISOR_MIB) and each VM's QEMU (``partition_share``:
+  the QEMU's own memory; a VM with private RAM, for KSM, also counts its RAM there, as
+  its RAM is its QEMU's anonymous memory). A zero-copy move needs room at the
+  destination only for the new QEMU's own memory. A VM's footprint is fixed when it is
   defined (``VmRecord.overhead_mib``), so a check never changes its mind because the
   host's settings changed since.
-- **the shm filesystem** (Paths.shm): shared guest RAM lives in sparse files there. A
-  file fills as its guest touches memory, so a new RAM file needs room for its whole
-  size plus what the other RAM files have yet to fill; a copy move of a shared-RAM VM
-  needs a second RAM file (``<vm>.<hex>.ram``) for the destination QEMU.
+- **the shm filesystem** (Paths.shm): shared guest RAM lives in files there. A file
+  fills as its guest touches memory (or at once: fusuma allocates it in the VM's own
+  memory cgroup when the VM starts, see ``fusuma.host.cgroups``), so a new RAM file
+  needs room for its whole size plus what the other RAM files have yet to fill; a copy
+  move of a shared-RAM VM needs a second RAM file (``<vm>.<hex>.ram``).
+
+The kernel agrees with this bookkeeping: each RAM file is charged to a memory cgroup of
+its own (``RAM_GROUP/<file stem>``, limited to the file's size), not to the partition
+whose QEMU first touched it, so a move changes no partition's counter.
 
 Every refusal is a ResourceError whose sentence shows the sum, e.g.
-``64 + vm0 384 + web0 384 = 832 > 768 MiB``, and says how to fix it.
+``64 + vm0 128 + web0 128 = 320 > 300 MiB``, and says how to fix it.
 
-What counts where lives in ``partition_share`` and ``host_need`` only: the full-host rule
-(guest RAM admitted once host-wide, a partition's memory the budget for everything else)
-changes those two functions and nothing else.
+What counts where lives in ``guest_ram``, ``partition_share`` and ``host_need`` only.
 """
 
 from __future__ import annotations
@@ -57,10 +67,12 @@ def definition_overhead(accel: str) -> int:
     return overhead_mib(probe_accel("auto").name)
 
 
-def planned_vm(name: str, partition: str, memory_mib: int, accel: str) -> VmRecord:
+def planned_vm(name: str, partition: str, memory_mib: int, accel: str,
+               shared_ram: bool = True) -> VmRecord:
     """A VM not yet defined (a spec's), with the footprint its definition would fix."""
     return VmRecord(name=name, partition=partition, vcpus=1, memory_mib=memory_mib,
-                    accel=accel, overhead_mib=definition_overhead(accel))
+                    accel=accel, overhead_mib=definition_overhead(accel),
+                    shared_ram=shared_ram)
 
 
 def vm_overhead(rec: VmRecord) -> int:
@@ -78,12 +90,16 @@ def vm_footprint(rec: VmRecord) -> int:
     return rec.memory_mib + vm_overhead(rec)
 
 
-def partition_share(rec: VmRecord) -> int:
-    """What one VM counts against the memory of the partition it runs in.
+def guest_ram(rec: VmRecord) -> int:
+    """Guest RAM admitted host-wide for one VM: its RAM file's size (0 for private RAM,
+    which is its QEMU's own memory and counts in its partition)."""
+    return rec.memory_mib if rec.shared_ram else 0
 
-    THE rule of what is counted where: today a partition holds its VMs' whole footprint
-    (guest RAM included), so a move needs that much room at the destination."""
-    return vm_footprint(rec)
+
+def partition_share(rec: VmRecord) -> int:
+    """What one VM counts against the memory of the partition it runs in: its QEMU's own
+    memory (with private RAM, the RAM too: it is the QEMU's anonymous memory)."""
+    return vm_overhead(rec) if rec.shared_ram else vm_footprint(rec)
 
 
 # -- sums ---------------------------------------------------------------------------------
@@ -134,9 +150,39 @@ def partition_need(db: Database, partition: str, *, adding: Sequence[VmRecord] =
     return vms_need([*(v for v in db.vms(partition) if v.name not in skip), *adding])
 
 
-def host_need(partitions: Iterable[tuple[str, int]]) -> Need:
-    """What partitions (name, memory_mib) ask of the host together."""
-    return Need(tuple(Term(name, mib) for name, mib in partitions))
+def host_need(partitions: Iterable[tuple[str, int]],
+              vms: Iterable[VmRecord] = ()) -> Need:
+    """What partitions (name, memory_mib) and the guest RAM of ``vms`` ask of the host."""
+    return Need((*(Term(name, mib) for name, mib in partitions),
+                 *(Term(f"{v.name} RAM", guest_ram(v)) for v in vms if guest_ram(v))))
+
+
+def host_now(db: Database, *, partitions: Mapping[str, int] | None = None,
+             adding: Sequence[VmRecord] = (), extra: Sequence[Term] = ()) -> Need:
+    """The host's need with the defined partitions (sizes overridden by ``partitions``)
+    and VMs (plus ``adding``), and ``extra`` terms (a copy move's second RAM file)."""
+    sizes = {p.name: p.memory_mib for p in db.partitions()}
+    sizes.update(partitions or {})
+    skip = {v.name for v in adding}
+    vms = [*(v for v in db.vms() if v.name not in skip), *adding]
+    need = host_need(sizes.items(), vms)
+    return Need((*need.terms, *extra))
+
+
+def _host_refusal(what: str, need: Need, host: HostInfo, fix: str) -> ResourceError:
+    avail = host.memory_available_for_partitions_mib
+    return ResourceError(f"{what}: the host would need {need.against(avail)} (partitions' "
+                         f"budgets plus guest RAM; {host.memory_reserved_mib} MiB is kept "
+                         f"for the host itself); {fix}.")
+
+
+def check_host_ram(db: Database, host: HostInfo, vms: Sequence[VmRecord], what: str,
+                   fix: str) -> Need:
+    """Refuse adding ``vms``' guest RAM unless the host holds it beside the rest."""
+    need = host_now(db, adding=vms)
+    if need.total > host.memory_available_for_partitions_mib:
+        raise _host_refusal(what, need, host, fix)
+    return need
 
 
 # -- partition checks ---------------------------------------------------------------------
@@ -168,17 +214,17 @@ def check_resize(db: Database, partition: str, new_mib: int) -> None:
 
 
 def check_host_room(db: Database, host: HostInfo, partition: str, memory_mib: int) -> None:
-    """Refuse a partition size that, with the other partitions, the host cannot give."""
-    others = [(p.name, p.memory_mib) for p in db.partitions() if p.name != partition]
-    need = host_need([*others, (partition, memory_mib)])
+    """Refuse a partition size that, with the other partitions and the guest RAM of all
+    VMs, the host cannot give."""
+    need = host_now(db, partitions={partition: memory_mib})
     avail = host.memory_available_for_partitions_mib
     if need.total > avail:
-        given = sum(mib for _, mib in others)
+        others = need.total - memory_mib
         raise ResourceError(
             f"partition {partition!r} asks for {memory_mib} MiB but only "
-            f"{max(0, avail - given)} MiB is left for partitions on this host "
-            f"({need.against(avail)}; {host.memory_reserved_mib} MiB is kept for the host "
-            f"itself); shrink another partition or ask for less.")
+            f"{max(0, avail - others)} MiB is left on this host ({need.against(avail)}: "
+            f"partitions' budgets plus guest RAM; {host.memory_reserved_mib} MiB is kept "
+            f"for the host itself); shrink another partition, delete a VM or ask for less.")
 
 
 # -- the shm filesystem -------------------------------------------------------------------
@@ -285,11 +331,20 @@ def _copies_ram_file(rec: VmRecord, mode: str) -> bool:
     return mode == "copy" and rec.shared_ram
 
 
-def check_move(paths: Paths, db: Database, rec: VmRecord, to: str, mode: str) -> None:
+def check_move(paths: Paths, db: Database, rec: VmRecord, to: str, mode: str,
+               host: HostInfo | None = None) -> None:
     """Refuse a move of ``rec`` into partition ``to`` the destination cannot hold: room in
-    the partition and, for a copy of shared RAM, a second RAM file in the shm fs."""
+    the partition for its new QEMU and, for a copy of shared RAM, a second RAM file on
+    the host and in the shm fs."""
     check_partition_room(db, to, [rec], "move")
     if _copies_ram_file(rec, mode):
+        if host is not None:
+            need = host_now(db, extra=[Term(f"{rec.name} RAM (second copy)", rec.memory_mib)])
+            if need.total > host.memory_available_for_partitions_mib:
+                raise _host_refusal(f"a copy move of {rec.name!r} holds a second RAM file "
+                                    "until it ends", need, host,
+                                    "use --mode zero-copy (the RAM file changes owner "
+                                    "instead) or free memory")
         need = shm_need(paths, f"{rec.name} (second copy)", rec.memory_mib)
         check_shm_room(paths, need, f"a copy move of {rec.name!r}",
                        "use --mode zero-copy (the RAM file changes owner instead) or free "
@@ -297,10 +352,11 @@ def check_move(paths: Paths, db: Database, rec: VmRecord, to: str, mode: str) ->
 
 
 def check_many(paths: Paths, db: Database, vms: Sequence[VmRecord], to: str,
-               modes: Mapping[str, str] | None = None) -> None:
+               modes: Mapping[str, str] | None = None, host: HostInfo | None = None) -> None:
     """Refuse moving all of ``vms`` into ``to`` (``fusuma maintain``) unless they fit
     there together. Moves run one after another and a copy move's source RAM file goes
-    when it ends, so the shm fs needs room for the largest second RAM file only."""
+    when it ends, so the host and the shm fs need room for the largest second RAM file
+    only."""
     if not vms:
         return
     check_partition_room(db, to, vms, "move")
@@ -308,6 +364,40 @@ def check_many(paths: Paths, db: Database, vms: Sequence[VmRecord], to: str,
     copies = [v for v in vms if _copies_ram_file(v, modes.get(v.name, "zero-copy"))]
     if copies:
         big = max(copies, key=lambda v: v.memory_mib)
+        if host is not None:
+            need = host_now(db, extra=[Term(f"{big.name} RAM (second copy)", big.memory_mib)])
+            if need.total > host.memory_available_for_partitions_mib:
+                raise _host_refusal(f"a copy move of {big.name!r} holds a second RAM file "
+                                    "until it ends", need, host,
+                                    "use zero-copy moves or free memory")
         need = shm_need(paths, f"{big.name} (second copy)", big.memory_mib)
         check_shm_room(paths, need, f"a copy move of {big.name!r}",
                        "use zero-copy moves or free memory there")
+
+
+# -- a state file from before guest RAM was admitted host-wide ----------------------------
+MODEL_KEY = "memory_model"
+MODEL = "host-wide-guest-ram"
+
+
+def take_over(db: Database) -> list[str]:
+    """Convert a state file whose partitions' ``memory_mib`` still include their VMs'
+    guest RAM: each partition keeps what it had beyond that RAM as its budget. Once per
+    state file (a conditional write of the model key); returns one notice per change."""
+    with db.transaction() as conn:
+        row = conn.execute("SELECT value FROM meta WHERE key=?", (MODEL_KEY,)).fetchone()
+        if row is not None:
+            return []
+        notices = []
+        for p in db.partitions():
+            ram = sum(guest_ram(v) for v in db.vms(p.name))
+            if not ram:
+                continue
+            budget = max(MIN_PARTITION_MIB, p.memory_mib - ram)
+            conn.execute("UPDATE partitions SET memory_mib=? WHERE name=?", (budget, p.name))
+            notices.append(f"fusuma: notice: partition {p.name!r}: memory {p.memory_mib} MiB "
+                           f"included its VMs' guest RAM ({ram} MiB), which is now admitted "
+                           f"host-wide; its budget for QEMUs and its supervisor is {budget} "
+                           "MiB.")
+        conn.execute("INSERT INTO meta VALUES (?, ?)", (MODEL_KEY, MODEL))
+    return notices

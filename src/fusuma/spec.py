@@ -316,15 +316,17 @@ def check_host_fit(spec: HostSpec, host: HostInfo, source: str = "<spec>") -> No
         if missing:
             raise SpecError(f"{source}: partition[{i}].cpus: core(s) {format_cpulist(missing)} "
                             f"do not exist; this host has cores {format_cpulist(host.cpus)}.")
-    total = capacity.host_need((p.name, p.memory_mib) for p in spec.partition)
+    planned = [capacity.planned_vm(v.name, v.partition, v.memory_mib, v.accel, v.shared_ram)
+               for v in spec.vm]
+    total = capacity.host_need(((p.name, p.memory_mib) for p in spec.partition), planned)
     avail = host.memory_available_for_partitions_mib
     if total.total > avail:
-        raise SpecError(f"{source}: partitions ask for {total.total} MiB of memory but this "
-                        f"host can give at most {avail} MiB ({total.against(avail)}; "
-                        f"{host.memory_reserved_mib} MiB is kept for the host itself).")
+        raise SpecError(f"{source}: partitions and guest RAM ask for {total.total} MiB of "
+                        f"memory but this host can give at most {avail} MiB "
+                        f"({total.against(avail)}; {host.memory_reserved_mib} MiB is kept "
+                        "for the host itself).")
     for i, p in enumerate(spec.partition):
-        need = capacity.vms_need(capacity.planned_vm(v.name, v.partition, v.memory_mib, v.accel)
-                                 for v in spec.vm if v.partition == p.name)
+        need = capacity.vms_need(v for v in planned if v.partition == p.name)
         if need.total > p.memory_mib:
             raise SpecError(f"{source}: partition[{i}].memory_mib: partition {p.name!r} has no "
                             f"room for its VMs ({need.against(p.memory_mib)}); set memory_mib "

@@ -74,67 +74,116 @@ def test_need_renders_the_sum() -> None:
     assert str(Need((Term("", 64),))) == "64"
 
 
-def test_partition_need_adding_and_removing(db: Database) -> None:
+def test_partition_counts_qemus_and_private_ram_only(db: Database) -> None:
     db.add_vm(vm("vm0"))
     db.add_vm(vm("web0"))
     db.add_vm(vm("x", part="p1"))
-    assert str(capacity.partition_need(db, "p0")) == "64 + vm0 384 + web0 384 = 832"
-    assert capacity.partition_need(db, "p0", removing=["vm0"]).total == 64 + 384
+    # Guest RAM in a shared file is admitted host-wide: a partition counts the QEMUs.
+    assert str(capacity.partition_need(db, "p0")) == "64 + vm0 128 + web0 128 = 320"
+    assert capacity.partition_need(db, "p0", removing=["vm0"]).total == 64 + 128
     got = capacity.partition_need(db, "p0", adding=[vm("web1", mib=128)])
-    assert str(got) == "64 + vm0 384 + web0 384 + web1 256 = 1088"
+    assert str(got) == "64 + vm0 128 + web0 128 + web1 128 = 448"
     # A VM already counted is not counted twice.
-    assert capacity.partition_need(db, "p0", adding=[vm("vm0")]).total == 832
-    assert capacity.partition_need(db, "p1").total == SUPERVISOR_MIB + 384
+    assert capacity.partition_need(db, "p0", adding=[vm("vm0")]).total == 320
+    assert capacity.partition_need(db, "p1").total == SUPERVISOR_MIB + 128
+    # Private RAM is its QEMU's anonymous memory: it counts in the partition.
+    got = capacity.partition_need(db, "p1", adding=[vm("k", mib=256, shared_ram=False)])
+    assert str(got) == "64 + x 128 + k 384 = 576"
+    assert capacity.guest_ram(vm("k", shared_ram=False)) == 0
+    assert capacity.guest_ram(vm("s", mib=300)) == 300
 
 
 def test_create_refused_with_the_sum_and_the_fix(db: Database) -> None:
     db.add_vm(vm("vm0"))
-    got = capacity.check_partition_room(db, "p0", [vm("web0", overhead=0)], "create")
-    assert str(got) == "64 + vm0 384 + web0 256 = 704"
-    db.add_vm(vm("web0", overhead=0))
+    got = capacity.check_partition_room(db, "p0", [vm("web0", overhead=300)], "create")
+    assert str(got) == "64 + vm0 128 + web0 300 = 492"
+    db.add_vm(vm("web0", overhead=300))
     with pytest.raises(ResourceError) as info:
-        capacity.check_partition_room(db, "p0", [vm("web1")], "create")
+        capacity.check_partition_room(db, "p0", [vm("web1", overhead=300)], "create")
     assert str(info.value) == (
-        "partition 'p0' has no room for 'web1': 64 + vm0 384 + web0 256 + web1 384 = 1088 "
-        "> 768 MiB; grow it with `fusuma partition resize p0 --memory 1088` or give the VM "
+        "partition 'p0' has no room for 'web1': 64 + vm0 128 + web0 300 + web1 300 = 792 "
+        "> 768 MiB; grow it with `fusuma partition resize p0 --memory 792` or give the VM "
         "less memory.")
 
 
-def test_move_and_many_refused_with_the_sum(db: Database, paths: Paths) -> None:
-    db.add_vm(vm("a"))
-    db.add_vm(vm("b"))
-    capacity.check_move(paths, db, db.vm("a"), "p1", "zero-copy")    # 64 + 384 <= 512
-    db.add_vm(vm("c", part="p1", mib=64))
+def test_create_refused_when_the_host_cannot_hold_the_guest_ram(db: Database) -> None:
+    host = HostInfo(cpus=[0, 1], mems=[0], memory_total_mib=3072, memory_reserved_mib=1024)
+    db.add_vm(vm("vm0", mib=512))
+    capacity.check_host_ram(db, host, [vm("a", mib=256)], "VM 'a'", "x")  # 768+512+512+256
+    with pytest.raises(ResourceError) as info:
+        capacity.check_host_ram(db, host, [vm("a", mib=300)], "VM 'a'",
+                                "give it less memory")
+    assert str(info.value) == (
+        "VM 'a': the host would need p0 768 + p1 512 + vm0 RAM 512 + a RAM 300 = 2092 > "
+        "2048 MiB (partitions' budgets plus guest RAM; 1024 MiB is kept for the host "
+        "itself); give it less memory.")
+
+
+def test_zero_copy_move_needs_room_for_the_new_qemu_only(db: Database, paths: Paths) -> None:
+    db.add_vm(vm("a", mib=4096))
+    db.add_vm(vm("b", mib=4096))
+    # p1 has 512 MiB: a 4 GiB guest moves in, its RAM stays where it is (host-wide).
+    capacity.check_move(paths, db, db.vm("a"), "p1", "zero-copy")    # 64 + 128 <= 512
+    db.add_vm(vm("c", part="p1", mib=64, overhead=350))
     with pytest.raises(ResourceError) as info:
         capacity.check_move(paths, db, db.vm("a"), "p1", "zero-copy")
     msg = str(info.value)
-    assert msg.startswith("partition 'p1' has no room for 'a': 64 + c 192 + a 384 = 640 > "
-                          "512 MiB; grow it with `fusuma partition resize p1 --memory 640`")
+    assert msg.startswith("partition 'p1' has no room for 'a': 64 + c 350 + a 128 = 542 > "
+                          "512 MiB; grow it with `fusuma partition resize p1 --memory 542`")
     assert msg.endswith("or move a VM out of it first.")
-    with pytest.raises(ResourceError, match=r"no room for the VMs 'a', 'b': 64 \+ c 192 \+ a "
-                                            r"384 \+ b 384 = 1024 > 512 MiB"):
+    with pytest.raises(ResourceError, match=r"no room for the VMs 'a', 'b': 64 \+ c 350 \+ a "
+                                            r"128 \+ b 128 = 670 > 512 MiB"):
         capacity.check_many(paths, db, [db.vm("a"), db.vm("b")], "p1")
 
 
 def test_resize_refused_below_need(db: Database) -> None:
     db.add_vm(vm("va"))
-    capacity.check_resize(db, "p0", 448)
+    capacity.check_resize(db, "p0", 192)
     with pytest.raises(ResourceError) as info:
-        capacity.check_resize(db, "p0", 200)
+        capacity.check_resize(db, "p0", 150)
     assert str(info.value) == (
-        "partition 'p0' needs at least 448 MiB for its supervisor and VMs (64 + va 384 = 448 "
-        "> 200 MiB); give it at least 448 MiB or move or delete a VM first.")
+        "partition 'p0' needs at least 192 MiB for its supervisor and VMs (64 + va 128 = 192 "
+        "> 150 MiB); give it at least 192 MiB or move or delete a VM first.")
 
 
 def test_host_room(db: Database) -> None:
     host = HostInfo(cpus=[0, 1], mems=[0], memory_total_mib=3072, memory_reserved_mib=1024)
     capacity.check_host_room(db, host, "p0", 1536)     # 1536 + 512 = 2048
+    db.add_vm(vm("g", part="p1", mib=200))
     with pytest.raises(ResourceError) as info:
-        capacity.check_host_room(db, host, "p2", 1200)
+        capacity.check_host_room(db, host, "p2", 1000)
     assert str(info.value) == (
-        "partition 'p2' asks for 1200 MiB but only 768 MiB is left for partitions on this "
-        "host (p0 768 + p1 512 + p2 1200 = 2480 > 2048 MiB; 1024 MiB is kept for the host "
-        "itself); shrink another partition or ask for less.")
+        "partition 'p2' asks for 1000 MiB but only 568 MiB is left on this host "
+        "(p0 768 + p1 512 + p2 1000 + g RAM 200 = 2480 > 2048 MiB: partitions' budgets plus "
+        "guest RAM; 1024 MiB is kept for the host itself); shrink another partition, delete "
+        "a VM or ask for less.")
+
+
+def test_the_full_host_case_of_issue_18(tmp_path: Path) -> None:
+    """24 GiB host, 21695 MiB for partitions; a (14000 MiB, as an older fusuma sized it)
+    runs a 12 GiB VM; b has 4000 MiB. Taken over, a keeps 14000 - 12288 as its budget,
+    and the VM can move to b and back zero-copy, which needs no second 12 GiB."""
+    host = HostInfo(cpus=[0, 1], mems=[0], memory_total_mib=24105, memory_reserved_mib=2410)
+    db = Database(tmp_path / "old.db")
+    db.add_partition(PartitionRecord("a", [0], 14000))
+    db.add_partition(PartitionRecord("b", [1], 4000))
+    db.add_vm(vm("big", part="a", mib=12288, overhead=192))
+    notices = capacity.take_over(db)
+    assert notices == ["fusuma: notice: partition 'a': memory 14000 MiB included its VMs' "
+                       "guest RAM (12288 MiB), which is now admitted host-wide; its budget "
+                       "for QEMUs and its supervisor is 1712 MiB."]
+    assert db.partition("a").memory_mib == 1712
+    assert capacity.take_over(db) == []                # once per state file
+    paths = Paths(home=tmp_path, runtime=tmp_path, shm=tmp_path / "shm", cache=tmp_path,
+                  cgroup_prefix="t")
+    capacity.check_move(paths, db, db.vm("big"), "b", "zero-copy", host=host)
+    capacity.check_many(paths, db, [db.vm("big")], "b", host=host)
+    # A copy move would hold a second 12 GiB file: refused before anything starts.
+    with pytest.raises(ResourceError) as info:
+        capacity.check_move(paths, db, db.vm("big"), "b", "copy", host=host)
+    assert str(info.value).startswith(
+        "a copy move of 'big' holds a second RAM file until it ends: the host would need "
+        "a 1712 + b 4000 + big RAM 12288 + big RAM (second copy) 12288 = 30288 > 21695 MiB")
 
 
 # -- shm ----------------------------------------------------------------------------------
@@ -250,10 +299,18 @@ def test_spec_partition_too_small_for_its_vms() -> None:
     text = ('[[partition]]\nname="web"\ncpus="0"\nmemory_mib={mib}\n'
             '[[vm]]\nname="w1"\npartition="web"\nmemory_mib=192\naccel="tcg"\n'
             '[[vm]]\nname="w2"\npartition="web"\nmemory_mib=192\naccel="kvm"\n')
-    check_host_fit(parse_spec(text.format(mib=704), "s.toml"), host)   # 64 + 320 + 288 + 32
+    check_host_fit(parse_spec(text.format(mib=288), "s.toml"), host)   # 64 + 128 + 96
     with pytest.raises(SpecError) as info:
-        check_host_fit(parse_spec(text.format(mib=512), "s.toml"), host, "s.toml")
+        check_host_fit(parse_spec(text.format(mib=256), "s.toml"), host, "s.toml")
     assert str(info.value) == (
         "s.toml: partition[0].memory_mib: partition 'web' has no room for its VMs "
-        "(64 + w1 320 + w2 288 = 672 > 512 MiB); set memory_mib = 672 or give its VMs less "
+        "(64 + w1 128 + w2 96 = 288 > 256 MiB); set memory_mib = 288 or give its VMs less "
         "memory.")
+    # Guest RAM counts host-wide: two 10 GiB guests do not fit beside the partition.
+    big = text.replace("memory_mib=192", "memory_mib=10240")
+    with pytest.raises(SpecError) as info:
+        check_host_fit(parse_spec(big.format(mib=2048), "s.toml"), host, "s.toml")
+    assert str(info.value) == (
+        "s.toml: partitions and guest RAM ask for 22528 MiB of memory but this host can "
+        "give at most 21600 MiB (web 2048 + w1 RAM 10240 + w2 RAM 10240 = 22528 > 21600 "
+        "MiB; 2400 MiB is kept for the host itself).")

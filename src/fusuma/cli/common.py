@@ -35,6 +35,10 @@ class Ctx:
 
             self.paths.ensure_parents()
             self._db = Database(self.paths.db)
+            from fusuma.capacity import take_over
+
+            for line in take_over(self._db):
+                click.echo(line, err=True)
         return self._db
 
     @property

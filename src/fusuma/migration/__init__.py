@@ -104,7 +104,7 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
     if mode == "zero-copy" and not rec.shared_ram:
         raise StateError(f"VM {vm!r} has private RAM, which zero-copy migration cannot "
                          "hand over (it needs RAM in a shared file); use --mode copy.")
-    capacity.check_move(parts.paths, db, rec, to, mode)
+    capacity.check_move(parts.paths, db, rec, to, mode, host=parts.host)
     if rec.vcpus > len(dest.cpus):
         raise ResourceError(f"partition {to!r} has {len(dest.cpus)} core(s), fewer than the "
                             f"{rec.vcpus} vCPUs of {vm!r}.")

@@ -50,7 +50,7 @@ def _maintain(parts: PartitionManager, jh: recovery.JobHandle, partition: str, v
     # room for all of them together is checked next).
     for v in vms:
         check(parts, v.name, via, modes[v.name])
-    capacity.check_many(parts.paths, db, vms, via, modes)
+    capacity.check_many(parts.paths, db, vms, via, modes, host=parts.host)
     moves: list[MigrationResult] = []
     jh.phase("moving out", vms=[v.name for v in vms])
     for v in vms:

@@ -78,6 +78,8 @@ class VmManager:
         check_admission(part.name, len(part.cpus), self.db.vms(part.name), rec)
         capacity.check_partition_room(self.db, part.name, [rec], "create",
                                       limit=part.memory_mib)
+        capacity.check_host_ram(self.db, self.parts.host, [rec], f"VM {rec.name!r}",
+                                "give it less memory, delete a VM or shrink a partition")
         self.db.add_vm(rec)
         return rec
 
