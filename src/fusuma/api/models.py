@@ -141,6 +141,7 @@ class PartitionInfo(_Resp):
     qemu: str | None
     io_weight: int | None
     disks: list[str]
+    memory_use: dict[str, float | None]
     job: JobInfo | None = None
 
 

@@ -12,7 +12,7 @@ from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress, table
 
 if TYPE_CHECKING:
     from fusuma.spec import HostSpec
-    from fusuma.state import Job
+    from fusuma.state import Job, VmRecord
 
 
 @click.command()
@@ -103,6 +103,7 @@ def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None
     if jobs is None:
         jobs = {j.obj: job_json(j) for j in c.db.jobs()}
     parts = []
+    vms = c.db.vms()
     for p in c.db.partitions():
         pid = supervisor_pid(c.paths, p.name, p.supervisor_pid)
         parts.append({"name": p.name, "cpus": p.cpus, "memory_mib": p.memory_mib,
@@ -110,8 +111,30 @@ def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None
                       "state": "running" if pid is not None else "supervisor-down",
                       "qemu": p.qemu, "io_weight": p.io_weight,
                       "disks": [d.name for d in c.db.disks(p.name)],
+                      "memory_use": memory_use(c, p.name, [v for v in vms
+                                                           if v.partition == p.name]),
                       "job": jobs.get(f"partition:{p.name}")})
     return parts
+
+
+def memory_use(c: Ctx, partition: str, vms: list[VmRecord]) -> dict[str, Any]:
+    """What the kernel counts, in MiB: the guest RAM of the partition's VMs (each RAM
+    file's own memory cgroup) and the partition's other use (its cgroup: supervisor,
+    QEMUs, private guest RAM). None where the kernel has no counter."""
+    from fusuma.errors import FusumaError
+    from fusuma.host import cgroups
+
+    try:
+        cg = cgroups.detect(prefix=c.paths.cgroup_prefix, exclusive=c.paths.cpu_exclusive)
+        other: float | None = round(cg.memory_current(partition) / 2**20, 1)
+    except FusumaError:
+        return {"guest_ram_mib": None, "other_mib": None}
+    ram = 0
+    for v in vms:
+        if v.ram_path and v.shared_ram:
+            got = cg.ram_charged(Path(v.ram_path).name.removesuffix(".ram"))
+            ram += got or 0
+    return {"guest_ram_mib": round(ram / 2**20, 1), "other_mib": other}
 
 
 def ps_data(c: Ctx, vms_only: bool = False,

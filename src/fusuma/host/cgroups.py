@@ -20,10 +20,12 @@ a fake directory tree; the two filesystem hooks that differ on a fake tree
 from __future__ import annotations
 
 import abc
+import contextlib
 import errno
 import logging
 import os
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +39,12 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$")
 IO_WEIGHT_MIN = 1
 IO_WEIGHT_MAX = 10000
 _RMDIR_RETRY_S = 2.0
+
+
+# The cgroup below the prefix that holds one memory cgroup per guest RAM file. A name
+# with a dot: partition names cannot have one, so it never collides with a partition.
+RAM_GROUP = "guest.ram"
+RAM_STEM_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}(\.[0-9a-f]{8})?$")
 
 
 @dataclass(frozen=True)
@@ -433,12 +441,110 @@ class CgroupDriver(abc.ABC):
         return sorted(pids)
 
     def groups(self) -> list[str]:
-        """Names of the partition cgroups under the prefix."""
+        """Names of the partition cgroups under the prefix (not the RAM groups')."""
         names: set[str] = set()
         for parent in self._parent_dirs():
             if parent.is_dir():
-                names.update(p.name for p in parent.iterdir() if p.is_dir())
+                names.update(p.name for p in parent.iterdir() if p.is_dir()
+                             and p.name != RAM_GROUP)
         return sorted(names)
+
+    # -- guest RAM: charged to a memory cgroup of its own per RAM file --------------------
+    # A shared RAM file's pages are charged to the memory cgroup of whoever allocates
+    # them. fusuma allocates each file's pages itself (fallocate) from a process in
+    # ``prefix/guest.ram/STEM`` (STEM: the file's name without ``.ram``), limited to the
+    # file's size, before its QEMU starts; QEMU's faults then find the pages and charge
+    # nothing. So guest RAM is counted once, where it belongs, and a zero-copy move (the
+    # file changes QEMU, not owner) changes no partition's counter. The kernel does not
+    # move charges between cgroups any more (6.x), so this is the one way to get it right.
+
+    @abc.abstractmethod
+    def _memory_root(self) -> Path:
+        """The mount of the hierarchy with the memory controller."""
+
+    @abc.abstractmethod
+    def _ram_limit_file(self) -> str:
+        """memory.limit_in_bytes (v1) or memory.max (v2)."""
+
+    @abc.abstractmethod
+    def _ram_usage_file(self) -> str:
+        """memory.usage_in_bytes (v1) or memory.current (v2)."""
+
+    def _prepare_ram_parent(self, path: Path) -> None:  # noqa: B027 (v1: nothing to do)
+        """Make ``prefix/guest.ram`` usable for children (v2: enable memory there)."""
+
+    def _ram_dir(self, stem: str) -> Path:
+        if not RAM_STEM_RE.match(stem):
+            raise CgroupError(f"{stem!r} is not a RAM file's name")
+        return self._memory_root() / self.prefix / RAM_GROUP / stem
+
+    def create_ram_group(self, stem: str, limit_bytes: int) -> None:
+        """``prefix/guest.ram/STEM`` limited to ``limit_bytes`` (idempotent)."""
+        path = self._ram_dir(stem)
+        if not all(d.is_dir() for d in self._parent_dirs()):
+            self.ensure_parent()
+        made: list[Path] = []
+        try:
+            if not path.parent.is_dir():
+                self._mkdirs([path.parent], f"{self.prefix}/{RAM_GROUP}", made)
+                self._prepare_ram_parent(path.parent)
+            self._mkdirs([path], f"{self.prefix}/{RAM_GROUP}/{stem}", made)
+            self._set(path / self._ram_limit_file(), str(limit_bytes),
+                      f"the RAM limit of {stem}")
+        except BaseException:
+            self._undo(made)
+            raise
+
+    def charge_ram(self, stem: str, ram: Path, size_bytes: int) -> None:
+        """Allocate RAM file ``ram`` (``size_bytes``) from a process in its RAM group."""
+        procs = self._ram_dir(stem) / "cgroup.procs"
+
+        def join() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        try:
+            subprocess.run(["fallocate", "--length", str(size_bytes), str(ram)], check=True,
+                           capture_output=True, text=True, preexec_fn=join, timeout=600)
+        except FileNotFoundError as exc:
+            raise CgroupError("fallocate (util-linux) is missing; install util-linux.") \
+                from exc
+        except subprocess.SubprocessError as exc:
+            said = getattr(exc, "stderr", "") or str(exc)
+            raise CgroupError(f"cannot allocate the RAM file {ram} ({size_bytes >> 20} MiB) "
+                              f"in cgroup {self.prefix}/{RAM_GROUP}/{stem}: "
+                              f"{said.strip()}") from exc
+
+    def ram_charged(self, stem: str) -> int | None:
+        """Bytes charged to the RAM group of ``stem`` (None when it has none)."""
+        try:
+            return int(self._read(self._ram_dir(stem) / self._ram_usage_file()))
+        except (OSError, ValueError, CgroupError):
+            return None
+
+    def ram_groups(self) -> list[str]:
+        top = self._memory_root() / self.prefix / RAM_GROUP
+        return sorted(p.name for p in top.iterdir() if p.is_dir()) if top.is_dir() else []
+
+    def delete_ram_group(self, stem: str) -> None:
+        """Remove a RAM group (its file is gone); then ``guest.ram`` when it is empty."""
+        path = self._ram_dir(stem)
+        try:
+            if path.is_dir():
+                self._remove_dir(path)
+            if path.parent.is_dir() and not any(p.is_dir() for p in path.parent.iterdir()):
+                self._remove_dir(path.parent)
+        except OSError as exc:
+            raise CgroupError(f"cannot remove cgroup {path}: {exc.strerror or exc}") from exc
+
+    def sweep_ram_groups(self, shm: Path) -> list[str]:
+        """Remove the RAM groups whose file no longer exists in ``shm``; returns them."""
+        gone = [s for s in self.ram_groups() if not (shm / f"{s}.ram").exists()]
+        for stem in gone:
+            try:
+                self.delete_ram_group(stem)
+            except CgroupError as exc:
+                LOG.warning("%s", exc)
+        return gone
 
     def delete(self, group: str) -> None:
         """Remove the partition's leaves, then the partition, in every hierarchy.
@@ -470,6 +576,10 @@ class CgroupDriver(abc.ABC):
         for parent in self._parent_dirs():
             if not parent.is_dir():
                 continue
+            ram = parent / RAM_GROUP
+            if ram.is_dir() and not any(p.is_dir() for p in ram.iterdir()):
+                with contextlib.suppress(OSError):
+                    self._remove_dir(ram)
             if any(p.is_dir() for p in parent.iterdir()):
                 LOG.debug("keeping %s: it still has partitions", parent)
                 continue

@@ -66,6 +66,15 @@ class CgroupV1Driver(CgroupDriver):
                 unique.append(path)
         return unique
 
+    def _memory_root(self) -> Path:
+        return self.mounts["memory"]
+
+    def _ram_limit_file(self) -> str:
+        return "memory.limit_in_bytes"
+
+    def _ram_usage_file(self) -> str:
+        return "memory.usage_in_bytes"
+
     def _cpuset(self, *parts: str) -> Path:
         return self.mounts["cpuset"].joinpath(self.prefix, *parts)
 

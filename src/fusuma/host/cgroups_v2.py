@@ -52,6 +52,21 @@ class CgroupV2Driver(CgroupDriver):
     def _hierarchies(self) -> list[Path]:
         return [self.mount]
 
+    def _memory_root(self) -> Path:
+        return self.mount
+
+    def _ram_limit_file(self) -> str:
+        return "memory.max"
+
+    def _ram_usage_file(self) -> str:
+        return "memory.current"
+
+    def _prepare_ram_parent(self, path: Path) -> None:
+        enabled = self._get(path / "cgroup.subtree_control").split()
+        if "memory" not in enabled:
+            self._set(path / "cgroup.subtree_control", "+memory",
+                      f"the memory controller for the children of {path}")
+
     def _dir(self, *parts: str) -> Path:
         return self.mount.joinpath(self.prefix, *parts)
 

@@ -97,6 +97,7 @@ async def incoming_prepare(sup: Supervisor, vm: str, mode: str,
             undo.append(lambda: sup._remove_ram(ram))
             # The destination's own RAM file, made like a new VM's (0600, the VM's uid).
             privilege.create_ram_file(ram, privilege.uid_for(sup.paths, rec))
+            sup.charge_ram(ram, rec.memory_mib)
         rt = await sup._launch(rec, accel, run, ram, "defer", undo,
                                disk_owner=rec.partition)
         rt.detached = True

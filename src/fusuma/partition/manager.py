@@ -165,6 +165,7 @@ class PartitionManager:
         self._wait_empty(name)
         self.cg.delete(name)
         self.db.remove_partition(name)
+        self.cg.sweep_ram_groups(self.paths.shm)
         self.cg.remove_parent_if_empty()
         for log in ("supervisor.log", "recovery.log"):
             with contextlib.suppress(OSError):

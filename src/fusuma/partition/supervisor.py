@@ -63,6 +63,8 @@ from fusuma.state.machine import ALIVE, valid_transition
 LOG = logging.getLogger("fusuma.supervisor")
 
 DEFAULT_QEMU = "qemu-system-x86_64"
+# A RAM cgroup's limit beyond its file's size: room for the kernel's rounding.
+RAM_SLACK_BYTES = 2 * 1024 * 1024
 # Jobs a supervisor owns and recovers itself (the CLI owns moves, deletes, resizes).
 LOCAL_JOBS = ("start", "stop", "kill")
 
@@ -788,6 +790,12 @@ class Supervisor:
         # A new VM gets a new RAM file; a migration's destination opens the one its
         # caller chose (the source's for zero-copy, a new one made for a copy).
         cfg, files = privilege.open_for_qemu(cfg, uid, new_ram=incoming is None)
+        if ram is not None and incoming is None:
+            try:
+                self.charge_ram(ram, vm.memory_mib)
+            except BaseException:
+                files.close()
+                raise
         with files, open(self.paths.vm_dir(vm.name) / "qemu.log", "ab") as log:
             argv = build_argv(cfg, binary)
             log.write(f"--- {time.ctime()} {argv}\n".encode())
@@ -977,9 +985,26 @@ class Supervisor:
 
     def _remove_ram(self, ram: Path) -> None:
         """Unlink a guest RAM file, never while any QEMU still maps it (a move's other
-        side may)."""
+        side may), and the memory cgroup its pages were charged to."""
         if not process.remove_unmapped(ram):
             self.log.info("kept RAM file %s: still mapped, or already gone", ram)
+        self.cg.sweep_ram_groups(self.paths.shm)
+
+    def charge_ram(self, ram: Path, memory_mib: int) -> None:
+        """Allocate a new RAM file's pages in a memory cgroup of its own (see
+        fusuma.host.cgroups: guest RAM), before any QEMU maps it."""
+        stem = ram.name.removesuffix(".ram")
+        size = memory_mib * 1024 * 1024
+        t0 = time.monotonic()
+        self.cg.create_ram_group(stem, size + RAM_SLACK_BYTES)
+        try:
+            self.cg.charge_ram(stem, ram, size)
+        except BaseException:
+            with contextlib.suppress(FusumaError):
+                self.cg.delete_ram_group(stem)
+            raise
+        self.log.info("allocated %s (%d MiB) in its RAM cgroup in %.0f ms", ram.name,
+                      memory_mib, (time.monotonic() - t0) * 1000)
 
     def _delete_leaf(self, vm: str) -> None:
         try:

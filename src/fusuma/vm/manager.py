@@ -166,6 +166,8 @@ class VmManager:
             rams |= set(self.paths.shm.glob(f"{name}.*.ram"))
         for ram in rams:
             process.remove_unmapped(ram)
+        with contextlib.suppress(Exception):
+            self.parts.cg.sweep_ram_groups(self.paths.shm)
         for p in self.db.partitions():
             with contextlib.suppress(Exception):
                 self.parts.cg.delete_leaf(p.name, f"vm.{name}")
