@@ -508,8 +508,16 @@ class CgroupDriver(abc.ABC):
         except FileNotFoundError as exc:
             raise CgroupError("fallocate (util-linux) is missing; install util-linux.") \
                 from exc
+        except subprocess.CalledProcessError as exc:
+            said = exc.stderr or ""
+            if exc.returncode < 0:
+                said = (f"the kernel ended it (signal {-exc.returncode}): out of memory in "
+                        "that cgroup or on the host")
+            raise CgroupError(f"cannot allocate the RAM file {ram} ({size_bytes >> 20} MiB) "
+                              f"in cgroup {self.prefix}/{RAM_GROUP}/{stem}: "
+                              f"{said.strip()}") from exc
         except subprocess.SubprocessError as exc:
-            said = getattr(exc, "stderr", "") or str(exc)
+            said = str(exc)
             raise CgroupError(f"cannot allocate the RAM file {ram} ({size_bytes >> 20} MiB) "
                               f"in cgroup {self.prefix}/{RAM_GROUP}/{stem}: "
                               f"{said.strip()}") from exc

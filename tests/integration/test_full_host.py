@@ -1,0 +1,115 @@
+"""Issue 18: a zero-copy move needs no spare memory.
+
+A guest of half the host's memory runs in partition a; partition b is small. The guest
+moves to b and back zero-copy (and `maintain a --via b` does the same), its data's
+checksum unchanged; the kernel's counters show its RAM in its own memory cgroup before
+and after, and no partition's counter holding it. A copy move, which would need a second
+copy of that RAM, is refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Host
+from tests.fault.movekit import qemu_pids
+
+pytestmark = pytest.mark.integration
+
+MIB = 2**20
+CG = Path("/sys/fs/cgroup/memory")
+
+
+def host_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError("no MemTotal")
+
+
+def counters(host: Host) -> dict[str, Any]:
+    """The kernel's own numbers: each partition's cgroup and each RAM file's."""
+    top = CG / host.prefix
+    out: dict[str, Any] = {}
+    for p in ("a", "b"):
+        out[p] = {"usage": int((top / p / "memory.usage_in_bytes").read_text()),
+                  "limit": int((top / p / "memory.limit_in_bytes").read_text())}
+    ram = top / "guest.ram"
+    out["ram"] = {d.name: {"usage": int((d / "memory.usage_in_bytes").read_text()),
+                           "limit": int((d / "memory.limit_in_bytes").read_text())}
+                  for d in ram.iterdir() if d.is_dir()} if ram.is_dir() else {}
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_half_the_host_moves_out_and_back_with_no_spare_memory(host: Host) -> None:
+    if not CG.is_dir():
+        pytest.skip("this test reads cgroup v1 memory counters")
+    big = (host_mib() // 2 + 255) // 256 * 256          # half the host or more
+    if os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize < (big + 512) * MIB:
+        pytest.skip("/dev/shm cannot hold a RAM file of half the host")
+    host.run("partition", "create", "a", "--cpus", "0", "--memory", "1024")
+    host.run("partition", "create", "b", "--cpus", "1", "--memory", "512")
+    host.run("vm", "create", "big", "-p", "a", "--memory", str(big), "--port", "18480:80",
+             "--start")
+    md5 = host.run("vm", "exec", "big", "--", "/bin/sh", "-c",
+                   "dd if=/dev/urandom of=/tmp/blob bs=1M count=64 2>/dev/null && "
+                   "md5sum /tmp/blob > /tmp/blob.md5 && cat /tmp/blob.md5").out.split()[0]
+    before = counters(host)
+    # The guest's RAM is charged to its own cgroup, whole, bounded by its size; partition
+    # a holds only QEMU and the supervisor, well inside its budget.
+    assert list(before["ram"]) == ["big"]
+    assert before["ram"]["big"]["usage"] >= big * MIB
+    from fusuma.partition.supervisor import ram_group_limit
+
+    assert before["ram"]["big"]["limit"] == ram_group_limit(big * MIB) < big * MIB * 1.01
+    assert before["a"]["limit"] == 1024 * MIB and before["a"]["usage"] < 1024 * MIB
+    assert before["a"]["usage"] < big * MIB // 4
+    ps = {p["name"]: p for p in host.ps()["partitions"]}
+    assert ps["a"]["memory_use"]["guest_ram_mib"] >= big
+    assert ps["a"]["memory_use"]["other_mib"] == pytest.approx(before["a"]["usage"] / MIB,
+                                                               abs=64)
+
+    # A copy move would hold a second copy of the RAM: refused before anything starts.
+    res = host.fail("migrate", "big", "--to", "b", "--mode", "copy")
+    assert "holds a second RAM file" in res.err and "(second copy)" in res.err
+    assert host.vm("big")["partition"] == "a" and len(qemu_pids(host, "big")) == 1
+
+    # Zero-copy to b (512 MiB: room for its QEMU, not for its RAM) and back.
+    out = host.run("migrate", "big", "--to", "b", "--json").json()
+    assert out["to"] == "b" and out["downtime_ms"] is not None
+    mid = counters(host)
+    assert mid["ram"]["big"]["usage"] == pytest.approx(before["ram"]["big"]["usage"],
+                                                       rel=0.01)
+    assert mid["b"]["usage"] <= mid["b"]["limit"] == 512 * MIB
+    assert mid["a"]["usage"] < before["a"]["usage"]        # its QEMU left
+    # The guest writes 2 GiB of its RAM (four times b's whole budget) while it runs in
+    # b: b's counter does not hold those pages (they belong to the RAM's own group).
+    host.run("vm", "exec", "big", "--timeout", "300", "--", "/bin/sh", "-c",
+             "mkdir -p /mnt/t && mount -t tmpfs -o size=2048m tmpfs /mnt/t && "
+             "dd if=/dev/zero of=/mnt/t/fill bs=1M 2>/dev/null; rm -f /mnt/t/fill; "
+             "umount /mnt/t; true", timeout=400)
+    touched = counters(host)
+    assert touched["b"]["usage"] <= 512 * MIB
+    assert touched["ram"]["big"]["usage"] <= touched["ram"]["big"]["limit"]
+    ps = {p["name"]: p for p in host.ps()["partitions"]}
+    assert ps["b"]["memory_use"]["guest_ram_mib"] >= big
+    assert ps["a"]["memory_use"]["guest_ram_mib"] == 0
+
+    done = host.run("maintain", "b", "--via", "a", "--json").json()
+    assert [m["mode"] for m in done["moves"]] == ["zero-copy", "zero-copy"]
+    assert host.vm("big")["partition"] == "b"
+    host.run("migrate", "big", "--to", "a")
+    after = counters(host)
+    assert after["ram"]["big"]["usage"] == pytest.approx(touched["ram"]["big"]["usage"],
+                                                         rel=0.01)
+    assert after["b"]["usage"] < 512 * MIB
+    assert len(qemu_pids(host, "big")) == 1
+    check = host.run("vm", "exec", "big", "--", "/bin/sh", "-c", "md5sum /tmp/blob")
+    assert check.out.split()[0] == md5
+    host.run("vm", "delete", "big", "--force")
+    assert counters(host)["ram"] == {}                     # the RAM's group went with it
