@@ -70,7 +70,7 @@ def test_nonexistent_cores(host: Host, tmp_path: Path) -> None:
 def test_memory_beyond_host(host: Host) -> None:
     err = host.fail("partition", "create", "a", "--cpus", "0", "--memory", "99999999").err
     assert_one_sentence(err)
-    assert "only" in err and "MiB is left for partitions" in err
+    assert "only" in err and "MiB is left on this host" in err
     assert_nothing(host)
 
 

@@ -90,7 +90,8 @@ def test_source_killed_after_completion_destination_runs_on(host: Host) -> None:
 
 def test_destination_without_room_is_refused_before_anything(host: Host) -> None:
     host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
-    host.run("partition", "create", "b", "--cpus", "1", "--memory", "384")
+    # b's budget holds its supervisor but not v's QEMU (guest RAM is host-wide).
+    host.run("partition", "create", "b", "--cpus", "1", "--memory", "150")
     host.run("vm", "create", "v", "-p", "a", "--start")
     err = host.fail("migrate", "v", "--to", "b").err
     assert_one_sentence(err)

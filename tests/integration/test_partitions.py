@@ -153,7 +153,7 @@ def test_resize_moves_cores_and_memory_and_repins(host: Host) -> None:
     assert host.part("a")["cpus"] == [0]
     assert host.run("vm", "exec", "va", "--", "/bin/true").code == 0
     # Memory below what the VM needs is refused.
-    err = host.fail("partition", "resize", "a", "--memory", "200")
+    err = host.fail("partition", "resize", "a", "--memory", "150")
     assert "needs at least" in err.err
 
 

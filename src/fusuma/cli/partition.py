@@ -23,11 +23,17 @@ def partition() -> None:
 @click.argument("name")
 @click.option("--cpus", required=True, help='Cores, e.g. "0", "0-3" or "0,2".')
 @click.option("--memory", "memory_mib", type=int, required=True,
-              help="Memory limit in MiB (guest RAM + QEMU overhead of all its VMs).")
+              help="Memory budget in MiB for what runs in the partition beyond guest RAM: "
+                   "its supervisor (64) and its VMs' QEMUs (and the RAM of VMs with private "
+                   "RAM). Guest RAM in a shared file is admitted host-wide and charged to a "
+                   "memory cgroup of its own, so a zero-copy move needs room here only for "
+                   "the new QEMU.")
 @click.option("--io-weight", type=click.IntRange(1, 10000), default=None,
               help="Block I/O weight 1-10000 (best effort; needs the io/bfq controller).")
 @click.option("--qemu", default=None,
-              help="Absolute path of this partition's QEMU binary (its hypervisor version).")
+              help="This partition's QEMU (its hypervisor version): a version from "
+                   "`fusuma qemu list` such as 10.0, or the absolute path of a "
+                   "qemu-system-x86_64. Default: the system's.")
 @click.option("--json", "as_json", is_flag=True, help="Print the new partition as JSON.")
 @pass_ctx
 def create(c: Ctx, name: str, cpus: str, memory_mib: int, io_weight: int | None,
