@@ -48,7 +48,7 @@ from pydantic import (
 
 from fusuma import capacity
 from fusuma.errors import SpecError
-from fusuma.host.topology import HostInfo, format_cpulist, parse_cpulist
+from fusuma.host.topology import HostInfo, format_cpulist, parse_cpulist, siblings_text
 from fusuma.names import NAME_HINT, NAME_RE
 from fusuma.names import check_name as check_name  # re-exported: older callers
 
@@ -75,6 +75,9 @@ class PartitionSpec(_Model):
     memory_mib: Annotated[int, Field(gt=0)]
     io_weight: Annotated[int, Field(ge=1, le=10000)] | None = None
     qemu: str | None = None
+    # On an SMT host: "cores" hands out whole physical cores (the cpus listed plus their
+    # sibling threads); "threads" takes exactly the threads listed.
+    smt: Literal["cores", "threads"] = "cores"
 
     _check_name = field_validator("name")(_name_field)
 
@@ -316,6 +319,17 @@ def check_host_fit(spec: HostSpec, host: HostInfo, source: str = "<spec>") -> No
         if missing:
             raise SpecError(f"{source}: partition[{i}].cpus: core(s) {format_cpulist(missing)} "
                             f"do not exist; this host has cores {format_cpulist(host.cpus)}.")
+    held: dict[int, str] = {}
+    for i, p in enumerate(spec.partition):
+        cpus = host.whole_cores(p.cpus) if p.smt == "cores" else p.cpus
+        for c in cpus:
+            if c in held and held[c] != p.name:
+                raise SpecError(
+                    f"{source}: partition[{i}].cpus: partitions {held[c]!r} and {p.name!r} "
+                    f"both need CPU {c}: {siblings_text(host.core_of(c))} goes whole to one "
+                    "partition; give each partition other cores, or smt = \"threads\" to "
+                    "both to split the core's threads.")
+            held[c] = p.name
     planned = [capacity.planned_vm(v.name, v.partition, v.memory_mib, v.accel, v.shared_ram)
                for v in spec.vm]
     total = capacity.host_need(((p.name, p.memory_mib) for p in spec.partition), planned)
@@ -331,6 +345,21 @@ def check_host_fit(spec: HostSpec, host: HostInfo, source: str = "<spec>") -> No
             raise SpecError(f"{source}: partition[{i}].memory_mib: partition {p.name!r} has no "
                             f"room for its VMs ({need.against(p.memory_mib)}); set memory_mib "
                             f"= {need.total} or give its VMs less memory.")
+
+
+def smt_warnings(spec: HostSpec, host: HostInfo) -> list[str]:
+    """Partitions that split a physical core's SMT threads between them (smt = "threads"):
+    their vCPUs compete for the core's execution units. Warned, not refused."""
+    owner = {c: p.name for p in spec.partition for c in p.cpus}
+    out = []
+    for group in host.siblings:
+        names = sorted({owner[c] for c in group if c in owner})
+        if len(names) > 1:
+            who = ", ".join(f"{owner[c]!r} has thread {c}" for c in group if c in owner)
+            out.append(f"partitions {' and '.join(repr(n) for n in names)} split "
+                       f"{siblings_text(group)} ({who}): their vCPUs compete for that "
+                       "core's execution units and caches.")
+    return out
 
 
 def default_spec(host: HostInfo) -> HostSpec:

@@ -47,6 +47,7 @@ class Ctx:
             from fusuma.partition.manager import PartitionManager
 
             self._parts = PartitionManager(self.paths, self.db)
+            self._parts.notice = lambda text: click.echo(text, err=True)
         return self._parts
 
     @property

@@ -60,6 +60,10 @@ def up(c: Ctx, spec: Path | None, accel: str | None, wait: bool, timeout: float,
             v.model_copy(update={"accel": accel}) for v in host_spec.vm]})
     for v in host_spec.vm:
         c.accel_notice(v.accel)
+    from fusuma.spec import smt_warnings
+
+    for line in smt_warnings(host_spec, c.parts.host):
+        click.echo(f"fusuma: warning: {line}", err=True)
     done = apply.up(c.db, c.parts, c.vms, host_spec, source, progress=progress,
                     wait_agent=timeout if wait else 0.0)
     if as_json:

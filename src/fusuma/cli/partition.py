@@ -34,15 +34,20 @@ def partition() -> None:
               help="This partition's QEMU (its hypervisor version): a version from "
                    "`fusuma qemu list` such as 10.0, or the absolute path of a "
                    "qemu-system-x86_64. Default: the system's.")
+@click.option("--smt", type=click.Choice(["cores", "threads"]), default="cores",
+              show_default=True,
+              help="On a host with SMT: cores hands out whole physical cores (the CPUs "
+                   "given plus their sibling threads); threads takes exactly the CPUs "
+                   "given, with a warning when another partition holds a sibling.")
 @click.option("--json", "as_json", is_flag=True, help="Print the new partition as JSON.")
 @pass_ctx
 def create(c: Ctx, name: str, cpus: str, memory_mib: int, io_weight: int | None,
-           qemu: str | None, as_json: bool) -> None:
+           qemu: str | None, smt: str, as_json: bool) -> None:
     """Create partition NAME and start its supervisor."""
     from fusuma.spec import PartitionSpec, build
 
     spec = build(PartitionSpec, "partition", name=name, cpus=parse_cpulist(cpus),
-                 memory_mib=memory_mib, io_weight=io_weight, qemu=qemu)
+                 memory_mib=memory_mib, io_weight=io_weight, qemu=qemu, smt=smt)
     rec = c.parts.create(spec)
     if as_json:
         emit_json({"name": rec.name, "cpus": rec.cpus, "memory_mib": rec.memory_mib,

@@ -75,11 +75,27 @@ class HostInfo:
     mems: list[int]
     memory_total_mib: int
     memory_reserved_mib: int
+    # The SMT threads of each physical core that has more than one (sysfs
+    # thread_siblings_list), e.g. ((0, 4), (1, 5), ...); empty without SMT.
+    siblings: tuple[tuple[int, ...], ...] = ()
 
     @property
     def memory_available_for_partitions_mib(self) -> int:
         """Memory partitions may claim together: the total minus the host's reserve."""
         return max(0, self.memory_total_mib - self.memory_reserved_mib)
+
+    def core_of(self, cpu: int) -> tuple[int, ...]:
+        """The SMT threads of the physical core that runs ``cpu`` (itself alone without
+        SMT)."""
+        return next((g for g in self.siblings if cpu in g), (cpu,))
+
+    def whole_cores(self, cpus: list[int]) -> list[int]:
+        """``cpus`` with every SMT sibling of each added: whole physical cores."""
+        return sorted({t for c in cpus for t in self.core_of(c)})
+
+    def split_cores(self, cpus: list[int]) -> list[tuple[int, ...]]:
+        """The physical cores of which ``cpus`` holds some threads but not all."""
+        return sorted({self.core_of(c) for c in cpus if not set(self.core_of(c)) <= set(cpus)})
 
 
 def _read(path: Path) -> str:
@@ -101,6 +117,29 @@ def _memtotal_mib(meminfo: Path) -> int:
     raise HostError(f"{meminfo} has no MemTotal line; cannot size the host's memory")
 
 
+def smt_siblings(sysfs: Path, cpus: list[int]) -> tuple[tuple[int, ...], ...]:
+    """The SMT thread groups of the online CPUs (groups of one left out). A CPU without
+    a topology directory (some virtual machines) counts as a core of its own; a topology
+    file that exists but cannot be read is an error, not a guess."""
+    groups: set[tuple[int, ...]] = set()
+    for cpu in cpus:
+        f = sysfs / f"devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+        if not f.exists():
+            continue
+        try:
+            threads = tuple(t for t in parse_cpulist(_read(f)) if t in cpus)
+        except SpecError as exc:
+            raise HostError(f"cannot parse {f}: {exc}") from exc
+        if len(threads) > 1:
+            groups.add(threads)
+    return tuple(sorted(groups))
+
+
+def siblings_text(group: tuple[int, ...]) -> str:
+    """``core of threads 0,4``: how messages name a physical core."""
+    return f"the physical core of threads {format_cpulist(list(group))}"
+
+
 def host_info(sysfs: Path = Path("/sys"), procfs: Path = Path("/proc")) -> HostInfo:
     """Read online CPUs, online NUMA nodes and total memory from sysfs and procfs."""
     cpu_online = sysfs / "devices/system/cpu/online"
@@ -119,7 +158,8 @@ def host_info(sysfs: Path = Path("/sys"), procfs: Path = Path("/proc")) -> HostI
         mems = [0]
     total = _memtotal_mib(procfs / "meminfo")
     info = HostInfo(cpus=cpus, mems=mems, memory_total_mib=total,
-                    memory_reserved_mib=host_reserve_mib(total))
+                    memory_reserved_mib=host_reserve_mib(total),
+                    siblings=smt_siblings(sysfs, cpus))
     LOG.debug("host: cpus=%s mems=%s memory=%d MiB (reserve %d MiB)", format_cpulist(cpus),
               format_cpulist(mems), total, info.memory_reserved_mib)
     return info

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +32,7 @@ from fusuma.errors import (
 )
 from fusuma.governor.qos import check_cores
 from fusuma.host import cgroups
-from fusuma.host.topology import HostInfo, format_cpulist, host_info
+from fusuma.host.topology import HostInfo, format_cpulist, host_info, siblings_text
 from fusuma.names import check_name
 from fusuma.partition import liveness
 from fusuma.partition.client import SupervisorClient
@@ -69,6 +70,8 @@ class PartitionManager:
         self.db = db
         self.host = host or host_info()
         self._cg: cgroups.CgroupDriver | None = None
+        # Where notices for the user go (the CLI prints them on stderr).
+        self.notice: Callable[[str], None] = lambda text: LOG.warning("%s", text)
 
     @property
     def cg(self) -> cgroups.CgroupDriver:
@@ -96,6 +99,27 @@ class PartitionManager:
                     "partitions cannot share a core (shrink it first with `fusuma partition "
                     f"resize {other.name} --cpus ...`).")
 
+    def smt_cpus(self, name: str, cpus: list[int], smt: str) -> list[int]:
+        """The CPUs a partition gets on an SMT host: whole physical cores (every sibling
+        of the CPUs asked for, with a notice) unless it asks for single threads; then a
+        warning names the siblings it shares with another partition."""
+        if smt == "cores":
+            whole = self.host.whole_cores(cpus)
+            if whole != sorted(cpus):
+                cores = "; ".join(siblings_text(g) for g in self.host.split_cores(cpus))
+                self.notice(f"fusuma: notice: partition {name!r} gets whole physical cores: "
+                            f"CPUs {format_cpulist(whole)} ({cores}); use --smt threads "
+                            "for single threads.")
+            return whole
+        owner = {c: p.name for p in self.db.partitions() if p.name != name for c in p.cpus}
+        for group in self.host.split_cores(cpus):
+            others = sorted({owner[c] for c in group if c in owner})
+            if others:
+                self.notice(f"fusuma: warning: partition {name!r} splits {siblings_text(group)} "
+                            f"with partition(s) {', '.join(map(repr, others))}: their vCPUs "
+                            "compete for that core's execution units and caches.")
+        return sorted(cpus)
+
     def check_memory(self, name: str, memory_mib: int) -> None:
         capacity.check_host_room(self.db, self.host, name, memory_mib)
         if self.db.find_partition(name) is not None:
@@ -115,14 +139,15 @@ class PartitionManager:
         check_name("partition", spec.name)
         if self.db.find_partition(spec.name) is not None:
             raise ConflictError(f"a partition named {spec.name!r} already exists.")
-        self.check_cpus(spec.name, spec.cpus)
+        cpus = self.smt_cpus(spec.name, spec.cpus, spec.smt)
+        self.check_cpus(spec.name, cpus)
         self.check_memory(spec.name, spec.memory_mib)
         self.check_qemu(spec.qemu)
         if spec.memory_mib < capacity.MIN_PARTITION_MIB:
             raise ResourceError(f"partition {spec.name!r} needs at least "
                                 f"{capacity.MIN_PARTITION_MIB} MiB of memory.")
-        rec = PartitionRecord(name=spec.name, cpus=spec.cpus, memory_mib=spec.memory_mib,
-                              io_weight=spec.io_weight, qemu=spec.qemu)
+        rec = PartitionRecord(name=spec.name, cpus=cpus, memory_mib=spec.memory_mib,
+                              io_weight=spec.io_weight, qemu=spec.qemu, smt=spec.smt)
         with Reverter() as rev:
             self.cg.ensure_parent()
             rev.add(self.cg.remove_parent_if_empty, "parent cgroup")
@@ -184,7 +209,7 @@ class PartitionManager:
     def resize(self, name: str, cpus: list[int] | None = None,
                memory_mib: int | None = None) -> PartitionRecord:
         rec = self.db.partition(name)
-        new_cpus = cpus if cpus is not None else rec.cpus
+        new_cpus = self.smt_cpus(name, cpus, rec.smt) if cpus is not None else rec.cpus
         new_mem = memory_mib if memory_mib is not None else rec.memory_mib
         if not new_cpus:
             raise SpecError("a partition needs at least one core.")

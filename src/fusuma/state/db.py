@@ -103,6 +103,7 @@ ADDED_COLUMNS = (
     ("vms", "mergeable", "INTEGER NOT NULL DEFAULT 0"),
     ("vms", "ports", "TEXT NOT NULL DEFAULT '[]'"),
     ("vms", "overhead_mib", "INTEGER"),
+    ("partitions", "smt", "TEXT NOT NULL DEFAULT 'cores'"),
 )
 
 
@@ -115,6 +116,8 @@ class PartitionRecord:
     qemu: str | None = None
     supervisor_pid: int | None = None
     created_at: float = field(default_factory=time.time)
+    # "cores": whole physical cores (every SMT sibling); "threads": single threads.
+    smt: str = "cores"
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,7 @@ class Database:
         return PartitionRecord(name=row["name"], cpus=json.loads(row["cpus"]),
                                memory_mib=row["memory_mib"], io_weight=row["io_weight"],
                                qemu=row["qemu"], supervisor_pid=row["supervisor_pid"],
-                               created_at=row["created_at"])
+                               created_at=row["created_at"], smt=row["smt"])
 
     def partitions(self) -> list[PartitionRecord]:
         rows = self._conn.execute("SELECT * FROM partitions ORDER BY name").fetchall()
@@ -247,9 +250,10 @@ class Database:
     def add_partition(self, p: PartitionRecord) -> None:
         try:
             self._conn.execute(
-                "INSERT INTO partitions VALUES (?,?,?,?,?,?,?)",
+                "INSERT INTO partitions (name, cpus, memory_mib, io_weight, qemu, "
+                "supervisor_pid, created_at, smt) VALUES (?,?,?,?,?,?,?,?)",
                 (p.name, json.dumps(p.cpus), p.memory_mib, p.io_weight, p.qemu,
-                 p.supervisor_pid, p.created_at))
+                 p.supervisor_pid, p.created_at, p.smt))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a partition named {p.name!r} already exists.") from exc
         self.emit("lifecycle", "partition-created", f"/1.0/partitions/{p.name}",
