@@ -103,13 +103,15 @@ def _fmt(x: Any, digits: int = 1) -> str:
 
 def render(data: dict[str, Any]) -> str:
     rows = [[v["name"], v["partition"], v["qos"], _fmt(v.get("cpu_pct")),
-             _fmt(v.get("vcpu_pct")), _fmt(v.get("wait_pct")), _fmt(v.get("run_delay_ms"), 2),
-             _fmt(v.get("throttled_ms"), 0), _state(v.get("governor"))]
+             _fmt(v.get("vcpu_pct")), _fmt(v.get("wait_pct")),
+             _fmt(v.get("other_cpu_pct")), _fmt(v.get("other_wait_pct")),
+             _fmt(v.get("run_delay_ms"), 2), _fmt(v.get("throttled_ms"), 0),
+             _state(v.get("governor"))]
             for v in data["vms"]]
     if not rows:
         return "no running VMs"
-    return table(rows, ["vm", "partition", "qos", "cpu%", "vcpu%", "wait%", "delay_ms",
-                        "throttled_ms", "governor"])
+    return table(rows, ["vm", "partition", "qos", "cpu%", "vcpu%", "wait%", "emu%",
+                        "emu_wait%", "delay_ms", "throttled_ms", "governor"])
 
 
 @click.command("top")
@@ -126,6 +128,9 @@ def top(c: Ctx, once: bool, as_json: bool, interval: float) -> None:
     cpu%       CPU time of all the VM's QEMU threads (100 = one core)
     vcpu%      CPU time of its vCPU threads, per vCPU
     wait%      time its vCPUs were runnable but waited for a CPU (run delay), per vCPU
+    emu%       CPU time of QEMU's other threads (emulator: main loop, I/O, workers),
+               summed (under TCG the main loop delivers the guest's timers and devices)
+    emu_wait%  their run delay, summed: what an isolated emulator core takes away
     delay_ms   mean wait per time slice, all QEMU threads
     throttled  time its cgroup was held back by a quota (the governor's caps)
     governor   what the partition's governor is doing to it"""
