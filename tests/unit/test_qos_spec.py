@@ -61,7 +61,8 @@ def test_an_older_state_file_gets_the_qos_column(tmp_path: Path) -> None:
     Database(path).close()
     conn = sqlite3.connect(path)
     conn.execute("ALTER TABLE vms DROP COLUMN qos")
-    conn.execute("INSERT INTO partitions VALUES ('p0', '[0]', 1024, NULL, NULL, NULL, 0)")
+    conn.execute("INSERT INTO partitions (name, cpus, memory_mib, created_at) "
+                 "VALUES ('p0', '[0]', 1024, 0)")
     conn.execute("INSERT INTO vms (name, partition, vcpus, memory_mib, image, disks, accel, "
                  "autostart, state, created_at) VALUES ('old', 'p0', 1, 128, 'minimal', "
                  "'[]', 'auto', 1, 'stopped', 0)")

@@ -81,7 +81,7 @@ def test_threads_split_a_core_with_a_warning(parts: PartitionManager) -> None:
                     "0,2 with partition(s) 'a': their vCPUs compete for that core's "
                     "execution units and caches."]
     # Whole cores: the sibling held by a is refused like any core another partition has.
-    with pytest.raises(ConflictError, match="core.s. 0 belong to partition 'a'"):
+    with pytest.raises(ConflictError, match=r"core\(s\) 0 belong to partition 'a'"):
         parts.check_cpus("c", parts.smt_cpus("c", [2], "cores"))
     assert parts.db.partition("a").smt == "threads"
 
