@@ -5,9 +5,19 @@ VENV := .venv
 FUSUMA := $(VENV)/bin/fusuma
 DEB_PACKAGES := qemu-system-x86 qemu-utils busybox-static erofs-utils cpio \
                 qemu-guest-agent python3-venv gcc libc6-dev debootstrap apache2-utils curl \
-                prometheus chromium
+                prometheus chromium etcd-server
+# kube-apiserver and kubectl for the cluster tests (tests/cluster) and `fusuma bench
+# cluster`: built from the Go module proxy (tools/kube-apiserver), once, into the cache.
+K8S_VERSION := 1.33.13
+KUBE_DIR := $(or $(FUSUMA_CACHE),/var/cache/fusuma)/k8s
+KUBE_APISERVER := $(KUBE_DIR)/kube-apiserver-v$(K8S_VERSION)
+KUBECTL := $(KUBE_DIR)/kubectl-v$(K8S_VERSION)
+K8S_LDFLAGS := -X k8s.io/component-base/version.gitVersion=v$(K8S_VERSION) \
+               -X k8s.io/component-base/version.gitMajor=1 \
+               -X k8s.io/component-base/version.gitMinor=$(word 2,$(subst ., ,$(K8S_VERSION))) \
+               -X k8s.io/component-base/version.gitTreeState=clean
 
-.PHONY: deps venv image demo test lint unit integration fault clean bench-boot
+.PHONY: deps venv image demo test lint unit integration fault clean bench-boot kube cluster
 
 deps:
 	@missing=$$(for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -27,8 +37,15 @@ venv: deps $(VENV)/.installed
 image: venv
 	$(FUSUMA) image build
 	$(FUSUMA) image build --kind debian
+	$(FUSUMA) qemu install 10.0
 
 demo: image
+	@# A p0 left on QEMU 10.0 by an earlier demo goes back to the system's first, so
+	@# that the host matches the default spec again.
+	@if $(FUSUMA) partition list --json 2>/dev/null | $(VENV)/bin/python -c 'import json,sys; sys.exit(0 if any(p["name"] == "p0" and p["qemu"] not in (None, "7.2") for p in json.load(sys.stdin)) else 1)'; then \
+	  echo "--- p0 runs another QEMU since an earlier demo: back to the system's"; \
+	  $(FUSUMA) maintain p0 --via p1 --qemu 7.2; \
+	fi
 	$(FUSUMA) up
 	$(FUSUMA) ps
 	@for v in $$($(FUSUMA) vm list --json | $(VENV)/bin/python -c 'import json,sys; print(" ".join(v["name"] for v in json.load(sys.stdin)))'); do \
@@ -46,10 +63,30 @@ demo: image
 	@for i in $$(seq 60); do curl -sf -o /dev/null http://127.0.0.1:8080/ && break; sleep 1; done
 	curl -s http://127.0.0.1:8080/ | grep -o '<title>.*</title>'
 	$(FUSUMA) share report
+	@echo "--- QEMU versions side by side: the system's and 10.0 from Debian's backports"
+	$(FUSUMA) qemu list
+	@echo "--- upgrade p0's hypervisor from QEMU 7.2 to 10.0 under its running VMs"
+	@echo "    (each VM moves to p1 and back onto 10.0, keeping machine type pc-q35-7.2):"
+	$(FUSUMA) maintain p0 --via p1 --qemu 10.0
+	$(FUSUMA) ps
+	curl -s http://127.0.0.1:8080/ | grep -o '<title>.*</title>'
 	@echo
-	@echo "Two partitions are up. Try: $(FUSUMA) ps, $(FUSUMA) vm console vm0,"
+	@echo "Two partitions are up, p0 on QEMU 10.0 and p1 on the system's 7.2."
+	@echo "Try: $(FUSUMA) ps, $(FUSUMA) vm console vm0, $(FUSUMA) qemu list,"
 	@echo "$(FUSUMA) partition restart p0, $(FUSUMA) share analyze --vm web0."
 	@echo "Remove everything with: $(FUSUMA) down; $(FUSUMA) segment delete debian-usr"
+
+# The binaries' names carry the version: built once, reused until K8S_VERSION changes
+# (about 5 minutes on 2 cores; the Go build cache makes a rebuild a link).
+kube: deps
+	@if [ ! -x $(KUBE_APISERVER) ] || [ ! -x $(KUBECTL) ]; then \
+	  echo "building kube-apiserver and kubectl v$(K8S_VERSION) (about 5 minutes)"; \
+	  mkdir -p $(KUBE_DIR)/build && cd tools/kube-apiserver && \
+	  go build -trimpath -ldflags '$(K8S_LDFLAGS)' -o $(KUBE_DIR)/build/ \
+	    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl && \
+	  mv $(KUBE_DIR)/build/kube-apiserver $(KUBE_APISERVER) && \
+	  mv $(KUBE_DIR)/build/kubectl $(KUBECTL); \
+	fi
 
 lint: venv
 	$(VENV)/bin/ruff check src tests
@@ -64,7 +101,10 @@ integration: image
 fault: image
 	$(VENV)/bin/pytest -q tests/fault
 
-test: image lint
+cluster: image kube
+	$(VENV)/bin/pytest -q tests/cluster
+
+test: image kube lint
 	$(VENV)/bin/pytest -q tests
 
 bench-boot: image

@@ -34,14 +34,17 @@ class Plan:
     # Partitions whose supervisor is down (killed, or the host crashed): started again
     # first; each re-adopts its VMs that still run and marks the others crashed.
     start_supervisors: list[str] = field(default_factory=list)
+    # systemd unit files written on a host whose PID 1 is systemd (fusuma.host.systemd)
+    installed: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not (self.create_partitions or self.resize_partitions or self.add_disks
                     or self.move_disks or self.create_vms or self.start_vms
-                    or self.start_supervisors)
+                    or self.start_supervisors or self.installed)
 
     def describe(self) -> list[str]:
-        out = [f"start the supervisor of partition {n}" for n in self.start_supervisors]
+        out = [f"install systemd unit {path}" for path in self.installed]
+        out += [f"start the supervisor of partition {n}" for n in self.start_supervisors]
         out += [f"create partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
                 for p in self.create_partitions]
         out += [f"resize partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
@@ -61,7 +64,23 @@ def _vm_diff(db: Database, v: VmSpec) -> list[str]:
         a, b = getattr(cur, key), getattr(v, key)
         if a != b:
             diffs.append(f"{key} {a} -> {b}")
+    if v.machine is not None and cur.machine is not None and cur.machine != v.machine:
+        diffs.append(f"machine {cur.machine} -> {v.machine}")
     return diffs
+
+
+def _same_qemu(parts: PartitionManager, a: str | None, b: str | None) -> bool:
+    """Two names of one QEMU (unset and "7.2" both name a system QEMU 7.2)."""
+    if a == b:
+        return True
+    from fusuma.errors import FusumaError
+    from fusuma.qemu import versions
+
+    try:
+        return versions.resolve(parts.paths, a).binary == \
+            versions.resolve(parts.paths, b).binary
+    except FusumaError:
+        return False
 
 
 def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> Plan:
@@ -77,7 +96,7 @@ def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> 
         if cur.cpus != ps.cpus or cur.memory_mib != ps.memory_mib:
             shrinking = set(ps.cpus) <= set(cur.cpus)
             p.resize_partitions.append((ps, shrinking))
-        elif cur.qemu != ps.qemu or cur.io_weight != ps.io_weight:
+        elif not _same_qemu(parts, cur.qemu, ps.qemu) or cur.io_weight != ps.io_weight:
             raise SpecError(f"{source}: partition {ps.name!r} exists with another qemu or "
                             "io_weight; those cannot change on a live partition.")
     for ds in spec.disk:
@@ -115,6 +134,8 @@ def up(paths_db: Database, parts: PartitionManager, vms: VmManager, spec: HostSp
 def _up(db: Database, parts: PartitionManager, vms: VmManager, spec: HostSpec,
         source: str, progress: Callable[[str], None], wait_agent: float) -> Plan:
     the_plan = plan(db, parts, spec, source)
+    if spec.partition:
+        the_plan.installed = parts.install_units()
     for name in the_plan.start_supervisors:
         progress(f"starting the supervisor of partition {name}")
         parts.start_supervisor(name)

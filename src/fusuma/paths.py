@@ -15,6 +15,11 @@ temporary directory without touching the host's real fusuma:
   namespaces (or a test run beside `make demo`) can coexist.
 - ``FUSUMA_UID_BASE``    first uid of the range whose uids run VMs' QEMUs (default
   1500000000; VM slot n runs as base + n, see fusuma.qemu.privilege)
+- ``FUSUMA_CPU_PARTITION`` cgroup v2: hold partitions' cores with the kernel's cpuset
+  partitions: "auto" (default: where the kernel and the layout allow, else plain cpusets
+  with a notice), "root" or "isolated" (those or refuse), "off" (fusuma.host.cgroups_v2)
+- ``FUSUMA_SYSTEMD``     "auto" (default: supervisors run as systemd units when PID 1 is
+  systemd on a cgroup v2 host), "1" (require it) or "0" (never; fusuma.host.systemd)
 
 Permissions (least privilege): the shm dir and the log dirs (``vms/<vm>``,
 ``partitions/<p>``) are 0700; the runtime dir and its ``vms`` and ``partitions`` are
@@ -85,6 +90,8 @@ class Paths:
     cgroup_prefix: str
     cpu_exclusive: bool = True
     uid_base: int = DEFAULT_UID_BASE
+    cpu_partition: str = "auto"
+    systemd: str = "auto"
 
     @classmethod
     def from_env(cls) -> Paths:
@@ -105,6 +112,8 @@ class Paths:
             cgroup_prefix=env.get("FUSUMA_CGROUP_PREFIX", "fusuma"),
             cpu_exclusive=env.get("FUSUMA_CPU_EXCLUSIVE", "1") != "0",
             uid_base=uid_base,
+            cpu_partition=env.get("FUSUMA_CPU_PARTITION", "auto"),
+            systemd=env.get("FUSUMA_SYSTEMD", "auto"),
         )
 
     @property
@@ -149,6 +158,8 @@ class Paths:
             "FUSUMA_CGROUP_PREFIX": self.cgroup_prefix,
             "FUSUMA_CPU_EXCLUSIVE": "1" if self.cpu_exclusive else "0",
             "FUSUMA_UID_BASE": str(self.uid_base),
+            "FUSUMA_CPU_PARTITION": self.cpu_partition,
+            "FUSUMA_SYSTEMD": self.systemd,
         }
 
     def ensure_parents(self) -> None:

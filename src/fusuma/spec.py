@@ -7,7 +7,7 @@ A spec is a TOML file applied with ``fusuma up``::
     cpus = "0"            # or [0, 1], or "0-3,6"
     memory_mib = 1024
     # io_weight = 100     # 1..10000, best effort
-    # qemu = "/usr/bin/qemu-system-x86_64"   # this partition's hypervisor version
+    # qemu = "10.0"       # its hypervisor: a version (`fusuma qemu list`) or a path
 
     [[disk]]
     name = "d0"
@@ -25,6 +25,7 @@ A spec is a TOML file applied with ``fusuma up``::
     # segments = ["tools", "debian-usr:/usr"]   # NAME[:MOUNTPOINT], default /mnt/NAME
     # mergeable = false   # private RAM for KSM (copy migration only; see `share ksm`)
     # ports = ["8080:80"] # host 127.0.0.1:8080 -> guest tcp port 80 (user networking)
+    # machine = "pc-q35-7.2"  # pinned machine type (default: the oldest QEMU's q35)
 
 Validation errors name the file and the key (``spec.toml: vm[1].partition: ...``).
 """
@@ -150,6 +151,9 @@ class VmSpec(_Model):
     mergeable: bool = False
     # TCP ports forwarded from the host's loopback: "HOSTPORT:GUESTPORT".
     ports: list[str] = []
+    # The versioned machine type it pins (None: the q35 machine type of the oldest
+    # installed QEMU, so that it can move to every QEMU installed here).
+    machine: str | None = None
 
     _check_name = field_validator("name")(_name_field)
 
@@ -170,6 +174,14 @@ class VmSpec(_Model):
             seen.add(name)
             out.append(f"{name}:{mount}")
         return out
+
+    @field_validator("machine")
+    @classmethod
+    def _machine(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"pc-q35-\d+\.\d+(\.\d+)?", v):
+            raise ValueError(f"machine type {v!r} is not a versioned q35 machine type; "
+                             "give one like \"pc-q35-7.2\" (see `fusuma qemu list`)")
+        return v
 
     @field_validator("ports")
     @classmethod

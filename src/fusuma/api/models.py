@@ -124,6 +124,8 @@ class VmInfo(_Resp):
     mergeable: bool
     segments: list[str]
     ports: list[str]
+    qemu: str | None = None        # the QEMU version running it ("10.0.2")
+    machine: str | None = None     # its pinned machine type ("pc-q35-7.2")
     host_memory: dict[str, Any] | None
     disks: list[str]
     error: str | None
@@ -139,9 +141,13 @@ class PartitionInfo(_Resp):
     supervisor_pid: int | None
     state: str
     qemu: str | None
+    qemu_version: str | None = None   # the version ``qemu`` names, if known
     io_weight: int | None
     disks: list[str]
     memory_use: dict[str, float | None]
+    # What keeps its cores to itself: "cpuset partition root" / "cpuset partition
+    # isolated" / "exclusive cpuset" / "shared" (fusuma.host.cgroups HELD_*)
+    cores_held_by: str | None = None
     job: JobInfo | None = None
 
 

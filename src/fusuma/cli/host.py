@@ -103,6 +103,7 @@ def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None
                     ) -> list[dict[str, Any]]:
     """What `partition list --json` prints (and `ps --json` under "partitions")."""
     from fusuma.partition.liveness import supervisor_pid
+    from fusuma.qemu.versions import known_version
 
     if jobs is None:
         jobs = {j.obj: job_json(j) for j in c.db.jobs()}
@@ -113,12 +114,27 @@ def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None
         parts.append({"name": p.name, "cpus": p.cpus, "memory_mib": p.memory_mib,
                       "supervisor_pid": pid,
                       "state": "running" if pid is not None else "supervisor-down",
-                      "qemu": p.qemu, "io_weight": p.io_weight,
+                      "qemu": p.qemu, "qemu_version": known_version(c.paths, p.qemu),
+                      "io_weight": p.io_weight,
                       "disks": [d.name for d in c.db.disks(p.name)],
                       "memory_use": memory_use(c, p.name, [v for v in vms
                                                            if v.partition == p.name]),
+                      "cores_held_by": cores_held_by(c, p.name),
                       "job": jobs.get(f"partition:{p.name}")})
     return parts
+
+
+def cores_held_by(c: Ctx, partition: str) -> str | None:
+    """What keeps the partition's cores to itself, read from the kernel: "cpuset
+    partition root" (or "isolated"), "exclusive cpuset" or "shared"; None when its
+    cgroup is not there (e.g. its systemd unit is stopped and it has no VM)."""
+    from fusuma.errors import FusumaError
+    from fusuma.host import cgroups
+
+    try:
+        return cgroups.for_paths(c.paths).cores_held_by(partition)
+    except FusumaError:
+        return None
 
 
 def memory_use(c: Ctx, partition: str, vms: list[VmRecord]) -> dict[str, Any]:
@@ -129,7 +145,7 @@ def memory_use(c: Ctx, partition: str, vms: list[VmRecord]) -> dict[str, Any]:
     from fusuma.host import cgroups
 
     try:
-        cg = cgroups.detect(prefix=c.paths.cgroup_prefix, exclusive=c.paths.cpu_exclusive)
+        cg = cgroups.for_paths(c.paths)
         other: float | None = round(cg.memory_current(partition) / 2**20, 1)
     except FusumaError:
         return {"guest_ram_mib": None, "other_mib": None}
@@ -171,7 +187,9 @@ def ps(c: Ctx, as_json: bool) -> None:
     processes that map them); it follows the process, unlike cgroup charges, which
     stay with the cgroup that first touched a page (e.g. after a zero-copy migration).
     seg_mib is the VM's share (PSS) of its segments, ksm_mib its pages merged by KSM;
-    --json adds the anon/file/shmem split. `fusuma share report` has host totals."""
+    --json adds the anon/file/shmem split. `fusuma share report` has host totals.
+    qemu is the version of the QEMU a partition names and of the one running each VM
+    (they differ while a VM still runs on its old QEMU; see `fusuma qemu list`)."""
     data = ps_data(c)
     if as_json:
         emit_json(data)
@@ -179,13 +197,16 @@ def ps(c: Ctx, as_json: bool) -> None:
     from fusuma.host.topology import format_cpulist
 
     prow = [[p["name"], format_cpulist(p["cpus"]), str(p["memory_mib"]),
-             str(p["supervisor_pid"] or "-"), p["state"]] for p in data["partitions"]]
-    click.echo(table(prow, ["partition", "cpus", "memory_mib", "supervisor", "state"]))
+             str(p["supervisor_pid"] or "-"), p["state"],
+             p["qemu_version"] or p["qemu"] or "-", p.get("cores_held_by") or "-"]
+            for p in data["partitions"]]
+    click.echo(table(prow, ["partition", "cpus", "memory_mib", "supervisor", "state",
+                            "qemu", "cores_held_by"]))
     click.echo()
     vrow = [[v["name"], v["partition"], v["state"], str(v["pid"] or "-"), v["accel"],
-             str(v["vcpus"]), str(v["memory_mib"]),
+             v["qemu"] or "-", str(v["vcpus"]), str(v["memory_mib"]),
              *_mem_cells(v["host_memory"]), _note(v)] for v in data["vms"]]
-    click.echo(table(vrow, ["vm", "partition", "state", "pid", "accel", "vcpus",
+    click.echo(table(vrow, ["vm", "partition", "state", "pid", "accel", "qemu", "vcpus",
                             "memory_mib", "pss_mib", "seg_mib", "ksm_mib", "note"]))
 
 

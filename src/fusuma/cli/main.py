@@ -22,9 +22,14 @@ from fusuma.errors import FusumaError
 # name -> ("module:attribute", summary). The summary is the first sentence of the
 # command's help, as click would show it in the listing.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "agent": ("fusuma.cli.cluster:agent",
+              "Run this host's fusuma agent: register it, reconcile the cluster's objects "
+              "here."),
     "bench": ("fusuma.cli.bench:bench",
               "Run benchmarks; each writes a JSON result file with a `meta` block (git "
               "revision, date, host, accelerator) and metric names that carry units."),
+    "cluster": ("fusuma.cli.cluster:cluster",
+                "fusuma on Kubernetes: the CRDs and RBAC the agents need."),
     "disk": ("fusuma.cli.disk:disk",
              "Register disks (image files or block devices) to partitions and move them."),
     "down": ("fusuma.cli.host:down",
@@ -40,6 +45,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "partition": ("fusuma.cli.partition:partition",
                   "Create, resize, restart and delete partitions."),
     "ps": ("fusuma.cli.host:ps", "Show partitions and VMs with their state."),
+    "qemu": ("fusuma.cli.qemu:qemu",
+             "Install, list and remove QEMU versions that partitions can run."),
     "segment": ("fusuma.cli.segment:segment",
                 "Shared segments: read-only memory shared by many VMs (z/VM's DCSS)."),
     "serve": ("fusuma.cli.serve:serve",

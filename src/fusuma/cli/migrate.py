@@ -46,28 +46,53 @@ def migrate(c: Ctx, vm: str, to: str, mode: str, as_json: bool) -> None:
 
 @click.command()
 @click.argument("partition")
-@click.option("--via", required=True, help="Partition that holds the VMs meanwhile.")
+@click.option("--via", default=None, help="Partition that holds the VMs meanwhile.")
+@click.option("--in-place", "in_place", is_flag=True,
+              help="No second partition: each VM moves to a new QEMU process in PARTITION "
+                   "itself by QEMU's cpr-transfer (the new QEMU receives the guest RAM's "
+                   "file descriptors over a UNIX socket; QEMU >= 10.0 on both sides).")
 @click.option("--qemu", default=None,
-              help="Absolute path of a new QEMU binary for the partition's VMs.")
-@click.option("--json", "as_json", is_flag=True)
+              help="The QEMU the partition's VMs run on from now on: a version from "
+                   "`fusuma qemu list` or the absolute path of a qemu-system-x86_64.")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"partition", "via", "qemu", "supervisor_pid", "moves": [{"vm", '
+                   '"from", "to", "method", "downtime_ms", "total_ms", ...}]}.')
 @pass_ctx
-def maintain(c: Ctx, partition: str, via: str, qemu: str | None, as_json: bool) -> None:
+def maintain(c: Ctx, partition: str, via: str | None, in_place: bool, qemu: str | None,
+             as_json: bool) -> None:
     """Restart PARTITION's hypervisor instance with ~no downtime for its VMs.
 
-    Moves every running VM of PARTITION to --via (zero-copy where the VM has shared RAM),
-    restarts PARTITION's supervisor (with --qemu: a different QEMU for its VMs), and
-    moves them back onto new QEMU processes. Prints each move's downtime."""
+    With --via: moves every running VM of PARTITION to --via (zero-copy where the VM has
+    shared RAM), restarts PARTITION's supervisor (with --qemu: a different QEMU for its
+    VMs), and moves them back onto new QEMU processes. With --in-place: each running VM
+    moves to a new QEMU process in PARTITION by cpr-transfer (with --qemu: on that
+    QEMU); the old QEMU quits. Prints each move's downtime and method."""
+    from fusuma.errors import SpecError
     from fusuma.migration.maintain import maintain as do_maintain
+    from fusuma.migration.maintain import maintain_in_place
 
-    res = do_maintain(c.parts, partition, via, qemu, progress=progress)
+    if (via is None) == (not in_place):
+        raise SpecError("give either --via PARTITION (move the VMs out and back) or "
+                        "--in-place (cpr-transfer, QEMU >= 10.0), not both or neither.")
+    if in_place:
+        res = maintain_in_place(c.parts, partition, qemu, progress=progress)
+    else:
+        assert via is not None
+        res = do_maintain(c.parts, partition, via, qemu, progress=progress)
     if as_json:
-        emit_json({"partition": res.partition, "via": res.via, "qemu": res.qemu,
-                   "supervisor_pid": res.supervisor_pid,
+        emit_json({"partition": res.partition, "via": res.via, "in_place": in_place,
+                   "qemu": res.qemu, "supervisor_pid": res.supervisor_pid,
                    "moves": [m.as_json() for m in res.moves]})
         return
     for m in res.moves:
         down = f"{m.downtime_ms:.1f} ms" if m.downtime_ms is not None else "unknown"
-        click.echo(f"{m.vm}: {m.source} -> {m.to} ({m.mode}) downtime {down}, total "
+        where = f"{m.source}, new QEMU pid {m.dest_pid}" if in_place \
+            else f"{m.source} -> {m.to}"
+        click.echo(f"{m.vm}: {where} ({m.mode}) downtime {down}, total "
                    f"{m.total_ms:.1f} ms")
-    click.echo(f"partition {partition}: new supervisor pid {res.supervisor_pid}"
-               + (f", QEMU {qemu}" if qemu else ""))
+    if in_place:
+        click.echo(f"partition {partition}: {len(res.moves)} VM(s) on new QEMU processes"
+                   + (f", QEMU {qemu}" if qemu else ""))
+    else:
+        click.echo(f"partition {partition}: new supervisor pid {res.supervisor_pid}"
+                   + (f", QEMU {qemu}" if qemu else ""))

@@ -60,14 +60,18 @@ def vm() -> None:
 @click.option("--port", "ports", multiple=True, metavar="HOST:GUEST",
               help="Forward 127.0.0.1:HOST on the host to the guest's TCP port GUEST "
                    "(repeatable; QEMU user networking).")
+@click.option("--machine", default=None, metavar="TYPE",
+              help="The versioned machine type it pins, e.g. pc-q35-7.2 (default: the "
+                   "q35 type of the oldest installed QEMU, so it can move to every QEMU "
+                   "here; see `fusuma qemu list`).")
 @click.option("--start", is_flag=True, help="Start it right away (if that fails, the "
               "VM is not kept).")
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image: str,
            disks: tuple[str, ...], accel: str, private_ram: bool, qos: str,
-           segments: tuple[str, ...], mergeable: bool, ports: tuple[str, ...], start: bool,
-           as_json: bool) -> None:
+           segments: tuple[str, ...], mergeable: bool, ports: tuple[str, ...],
+           machine: str | None, start: bool, as_json: bool) -> None:
     """Define VM NAME in a partition (and optionally start it).
 
     \b
@@ -84,7 +88,7 @@ def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image
     spec = build(VmSpec, "vm", name=name, partition=partition, vcpus=vcpus,
                  memory_mib=memory_mib, image=image, disks=list(disks), accel=accel,
                  qos=qos, segments=list(segments), mergeable=mergeable, ports=list(ports),
-                 **fields)
+                 machine=machine, **fields)
     if start:
         c.accel_notice(accel)     # an accelerator that cannot work: refuse before creating
     c.vms.create(spec)

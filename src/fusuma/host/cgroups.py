@@ -27,11 +27,15 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fusuma.errors import CgroupError, HostError, SpecError
+
+if TYPE_CHECKING:
+    from fusuma.paths import Paths
 
 LOG = logging.getLogger(__name__)
 
@@ -40,6 +44,15 @@ IO_WEIGHT_MIN = 1
 IO_WEIGHT_MAX = 10000
 _RMDIR_RETRY_S = 2.0
 
+
+# What keeps a partition's cores to itself (`fusuma ps`: cores_held_by), strongest first:
+# the kernel took them out of the rest of the host (a cgroup v2 cpuset partition), it
+# refuses other cpusets beside them (v1 cpu_exclusive, v2 cpuset.cpus.exclusive), or
+# only fusuma's own bookkeeping keeps partitions apart (other processes may run there).
+HELD_PARTITION_ROOT = "cpuset partition root"
+HELD_PARTITION_ISOLATED = "cpuset partition isolated"
+HELD_EXCLUSIVE = "exclusive cpuset"
+HELD_SHARED = "shared"
 
 # The cgroup below the prefix that holds one memory cgroup per guest RAM file. A name
 # with a dot: partition names cannot have one, so it never collides with a partition.
@@ -162,6 +175,11 @@ class CgroupDriver(abc.ABC):
             check_name("cgroup prefix", part)
         self.prefix = "/".join(parts)
         self._warned: set[str] = set()
+        # Where a notice for the user goes (the partition manager prints it on stderr).
+        self.notice: Callable[[str], None] = lambda text: LOG.warning("%s", text)
+        # Partitions other than the one being changed whose cpuset the kernel reset
+        # (a cpuset partition made or undone): their threads need pinning again.
+        self.disturbed: set[str] = set()
 
     # -- the hierarchies this driver writes to ------------------------------------------
 
@@ -304,6 +322,10 @@ class CgroupDriver(abc.ABC):
     @abc.abstractmethod
     def cpu_idle_supported(self, group: str, leaf: str) -> bool:
         """True when the kernel offers ``cpu.idle`` for the leaf."""
+
+    def cores_held_by(self, group: str) -> str:
+        """What keeps the partition's cores to itself: one of the ``HELD_*`` sentences."""
+        return HELD_SHARED
 
     def _leaf_dir(self, mount: Path, group: str, leaf: str) -> Path:
         check_name("leaf", leaf)
@@ -656,19 +678,32 @@ def _v2_controllers(mount: Path) -> set[str]:
         return set()
 
 
+def for_paths(paths: Paths) -> CgroupDriver:
+    """The driver for the fusuma namespace ``paths`` describes (its prefix and settings)."""
+    return detect(prefix=paths.cgroup_prefix, exclusive=paths.cpu_exclusive,
+                  partition=paths.cpu_partition, systemd=paths.systemd)
+
+
 def detect(
     prefix: str = "fusuma",
     root: Path = Path("/sys/fs/cgroup"),
     mountinfo: Path = Path("/proc/self/mountinfo"),
     *,
     exclusive: bool = True,
+    partition: str = "auto",
+    systemd: str = "auto",
 ) -> CgroupDriver:
     """Pick the driver for this host: v2 when a cgroup2 mount offers ``cpuset``, else v1.
+    On v2 with systemd as PID 1 (``systemd``: FUSUMA_SYSTEMD), the systemd driver:
+    fusuma's cgroups inside its delegated units.
 
     ``exclusive=False`` skips exclusive cpusets (v1 makes an exclusive root-level parent
     that owns every CPU, which locks other root-level cpusets such as Docker's out).
+    ``partition``: FUSUMA_CPU_PARTITION (cgroup v2 cpuset partitions).
     """
     # Imported here: the driver modules import CgroupDriver from this module.
+    from fusuma.host import systemd as sd
+    from fusuma.host.cgroups_systemd import CgroupSystemdDriver
     from fusuma.host.cgroups_v1 import CgroupV1Driver
     from fusuma.host.cgroups_v2 import CgroupV2Driver
 
@@ -682,7 +717,12 @@ def detect(
     for mount in mounts:
         if mount.fstype == "cgroup2" and "cpuset" in _v2_controllers(mount.mountpoint):
             LOG.debug("cgroup v2 with cpuset at %s", mount.mountpoint)
-            return CgroupV2Driver(mount.mountpoint, prefix, exclusive=exclusive)
+            if sd.wanted(systemd, unified=mount.mountpoint == root):
+                return CgroupSystemdDriver(mount.mountpoint, prefix, sd.Units(prefix),
+                                           exclusive=exclusive)
+            return CgroupV2Driver(mount.mountpoint, prefix, exclusive=exclusive,
+                                  partition=partition)
+    sd.wanted(systemd, unified=False)    # FUSUMA_SYSTEMD=1 says why it cannot be
     v1: dict[str, Path] = {}
     for mount in mounts:
         if mount.fstype != "cgroup":
@@ -693,6 +733,14 @@ def detect(
     if "cpuset" in v1 and "memory" in v1:
         LOG.debug("cgroup v1: %s", ", ".join(f"{c}={p}" for c, p in sorted(v1.items())))
         return CgroupV1Driver(v1, prefix, exclusive=exclusive)
+    unified = [m for m in mounts if m.fstype == "cgroup2" and m.mountpoint == root]
+    if unified and not v1:
+        offered = " ".join(sorted(_v2_controllers(root))) or "none"
+        raise HostError(
+            f"the cgroup v2 hierarchy at {root} does not offer the cpuset controller (it "
+            f"offers: {offered}), so partitions cannot be held to their cores; use a "
+            "kernel with CONFIG_CPUSETS and make sure no cgroup v1 hierarchy binds cpuset"
+        )
     raise HostError(
         "no usable cgroup cpuset and memory controllers: neither a cgroup2 mount offers "
         "cpuset nor are v1 cpuset and memory hierarchies mounted; mount cgroup2 at "

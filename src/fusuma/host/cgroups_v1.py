@@ -28,6 +28,8 @@ from pathlib import Path
 from fusuma.errors import CgroupError
 from fusuma.host.cgroups import (
     CPU_WEIGHT_MIN,
+    HELD_EXCLUSIVE,
+    HELD_SHARED,
     CgroupDriver,
     CpuPolicy,
     CpuStat,
@@ -235,6 +237,14 @@ class CgroupV1Driver(CgroupDriver):
     def cpus(self, group: str) -> list[int]:
         self._require(group)
         return parse_cpulist(self._get(self._cpuset(group, "cpuset.effective_cpus")))
+
+    def cores_held_by(self, group: str) -> str:
+        self._require(group)
+        try:
+            exclusive = self._read(self._cpuset(group, "cpuset.cpu_exclusive")) == "1"
+        except OSError:
+            exclusive = False
+        return HELD_EXCLUSIVE if exclusive else HELD_SHARED
 
     # -- per-VM CPU policy (the governor's leaves) ---------------------------------------
 

@@ -14,6 +14,23 @@ Kernel rules this driver follows:
 - ``cpu.weight`` is refused (EINVAL) while ``cpu.idle`` is 1 (kernel 5.15+), so the
   driver orders the two writes; ``cpu.max`` is "QUOTA PERIOD" or "max PERIOD".
 - ``memory.max`` below current usage is accepted; the kernel reclaims and may OOM-kill.
+
+cpuset partitions (``cpuset.cpus.partition``, Linux 5.11+; ``isolated`` 6.1+) take a
+partition's cores out of the rest of the host: nothing outside it is scheduled there.
+The rules, as the kernel applies them (6.1; checked in a Debian 12 guest):
+
+- A partition root's parent must itself be one, so the fusuma parent becomes a root
+  holding the union of its partitions' cores, and each partition a root (or
+  ``isolated``: no load balancing, for pinned vCPUs) holding its own.
+- The root cgroup keeps at least one CPU for the processes in it ("Parent unable to
+  distribute cpu downstream"): partitions that cover every core cannot be roots.
+- A child root may take all its parent's CPUs (the parent then has none of its own;
+  members below it, such as the RAM groups, run on the nearest ancestor's CPUs).
+- CPUs move in order: the donor shrinks before the receiver grows, and the parent grows
+  before a child takes a new CPU and shrinks only after.
+- A refused partition reads ``root invalid (REASON)``; fusuma then undoes every
+  partition and falls back to plain cpusets with a notice, unless FUSUMA_CPU_PARTITION
+  asked for partitions explicitly (then the change is refused).
 """
 
 from __future__ import annotations
@@ -24,6 +41,10 @@ from pathlib import Path
 from fusuma.errors import CgroupError
 from fusuma.host.cgroups import (
     CPU_WEIGHT_MIN,
+    HELD_EXCLUSIVE,
+    HELD_PARTITION_ISOLATED,
+    HELD_PARTITION_ROOT,
+    HELD_SHARED,
     CgroupDriver,
     CpuPolicy,
     CpuStat,
@@ -37,6 +58,14 @@ LOG = logging.getLogger(__name__)
 
 WANTED = ("cpuset", "cpu", "memory", "io")
 _REQUIRED = ("cpuset", "memory")
+PARTITION_FILE = "cpuset.cpus.partition"
+# FUSUMA_CPU_PARTITION: auto = cpuset partitions where the kernel and the layout allow,
+# else plain cpusets with a notice; root / isolated = those or refuse; off = never.
+PARTITION_MODES = ("auto", "root", "isolated", "off")
+
+
+class _Refused(Exception):
+    """The kernel marked a cpuset partition invalid; the text is its reason."""
 
 
 class CgroupV2Driver(CgroupDriver):
@@ -44,10 +73,15 @@ class CgroupV2Driver(CgroupDriver):
 
     version = 2
 
-    def __init__(self, mount: Path, prefix: str = "fusuma", *, exclusive: bool = True) -> None:
+    def __init__(self, mount: Path, prefix: str = "fusuma", *, exclusive: bool = True,
+                 partition: str = "auto") -> None:
         super().__init__(prefix)
+        if partition not in PARTITION_MODES:
+            raise CgroupError(f"FUSUMA_CPU_PARTITION={partition!r} is not a mode; use one "
+                              f"of {', '.join(PARTITION_MODES)}")
         self.mount = mount
         self.exclusive = exclusive
+        self.partition_mode = partition if exclusive else "off"
 
     def _hierarchies(self) -> list[Path]:
         return [self.mount]
@@ -107,16 +141,20 @@ class CgroupV2Driver(CgroupDriver):
             raise
 
     def _parent_cpuset(self, path: Path) -> None:
-        # At the root only cpuset.cpus.effective exists; it lists every online CPU.
-        for name, source in (("cpuset.mems", "cpuset.mems.effective"),
-                             ("cpuset.cpus", "cpuset.cpus.effective")):
+        # At the root only cpuset.cpus.effective exists; it lists every online CPU. A
+        # parent that is a cpuset partition holds its partitions' cores (_settle).
+        names: tuple[tuple[str, str], ...] = (("cpuset.mems", "cpuset.mems.effective"),
+                                              ("cpuset.cpus", "cpuset.cpus.effective"))
+        if self._is_partition(path):
+            names = names[:1]
+        for name, source in names:
             src = self.mount / source
             if src.exists():
                 value = self._get(src)
                 if self._get(path / name) != value:
                     self._set(path / name, value, f"{name} of the fusuma parent cgroup")
         exclusive = path / "cpuset.cpus.exclusive"
-        if self.exclusive and exclusive.exists():
+        if self.exclusive and exclusive.exists() and not self._is_partition(path):
             cpus = self._get(path / "cpuset.cpus.effective") if (
                 path / "cpuset.cpus.effective").exists() else self._get(path / "cpuset.cpus")
             if self._get(exclusive) != cpus:
@@ -143,9 +181,9 @@ class CgroupV2Driver(CgroupDriver):
     def _write_limits(self, group: str, limits: Limits) -> None:
         label = self._label(group)
         path = self._dir(group)
-        # Exclusive first: when moving cores, the donor releases them before it shrinks.
-        self._set_exclusive(path, limits.cpus)
-        self._set(path / "cpuset.cpus", format_cpulist(limits.cpus), f"CPUs of {label}")
+        target = {g: self._own_cpus(g) for g in self.groups() if g != group}
+        target[group] = sorted(limits.cpus)
+        self._settle(target, group)
         self._set(path / "cpuset.mems", format_cpulist(limits.mems), f"memory nodes of {label}")
         self._set(path / "memory.max", str(limits.memory_bytes), f"memory limit of {label}")
         self._set_io_weight(path, limits.io_weight)
@@ -163,6 +201,172 @@ class CgroupV2Driver(CgroupDriver):
 
     def _init_leaf(self, group: str, leaf: str) -> None:
         """Nothing to write: a v2 leaf inherits its partition's effective cpuset."""
+
+    def delete(self, group: str) -> None:
+        super().delete(group)
+        # The cores come back to the fusuma parent: it gives them back to the host, and
+        # the partitions left may now be roots (or no longer need the parent to be one).
+        try:
+            self._settle({g: self._own_cpus(g) for g in self.groups()}, None)
+        except CgroupError as exc:
+            LOG.warning("after deleting %s: %s", self._label(group), exc)
+
+    # -- cpuset partitions ---------------------------------------------------------------
+
+    def _own_cpus(self, group: str) -> list[int]:
+        path = self._dir(group, "cpuset.cpus")
+        return parse_cpulist(self._get(path)) if path.exists() else []
+
+    def _prstate(self, path: Path) -> str:
+        """``member``, ``root``, ``isolated`` or ``root invalid (...)``; "" without one."""
+        f = path / PARTITION_FILE
+        return self._get(f) if f.exists() else ""
+
+    def _is_partition(self, path: Path) -> bool:
+        return self._prstate(path).startswith(("root", "isolated"))
+
+    def _host_cpus(self) -> list[int]:
+        """The CPUs outside every other cpuset partition: the root's own plus the ones
+        the fusuma parent holds."""
+        cpus = set(parse_cpulist(self._get(self.mount / "cpuset.cpus.effective")))
+        parent = self._dir()
+        if self._is_partition(parent):
+            cpus |= set(parse_cpulist(self._get(parent / "cpuset.cpus")))
+        return sorted(cpus)
+
+    def _partition_kind(self) -> str:
+        return "isolated" if self.partition_mode == "isolated" else "root"
+
+    def _why_no_partitions(self, union: list[int]) -> str:
+        """Why the kernel would refuse partitions holding ``union``; "" when it would not."""
+        if self.partition_mode == "off":
+            return "FUSUMA_CPU_EXCLUSIVE=0 or FUSUMA_CPU_PARTITION=off"
+        if not (self._dir() / PARTITION_FILE).exists():
+            return ("this kernel has no cgroup v2 cpuset partitions (no "
+                    f"{PARTITION_FILE}; Linux 5.11 or later has them)")
+        host = self._host_cpus()
+        held = [c for c in union if c not in host]
+        if held:
+            return (f"core(s) {format_cpulist(held)} are held by another cpuset partition "
+                    "on this host")
+        if set(union) >= set(host):
+            return (f"the partitions cover every core ({format_cpulist(host)}) and the "
+                    "kernel keeps at least one for the rest of the host; leave a core out "
+                    "of fusuma's partitions")
+        return ""
+
+    def _settle(self, target: dict[str, list[int]], changing: str | None) -> None:
+        """Give each partition in ``target`` its CPUs, held by cpuset partitions where
+        the kernel allows it, else by plain cpusets (with a notice in auto mode).
+        ``changing``: the partition being made or resized (the others' threads get
+        pinned again by the caller when the kernel reset them: ``disturbed``)."""
+        union = sorted(set().union(*target.values())) if target else []
+        why = self._why_no_partitions(union) if union else "no partitions"
+        explicit = self.partition_mode in ("root", "isolated")
+        if why and explicit and union:
+            raise CgroupError(f"cannot hold cores {format_cpulist(union)} with cpuset "
+                              f"partitions: {why} (FUSUMA_CPU_PARTITION="
+                              f"{self.partition_mode}; auto falls back to plain cpusets)")
+        if not why:
+            try:
+                self._settle_partitions(target, union, changing)
+                return
+            except _Refused as exc:
+                why = str(exc)
+                self._settle_plain(target, changing)
+                if explicit:
+                    raise CgroupError(f"cannot hold cores {format_cpulist(union)} with "
+                                      f"cpuset partitions: {why}") from None
+        else:
+            self._settle_plain(target, changing)
+        if changing is not None and self.partition_mode == "auto" and \
+                (self._dir() / PARTITION_FILE).exists():
+            held = HELD_EXCLUSIVE if self.cores_held_by(changing) == HELD_EXCLUSIVE \
+                else "a plain cpuset (other processes may run there)"
+            self.notice(f"fusuma: notice: partition {changing!r} holds its cores with "
+                        f"{held}, not a cpuset partition: {why}.")
+
+    def _settle_plain(self, target: dict[str, list[int]], changing: str | None) -> None:
+        parent = self._dir()
+        if self._is_partition(parent):
+            for group in self.groups():
+                path = self._dir(group)
+                if self._prstate(path) not in ("", "member"):
+                    self._set(path / PARTITION_FILE, "member",
+                              f"the end of cpuset partition {self._label(group)}")
+                    if group != changing:
+                        self.disturbed.add(group)
+            self._set(parent / PARTITION_FILE, "member",
+                      f"the end of cpuset partition {self._label('')}")
+            self._parent_cpuset(parent)
+        if changing is None:
+            return
+        path = self._dir(changing)
+        # Exclusive first: when moving cores, the donor releases them before it shrinks.
+        self._set_exclusive(path, target[changing])
+        self._set(path / "cpuset.cpus", format_cpulist(target[changing]),
+                  f"CPUs of {self._label(changing)}")
+
+    def _check_partition(self, path: Path, label: str) -> None:
+        state = self._prstate(path)
+        if "invalid" in state:
+            reason = state.partition("(")[2].rstrip(")") or state
+            raise _Refused(f"the kernel refused cpuset partition {label}: {reason}")
+
+    def _settle_partitions(self, target: dict[str, list[int]], union: list[int],
+                           changing: str | None) -> None:
+        parent = self._dir()
+        plabel = self._label("")
+        kind = self._partition_kind()
+        if not self._is_partition(parent):
+            # cpuset.cpus.exclusive (6.7+) would stand for a partition's cpus: clear it,
+            # children first (each must stay inside its parent's).
+            for group in self.groups():
+                self._clear_exclusive(self._dir(group))
+            self._clear_exclusive(parent)
+            self._set(parent / "cpuset.cpus", format_cpulist(union), f"CPUs of {plabel}")
+            self._set(parent / PARTITION_FILE, "root", f"cpuset partition {plabel}")
+            self._check_partition(parent, plabel)
+        else:
+            have = parse_cpulist(self._get(parent / "cpuset.cpus"))
+            grown = sorted(set(have) | set(union))
+            if grown != have:
+                self._set(parent / "cpuset.cpus", format_cpulist(grown), f"CPUs of {plabel}")
+                self._check_partition(parent, plabel)
+        # Donors first, so that a core moving between partitions is free when taken.
+        for group in sorted(target, key=lambda g: not set(target[g]) <= set(self._own_cpus(g))):
+            path = self._dir(group)
+            label = self._label(group)
+            if self._own_cpus(group) != target[group]:
+                self._set(path / "cpuset.cpus", format_cpulist(target[group]),
+                          f"CPUs of {label}")
+            if self._prstate(path) != kind:
+                self._clear_exclusive(path)
+                self._set(path / PARTITION_FILE, kind, f"cpuset partition {label}")
+                if group != changing:
+                    self.disturbed.add(group)
+            self._check_partition(path, label)
+        if parse_cpulist(self._get(parent / "cpuset.cpus")) != union:
+            self._set(parent / "cpuset.cpus", format_cpulist(union), f"CPUs of {plabel}")
+            self._check_partition(parent, plabel)
+
+    def _clear_exclusive(self, path: Path) -> None:
+        f = path / "cpuset.cpus.exclusive"
+        if f.exists() and self._get(f):
+            self._set(f, "", f"exclusive CPUs of {path}")
+
+    def cores_held_by(self, group: str) -> str:
+        self._require(group)
+        path = self._dir(group)
+        state = self._prstate(path)
+        if state == "root":
+            return HELD_PARTITION_ROOT
+        if state == "isolated":
+            return HELD_PARTITION_ISOLATED
+        exclusive = path / "cpuset.cpus.exclusive"
+        if exclusive.exists() and self._get(exclusive):
+            return HELD_EXCLUSIVE
+        return HELD_SHARED
 
     # -- readings ------------------------------------------------------------------------
 

@@ -64,6 +64,13 @@ class ImageKind:
     # Debian packages debootstrap installs into a root filesystem; () = no rootfs
     # (the minimal kind: a busybox initramfs only).
     packages: tuple[str, ...] = ()
+    # A rootfs kind's /init; "init-debian-host.sh" hands PID 1 to the guest's systemd.
+    init: str = "init-debian.sh"
+
+    @property
+    def systemd(self) -> bool:
+        """True when the guest's own systemd is its init (no busybox /init after boot)."""
+        return self.init == "init-debian-host.sh"
 
 
 # Kernel options: quiet console on the first serial port, reboot at once on panic (QEMU
@@ -88,8 +95,19 @@ KINDS: dict[str, ImageKind] = {
         name="debian", modules=_MODULES, append=_APPEND,
         packages=("apache2", "qemu-guest-agent", "iproute2", "procps"),
     ),
+    # A stock-host stand-in for testing fusuma itself on cgroup v2 (tests/cgroup2):
+    # Debian with systemd as init (unified hierarchy), udev, QEMU and python3; fusuma
+    # comes on a disk of the test. Kept apart from "debian" so that one stays small.
+    "debian-host": ImageKind(
+        name="debian-host", modules=_MODULES,
+        append=_APPEND + " systemd.unified_cgroup_hierarchy=1 systemd.show_status=0",
+        packages=("systemd-sysv", "udev", "qemu-guest-agent", "qemu-system-x86",
+                  "python3", "iproute2", "procps", "kmod"),
+        init="init-debian-host.sh",
+    ),
 }
-# The guest scripts that go into every image (their hashes name the image).
+# The guest scripts that go into every image (their hashes name the image); a kind's
+# own /init beyond these is hashed into that kind's images only.
 SCRIPTS = ("init.sh", "init-debian.sh", "lib.sh", "shutdown.sh")
 
 
@@ -256,7 +274,7 @@ def _inputs(spec: ImageKind, debs: Path,
         suite, mirror = debian.bootstrap_source()
         rootfs = f"{suite} {mirror} {','.join(spec.packages)}"
     scripts = hashlib.sha256()
-    for name in SCRIPTS:
+    for name in SCRIPTS + tuple(n for n in (spec.init,) if n not in SCRIPTS):
         scripts.update(guest_script(name))
     inputs = Inputs(
         kind=spec.name, kernel_deb=deb.filename, busybox_version=busybox,
@@ -419,9 +437,10 @@ def _debian(spec: ImageKind, inputs: Inputs, moddir: Path, digest: str, tmp: Pat
             "../conf-available/fusuma.conf")
     shutil.copyfile(tmp / "probe", rootfs / "usr/local/bin/probe")
     (rootfs / "usr/local/bin/probe").chmod(0o755)
-    (rootfs / "usr/sbin/shutdown").unlink(missing_ok=True)
-    (rootfs / "usr/sbin/shutdown").write_bytes(_DEBIAN_SHUTDOWN)
-    (rootfs / "usr/sbin/shutdown").chmod(0o755)
+    if not spec.systemd:    # with systemd as init, its own shutdown is the right one
+        (rootfs / "usr/sbin/shutdown").unlink(missing_ok=True)
+        (rootfs / "usr/sbin/shutdown").write_bytes(_DEBIAN_SHUTDOWN)
+        (rootfs / "usr/sbin/shutdown").chmod(0o755)
     say("writing usr.erofs from /usr")
     erofs.make_image(rootfs / "usr", tmp / "usr.erofs", label="debian-usr")
 
@@ -432,7 +451,7 @@ def _debian(spec: ImageKind, inputs: Inputs, moddir: Path, digest: str, tmp: Pat
     tree.file("/etc/fusuma/image", f"{spec.name} {digest}\n".encode())
     tree.chardev("/dev/console", 5, 1)
     tree.chardev("/dev/null", 1, 3, 0o666)
-    tree.file("/init", guest_script("init-debian.sh"), 0o755)
+    tree.file("/init", guest_script(spec.init), 0o755)
     tree.file("/fusuma/lib.sh", guest_script("lib.sh"))
     busybox = _busybox_binary()
     tree.file("/fusuma/bin/busybox", busybox, 0o755)

@@ -18,6 +18,11 @@ Every step runs under the move's job (``fusuma.recovery.job``), its phase record
 before it: prepare, prepared, streaming, streamed, switched, released. A failure at any
 step, or the death of this process, is resolved by ``migration.resolve`` asking both
 QEMUs. After every outcome the VM is in exactly one partition, in ``ps`` and in the DB.
+
+Mode ``cpr-transfer`` moves a VM to a new QEMU process in its own partition (``to`` is
+that partition; ``fusuma maintain P --in-place``): the same steps and phases, with the
+supervisor's ``cpr-prepare`` and ``cpr-transfer`` in place of ``incoming-prepare`` and
+``migrate-out`` (``migration.cpr``; its checks in ``migration.inplace``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from typing import Any
 from fusuma import capacity, recovery
 from fusuma.errors import FusumaError, MigrationError, ResourceError, StateError
 from fusuma.governor.qos import check_admission
+from fusuma.migration import compat, inplace
+from fusuma.migration.inplace import MODE as CPR_MODE
 from fusuma.migration.resolve import recover_move
 from fusuma.partition.manager import PartitionManager
 from fusuma.state import VmState, vm_obj
@@ -51,6 +58,9 @@ FAULT_AFTER_SWITCH = "FUSUMA_FAULT_SLEEP_AFTER_SWITCH"
 FAULT_BEFORE_DECIDE = "FUSUMA_FAULT_SLEEP_BEFORE_DECIDE"
 FAULT_STREAM_BPS = "FUSUMA_FAULT_STREAM_BYTES_PER_S"
 FAULT_AFTER_RELEASE = "FUSUMA_FAULT_SLEEP_AFTER_RELEASE"
+# In-place moves: between the new QEMU's start on the guest's descriptors and its
+# migrate-incoming (fusuma.migration.cpr).
+FAULT_BEFORE_INCOMING = "FUSUMA_FAULT_SLEEP_BEFORE_INCOMING"
 
 
 @dataclass(frozen=True)
@@ -69,10 +79,16 @@ class MigrationResult:
     # Copy mode under TCG with QEMU < 9.0: the guest was paused for the transfer
     # (live pre-copy there can lose guest writes; see supervisor_ops.TCG_DIRTY_FIX).
     paused: bool = False
+    # An in-place move: the migration mode the old QEMU reported (query-migrate-
+    # parameters) once it had completed, and the two QEMUs' pids.
+    qemu_mode: str | None = None
+    source_pid: int | None = None
+    dest_pid: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["from"] = d.pop("source")
+        d["method"] = self.mode
         return d
 
 
@@ -90,6 +106,12 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
     db = parts.db
     rec = db.vm(vm)
     dest = db.partition(to)
+    if mode == CPR_MODE:
+        if rec.partition != to:
+            raise StateError(f"{CPR_MODE} moves a VM to a new QEMU in its own partition "
+                             f"({rec.partition!r}), not to {to!r}.")
+        inplace.check(parts, vm)
+        return
     state = VmView(rec).state
     if state != "running":
         raise StateError(f"VM {vm!r} is {state}; only a running VM can be migrated.")
@@ -113,6 +135,8 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
         if parts.supervisor_pid(name) is None:
             raise StateError(f"the supervisor of partition {name!r} is not running; start "
                              f"it with `fusuma partition restart {name}`.")
+    # The destination's QEMU must have the guest's machine type (fusuma.migration.compat).
+    compat.check_destination(parts.paths, db, rec, to)
 
 
 def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
@@ -151,12 +175,17 @@ def _migrate(parts: PartitionManager, jh: recovery.JobHandle, vm: str, to: str, 
     rec = db.vm(vm)
     source = rec.partition
     src, dst = parts.client(source), parts.client(to)
+    # In place (cpr-transfer): one supervisor holds both QEMUs (fusuma.migration.cpr).
+    in_place = mode == CPR_MODE
     db.transition(vm, VmState.MIGRATING, expect={VmState.RUNNING})
     jh.phase("prepare", mode=mode, source_pid=rec.pid)
     progress(f"preparing {vm} in {to} ({mode})")
     try:
-        prep = dst.call("incoming-prepare", vm=vm, mode=mode,
-                        fault_decide_delay=float(os.environ.get(FAULT_BEFORE_DECIDE, 0)))
+        delay = float(os.environ.get(FAULT_BEFORE_DECIDE, 0))
+        if in_place:
+            prep = dst.call("cpr-prepare", vm=vm, fault_decide_delay=delay)
+        else:
+            prep = dst.call("incoming-prepare", vm=vm, mode=mode, fault_decide_delay=delay)
         jh.phase("prepared", dest_pid=prep["pid"], dest_run=prep.get("run_dir"),
                  dest_ram=prep.get("dest_ram"))
         src_pid, dst_pid = int(rec.pid or 0), int(prep["pid"])
@@ -165,8 +194,13 @@ def _migrate(parts: PartitionManager, jh: recovery.JobHandle, vm: str, to: str, 
         checkpoint()
         progress(f"moving {vm} {source} -> {to}")
         jh.phase("streaming")
-        out = src.call("migrate-out", rpc_timeout=700, vm=vm, uri=prep["uri"], mode=mode,
-                       max_bandwidth=int(os.environ.get(FAULT_STREAM_BPS, 0)))
+        if in_place:
+            out = src.call("cpr-transfer", rpc_timeout=700, vm=vm,
+                           fault_incoming_delay=float(os.environ.get(FAULT_BEFORE_INCOMING,
+                                                                     0)))
+        else:
+            out = src.call("migrate-out", rpc_timeout=700, vm=vm, uri=prep["uri"],
+                           mode=mode, max_bandwidth=int(os.environ.get(FAULT_STREAM_BPS, 0)))
         jh.phase("streamed", bytes_sent=out.get("bytes_sent"))
         cpu1 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
         _fault_sleep(FAULT_AFTER_COMPLETE)
@@ -217,7 +251,8 @@ def _migrate(parts: PartitionManager, jh: recovery.JobHandle, vm: str, to: str, 
         downtime_ms=round((resume_ts - float(stop_ts)) * 1000, 2) if stop_ts else None,
         bytes_sent=int(out["bytes_sent"]), prepare_ms=float(prep["prepare_ms"]),
         cpu_s=round(cpu1 - cpu0, 3), qemu_total_ms=out.get("qemu_total_ms"),
-        qemu_downtime_ms=out.get("qemu_downtime_ms"), paused=bool(out.get("paused")))
+        qemu_downtime_ms=out.get("qemu_downtime_ms"), paused=bool(out.get("paused")),
+        qemu_mode=out.get("source_mode"), source_pid=src_pid, dest_pid=dst_pid)
 
 
 def _fault_sleep(var: str) -> None:

@@ -10,9 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fusuma import capacity, recovery
-from fusuma.errors import MigrationError, StateError
-from fusuma.migration import MigrationResult, check, migrate
+from fusuma.errors import FusumaError, MigrationError, StateError
+from fusuma.migration import MigrationResult, check, compat, inplace, migrate
+from fusuma.migration.inplace import MODE as CPR_MODE
 from fusuma.partition.manager import PartitionManager
+from fusuma.qemu import versions
 from fusuma.state import partition_obj
 from fusuma.state.lock import host_lock
 from fusuma.vm import VmView
@@ -21,7 +23,7 @@ from fusuma.vm import VmView
 @dataclass(frozen=True)
 class MaintainResult:
     partition: str
-    via: str
+    via: str | None           # None: in place (cpr-transfer)
     qemu: str | None
     supervisor_pid: int
     moves: list[MigrationResult]
@@ -50,6 +52,11 @@ def _maintain(parts: PartitionManager, jh: recovery.JobHandle, partition: str, v
     # room for all of them together is checked next).
     for v in vms:
         check(parts, v.name, via, modes[v.name])
+    if qemu is not None:
+        # ... and come back onto the new QEMU: it must have every guest's machine type.
+        new = versions.resolve(parts.paths, qemu)
+        for v in vms:
+            compat.check_runs_on(parts.paths, db.vm(v.name), new, partition)
     capacity.check_many(parts.paths, db, vms, via, modes, host=parts.host)
     moves: list[MigrationResult] = []
     jh.phase("moving out", vms=[v.name for v in vms])
@@ -66,6 +73,51 @@ def _maintain(parts: PartitionManager, jh: recovery.JobHandle, partition: str, v
     for v in vms:
         try:
             moves.append(migrate(parts, v.name, partition, modes[v.name], progress))
-        except MigrationError as exc:
-            raise MigrationError(f"{exc} The VMs not yet moved back run in {via!r}.") from exc
+        except FusumaError as exc:
+            back = ""
+            if qemu is not None and qemu != rec.qemu:
+                # The new QEMU could not take the guest (it died, or will not start):
+                # what starts in the partition next runs on the old QEMU again, as
+                # before the upgrade. The guests keep the QEMUs they run on.
+                db.update_partition(type(rec)(**{**db.partition(partition).__dict__,
+                                                 "qemu": rec.qemu}))
+                back = (f" Partition {partition!r} is back on its old QEMU "
+                        f"({rec.qemu or 'the system one'}).")
+            raise MigrationError(f"{exc}{back} The VMs not yet moved back run in "
+                                 f"{via!r}.") from exc
     return MaintainResult(partition, via, qemu, pid, moves)
+
+
+def maintain_in_place(parts: PartitionManager, partition: str, qemu: str | None = None,
+                      progress: Callable[[str], None] = lambda s: None) -> MaintainResult:
+    """Move every running VM of ``partition`` to a new QEMU process in the partition
+    itself by cpr-transfer (``fusuma.migration.cpr``), with ``qemu`` (a version or
+    path) the partition's QEMU from now on. No second partition is needed. Refused,
+    with nothing changed, where a QEMU lacks cpr-transfer (QEMU < 10.0)."""
+    with host_lock(parts.paths.home), \
+            recovery.job(parts, partition_obj(partition), "maintain",
+                         peer=partition) as jh:
+        db = parts.db
+        rec = db.partition(partition)
+        new = inplace.partition_qemu(parts, partition, qemu)
+        inplace.check_partition(partition, new, switching=qemu is not None)
+        vms = [v for v in db.vms(partition) if VmView(v).state == "running"]
+        for v in vms:
+            inplace.check(parts, v.name, new)
+        if qemu is not None:
+            progress(f"switching {partition} to QEMU {new.version}")
+            db.update_partition(type(rec)(**{**db.partition(partition).__dict__,
+                                             "qemu": qemu}))
+        jh.phase("moving in place", vms=[v.name for v in vms])
+        moves: list[MigrationResult] = []
+        for v in vms:
+            try:
+                moves.append(migrate(parts, v.name, partition, CPR_MODE, progress))
+            except MigrationError as exc:
+                left = [m.name for m in vms[len(moves) + 1:]]
+                if not left:
+                    raise
+                raise MigrationError(f"{exc} The VMs not yet moved ({', '.join(left)}) run "
+                                     "on their old QEMU.") from exc
+        return MaintainResult(partition, None, qemu, parts.supervisor_pid(partition) or 0,
+                              moves)

@@ -64,9 +64,17 @@ def recover_move(parts: PartitionManager, job: Job) -> Outcome:
     vm = job.name
     source, dest = job.source or "", job.peer or ""
     src = _instances(parts, source, vm)
-    dst = _instances(parts, dest, vm)
-    s = next((i for i in src if i["role"] in ("vm", "leaving")), None)
-    d = next((i for i in dst if i["role"] in ("incoming", "vm")), None)
+    if source == dest:
+        # An in-place move (fusuma.migration.cpr): one partition holds both QEMUs,
+        # told apart by the old one's pid.
+        spid = job.detail.get("source_pid")
+        s = next((i for i in src if i["pid"] == spid), None)
+        d = next((i for i in src if i["pid"] != spid and i["role"] in ("incoming", "vm")),
+                 None)
+    else:
+        dst = _instances(parts, dest, vm)
+        s = next((i for i in src if i["role"] in ("vm", "leaving")), None)
+        d = next((i for i in dst if i["role"] in ("incoming", "vm")), None)
     cur = db.find_job(vm_obj(vm))
     decision = (cur.detail.get("decision") if cur else None)
     if decision is None:

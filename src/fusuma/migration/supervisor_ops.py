@@ -186,6 +186,13 @@ async def incoming_commit(sup: Supervisor, vm: str, paused: bool = False) -> dic
     rt.detached = False
     # The guest's RAM is this QEMU's now (removal still waits until no QEMU maps it).
     rt.owns_ram = True
+    old = sup.vms.get(vm)
+    if old is not None and old is not rt:
+        # An in-place move (fusuma.migration.cpr): the old QEMU of this partition is
+        # the leaving side now, ended by ``release``.
+        old.detached = True
+        old.owns_ram = False
+        sup.leaving[vm] = old
     sup.vms[vm] = rt
     rec = sup.db.vm(vm)
     for dname in rec.disks:
@@ -193,7 +200,8 @@ async def incoming_commit(sup: Supervisor, vm: str, paused: bool = False) -> dic
     fields: dict[str, Any] = dict(
         partition=sup.partition, pid=rt.pid, error=None,
         ram_path=str(rt.ram_file) if rt.ram_file else None,
-        qemu_binary=sup._qemu_binary())
+        qemu_binary=sup._qemu_binary(),
+        qemu_version=rt.qemu_version or sup._qemu().version)
     if rec.state == VmState.MIGRATING:
         sup.db.transition(vm, VmState.RUNNING, expect={VmState.MIGRATING}, **fields)
     else:
@@ -334,6 +342,11 @@ async def resume_source(sup: Supervisor, vm: str) -> dict[str, Any]:
                              "may already have run the guest.")
     if await rt.qmp.query_status() != "running":
         await rt.qmp.cont()
+    job = sup.db.find_job(vm_obj(vm))
+    if job is not None and job.detail.get("mode") == "cpr-transfer":
+        from fusuma.migration import cpr
+
+        await cpr.normal_mode(rt)    # its next move may be an ordinary one
     sup.leaving.pop(vm, None)
     rt.detached = False
     rt.owns_ram = True
@@ -365,8 +378,9 @@ async def settle(sup: Supervisor, vm: str) -> dict[str, Any]:
     for name in SOCKET_FILES:
         with contextlib.suppress(FileNotFoundError):
             (rt.run_dir / name).rename(target / name)
-    with contextlib.suppress(FileNotFoundError):
-        (rt.run_dir / "migrate.sock").unlink()
+    for name in ("migrate.sock", "cpr.sock"):
+        with contextlib.suppress(FileNotFoundError):
+            (rt.run_dir / name).unlink()
     with contextlib.suppress(OSError):
         rt.run_dir.rmdir()
     rt.run_dir = target

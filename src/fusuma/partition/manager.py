@@ -45,6 +45,7 @@ from fusuma.state.lock import locked
 from fusuma.undo import Reverter
 
 if TYPE_CHECKING:   # fusuma.spec needs pydantic: not imported by `fusuma ps`
+    from fusuma.host.systemd import Units
     from fusuma.spec import DiskSpec, PartitionSpec
 
 LOG = logging.getLogger(__name__)
@@ -76,12 +77,39 @@ class PartitionManager:
     @property
     def cg(self) -> cgroups.CgroupDriver:
         if self._cg is None:
-            self._cg = cgroups.detect(prefix=self.paths.cgroup_prefix,
-                                     exclusive=self.paths.cpu_exclusive)
+            self._cg = cgroups.for_paths(self.paths)
+            self._cg.notice = lambda text: self.notice(text)
         return self._cg
 
     def client(self, name: str) -> SupervisorClient:
         return SupervisorClient(self.paths, name)
+
+    @property
+    def units(self) -> Units | None:
+        """fusuma's systemd units when supervisors run as units (PID 1 is systemd on a
+        cgroup v2 host; fusuma.host.systemd), else None."""
+        from fusuma.host.cgroups_systemd import CgroupSystemdDriver
+
+        cg = self.cg
+        return cg.units if isinstance(cg, CgroupSystemdDriver) else None
+
+    def install_units(self) -> list[str]:
+        """Install fusuma's systemd unit files where supervisors run as units; returns
+        the files written (none when they are current or PID 1 is not systemd)."""
+        units = self.units
+        return [] if units is None else [str(p) for p in units.install()]
+
+    def _repin_disturbed(self, but: str | None = None) -> None:
+        """Pin again the threads of partitions whose cpuset the kernel reset while
+        another partition changed (a cpuset partition made or undone)."""
+        for other in sorted(self.cg.disturbed - {but}):
+            if self.db.find_partition(other) is None:
+                continue
+            try:
+                self.client(other).call("repin")
+            except FusumaError as exc:
+                LOG.warning("partition %s: its vCPUs were not re-pinned: %s", other, exc)
+        self.cg.disturbed.clear()
 
     # -- checks -----------------------------------------------------------------------
     def check_cpus(self, name: str, cpus: list[int]) -> None:
@@ -126,12 +154,13 @@ class PartitionManager:
             capacity.check_resize(self.db, name, memory_mib)
 
     def check_qemu(self, qemu: str | None) -> None:
+        """A partition's QEMU: a version `fusuma qemu list` shows, or a binary's path
+        (fusuma.qemu.versions raises the sentence that says how to get it)."""
         if qemu is None:
             return
-        path = Path(qemu)
-        if not (path.is_absolute() and os.access(path, os.X_OK) and path.is_file()):
-            raise HostError(f"QEMU binary {qemu} does not exist or is not executable; give "
-                            "the absolute path of a qemu-system-x86_64.")
+        from fusuma.qemu import versions
+
+        versions.resolve(self.paths, qemu)
 
     # -- create / delete --------------------------------------------------------------
     @locked
@@ -150,6 +179,8 @@ class PartitionManager:
                               io_weight=spec.io_weight, qemu=spec.qemu, smt=spec.smt)
         with Reverter() as rev:
             self.cg.ensure_parent()
+            for path in getattr(self.cg, "installed", []):
+                self.notice(f"fusuma: installed {path}")
             rev.add(self.cg.remove_parent_if_empty, "parent cgroup")
             if self.cg.exists(spec.name):
                 raise ConflictError(f"cgroup of partition {spec.name!r} already exists "
@@ -160,6 +191,7 @@ class PartitionManager:
             rev.add(lambda: self.db.remove_partition(spec.name), "db row")
             pid = self.start_supervisor(spec.name)
             rev.commit()
+        self._repin_disturbed(spec.name)
         return PartitionRecord(**{**rec.__dict__, "supervisor_pid": pid})
 
     @locked
@@ -192,6 +224,7 @@ class PartitionManager:
         self.db.remove_partition(name)
         self.cg.sweep_ram_groups(self.paths.shm)
         self.cg.remove_parent_if_empty()
+        self._repin_disturbed(name)
         for log in ("supervisor.log", "recovery.log"):
             with contextlib.suppress(OSError):
                 (self.paths.partition_dir(name) / log).unlink()
@@ -238,6 +271,7 @@ class PartitionManager:
             self.client(name).call("repin")
         except FusumaError as exc:
             LOG.warning("partition %s resized, but its vCPUs were not re-pinned: %s", name, exc)
+        self._repin_disturbed(name)
         return new
 
     def _limits(self, rec: PartitionRecord) -> cgroups.Limits:
@@ -254,12 +288,17 @@ class PartitionManager:
     def status(self, name: str) -> PartitionStatus:
         return PartitionStatus(self.db.partition(name), self.supervisor_pid(name) is not None)
 
-    def start_supervisor(self, name: str, timeout: float = 20.0) -> int:
+    # Generous: a supervisor imports asyncio, QMP and the governor, which takes ~8 s on
+    # a slow machine (a TCG guest); success returns as soon as its socket answers.
+    def start_supervisor(self, name: str, timeout: float = 60.0) -> int:
         if self.supervisor_pid(name) is not None:
             raise StateError(f"partition {name!r} already has a running supervisor.")
         pdir = ensure_dir(self.paths.partition_dir(name), PRIVATE_DIR)
         self.paths.ensure_runtime()   # the socket's dir: runtime/partitions, 0711
         logf = pdir / "supervisor.log"
+        units = self.units
+        if units is not None:
+            return self._start_unit(units, name, logf, timeout)
         env = {**os.environ, **self.paths.as_env()}
         with open(logf, "ab") as log:
             child = subprocess.Popen([sys.executable, "-m", SUPERVISOR_MODULE, name],
@@ -279,8 +318,54 @@ class PartitionManager:
         raise SupervisorError(f"the supervisor of partition {name!r} did not come up in "
                               f"{timeout:.0f} s; see {logf}.")
 
+    def _start_unit(self, units: Units, name: str, logf: Path, timeout: float) -> int:
+        """Start the supervisor as ``fusuma-supervisor@INSTANCE`` and wait for its socket;
+        a unit that fails is stopped again and says why."""
+        unit = units.supervisor(name)
+        # The unit gets this namespace's settings (and a checkout's PYTHONPATH), not
+        # the CLI's whole environment.
+        env = {k: v for k, v in os.environ.items()
+               if k.startswith("FUSUMA_") or k == "PYTHONPATH"}
+        env.update(self.paths.as_env())
+        try:
+            units.install()
+            units.write_supervisor(name, env, logf)
+            units.start(unit)
+        except HostError as exc:
+            units.run(["systemctl", "stop", unit])
+            units.run(["systemctl", "reset-failed", unit])
+            raise SupervisorError(f"the supervisor of partition {name!r} did not start: "
+                                  f"{exc}") from exc
+        deadline = time.monotonic() + timeout
+        client = self.client(name)
+        while time.monotonic() < deadline:
+            if client.alive():
+                pid = units.main_pid(unit)
+                if pid is not None:
+                    return pid
+            if not units.active(unit):
+                why = process.tail(logf, 1) or units.why_failed(unit)
+                units.run(["systemctl", "reset-failed", unit])
+                raise SupervisorError(f"the supervisor of partition {name!r} ({unit}) "
+                                      f"exited at start: {why}")
+            time.sleep(0.05)
+        units.run(["systemctl", "stop", unit])
+        raise SupervisorError(f"the supervisor of partition {name!r} ({unit}) did not come "
+                              f"up in {timeout:.0f} s; see {logf} and `systemctl status "
+                              f"{unit}`.")
+
     def stop_supervisor(self, name: str, timeout: float = 10.0) -> bool:
         """End the supervisor (SIGTERM, then SIGKILL); its VMs keep running."""
+        units = self.units
+        if units is not None:
+            # KillMode=process: systemd signals the supervisor only, never its VMs.
+            unit = units.supervisor(name)
+            was = units.active(unit)
+            if was:
+                units.stop(unit)
+            else:
+                units.run(["systemctl", "reset-failed", unit])
+            return was
         pid = self.supervisor_pid(name)
         if pid is None:
             return False

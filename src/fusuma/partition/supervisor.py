@@ -18,12 +18,11 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +40,21 @@ from fusuma.host import cgroups
 from fusuma.host.accel import probe_accel
 from fusuma.images import find_image
 from fusuma.memshare.ksm import enable_merge_any
+from fusuma.migration import cpr
 from fusuma.migration import supervisor_ops as migration_ops
 from fusuma.partition.protocol import encode, error_reply
 from fusuma.partition.supervisor_consts import INCOMING_PREFIX
 from fusuma.paths import MAX_SOCKET_PATH, PRIVATE_DIR, Paths, ensure_dir
-from fusuma.qemu import privilege, process
-from fusuma.qemu.cmdline import DiskConfig, SegmentConfig, VmConfig, build_argv
+from fusuma.qemu import privilege, process, versions
+from fusuma.qemu.cmdline import (
+    DeviceSet,
+    DeviceSetMismatch,
+    DiskConfig,
+    SegmentConfig,
+    VmConfig,
+    build_argv,
+    device_set,
+)
 from fusuma.qemu.qga import GuestAgent
 from fusuma.qemu.qmp import EVENT_RESUME, EVENT_STOP, Qmp
 from fusuma.state import (
@@ -100,6 +108,7 @@ class VmRuntime:
     started_log: str | None = None
     # Follows QMP STOP/RESUME so that `ps` says paused when the guest is.
     runstate_task: asyncio.Task[None] | None = None
+    qemu_version: str | None = None   # of the QEMU this supervisor started
 
 
 class Supervisor:
@@ -107,8 +116,7 @@ class Supervisor:
         self.paths = paths
         self.partition = partition
         self.db = Database(paths.db)
-        self.cg = cgroups.detect(prefix=paths.cgroup_prefix,
-                                 exclusive=paths.cpu_exclusive)
+        self.cg = cgroups.for_paths(paths)
         self.vms: dict[str, VmRuntime] = {}
         # Migrations under way: destination QEMUs not yet running the VM, and source
         # QEMUs whose VM has moved on but which have not exited yet.
@@ -236,19 +244,31 @@ class Supervisor:
         job = self.db.find_job(vm_obj(name))
         run = self._run_dir_of(name, pid)
         qmp = Qmp(name, run / "qmp.sock", self._vm_logger(name))
+        mine = rec is not None and rec.partition == self.partition and rec.pid == pid
+        side = cpr.in_place_side(job, self.partition, rec, pid)
         try:
+            if side == "incoming" and not (run / "qmp.sock").exists():
+                raise QemuError(f"VM {name}: no QMP socket yet")
             await qmp.connect(timeout=5.0)
             status = await qmp.query_status()
         except QemuError as exc:
-            self.log.warning("cannot adopt %s (pid %d): %s", name, pid, exc)
             await qmp.disconnect()
+            if side == "incoming":
+                # An in-place move's new QEMU still waiting for the guest's descriptors
+                # (it opens QMP only once it has them): it has not run the guest, and
+                # nothing can decide "forward" for it without QMP. Ending it is safe.
+                self.log.warning("ending the new QEMU pid %d of %s: it never received "
+                                 "the guest (%s)", pid, name, exc)
+                process.kill(pid)
+                self._cleanup_run(run)
+                return
+            self.log.warning("cannot adopt %s (pid %d): %s", name, pid, exc)
             return
         mode = str(job.detail.get("mode", "zero-copy")) if job else "zero-copy"
         ram = Path(rec.ram_path) if rec and rec.ram_path else None
         rt = VmRuntime(name, pid, qmp, run_dir=run, ram_file=ram)
-        mine = rec is not None and rec.partition == self.partition and rec.pid == pid
         if job is not None and job.kind == "migrate" and job.peer == self.partition \
-                and not mine:
+                and not mine and side != "leaving":
             # A move's destination, not yet the VM's QEMU: recovery decides its fate.
             rt.detached = True
             rt.owns_ram = mode == "copy"
@@ -293,12 +313,14 @@ class Supervisor:
 
     def _run_dir_of(self, name: str, pid: int) -> Path:
         """Where this QEMU's sockets are now: where its argv put them, unless a move's
-        ``settle`` has since renamed them into the VM's usual run dir."""
+        ``settle`` has since renamed them into the VM's usual run dir. (An in-place
+        move's new QEMU that still waits on its cpr channel has no QMP socket yet: its
+        dir is where its cpr socket is, never the old QEMU's.)"""
         base = self.paths.vm_run_dir(name)
         for arg in process.cmdline(pid):
             if "path=" in arg and "qmp.sock" in arg:
                 sock = Path(arg.split("path=", 1)[1].split(",", 1)[0])
-                if sock.exists():
+                if sock.exists() or (sock.parent / cpr.CPR_SOCKET).exists():
                     return sock.parent
         return base
 
@@ -613,6 +635,16 @@ class Supervisor:
             return await migration_ops.migrate_out(self, vm, uri, mode,
                                                    max_bandwidth=max_bandwidth)
 
+    async def op_cpr_prepare(self, vm: str,
+                             fault_decide_delay: float = 0.0) -> dict[str, Any]:
+        return await cpr.cpr_prepare(self, vm, fault_decide_delay)
+
+    async def op_cpr_transfer(self, vm: str,
+                              fault_incoming_delay: float = 0.0) -> dict[str, Any]:
+        async with self._lock(vm):
+            return await cpr.cpr_transfer(self, vm,
+                                          fault_incoming_delay=fault_incoming_delay)
+
     async def op_incoming_finish(self, vm: str, timeout: float = 30.0) -> dict[str, Any]:
         return await migration_ops.incoming_finish(self, vm, timeout=timeout)
 
@@ -634,6 +666,17 @@ class Supervisor:
     async def op_instances(self, vm: str) -> list[dict[str, Any]]:
         return await migration_ops.instances(self, vm)
 
+    # -- moves between hosts (fusuma.migration.remote; the cluster agent orchestrates) --
+    async def op_remote_incoming(self, vm: str, listen: str) -> dict[str, Any]:
+        from fusuma.migration import remote
+
+        return await remote.remote_incoming(self, vm, listen)
+
+    async def op_remote_incoming_wait(self, vm: str, timeout: float = 2.0) -> dict[str, Any]:
+        from fusuma.migration import remote
+
+        return await remote.remote_incoming_wait(self, vm, timeout)
+
     def _running(self, vm: str) -> VmRecord:
         rec = self._vm(vm)
         if vm not in self.vms:
@@ -653,15 +696,44 @@ class Supervisor:
             log.propagate = False
         return log
 
+    def _qemu(self) -> versions.Qemu:
+        """This partition's QEMU (fusuma.qemu.versions: cached, no subprocess)."""
+        return versions.resolve(self.paths, self.db.partition(self.partition).qemu)
+
     def _qemu_binary(self) -> str:
-        rec = self.db.partition(self.partition)
-        wanted = rec.qemu or DEFAULT_QEMU
-        found = shutil.which(wanted)
-        if found is None:
-            raise HostError(f"QEMU binary {wanted!r} for partition {self.partition!r} is not "
-                            "installed; install it (`apt-get install qemu-system-x86`) or "
-                            "name another with `fusuma partition create --qemu PATH`.")
-        return found
+        return str(self._qemu().binary)
+
+    def _devices(self, vm: VmRecord, cfg: VmConfig, q: versions.Qemu,
+                 incoming: str | None) -> DeviceSet:
+        """What the guest sees: for a boot, today's devices on the VM's pinned machine
+        type; for a move's destination, the set recorded when the guest booted."""
+        if incoming is not None and vm.devices:
+            try:
+                ds = DeviceSet.loads(vm.devices)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise StateError(f"VM {vm.name!r}: its recorded device set is unreadable "
+                                 f"({exc}); stop and start it to record it anew.") from exc
+        else:
+            # A boot, or a guest booted by a fusuma that recorded no device set: what
+            # that fusuma gave it (the same devices, in the same order).
+            machine = vm.machine or (versions.machine_of(self.paths, vm) if incoming
+                                     else versions.default_machine(self.paths, q))
+            ds = device_set(replace(cfg, machine=machine))
+            if incoming is None and ds.cpu == "max":
+                # TCG's CPU, trimmed to what every installed QEMU emulates (the guest
+                # must never be told of an instruction a QEMU it moves to lacks), with
+                # one identity on every QEMU version (each names its max differently).
+                ds = replace(ds, cpu=f"max,{versions.TCG_CPU_IDENTITY}",
+                             cpu_features=versions.tcg_cpu_features(self.paths, q))
+        why = versions.cannot_run(q, ds.machine)
+        missing = versions.cpu_missing(q, ds.cpu_features)
+        if why is None and missing:
+            why = f"its TCG lacks the guest's CPU features {', '.join(missing)}"
+        if why is not None:
+            raise StateError(f"VM {vm.name!r} has machine type {ds.machine}, and partition "
+                             f"{self.partition!r} runs QEMU {q.version}: {why}; run it in "
+                             "a partition whose QEMU has it (`fusuma qemu list`).")
+        return ds
 
     def _config(self, vm: VmRecord, accel: str, run: Path, ram_file: Path | None,
                 incoming: str | None = None, disk_owner: str | None = None) -> VmConfig:
@@ -736,6 +808,7 @@ class Supervisor:
             self.db.transition(
                 vm.name, VmState.RUNNING, expect={VmState.STARTING}, pid=rt.pid,
                 accel_used=accel.name, qemu_binary=self._qemu_binary(), started_at=started,
+                qemu_version=rt.qemu_version,
                 error=None, ram_path=str(ram) if ram else None)
             self.log.info("started %s: pid %d, %s", vm.name, rt.pid, accel.name)
         except BaseException as exc:
@@ -754,11 +827,17 @@ class Supervisor:
 
     async def _launch(self, vm: VmRecord, accel: str, run: Path, ram: Path | None,
                       incoming: str | None, undo: list[Any],
-                      disk_owner: str | None = None) -> VmRuntime:
+                      disk_owner: str | None = None,
+                      cpr_socket: Path | None = None) -> VmRuntime:
         """Start one QEMU for ``vm`` in this partition's cgroup and connect QMP.
 
+        ``cpr_socket``: an in-place move's new QEMU (``fusuma.migration.cpr``), which
+        opens QMP only once the old QEMU has sent the guest's descriptors there: wait
+        until it listens instead.
+
         Every step appends its undo to ``undo``; the caller runs them on failure."""
-        binary = self._qemu_binary()
+        q = self._qemu()
+        binary = str(q.binary)
         # QEMU runs as the VM's own uid (fusuma.qemu.privilege): what it needs is
         # opened here and passed as fds, or lives in its run dir, which that uid owns.
         uid = privilege.uid_for(self.paths, vm)
@@ -766,6 +845,11 @@ class Supervisor:
         if accel == "kvm":
             privilege.check_kvm_access(groups)
         cfg = self._config(vm, accel, run, ram, incoming, disk_owner)
+        devices = self._devices(vm, cfg, q, incoming)
+        cfg = replace(cfg, devices=devices, data_dirs=q.data_dirs,
+                      cpu_off=versions.cpu_off(q, devices.cpu_features))
+        cfg = replace(cfg, aux_ram_share=q.features.get("aux-ram-share", False),
+                      cpr_socket=cpr_socket)
         self._cleanup_run(run)
         self.paths.ensure_runtime()
         # ``run`` is the VM's run dir or, for a migration's destination, a dir in it.
@@ -800,11 +884,16 @@ class Supervisor:
                 files.close()
                 raise
         with files, open(self.paths.vm_dir(vm.name) / "qemu.log", "ab") as log:
-            argv = build_argv(cfg, binary)
+            try:
+                argv = build_argv(cfg, binary)
+            except DeviceSetMismatch as exc:
+                raise StateError(f"{exc}; stop and start it to record its devices anew."
+                                 ) from exc
             log.write(f"--- {time.ctime()} {argv}\n".encode())
             log.flush()
             try:
                 child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                         env={**os.environ, **q.env},
                                          stderr=log, start_new_session=True, close_fds=True,
                                          pass_fds=cfg.passed_fds(), preexec_fn=into_cgroup)
             except OSError as exc:
@@ -820,14 +909,24 @@ class Supervisor:
         undo.append(lambda: self._reap(child))
         if incoming is None:
             # Known at once, so a supervisor killed during the start leaves a QEMU
-            # that the next one can find (or end) by its checked pid.
-            self.db.set_vm(vm.name, pid=child.pid)
+            # that the next one can find (or end) by its checked pid. The guest boots
+            # with these devices: every move's destination gets the same.
+            self.db.set_vm(vm.name, pid=child.pid, machine=devices.machine,
+                           devices=devices.dumps())
+        elif not vm.devices:
+            # A guest booted by a fusuma that recorded nothing: what it got, from now on.
+            self.db.set_vm(vm.name, machine=devices.machine, devices=devices.dumps())
         self.governor.apply_class(vm, child.pid)
         qmp = Qmp(vm.name, cfg.qmp_socket, self._vm_logger(vm.name))
-        await self._connect_or_fail(vm.name, child, qmp)
+        if cpr_socket is not None:
+            await cpr.wait_listening(child, cpr_socket,
+                                     self.paths.vm_dir(vm.name) / "qemu.log", vm.name)
+        else:
+            await self._connect_or_fail(vm.name, child, qmp)
         undo.append(lambda: asyncio.ensure_future(qmp.disconnect()))
         return VmRuntime(vm.name, child.pid, qmp, run_dir=run, ram_file=ram, child=child,
-                         started_log=process.tail(self.paths.vm_dir(vm.name) / "qemu.log", 1))
+                         started_log=process.tail(self.paths.vm_dir(vm.name) / "qemu.log", 1),
+                         qemu_version=q.version)
 
     async def _connect_or_fail(self, vm: str, child: subprocess.Popen[bytes],
                                qmp: Qmp) -> None:
@@ -971,7 +1070,7 @@ class Supervisor:
         names = ["qmp.sock", "qga.sock", "console.sock", "qemu.pid"]
         incoming = run.name.startswith(INCOMING_PREFIX)
         if incoming:
-            names.append("migrate.sock")
+            names += ["migrate.sock", cpr.CPR_SOCKET]
         try:
             fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -1010,6 +1109,8 @@ class Supervisor:
                       memory_mib, (time.monotonic() - t0) * 1000)
 
     def _delete_leaf(self, vm: str) -> None:
+        if any(vm in held for held in (self.vms, self.leaving, self.incoming)):
+            return    # an in-place move's other QEMU of this VM still lives in it
         try:
             self.cg.delete_leaf(self.partition, vm_leaf(vm))
         except FusumaError as exc:

@@ -13,6 +13,7 @@ permission), an fdset (``-add-fd`` + ``/dev/fdset/K``) where QEMU uses qemu_open
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,25 @@ class VmConfig:
     # they are added (hostfwd_add) once the source has gone.
     bind_ports: bool = True
     usr_disk: Path | None = None     # Debian image: its /usr on a read-only virtio-blk
+    # The machine type of a VM booted now (its record pins a versioned one); ignored
+    # when ``devices`` is given: a recorded device set names its own.
+    machine: str = "q35"
+    # What the guest sees, as recorded when it booted (None: derive it from this
+    # config, as for a VM booting now). A move's destination gets the source's.
+    devices: DeviceSet | None = None
+    # Firmware directories (-L, searched in order) of a QEMU unpacked beside the
+    # system's (fusuma.qemu.versions); empty: the QEMU's compiled-in ones.
+    data_dirs: tuple[Path, ...] = ()
+    # CPU features this QEMU's model would show but the recorded set lacks: switched
+    # off, so the guest sees exactly ``devices.cpu_features`` on every QEMU version.
+    cpu_off: tuple[str, ...] = ()
+    # RAM QEMU allocates implicitly (ROMs, firmware) in memfds, so that a cpr-transfer
+    # can hand every RAM block to a new QEMU process (QEMU >= 10.0; the guest cannot
+    # see it). fusuma.migration.cpr
+    aux_ram_share: bool = False
+    # An in-place move's new QEMU: it reads the guest's RAM descriptors from this UNIX
+    # socket (cpr channel) before it creates its devices; ``incoming`` is then "defer".
+    cpr_socket: Path | None = None
     # Files opened for QEMU by the supervisor (None: QEMU opens the path itself).
     ram_fd: int | None = None
     kernel_fd: int | None = None
@@ -105,6 +125,107 @@ class VmConfig:
 
 NET_ID = "net0"
 MACHINE_OPTS = "sata=off,smbus=off,vmport=off,i8042=off"
+DEVICE_SET_VERSION = 1
+# What build_argv names in devices' properties: the backends they attach to.
+BACKEND_PROPS = ("chardev", "drive", "netdev", "memdev")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One guest-visible device: a ``-device`` driver and its properties, in order."""
+
+    driver: str
+    props: tuple[tuple[str, str], ...] = ()
+
+    def option(self) -> str:
+        return ",".join([self.driver, *(f"{k}={v}" for k, v in self.props)])
+
+    def backends(self) -> list[str]:
+        return [v for k, v in self.props if k in BACKEND_PROPS]
+
+
+@dataclass(frozen=True)
+class DeviceSet:
+    """What a guest sees of its virtual machine, recorded when it boots.
+
+    Every move's destination is started from the recorded set, whatever fusuma version
+    or image build came since, so its devices, their order (which fixes their PCI
+    addresses) and properties are the source's. Host-side options (backends, fds,
+    ``aux-ram-share``, the TCG cache size) are not part of it and may differ."""
+
+    machine: str                                  # a versioned type: "pc-q35-7.2"
+    machine_props: tuple[tuple[str, str], ...]    # guest-visible machine properties
+    cpu: str
+    smp: int
+    memory: str                                   # the -m argument
+    serial: str | None                            # chardev of the ISA serial port
+    devices: tuple[Device, ...]
+    # The CPUID features the guest was shown (under TCG: ``max`` trimmed to what
+    # every installed QEMU emulates); () when not recorded: plain ``cpu``.
+    cpu_features: tuple[str, ...] = ()
+
+    def as_json(self) -> dict[str, object]:
+        return {"version": DEVICE_SET_VERSION, "machine": self.machine,
+                "machine_props": [list(p) for p in self.machine_props], "cpu": self.cpu,
+                "smp": self.smp, "memory": self.memory, "serial": self.serial,
+                "devices": [{"driver": d.driver, "props": [list(p) for p in d.props]}
+                            for d in self.devices],
+                "cpu_features": list(self.cpu_features)}
+
+    def dumps(self) -> str:
+        return json.dumps(self.as_json(), separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, text: str) -> DeviceSet:
+        d = json.loads(text)
+        if d.get("version") != DEVICE_SET_VERSION:
+            raise ValueError(f"device set version {d.get('version')!r} is not "
+                             f"{DEVICE_SET_VERSION}")
+        return cls(machine=str(d["machine"]),
+                   machine_props=tuple((str(k), str(v)) for k, v in d["machine_props"]),
+                   cpu=str(d["cpu"]), smp=int(d["smp"]), memory=str(d["memory"]),
+                   serial=None if d["serial"] is None else str(d["serial"]),
+                   devices=tuple(Device(str(x["driver"]),
+                                        tuple((str(k), str(v)) for k, v in x["props"]))
+                                 for x in d["devices"]),
+                   cpu_features=tuple(str(f) for f in d.get("cpu_features", ())))
+
+
+def _pairs(opts: str) -> tuple[tuple[str, str], ...]:
+    return tuple((k, v) for k, _, v in (o.partition("=") for o in opts.split(",")))
+
+
+def memory_arg(cfg: VmConfig) -> str:
+    mem = f"{cfg.memory_mib}M"
+    if cfg.segments:
+        # virtio-pmem devices live in the device-memory region above RAM.
+        extra = sum(seg.size_bytes for seg in cfg.segments)
+        mem += f",slots={len(cfg.segments)},maxmem={cfg.memory_mib * 2**20 + extra}"
+    return mem
+
+
+def device_set(cfg: VmConfig) -> DeviceSet:
+    """The devices a VM booting now with ``cfg`` gets (what fusuma records)."""
+    devs = [Device("virtio-serial-pci", (("id", "vser0"),)),
+            Device("virtserialport", (("bus", "vser0.0"), ("chardev", "qga0"),
+                                      ("name", QGA_PORT_NAME)))]
+    devs += [Device("virtio-pmem-pci", (("memdev", f"seg-{seg.name}"),
+                                        ("id", f"pmem-{seg.name}")))
+             for seg in cfg.segments]
+    if cfg.usr_disk is not None:
+        devs.append(Device("virtio-blk-pci", (("drive", "disk-fusuma-usr"),
+                                              ("serial", "fusuma-usr"))))
+    if cfg.ports:
+        devs.append(Device("virtio-net-pci", (("netdev", NET_ID), ("romfile", ""))))
+    devs += [Device("virtio-blk-pci", (("drive", f"disk-{d.name}"), ("serial", d.name)))
+             for d in cfg.disks]
+    return DeviceSet(machine=cfg.machine, machine_props=_pairs(MACHINE_OPTS),
+                     cpu="host" if cfg.accel == "kvm" else "max", smp=cfg.vcpus,
+                     memory=memory_arg(cfg), serial="con0", devices=tuple(devs))
+
+
+class DeviceSetMismatch(ValueError):
+    """A recorded device set names a backend the VM's configuration lacks."""
 
 
 def hostfwd(host: int, guest: int) -> str:
@@ -139,24 +260,28 @@ def overhead_mib(accel: str) -> int:
 
 
 def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
-    """Return the argv that starts ``cfg``."""
+    """Return the argv that starts ``cfg``: host-side backends from ``cfg``, what the
+    guest sees from ``cfg.devices`` (its recorded device set) or, for a VM booting
+    now, from :func:`device_set`."""
+    ds = cfg.devices if cfg.devices is not None else device_set(cfg)
     argv = [binary, "-name", f"guest={cfg.name},debug-threads=on",
             "-nodefaults", "-no-user-config", "-display", "none", "-sandbox", SANDBOX]
+    for data_dir in cfg.data_dirs:
+        argv += ["-L", str(data_dir)]
     fdsets = _FdSets()
     fdsets_at = len(argv)
+    cpu = ",".join([ds.cpu, *(f"{f}=off" for f in cfg.cpu_off)])
     if cfg.accel == "kvm":
-        argv += ["-accel", "kvm", "-cpu", "host"]
+        argv += ["-accel", "kvm", "-cpu", cpu]
     else:
-        argv += ["-accel", f"tcg,tb-size={tcg_tb_mib()}", "-cpu", "max"]
-    mem = f"{cfg.memory_mib}M"
-    if cfg.segments:
-        # virtio-pmem devices live in the device-memory region above RAM.
-        extra = sum(seg.size_bytes for seg in cfg.segments)
-        mem += f",slots={len(cfg.segments)},maxmem={cfg.memory_mib * 2**20 + extra}"
-    # No SATA controller, SMBus, VMware port or PS/2 controller: the guest uses none of
-    # them, and every device is state to save and load in a migration's downtime.
-    argv += ["-machine", f"q35,{MACHINE_OPTS},memory-backend=ram0", "-smp", str(cfg.vcpus),
-             "-m", mem]
+        argv += ["-accel", f"tcg,tb-size={tcg_tb_mib()}", "-cpu", cpu]
+    # No SATA controller, SMBus, VMware port or PS/2 controller (MACHINE_OPTS): the
+    # guest uses none of them, and every device is state to save and load in a
+    # migration's downtime. The memory backend and aux-ram-share are host-side.
+    aux = ",aux-ram-share=on" if cfg.aux_ram_share else ""
+    machine = ",".join([ds.machine, *(f"{k}={v}" for k, v in ds.machine_props)])
+    argv += ["-machine", f"{machine},memory-backend=ram0{aux}",
+             "-smp", str(ds.smp), "-m", ds.memory]
     if cfg.ram_file is not None:
         # A named shared file (not a memfd): another QEMU can map the same pages,
         # which is what zero-copy migration (x-ignore-shared) relies on.
@@ -178,33 +303,43 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
     argv += ["-chardev", f"socket,id=qmp0,path={cfg.qmp_socket},server=on,wait=off",
              "-mon", "chardev=qmp0,mode=control"]
     logfile = fdsets.path(cfg.console_log_fd, "console-log", cfg.console_log)
+    backends = ["con0", "qga0"]
     argv += ["-chardev", f"socket,id=con0,path={cfg.console_socket},server=on,wait=off,"
              f"logfile={logfile},logappend=on",
-             "-serial", "chardev:con0"]
-    argv += ["-device", "virtio-serial-pci,id=vser0",
-             "-chardev", f"socket,id=qga0,path={cfg.qga_socket},server=on,wait=off",
-             "-device", f"virtserialport,bus=vser0.0,chardev=qga0,name={QGA_PORT_NAME}"]
+             "-chardev", f"socket,id=qga0,path={cfg.qga_socket},server=on,wait=off"]
     for seg in cfg.segments:
         # share=on: every VM maps the same host pages (and x-ignore-shared skips them
         # in a zero-copy migration); readonly=on: no guest can change them.
         argv += ["-object", f"memory-backend-file,id=seg-{seg.name},"
                  f"mem-path={fd_path(seg.fd, seg.path)},"
-                 f"size={seg.size_bytes},share=on,readonly=on,merge=off",
-                 "-device", f"virtio-pmem-pci,memdev=seg-{seg.name},id=pmem-{seg.name}"]
+                 f"size={seg.size_bytes},share=on,readonly=on,merge=off"]
+        backends.append(f"seg-{seg.name}")
     if cfg.usr_disk is not None:
         usr = fdsets.path(cfg.usr_disk_fd, "disk-fusuma-usr", cfg.usr_disk)
-        argv += ["-drive", f"file={usr},format=raw,if=none,id=disk-fusuma-usr,readonly=on",
-                 "-device", "virtio-blk-pci,drive=disk-fusuma-usr,serial=fusuma-usr"]
+        argv += ["-drive", f"file={usr},format=raw,if=none,id=disk-fusuma-usr,readonly=on"]
+        backends.append("disk-fusuma-usr")
     if cfg.ports:
         fwd = "".join(f",hostfwd={hostfwd(h, g)}" for h, g in cfg.ports) \
             if cfg.bind_ports else ""
-        argv += ["-netdev", f"user,id={NET_ID}{fwd}",
-                 "-device", f"virtio-net-pci,netdev={NET_ID},romfile="]
+        argv += ["-netdev", f"user,id={NET_ID}{fwd}"]
+        backends.append(NET_ID)
     for d in cfg.disks:
         ro = ",readonly=on" if d.readonly else ""
         image = fdsets.path(d.fds, f"disk-{d.name}", d.path)
-        argv += ["-drive", f"file={image},format=raw,if=none,id=disk-{d.name}{ro}",
-                 "-device", f"virtio-blk-pci,drive=disk-{d.name},serial={d.name}"]
+        argv += ["-drive", f"file={image},format=raw,if=none,id=disk-{d.name}{ro}"]
+        backends.append(f"disk-{d.name}")
+    missing = [b for dev in ds.devices for b in dev.backends() if b not in backends]
+    if ds.serial is not None and ds.serial not in backends:
+        missing.append(ds.serial)
+    if missing:
+        raise DeviceSetMismatch(f"VM {cfg.name}'s recorded devices attach to "
+                                f"{', '.join(missing)}, which its definition no longer "
+                                "has")
+    # The guest-visible part, in the recorded order (the order fixes PCI addresses).
+    if ds.serial is not None:
+        argv += ["-serial", f"chardev:{ds.serial}"]
+    for dev in ds.devices:
+        argv += ["-device", dev.option()]
     argv += ["-pidfile", str(cfg.pidfile)]
     argv[fdsets_at:fdsets_at] = fdsets.argv
     if cfg.incoming is not None:
@@ -212,4 +347,14 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
         # move's outcome is recorded ("forward"), so a source is never resumed after
         # its destination has run (fusuma.migration.supervisor_ops).
         argv += ["-S", "-incoming", cfg.incoming]
+        if cfg.cpr_socket is not None:
+            argv += ["-incoming", cpr_channel(cfg.cpr_socket)]
     return argv
+
+
+def cpr_channel(path: Path) -> str:
+    """The cpr channel of a cpr-transfer as ``-incoming`` takes it (QAPI
+    MigrationChannel as JSON: a channel given that way can only be a UNIX socket, the
+    one transport that carries descriptors)."""
+    return json.dumps({"channel-type": "cpr", "addr": {
+        "transport": "socket", "type": "unix", "path": str(path)}})

@@ -59,7 +59,10 @@ class Qmp:
         deadline = loop.time() + timeout
         while True:
             try:
-                await self._client.connect(str(self.socket))
+                # Bounded: a socket that accepts but never greets (a QEMU whose one
+                # monitor connection is taken) must not hang the caller.
+                await asyncio.wait_for(self._client.connect(str(self.socket)),
+                                       max(0.1, deadline - loop.time()))
                 return
             except (QMPError, OSError) as exc:
                 if loop.time() >= deadline:

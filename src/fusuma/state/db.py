@@ -104,6 +104,9 @@ ADDED_COLUMNS = (
     ("vms", "ports", "TEXT NOT NULL DEFAULT '[]'"),
     ("vms", "overhead_mib", "INTEGER"),
     ("partitions", "smt", "TEXT NOT NULL DEFAULT 'cores'"),
+    ("vms", "machine", "TEXT"),
+    ("vms", "devices", "TEXT"),
+    ("vms", "qemu_version", "TEXT"),
 )
 
 
@@ -154,6 +157,13 @@ class VmRecord:
     # Host memory the VM's QEMU needs beyond guest RAM, fixed when the VM is defined
     # (None in state files from before it was recorded: fusuma.capacity computes it).
     overhead_mib: int | None = None
+    # The versioned machine type pinned when the VM was defined ("pc-q35-7.2"; None in
+    # state files from before it was: the machine it was started with applies).
+    machine: str | None = None
+    # The guest-visible device set recorded when it booted (fusuma.qemu.cmdline
+    # DeviceSet as JSON): every move's destination rebuilds exactly that.
+    devices: str | None = None
+    qemu_version: str | None = None  # of the QEMU running it ("10.0.2")
     # SQLite rowid: unique among defined VMs, the basis of the VM's own QEMU uid
     # (fusuma.qemu.privilege). 0 until the record has been stored.
     slot: int = field(default=0, compare=False)
@@ -323,6 +333,8 @@ class Database:
             shared_ram=bool(row["shared_ram"]), ram_path=row["ram_path"], qos=row["qos"],
             segments=json.loads(row["segments"]), mergeable=bool(row["mergeable"]),
             ports=json.loads(row["ports"]), overhead_mib=row["overhead_mib"],
+            machine=row["machine"], devices=row["devices"],
+            qemu_version=row["qemu_version"],
             slot=row["rowid"])
 
     def vms(self, partition: str | None = None) -> list[VmRecord]:
@@ -349,12 +361,12 @@ class Database:
                 "INSERT INTO vms (name, partition, vcpus, memory_mib, image, disks, accel, "
                 "autostart, state, pid, accel_used, qemu_binary, started_at, error, "
                 "created_at, shared_ram, ram_path, qos, segments, mergeable, ports, "
-                "overhead_mib) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "overhead_mib, machine) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (v.name, v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks),
                  v.accel, int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
                  v.started_at, v.error, v.created_at, int(v.shared_ram), v.ram_path, v.qos,
                  json.dumps(v.segments), int(v.mergeable), json.dumps(v.ports),
-                 v.overhead_mib))
+                 v.overhead_mib, v.machine))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a VM named {v.name!r} already exists.") from exc
         self.emit("lifecycle", "vm-created", f"/1.0/vms/{v.name}", partition=v.partition)
@@ -363,7 +375,8 @@ class Database:
     # them: it moves only through ``transition``.
     VM_FIELDS = frozenset({"partition", "vcpus", "memory_mib", "disks", "pid", "accel_used",
                            "qemu_binary", "started_at", "error", "ram_path", "qos",
-                           "segments", "ports", "overhead_mib"})
+                           "segments", "ports", "overhead_mib", "machine", "devices",
+                           "qemu_version"})
 
     @staticmethod
     def _column_value(value: object) -> object:

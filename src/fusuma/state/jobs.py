@@ -81,6 +81,8 @@ class Job:
         return "VM" if self.obj.startswith("vm:") else "partition"
 
     def doing(self) -> str:
+        if self.kind == "migrate" and self.source == self.peer:
+            return f"moving to a new QEMU in {self.peer}"     # in place (cpr-transfer)
         if self.kind == "migrate":
             return f"moving to {self.peer}"
         return DOING.get(self.kind, self.kind)

@@ -66,13 +66,15 @@ class VmManager:
         from fusuma.images import find_image
 
         find_image(self.paths.cache, kind=spec.image)
+        machine = self._machine(part.name, part.qemu, spec.machine)
         rec = VmRecord(name=spec.name, partition=spec.partition, vcpus=spec.vcpus,
                        memory_mib=spec.memory_mib, image=spec.image, disks=list(spec.disks),
                        accel=spec.accel, autostart=spec.autostart,
                        shared_ram=spec.shared_ram, qos=spec.qos,
                        segments=list(spec.segments), mergeable=spec.mergeable,
                        ports=list(spec.ports),
-                       overhead_mib=capacity.definition_overhead(spec.accel))
+                       overhead_mib=capacity.definition_overhead(spec.accel),
+                       machine=machine)
         from fusuma.governor.qos import check_admission
 
         check_admission(part.name, len(part.cpus), self.db.vms(part.name), rec)
@@ -82,6 +84,20 @@ class VmManager:
                                 "give it less memory, delete a VM or shrink a partition")
         self.db.add_vm(rec)
         return rec
+
+    def _machine(self, partition: str, qemu: str | None, wanted: str | None) -> str:
+        """The machine type a new VM pins: ``wanted`` if its partition's QEMU has it,
+        else the oldest installed QEMU's q35 (fusuma.qemu.versions.default_machine)."""
+        from fusuma.qemu import versions
+
+        q = versions.resolve(self.paths, qemu)
+        machine = wanted or versions.default_machine(self.paths, q)
+        why = versions.cannot_run(q, machine)
+        if why is not None:
+            raise StateError(f"partition {partition!r} runs QEMU {q.version}, which cannot "
+                             f"run machine type {machine}: {why}; pick one from `fusuma "
+                             "qemu list` or a partition on a newer QEMU.")
+        return machine
 
     def start(self, name: str, wait_agent: float = 0.0) -> VmRecord:
         vm = self.db.vm(name)

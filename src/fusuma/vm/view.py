@@ -58,6 +58,9 @@ class VmView:
                 "accel": r.accel_used or r.accel, "vcpus": r.vcpus,
                 "memory_mib": r.memory_mib, "shared_ram": r.shared_ram, "qos": r.qos,
                 "mergeable": r.mergeable, "segments": r.segments, "ports": r.ports,
+                # The QEMU version running it (None when none does, or when an older
+                # fusuma started it), and the machine type it pinned.
+                "qemu": r.qemu_version if alive else None, "machine": r.machine,
                 "host_memory": mem,
                 "disks": r.disks, "error": r.error}
 

@@ -1,0 +1,251 @@
+"""`fusuma bench maintain`: upgrade a partition's QEMU under N running VMs.
+
+For each VM count N, two scratch partitions take the cores no partition holds (one
+core each): ``bench-maintain-p`` runs N VMs (256 MiB, the minimal image) on QEMU
+``--from``; ``bench-maintain-via`` (also ``--from``) holds them meanwhile. Each guest
+writes a random blob and remembers its md5. Then:
+
+1. ``zero-copy`` (always): ``maintain P --via VIA --qemu TO``: every VM moves out
+   (zero-copy), P's supervisor restarts on QEMU ``--to``, every VM moves back onto a
+   ``--to`` QEMU. Two moves per VM.
+2. ``cpr-transfer`` (with ``--in-place``): on the same VMs, now on ``--to`` (whose QEMUs
+   started with aux-ram-share=on): ``maintain P --in-place``, each VM to a new ``--to``
+   QEMU in P itself. One move per VM, no second partition.
+
+Recorded per (method, N): the whole maintain's wall time, every move's downtime,
+total and bytes sent, and whether every guest's blob still has its md5 afterwards
+(and every guest answers). The result file carries the ``meta`` block; the report
+(``report_maintain``) is rendered from it alone. Everything the benchmark made is
+removed afterwards, also on failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusuma.bench.meta import meta
+from fusuma.capacity import SUPERVISOR_MIB, vm_overhead
+from fusuma.errors import FusumaError, GuestAgentError, ResourceError
+from fusuma.host.accel import probe_accel
+from fusuma.migration.maintain import MaintainResult, maintain, maintain_in_place
+from fusuma.partition.manager import PartitionManager
+from fusuma.qemu import versions
+from fusuma.spec import PartitionSpec, VmSpec
+from fusuma.state import VmRecord
+from fusuma.vm import VmManager
+
+LOG = logging.getLogger(__name__)
+
+PARTITION = "bench-maintain-p"
+VIA = "bench-maintain-via"
+VM_PREFIX = "bench-maintain-vm"
+MEMORY_MIB = 256
+BLOB_MIB = 16
+BOOT_BATCH = 4           # VMs booted together (TCG boots are CPU-bound)
+EXEC_TIMEOUT_S = 120.0
+MARGIN_MIB = 64
+DEFAULT_VMS = (1, 4, 16)
+METHODS = ("zero-copy", "cpr-transfer")
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Case:
+    """One maintain of N VMs by one method."""
+
+    method: str
+    vms: int
+    source_qemu: str
+    target_qemu: str
+    maintain_s: float | None = None
+    moves: list[dict[str, Any]] = field(default_factory=list)
+    data_intact: bool = False
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        downs = [float(m["downtime_ms"]) for m in self.moves
+                 if m.get("downtime_ms") is not None]
+        per_vm: dict[str, float] = {}
+        for m in self.moves:
+            if m.get("downtime_ms") is not None:
+                per_vm[m["vm"]] = max(per_vm.get(m["vm"], 0.0), float(m["downtime_ms"]))
+        return {"method": self.method, "vms": self.vms, "from_qemu": self.source_qemu,
+                "to_qemu": self.target_qemu, "maintain_s": self.maintain_s,
+                "moves": len(self.moves),
+                "downtime_ms_max": max(downs) if downs else None,
+                "downtime_ms_median": _median(downs),
+                "bytes_sent_median": _median([float(m["bytes_sent"]) for m in self.moves]),
+                "bytes_sent_total": sum(int(m["bytes_sent"]) for m in self.moves),
+                "vm_downtime_ms": per_vm, "data_intact": self.data_intact,
+                "error": self.error}
+
+
+def _median(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    mid = len(s) // 2
+    return round(s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2, 3)
+
+
+def run(parts: PartitionManager, vms: VmManager, counts: Sequence[int], source: str,
+        target: str, in_place: bool, progress: Progress = lambda s: None) -> dict[str, Any]:
+    accel = probe_accel("auto").name
+    cores = _check_host(parts, counts, accel)
+    q_from = versions.resolve(parts.paths, source)
+    q_to = versions.resolve(parts.paths, target)
+    t_start = time.monotonic()
+    results: list[dict[str, Any]] = []
+    all_moves: list[dict[str, Any]] = []
+    for n in counts:
+        for case in _one_count(parts, vms, cores, n, source, target, q_from.version,
+                               q_to.version, in_place, accel, progress):
+            results.append(case.as_json())
+            all_moves += [{**m, "method": case.method, "vms": n} for m in case.moves]
+            r = results[-1]
+            progress(f"{case.method} x{n}: maintain {r['maintain_s']} s, downtime max "
+                     f"{r['downtime_ms_max']} ms, data intact {r['data_intact']}"
+                     + (f"; {r['error']}" if r["error"] else ""))
+    return {"meta": meta(accel, benchmark="maintain", vms=list(counts), source=source,
+                         target=target, from_version=q_from.version,
+                         to_version=q_to.version, in_place=in_place, cores=cores,
+                         guest_memory_mib=MEMORY_MIB, blob_mib=BLOB_MIB,
+                         methods=[m for m in METHODS if in_place or m != "cpr-transfer"],
+                         duration_s=round(time.monotonic() - t_start, 1)),
+            "results": results, "moves": all_moves}
+
+
+def partition_mib(n: int, accel: str) -> int:
+    """A scratch partition's memory: its supervisor and the QEMUs of N VMs plus one
+    (a move's second QEMU). Guest RAM is admitted host-wide (fusuma.capacity)."""
+    vm = VmRecord(name=VM_PREFIX, partition=PARTITION, vcpus=1, memory_mib=MEMORY_MIB,
+                  accel_used=accel)
+    return SUPERVISOR_MIB + (n + 1) * vm_overhead(vm) + MARGIN_MIB
+
+
+def _check_host(parts: PartitionManager, counts: Sequence[int], accel: str) -> list[int]:
+    used = {c for p in parts.db.partitions() for c in p.cpus}
+    free = [c for c in parts.host.cpus if c not in used]
+    if len(free) < 2:
+        raise ResourceError(f"`bench maintain` needs two cores no partition holds (one for "
+                            f"the maintained partition, one for --via); free: "
+                            f"{free or 'none'}. Run `fusuma down` first.")
+    for name in (PARTITION, VIA):
+        if parts.db.find_partition(name) is not None:
+            raise ResourceError(f"partition {name!r} exists (an earlier run?); remove it "
+                                f"with `fusuma partition delete {name} --force`.")
+    return free[:2]
+
+
+def _one_count(parts: PartitionManager, vms: VmManager, cores: list[int], n: int,
+               source: str, target: str, v_from: str, v_to: str, in_place: bool,
+               accel: str, progress: Progress) -> list[Case]:
+    mem = partition_mib(n, accel)
+    names = [f"{VM_PREFIX}{i}" for i in range(n)]
+    cases: list[Case] = []
+    try:
+        parts.create(PartitionSpec(name=PARTITION, cpus=[cores[0]], memory_mib=mem,
+                                   qemu=source))
+        parts.create(PartitionSpec(name=VIA, cpus=[cores[1]], memory_mib=mem, qemu=source))
+        for name in names:
+            vms.create(VmSpec(name=name, partition=PARTITION, memory_mib=MEMORY_MIB))
+        _boot(parts, vms, names, progress)
+        digests = {name: _write_blob(vms, name) for name in names}
+        via = Case("zero-copy", n, v_from, v_to)
+        cases.append(via)
+        _measure(via, names, digests, vms, progress,
+                 lambda: maintain(parts, PARTITION, VIA, target, progress=progress))
+        if in_place:
+            cpr = Case("cpr-transfer", n, v_to, v_to)
+            cases.append(cpr)
+            if via.error:
+                cpr.error = f"not run: the upgrade to {target} failed first"
+            else:
+                _measure(cpr, names, digests, vms, progress,
+                         lambda: maintain_in_place(parts, PARTITION, progress=progress))
+        return cases
+    finally:
+        progress("removing the scratch partitions")
+        for name in (PARTITION, VIA):
+            if parts.db.find_partition(name) is None:
+                continue
+            try:
+                parts.delete(name, force=True)
+            except FusumaError as exc:
+                progress(f"cleanup of partition {name} failed: {exc}")
+                LOG.warning("cleanup of partition %s failed: %s", name, exc)
+
+
+def _measure(case: Case, names: list[str], digests: dict[str, str], vms: VmManager,
+             progress: Progress, fn: Callable[[], MaintainResult]) -> None:
+    progress(f"{case.method}: maintaining {len(names)} VM(s), QEMU {case.source_qemu} -> "
+             f"{case.target_qemu}")
+    t0 = time.monotonic()
+    try:
+        res = fn()
+        case.moves = [m.as_json() for m in res.moves]
+    except FusumaError as exc:
+        case.error = str(exc)
+    finally:
+        case.maintain_s = round(time.monotonic() - t0, 3)
+    # Checked after a failed maintain too: wherever the guests run now, their data must
+    # be what it was.
+    bad = [name for name in names if not _intact(vms, name, digests[name])]
+    case.data_intact = not bad
+    if bad:
+        what = f"data not intact (or no answer) in {', '.join(bad)}"
+        case.error = f"{case.error}; {what}" if case.error else what
+
+
+def _boot(parts: PartitionManager, vms: VmManager, names: list[str],
+          progress: Progress) -> None:
+    """Start the VMs BOOT_BATCH at a time, each batch to its guest agents."""
+    errors: list[BaseException] = []
+
+    def wait(vname: str) -> None:
+        try:
+            parts.client(PARTITION).call("wait-agent", rpc_timeout=310, vm=vname,
+                                         timeout=300)
+        except BaseException as exc:
+            errors.append(exc)
+
+    for first in range(0, len(names), BOOT_BATCH):
+        batch = names[first:first + BOOT_BATCH]
+        progress(f"booting {', '.join(batch)} ({first + len(batch)}/{len(names)})")
+        threads = []
+        for vname in batch:
+            vms.start(vname)
+            th = threading.Thread(target=wait, args=(vname,))
+            th.start()
+            threads.append(th)
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+
+
+def _sh(vms: VmManager, vm: str, script: str) -> str:
+    out = vms.exec(vm, ["/bin/sh", "-c", script], timeout=EXEC_TIMEOUT_S)
+    if out.exit_code != 0:
+        raise GuestAgentError(f"guest command `{script}` in {vm!r} exited {out.exit_code}: "
+                              f"{out.stderr.decode(errors='replace').strip()}",
+                              log_tail=out.stderr.decode(errors="replace"))
+    return out.stdout.decode(errors="replace")
+
+
+def _write_blob(vms: VmManager, vm: str) -> str:
+    return _sh(vms, vm, f"dd if=/dev/urandom of=/tmp/blob bs=1M count={BLOB_MIB} "
+                        "2>/dev/null && md5sum /tmp/blob").split()[0]
+
+
+def _intact(vms: VmManager, vm: str, digest: str) -> bool:
+    try:
+        return _sh(vms, vm, "md5sum /tmp/blob").split()[0] == digest
+    except (FusumaError, IndexError):
+        return False

@@ -1,0 +1,90 @@
+"""`fusuma agent` and `fusuma cluster ...`: fusuma on Kubernetes (fusuma.cluster).
+
+Kept light: the agent's modules (and PyYAML) are imported when a command runs."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import click
+
+from fusuma.cli.common import Ctx, pass_ctx, progress
+
+
+@click.command()
+@click.option("--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              required=True, help="Credentials for the API server (the agent's user).")
+@click.option("--namespace", "-n", default=None,
+              help="Reconcile FusumaVMs of this namespace only (default: every namespace).")
+@click.option("--host-name", default=None,
+              help="This host's FusumaHost name (default: the machine's short hostname).")
+@click.option("--address", default=None,
+              help="Address other hosts reach this host at for live moves (default: the "
+                   "source address of this host's route to the API server).")
+@click.option("--lease-seconds", type=click.IntRange(3, 3600), default=40, show_default=True,
+              help="Heartbeat Lease duration: the host is lost this long after its last "
+                   "renewal.")
+@click.option("--workers", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="Objects reconciled at once.")
+@pass_ctx
+def agent(c: Ctx, kubeconfig: Path, namespace: str | None, host_name: str | None,
+          address: str | None, lease_seconds: int, workers: int) -> None:
+    """Run this host's fusuma agent: register it, reconcile the cluster's objects here.
+
+    \b
+    It registers a FusumaHost and renews its heartbeat Lease (namespace fusuma-system),
+    makes the FusumaPartitions of this host, and runs, stops, moves and deletes the
+    FusumaVMs assigned to it through fusuma's own operations, writing their status,
+    conditions and Kubernetes Events. Every agent also runs the placement controller
+    (one active at a time, through a Lease): it places VMs without a host, and when a
+    host's Lease expires marks its VMs lost and starts the restartable ones elsewhere.
+    Restarting the agent is safe: it re-reads the cluster and the host and does only
+    what is still missing. Install the CRDs and RBAC first: `fusuma cluster install`.
+    """
+    import logging
+
+    from fusuma.cluster.agent import Agent, AgentConfig
+
+    # One line per request is too much even with -v; -vv shows them.
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    from fusuma.cluster.kube import KubeConfig
+
+    cfg = KubeConfig.load(kubeconfig)
+    name = host_name or socket.gethostname().split(".")[0].lower()
+    Agent(c.paths, cfg, AgentConfig(host=name, address=address, namespace=namespace,
+                                    lease_seconds=lease_seconds, workers=workers)).run()
+
+
+@click.group()
+def cluster() -> None:
+    """fusuma on Kubernetes: the CRDs and RBAC the agents need."""
+
+
+@cluster.command("install")
+@click.option("--apply", "do_apply", is_flag=True,
+              help="Create or update them in the cluster instead of printing them.")
+@click.option("--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="Credentials for --apply (an admin's: it creates CRDs and RBAC).")
+def install(do_apply: bool, kubeconfig: Path | None) -> None:
+    """Print the CRDs, RBAC and namespace as YAML for `kubectl apply -f -`.
+
+    \b
+    FusumaHost, FusumaPartition, FusumaVM and FusumaSegment (group fusuma.io), the
+    namespace fusuma-system (Leases), the ServiceAccount fusuma-agent and a ClusterRole
+    bound to it and to the group fusuma:agents, plus view/edit roles aggregated into
+    Kubernetes' own `view` and `edit`.
+    """
+    from fusuma.cluster.crds import manifests, render_yaml
+
+    if not do_apply:
+        click.echo(render_yaml(manifests()), nl=False)
+        return
+    if kubeconfig is None:
+        raise click.UsageError("--apply needs --kubeconfig.")
+    from fusuma.cluster.install import apply
+    from fusuma.cluster.kube import Kube, KubeConfig
+
+    kube = Kube(KubeConfig.load(kubeconfig))
+    apply(kube, manifests(), progress=progress)

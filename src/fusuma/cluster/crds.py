@@ -1,0 +1,363 @@
+"""The custom resources, the agents' RBAC and namespace: what `fusuma cluster install`
+prints (and applies with ``--apply``).
+
+Every field has a description, so ``kubectl explain fusumavm.spec.memoryMiB`` answers;
+printer columns make ``kubectl get`` read like ``fusuma ps``; each kind has a status
+subresource (agents write status, users write spec) and conditions in the usual shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from fusuma.cluster import AGENT_GROUP, GROUP, SYSTEM_NAMESPACE, VERSION
+
+Obj = dict[str, Any]
+
+
+def _s(desc: str, **kw: Any) -> Obj:
+    return {"type": "string", "description": desc, **kw}
+
+
+def _i(desc: str, **kw: Any) -> Obj:
+    return {"type": "integer", "description": desc, **kw}
+
+
+def _b(desc: str, **kw: Any) -> Obj:
+    return {"type": "boolean", "description": desc, **kw}
+
+
+def _n(desc: str, **kw: Any) -> Obj:
+    return {"type": "number", "description": desc, **kw}
+
+
+def _obj(desc: str, props: Obj, **kw: Any) -> Obj:
+    return {"type": "object", "description": desc, "properties": props, **kw}
+
+
+def _arr(desc: str, items: Obj, **kw: Any) -> Obj:
+    return {"type": "array", "description": desc, "items": items, **kw}
+
+
+CONDITIONS = _arr(
+    "The object's conditions (Kubernetes' usual shape): Ready says whether it is as "
+    "asked; reason is one CamelCase word, message one sentence saying what to fix.",
+    _obj("One condition.", {
+        "type": _s("Condition type: Ready, Placed, ..."),
+        "status": _s("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+        "reason": _s("Why, in one CamelCase word (e.g. UnknownPartition)."),
+        "message": _s("What is wrong and how to fix it, in one sentence."),
+        "lastTransitionTime": _s("When status last changed.", format="date-time"),
+        "observedGeneration": _i("The metadata.generation this condition is about."),
+    }, required=["type", "status"]),
+    **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+
+MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or "
+            "between hosts (live, copy mode over TCP).", {
+                "id": _s("The move's id (one per move)."),
+                "kind": _s("in-host or between-hosts.", enum=["in-host", "between-hosts"]),
+                "mode": _s("QEMU migration mode: zero-copy or copy."),
+                "from": _s("Source, as host/partition."),
+                "to": _s("Destination, as host/partition."),
+                "fromHost": _s("Source host."),
+                "toHost": _s("Destination host."),
+                "record": _obj("Between hosts: what the destination's definition must "
+                               "carry from the source's (the machine type and device set "
+                               "the guest booted with).", {
+                                   "machine": _s("Versioned machine type."),
+                                   "devices": _s("Guest-visible device set (JSON)."),
+                                   "accel_used": _s("Accelerator the guest runs under.")}),
+                "destPid": _i("Between hosts: the destination QEMU's pid."),
+                "prepareMs": _n("Between hosts: time to start the destination QEMU, ms."),
+                "resumeTs": _n("Between hosts: when the guest resumed at the destination "
+                               "(epoch seconds)."),
+                "qemuDowntimeMs": _n("Downtime as the source QEMU reports it, in ms."),
+                "phase": _s("Between hosts: Preparing, Prepared, Streaming, Streamed, "
+                            "Decided, Done, Failed."),
+                "uri": _s("Between hosts: where the destination QEMU listens (tcp:ADDR:PORT)."),
+                "decision": _s("Between hosts: forward (the destination runs the guest) or "
+                               "back (the source does); written once, by whoever decides "
+                               "first, with a resourceVersion precondition.",
+                               enum=["forward", "back"]),
+                "decidedBy": _s("Host whose agent recorded the decision."),
+                "downtimeMs": _n("Time the guest did not run, in ms."),
+                "totalMs": _n("From the start of the stream to the guest running at the "
+                              "destination, in ms."),
+                "bytesSent": _i("Bytes the migration stream carried."),
+                "paused": _b("The guest was paused for the copy (QEMU < 9.0 under TCG)."),
+                "result": _s("ok or failed."),
+                "message": _s("A failed move's reason."),
+                "startedAt": _s("When the move began.", format="date-time"),
+                "finishedAt": _s("When the move ended.", format="date-time"),
+            })
+
+VM_SPEC = _obj("The VM as asked for: fusuma's VM spec, plus where it runs.", {
+    "host": _s("FusumaHost to run on. Empty: the placement controller picks one (written "
+               "to status.placement). Changing it moves the running VM live to that host."),
+    "partition": _s("Partition on the host (a FusumaPartition's spec.name). Empty: "
+                    "placement picks one with room. Changing it moves the VM zero-copy "
+                    "inside its host."),
+    "vcpus": _i("Virtual CPUs.", minimum=1, maximum=64, default=1),
+    "memoryMiB": _i("Guest RAM in MiB.", minimum=64, default=256),
+    "image": _s("Guest image kind on the host (fusuma image list), e.g. minimal.",
+                default="minimal"),
+    "accel": _s("Accelerator: auto (KVM where it works, else TCG), kvm or tcg.",
+                enum=["auto", "kvm", "tcg"], default="auto"),
+    "sharedRam": _b("Guest RAM in a named shared file (needed for zero-copy moves).",
+                    default=True),
+    "mergeable": _b("Private RAM that KSM may merge (moves by copy only).", default=False),
+    "qos": _s("CPU QoS class for the governor.",
+              enum=["guaranteed", "burstable", "best-effort"], default="burstable"),
+    "segments": _arr("Shared segments to attach, as NAME or NAME:MOUNTPOINT.",
+                     _s("A segment.")),
+    "running": _b("Whether the VM should run (false: stopped, kept defined).",
+                  default=True),
+    "restartable": _b("Start it again from its image on another host when its host is "
+                      "lost (its RAM and any disk local to the lost host are gone).",
+                      default=False),
+}, **{"x-kubernetes-validations": [
+    {"rule": "!(has(self.mergeable) && self.mergeable && has(self.sharedRam) && "
+             "self.sharedRam)",
+     "message": "a mergeable VM has private RAM: set sharedRam to false"}]})
+
+VM_STATUS = _obj("What the agents and the placement controller observed and did.", {
+    "state": _s("Pending, Placed, Creating, Running, Stopped, Moving, Lost or Failed."),
+    "host": _s("Host the VM is defined on now."),
+    "partition": _s("Partition the VM is in now."),
+    "pid": _i("Its QEMU's pid on that host."),
+    "qemu": _s("Its QEMU binary's version."),
+    "accelerator": _s("kvm or tcg."),
+    "memoryMiB": _i("Host memory its QEMU holds (resident), MiB."),
+    "message": _s("The last error, in one sentence."),
+    "placement": _obj("Where the placement controller put a VM with no spec.host.", {
+        "host": _s("Chosen host."), "partition": _s("Chosen partition."),
+        "at": _s("When.", format="date-time"),
+        "reason": _s("Placed, or Restarted after a host loss.")}),
+    "move": MOVE,
+    "lastMove": MOVE,
+    "lostAt": _s("When its host's Lease expired.", format="date-time"),
+    "lostFrom": _s("The lost host."),
+    "ownerUID": _s("UID of the object the host's VM belongs to (one name per host)."),
+    "observedGeneration": _i("The metadata.generation the status is about."),
+    "conditions": CONDITIONS,
+})
+
+PARTITION_INFO = _obj("One partition of the host.", {
+    "name": _s("Partition name."),
+    "cpus": _arr("Its cores.", _i("A core.")),
+    "memoryMiB": _i("Its memory budget."),
+    "usedMiB": _i("What its supervisor and VMs count against it."),
+    "vms": _i("VMs defined in it."),
+    "state": _s("Its supervisor's state."),
+    "qemu": _s("QEMU binary it runs (empty: the host's default)."),
+})
+
+HOST_STATUS = _obj("Written by the host's agent.", {
+    "address": _s("Address other hosts reach this host's migration listener at."),
+    "cores": _i("Cores of the host."),
+    "accelerator": _s("kvm or tcg (and why, when tcg)."),
+    "memoryMiB": _i("Host memory."),
+    "availableMiB": _i("Memory fusuma may give partitions and guest RAM."),
+    "freeMiB": _i("What is left of it beside the partitions and guest RAM."),
+    "partitions": _arr("Its partitions.", PARTITION_INFO),
+    "vms": _i("VMs defined on it."),
+    "qemuVersions": _arr("Installed QEMU versions.", _s("A version.")),
+    "agentVersion": _s("fusuma version of the agent."),
+    "lease": _s("Its heartbeat Lease (namespace/name)."),
+    "heartbeat": _s("Last status write.", format="date-time"),
+    "conditions": CONDITIONS,
+})
+
+PARTITION_SPEC = _obj("A partition on one host: exclusive cores, a memory budget, its own "
+                      "supervisor.", {
+                          "host": _s("The FusumaHost it lives on."),
+                          "name": _s("Its name on the host (default: metadata.name); VMs "
+                                     "name it in spec.partition."),
+                          "cpus": _arr("Its cores.", _i("A core.", minimum=0), minItems=1),
+                          "memoryMiB": _i("Memory budget (supervisor + VMs' QEMUs).",
+                                          minimum=128),
+                          "qemu": _s("QEMU its VMs run: a version `fusuma qemu list` "
+                                     "shows (e.g. 10.0) or a binary's path; empty: the "
+                                     "host's own. Set when the partition is made."),
+                      }, required=["host", "cpus", "memoryMiB"])
+
+PARTITION_STATUS = _obj("Written by its host's agent.", {
+    "state": _s("Ready, Failed or Deleting."),
+    "supervisorPid": _i("Its supervisor's pid."),
+    "vms": _i("VMs in it."),
+    "usedMiB": _i("Memory its supervisor and VMs count against it."),
+    "observedGeneration": _i("The metadata.generation the status is about."),
+    "conditions": CONDITIONS,
+})
+
+SEGMENT_SPEC = _obj("A read-only shared segment (erofs) built on each host.", {
+    "fromImage": _s("Build it from this guest image kind's root filesystem."),
+    "hosts": _arr("Hosts to build it on (empty: every host).", _s("A host.")),
+}, required=["fromImage"])
+
+SEGMENT_STATUS = _obj("Per-host state, written by each agent.", {
+    "hosts": _arr("One entry per host.", _obj("One host's copy.", {
+        "host": _s("Host."), "ready": _b("Built."), "sizeMiB": _i("Its size."),
+        "message": _s("Why not, when not.")})),
+    "conditions": CONDITIONS,
+})
+
+
+def _col(name: str, path: str, typ: str = "string", priority: int = 0,
+         desc: str = "") -> Obj:
+    col: Obj = {"name": name, "type": typ, "jsonPath": path}
+    if priority:
+        col["priority"] = priority
+    if desc:
+        col["description"] = desc
+    return col
+
+
+AGE = _col("Age", ".metadata.creationTimestamp", "date")
+
+
+def _crd(kind: str, plural: str, singular: str, short: list[str], scope: str,
+         spec: Obj | None, status: Obj, columns: list[Obj], desc: str) -> Obj:
+    props: Obj = {"status": status}
+    if spec is not None:
+        props["spec"] = spec
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": scope,
+            "names": {"kind": kind, "plural": plural, "singular": singular,
+                      "shortNames": short, "listKind": f"{kind}List",
+                      "categories": ["fusuma"]},
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [*columns, AGE],
+                "schema": {"openAPIV3Schema": {
+                    "type": "object", "description": desc,
+                    "properties": {
+                        "apiVersion": _s("The API version (fusuma.io/v1alpha1)."),
+                        "kind": _s("The kind."),
+                        "metadata": {"type": "object"},
+                        **props,
+                    }}},
+            }],
+        },
+    }
+
+
+def crds() -> list[Obj]:
+    vm_cols = [
+        _col("Host", ".status.host"),
+        _col("Partition", ".status.partition"),
+        _col("State", ".status.state"),
+        _col("Ready", ".status.conditions[?(@.type==\"Ready\")].status"),
+        _col("vCPUs", ".spec.vcpus", "integer"),
+        _col("Memory", ".spec.memoryMiB", "integer", desc="Guest RAM, MiB"),
+        _col("Downtime-ms", ".status.lastMove.downtimeMs", "number",
+             desc="The last move's downtime"),
+        _col("PID", ".status.pid", "integer", priority=1),
+        _col("Message", ".status.message", priority=1),
+    ]
+    host_cols = [
+        _col("Ready", ".status.conditions[?(@.type==\"Ready\")].status"),
+        _col("Address", ".status.address"),
+        _col("Cores", ".status.cores", "integer"),
+        _col("Free-MiB", ".status.freeMiB", "integer"),
+        _col("VMs", ".status.vms", "integer"),
+        _col("Accel", ".status.accelerator", priority=1),
+        _col("QEMU", ".status.qemuVersions", priority=1),
+    ]
+    part_cols = [
+        _col("Host", ".spec.host"),
+        _col("Partition", ".spec.name"),
+        _col("CPUs", ".spec.cpus"),
+        _col("Memory", ".spec.memoryMiB", "integer"),
+        _col("QEMU", ".spec.qemu"),
+        _col("Used", ".status.usedMiB", "integer"),
+        _col("VMs", ".status.vms", "integer"),
+        _col("State", ".status.state"),
+    ]
+    seg_cols = [
+        _col("Image", ".spec.fromImage"),
+        _col("Ready", ".status.conditions[?(@.type==\"Ready\")].status"),
+    ]
+    host_spec = _obj("What users may ask of a host.", {
+        "unschedulable": _b("Place no new VM here (running ones stay).", default=False)})
+    return [
+        _crd("FusumaHost", "fusumahosts", "fusumahost", ["fh"], "Cluster", host_spec,
+             HOST_STATUS, host_cols,
+             "A host running a fusuma agent; its agent registers it and keeps its status "
+             "and a heartbeat Lease (in namespace fusuma-system)."),
+        _crd("FusumaPartition", "fusumapartitions", "fusumapartition", ["fp"], "Cluster",
+             PARTITION_SPEC, PARTITION_STATUS, part_cols,
+             "A partition of one host: exclusive cores, a memory budget and its own "
+             "hypervisor supervisor; made and resized by its host's agent."),
+        _crd("FusumaVM", "fusumavms", "fusumavm", ["fvm"], "Namespaced", VM_SPEC,
+             VM_STATUS, vm_cols,
+             "A VM run by fusuma on one host. Without spec.host it is placed; changing "
+             "spec.partition moves it zero-copy inside its host, changing spec.host moves "
+             "it live to another host."),
+        _crd("FusumaSegment", "fusumasegments", "fusumasegment", ["fseg"], "Cluster",
+             SEGMENT_SPEC, SEGMENT_STATUS, seg_cols,
+             "A shared read-only segment (z/VM's DCSS) built on each host, attached to "
+             "VMs as virtio-pmem with DAX."),
+    ]
+
+
+def rbac() -> list[Obj]:
+    """The agents' namespace, service account, role and bindings; plus view/edit roles
+    aggregated into Kubernetes' own ``view`` and ``edit``."""
+    ours = ["fusumahosts", "fusumapartitions", "fusumavms", "fusumasegments"]
+    status = [f"{r}/status" for r in ours]
+    agent_rules = [
+        {"apiGroups": [GROUP], "resources": ours,
+         "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
+        {"apiGroups": [GROUP], "resources": status, "verbs": ["get", "update", "patch"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"],
+         "verbs": ["create", "patch"]},
+    ]
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SYSTEM_NAMESPACE}},
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {"name": "fusuma-agent", "namespace": SYSTEM_NAMESPACE}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": "fusuma-agent"}, "rules": agent_rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": "fusuma-agent"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                     "name": "fusuma-agent"},
+         "subjects": [
+             {"kind": "ServiceAccount", "name": "fusuma-agent",
+              "namespace": SYSTEM_NAMESPACE},
+             {"kind": "Group", "apiGroup": "rbac.authorization.k8s.io",
+              "name": AGENT_GROUP}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": "fusuma-view", "labels": {
+             "rbac.authorization.k8s.io/aggregate-to-view": "true"}},
+         "rules": [{"apiGroups": [GROUP], "resources": ours + status,
+                    "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": "fusuma-edit", "labels": {
+             "rbac.authorization.k8s.io/aggregate-to-edit": "true"}},
+         "rules": [{"apiGroups": [GROUP], "resources": ["fusumavms"],
+                    "verbs": ["get", "list", "watch", "create", "update", "patch",
+                              "delete"]}]},
+    ]
+
+
+def manifests() -> list[Obj]:
+    return [*crds(), *rbac()]
+
+
+def render_yaml(objs: list[Obj]) -> str:
+    """A multi-document YAML stream for ``kubectl apply -f -``."""
+    return "".join("---\n" + yaml.safe_dump(o, sort_keys=False, width=100)
+                   for o in objs)

@@ -1,0 +1,33 @@
+"""In-guest side of the cgroup v2 tests: runs inside the debian-host guest (systemd as
+PID 1, cgroup2 at /sys/fs/cgroup), never on the host (tests/cgroup2/conftest.py keeps
+it out of the host's collection). Each test's outcome goes to RESULTS as JSON, which
+the host-side test (tests/cgroup2/test_in_guest.py) reads back through the guest agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RESULTS = Path(os.environ.get("FUSUMA_CG2_RESULTS", "/run/fusuma-cg2/results.json"))
+_results: dict[str, dict[str, Any]] = {}
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    rep = yield
+    setattr(item, "rep_" + rep.when, rep)
+    cur = _results.setdefault(item.nodeid, {"outcome": "passed", "seconds": 0.0,
+                                            "detail": ""})
+    cur["seconds"] = round(cur["seconds"] + rep.duration, 2)
+    if rep.failed or (rep.skipped and cur["outcome"] == "passed"):
+        cur["outcome"] = "failed" if rep.failed else "skipped"
+        text = str(rep.longrepr) if rep.longrepr else ""
+        cur["detail"] = (cur["detail"] + f"\n[{rep.when}] " + text[-3000:]).strip()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(_results, indent=1))
+    return rep

@@ -1,0 +1,128 @@
+"""Host side of the cgroup v2 tests: fusuma installed on a disk for a stock-host guest.
+
+These machines mount cgroup v1, so the cgroup v2 tests run inside a guest that has
+cgroup v2 (the ``debian-host`` image: Debian 12 with systemd as init, QEMU and python3).
+fusuma reaches it on a disk of its own (ext4, label ``fusuma-cg2``, mounted at
+/opt/fusuma in the guest)::
+
+    venv/                  a venv for the guest's /usr/bin/python3 (3.11, as here):
+                           fusuma's wheel built from this checkout and its dependencies'
+                           wheels (pip wheel, cached under FUSUMA_CACHE/cgroup2), with
+                           pytest; byte-compiled here so the guest's imports are quick
+    tests/                 tests/cgroup2/guest (the tests run inside the guest)
+    cache/images/          the minimal image, for the one nested VM
+    run.sh                 runs them and writes /run/fusuma-cg2/results.json
+
+Dependencies are downloaded once (their set's hash names the directory); fusuma's own
+wheel is rebuilt from the checkout for every disk, offline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+GUEST_TESTS = Path(__file__).resolve().parent / "guest"
+PIP = [sys.executable, "-m", "pip"]
+LABEL = "fusuma-cg2"
+MOUNT = "/opt/fusuma"
+PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
+EXTRA = ["pytest>=8", "pytest-timeout>=2.2"]
+BUILD = ["setuptools>=68", "wheel"]
+RESULTS = "/run/fusuma-cg2/results.json"
+
+
+def requirements() -> list[str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return sorted(project["dependencies"]) + EXTRA
+
+
+def _pip(*args: str, timeout: float = 900) -> None:
+    p = subprocess.run([*PIP, "--disable-pip-version-check", *args], capture_output=True,
+                       text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"pip {' '.join(args[:3])} ... failed:\n{p.stdout[-2000:]}\n"
+                           f"{p.stderr[-3000:]}")
+
+
+def wheels(cache: Path) -> Path:
+    """Wheels of fusuma's dependencies, pytest and the build backend (downloaded once)."""
+    reqs = requirements() + BUILD
+    tag = hashlib.sha256(json.dumps([PYVER, *reqs]).encode()).hexdigest()[:12]
+    final = cache / "cgroup2" / f"wheels-{tag}"
+    if final.is_dir():
+        return final
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _pip("wheel", "--quiet", "--wheel-dir", str(tmp), *reqs)
+    tmp.rename(final)
+    return final
+
+
+def _venv(stage: Path, wheel_dir: Path, fusuma_whl: Path) -> None:
+    """A venv for the guest's python (same minor version): pyvenv.cfg, the interpreter
+    link and site-packages filled here by pip --target."""
+    venv = stage / "venv"
+    site = venv / "lib" / f"python{PYVER}" / "site-packages"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\n"
+                                     f"version = {PYVER}\n")
+    (venv / "bin" / "python3").symlink_to(f"/usr/bin/python{PYVER}")
+    (venv / "bin" / "python").symlink_to("python3")
+    _pip("install", "--quiet", "--no-index", "--find-links", str(wheel_dir), "--target",
+         str(site), str(fusuma_whl), *EXTRA)
+    shutil.rmtree(site / "bin", ignore_errors=True)   # scripts for this host's python
+    for name, module in (("fusuma", "fusuma.cli.main"), ("pytest", "pytest")):
+        script = venv / "bin" / name
+        script.write_text(f"#!{MOUNT}/venv/bin/python3\nimport runpy\n"
+                          f"runpy.run_module({module!r}, run_name='__main__')\n")
+        script.chmod(0o755)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(site)],
+                   check=False, capture_output=True)
+
+
+def build_disk(cache: Path, minimal_dir: Path, out: Path, size_mib: int = 1536) -> Path:
+    """The ext4 disk image ``out`` holding fusuma, the guest tests and the minimal image."""
+    stage = out.with_suffix(".d")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    wheel_dir = wheels(cache)
+    _pip("wheel", "--quiet", "--no-deps", "--no-index", "--find-links", str(wheel_dir),
+         "--wheel-dir", str(stage / "dist"), str(REPO))
+    whl = next((stage / "dist").glob("fusuma-*.whl"))
+    _venv(stage, wheel_dir, whl)
+    shutil.rmtree(stage / "dist")
+    shutil.copytree(GUEST_TESTS, stage / "tests",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    images = stage / "cache" / "images"
+    images.mkdir(parents=True)
+    shutil.copytree(minimal_dir, images / minimal_dir.name)
+    (images / "minimal.json").write_text(json.dumps({"dir": minimal_dir.name}) + "\n")
+    run = stage / "run.sh"
+    run.write_text(f"""#!/bin/sh
+# Runs the cgroup v2 tests in this guest; results in {RESULTS}.
+export PATH={MOUNT}/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin
+export FUSUMA_CACHE={MOUNT}/cache PYTHONDONTWRITEBYTECODE=1
+mkdir -p {Path(RESULTS).parent}
+cd {MOUNT}/tests
+exec {MOUNT}/venv/bin/python3 -m pytest -p no:cacheprovider -q -rA \\
+    --rootdir={MOUNT}/tests -o addopts= "$@"
+""")
+    run.chmod(0o755)
+    out.unlink(missing_ok=True)
+    p = subprocess.run(["mkfs.ext4", "-q", "-F", "-L", LABEL, "-E", "root_owner=0:0",
+                        "-d", str(stage), str(out), f"{size_mib}M"],
+                       capture_output=True, text=True)
+    shutil.rmtree(stage, ignore_errors=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"mkfs.ext4 failed: {p.stderr}")
+    os.chmod(out, 0o600)
+    return out
