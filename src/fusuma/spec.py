@@ -154,8 +154,26 @@ class VmSpec(_Model):
     # The versioned machine type it pins (None: the q35 machine type of the oldest
     # installed QEMU, so that it can move to every QEMU installed here).
     machine: str | None = None
+    # Where QEMU's emulator threads (all but the vCPUs) run: "shared" (the partition's
+    # cores), "isolated" (a core of the partition that holds no guaranteed vCPU) or an
+    # explicit core list of the partition such as "1" (libvirt's <emulatorpin>).
+    emulator: str = "shared"
 
     _check_name = field_validator("name")(_name_field)
+
+    @field_validator("emulator")
+    @classmethod
+    def _emulator(cls, v: str) -> str:
+        if v in ("shared", "isolated"):
+            return v
+        try:
+            cores = parse_cpulist(v)
+        except SpecError as exc:
+            raise ValueError(f"emulator {v!r} is not shared, isolated or a core list "
+                             "such as \"1\" or \"2-3\"") from exc
+        if not cores:
+            raise ValueError("emulator core list is empty")
+        return format_cpulist(cores)
 
     @field_validator("segments")
     @classmethod

@@ -293,3 +293,16 @@ def test_no_step_left_is_said_once_until_calm() -> None:
     run.tick(VmInput("g", G, 1, busy(1.0)))              # calm
     run.tick(VmInput("g", G, 1, busy(40.0)))
     assert [d.action for d in run.log].count("no-step-left") == 2
+
+
+def test_no_core_of_its_own_out_of_the_emulators_cores() -> None:
+    """A core held for isolated emulator threads is never handed to vCPUs."""
+    controls: dict[str, Control] = {}
+    g = VmInput("g", G, 1, busy(40.0))
+    for now in (1.0, 2.0):
+        controls, out = decide([g], controls, [0, 1, 2], TH, now, reserved={2})
+    assert controls["g"].dedicated == (1,)            # not core 2, though it is free
+    controls = {}
+    for now in (1.0, 2.0):
+        controls, out = decide([g], controls, [0, 1], TH, now, reserved={1})
+    assert controls["g"].dedicated == ()              # only core 0 would be left

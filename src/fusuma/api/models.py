@@ -126,6 +126,7 @@ class VmInfo(_Resp):
     ports: list[str]
     qemu: str | None = None        # the QEMU version running it ("10.0.2")
     machine: str | None = None     # its pinned machine type ("pc-q35-7.2")
+    emulator: str = "shared"       # where its emulator threads run
     host_memory: dict[str, Any] | None
     disks: list[str]
     error: str | None

@@ -64,6 +64,11 @@ def vm() -> None:
               help="The versioned machine type it pins, e.g. pc-q35-7.2 (default: the "
                    "q35 type of the oldest installed QEMU, so it can move to every QEMU "
                    "here; see `fusuma qemu list`).")
+@click.option("--emulator", default="shared", show_default=True, metavar="WHERE",
+              help="Where QEMU's emulator threads (all but the vCPUs: main loop, I/O, "
+                   "workers) run: shared (the partition's cores), isolated (a core of the "
+                   "partition that holds no guaranteed vCPU; refused when there is none) "
+                   "or a core list of the partition, e.g. 1 (libvirt's emulatorpin).")
 @click.option("--start", is_flag=True, help="Start it right away (if that fails, the "
               "VM is not kept).")
 @click.option("--json", "as_json", is_flag=True)
@@ -71,7 +76,7 @@ def vm() -> None:
 def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image: str,
            disks: tuple[str, ...], accel: str, private_ram: bool, qos: str,
            segments: tuple[str, ...], mergeable: bool, ports: tuple[str, ...],
-           machine: str | None, start: bool, as_json: bool) -> None:
+           machine: str | None, emulator: str, start: bool, as_json: bool) -> None:
     """Define VM NAME in a partition (and optionally start it).
 
     \b
@@ -88,7 +93,7 @@ def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image
     spec = build(VmSpec, "vm", name=name, partition=partition, vcpus=vcpus,
                  memory_mib=memory_mib, image=image, disks=list(disks), accel=accel,
                  qos=qos, segments=list(segments), mergeable=mergeable, ports=list(ports),
-                 machine=machine, **fields)
+                 machine=machine, emulator=emulator, **fields)
     if start:
         c.accel_notice(accel)     # an accelerator that cannot work: refuse before creating
     c.vms.create(spec)

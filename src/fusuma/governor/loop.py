@@ -126,7 +126,8 @@ class Governor:
         inputs = self._measure()
         cores = self.db.partition(self.partition).cpus
         old = self.controls
-        new, decisions = decide(inputs, old, cores, self.th, time.time())
+        new, decisions = decide(inputs, old, cores, self.th, time.time(),
+                                 reserved=self._emulator_cores(cores))
         self.controls = new
         for d in decisions:
             self.log.info("%s %s: %s", d.vm, d.action, d.reason)
@@ -153,6 +154,18 @@ class Governor:
         self.ticks += 1
         return decisions
 
+    def _emulator_cores(self, cores: list[int]) -> set[int]:
+        """Cores held for the emulator threads of VMs that isolate or pin them."""
+        from fusuma.governor.qos import emulator_cores
+
+        recs = self.db.vms(self.partition)
+        out: set[int] = set()
+        for rec in recs:
+            if rec.emulator != "shared":
+                with contextlib.suppress(FusumaError):
+                    out |= set(emulator_cores(rec, cores, recs))
+        return out
+
     # -- affinity -----------------------------------------------------------------------
     def pin(self) -> int:
         """Hold every thread of the partition's VMs to the plan while a guaranteed VM
@@ -167,8 +180,17 @@ class Governor:
             threads = measure.read_threads(pid)
             vcpus[name] = measure.vcpu_threads(threads)
             others[name] = sorted(set(threads) - set(vcpus[name]))
+        from fusuma.governor.qos import emulator_cores
+
+        recs = {v.name: v for v in self.db.vms(self.partition) if v.name in vcpus}
+        emulator: dict[str, list[int]] = {}
+        for name, rec in recs.items():
+            if rec.emulator != "shared":
+                with contextlib.suppress(FusumaError):
+                    emulator[name] = emulator_cores(rec, cores, recs.values())
         moved = 0
-        for tid, want in affinity_plan(self.controls, vcpus, others, cores).items():
+        for tid, want in affinity_plan(self.controls, vcpus, others, cores,
+                                       emulator).items():
             with contextlib.suppress(OSError):
                 if os.sched_getaffinity(tid) != set(want):
                     os.sched_setaffinity(tid, want)

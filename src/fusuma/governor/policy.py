@@ -24,6 +24,7 @@ back. A VM that needs the caps again soon after doubles its ``relax_after`` (up 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,7 @@ class _Tick:
         self.cores = cores
         self.inputs = {v.name: v for v in inputs}
         self.decisions: list[Decision] = []
+        self.reserved: set[int] = set()
         self.ctl: dict[str, Control] = {}
         for v in inputs:
             old = controls.get(v.name)
@@ -151,7 +153,7 @@ class _Tick:
         """Cores for ``vm``'s vCPUs alone, leaving at least one core for everything
         else; None when the partition has none to spare."""
         need = self.ctl[vm].vcpus
-        free = [c for c in self.cores if c not in self.taken(vm)]
+        free = [c for c in self.cores if c not in self.taken(vm) and c not in self.reserved]
         if len(free) - need < 1:
             return None
         return tuple(free[-need:])
@@ -249,10 +251,13 @@ class _Tick:
 
 
 def decide(inputs: list[VmInput], controls: dict[str, Control], cores: list[int],
-           th: Thresholds, now: float) -> tuple[dict[str, Control], list[Decision]]:
+           th: Thresholds, now: float, reserved: Iterable[int] = ()
+           ) -> tuple[dict[str, Control], list[Decision]]:
     """New controls for ``inputs`` (VMs gone since the last tick are dropped) and the
-    decisions that changed something."""
+    decisions that changed something. ``reserved``: cores held for isolated emulator
+    threads, never handed to a VM's vCPUs as cores of their own."""
     t = _Tick(inputs, controls, cores, th, now)
+    t.reserved = set(reserved)
     t.drop_lost_cores()
     for v in sorted(inputs, key=lambda v: v.name):
         if v.qos != QosClass.GUARANTEED or v.load is None:
@@ -273,8 +278,8 @@ def decide(inputs: list[VmInput], controls: dict[str, Control], cores: list[int]
 
 
 def affinity_plan(controls: dict[str, Control], vcpu_tids: dict[str, list[int]],
-                  other_tids: dict[str, list[int]],
-                  cores: list[int]) -> dict[int, list[int]]:
+                  other_tids: dict[str, list[int]], cores: list[int],
+                  emulator: dict[str, list[int]] | None = None) -> dict[int, list[int]]:
     """Thread id -> cores while some guaranteed VM has cores of its own.
 
     Its vCPU threads get one dedicated core each; every other VM's vCPUs are spread
@@ -298,5 +303,7 @@ def affinity_plan(controls: dict[str, Control], vcpu_tids: dict[str, list[int]],
                 plan[tid] = [shared[offset % len(shared)]]
                 offset += 1
         for tid in other_tids.get(name, []):
-            plan[tid] = sorted(set(shared) | set(own))
+            # A VM's emulator threads pinned apart (emulator = isolated or a core list)
+            # stay there; else the shared cores and its own.
+            plan[tid] = sorted((emulator or {}).get(name) or set(shared) | set(own))
     return plan

@@ -120,3 +120,45 @@ def set_sched_idle(tids: Iterable[int]) -> int:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             done += 1
     return done
+
+
+def vcpu_order(vms: Iterable[VmRecord]) -> list[VmRecord]:
+    """The order in which a partition's VMs get their vCPUs' cores, round-robin: the
+    guaranteed ones first, so that their vCPUs hold the partition's first cores and the
+    cores after them hold none (where ``emulator = "isolated"`` threads go)."""
+    return sorted(vms, key=lambda v: (v.qos != QosClass.GUARANTEED, v.name))
+
+
+def emulator_cores(vm: VmRecord, cores: list[int], vms: Iterable[VmRecord]) -> list[int]:
+    """Where ``vm``'s emulator threads (QEMU's threads but its vCPUs) may run in a
+    partition with ``cores`` and VMs ``vms`` (``vm`` among them or being added)."""
+    from fusuma.host.topology import format_cpulist, parse_cpulist
+
+    if vm.emulator == "shared":
+        return list(cores)
+    if vm.emulator == "isolated":
+        held = guaranteed_vcpus([*[v for v in vms if v.name != vm.name], vm])
+        free = list(cores)[held:]
+        if not free:
+            raise ResourceError(
+                f"VM {vm.name!r} asks for isolated emulator threads, but the "
+                f"{len(cores)} core(s) of partition {vm.partition!r} all hold guaranteed "
+                f"vCPUs ({held}); give the partition a core more, or use emulator = "
+                "\"shared\" or a core list.")
+        return free
+    wanted = parse_cpulist(vm.emulator)
+    outside = [c for c in wanted if c not in cores]
+    if outside:
+        raise ResourceError(
+            f"VM {vm.name!r} pins its emulator threads to core(s) {format_cpulist(outside)}, "
+            f"which partition {vm.partition!r} (cores {format_cpulist(list(cores))}) does not "
+            "have; name cores of its partition, or use shared or isolated.")
+    return wanted
+
+
+def check_emulators(partition: str, cores: list[int], vms: Iterable[VmRecord]) -> None:
+    """Refuse a partition layout (cores, VMs) in which some VM's emulator placement
+    cannot be met."""
+    vms = list(vms)
+    for v in vms:
+        emulator_cores(v.with_(partition=partition), cores, vms)

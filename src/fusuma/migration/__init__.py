@@ -131,6 +131,9 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
         raise ResourceError(f"partition {to!r} has {len(dest.cpus)} core(s), fewer than the "
                             f"{rec.vcpus} vCPUs of {vm!r}.")
     check_admission(to, len(dest.cpus), db.vms(to), rec)
+    from fusuma.governor.qos import check_emulators
+
+    check_emulators(to, dest.cpus, [*db.vms(to), rec.with_(partition=to)])
     for name in (rec.partition, to):
         if parts.supervisor_pid(name) is None:
             raise StateError(f"the supervisor of partition {name!r} is not running; start "

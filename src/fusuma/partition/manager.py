@@ -249,6 +249,9 @@ class PartitionManager:
         self.check_cpus(name, new_cpus)
         self.check_memory(name, new_mem)
         check_cores(name, len(new_cpus), self.db.vms(name))
+        from fusuma.governor.qos import check_emulators
+
+        check_emulators(name, sorted(new_cpus), self.db.vms(name))
         new = PartitionRecord(**{**rec.__dict__, "cpus": sorted(new_cpus),
                                  "memory_mib": new_mem})
         from fusuma import recovery  # imports this module

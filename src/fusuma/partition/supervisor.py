@@ -36,6 +36,7 @@ from fusuma.errors import (
     SupervisorError,
 )
 from fusuma.governor.loop import Governor
+from fusuma.governor.qos import emulator_cores, vcpu_order
 from fusuma.host import cgroups
 from fusuma.host.accel import probe_accel
 from fusuma.images import find_image
@@ -614,12 +615,24 @@ class Supervisor:
         return await self._repin_all()
 
     async def _repin_all(self) -> dict[str, list[int]]:
-        """Spread the vCPUs of all running VMs round-robin over the partition's cores."""
+        """Spread the vCPUs of all running VMs round-robin over the partition's cores,
+        the guaranteed VMs' first; each VM's other threads go where its ``emulator``
+        setting says (fusuma.governor.qos.emulator_cores)."""
         out: dict[str, list[int]] = {}
         offset = 0
-        for name in sorted(self.vms):
-            rt = self.vms[name]
-            out[name] = await self._repin(rt, offset)
+        cores = self.db.partition(self.partition).cpus
+        recs = [v for v in self.db.vms(self.partition) if v.name in self.vms]
+        for rec in vcpu_order(recs):
+            rt = self.vms[rec.name]
+            try:
+                others = emulator_cores(rec, cores, recs)
+            except FusumaError as exc:
+                self.log.warning("%s; its emulator threads share the partition's cores", exc)
+                others = cores
+            out[rec.name] = await self._repin(rt, offset, others)
+            offset += len(out[rec.name])
+        for name in sorted(set(self.vms) - {r.name for r in recs}):
+            out[name] = await self._repin(self.vms[name], offset)
             offset += len(out[name])
         self.governor.pin()   # cores a guaranteed VM has to itself stay its own
         return out
@@ -951,7 +964,8 @@ class Supervisor:
             child.kill()
         child.wait(timeout=10)
 
-    async def _repin(self, rt: VmRuntime, offset: int = 0) -> list[int]:
+    async def _repin(self, rt: VmRuntime, offset: int = 0,
+                     others: list[int] | None = None) -> list[int]:
         cpus = self.db.partition(self.partition).cpus
         try:
             vcpus = await rt.qmp.query_cpus_fast()
@@ -959,7 +973,7 @@ class Supervisor:
             self.log.warning("cannot query vCPUs of %s: %s", rt.name, exc)
             return []
         tids = [v.thread_id for v in sorted(vcpus, key=lambda v: v.index)]
-        given = process.pin(rt.pid, tids, cpus, offset)
+        given = process.pin(rt.pid, tids, cpus, offset, others)
         return [given[t][0] for t in tids if t in given]
 
     def _watch(self, rt: VmRuntime) -> None:

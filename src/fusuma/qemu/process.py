@@ -42,8 +42,9 @@ def threads(pid: int) -> list[int]:
 
 
 def pin(pid: int, vcpu_tids: list[int], cpus: list[int],
-        offset: int = 0) -> dict[int, list[int]]:
-    """Pin vCPU i to cpus[(offset + i) % n] and every other thread to all of ``cpus``.
+        offset: int = 0, others: list[int] | None = None) -> dict[int, list[int]]:
+    """Pin vCPU i to cpus[(offset + i) % n] and every other thread (the emulator
+    threads) to ``others`` (default: all of ``cpus``).
 
     ``offset`` spreads the vCPUs of several VMs in one partition over its cores.
 
@@ -56,8 +57,8 @@ def pin(pid: int, vcpu_tids: list[int], cpus: list[int],
         if tid in vset:
             continue
         with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(tid, cpus)
-            given[tid] = list(cpus)
+            os.sched_setaffinity(tid, others or cpus)
+            given[tid] = list(others or cpus)
     for i, tid in enumerate(vcpu_tids):
         target = [cpus[(offset + i) % len(cpus)]]
         with contextlib.suppress(ProcessLookupError):

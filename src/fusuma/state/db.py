@@ -104,6 +104,7 @@ ADDED_COLUMNS = (
     ("vms", "ports", "TEXT NOT NULL DEFAULT '[]'"),
     ("vms", "overhead_mib", "INTEGER"),
     ("partitions", "smt", "TEXT NOT NULL DEFAULT 'cores'"),
+    ("vms", "emulator", "TEXT NOT NULL DEFAULT 'shared'"),
     ("vms", "machine", "TEXT"),
     ("vms", "devices", "TEXT"),
     ("vms", "qemu_version", "TEXT"),
@@ -166,6 +167,9 @@ class VmRecord:
     qemu_version: str | None = None  # of the QEMU running it ("10.0.2")
     # SQLite rowid: unique among defined VMs, the basis of the VM's own QEMU uid
     # (fusuma.qemu.privilege). 0 until the record has been stored.
+    # Where QEMU's threads other than the vCPUs run: "shared" (the partition's cores),
+    # "isolated" (cores of the partition that hold no guaranteed vCPU) or a core list.
+    emulator: str = "shared"
     slot: int = field(default=0, compare=False)
 
     def with_(self, **changes: object) -> VmRecord:
@@ -334,7 +338,7 @@ class Database:
             segments=json.loads(row["segments"]), mergeable=bool(row["mergeable"]),
             ports=json.loads(row["ports"]), overhead_mib=row["overhead_mib"],
             machine=row["machine"], devices=row["devices"],
-            qemu_version=row["qemu_version"],
+            qemu_version=row["qemu_version"], emulator=row["emulator"],
             slot=row["rowid"])
 
     def vms(self, partition: str | None = None) -> list[VmRecord]:
@@ -361,12 +365,13 @@ class Database:
                 "INSERT INTO vms (name, partition, vcpus, memory_mib, image, disks, accel, "
                 "autostart, state, pid, accel_used, qemu_binary, started_at, error, "
                 "created_at, shared_ram, ram_path, qos, segments, mergeable, ports, "
-                "overhead_mib, machine) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "overhead_mib, machine, emulator) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (v.name, v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks),
                  v.accel, int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
                  v.started_at, v.error, v.created_at, int(v.shared_ram), v.ram_path, v.qos,
                  json.dumps(v.segments), int(v.mergeable), json.dumps(v.ports),
-                 v.overhead_mib, v.machine))
+                 v.overhead_mib, v.machine, v.emulator))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a VM named {v.name!r} already exists.") from exc
         self.emit("lifecycle", "vm-created", f"/1.0/vms/{v.name}", partition=v.partition)
@@ -376,7 +381,7 @@ class Database:
     VM_FIELDS = frozenset({"partition", "vcpus", "memory_mib", "disks", "pid", "accel_used",
                            "qemu_binary", "started_at", "error", "ram_path", "qos",
                            "segments", "ports", "overhead_mib", "machine", "devices",
-                           "qemu_version"})
+                           "qemu_version", "emulator"})
 
     @staticmethod
     def _column_value(value: object) -> object:

@@ -74,10 +74,11 @@ class VmManager:
                        segments=list(spec.segments), mergeable=spec.mergeable,
                        ports=list(spec.ports),
                        overhead_mib=capacity.definition_overhead(spec.accel),
-                       machine=machine)
-        from fusuma.governor.qos import check_admission
+                       machine=machine, emulator=spec.emulator)
+        from fusuma.governor.qos import check_admission, check_emulators
 
         check_admission(part.name, len(part.cpus), self.db.vms(part.name), rec)
+        check_emulators(part.name, part.cpus, [*self.db.vms(part.name), rec])
         capacity.check_partition_room(self.db, part.name, [rec], "create",
                                       limit=part.memory_mib)
         capacity.check_host_ram(self.db, self.parts.host, [rec], f"VM {rec.name!r}",
@@ -221,6 +222,11 @@ class VmManager:
         vm = self._stopped(name, "change its QoS class")
         part = self.db.partition(vm.partition)
         check_admission(part.name, len(part.cpus), self.db.vms(part.name), vm.with_(qos=qos))
+        from fusuma.governor.qos import check_emulators
+
+        check_emulators(part.name, part.cpus,
+                        [v for v in self.db.vms(part.name) if v.name != name] + [
+                            vm.with_(qos=qos)])
         self.db.set_vm(name, expect=vm.state, qos=qos)
         return self.db.vm(name)
 
