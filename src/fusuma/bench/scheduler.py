@@ -138,6 +138,7 @@ class Config:
     test_s: float
     progress_s: float = PROGRESS_S
     runs: int = 1           # workload runs per point; the rates are their medians
+    target_emulator: str = "shared"   # the target's emulator threads (VmSpec.emulator)
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,7 @@ class Bench:
         self.probe_m = 0
         self.cpu_test = ""
         self.solo: Score | None = None
+        self.skipped: dict[str, str] = {}    # policy -> why its layout could not run
         # Every run of the target alone on the shared 2-core layout (the solo run and
         # the 0-dummy runs of default, nice and governor): their mean is the baseline,
         # so one unlucky solo run does not shift every index.
@@ -307,15 +309,21 @@ class Bench:
         finally:
             self.teardown()
         for policy in self.cfg.policies:
-            self.one_policy(policy)
+            try:
+                self.one_policy(policy)
+            except ResourceError as exc:
+                if self.cfg.target_emulator == "shared":
+                    raise
+                self.skipped[policy] = str(exc)
+                self.say(f"policy {policy} skipped: {exc}")
         return self.result(time.monotonic() - started)
 
     def one_policy(self, policy: str) -> None:
         lay = layout(policy, self.cores, max(self.cfg.dummies), self.accel)
         self.say(f"policy {policy}: partitions "
                  + ", ".join(f"{p.name} (cores {p.cpus})" for p in lay.partitions))
-        self.setup(lay, policy)
         try:
+            self.setup(lay, policy)
             counts = sorted(set(self.cfg.dummies))
             if 0 in counts:
                 score = self.measure_target()
@@ -347,7 +355,8 @@ class Bench:
         for p in lay.partitions:
             self.parts.create(p)
         self.vms.create(VmSpec(name=TARGET, partition=lay.target_partition,
-                               memory_mib=TARGET_MIB, qos=lay.target_qos))
+                               memory_mib=TARGET_MIB, qos=lay.target_qos,
+                               emulator=self.cfg.target_emulator))
         self.vms.start(TARGET, wait_agent=BOOT_TIMEOUT_S)
         if lay.nice:
             self.renice()
@@ -600,6 +609,8 @@ class Bench:
         return {"meta": meta(self.accel, benchmark="scheduler", dummies=c.dummies,
                              policies=c.policies, loads=c.loads, test_s=c.test_s,
                              progress_s=c.progress_s, runs=c.runs, tests=list(TESTS),
+                             target_emulator=c.target_emulator,
+                             skipped_policies=self.skipped,
                              pipe_test="ping-pong round trips over two FIFOs",
                              cores=self.cores,
                              target_mib=TARGET_MIB, dummy_mib=DUMMY_MIB, nice=NICE,

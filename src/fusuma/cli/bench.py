@@ -341,6 +341,10 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
                    "[default: 3; with --quick 1].")
 @click.option("--quick", is_flag=True, help="Fewer counts, loads and policies (a few "
               "minutes).")
+@click.option("--target-emulator", default="shared", show_default=True, metavar="WHERE",
+              help="The target VM's emulator threads: shared, isolated (a core of its "
+                   "partition with no guaranteed vCPU; policies whose layout has none are "
+                   "skipped, saying why) or a core list.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
               help="Write the result file here (default: print it, or DIR/scheduler.json "
                    "with --report).")
@@ -350,7 +354,8 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
 @pass_ctx
 def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str | None,
                   test_seconds: float | None, runs: int | None, quick: bool,
-                  json_file: Path | None, report_dir: Path | None) -> None:
+                  target_emulator: str, json_file: Path | None,
+                  report_dir: Path | None) -> None:
     """The KVM scheduler study's dummy-VM experiment: a target VM's benchmark index
     beside 0..16 idle or CPU-bound dummy VMs, under each policy (default, nice -5, the
     governor, a partition of its own).
@@ -369,7 +374,8 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
             scheduler.QUICK_LOADS if quick else scheduler.LOADS),
         test_s=test_seconds or (scheduler.QUICK_TEST_S if quick else scheduler.TEST_S),
         progress_s=scheduler.QUICK_TEST_S if quick else scheduler.PROGRESS_S,
-        runs=runs or (scheduler.QUICK_RUNS if quick else scheduler.RUNS))
+        runs=runs or (scheduler.QUICK_RUNS if quick else scheduler.RUNS),
+        target_emulator=target_emulator)
     run = scheduler.Bench(c.parts, c.vms, cfg, progress)
     run.check_host()          # a refusal is the only line printed
     c.accel_notice("auto")
