@@ -254,6 +254,7 @@ def test_move_to_a_host_without_the_partition_goes_back(clean: Cluster) -> None:
                  and not v["status"].get("move") and v, 120, "the failed move")
     move = o["status"]["lastMove"]
     assert move["result"] == "failed" and "p7" in move["message"], move
+    assert c.cond(o, "Moved")["reason"] == "MoveFailed"
     assert o["status"]["host"] == "h2" and o["status"]["pid"] == pid
     assert list(c.local_vms("homebody")) == ["h2"]
     assert c.local_vms("homebody")["h2"]["state"] == "running"

@@ -87,6 +87,8 @@ def test_read_only_commands_stay_light(tmp_path: Path, args: tuple[str, ...]) ->
     ("up", "--help"),
     ("serve", "--help"),
     ("token", "list", "--json"),
+    ("agent", "--help"),
+    ("cluster", "install"),
 ])
 def test_no_command_imports_what_it_does_not_use(tmp_path: Path,
                                                  args: tuple[str, ...]) -> None:

@@ -300,9 +300,9 @@ def test_no_core_of_its_own_out_of_the_emulators_cores() -> None:
     controls: dict[str, Control] = {}
     g = VmInput("g", G, 1, busy(40.0))
     for now in (1.0, 2.0):
-        controls, out = decide([g], controls, [0, 1, 2], TH, now, reserved={2})
+        controls, _ = decide([g], controls, [0, 1, 2], TH, now, reserved={2})
     assert controls["g"].dedicated == (1,)            # not core 2, though it is free
     controls = {}
     for now in (1.0, 2.0):
-        controls, out = decide([g], controls, [0, 1], TH, now, reserved={1})
+        controls, _ = decide([g], controls, [0, 1], TH, now, reserved={1})
     assert controls["g"].dedicated == ()              # only core 0 would be left

@@ -33,7 +33,17 @@ from fusuma.cluster import (
 )
 from fusuma.cluster.events import Recorder
 from fusuma.cluster.informer import Informer
-from fusuma.cluster.kube import HOST, LEASE, PARTITION, VM, Kind, Kube, KubeConfig, Obj
+from fusuma.cluster.kube import (
+    HOST,
+    LEASE,
+    PARTITION,
+    SEGMENT,
+    VM,
+    Kind,
+    Kube,
+    KubeConfig,
+    Obj,
+)
 from fusuma.cluster.lease import Election, Observer, host_lease_name, renew_heartbeat
 from fusuma.cluster.owners import Owners
 from fusuma.cluster.resources import VmView, key, now_iso, set_condition
@@ -72,18 +82,24 @@ class Agent:
         self.parts_informer = Informer(self.kube, PARTITION, on_change=wake)
         self.vms_informer = Informer(self.kube, VM, cfg.namespace, on_change=wake)
         self.leases_informer = Informer(self.kube, LEASE, SYSTEM_NAMESPACE)
+        self.segs_informer = Informer(self.kube, SEGMENT, on_change=wake)
         self.informers = [self.hosts_informer, self.parts_informer, self.vms_informer,
-                          self.leases_informer]
+                          self.leases_informer, self.segs_informer]
         self._inflight: set[tuple[str, ...]] = set()
         self._dirty: set[tuple[str, ...]] = set()
         self._lock = threading.Lock()
         self._qemu_versions: dict[str, str | None] = {}
         self.pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="reconcile")
         from fusuma.cluster.controller import Placement
-        from fusuma.cluster.reconcile import PartitionReconciler, VmReconciler
+        from fusuma.cluster.reconcile import (
+            PartitionReconciler,
+            SegmentReconciler,
+            VmReconciler,
+        )
 
         self.vm_rec = VmReconciler(self)
         self.part_rec = PartitionReconciler(self)
+        self.seg_rec = SegmentReconciler(self)
         self.placement = Placement(self)
         self.election = Election(self.kube, cfg.host, cfg.lease_seconds)
         self.lease_observer = Observer()
@@ -169,6 +185,8 @@ class Agent:
         for p in self.parts_informer.items():
             if (p.get("spec") or {}).get("host") == self.host:
                 self.submit(("partition", p["metadata"]["name"]), self._partition)
+        for sg in self.segs_informer.items():
+            self.submit(("segment", sg["metadata"]["name"]), self._segment)
         uids = set()
         for o in self.vms_informer.items():
             v = VmView(o)
@@ -242,6 +260,11 @@ class Agent:
         if obj is not None:
             self.vm_rec.reconcile(obj)
 
+    def _segment(self, k: tuple[str, ...]) -> None:
+        obj = self.segs_informer.get("", k[1])
+        if obj is not None:
+            self.seg_rec.reconcile(obj)
+
     def _partition(self, k: tuple[str, ...]) -> None:
         obj = self.parts_informer.get("", k[1])
         if obj is not None:
@@ -268,8 +291,10 @@ class Agent:
                 continue
             except NotFoundApiError:
                 return
-            inf = self.vms_informer if kind is VM else self.parts_informer
-            inf.put(out)
+            inf = {VM.plural: self.vms_informer, PARTITION.plural: self.parts_informer,
+                   SEGMENT.plural: self.segs_informer}.get(kind.plural)
+            if inf is not None:
+                inf.put(out)
             return
 
     def add_finalizer(self, kind: Kind, obj: Obj) -> None:

@@ -41,7 +41,7 @@ from fusuma.cluster import ConflictApiError, NotFoundApiError
 from fusuma.cluster.events import WARNING
 from fusuma.cluster.kube import VM, Obj
 from fusuma.cluster.owners import Owner
-from fusuma.cluster.resources import MOVING, PLACED, RUNNING, VmView, condition, now_iso
+from fusuma.cluster.resources import MOVING, PLACED, RUNNING, VmView, now_iso, set_condition
 from fusuma.errors import FusumaError, MigrationError
 from fusuma.migration.remote import DEST_JOB, SOURCE_JOB
 from fusuma.state import VmState, vm_obj
@@ -56,6 +56,8 @@ LOG = logging.getLogger(__name__)
 PREPARE_TIMEOUT_S = 60.0
 STREAM_TIMEOUT_S = 600.0
 DECIDE_TIMEOUT_S = 60.0
+# A move that failed is tried again for the same spec after this long.
+MOVE_RETRY_S = 60.0
 # Fields of the source's record the destination's must carry: the guest-visible machine
 # and devices it booted with (the incoming QEMU must match them exactly).
 CARRIED = ("machine", "devices", "accel_used")
@@ -171,9 +173,9 @@ def begin(a: Agent, r: VmReconciler, v: VmView, local: VmRecord) -> None:
         return
     if state != "running":
         return
-    if v.state == "Failed" and time.monotonic() - r.failed_at.get(key, 0) < 30 and \
-            (condition(v.obj, "Ready") or {}).get("reason") == "MoveFailed":
-        return
+    gen, when = r.move_failed.get(key, (-1, 0.0))
+    if gen == v.generation and time.monotonic() - when < MOVE_RETRY_S:
+        return       # this spec's move failed a moment ago: not again at once
     move_id = uuid.uuid4().hex[:12]
     record = {f: getattr(local, f) for f in CARRIED if getattr(local, f, None) is not None}
     with recovery.job(c.parts, vm_obj(v.name), SOURCE_JOB, source=local.partition,
@@ -277,11 +279,14 @@ def _source_back(a: Agent, c: Ctx, v: VmView, move_id: str, partition: str,
     last = {**(cur.move or {}), "result": "failed", "message": msg,
             "finishedAt": now_iso(), "phase": "Failed"}
     last.pop("record", None)
+    conds = set_condition(list(cur.status.get("conditions") or []), "Moved", False,
+                          "MoveFailed", msg, cur.generation)
     new = a.kube.patch_status(VM, v.name, {"move": None, "lastMove": last, "state": state,
-                                           "message": msg}, v.namespace)
+                                           "message": msg, "conditions": conds},
+                              v.namespace)
     a.vms_informer.put(new)
     a.events.emit(v.obj, "MoveFailed", msg, WARNING)
-    a.vm_rec.failed_at[f"{v.namespace}/{v.name}"] = time.monotonic()
+    a.vm_rec.move_failed[f"{v.namespace}/{v.name}"] = (cur.generation, time.monotonic())
 
 
 # -- after a restart, or the destination's half -------------------------------------------

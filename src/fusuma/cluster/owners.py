@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Section = Literal["vms", "partitions"]
+Section = Literal["vms", "partitions", "segments"]
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,9 @@ class Owners:
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
-            return {"vms": {}, "partitions": {}}
-        data.setdefault("vms", {})
-        data.setdefault("partitions", {})
+            return {"vms": {}, "partitions": {}, "segments": {}}
+        for section in ("vms", "partitions", "segments"):
+            data.setdefault(section, {})
         return dict(data)
 
     def _write(self, data: dict[str, dict[str, dict[str, str]]]) -> None:

@@ -97,6 +97,8 @@ class VmReconciler:
         self.a = agent
         self.failed_at: dict[str, float] = {}
         self.create_failed_at: dict[str, float] = {}
+        # A between-host move that failed: (the spec generation, when).
+        self.move_failed: dict[str, tuple[int, float]] = {}
 
     # -- status ---------------------------------------------------------------------
     def write_status(self, v: VmView, fields: dict[str, Any],
@@ -416,3 +418,80 @@ class PartitionReconciler:
                                 "supervisorPid": c.parts.supervisor_pid(name),
                                 "vms": len(c.db.vms(name)), "usedMiB": used},
                           True, "Ready", f"on host {self.a.host}")
+
+
+class SegmentReconciler:
+    """A FusumaSegment on this host: built from the named image's /usr when missing
+    (``fusuma segment create NAME --from-image KIND``), removed with its object when no
+    VM here uses it. Each agent keeps its own entry of ``status.hosts``."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.a = agent
+
+    def _entry(self, obj: Obj, entry: dict[str, Any] | None) -> None:
+        from fusuma.cluster import ConflictApiError
+        from fusuma.cluster.kube import SEGMENT
+
+        name = obj["metadata"]["name"]
+        for _ in range(10):
+            cur = self.a.kube.get(SEGMENT, name)
+            st = cur.setdefault("status", {})
+            hosts = [h for h in st.get("hosts") or [] if h.get("host") != self.a.host]
+            if entry is not None:
+                hosts.append({"host": self.a.host, **entry})
+            if sorted(map(str, hosts)) == sorted(map(str, st.get("hosts") or [])):
+                return
+            st["hosts"] = sorted(hosts, key=lambda h: str(h["host"]))
+            ready = all(h.get("ready") for h in hosts) and bool(hosts)
+            st["conditions"] = set_condition(
+                list(st.get("conditions") or []), "Ready", ready,
+                "Built" if ready else "NotBuilt",
+                "built on every host" if ready else "not built on every host yet")
+            try:
+                self.a.kube.replace(SEGMENT, cur, sub="status")
+                return
+            except ConflictApiError:
+                continue
+
+    def reconcile(self, obj: Obj) -> None:
+        from fusuma.cluster.kube import SEGMENT
+        from fusuma.memshare.segments import SegmentManager
+
+        c = self.a.ctx()
+        spec = obj.get("spec") or {}
+        name = obj["metadata"]["name"]
+        uid = str(obj["metadata"]["uid"])
+        owner = self.a.owners.get("segments", name)
+        mine = owner is not None and owner.uid == uid
+        mgr = SegmentManager(c.paths, c.db)
+        local = c.db.find_segment(name)
+        wanted = not spec.get("hosts") or self.a.host in spec["hosts"]
+        if deleting(obj) or not wanted:
+            if mine and local is not None:
+                try:
+                    mgr.delete(name)
+                except FusumaError as exc:
+                    self._entry(obj, {"ready": True, "message": str(exc)})
+                    return
+            if mine:
+                self.a.owners.remove("segments", name)
+            self._entry(obj, None)
+            if deleting(obj):
+                self.a.remove_finalizer(SEGMENT, obj)
+            return
+        if local is None:
+            self.a.owners.set("segments", name, Owner(uid, "", name))
+            self.a.add_finalizer(SEGMENT, obj)
+            try:
+                local = mgr.create(name, from_image=str(spec.get("fromImage")))
+            except FusumaError as exc:
+                self.a.owners.remove("segments", name)
+                self._entry(obj, {"ready": False, "message": str(exc)})
+                return
+            self.a.events.emit(obj, "Built", f"segment {name} built on host {self.a.host} "
+                               f"({local.size_bytes // 2**20} MiB)")
+        elif not mine:
+            self._entry(obj, {"ready": False, "message": f"host {self.a.host} already has "
+                              f"a segment {name!r} the cluster did not make"})
+            return
+        self._entry(obj, {"ready": True, "sizeMiB": local.size_bytes // 2**20})

@@ -1,0 +1,146 @@
+"""fusuma.cluster without an API server: CRDs, placement, kubeconfig, conditions."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fusuma.cluster import ClusterError
+from fusuma.cluster.crds import crds, manifests, render_yaml
+from fusuma.cluster.kube import VM, KubeConfig
+from fusuma.cluster.owners import Owner, Owners
+from fusuma.cluster.placement import Choice, HostView, choose, load
+from fusuma.cluster.resources import VmView, same_conditions, set_condition
+
+
+def walk(schema: dict[str, Any], path: str = "") -> list[str]:
+    """Properties without a description (kubectl explain would show nothing)."""
+    out = []
+    for name, sub in (schema.get("properties") or {}).items():
+        here = f"{path}.{name}"
+        if name not in ("metadata", "apiVersion", "kind") and not sub.get("description"):
+            out.append(here)
+        out += walk(sub, here)
+        if sub.get("type") == "array":
+            out += walk(sub["items"], here + "[]")
+    return out
+
+
+def test_every_crd_has_status_columns_and_described_fields() -> None:
+    kinds = {c["spec"]["names"]["kind"]: c for c in crds()}
+    assert set(kinds) == {"FusumaHost", "FusumaPartition", "FusumaVM", "FusumaSegment"}
+    for kind, crd in kinds.items():
+        v = crd["spec"]["versions"][0]
+        assert v["subresources"] == {"status": {}}, kind
+        cols = [c["name"] for c in v["additionalPrinterColumns"]]
+        assert "Age" in cols and len(cols) >= 3, kind
+        assert walk(v["schema"]["openAPIV3Schema"]) == [], kind
+        assert crd["spec"]["names"]["categories"] == ["fusuma"]
+    vm = kinds["FusumaVM"]["spec"]
+    assert vm["scope"] == "Namespaced" and kinds["FusumaHost"]["spec"]["scope"] == "Cluster"
+    props = vm["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    # What the agents write must survive structural pruning.
+    move = props["status"]["properties"]["move"]["properties"]
+    for f in ("id", "fromHost", "toHost", "decision", "uri", "resumeTs", "record"):
+        assert f in move, f
+
+
+def test_install_yaml_is_one_document_per_object() -> None:
+    docs = [d for d in yaml.safe_load_all(render_yaml(manifests())) if d]
+    assert docs == manifests()
+    binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
+    assert {"kind": "Group", "apiGroup": "rbac.authorization.k8s.io",
+            "name": "fusuma:agents"} in binding["subjects"]
+
+
+def vm(name: str, mem: int = 128, ns: str = "default", **spec: Any) -> VmView:
+    return VmView({"metadata": {"name": name, "namespace": ns, "uid": name},
+                   "spec": {"memoryMiB": mem, **spec}, "status": {}})
+
+
+def hostview(name: str, avail: int = 4000, parts: int = 2, mem: int = 1024) -> HostView:
+    obj = {"metadata": {"name": name}, "status": {
+        "availableMiB": avail, "accelerator": "tcg",
+        "partitions": [{"name": f"p{i}", "cpus": [i], "memoryMiB": mem}
+                       for i in range(parts)]}}
+    return HostView.from_obj(obj, ready=True)
+
+
+def test_placement_spreads_and_counts_assigned_vms() -> None:
+    hosts = {h: hostview(h) for h in ("a", "b")}
+    placed = [vm("x", host="a", partition="p0"), vm("y", host="a", partition="p1")]
+    load(hosts, placed)
+    got = choose(vm("z"), hosts)
+    assert isinstance(got, Choice) and got.host == "b"
+
+
+def test_placement_refuses_with_the_sums() -> None:
+    hosts = {"a": hostview("a", parts=1, mem=256)}
+    got = choose(vm("big", mem=200, sharedRam=False), hosts)
+    assert isinstance(got, str)
+    assert "no host has room for 'big'" in got and "> 256" in got
+    # Shared RAM counts host-wide, not in the partition.
+    assert isinstance(choose(vm("ok", mem=200), hosts), Choice)
+    assert "a: 4" in str(choose(vm("huge", mem=400000), hosts))
+
+
+def test_placement_skips_lost_unschedulable_and_taken_names() -> None:
+    hosts = {h: hostview(h) for h in ("a", "b", "c")}
+    hosts["c"].schedulable = False
+    got = choose(vm("n"), hosts, exclude={"a"}, taken_names={"b": {"n"}})
+    assert isinstance(got, str)
+    assert "a: lost" in got and "already there" in got and "unschedulable" in got
+
+
+def test_vm_view_prefers_spec_over_placement() -> None:
+    v = VmView({"metadata": {"name": "v", "namespace": "d", "uid": "u", "generation": 3},
+                "spec": {"partition": "p1"},
+                "status": {"placement": {"host": "a", "partition": "p0"}}})
+    assert (v.want_host, v.want_partition, v.running, v.restartable) == ("a", "p1", True,
+                                                                          False)
+    assert v.vm_spec_fields("p1")["memory_mib"] == 256
+
+
+def test_conditions_keep_their_transition_time() -> None:
+    c1 = set_condition([], "Ready", True, "Running", "ok")
+    c1[0]["lastTransitionTime"] = "2020-01-01T00:00:00Z"
+    c2 = set_condition(c1, "Ready", True, "Running", "still ok")
+    assert c2[0]["lastTransitionTime"] == "2020-01-01T00:00:00Z"
+    c3 = set_condition(c2, "Ready", False, "Failed", "no")
+    assert c3[0]["lastTransitionTime"] != "2020-01-01T00:00:00Z"
+    assert same_conditions(c1, [dict(c1[0], lastTransitionTime="x")])
+
+
+def test_kubeconfig_token_and_ca(tmp_path: Path) -> None:
+    from tests.unit.test_cluster_pki import ca_pem
+
+    cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+           "clusters": [{"name": "k", "cluster": {
+               "server": "https://10.0.0.1:6443/",
+               "certificate-authority-data": base64.b64encode(ca_pem()).decode()}}],
+           "users": [{"name": "u", "user": {"token": "abc"}}],
+           "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u",
+                                                   "namespace": "ns1"}}]}
+    p = tmp_path / "kc"
+    p.write_text(json.dumps(cfg))
+    kc = KubeConfig.load(p)
+    assert (kc.server, kc.token, kc.namespace) == ("https://10.0.0.1:6443", "abc", "ns1")
+    assert VM.path("ns1", "v", "status") == \
+        "/apis/fusuma.io/v1alpha1/namespaces/ns1/fusumavms/v/status"
+    cfg["current-context"] = "nope"
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(ClusterError, match="no context named 'nope'"):
+        KubeConfig.load(p)
+
+
+def test_owners_survive_a_new_instance(tmp_path: Path) -> None:
+    o = Owners(tmp_path)
+    o.set("vms", "v", Owner("uid1", "ns", "v"))
+    assert Owners(tmp_path).get("vms", "v") == Owner("uid1", "ns", "v")
+    o.remove("vms", "v")
+    assert Owners(tmp_path).get("vms", "v") is None and o.all("partitions") == {}
