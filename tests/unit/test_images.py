@@ -201,7 +201,7 @@ def test_find_image_returns_the_pointed_image(tmp_path: Path) -> None:
 def test_unknown_kind_is_an_image_error(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match="no guest image kind 'huge'"):
         builder.find_image(tmp_path, kind="huge")
-    with pytest.raises(ImageError, match="use one of debian, minimal"):
+    with pytest.raises(ImageError, match="use one of debian, debian-host, minimal"):
         builder.build_image(tmp_path, kind="huge")
 
 
