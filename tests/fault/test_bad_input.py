@@ -141,16 +141,16 @@ def test_qemu_not_installed(host: Host, tmp_path: Path) -> None:
     assert_one_sentence(err)
     assert "does not exist or is not executable" in err
     assert_nothing(host)
-    # No QEMU on PATH: the supervisor refuses to start the VM and leaves it stopped.
+    # No QEMU on PATH: a VM cannot be defined (its machine type comes from the QEMUs
+    # there are); one sentence says how to install one, and nothing is left.
     empty = tmp_path / "bin"
     empty.mkdir()
     host.env["PATH"] = str(empty)
     host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
-    host.run("vm", "create", "v", "-p", "a")
-    err = host.fail("vm", "start", "v").err
+    err = host.fail("vm", "create", "v", "-p", "a").err
     assert_one_sentence(err)
     assert "is not installed" in err and "apt-get install qemu-system-x86" in err
-    assert host.vm("v")["state"] == "stopped"
+    assert host.ps()["vms"] == []
     leaves = [*Path("/sys/fs/cgroup").glob(f"*/{host.prefix}/a/vm.*"),
               *Path("/sys/fs/cgroup").glob(f"{host.prefix}/a/vm.*")]
     assert host.our_cgroups() and not leaves, leaves
@@ -180,10 +180,20 @@ def test_vm_killed_then_delete_partition_leaves_nothing(host: Host) -> None:
 
 
 def test_vm_memory_beyond_partition(host: Host) -> None:
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "512")
-    err = host.fail("vm", "create", "v", "-p", "a", "--memory", "1024").err
+    # The partition's budget holds its supervisor, not also a VM's QEMU.
+    host.run("partition", "create", "a", "--cpus", "0", "--memory", "150")
+    err = host.fail("vm", "create", "v", "-p", "a", "--memory", "128").err
     assert_one_sentence(err)
     assert "partition resize a --memory" in err
+    assert host.ps()["vms"] == []
+
+
+def test_vm_memory_beyond_host(host: Host) -> None:
+    # Guest RAM is admitted host-wide: more than the host gives is refused with the sum.
+    host.run("partition", "create", "a", "--cpus", "0", "--memory", "512")
+    err = host.fail("vm", "create", "v", "-p", "a", "--memory", "999999").err
+    assert_one_sentence(err)
+    assert "the host would need a 512 + v RAM 999999" in err and "give it less memory" in err
     assert host.ps()["vms"] == []
 
 
