@@ -22,6 +22,12 @@ WRITE = ("dd if=/dev/urandom of=/tmp/blob bs=1M count=32 2>/dev/null && "
 SERVE = ("mkdir -p /tmp/www && echo fusuma-cpr-$(cat /proc/sys/kernel/random/boot_id) "
          "> /tmp/www/index.html && httpd -p 80 -h /tmp/www && cat /tmp/www/index.html")
 PORT = 18631
+DISK_WRITE = ("dd if=/dev/urandom of=/dev/vda bs=1M count=4 2>/dev/null && sync && "
+              "head -c 4194304 /dev/vda | md5sum | cut -d' ' -f1")
+# Read back past the page cache, then write: the new QEMU holds the image read-write.
+DISK_CHECK = ("echo 3 > /proc/sys/vm/drop_caches && head -c 4194304 /dev/vda | md5sum | "
+              "cut -d' ' -f1 && dd if=/dev/zero of=/dev/vda bs=1M count=1 seek=8 "
+              "2>/dev/null && sync && echo written")
 
 
 def need_qemu_10(host: Host) -> None:
@@ -46,9 +52,12 @@ def test_in_place_moves_every_vm_to_a_new_qemu_by_cpr_transfer(host: Host) -> No
     need_qemu_10(host)
     host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024", "--qemu", "10.0")
     host.run("vm", "create", "vm0", "-p", "p0", "--port", f"{PORT}:80", "--start")
-    host.run("vm", "create", "vm1", "-p", "p0", "--start")
+    # vm1 has a disk: its image's data and its write access survive the move.
+    host.run("disk", "add", "d0", str(host.home / "d0.img"), "-p", "p0", "--size-mib", "64")
+    host.run("vm", "create", "vm1", "-p", "p0", "--disk", "d0", "--start")
     for vm in ("vm0", "vm1"):
         host.run("vm", "exec", vm, "--", "/bin/sh", "-c", WRITE)
+    on_disk = host.run("vm", "exec", "vm1", "--", "/bin/sh", "-c", DISK_WRITE).out.strip()
     served = host.run("vm", "exec", "vm0", "--", "/bin/sh", "-c", SERVE).out.strip()
     assert page(PORT) == served
     before = {v["name"]: v for v in host.ps()["vms"]}
@@ -87,6 +96,8 @@ def test_in_place_moves_every_vm_to_a_new_qemu_by_cpr_transfer(host: Host) -> No
     # The guest kept its RAM file (the same inode: handed over, not copied) and its
     # boot: the page it serves names the same boot.
     assert {p.name: p.stat().st_ino for p in host.shm.glob("*.ram")} == rams
+    assert host.run("vm", "exec", "vm1", "--", "/bin/sh", "-c", DISK_CHECK).out.strip() \
+        == f"{on_disk}\nwritten"
     assert page(PORT) == served
     # A second in-place move works from the new QEMUs.
     again = host.run("maintain", "p0", "--in-place", "--json").json()

@@ -144,7 +144,7 @@ def test_files_opened_for_qemu_are_named_by_fd() -> None:
     assert any("logfile=/dev/fdset/1,logappend=on" in c for c in opt(argv, "-chardev"))
     assert opt(argv, "-drive") == [
         "file=/dev/fdset/2,format=raw,if=none,id=disk-fusuma-usr,readonly=on",
-        "file=/dev/fdset/3,format=raw,if=none,id=disk-d0",
+        "file=/dev/fdset/3,format=raw,if=none,id=disk-d0,file.locking=off",
         "file=/dev/fdset/4,format=raw,if=none,id=disk-ro,readonly=on"]
     # The -add-fd options come before any user of their sets.
     assert argv.index("-add-fd") < argv.index("-chardev")

@@ -145,3 +145,15 @@ def test_report_refuses_another_benchmarks_file(tmp_path: Path) -> None:
 
     with pytest.raises(SpecError, match="not a maintain result file"):
         report_maintain.load(other)
+
+
+def test_api_maintain_is_via_or_in_place() -> None:
+    from pydantic import ValidationError
+
+    from fusuma.api.models import Maintain
+
+    assert Maintain(via="p1").in_place is False
+    assert Maintain(in_place=True, qemu="10.0").via is None
+    for bad in ({}, {"via": "p1", "in_place": True}, {"via": "bad name"}):
+        with pytest.raises(ValidationError):
+            Maintain(**bad)

@@ -368,25 +368,40 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     def maintain(name: str, body: m.Maintain) -> JSONResponse:
         c = d.ctx()
         c.db.partition(_name("partition", name))
-        c.db.partition(body.via)
-        if body.via == name:
-            raise StateError("via must name another partition.")
+        via = body.via
+        if via is not None:
+            c.db.partition(via)
+            if via == name:
+                raise StateError("via must name another partition.")
         c.parts.check_qemu(body.qemu)
+        if via is None:
+            # A QEMU without cpr-transfer is refused now, with the sentence naming via.
+            from fusuma.migration import inplace
+
+            inplace.check_partition(name, inplace.partition_qemu(c.parts, name, body.qemu),
+                                    switching=body.qemu is not None)
         _not_busy(c, partition_obj(name))
         vms = [v.name for v in c.db.vms(name)]
 
         def work(op: Operation) -> Any:
             from fusuma.migration.maintain import maintain as do_maintain
+            from fusuma.migration.maintain import maintain_in_place
+
+            def report(s: str) -> None:
+                d.ops.set_progress(op, s)
 
             c = d.ctx()
-            res = do_maintain(c.parts, name, body.via, body.qemu,
-                              progress=lambda s: d.ops.set_progress(op, s))
-            return {"partition": res.partition, "via": res.via, "qemu": res.qemu,
+            res = (do_maintain(c.parts, name, via, body.qemu, progress=report)
+                   if via is not None else
+                   maintain_in_place(c.parts, name, body.qemu, progress=report))
+            return {"partition": res.partition, "via": res.via,
+                    "in_place": via is None, "qemu": res.qemu,
                     "supervisor_pid": res.supervisor_pid,
                     "moves": [mv.as_json() for mv in res.moves]}
-        return d.submit("partition-maintain", f"maintain partition {name} via {body.via}",
-                        {"partitions": [f"/1.0/partitions/{name}",
-                                        f"/1.0/partitions/{body.via}"],
+        how = f"via {via}" if via is not None else "in place"
+        return d.submit("partition-maintain", f"maintain partition {name} {how}",
+                        {"partitions": [f"/1.0/partitions/{p}" for p in
+                                        dict.fromkeys((name, via or name))],
                          "vms": [f"/1.0/vms/{v}" for v in vms]}, work)
 
     # -- disks ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fusuma.spec import DiskSpec, PartitionSpec, VmSpec, _name_field
 
@@ -74,10 +74,24 @@ class VmExec(_Req):
 
 
 class Maintain(_Req):
-    via: str
+    """Either ``via`` (move the VMs out and back) or ``in_place`` (cpr-transfer)."""
+
+    via: str | None = None
+    in_place: bool = False
     qemu: str | None = None
 
-    _check = field_validator("via")(_name_field)
+    @field_validator("via")
+    @classmethod
+    def _via(cls, v: str | None) -> str | None:
+        return None if v is None else _name_field(v)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> Maintain:
+        if (self.via is None) == (not self.in_place):
+            raise ValueError("give either via (move the VMs out and back) or "
+                             "in_place: true (cpr-transfer, QEMU >= 10.0), not both or "
+                             "neither")
+        return self
 
 
 class SegmentCreate(_Req):

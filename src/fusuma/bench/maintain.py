@@ -22,6 +22,7 @@ removed afterwards, also on failure.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from fusuma.bench.meta import meta
 from fusuma.capacity import SUPERVISOR_MIB, vm_overhead
 from fusuma.errors import FusumaError, GuestAgentError, ResourceError
 from fusuma.host.accel import probe_accel
+from fusuma.migration import cpu_seconds
 from fusuma.migration.maintain import MaintainResult, maintain, maintain_in_place
 from fusuma.partition.manager import PartitionManager
 from fusuma.qemu import versions
@@ -50,6 +52,10 @@ BOOT_BATCH = 4           # VMs booted together (TCG boots are CPU-bound)
 EXEC_TIMEOUT_S = 120.0
 MARGIN_MIB = 64
 DEFAULT_VMS = (1, 4, 16)
+# Before each maintain: wait (at most QUIESCE_S) until the guests' QEMUs use less than
+# QUIET_CORES together.
+QUIET_CORES = 0.5
+QUIESCE_S = 30.0
 METHODS = ("zero-copy", "cpr-transfer")
 
 Progress = Callable[[str], None]
@@ -67,6 +73,7 @@ class Case:
     moves: list[dict[str, Any]] = field(default_factory=list)
     data_intact: bool = False
     error: str | None = None
+    busy_cores_before: float | None = None    # the guests' CPU use when it started
 
     def as_json(self) -> dict[str, Any]:
         downs = [float(m["downtime_ms"]) for m in self.moves
@@ -83,7 +90,7 @@ class Case:
                 "bytes_sent_median": _median([float(m["bytes_sent"]) for m in self.moves]),
                 "bytes_sent_total": sum(int(m["bytes_sent"]) for m in self.moves),
                 "vm_downtime_ms": per_vm, "data_intact": self.data_intact,
-                "error": self.error}
+                "busy_cores_before": self.busy_cores_before, "error": self.error}
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -101,6 +108,7 @@ def run(parts: PartitionManager, vms: VmManager, counts: Sequence[int], source: 
     q_from = versions.resolve(parts.paths, source)
     q_to = versions.resolve(parts.paths, target)
     t_start = time.monotonic()
+    load_start = os.getloadavg()[0]
     results: list[dict[str, Any]] = []
     all_moves: list[dict[str, Any]] = []
     for n in counts:
@@ -116,8 +124,11 @@ def run(parts: PartitionManager, vms: VmManager, counts: Sequence[int], source: 
                          target=target, from_version=q_from.version,
                          to_version=q_to.version, in_place=in_place, cores=cores,
                          guest_memory_mib=MEMORY_MIB, blob_mib=BLOB_MIB,
+                         quiet_cores=QUIET_CORES, quiesce_s=QUIESCE_S,
                          methods=[m for m in METHODS if in_place or m != "cpr-transfer"],
-                         duration_s=round(time.monotonic() - t_start, 1)),
+                         duration_s=round(time.monotonic() - t_start, 1),
+                         loadavg_1m_start=round(load_start, 2),
+                         loadavg_1m_end=round(os.getloadavg()[0], 2)),
             "results": results, "moves": all_moves}
 
 
@@ -182,8 +193,30 @@ def _one_count(parts: PartitionManager, vms: VmManager, cores: list[int], n: int
                 LOG.warning("cleanup of partition %s failed: %s", name, exc)
 
 
+def _busy_cores(vms: VmManager, names: list[str], window: float = 0.5) -> float:
+    """CPU the VMs' QEMUs use together over ``window`` seconds, in cores."""
+    pids = [p for p in (vms.db.vm(n).pid for n in names) if p]
+    before = sum(cpu_seconds(p) for p in pids)
+    time.sleep(window)
+    return (sum(cpu_seconds(p) for p in pids) - before) / window
+
+
+def _quiesce(case: Case, vms: VmManager, names: list[str], progress: Progress) -> None:
+    """Wait until the guests are idle again (under TCG a guest on a new QEMU process
+    translates its code anew for a while), so each method starts from the same quiet
+    partition; at most QUIESCE_S."""
+    t0 = time.monotonic()
+    busy = _busy_cores(vms, names)
+    while busy > QUIET_CORES and time.monotonic() - t0 < QUIESCE_S:
+        busy = _busy_cores(vms, names)
+    case.busy_cores_before = round(busy, 3)
+    progress(f"{case.method}: guests use {busy:.2f} core(s) after "
+             f"{time.monotonic() - t0:.1f} s of waiting")
+
+
 def _measure(case: Case, names: list[str], digests: dict[str, str], vms: VmManager,
              progress: Progress, fn: Callable[[], MaintainResult]) -> None:
+    _quiesce(case, vms, names, progress)
     progress(f"{case.method}: maintaining {len(names)} VM(s), QEMU {case.source_qemu} -> "
              f"{case.target_qemu}")
     t0 = time.monotonic()

@@ -221,8 +221,14 @@ def markdown(res: Result, source: Path) -> str:
               "the new one (QEMU event timestamps); it includes fusuma recording the "
               "move's outcome before the new QEMU may run (never two QEMUs running one "
               "guest).",
-              "- Under TCG on two shared cores; other processes on the host (see the load "
-              "in the meta block) lengthen both times.", ""]
+              f"- Each maintain starts once the guests' QEMUs use less than "
+              f"{m.get('quiet_cores')} core together (waiting at most {m.get('quiesce_s')} "
+              "s): under TCG a guest on a new QEMU process translates its code anew for a "
+              "while, which would otherwise be measured as the next method's time.",
+              f"- Under TCG on two cores shared with whatever else runs on the host: load "
+              f"average {m.get('loadavg_1m_start')} at the start, {m.get('loadavg_1m_end')} "
+              "at the end. Both methods wait on the same cores, so compare them with each "
+              "other first.", ""]
     return "\n".join(lines)
 
 

@@ -180,6 +180,8 @@ class CgroupDriver(abc.ABC):
         # Partitions other than the one being changed whose cpuset the kernel reset
         # (a cpuset partition made or undone): their threads need pinning again.
         self.disturbed: set[str] = set()
+        # Files ensure_parent() installed on the host (the systemd driver's unit files).
+        self.installed: list[Path] = []
 
     # -- the hierarchies this driver writes to ------------------------------------------
 

@@ -51,7 +51,6 @@ class CgroupSystemdDriver(CgroupV2Driver):
         # Cpuset partitions need every ancestor up to the root: systemd's slices.
         super().__init__(mount, prefix, exclusive=exclusive, partition="off")
         self.units = units
-        self.installed: list[Path] = []
 
     # -- where things are ----------------------------------------------------------------
     def _slice_dir(self) -> Path:
@@ -109,7 +108,7 @@ class CgroupSystemdDriver(CgroupV2Driver):
             raise CgroupError(f"cgroup {self._label(group)} already exists; delete it before "
                               "creating a partition of that name")
         self.ensure_parent()
-        self.units.set_limits(self.units.supervisor(group), limits)
+        self.units.write_limits(self.units.supervisor(group), limits)
         self.notice(f"fusuma: notice: partition {group!r} holds cores "
                     f"{format_cpulist(limits.cpus)} with a plain cpuset (AllowedCPUs= of "
                     f"{self.units.supervisor(group)}): systemd owns the slices above it, "

@@ -4,10 +4,11 @@ Kernel rules this driver follows:
 
 - A controller reaches a child only when every ancestor lists it in
   ``cgroup.subtree_control``, so fusuma enables ``+cpuset +cpu +memory +io`` from the
-  mount down to each partition (the partition's leaves get them too).
+  mount down to each partition (the partition's leaves get all but cpuset, see below).
 - A cgroup with controllers enabled for its children may hold no process (the
   no-internal-process rule): processes live in the leaves only.
-- Leaves inherit the partition's effective cpuset; nothing is written to them.
+- Leaves share the partition's cpuset (cpuset is not enabled below it); nothing is
+  written to them.
 - ``cpuset.cpus.exclusive`` (kernel 6.7+) reserves CPUs against siblings' exclusive sets;
   it must be a subset of the parent's, so the parent claims all CPUs first. Best effort:
   fusuma refuses overlapping partitions itself before it gets here.
@@ -57,6 +58,10 @@ from fusuma.host.topology import format_cpulist, parse_cpulist
 LOG = logging.getLogger(__name__)
 
 WANTED = ("cpuset", "cpu", "memory", "io")
+# Below a partition: its leaves share its cpuset (no cpuset of their own), because the
+# kernel (6.1) refuses to make a cgroup a cpuset partition while processes sit in
+# children that have cpusets ("Parent unable to distribute cpu downstream").
+LEAF_WANTED = ("cpu", "memory", "io")
 _REQUIRED = ("cpuset", "memory")
 PARTITION_FILE = "cpuset.cpus.partition"
 # FUSUMA_CPU_PARTITION: auto = cpuset partitions where the kernel and the layout allow,
@@ -104,8 +109,8 @@ class CgroupV2Driver(CgroupDriver):
     def _dir(self, *parts: str) -> Path:
         return self.mount.joinpath(self.prefix, *parts)
 
-    def _enable_controllers(self, path: Path) -> None:
-        """Let ``path``'s children use the wanted controllers it has."""
+    def _enable_controllers(self, path: Path, wanted: tuple[str, ...] = WANTED) -> None:
+        """Let ``path``'s children use the ``wanted`` controllers it has."""
         available = set(self._get(path / "cgroup.controllers").split())
         for ctrl in _REQUIRED:
             if ctrl not in available:
@@ -114,12 +119,12 @@ class CgroupV2Driver(CgroupDriver):
                     f"{path.parent / 'cgroup.subtree_control'} (or in the cgroup delegated "
                     "to fusuma) and try again"
                 )
-        for ctrl in WANTED:
+        for ctrl in wanted:
             if ctrl not in available:
                 self._warn_once(f"controller-{ctrl}", "cgroup %s does not offer the %s "
                                 "controller; its limits are skipped", path, ctrl)
         enabled = {tok.lstrip("+") for tok in self._get(path / "cgroup.subtree_control").split()}
-        missing = [c for c in WANTED if c in available and c not in enabled]
+        missing = [c for c in wanted if c in available and c not in enabled]
         if missing:
             self._set(path / "cgroup.subtree_control", " ".join(f"+{c}" for c in missing),
                       f"controllers for the children of {path}")
@@ -190,7 +195,7 @@ class CgroupV2Driver(CgroupDriver):
 
     def _apply_new(self, group: str, limits: Limits) -> None:
         self._write_limits(group, limits)
-        self._enable_controllers(self._dir(group))
+        self._enable_controllers(self._dir(group), LEAF_WANTED)
 
     def update(self, group: str, limits: Limits) -> None:
         self._require(group)
@@ -273,14 +278,14 @@ class CgroupV2Driver(CgroupDriver):
                 return
             except _Refused as exc:
                 why = str(exc)
+                LOG.warning("%s; falling back to plain cpusets", why)
                 self._settle_plain(target, changing)
                 if explicit:
                     raise CgroupError(f"cannot hold cores {format_cpulist(union)} with "
                                       f"cpuset partitions: {why}") from None
         else:
             self._settle_plain(target, changing)
-        if changing is not None and self.partition_mode == "auto" and \
-                (self._dir() / PARTITION_FILE).exists():
+        if changing is not None and self.partition_mode == "auto":
             held = HELD_EXCLUSIVE if self.cores_held_by(changing) == HELD_EXCLUSIVE \
                 else "a plain cpuset (other processes may run there)"
             self.notice(f"fusuma: notice: partition {changing!r} holds its cores with "

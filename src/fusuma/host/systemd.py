@@ -10,11 +10,11 @@ what it delegated (systemd.io/CGROUP_DELEGATION). fusuma installs, once (what
     fusuma-supervisor@.service   one unit per partition: Delegate=yes, KillMode=process
     fusuma-ram@.service          the holder of the guest RAM cgroups, one per prefix
 
-and per instance a runtime drop-in (``/run/systemd/system/UNIT.d/50-fusuma.conf``) with
-the slice, the supervisor's command line, environment and log. A partition's limits
-are the unit's properties (AllowedCPUs=, AllowedMemoryNodes=, MemoryMax=, IOWeight=),
-set with ``systemctl set-property --runtime``: the unit's own cgroup attributes are
-systemd's; only the cgroups below it are fusuma's.
+and per instance runtime drop-ins (``/run/systemd/system/UNIT.d/50-fusuma*.conf``) with
+the slice, the supervisor's command line, environment and log, and the partition's
+limits as the unit's properties (AllowedCPUs=, AllowedMemoryNodes=, MemoryMax=,
+IOWeight=; changed live with ``systemctl set-property --runtime``): the unit's own
+cgroup attributes are systemd's; only the cgroups below it are fusuma's.
 
 Restarting a supervisor's unit never touches its VMs: KillMode=process signals only the
 supervisor, and the VMs' QEMUs live in the unit's sub-cgroups (``vm.NAME``), where the
@@ -58,6 +58,7 @@ RAM_TEMPLATE = "fusuma-ram@.service"
 UNIT_DIR = Path("/etc/systemd/system")
 RUNTIME_UNIT_DIR = Path("/run/systemd/system")
 DROPIN = "50-fusuma.conf"
+LIMITS_DROPIN = "50-fusuma-limits.conf"
 KEEPER = "keeper"
 SETTINGS = ("auto", "1", "0")
 _PREFIX = re.compile(r"^[A-Za-z0-9_]+(-[A-Za-z0-9_]+)*$")
@@ -304,8 +305,8 @@ Before=slices.target
         return "; ".join(parts)
 
     # -- one partition's supervisor -------------------------------------------------------
-    def dropin_path(self, unit: str) -> Path:
-        return self.runtime_dir / f"{unit}.d" / DROPIN
+    def dropin_path(self, unit: str, name: str = DROPIN) -> Path:
+        return self.runtime_dir / f"{unit}.d" / name
 
     def write_supervisor(self, partition: str, env: dict[str, str], log: Path) -> None:
         """The drop-in that makes ``fusuma-supervisor@INSTANCE`` run ``partition``'s
@@ -324,8 +325,8 @@ Before=slices.target
         lines = ["# Written by fusuma.", "[Service]", f"Slice={self.slice}"]
         self._write_dropin(self.ram, "\n".join(lines) + "\n")
 
-    def _write_dropin(self, unit: str, text: str) -> None:
-        path = self.dropin_path(unit)
+    def _write_dropin(self, unit: str, text: str, name: str = DROPIN) -> None:
+        path = self.dropin_path(unit, name)
         try:
             if path.exists() and path.read_text() == text:
                 return
@@ -337,13 +338,27 @@ Before=slices.target
                 from exc
         self.systemctl("daemon-reload", what="reload its units")
 
-    def set_limits(self, unit: str, limits: Limits) -> None:
-        """The partition's limits as the unit's runtime properties (live when it runs)."""
+    @staticmethod
+    def _props(limits: Limits) -> list[str]:
         props = [f"AllowedCPUs={format_cpulist(limits.cpus)}",
                  f"AllowedMemoryNodes={format_cpulist(limits.mems)}",
                  f"MemoryMax={limits.memory_bytes}"]
         if limits.io_weight is not None:
             props.append(f"IOWeight={limits.io_weight}")
+        return props
+
+    def write_limits(self, unit: str, limits: Limits) -> None:
+        """The partition's limits in the unit's drop-in, for its next start. (Not
+        set-property: on a unit that is not running it makes an empty cgroup that
+        nothing removes.)"""
+        text = "\n".join(["# Written by fusuma: the partition's limits.", "[Service]",
+                          *self._props(limits)]) + "\n"
+        self._write_dropin(unit, text, LIMITS_DROPIN)
+
+    def set_limits(self, unit: str, limits: Limits) -> None:
+        """Change the limits of a partition whose cgroup exists, at once."""
+        self.write_limits(unit, limits)
+        props = self._props(limits)
         self.systemctl("set-property", "--runtime", unit, *props,
                        what=f"set the limits of {unit} ({' '.join(props)})")
 
@@ -359,10 +374,11 @@ Before=slices.target
             code, _, err = self.run(["systemctl", *args])
             if code != 0 and "not loaded" not in err:
                 LOG.debug("systemctl %s: %s", " ".join(args), err.strip())
-        path = self.dropin_path(unit)
+        folder = self.dropin_path(unit).parent
         try:
-            path.unlink(missing_ok=True)
-            path.parent.rmdir()
+            for name in (DROPIN, LIMITS_DROPIN):
+                (folder / name).unlink(missing_ok=True)
+            folder.rmdir()
         except OSError:
             pass
         self.run(["systemctl", "daemon-reload"])

@@ -246,7 +246,8 @@ def _migrate(parts: PartitionManager, jh: recovery.JobHandle, vm: str, to: str, 
         else:
             raise MigrationError(f"migration of {vm!r} failed ({exc}); "
                                  f"{outcome.sentence()}.") from exc
-    resume_ts = float(fin["resume_ts"])
+    # An in-place transfer answers once the guest runs again, with that moment.
+    resume_ts = float(out.get("resume_ts") or fin["resume_ts"])
     stop_ts = out.get("stop_ts")
     return MigrationResult(
         vm=vm, source=source, to=to, mode=mode,

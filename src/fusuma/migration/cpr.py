@@ -182,6 +182,28 @@ async def _set_mode(rt: VmRuntime, mode: str) -> str:
     return str(params.get("mode"))
 
 
+async def _migration_end(rt: VmRuntime, listener: Any, timeout: float) -> str:
+    """Wait for the old QEMU's migration to end, from its MIGRATION events (asking it
+    only every second, in case an event was missed); the final status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if rt.exited.is_set():
+            raise MigrationError(f"the old QEMU of {rt.name!r} exited during the "
+                                 "cpr-transfer.")
+        try:
+            ev = await asyncio.wait_for(listener.get(), 1.0)
+            status = str(ev.get("data", {}).get("status"))
+        except TimeoutError:
+            status = (await rt.qmp.query_migrate()).status
+        if status in ("completed", "failed", "cancelled"):
+            return status
+        if time.monotonic() > deadline:
+            with contextlib.suppress(QemuError):
+                await rt.qmp.migrate_cancel()
+            raise MigrationError(f"the cpr-transfer of {rt.name!r} did not finish in "
+                                 f"{timeout:.0f} s and was cancelled.")
+
+
 async def normal_mode(rt: VmRuntime) -> None:
     """Set an old QEMU that runs on (the move went "back") to migration mode normal,
     so that its next move may be an ordinary one; best effort."""
@@ -212,6 +234,7 @@ async def cpr_transfer(sup: Supervisor, vm: str, timeout: float = 600.0,
     new = inc.rt
     main, cpr = new.run_dir / MAIN_SOCKET, Path(str(inc.extra["cpr_socket"]))
     stopped = rt.qmp.listener(EVENT_STOP)
+    migrated = rt.qmp.listener(EVENT_MIGRATION)
     try:
         await rt.qmp.migrate_set_capabilities(CAPABILITIES)
         mode = await _set_mode(rt, MODE)
@@ -244,7 +267,20 @@ async def cpr_transfer(sup: Supervisor, vm: str, timeout: float = 600.0,
             raise
         connected_ts = time.time()
         inc.task = asyncio.ensure_future(ops._resume_when_complete(sup, vm, inc))
-        info = await ops._wait_migration(rt, timeout)
+        # Both QEMUs and this supervisor share the partition's cores: during the
+        # downtime nothing here asks the old QEMU anything (its MIGRATION events say
+        # when it is done), and its results are read once the guest runs again.
+        status = await _migration_end(rt, migrated, timeout)
+        resume_ts = None
+        if status == "completed" and not inc.extra.get("fault_decide_delay") \
+                and inc.done is not None:
+            # Answer once the new QEMU runs the guest (or failed to): the caller's next
+            # write to the state file then never queues behind the decision, which
+            # sits in the guest's downtime.
+            with contextlib.suppress(Exception):
+                ran = await asyncio.wait_for(asyncio.shield(inc.done), 10.0)
+                resume_ts = ran.get("resume_ts")
+        info = await rt.qmp.query_migrate()
         # Evidence that this move was a cpr-transfer, from the old QEMU itself.
         said = str((await rt.qmp.execute("query-migrate-parameters")).get("mode"))
         await normal_mode(rt)    # should it run on ("back"), a normal QEMU again
@@ -254,25 +290,21 @@ async def cpr_transfer(sup: Supervisor, vm: str, timeout: float = 600.0,
         stop_ts = None
         with contextlib.suppress(QemuError):
             stop_ts = event_time(await rt.qmp.wait_event(stopped, 5.0))
-        if not inc.extra.get("fault_decide_delay") and inc.done is not None:
-            # Answer once the new QEMU runs the guest (or failed to): the caller's next
-            # write to the state file then never queues behind the decision, which
-            # sits in the guest's downtime.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(inc.done), 10.0)
     except FusumaError:
         if not rt.exited.is_set():
             await normal_mode(rt)
         raise
     finally:
         rt.qmp.drop_listener(stopped)
+        rt.qmp.drop_listener(migrated)
     # The old QEMU is paused (postmigrate): the leaving side now, as a source is.
     rt.detached = True
     rt.owns_ram = False
     if sup.vms.get(vm) is rt:
         del sup.vms[vm]
-    sup.leaving[vm] = rt
+    if not rt.exited.is_set():
+        sup.leaving[vm] = rt
     return {"t0": t0, "connected_ts": connected_ts, "stop_ts": stop_ts,
             "qemu_total_ms": info.total_ms, "qemu_downtime_ms": info.downtime_ms,
             "bytes_sent": info.transferred, "source_pid": rt.pid, "dest_pid": new.pid,
-            "source_mode": said, "paused": False}
+            "source_mode": said, "paused": False, "resume_ts": resume_ts}

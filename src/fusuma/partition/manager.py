@@ -179,7 +179,7 @@ class PartitionManager:
                               io_weight=spec.io_weight, qemu=spec.qemu, smt=spec.smt)
         with Reverter() as rev:
             self.cg.ensure_parent()
-            for path in getattr(self.cg, "installed", []):
+            for path in self.cg.installed:
                 self.notice(f"fusuma: installed {path}")
             rev.add(self.cg.remove_parent_if_empty, "parent cgroup")
             if self.cg.exists(spec.name):

@@ -326,7 +326,15 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
     for d in cfg.disks:
         ro = ",readonly=on" if d.readonly else ""
         image = fdsets.path(d.fds, f"disk-{d.name}", d.path)
-        argv += ["-drive", f"file={image},format=raw,if=none,id=disk-{d.name}{ro}"]
+        # A read-write image offered as two descriptors (read-only and read-write, two
+        # open file descriptions): QEMU's image locks (OFD locks) stay on the one it
+        # switches away from, which the fdset keeps open, so the switch a migration
+        # makes (inactivate at the source, activate at the destination's `cont`) fails
+        # with 'Failed to get "write" lock' against the QEMU's own other descriptor.
+        # fusuma itself keeps a disk to one VM and one running QEMU (state machine,
+        # move decision), which is what the lock would guard.
+        lock = ",file.locking=off" if len(d.fds) > 1 else ""
+        argv += ["-drive", f"file={image},format=raw,if=none,id=disk-{d.name}{ro}{lock}"]
         backends.append(f"disk-{d.name}")
     missing = [b for dev in ds.devices for b in dev.backends() if b not in backends]
     if ds.serial is not None and ds.serial not in backends:

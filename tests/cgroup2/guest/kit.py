@@ -1,0 +1,122 @@
+"""Helpers for the in-guest cgroup v2 tests: the real CLI, and what the kernel says."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CGROUP = Path("/sys/fs/cgroup")
+FUSUMA = [sys.executable, "-m", "fusuma.cli.main"]
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+@dataclass
+class Fusuma:
+    """The fusuma CLI with one namespace's environment."""
+
+    env: dict[str, str] = field(default_factory=dict)
+
+    def run(self, *args: str, check: bool = True, timeout: float = 600) -> Result:
+        p = subprocess.run([*FUSUMA, *args], env={**os.environ, **self.env},
+                           capture_output=True, text=True, timeout=timeout)
+        res = Result(p.returncode, p.stdout, p.stderr)
+        if check and p.returncode != 0:
+            raise AssertionError(f"fusuma {' '.join(args)} exited {p.returncode}:\n"
+                                 f"{p.stdout}\n{p.stderr}")
+        return res
+
+    def fail(self, *args: str) -> Result:
+        res = self.run(*args, check=False)
+        assert res.code != 0, f"fusuma {' '.join(args)} should have failed:\n{res.out}"
+        return res
+
+    def ps(self) -> dict[str, Any]:
+        data: dict[str, Any] = self.run("ps", "--json").json()
+        return data
+
+    def part(self, name: str) -> dict[str, Any]:
+        return next(p for p in self.ps()["partitions"] if p["name"] == name)
+
+
+def threads_allowed(pid: int) -> dict[str, str]:
+    """Each thread of ``pid``: its name -> Cpus_allowed_list, from /proc."""
+    out: dict[str, str] = {}
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        try:
+            comm = (task / "comm").read_text().strip()
+            status = (task / "status").read_text()
+        except OSError:
+            continue
+        allowed = next(ln.split(":", 1)[1].strip() for ln in status.splitlines()
+                       if ln.startswith("Cpus_allowed_list:"))
+        out[f"{task.name} {comm}"] = allowed
+    return out
+
+
+def cgroup_of(pid: int) -> Path:
+    """The cgroup2 directory ``pid`` is in."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return CGROUP / line[3:].lstrip("/")
+    raise AssertionError(f"pid {pid} has no cgroup2 membership")
+
+
+def read(path: Path) -> str:
+    return path.read_text().strip()
+
+
+def systemctl(*args: str, check: bool = True) -> str:
+    p = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=120)
+    if check and p.returncode != 0:
+        raise AssertionError(f"systemctl {' '.join(args)}: {p.stdout}{p.stderr}")
+    return p.stdout.strip()
+
+
+def show(unit: str, prop: str) -> str:
+    return systemctl("show", unit, f"--property={prop}", "--value")
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Burner:
+    """A CPU-bound process (a shell loop), to give a cgroup something to schedule."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(["/bin/sh", "-c", "while :; do :; done"],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        self.pid = self.proc.pid
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
