@@ -115,7 +115,7 @@ test-cgroup2: image-cgroup2
 	$(VENV)/bin/pytest -q tests/cgroup2 tests/unit/test_cgroups.py \
 	  tests/unit/test_cgroups_partition.py tests/unit/test_systemd.py
 
-test: image kube lint
+test: image kube lint test-cgroup2
 	$(VENV)/bin/pytest -q tests --ignore=tests/cgroup2
 
 bench-boot: image
