@@ -158,6 +158,13 @@ class VmSpec(_Model):
     # cores), "isolated" (a core of the partition that holds no guaranteed vCPU) or an
     # explicit core list of the partition such as "1" (libvirt's <emulatorpin>).
     emulator: str = "shared"
+    # Free page reporting (virtio-balloon free-page-reporting): pages the guest frees
+    # are handed back to the host. None: on wherever guest RAM has a memory cgroup of
+    # its own (cgroup v1 hosts), off where it cannot (see `fusuma vm create --help`).
+    page_reporting: bool | None = None
+    # Start from a template's RAM and device state instead of booting (`fusuma
+    # template`): the clone maps the template's RAM copy-on-write.
+    template: str | None = None
 
     _check_name = field_validator("name")(_name_field)
 

@@ -145,6 +145,9 @@ class VmInfo(_Resp):
     disks: list[str]
     error: str | None
     job: JobInfo | None = None
+    # Guest RAM on the host: {"page_reporting", "resident_mib", "returned_mib"}
+    ram: dict[str, Any] | None = None
+    template: str | None = None     # the template a clone was started from
 
 
 class PartitionInfo(_Resp):

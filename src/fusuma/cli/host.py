@@ -138,23 +138,50 @@ def cores_held_by(c: Ctx, partition: str) -> str | None:
 
 
 def memory_use(c: Ctx, partition: str, vms: list[VmRecord]) -> dict[str, Any]:
-    """What the kernel counts, in MiB: the guest RAM of the partition's VMs (each RAM
-    file's own memory cgroup) and the partition's other use (its cgroup: supervisor,
-    QEMUs, private guest RAM). None where the kernel has no counter."""
+    """What the kernel counts, in MiB: the guest RAM of the partition's VMs (the shmem
+    charged to each RAM file's own memory cgroup) and the partition's other use (its
+    cgroup: supervisor, QEMUs, private guest RAM; on cgroup v1 QEMUs sit in their RAM
+    file's group, and their part of it is counted here). None where the kernel has no
+    counter."""
     from fusuma.errors import FusumaError
     from fusuma.host import cgroups
 
     try:
         cg = cgroups.for_paths(c.paths)
-        other: float | None = round(cg.memory_current(partition) / 2**20, 1)
+        other_b = cg.memory_current(partition)
     except FusumaError:
         return {"guest_ram_mib": None, "other_mib": None}
     ram = 0
     for v in vms:
         if v.ram_path and v.shared_ram:
-            got = cg.ram_charged(Path(v.ram_path).name.removesuffix(".ram"))
-            ram += got or 0
-    return {"guest_ram_mib": round(ram / 2**20, 1), "other_mib": other}
+            stem = Path(v.ram_path).name.removesuffix(".ram")
+            total = cg.ram_charged(stem) or 0
+            shmem = cg.ram_shmem(stem)
+            shmem = total if shmem is None else min(shmem, total)
+            ram += shmem
+            other_b += total - shmem
+    return {"guest_ram_mib": round(ram / 2**20, 1), "other_mib": round(other_b / 2**20, 1)}
+
+
+def ram_use(cg: Any, v: VmRecord) -> dict[str, Any]:
+    """A VM's guest RAM on the host, in MiB: resident (the RAM file's allocated blocks,
+    or QEMU's anonymous memory for private RAM) and, with page reporting, what it handed
+    back since its peak (its RAM group's high-water mark less its usage now)."""
+    from fusuma.memshare import reporting
+
+    out: dict[str, Any] = {"page_reporting": reporting.recorded(v) if v.devices
+                           else bool(v.page_reporting),
+                           "resident_mib": None, "returned_mib": None}
+    if v.state.value not in ("running", "paused", "migrating", "stopping"):
+        return out
+    got = reporting.resident_bytes(v, v.pid)
+    out["resident_mib"] = None if got is None else round(got / 2**20, 1)
+    if out["page_reporting"] and v.ram_path and v.shared_ram and cg is not None:
+        stem = Path(v.ram_path).name.removesuffix(".ram")
+        peak, now = cg.ram_peak(stem), cg.ram_charged(stem)
+        if peak is not None and now is not None:
+            out["returned_mib"] = round(max(0, peak - now) / 2**20, 1)
+    return out
 
 
 def ps_data(c: Ctx, vms_only: bool = False,
@@ -167,9 +194,19 @@ def ps_data(c: Ctx, vms_only: bool = False,
 
     jobs = {j.obj: job_json(j) for j in c.db.jobs()}
     parts = [] if vms_only else partitions_data(c, jobs)
-    vms = views_json(c.db.vms(), c.paths.segments_dir, memory=memory)
+    from fusuma.errors import FusumaError
+    from fusuma.host import cgroups
+
+    records = c.db.vms()
+    vms = views_json(records, c.paths.segments_dir, memory=memory)
+    try:
+        cg: Any = cgroups.for_paths(c.paths)
+    except FusumaError:
+        cg = None
+    by_name = {r.name: r for r in records}
     for v in vms:
         v["job"] = jobs.get(f"vm:{v['name']}")
+        v["ram"] = ram_use(cg, by_name[v["name"]])
     return {"partitions": parts, "vms": vms}
 
 

@@ -69,6 +69,13 @@ def vm() -> None:
                    "workers) run: shared (the partition's cores), isolated (a core of the "
                    "partition that holds no guaranteed vCPU; refused when there is none) "
                    "or a core list of the partition, e.g. 1 (libvirt's emulatorpin).")
+@click.option("--page-reporting/--no-page-reporting", "page_reporting", default=None,
+              help="Free page reporting (a virtio-balloon): memory the guest frees goes "
+                   "back to the host, and the VM still moves zero-copy (holes are punched "
+                   "in its RAM file). Default: on where a QEMU's memory can be charged to "
+                   "its RAM file's own cgroup (cgroup v1) or the RAM is private; off on "
+                   "cgroup v2 for shared RAM, where refaulted pages would be charged to "
+                   "the partition (refused there). See `fusuma vm trim`.")
 @click.option("--start", is_flag=True, help="Start it right away (if that fails, the "
               "VM is not kept).")
 @click.option("--json", "as_json", is_flag=True)
@@ -76,7 +83,8 @@ def vm() -> None:
 def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image: str,
            disks: tuple[str, ...], accel: str, private_ram: bool, qos: str,
            segments: tuple[str, ...], mergeable: bool, ports: tuple[str, ...],
-           machine: str | None, emulator: str, start: bool, as_json: bool) -> None:
+           machine: str | None, emulator: str, page_reporting: bool | None, start: bool,
+           as_json: bool) -> None:
     """Define VM NAME in a partition (and optionally start it).
 
     \b
@@ -93,7 +101,8 @@ def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image
     spec = build(VmSpec, "vm", name=name, partition=partition, vcpus=vcpus,
                  memory_mib=memory_mib, image=image, disks=list(disks), accel=accel,
                  qos=qos, segments=list(segments), mergeable=mergeable, ports=list(ports),
-                 machine=machine, emulator=emulator, **fields)
+                 machine=machine, emulator=emulator, page_reporting=page_reporting,
+                 **fields)
     if start:
         c.accel_notice(accel)     # an accelerator that cannot work: refuse before creating
     c.vms.create(spec)
@@ -229,6 +238,34 @@ def exec_(c: Ctx, name: str, command: tuple[str, ...], timeout: float, use_stdin
     sys.stderr.buffer.write(res.stderr)
     sys.stderr.flush()
     sys.exit(res.exit_code if res.signal is None else 128 + int(res.signal))
+
+
+@vm.command("trim")
+@click.argument("name")
+@click.option("--timeout", type=float, default=60.0, show_default=True,
+              help="Seconds to wait for the guest agent and the command.")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"resident_before_mib", "resident_after_mib", "returned_mib", '
+                   '"seconds"}.')
+@pass_ctx
+def trim(c: Ctx, name: str, timeout: float, as_json: bool) -> None:
+    """Hand the memory running VM NAME does not need back to the host, now.
+
+    Through the guest agent the guest writes back dirty data, drops its clean caches
+    (page cache, dentries, inodes) and compacts its free memory; free page reporting
+    then reports the freed blocks and QEMU punches them out of the guest's RAM file.
+    fusuma waits until the RAM's resident size holds still and prints it before and
+    after. The guest's caches refill as it reads again.
+
+    Needs a VM booted with page reporting (`vm create --page-reporting`, the default on
+    cgroup v1) and a guest kernel with the virtio_balloon driver; refused otherwise."""
+    res = c.vms.trim(name, timeout=timeout)
+    if as_json:
+        emit_json(res)
+        return
+    click.echo(f"vm {name}: RAM resident {res['resident_before_mib']} -> "
+               f"{res['resident_after_mib']} MiB ({res['returned_mib']} MiB handed back in "
+               f"{res['seconds']} s)")
 
 
 @vm.command("console")

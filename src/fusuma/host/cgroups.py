@@ -417,11 +417,27 @@ class CgroupDriver(abc.ABC):
                     raise CgroupError(f"cannot remove cgroup {path}: "
                                       f"{exc.strerror or exc}") from exc
 
-    def attach(self, group: str, leaf: str, pid: int) -> None:
-        """Move process ``pid`` with all its threads into the leaf, in every hierarchy."""
+    @property
+    def separate_memory(self) -> bool:
+        """Whether a process's memory cgroup can differ from its cpu/cpuset cgroup (v1:
+        the memory controller is a hierarchy of its own). Then a QEMU charges its guest
+        RAM, faulted lazily, to the RAM file's group wherever its partition is."""
+        return False
+
+    def attach(self, group: str, leaf: str, pid: int, *, ram_stem: str | None = None
+               ) -> None:
+        """Move process ``pid`` with all its threads into the leaf, in every hierarchy;
+        with ``ram_stem`` (only where :attr:`separate_memory`), its memory hierarchy's
+        membership is the RAM group of that file instead."""
         check_name("leaf", leaf)
         label = self._label(group, leaf)
         dirs = [d / leaf for d in self._group_dirs(group)]
+        if ram_stem is not None:
+            if not self.separate_memory:
+                raise CgroupError("this host's cgroups cannot put a process's memory in a "
+                                  "group apart from its partition")
+            mem = self._memory_root()
+            dirs = [self._ram_dir(ram_stem) if d.is_relative_to(mem) else d for d in dirs]
         missing = [d for d in dirs if not d.is_dir()]
         if missing:
             raise CgroupError(f"cgroup {label} does not exist in {missing[0].parent}; "
@@ -552,6 +568,35 @@ class CgroupDriver(abc.ABC):
             return int(self._read(self._ram_dir(stem) / self._ram_usage_file()))
         except (OSError, ValueError, CgroupError):
             return None
+
+    def ram_peak(self, stem: str) -> int | None:
+        """The most bytes the RAM group of ``stem`` has held (v1
+        memory.max_usage_in_bytes, v2 memory.peak; None when unknown)."""
+        try:
+            return int(self._read(self._ram_dir(stem) / self._ram_peak_file()))
+        except (OSError, ValueError, CgroupError):
+            return None
+
+    def ram_shmem(self, stem: str) -> int | None:
+        """Bytes of shmem (the RAM file's pages) charged to the RAM group of ``stem``;
+        the rest of its usage is the QEMUs' own memory where they sit in it (v1)."""
+        try:
+            stat = parse_flat_keyed(self._read(self._ram_dir(stem) / "memory.stat"))
+        except (OSError, ValueError, CgroupError):
+            return None
+        return stat.get("shmem")
+
+    def reset_ram_peak(self, stem: str) -> None:
+        """Start the RAM group's high-water mark afresh from its usage now (v1; the v2
+        kernel resets memory.peak only per open file): after a move, whose two QEMUs'
+        own memory would otherwise stand in it. Best effort."""
+        if self.version != 1:
+            return
+        with contextlib.suppress(OSError, CgroupError):
+            self._write(self._ram_dir(stem) / "memory.max_usage_in_bytes", "0")
+
+    def _ram_peak_file(self) -> str:
+        return "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
 
     def ram_groups(self) -> list[str]:
         top = self._memory_root() / self.prefix / RAM_GROUP

@@ -71,6 +71,11 @@ class CgroupV1Driver(CgroupDriver):
     def _memory_root(self) -> Path:
         return self.mounts["memory"]
 
+    @property
+    def separate_memory(self) -> bool:
+        mem = self.mounts["memory"]
+        return all(self.mounts.get(c) != mem for c in ("cpu", "cpuset", "blkio"))
+
     def _ram_limit_file(self) -> str:
         return "memory.limit_in_bytes"
 

@@ -374,6 +374,10 @@ async def settle(sup: Supervisor, vm: str) -> dict[str, Any]:
             unbound.append(item)
             sup.log.warning("%s: cannot forward host port %d after migration: %s",
                             vm, host, out.strip())
+    rec = sup.db.vm(vm)
+    if rec.ram_path and rec.shared_ram:
+        # The source QEMU's memory has left the RAM group: its peak starts again here.
+        sup.cg.reset_ram_peak(Path(rec.ram_path).name.removesuffix(".ram"))
     target = rt.run_dir.parent
     for name in SOCKET_FILES:
         with contextlib.suppress(FileNotFoundError):

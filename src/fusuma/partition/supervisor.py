@@ -26,8 +26,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fusuma import capacity
 from fusuma.errors import (
     FusumaError,
+    GuestAgentError,
     HostError,
     NotFoundError,
     QemuError,
@@ -40,6 +42,7 @@ from fusuma.governor.qos import emulator_cores, vcpu_order
 from fusuma.host import cgroups
 from fusuma.host.accel import probe_accel
 from fusuma.images import find_image
+from fusuma.memshare import reporting
 from fusuma.memshare.ksm import enable_merge_any
 from fusuma.migration import cpr
 from fusuma.migration import supervisor_ops as migration_ops
@@ -77,6 +80,12 @@ DEFAULT_QEMU = "qemu-system-x86_64"
 # allocating process itself.
 def ram_group_limit(size_bytes: int) -> int:
     return size_bytes + size_bytes // 256 + 8 * 1024 * 1024
+
+
+def lazy_ram_limit(size_bytes: int, overhead_bytes: int) -> int:
+    """A RAM group that also holds the QEMUs mapping the file (cgroup v1): two of them
+    while a move runs, each within its overhead."""
+    return ram_group_limit(size_bytes) + 2 * overhead_bytes
 # Jobs a supervisor owns and recovers itself (the CLI owns moves, deletes, resizes).
 LOCAL_JOBS = ("start", "stop", "kill")
 
@@ -608,6 +617,52 @@ class Supervisor:
                 "stdout": base64.b64encode(res.stdout).decode(),
                 "stderr": base64.b64encode(res.stderr).decode()}
 
+    async def op_trim(self, vm: str, timeout: float = 60.0) -> dict[str, Any]:
+        """Ask the guest to drop its caches and compact, then wait until the pages it
+        freed have been reported and the RAM's resident size holds still."""
+        rec = self._running(vm)
+        self._no_job(vm)
+        reporting.refuse_without_device(rec)
+        rt = self.vms[vm]
+        try:
+            status = await rt.qmp.execute("x-query-virtio-status",
+                                          {"path": reporting.balloon_path()})
+        except QemuError as exc:
+            raise StateError(f"VM {vm!r}: QEMU cannot say whether its guest took page "
+                             f"reporting ({exc})") from exc
+        if not reporting.negotiated(status):
+            raise reporting.refuse_without_driver(vm)
+        t0 = time.monotonic()
+        before = reporting.resident_bytes(rec, rt.pid)
+        async with self._agent_lock(vm):
+            self._running(vm)
+            async with GuestAgent(vm, rt.run_dir / "qga.sock", self._vm_logger(vm)) as ga:
+                await ga.connect(timeout=timeout)
+                res = await ga.run(reporting.TRIM_ARGV, timeout=timeout)
+        if res.exit_code != 0:
+            raise GuestAgentError(f"VM {vm!r}: dropping the guest's caches failed (exit "
+                                  f"{res.exit_code}): {res.stderr.decode(errors='replace')}")
+        # Reports come 2 s after the guest's free memory crosses its threshold, then in
+        # batches: wait for the resident size to stop falling.
+        last, still_since = reporting.resident_bytes(rec, rt.pid), time.monotonic()
+        deadline = time.monotonic() + reporting.TRIM_TIMEOUT_S
+        await asyncio.sleep(2.0)
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            now = reporting.resident_bytes(rec, rt.pid)
+            if now != last:
+                last, still_since = now, time.monotonic()
+            elif time.monotonic() - still_since >= reporting.SETTLE_S:
+                break
+        after = last
+
+        def mib(b: int | None) -> float | None:
+            return None if b is None else round(b / 2**20, 1)
+        returned = None if before is None or after is None else max(0, before - after)
+        self.log.info("trim %s: %s -> %s MiB", vm, mib(before), mib(after))
+        return {"vm": vm, "resident_before_mib": mib(before), "resident_after_mib": mib(after),
+                "returned_mib": mib(returned), "seconds": round(time.monotonic() - t0, 2)}
+
     async def op_governor_status(self, limit: int = 50) -> dict[str, Any]:
         return self.governor.status(limit)
 
@@ -792,6 +847,7 @@ class Supervisor:
             console_log=vdir / "console.log", pidfile=run / "qemu.pid",
             ram_file=ram_file, disks=disks, incoming=incoming, segments=segments,
             mergeable=vm.mergeable, ports=ports, bind_ports=incoming is None,
+            page_reporting=reporting.wanted(vm, self.cg),
             usr_disk=usr_disk)
 
     async def _start(self, vm: VmRecord) -> None:
@@ -878,11 +934,17 @@ class Supervisor:
         undo.append(lambda: self._delete_leaf(vm.name))
         cg, part, leaf = self.cg, self.partition, vm_leaf(vm.name)
         mergeable = vm.mergeable
+        # Where the memory hierarchy is separate (cgroup v1), QEMU's memory membership is
+        # its RAM file's group: guest RAM is faulted lazily and charged there, wherever
+        # the VM runs, with QEMU's own memory (all QEMUs of the file: a move's two).
+        ram_stem = ram.name.removesuffix(".ram") if ram is not None and \
+            self.cg.separate_memory else None
 
         def into_cgroup() -> None:
-            # Before exec: QEMU's memory is charged to its own leaf from the first page.
-            # Joining the cgroup and KSM merge-any need root: privileges go last.
-            cg.attach(part, leaf, os.getpid())
+            # Before exec: QEMU's memory is charged to its own leaf (or RAM group) from
+            # the first page. Joining the cgroup and KSM merge-any need root: privileges
+            # go last.
+            cg.attach(part, leaf, os.getpid(), ram_stem=ram_stem)
             if mergeable:
                 enable_merge_any()
             privilege.drop_to(uid, groups)
@@ -890,12 +952,15 @@ class Supervisor:
         # A new VM gets a new RAM file; a migration's destination opens the one its
         # caller chose (the source's for zero-copy, a new one made for a copy).
         cfg, files = privilege.open_for_qemu(cfg, uid, new_ram=incoming is None)
-        if ram is not None and incoming is None:
-            try:
+        try:
+            if ram is not None and incoming is None:
                 self.charge_ram(ram, vm.memory_mib)
-            except BaseException:
-                files.close()
-                raise
+            if ram_stem is not None:
+                self.cg.create_ram_group(ram_stem, lazy_ram_limit(
+                    vm.memory_mib * 2**20, capacity.vm_overhead(vm) * 2**20))
+        except BaseException:
+            files.close()
+            raise
         with files, open(self.paths.vm_dir(vm.name) / "qemu.log", "ab") as log:
             try:
                 argv = build_argv(cfg, binary)
@@ -1107,12 +1172,16 @@ class Supervisor:
         self.cg.sweep_ram_groups(self.paths.shm)
 
     def charge_ram(self, ram: Path, memory_mib: int) -> None:
-        """Allocate a new RAM file's pages in a memory cgroup of its own (see
-        fusuma.host.cgroups: guest RAM), before any QEMU maps it."""
+        """Give a new RAM file a memory cgroup of its own (see fusuma.host.cgroups:
+        guest RAM) before any QEMU maps it. Where a QEMU's memory can sit in that group
+        (cgroup v1), its faults charge it lazily; elsewhere its pages are allocated now,
+        from a process in the group."""
         stem = ram.name.removesuffix(".ram")
         size = memory_mib * 1024 * 1024
         t0 = time.monotonic()
         self.cg.create_ram_group(stem, ram_group_limit(size))
+        if self.cg.separate_memory:
+            return
         try:
             self.cg.charge_ram(stem, ram, size)
         except BaseException:

@@ -32,6 +32,26 @@ TCG_TB_MIB = 32
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 
+# Free page reporting: the guest reports free blocks of 2^order pages, and QEMU hands
+# them back to the host (a hole punched in a shared RAM file, MADV_DONTNEED for private
+# RAM). The kernel's default order is pageblock_order (9: 2 MiB blocks); a smaller one
+# returns memory freed in smaller pieces, for more reports. FUSUMA_PAGE_REPORTING_ORDER
+# overrides it.
+PAGE_REPORTING_ORDER = 5
+
+
+def page_reporting_order() -> int:
+    """The guest's page_reporting_order: FUSUMA_PAGE_REPORTING_ORDER, else the default."""
+    try:
+        value = int(os.environ.get("FUSUMA_PAGE_REPORTING_ORDER", PAGE_REPORTING_ORDER))
+    except ValueError:
+        return PAGE_REPORTING_ORDER
+    return value if 0 <= value <= 10 else PAGE_REPORTING_ORDER
+
+
+BALLOON_ID = "balloon0"
+
+
 def tcg_tb_mib() -> int:
     """The TCG translation cache size: FUSUMA_TCG_TB_MIB, else TCG_TB_MIB."""
     try:
@@ -89,6 +109,9 @@ class VmConfig:
     # they are added (hostfwd_add) once the source has gone.
     bind_ports: bool = True
     usr_disk: Path | None = None     # Debian image: its /usr on a read-only virtio-blk
+    # A virtio-balloon with free page reporting: pages the guest frees go back to the
+    # host (a VM booting now; a recorded device set says it for a moving one).
+    page_reporting: bool = False
     # The machine type of a VM booted now (its record pins a versioned one); ignored
     # when ``devices`` is given: a recorded device set names its own.
     machine: str = "q35"
@@ -219,9 +242,18 @@ def device_set(cfg: VmConfig) -> DeviceSet:
         devs.append(Device("virtio-net-pci", (("netdev", NET_ID), ("romfile", ""))))
     devs += [Device("virtio-blk-pci", (("drive", f"disk-{d.name}"), ("serial", d.name)))
              for d in cfg.disks]
+    if cfg.page_reporting:
+        devs.append(Device("virtio-balloon-pci", (("id", BALLOON_ID),
+                                                  ("free-page-reporting", "on"))))
     return DeviceSet(machine=cfg.machine, machine_props=_pairs(MACHINE_OPTS),
                      cpu="host" if cfg.accel == "kvm" else "max", smp=cfg.vcpus,
                      memory=memory_arg(cfg), serial="con0", devices=tuple(devs))
+
+
+def has_page_reporting(ds: DeviceSet) -> bool:
+    """Whether the guest sees a virtio-balloon with free page reporting."""
+    return any(d.driver == "virtio-balloon-pci" and ("free-page-reporting", "on") in d.props
+               for d in ds.devices)
 
 
 class DeviceSetMismatch(ValueError):
@@ -297,6 +329,8 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
         # SWIOTLB bounce buffer (zeroed, so it costs host memory) for devices that
         # cannot reach it; no device DMAs there, so it is not needed.
         segs += " swiotlb=noforce"
+    if has_page_reporting(ds):
+        segs += f" page_reporting.page_reporting_order={page_reporting_order()}"
     argv += ["-kernel", fd_path(cfg.kernel_fd, cfg.kernel),
              "-initrd", fd_path(cfg.initrd_fd, cfg.initrd),
              "-append", f"{cfg.append} fusuma.name={cfg.name}{segs}"]

@@ -56,7 +56,9 @@ CREATE TABLE IF NOT EXISTS vms (
     segments TEXT NOT NULL DEFAULT '[]',
     mergeable INTEGER NOT NULL DEFAULT 0,
     ports TEXT NOT NULL DEFAULT '[]',
-    overhead_mib INTEGER
+    overhead_mib INTEGER,
+    page_reporting INTEGER,
+    template TEXT
 );
 CREATE TABLE IF NOT EXISTS jobs (
     obj TEXT PRIMARY KEY,            -- "vm:NAME" or "partition:NAME"
@@ -108,6 +110,8 @@ ADDED_COLUMNS = (
     ("vms", "machine", "TEXT"),
     ("vms", "devices", "TEXT"),
     ("vms", "qemu_version", "TEXT"),
+    ("vms", "page_reporting", "INTEGER"),
+    ("vms", "template", "TEXT"),
 )
 
 
@@ -170,6 +174,10 @@ class VmRecord:
     # Where QEMU's threads other than the vCPUs run: "shared" (the partition's cores),
     # "isolated" (cores of the partition that hold no guaranteed vCPU) or a core list.
     emulator: str = "shared"
+    # Free page reporting (virtio-balloon): pages the guest frees go back to the host.
+    # None: the host's default (on where guest RAM has a memory cgroup of its own).
+    page_reporting: bool | None = None
+    template: str | None = None      # the template a clone was started from
     slot: int = field(default=0, compare=False)
 
     def with_(self, **changes: object) -> VmRecord:
@@ -339,7 +347,9 @@ class Database:
             ports=json.loads(row["ports"]), overhead_mib=row["overhead_mib"],
             machine=row["machine"], devices=row["devices"],
             qemu_version=row["qemu_version"], emulator=row["emulator"],
-            slot=row["rowid"])
+            page_reporting=(None if row["page_reporting"] is None
+                            else bool(row["page_reporting"])),
+            template=row["template"], slot=row["rowid"])
 
     def vms(self, partition: str | None = None) -> list[VmRecord]:
         if partition is None:
@@ -365,13 +375,14 @@ class Database:
                 "INSERT INTO vms (name, partition, vcpus, memory_mib, image, disks, accel, "
                 "autostart, state, pid, accel_used, qemu_binary, started_at, error, "
                 "created_at, shared_ram, ram_path, qos, segments, mergeable, ports, "
-                "overhead_mib, machine, emulator) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "overhead_mib, machine, emulator, page_reporting, template) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (v.name, v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks),
                  v.accel, int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
                  v.started_at, v.error, v.created_at, int(v.shared_ram), v.ram_path, v.qos,
                  json.dumps(v.segments), int(v.mergeable), json.dumps(v.ports),
-                 v.overhead_mib, v.machine, v.emulator))
+                 v.overhead_mib, v.machine, v.emulator,
+                 None if v.page_reporting is None else int(v.page_reporting), v.template))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a VM named {v.name!r} already exists.") from exc
         self.emit("lifecycle", "vm-created", f"/1.0/vms/{v.name}", partition=v.partition)

@@ -67,6 +67,8 @@ class VmManager:
 
         find_image(self.paths.cache, kind=spec.image)
         machine = self._machine(part.name, part.qemu, spec.machine)
+        from fusuma.memshare import reporting
+
         rec = VmRecord(name=spec.name, partition=spec.partition, vcpus=spec.vcpus,
                        memory_mib=spec.memory_mib, image=spec.image, disks=list(spec.disks),
                        accel=spec.accel, autostart=spec.autostart,
@@ -74,7 +76,11 @@ class VmManager:
                        segments=list(spec.segments), mergeable=spec.mergeable,
                        ports=list(spec.ports),
                        overhead_mib=capacity.definition_overhead(spec.accel),
-                       machine=machine, emulator=spec.emulator)
+                       machine=machine, emulator=spec.emulator,
+                       page_reporting=reporting.resolve(
+                           spec.page_reporting, spec.shared_ram, spec.template,
+                           self.parts.cg),
+                       template=spec.template)
         from fusuma.governor.qos import check_admission, check_emulators
 
         check_admission(part.name, len(part.cpus), self.db.vms(part.name), rec)
@@ -139,6 +145,11 @@ class VmManager:
                          else None, timeout=timeout)
         return ExecOutput(int(res["exit_code"]), base64.b64decode(res["stdout"]),
                           base64.b64decode(res["stderr"]), res.get("signal"))
+
+    def trim(self, name: str, timeout: float = 60.0) -> dict[str, Any]:
+        """Drop the guest's caches and wait for its free pages to be handed back."""
+        res = self._call(name, "trim", rpc_timeout=timeout + 60, timeout=timeout)
+        return dict(res)
 
     def wait_agent(self, name: str, timeout: float = 60.0) -> float:
         return float(self._call(name, "wait-agent", rpc_timeout=timeout + 10,

@@ -61,7 +61,7 @@ class VmView:
                 # The QEMU version running it (None when none does, or when an older
                 # fusuma started it), and the machine type it pinned.
                 "qemu": r.qemu_version if alive else None, "machine": r.machine,
-                "emulator": r.emulator,
+                "emulator": r.emulator, "template": r.template,
                 "host_memory": mem,
                 "disks": r.disks, "error": r.error}
 
