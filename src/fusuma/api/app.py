@@ -613,6 +613,21 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
         return d.submit("vm-exec", f"exec in VM {name}: {' '.join(body.command)[:80]}",
                         {"vms": [f"/1.0/vms/{name}"]}, work)
 
+    @app.post("/1.0/vms/{name}/trim", status_code=202,
+              summary="Drop the guest's caches and hand its free memory back (operation)")
+    def trim_vm(name: str) -> JSONResponse:
+        from fusuma.vm.view import VmView
+
+        c = d.ctx()
+        rec = c.db.vm(_name("VM", name))
+        state = VmView(rec).state
+        if state != "running":
+            raise StateError(f"VM {name!r} is {state}; start it first.")
+
+        def work(op: Operation) -> Any:
+            return d.ctx().vms.trim(name)
+        return d.submit("vm-trim", f"trim VM {name}", {"vms": [f"/1.0/vms/{name}"]}, work)
+
     # -- segments, sharing, governor, images -------------------------------------------
     @app.get("/1.0/segments", response_model=list[m.SegmentInfo])
     def list_segments() -> list[dict[str, Any]]:
@@ -629,7 +644,7 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
         return next(s for s in segments_data(c) if s["name"] == name)
 
     @app.post("/1.0/segments", status_code=202,
-              summary="Build a segment from a directory or an image's /usr (operation)")
+              summary="Build a segment from a directory or an image's root (operation)")
     def create_segment(body: m.SegmentCreate) -> JSONResponse:
         if (body.from_dir is None) == (body.from_image is None):
             raise SpecError("give either from_dir or from_image (one of them).")
