@@ -56,11 +56,11 @@ demo: image
 	@echo "--- zero-copy migration of vm0 to p1 and back (the guest keeps running):"
 	$(FUSUMA) migrate vm0 --to p1
 	$(FUSUMA) migrate vm0 --to p0
-	@echo "--- a Debian VM serving apache2 with its /usr from a shared segment (DAX):"
-	$(FUSUMA) segment list --json | grep -q '"debian-usr"' || \
-	  $(FUSUMA) segment create debian-usr --from-image debian
+	@echo "--- a Debian VM serving apache2 with its root from a shared segment (DAX):"
+	$(FUSUMA) segment list --json | grep -q '"debian-root"' || \
+	  $(FUSUMA) segment create debian-root --from-image debian
 	$(FUSUMA) vm list --json | grep -q '"web0"' || \
-	  $(FUSUMA) vm create web0 -p p0 --image debian --segment debian-usr:/usr --port 8080:80 --start
+	  $(FUSUMA) vm create web0 -p p0 --image debian --segment debian-root:/ --port 8080:80 --start
 	@for i in $$(seq 60); do curl -sf -o /dev/null http://127.0.0.1:8080/ && break; sleep 1; done
 	curl -s http://127.0.0.1:8080/ | grep -o '<title>.*</title>'
 	$(FUSUMA) share report
@@ -75,7 +75,7 @@ demo: image
 	@echo "Two partitions are up, p0 on QEMU 10.0 and p1 on the system's 7.2."
 	@echo "Try: $(FUSUMA) ps, $(FUSUMA) vm console vm0, $(FUSUMA) qemu list,"
 	@echo "$(FUSUMA) partition restart p0, $(FUSUMA) share analyze --vm web0."
-	@echo "Remove everything with: $(FUSUMA) down; $(FUSUMA) segment delete debian-usr"
+	@echo "Remove everything with: $(FUSUMA) down; $(FUSUMA) segment delete debian-root"
 
 # The binaries' names carry the version: built once, reused until K8S_VERSION changes
 # (about 5 minutes on 2 cores; the Go build cache makes a rebuild a link).

@@ -203,6 +203,13 @@ def _down(db: Database, parts: PartitionManager, vms: VmManager,
         progress(f"deleting vm {v.name}")
         vms.delete(v.name, force=True)
         done.append(f"deleted vm {v.name}")
+    if db.templates():
+        from fusuma.memshare.template_manager import TemplateManager
+
+        for t in db.templates():
+            progress(f"deleting template {t.name}")
+            TemplateManager(parts.paths, db, parts).delete(t.name)
+            done.append(f"deleted template {t.name}")
     for d in db.disks():
         parts.remove_disk(d.name, delete_file=d.created_file)
         done.append(f"removed disk {d.name}")

@@ -7,11 +7,13 @@ budgets are checked:
 
 - **the host**: every partition's ``memory_mib`` plus every VM's guest RAM in a shared
   file (``guest_ram``) must fit in what the host gives (``host_need``). A copy move of
-  such a VM holds a second RAM file until it ends, so it needs that much more.
+  such a VM holds a second RAM file until it ends, so it needs that much more. A
+  template's RAM file counts here too, once, whatever its clones (``template_ram``).
 - **partitions**: a partition's ``memory_mib`` is the budget for what runs in it beyond
   guest RAM: its supervisor (SUPERVISOR_MIB) and each VM's QEMU (``partition_share``:
   the QEMU's own memory; a VM with private RAM, for KSM, also counts its RAM there, as
-  its RAM is its QEMU's anonymous memory). A zero-copy move needs room at the
+  its RAM is its QEMU's anonymous memory; so does a clone of a template, whose RAM is a
+  private copy-on-write mapping: at worst it writes every page). A zero-copy move needs room at the
   destination only for the new QEMU's own memory. A VM's footprint is fixed when it is
   defined (``VmRecord.overhead_mib``), so a check never changes its mind because the
   host's settings changed since.
@@ -157,16 +159,23 @@ def host_need(partitions: Iterable[tuple[str, int]],
                  *(Term(f"{v.name} RAM", guest_ram(v)) for v in vms if guest_ram(v))))
 
 
+def template_ram(db: Database) -> tuple[Term, ...]:
+    """Every template's RAM file, admitted host-wide once (its clones' private copies
+    count in their partitions)."""
+    return tuple(Term(f"template {t.name}", t.memory_mib) for t in db.templates())
+
+
 def host_now(db: Database, *, partitions: Mapping[str, int] | None = None,
              adding: Sequence[VmRecord] = (), extra: Sequence[Term] = ()) -> Need:
-    """The host's need with the defined partitions (sizes overridden by ``partitions``)
-    and VMs (plus ``adding``), and ``extra`` terms (a copy move's second RAM file)."""
+    """The host's need with the defined partitions (sizes overridden by ``partitions``),
+    VMs (plus ``adding``) and templates, and ``extra`` terms (a copy move's second RAM
+    file, a template being made)."""
     sizes = {p.name: p.memory_mib for p in db.partitions()}
     sizes.update(partitions or {})
     skip = {v.name for v in adding}
     vms = [*(v for v in db.vms() if v.name not in skip), *adding]
     need = host_need(sizes.items(), vms)
-    return Need((*need.terms, *extra))
+    return Need((*need.terms, *template_ram(db), *extra))
 
 
 def _host_refusal(what: str, need: Need, host: HostInfo, fix: str) -> ResourceError:
@@ -183,6 +192,15 @@ def check_host_ram(db: Database, host: HostInfo, vms: Sequence[VmRecord], what: 
     if need.total > host.memory_available_for_partitions_mib:
         raise _host_refusal(what, need, host, fix)
     return need
+
+
+def check_template(db: Database, host: HostInfo, name: str, memory_mib: int) -> None:
+    """Refuse a new template unless the host holds its RAM file beside the rest (the VM
+    it is made from keeps its own admission: it may boot again)."""
+    need = host_now(db, extra=[Term(f"template {name}", memory_mib)])
+    if need.total > host.memory_available_for_partitions_mib:
+        raise _host_refusal(f"template {name!r} keeps {memory_mib} MiB of guest RAM", need,
+                            host, "delete a VM or a template, or shrink a partition")
 
 
 # -- partition checks ---------------------------------------------------------------------

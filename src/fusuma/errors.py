@@ -16,7 +16,8 @@ fix it; the CLI prints ``str(exc)`` and exits non-zero.
      │    └── GuestAgentError  the guest agent did not answer or a command failed
      ├── SupervisorError    a partition supervisor is down or answered with an error
      ├── MigrationError     a migration failed (the VM stays where it was)
-     └── SegmentError       a shared segment cannot be built, found or removed
+     ├── SegmentError       a shared segment cannot be built, found or removed
+     └── TemplateError      a template cannot be made, or its files are missing or damaged
 """
 
 from __future__ import annotations
@@ -109,3 +110,9 @@ class SegmentError(FusumaError):
     """A shared segment cannot be built, attached or removed."""
 
     exit_code = 13
+
+
+class TemplateError(FusumaError):
+    """A template cannot be made or used: refused, or its files are missing or damaged."""
+
+    exit_code = 14

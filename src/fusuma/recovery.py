@@ -70,7 +70,7 @@ def ensure_recovered(parts: PartitionManager, obj: str) -> None:
 def recover(parts: PartitionManager, held: Job, wait: float = 60.0) -> None:
     """Take over ``held`` (its owner is dead) and finish or undo it."""
     me = JobOwner.me()
-    if held.kind in ("start", "stop", "kill"):
+    if held.kind in ("start", "stop", "kill", "template"):
         _local(parts, held, wait)
         return
     with host_lock(parts.paths.home):
@@ -96,8 +96,8 @@ def recover(parts: PartitionManager, held: Job, wait: float = 60.0) -> None:
 
 
 def _local(parts: PartitionManager, held: Job, wait: float) -> None:
-    """A start, stop or kill belongs to a supervisor, which finishes it itself (its
-    sweep, or its adoption when it starts): make sure one runs, and wait for it."""
+    """A start, stop, kill or template save belongs to a supervisor, which finishes it
+    itself (its sweep, or its adoption when it starts): make sure one runs, and wait."""
     if held.source and parts.db.find_partition(held.source) is not None \
             and parts.supervisor_pid(held.source) is None:
         with host_lock(parts.paths.home), contextlib.suppress(StateError):

@@ -22,7 +22,7 @@ A spec is a TOML file applied with ``fusuma up``::
     memory_mib = 256
     disks = ["d0"]
     # qos = "burstable"   # guaranteed | burstable | best-effort
-    # segments = ["tools", "debian-usr:/usr"]   # NAME[:MOUNTPOINT], default /mnt/NAME
+    # segments = ["tools", "debian-root:/"]   # NAME[:MOUNTPOINT], default /mnt/NAME
     # mergeable = false   # private RAM for KSM (copy migration only; see `share ksm`)
     # ports = ["8080:80"] # host 127.0.0.1:8080 -> guest tcp port 80 (user networking)
     # machine = "pc-q35-7.2"  # pinned machine type (default: the oldest QEMU's q35)

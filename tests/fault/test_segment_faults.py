@@ -29,10 +29,10 @@ def test_segment_from_a_missing_directory(host: Host, tmp_path: Path) -> None:
     assert host.run("segment", "list", "--json").json() == []
 
 
-def test_segment_from_an_image_without_usr(host: Host) -> None:
+def test_segment_from_an_image_without_a_root_image(host: Host) -> None:
     res = host.fail("segment", "create", "s", "--from-image", "minimal")
     assert_one_sentence(res.err)
-    assert "has no separate /usr" in res.err
+    assert "has no root filesystem image" in res.err
     assert segment_files(host) == []
 
 

@@ -259,6 +259,7 @@ def test_a_vm_started_before_machine_types_were_pinned_keeps_what_it_runs(
     import sqlite3
 
     install_10(host)
+    host.env["FUSUMA_VMGENID"] = "0"   # that fusuma gave guests no vmgenid device
     host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
     host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024",
              "--qemu", "10.0")

@@ -112,22 +112,49 @@ def _http(port: int, timeout: float = 120) -> str:
             time.sleep(1)
 
 
-def test_debian_guest_serves_apache2_with_usr_from_a_segment(host: Host) -> None:
-    host.run("segment", "create", "usr", "--from-image", "debian")
+def mounts(host: Host, vm: str) -> dict[str, list[str]]:
+    """The guest's /proc/mounts by mount point: [device, type, options]."""
+    out = {}
+    for line in sh(host, vm, "cat /proc/mounts").splitlines():
+        dev, point, fstype, opts = line.split()[:4]
+        out[point] = [dev, fstype, opts]
+    return out
+
+
+def test_debian_guest_serves_apache2_with_its_root_from_a_segment(
+        host: Host, tmp_path: Path) -> None:
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "hello").write_text("hello\n")
+    host.run("segment", "create", "root", "--from-image", "debian")
+    host.run("segment", "create", "tools", "--from", str(tmp_path / "tools"))
     host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1536")
     host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
-    host.run("vm", "create", "web", "-p", "p0", "--image", "debian", "--segment", "usr:/usr",
-             "--port", "18711:80", "--start")
+    host.run("vm", "create", "web", "-p", "p0", "--image", "debian", "--segment", "root:/",
+             "--segment", "tools", "--port", "18711:80", "--start")
     host.run("vm", "create", "plain", "-p", "p0", "--image", "debian", "--port",
              "18712:80", "--start")
     assert "Apache2 Debian Default Page" in _http(18711)
     assert "Apache2 Debian Default Page" in _http(18712)
-    assert "dax=always" in sh(host, "web", "grep ' /usr ' /proc/mounts")
-    # Without a segment, /usr is the image's erofs on a read-only virtio-blk disk.
-    plain = sh(host, "plain", "grep ' /usr ' /proc/mounts")
-    assert plain.startswith("/dev/vd") and "erofs" in plain and "dax" not in plain
-    # /etc is private to each VM and writable.
+    # / is an overlay: Debian's root read-only from the segment (erofs, DAX) below, a
+    # small tmpfs above.
+    web = mounts(host, "web")
+    assert web["/"][1] == "overlay" and "lowerdir=/run/fusuma/lower" in web["/"][2]
+    assert web["/run/fusuma/lower"][:2] == ["/dev/pmem0", "erofs"]
+    assert "dax=always" in web["/run/fusuma/lower"][2]
+    assert web["/run/fusuma/rw"][1] == "tmpfs" and "size=65536k" in web["/run/fusuma/rw"][2]
+    # Another segment is still mounted after the switch to that root.
+    assert web["/mnt/tools"][1] == "erofs" and "dax=always" in web["/mnt/tools"][2]
+    assert sh(host, "web", "cat /mnt/tools/hello") == "hello\n"
+    # Without a segment, the root is the image's erofs on a read-only virtio-blk disk.
+    plain = mounts(host, "plain")
+    assert plain["/"][1] == "overlay"
+    lower = plain["/run/fusuma/lower"]
+    assert lower[0].startswith("/dev/vd") and lower[1] == "erofs" and "dax" not in lower[2]
+    for vm in ("web", "plain"):
+        sh(host, vm, "test -x /usr/local/bin/probe")
+    # /etc is writable and private to each VM.
     sh(host, "web", "echo web > /etc/fusuma-test")
+    assert sh(host, "web", "cat /etc/fusuma-test") == "web\n"
     assert sh(host, "plain", "cat /etc/fusuma-test 2>/dev/null || echo absent").strip() \
         == "absent"
 
@@ -136,6 +163,7 @@ def test_debian_guest_serves_apache2_with_usr_from_a_segment(host: Host) -> None
     mig = host.run("migrate", "web", "--to", "p1", "--json").json()
     assert mig["mode"] == "zero-copy" and host.vm("web")["partition"] == "p1"
     assert "Apache2 Debian Default Page" in _http(18711, timeout=30)
+    assert sh(host, "web", "cat /etc/fusuma-test") == "web\n"   # in the guest's RAM
 
     ana: dict[str, Any] = host.run("share", "analyze", "--vm", "web", "--json").json()
     assert set(ana) == {"pid", "comm", "by_mode", "total_rss_kib", "shareable_fraction"}
@@ -146,7 +174,31 @@ def test_debian_guest_serves_apache2_with_usr_from_a_segment(host: Host) -> None
 
     host.run("vm", "delete", "web", "--force")
     host.run("vm", "delete", "plain", "--force")
-    host.run("segment", "delete", "usr")
+    host.run("segment", "delete", "root")
+    host.run("segment", "delete", "tools")
+
+
+def test_debian_guest_whose_root_cannot_be_mounted_says_so_and_stops(
+        host: Host, tmp_path: Path) -> None:
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "f").write_text("x")
+    seg = host.run("segment", "create", "bad", "--from", str(tmp_path / "t"),
+                   "--json").json()
+    # Not an erofs image any more (the file keeps its size and owner).
+    Path(seg["path"]).write_bytes(b"\0" * Path(seg["path"]).stat().st_size)
+    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "512")
+    host.run("vm", "create", "v", "-p", "p0", "--image", "debian", "--segment", "bad:/",
+             "--start")
+    deadline = time.monotonic() + 120
+    while host.vm("v")["pid"] is not None:
+        assert time.monotonic() < deadline, "the VM without a root did not stop"
+        time.sleep(1)
+    console = (host.home / "vms" / "v" / "console.log").read_text(errors="replace")
+    assert "fusuma-guest: cannot mount the root filesystem: segment bad is not an erofs " \
+        "image; powering off" in console
+    assert "fusuma-guest: ready" not in console
+    host.run("vm", "delete", "v", "--force")
+    host.run("segment", "delete", "bad")
 
 
 def test_mergeable_vms_merge_with_ksm_and_refuse_zero_copy(host: Host,

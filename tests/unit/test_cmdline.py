@@ -107,11 +107,11 @@ def test_ports_bound_at_start_but_not_on_a_migration_destination() -> None:
     assert "-netdev" not in build_argv(cfg())
 
 
-def test_debian_usr_disk_is_readonly_with_a_known_serial() -> None:
-    argv = build_argv(cfg(usr_disk=Path("/c/usr.erofs")))
+def test_debian_root_disk_is_readonly_with_a_known_serial() -> None:
+    argv = build_argv(cfg(root_disk=Path("/c/root.erofs")))
     assert opt(argv, "-drive") == [
-        "file=/c/usr.erofs,format=raw,if=none,id=disk-fusuma-usr,readonly=on"]
-    assert "virtio-blk-pci,drive=disk-fusuma-usr,serial=fusuma-usr" in opt(argv, "-device")
+        "file=/c/root.erofs,format=raw,if=none,id=disk-fusuma-root,readonly=on"]
+    assert "virtio-blk-pci,drive=disk-fusuma-root,serial=fusuma-root" in opt(argv, "-device")
 
 
 def test_seccomp_sandbox_denies_privileges_spawn_and_resource_control() -> None:
@@ -127,7 +127,7 @@ def test_files_opened_for_qemu_are_named_by_fd() -> None:
             disks=[DiskConfig("d0", Path("/d0.img"), fds=(14, 15)),
                    DiskConfig("ro", Path("/ro.img"), readonly=True, fds=(16,))],
             segments=[SegmentConfig("usr", Path("/h/s.erofs"), 2**21, "/usr", fd=17)],
-            usr_disk=Path("/c/usr.erofs"), usr_disk_fd=18)
+            root_disk=Path("/c/root.erofs"), root_disk_fd=18)
     argv = build_argv(c)
     # Plain open() in QEMU: the inherited fd's magic link.
     objects = opt(argv, "-object")
@@ -138,12 +138,12 @@ def test_files_opened_for_qemu_are_named_by_fd() -> None:
     assert opt(argv, "-initrd") == ["/proc/self/fd/12"]
     # qemu_open(): fdsets, numbered in argv order; a read-write disk offers both modes.
     assert opt(argv, "-add-fd") == ["fd=13,set=1,opaque=console-log",
-                                    "fd=18,set=2,opaque=disk-fusuma-usr",
+                                    "fd=18,set=2,opaque=disk-fusuma-root",
                                     "fd=14,set=3,opaque=disk-d0", "fd=15,set=3,opaque=disk-d0",
                                     "fd=16,set=4,opaque=disk-ro"]
     assert any("logfile=/dev/fdset/1,logappend=on" in c for c in opt(argv, "-chardev"))
     assert opt(argv, "-drive") == [
-        "file=/dev/fdset/2,format=raw,if=none,id=disk-fusuma-usr,readonly=on",
+        "file=/dev/fdset/2,format=raw,if=none,id=disk-fusuma-root,readonly=on",
         "file=/dev/fdset/3,format=raw,if=none,id=disk-d0,file.locking=off",
         "file=/dev/fdset/4,format=raw,if=none,id=disk-ro,readonly=on"]
     # The -add-fd options come before any user of their sets.

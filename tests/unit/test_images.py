@@ -198,6 +198,38 @@ def test_find_image_returns_the_pointed_image(tmp_path: Path) -> None:
     assert image.kernel_version == "6.1.0-56-cloud-amd64"
 
 
+def _debian_image(tmp_path: Path, **meta: Any) -> Path:
+    d = tmp_path / "images" / "debian-0123"
+    d.mkdir(parents=True)
+    for f in ("vmlinuz", "initrd.img", "root.erofs", "usr.erofs"):
+        (d / f).write_bytes(b"x")
+    (d / "image.json").write_text(json.dumps({
+        "kind": "debian", "digest": "0123" * 16, "kernel_version": "6.1.0-56-cloud-amd64",
+        "append": "console=ttyS0", **meta}))
+    builder._point(tmp_path / "images", "debian", d.name)
+    return d
+
+
+def test_debian_image_has_its_root_as_one_erofs(tmp_path: Path) -> None:
+    d = _debian_image(tmp_path, root="root.erofs")
+    assert builder.find_image(tmp_path, kind="debian").root == d / "root.erofs"
+    (d / "root.erofs").unlink()
+    with pytest.raises(ImageError, match="incomplete: run `fusuma image build`"):
+        builder.find_image(tmp_path, kind="debian")
+
+
+def test_debian_image_of_the_old_usr_layout_must_be_rebuilt(tmp_path: Path) -> None:
+    _debian_image(tmp_path, usr="usr.erofs")
+    with pytest.raises(ImageError, match="incomplete: run `fusuma image build`"):
+        builder.find_image(tmp_path, kind="debian")
+
+
+def test_only_the_debian_kind_gets_overlay() -> None:
+    assert "overlay" in builder.KINDS["debian"].modules
+    assert "overlay" not in builder.KINDS["minimal"].modules
+    assert builder.KINDS["debian-host"].modules == builder.KINDS["minimal"].modules
+
+
 def test_unknown_kind_is_an_image_error(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match="no guest image kind 'huge'"):
         builder.find_image(tmp_path, kind="huge")
@@ -274,7 +306,8 @@ def test_cpio_is_readable_by_gnu_cpio() -> None:
 
 @pytest.mark.skipif(shutil.which("busybox") is None, reason="needs busybox")
 def test_guest_scripts_parse_as_busybox_sh(tmp_path: Path) -> None:
-    for name in ("init.sh", "shutdown.sh"):
+    for name in ("init.sh", "shutdown.sh", "init-debian.sh", "init-debian-host.sh",
+                 "lib.sh"):
         script = tmp_path / name
         script.write_bytes(builder.guest_script(name))
         subprocess.run(["busybox", "sh", "-n", str(script)], check=True)

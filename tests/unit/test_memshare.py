@@ -217,7 +217,7 @@ def test_host_report_totals_and_savings(tmp_path: Path) -> None:
     assert set(out) == {"vms", "totals", "savings_mib", "segments", "ksm", "skipped"}
     assert out["totals"] == {"vms": 2, "pss_mib": round(2 * TOTAL_PSS / 1024, 1),
                              "rss_mib": round(2 * TOTAL_RSS / 1024, 1)}
-    assert out["savings_mib"] == {"segments": 8.0, "ksm": 10.0,
+    assert out["savings_mib"] == {"segments": 8.0, "ksm": 10.0, "templates": 0.0,
                                   "ksm_vm_profit": round(4_000_000 / 2**20, 1)}
     assert out["segments"] == {"usr": {"vms": 2, "rss_mib": 16.0, "pss_mib": 8.0,
                                        "saved_mib": 8.0}}
@@ -232,5 +232,6 @@ def test_host_report_without_ksm_or_vms(tmp_path: Path) -> None:
                       page_size=4096)
     out = rep.as_json()
     assert out["ksm"] is None and out["vms"] == []
-    assert out["savings_mib"] == {"segments": 0.0, "ksm": None, "ksm_vm_profit": None}
+    assert out["savings_mib"] == {"segments": 0.0, "ksm": None, "ksm_vm_profit": None,
+                                  "templates": 0.0}
     assert out["totals"] == {"vms": 0, "pss_mib": 0.0, "rss_mib": 0.0}

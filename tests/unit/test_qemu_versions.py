@@ -229,7 +229,7 @@ def opt(argv: list[str], flag: str) -> list[str]:
 
 def test_device_set_round_trips_and_fixes_the_machine() -> None:
     c = cfg(machine="pc-q35-7.2", ports=[(8080, 80)],
-            disks=[DiskConfig("d0", Path("/d0.img"))], usr_disk=Path("/usr.img"))
+            disks=[DiskConfig("d0", Path("/d0.img"))], root_disk=Path("/root.img"))
     ds = device_set(c)
     assert DeviceSet.loads(ds.dumps()) == ds
     assert [d.driver for d in ds.devices] == [
@@ -245,12 +245,12 @@ def test_device_set_round_trips_and_fixes_the_machine() -> None:
 
 
 def test_a_destination_rebuilds_the_recorded_devices_not_todays() -> None:
-    """A device set recorded by an older fusuma (say, without the usr disk, and a CPU
+    """A device set recorded by an older fusuma (say, without the root disk, and a CPU
     model of its own) is what the destination gets, whatever today's code would do."""
     old = DeviceSet(machine="pc-q35-7.2", machine_props=(("sata", "off"),), cpu="qemu64",
                     smp=1, memory="256M", serial="con0",
                     devices=device_set(cfg()).devices)
-    argv = build_argv(cfg(devices=old, machine="pc-q35-10.0", usr_disk=Path("/usr.img"),
+    argv = build_argv(cfg(devices=old, machine="pc-q35-10.0", root_disk=Path("/root.img"),
                           incoming="defer"))
     assert opt(argv, "-machine") == ["pc-q35-7.2,sata=off,memory-backend=ram0"]
     assert opt(argv, "-cpu") == ["qemu64"]
@@ -269,6 +269,17 @@ def test_a_recorded_device_whose_backend_is_gone_is_refused() -> None:
         build_argv(cfg(devices=ds))
     with pytest.raises(ValueError):
         DeviceSet.loads(json.dumps({"version": 99}))
+
+
+def test_a_guest_booted_with_the_usr_disk_is_not_given_the_root_disk() -> None:
+    """A Debian guest booted by builder 3's layout (its /usr on disk-fusuma-usr) moves
+    only with that disk: today's config has the root disk instead, so it is refused."""
+    ds = device_set(cfg(root_disk=Path("/root.erofs")))
+    old = replace(ds, devices=tuple(
+        replace(d, props=(("drive", "disk-fusuma-usr"), ("serial", "fusuma-usr")))
+        if ("drive", "disk-fusuma-root") in d.props else d for d in ds.devices))
+    with pytest.raises(DeviceSetMismatch, match="disk-fusuma-usr"):
+        build_argv(cfg(devices=old, root_disk=Path("/root.erofs"), incoming="defer"))
 
 
 def test_spec_machine_must_be_a_versioned_q35() -> None:

@@ -179,7 +179,8 @@ class Sampler:
                 point["cpu_pct"] = round(load.cpu_pct, 1)
                 point["wait_pct"] = round(load.wait_pct, 1)
             s.prev = cur
-            mem = read_memory(rec.pid, rec.segments, self.d.paths.segments_dir)
+            mem = read_memory(rec.pid, rec.segments, self.d.paths.segments_dir,
+                              clone=rec.template is not None)
             if mem is not None:
                 point["pss_mib"] = mem["pss_mib"]
             with self._lock:

@@ -3,9 +3,9 @@
 Debian guests (the ``debian`` image: apache2 installed) boot one after another in one
 scratch partition holding every core, in four modes:
 
-- ``none``         /usr on a read-only virtio-blk disk: each guest reads it into its own
-                   page cache (the paper's DASD row)
-- ``segment``      /usr from one shared segment, virtio-pmem + erofs DAX (DCSS)
+- ``none``         the root on a read-only virtio-blk disk: each guest reads it into its
+                   own page cache (the paper's DASD row)
+- ``segment``      the root from one shared segment, virtio-pmem + erofs DAX (DCSS)
 - ``ksm``          as none, with private RAM marked mergeable and KSM running
 - ``segment+ksm``  both
 
@@ -56,7 +56,7 @@ from fusuma.vm import VmManager
 LOG = logging.getLogger(__name__)
 
 PARTITION = "bench-dcss"
-SEGMENT = "bench-dcss-usr"
+SEGMENT = "bench-dcss-root"
 VM_PREFIX = "bench-dcss-"
 MODES = ("none", "segment", "ksm", "segment+ksm")
 LOADS = ("idle", "apache2")
@@ -170,7 +170,7 @@ def run(parts: PartitionManager, vms: VmManager, segs: SegmentManager,
     points: list[Point] = []
     try:
         if any("segment" in m for m in modes):
-            progress(f"making segment {SEGMENT} from the debian image's /usr")
+            progress(f"making segment {SEGMENT} from the debian image's root")
             segs.create(SEGMENT, from_image="debian", progress=progress)
         for load in loads:
             for mode in modes:
@@ -304,7 +304,7 @@ def _spec(i: int, mode: str, memory_mib: int) -> VmSpec:
                               "memory_mib": memory_mib, "image": "debian",
                               "ports": [f"{BASE_PORT + i}:80"]}
     if "segment" in mode:
-        fields["segments"] = [f"{SEGMENT}:/usr"]
+        fields["segments"] = [f"{SEGMENT}:/"]
     if "ksm" in mode:
         fields["mergeable"] = True
     return VmSpec(**fields)

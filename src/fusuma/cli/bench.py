@@ -460,6 +460,76 @@ def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
         click.echo(f"report: {', '.join(str(x) for x in paths)}")
 
 
+@bench.command("density")
+@click.option("--budget-mib", type=click.IntRange(1, 10**7), default=None,
+              help="Host memory the VMs may use, MiB  [default: 4096; with --quick 1536].")
+@click.option("--modes", default=None,
+              help="Any of none,segment,ksm,segment+ksm,template,template+ksm  "
+                   "[default: all].")
+@click.option("--memory", "memory_mib", type=click.IntRange(128, 4096), default=256,
+              show_default=True, help="Guest RAM of each VM, MiB.")
+@click.option("--requests", type=click.IntRange(1, 10**6), default=None,
+              help="HTTP requests per mode over its VMs  [default: 1000; with --quick "
+                   "200].")
+@click.option("--max-vms", type=click.IntRange(1, 256), default=64, show_default=True,
+              help="At most this many VMs per mode, whatever the budget.")
+@click.option("--qemu", default="auto", show_default=True,
+              help="QEMU of every mode's partition: auto (10.0 when installed: template "
+                   "clones need it), system, or a version.")
+@click.option("--quick", is_flag=True, help="A 1536 MiB budget and fewer requests.")
+@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
+              help="Write the result file here (default: print it, or DIR/density.json "
+                   "with --report).")
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
+              help="After the run, render DIR/report.md and DIR/density.png.")
+@pass_ctx
+def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: int,
+                requests: int | None, max_vms: int, qemu: str, quick: bool,
+                json_file: Path | None, report_dir: Path | None) -> None:
+    """How many Debian+apache2 VMs fit in a host memory budget, per way of sharing:
+    none, segment (the root from a shared segment), ksm, segment+ksm, template (clones
+    of a booted VM's RAM, copy-on-write), template+ksm.
+
+    VMs start one by one until the next would take the host memory in use (the QEMUs'
+    own memory plus shared files counted once) past the budget; each answers HTTP
+    through its forwarded port. Needs every core (a scratch partition, segment and
+    template, removed afterwards), so no partition may exist; it changes the host's KSM
+    settings while it runs and puts them back. Needs the debian image (`fusuma image
+    build --kind debian`)."""
+    from fusuma.bench import density, report_density
+    from fusuma.bench.meta import write_result
+    from fusuma.memshare.segments import SegmentManager
+
+    cfg = density.Config(
+        budget_mib=budget_mib or (density.QUICK_BUDGET_MIB if quick
+                                  else density.DEFAULT_BUDGET_MIB),
+        modes=tuple(density.parse_modes(modes)), memory_mib=memory_mib,
+        requests=requests or (density.QUICK_REQUESTS if quick else density.DEFAULT_REQUESTS),
+        max_vms=max_vms, qemu=qemu, quick=quick)
+    run = density.Bench(c.parts, c.vms, SegmentManager(c.paths, c.db), cfg,
+                        progress=progress)
+    run.check_host()          # a refusal is the only line printed
+    c.accel_notice("auto")
+    data = run.run()
+    if json_file is None and report_dir is not None:
+        json_file = report_dir / "density.json"
+    if json_file is None:
+        emit_json(data)
+        return
+    write_result(json_file, data)
+    for r in data["results"]:
+        click.echo(f"{r['mode']:12} {r['vms']:3} VMs ({r['stop']}), "
+                   f"{r['per_vm_mib']} MiB per added VM, saving {r['saving_pct']}%, "
+                   f"start {r['start_ms_median']} ms, {r['requests_per_s']} requests/s"
+                   + (f"; {r['note']}" if r["note"] else ""))
+    for target, measured, verdict in report_density.targets(data):
+        click.echo(f"target {target}: {verdict} ({measured})")
+    click.echo(f"written to {json_file}")
+    if report_dir is not None:
+        paths = report_density.render(json_file, report_dir)
+        click.echo(f"report: {', '.join(str(x) for x in paths)}")
+
+
 @bench.group("report")
 def report() -> None:
     """Render a report from an existing result file."""
@@ -518,6 +588,17 @@ def report_dcss_cmd(result_file: Path, out_dir: Path) -> None:
     from fusuma.bench import report_dcss
 
     paths = report_dcss.render(result_file, out_dir)
+    click.echo(f"report: {', '.join(str(x) for x in paths)}")
+
+
+@report.command("density")
+@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
+def report_density_cmd(result_file: Path, out_dir: Path) -> None:
+    """Write OUT_DIR/report.md and OUT_DIR/density.png from a `bench density` file."""
+    from fusuma.bench import report_density
+
+    paths = report_density.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(x) for x in paths)}")
 
 

@@ -54,6 +54,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "metrics."),
     "share": ("fusuma.cli.share:share",
               "Memory shared between VMs, and exactly where every shared MiB comes from."),
+    "template": ("fusuma.cli.template:template",
+                 "Templates: a booted VM's RAM and device state, to start clones from."),
     "token": ("fusuma.cli.serve:token",
               "API tokens for `fusuma serve --listen` (HTTPS): create, list, revoke."),
     "top": ("fusuma.cli.top:top",

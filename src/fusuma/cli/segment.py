@@ -28,8 +28,8 @@ def segment() -> None:
     \b
     Examples:
       fusuma segment create tools --from /opt/tools
-      fusuma segment create debian-usr --from-image debian
-      fusuma vm create web0 -p p0 --image debian --segment debian-usr:/usr"""
+      fusuma segment create debian-root --from-image debian
+      fusuma vm create web0 -p p0 --image debian --segment debian-root:/"""
 
 
 def _mgr(c: Ctx) -> SegmentManager:
@@ -56,13 +56,14 @@ def segments_data(c: Ctx) -> list[dict[str, Any]]:
 @click.option("--from", "from_dir", type=click.Path(path_type=Path), metavar="DIR",
               help="Directory tree to put in the segment.")
 @click.option("--from-image", metavar="KIND",
-              help="Take the /usr of a built guest image (debian): the DCSS layout, "
-                   "binaries and libraries shared, /etc and /var private to each VM.")
+              help="Take the root filesystem of a built guest image (debian), for "
+                   "VMs of that image to mount at / (NAME:/): the DCSS layout, all "
+                   "files shared, changes to them private to each VM.")
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def create(c: Ctx, name: str, from_dir: Path | None, from_image: str | None,
            as_json: bool) -> None:
-    """Build segment NAME from a directory or an image's /usr."""
+    """Build segment NAME from a directory or an image's root filesystem."""
     rec = _mgr(c).create(name, from_dir=from_dir, from_image=from_image,
                          progress=progress)
     if as_json:

@@ -60,11 +60,12 @@ def share() -> None:
 
 
 def _report_text(rep: dict[str, Any]) -> str:
-    rows = [[v["name"], str(v["pid"]), _mib(v["pss_mib"]), _mib(v["pss_anon_mib"]),
-             _mib(v["pss_file_mib"]), _mib(v["pss_shmem_mib"]), _mib(v["ksm_merged_mib"]),
-             _mib(v["segments_pss_mib"])] for v in rep["vms"]]
-    lines = [table(rows, ["vm", "pid", "pss_mib", "anon", "file", "shmem",
-                          "ksm_merged_mib", "segments_mib"]) if rows
+    rows = [[v["name"], str(v["pid"]), _mib(v["pss_mib"]), _mib(v["split_mib"]["private"]),
+             _mib(v["split_mib"]["template"]), _mib(v["split_mib"]["segments"]),
+             _mib(v["split_mib"]["ksm"]), _mib(v["pss_anon_mib"]), _mib(v["pss_file_mib"]),
+             _mib(v["pss_shmem_mib"]), _mib(v["ksm_merged_mib"])] for v in rep["vms"]]
+    lines = [table(rows, ["vm", "pid", "pss_mib", "private", "template", "segments", "ksm",
+                          "anon", "file", "shmem", "ksm_merged_mib"]) if rows
              else "no running VMs"]
     lines += [f"skipped {s['vm']}: {s['reason']}" for s in rep["skipped"]]
     tot, sav, ksm = rep["totals"], rep["savings_mib"], rep["ksm"]
@@ -75,6 +76,8 @@ def _report_text(rep: dict[str, Any]) -> str:
     lines += [f"  {n}: {s['vms']} VM(s), rss {_mib(s['rss_mib'])} MiB, pss "
               f"{_mib(s['pss_mib'])} MiB, saved {_mib(s['saved_mib'])} MiB"
               for n, s in rep["segments"].items()]
+    lines.append(f"saved by templates: {_mib(sav['templates'])} MiB (template pages mapped "
+                 "by each clone, minus their PSS)")
     if ksm is None:
         lines.append("saved by KSM: - (KSM is not available on this host)")
     else:
@@ -101,10 +104,12 @@ def report_data(c: Ctx) -> dict[str, Any]:
 def report(c: Ctx, as_json: bool) -> None:
     """Host memory of each running VM's QEMU and the host's savings by mechanism.
 
-    Per VM: PSS (shared pages split among the processes that map them) split into
-    anon, file and shmem, pages merged by KSM, and its PSS of the segments it maps.
-    Savings: segments = segment pages resident in each VM minus their PSS (what
-    separate copies would cost beyond the shared one); KSM = pages_sharing * page
+    Per VM: PSS (shared pages split among the processes that map them) split by where
+    its pages come from: private (its own), template (its part of its template's RAM
+    file, for a clone: `fusuma template`), segments (its part of the segments it maps)
+    and ksm (its part of the pages KSM merged); and by page kind: anon, file, shmem.
+    Savings: segments and templates = their pages resident in each VM minus their PSS
+    (what separate copies would cost beyond the shared one); KSM = pages_sharing * page
     size, host-wide, and the VMs' own KSM profit (saving minus KSM's metadata)."""
     data = report_data(c)
     if as_json:

@@ -32,10 +32,12 @@ def vm() -> None:
 @vm.command("create")
 @click.argument("name")
 @click.option("--partition", "-p", required=True, help="Partition to run in.")
-@click.option("--vcpus", type=int, default=1, show_default=True)
-@click.option("--memory", "memory_mib", type=int, default=256, show_default=True,
-              help="Guest RAM in MiB.")
-@click.option("--image", default="minimal", show_default=True, help="Guest image kind.")
+@click.option("--vcpus", type=int, default=None,
+              help="vCPUs.  [default: 1; a clone: its template's]")
+@click.option("--memory", "memory_mib", type=int, default=None,
+              help="Guest RAM in MiB.  [default: 256; a clone: its template's]")
+@click.option("--image", default=None,
+              help="Guest image kind.  [default: minimal; a clone: its template's]")
 @click.option("--disk", "disks", multiple=True,
               help="A disk of the partition to attach (repeatable); see `fusuma disk`.")
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto",
@@ -76,33 +78,49 @@ def vm() -> None:
                    "its RAM file's own cgroup (cgroup v1) or the RAM is private; off on "
                    "cgroup v2 for shared RAM, where refaulted pages would be charged to "
                    "the partition (refused there). See `fusuma vm trim`.")
+@click.option("--template", default=None, metavar="T",
+              help="A clone of template T (`fusuma template`): it starts from the "
+                   "template's RAM and device state instead of booting, ready in "
+                   "milliseconds; its memory, vCPUs, machine type, devices, image and "
+                   "segments are the template's. Clones share the template's pages they "
+                   "have not written (copy-on-write), move by copy only, have no page "
+                   "reporting, and need a partition on QEMU >= 8.2 (10.0). Page sharing "
+                   "opens a side channel: a guest can time copy-on-write faults to learn "
+                   "whether a page equals the template's (the same risk as --mergeable's). "
+                   "After the start the guest agent gives it its own hostname, machine-id, "
+                   "MAC and random seed.")
 @click.option("--start", is_flag=True, help="Start it right away (if that fails, the "
               "VM is not kept).")
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
-def create(c: Ctx, name: str, partition: str, vcpus: int, memory_mib: int, image: str,
-           disks: tuple[str, ...], accel: str, private_ram: bool, qos: str,
-           segments: tuple[str, ...], mergeable: bool, ports: tuple[str, ...],
-           machine: str | None, emulator: str, page_reporting: bool | None, start: bool,
-           as_json: bool) -> None:
+def create(c: Ctx, name: str, partition: str, vcpus: int | None, memory_mib: int | None,
+           image: str | None, disks: tuple[str, ...], accel: str, private_ram: bool,
+           qos: str, segments: tuple[str, ...], mergeable: bool, ports: tuple[str, ...],
+           machine: str | None, emulator: str, page_reporting: bool | None,
+           template: str | None, start: bool, as_json: bool) -> None:
     """Define VM NAME in a partition (and optionally start it).
 
     \b
     Examples:
       fusuma vm create web0 -p p0 --image debian --port 8080:80 --start
-      fusuma vm create web1 -p p0 --image debian --segment debian-usr:/usr
+      fusuma vm create web1 -p p0 --image debian --segment debian-root:/
       fusuma vm create k0 -p p1 --mergeable --start"""
     from fusuma.spec import VmSpec, build
     from fusuma.undo import Reverter
 
     fields: dict[str, object] = {}
-    if private_ram or not mergeable:
+    if template is None and (private_ram or not mergeable):
         fields["shared_ram"] = not private_ram
-    spec = build(VmSpec, "vm", name=name, partition=partition, vcpus=vcpus,
-                 memory_mib=memory_mib, image=image, disks=list(disks), accel=accel,
-                 qos=qos, segments=list(segments), mergeable=mergeable, ports=list(ports),
+    # Left out when not given: a clone takes them from its template.
+    for key, value in (("vcpus", vcpus), ("memory_mib", memory_mib), ("image", image)):
+        if value is not None:
+            fields[key] = value
+    if segments:
+        fields["segments"] = list(segments)
+    spec = build(VmSpec, "vm", name=name, partition=partition, disks=list(disks),
+                 accel=accel, qos=qos, mergeable=mergeable, ports=list(ports),
                  machine=machine, emulator=emulator, page_reporting=page_reporting,
-                 **fields)
+                 template=template, **fields)
     if start:
         c.accel_notice(accel)     # an accelerator that cannot work: refuse before creating
     c.vms.create(spec)

@@ -421,7 +421,7 @@ class PartitionReconciler:
 
 
 class SegmentReconciler:
-    """A FusumaSegment on this host: built from the named image's /usr when missing
+    """A FusumaSegment on this host: built from the named image's root when missing
     (``fusuma segment create NAME --from-image KIND``), removed with its object when no
     VM here uses it. Each agent keeps its own entry of ``status.hosts``."""
 

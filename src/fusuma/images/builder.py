@@ -6,16 +6,19 @@ Cache layout under ``cache``::
     images/<kind>-<digest[:16]>/vmlinuz       the kernel
     images/<kind>-<digest[:16]>/initrd.img    newc cpio, uncompressed
     images/<kind>-<digest[:16]>/probe         the static probe, also /usr/bin/probe inside
-    images/debian-<digest[:16]>/usr.erofs     the Debian kind's /usr (see below)
+    images/debian-<digest[:16]>/root.erofs    the Debian kinds' root (see below)
     images/<kind>-<digest[:16]>/image.json    what was built from what
     images/<kind>.json                        points at the current image of that kind
 
 The ``debian`` kind is a real Debian system made by debootstrap (apache2 and qemu-ga
-installed). Its initramfs holds Debian's root directory without /usr (so /etc and /var
-are private to each VM, in its RAM) and a static busybox under /fusuma for /init; its
-/usr is the erofs image ``usr.erofs``, which a VM gets either as a read-only virtio-blk
-disk (a page-cache copy per VM) or as a shared segment mounted with DAX (one host copy
-for all VMs: the DCSS layout; ``fusuma segment create NAME --from-image debian``).
+installed). Debian's whole root is the erofs image ``root.erofs``, which a VM gets
+either as a read-only virtio-blk disk (a page-cache copy per VM) or as a shared segment
+at "/" mounted with DAX (one host copy for all VMs: the DCSS layout; ``fusuma segment
+create NAME --from-image debian``). Its initramfs is small: a static busybox, the
+kernel modules and /init, which mounts that root read-only under an overlayfs whose
+upper layer is a small tmpfs (so /etc, /var and /tmp are writable and private to each
+VM) and switch_roots into it. The ``debian-host`` kind (systemd as init) keeps Debian's
+root without /usr in its initramfs and takes only /usr from its root.erofs.
 
 An image is built in a temporary directory next to its final place and renamed into
 place, and the pointer is replaced atomically, so an interrupted build leaves nothing
@@ -47,7 +50,7 @@ from fusuma.images.initramfs import Tree
 LOG = logging.getLogger(__name__)
 
 # Bump when the builder's output changes for the same inputs.
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4
 KERNEL_META = "linux-image-cloud-amd64"
 BUILD_HINT = "run `fusuma image build`"
 
@@ -91,8 +94,9 @@ _MODULES = (
 
 KINDS: dict[str, ImageKind] = {
     "minimal": ImageKind(name="minimal", modules=_MODULES, append=_APPEND),
+    # overlay: the writable layer over the read-only root
     "debian": ImageKind(
-        name="debian", modules=_MODULES, append=_APPEND,
+        name="debian", modules=(*_MODULES, "overlay"), append=_APPEND,
         packages=("apache2", "qemu-guest-agent", "iproute2", "procps"),
     ),
     # A stock-host stand-in for testing fusuma itself on cgroup v2 (tests/cgroup2):
@@ -121,7 +125,7 @@ class GuestImage:
     append: str
     digest: str
     kernel_version: str
-    usr: Path | None = None     # debian kind: the erofs image of /usr
+    root: Path | None = None    # debian kinds: the erofs image of Debian's whole root
 
 
 @dataclass(frozen=True)
@@ -196,18 +200,20 @@ def _load(path: Path, digest: str | None = None) -> GuestImage | None:
     """The image in ``path`` if it is complete (and has ``digest``), else None."""
     try:
         meta = json.loads((path / "image.json").read_text())
-        usr = path.resolve() / "usr.erofs" if meta.get("usr") else None
+        root = path.resolve() / "root.erofs" if meta.get("root") else None
         image = GuestImage(kind=meta["kind"], kernel=path.resolve() / "vmlinuz",
                            initrd=path.resolve() / "initrd.img", append=meta["append"],
                            digest=meta["digest"], kernel_version=meta["kernel_version"],
-                           usr=usr)
+                           root=root)
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if meta.get("usr"):     # builder 3's layout (usr.erofs): rebuild
         return None
     if digest is not None and image.digest != digest:
         return None
     if not (image.kernel.is_file() and image.initrd.is_file()):
         return None
-    if image.usr is not None and not image.usr.is_file():
+    if image.root is not None and not image.root.is_file():
         return None
     return image
 
@@ -330,13 +336,13 @@ def _build(spec: ImageKind, inputs: Inputs, deb_path: Path, images: Path,
             tree.write_cpio(out)
         shutil.copyfile(vmlinuz, tmp / "vmlinuz")
         if spec.packages:
-            (tmp / "usr.erofs").chmod(0o644)
+            (tmp / "root.erofs").chmod(0o644)
         shutil.rmtree(root)
         meta: dict[str, Any] = {
             "kind": spec.name, "digest": digest, "kernel_version": moddir.name,
             "append": spec.append, "inputs": asdict(inputs),
             "initrd_bytes": (tmp / "initrd.img").stat().st_size,
-            "usr": "usr.erofs" if spec.packages else None,
+            "root": "root.erofs" if spec.packages else None,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (tmp / "image.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -408,9 +414,9 @@ _DEBIAN_PRUNE = ("var/cache/apt/archives", "var/lib/apt/lists", "var/cache/apt",
 
 def _debian(spec: ImageKind, inputs: Inputs, moddir: Path, digest: str, tmp: Path,
             say: Progress) -> Tree:
-    """Bootstrap Debian into ``tmp/rootfs``, write ``tmp/usr.erofs`` from its /usr and
-    return the initramfs tree: Debian's root without /usr, plus /fusuma (busybox,
-    modules, lib.sh) and /init."""
+    """Bootstrap Debian into ``tmp/rootfs``, write ``tmp/root.erofs`` from it and
+    return the initramfs tree: /fusuma (busybox, modules, lib.sh) and /init, plus for
+    a systemd kind Debian's root without /usr (see the module docstring)."""
     from fusuma.memshare import erofs
 
     suite, mirror, _ = inputs.rootfs.split(" ", 2)
@@ -420,7 +426,8 @@ def _debian(spec: ImageKind, inputs: Inputs, moddir: Path, digest: str, tmp: Pat
         "(about a minute)")
     debian.debootstrap(suite, mirror, spec.packages, rootfs)
     say(f"debootstrap done in {time.monotonic() - started:.0f} s")
-    for rel in _DEBIAN_PRUNE:
+    # /dev's nodes too: the guest mounts devtmpfs there.
+    for rel in (*_DEBIAN_PRUNE, "dev"):
         target = rootfs / rel
         if target.is_dir():
             for child in target.iterdir():
@@ -441,22 +448,35 @@ def _debian(spec: ImageKind, inputs: Inputs, moddir: Path, digest: str, tmp: Pat
         (rootfs / "usr/sbin/shutdown").unlink(missing_ok=True)
         (rootfs / "usr/sbin/shutdown").write_bytes(_DEBIAN_SHUTDOWN)
         (rootfs / "usr/sbin/shutdown").chmod(0o755)
-    say("writing usr.erofs from /usr")
-    erofs.make_image(rootfs / "usr", tmp / "usr.erofs", label="debian-usr")
+    # fusuma runs with umask 077: every mode is set.
+    (rootfs / "etc/fusuma").mkdir()
+    (rootfs / "etc/fusuma").chmod(0o755)
+    _write(rootfs / "etc/fusuma/image", f"{spec.name} {digest}\n".encode(), 0o644)
+    # The init's stage 2 runs from the root: busybox, lib.sh and the init itself.
+    (rootfs / "fusuma/bin").mkdir(parents=True)
+    for d in ("fusuma", "fusuma/bin"):
+        (rootfs / d).chmod(0o755)
+    _write(rootfs / "fusuma/bin/busybox", _busybox_binary(), 0o755)
+    for applet in _busybox_applets():
+        (rootfs / "fusuma/bin" / applet).symlink_to("busybox")
+    _write(rootfs / "fusuma/lib.sh", guest_script("lib.sh"), 0o644)
+    _write(rootfs / "fusuma/init", guest_script(spec.init), 0o755)
+    say("writing root.erofs from Debian's root")
+    erofs.make_image(rootfs, tmp / "root.erofs", label="debian-root")
 
-    say("collecting Debian's root without /usr, kernel modules and busybox")
     tree = Tree()
-    tree.add_host_tree(rootfs, "/", skip=lambda p: p.startswith(("/usr/", "/dev/",
-                                                                  "/proc/", "/sys/")))
-    tree.file("/etc/fusuma/image", f"{spec.name} {digest}\n".encode())
+    if spec.systemd:
+        say("collecting Debian's root without /usr, kernel modules and busybox")
+        tree.add_host_tree(rootfs, "/", skip=lambda p: p.startswith(("/usr/", "/dev/",
+                                                                      "/proc/", "/sys/")))
+    else:
+        say("collecting kernel modules and busybox")
+        for d in ("/proc", "/sys", "/dev", "/run", "/newroot"):
+            tree.mkdir(d)
     tree.chardev("/dev/console", 5, 1)
     tree.chardev("/dev/null", 1, 3, 0o666)
     tree.file("/init", guest_script(spec.init), 0o755)
-    tree.file("/fusuma/lib.sh", guest_script("lib.sh"))
-    busybox = _busybox_binary()
-    tree.file("/fusuma/bin/busybox", busybox, 0o755)
-    for applet in _busybox_applets():
-        tree.symlink(f"/fusuma/bin/{applet}", "busybox")
+    _add_fusuma_dir(tree)
     selection = modules.select(moddir, spec.modules)
     order = []
     for name in selection.load_order:
@@ -466,6 +486,19 @@ def _debian(spec: ImageKind, inputs: Inputs, moddir: Path, digest: str, tmp: Pat
     tree.file("/fusuma/modules.list", "".join(f"{r}\n" for r in order).encode())
     shutil.rmtree(rootfs)
     return tree
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    path.write_bytes(data)
+    path.chmod(mode)
+
+
+def _add_fusuma_dir(tree: Tree) -> None:
+    """/fusuma of a Debian guest: a static busybox with its applets, and lib.sh."""
+    tree.file("/fusuma/lib.sh", guest_script("lib.sh"))
+    tree.file("/fusuma/bin/busybox", _busybox_binary(), 0o755)
+    for applet in _busybox_applets():
+        tree.symlink(f"/fusuma/bin/{applet}", "busybox")
 
 
 def _busybox_binary() -> bytes:

@@ -22,6 +22,7 @@ while read -r mod; do
     insmod "/lib/modules/$kver/$mod" ||
         echo "fusuma-guest: cannot load $mod" >&2
 done < /etc/fusuma/modules
+tune_page_reporting
 
 set_hostname
 mount_segments

@@ -1,5 +1,21 @@
 # fusuma guest: shell functions shared by the minimal and the Debian /init.
 
+# Free page reporting: the Debian 6.1 kernel ignores page_reporting.page_reporting_order
+# on its command line (the balloon driver's registration overwrites it with the
+# pageblock order, 2 MiB), but the parameter is writable: set it from the command line
+# once the driver has loaded, before boot frees much more.
+tune_page_reporting() {
+    f=/sys/module/page_reporting/parameters/page_reporting_order
+    [ -w "$f" ] || return 0
+    for arg in $(cat /proc/cmdline); do
+        case "$arg" in
+            page_reporting.page_reporting_order=?*)
+                echo "${arg#*=}" > "$f" 2>/dev/null ||
+                    echo "fusuma-guest: cannot set the page reporting order" >&2 ;;
+        esac
+    done
+}
+
 mount_kernel_fs() {
     mount -t proc -o nosuid,nodev,noexec proc /proc
     mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
@@ -11,9 +27,9 @@ mount_kernel_fs() {
 }
 
 # Segments: the kernel command line names them in virtio-pmem order,
-# fusuma.seg=NAME:MOUNTPOINT (pmem device N = the N-th fusuma.seg). Each is an erofs
-# image mounted read-only with DAX, so its pages are the host's shared copy.
-mount_segments() {
+# fusuma.seg=NAME:MOUNTPOINT (pmem device N = the N-th fusuma.seg). Prints one line
+# "NAME MOUNTPOINT /dev/pmemN" per segment.
+segments() {
     n=0
     for arg in $(cat /proc/cmdline); do
         case "$arg" in
@@ -21,23 +37,42 @@ mount_segments() {
             *) continue ;;
         esac
         spec=${arg#fusuma.seg=}
-        name=${spec%%:*}
-        dir=${spec#*:}
-        dev=/dev/pmem$n
+        echo "${spec%%:*} ${spec#*:} /dev/pmem$n"
         n=$((n + 1))
-        tries=0
-        while [ ! -b "$dev" ] && [ "$tries" -lt 100 ]; do
-            tries=$((tries + 1))
-            usleep 20000
-        done
+    done
+}
+
+# Wait up to 5 s for block device $1 (virtio devices are probed as their drivers load,
+# pmem regions and disk partitions a little later).
+wait_block() {
+    tries=0
+    while [ ! -b "$1" ] && [ "$tries" -lt 250 ]; do
+        tries=$((tries + 1))
+        usleep 20000
+    done
+    [ -b "$1" ]
+}
+
+# Mount segment $1 (device $2) on $3: an erofs image, read-only, with DAX, so its pages
+# are the host's shared copy; without DAX (said on the console) if the guest cannot.
+mount_segment() {
+    if mount -t erofs -o ro,dax=always "$2" "$3"; then
+        echo "fusuma-guest: segment $1 on $3 (dax)"
+    elif mount -t erofs -o ro "$2" "$3"; then
+        echo "fusuma-guest: segment $1 on $3 WITHOUT dax" >&2
+    else
+        echo "fusuma-guest: cannot mount segment $1 ($2) on $3" >&2
+        return 1
+    fi
+}
+
+# Every segment but one at / (the Debian image's root, mounted by its stage-1 /init).
+mount_segments() {
+    segments | while read -r name dir dev; do
+        [ "$dir" = / ] && continue
+        wait_block "$dev"
         mkdir -p "$dir"
-        if mount -t erofs -o ro,dax=always "$dev" "$dir"; then
-            echo "fusuma-guest: segment $name on $dir (dax)"
-        elif mount -t erofs -o ro "$dev" "$dir"; then
-            echo "fusuma-guest: segment $name on $dir WITHOUT dax" >&2
-        else
-            echo "fusuma-guest: cannot mount segment $name ($dev) on $dir" >&2
-        fi
+        mount_segment "$name" "$dev" "$dir"
     done
 }
 

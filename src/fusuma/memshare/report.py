@@ -9,7 +9,14 @@ each mechanism:
 - ``ksm``: (pages_sharing + ksm_zero_pages) * page size from sysfs. Host-wide: it also
   counts any non-VM process with mergeable memory;
 - ``ksm_vm_profit``: the sum of the VMs' ``ksm_process_profit`` (saving minus KSM's
-  metadata), when the kernel reports it.
+  metadata), when the kernel reports it;
+- ``templates``: sum over clones of template-file RSS minus PSS (what separate copies
+  of the pages they share would cost).
+
+Each VM's PSS is also split by where its pages come from (``split_mib``): ``template``
+(its part of its template's file), ``segments`` (its part of the segments), ``ksm``
+(its part of the pages KSM merged: their size divided by the mean number of pages
+sharing a KSM page, host-wide, at least 2) and ``private`` (the rest: its own pages).
 """
 
 from __future__ import annotations
@@ -21,7 +28,15 @@ from typing import Any
 
 from fusuma.errors import NotFoundError
 from fusuma.memshare.ksm import DEFAULT_ROOT, Ksm, KsmSettings, ProcessKsm, process_ksm
-from fusuma.memshare.smaps import PssSplit, SegmentUse, pss_split, read_smaps, segment_usage
+from fusuma.memshare.smaps import (
+    PssSplit,
+    SegmentUse,
+    TemplateUse,
+    pss_split,
+    read_smaps,
+    segment_usage,
+    template_usage,
+)
 
 
 def _mib_kib(kib: int) -> float:
@@ -41,6 +56,9 @@ class VmMemory:
     ksm: ProcessKsm | None
     segments: dict[str, SegmentUse]
     page_size: int
+    template: TemplateUse | None = None
+    # Mean number of pages that share one KSM page, host-wide (None: unknown, take 2).
+    ksm_sharers: float | None = None
 
     @property
     def segments_rss_kib(self) -> int:
@@ -56,6 +74,16 @@ class VmMemory:
             return None
         return self.ksm.merging_pages * self.page_size
 
+    def split_kib(self) -> dict[str, int]:
+        """PSS by where the pages come from: private, template, segments, ksm."""
+        template = self.template.pss_kib if self.template else 0
+        merged = (self.ksm_merged_bytes or 0) // 1024
+        ksm = int(merged / max(2.0, self.ksm_sharers or 2.0))
+        rest = self.split.pss_kib - template - self.segments_pss_kib
+        ksm = max(0, min(ksm, rest))
+        return {"private": max(0, rest - ksm), "template": template,
+                "segments": self.segments_pss_kib, "ksm": ksm}
+
     def as_json(self) -> dict[str, Any]:
         sp = self.split
         return {"pid": self.pid, "rss_mib": _mib_kib(sp.rss_kib),
@@ -66,21 +94,26 @@ class VmMemory:
                 "ksm_profit_mib": _mib_b(self.ksm.process_profit if self.ksm else None),
                 "segments": {n: s.as_json() for n, s in self.segments.items()},
                 "segments_rss_mib": _mib_kib(self.segments_rss_kib),
-                "segments_pss_mib": _mib_kib(self.segments_pss_kib)}
+                "segments_pss_mib": _mib_kib(self.segments_pss_kib),
+                "template": None if self.template is None else self.template.as_json(),
+                "split_mib": {k: _mib_kib(v) for k, v in self.split_kib().items()}}
 
 
 def vm_memory(pid: int, segment_files: dict[str, Path], procfs: Path = Path("/proc"),
-              page_size: int | None = None) -> VmMemory:
+              page_size: int | None = None, *, clone: bool = False,
+              ksm_sharers: float | None = None) -> VmMemory:
     """Host memory of the QEMU process ``pid``; NotFoundError if it is gone.
 
     The full smaps (hundreds of mappings to parse: ~10 ms for a QEMU) is read only when
-    the VM has segments to find in it; otherwise smaps_rollup has everything (`fusuma
-    ps` reads this for every running VM)."""
-    mappings = read_smaps(pid, procfs) if segment_files else None
+    the VM has segments or (``clone``) a template's file to find in it; otherwise
+    smaps_rollup has everything (`fusuma ps` reads this for every running VM)."""
+    mappings = read_smaps(pid, procfs) if segment_files or clone else None
     return VmMemory(pid=pid, split=pss_split(pid, mappings, procfs),
                     ksm=process_ksm(pid, procfs),
                     segments=segment_usage(mappings, segment_files) if mappings else {},
-                    page_size=page_size or os.sysconf("SC_PAGE_SIZE"))
+                    page_size=page_size or os.sysconf("SC_PAGE_SIZE"),
+                    template=template_usage(mappings) if mappings else None,
+                    ksm_sharers=ksm_sharers)
 
 
 @dataclass(frozen=True)
@@ -120,6 +153,11 @@ class HostReport:
         return None if self.ksm is None else self.ksm.saved_bytes
 
     @property
+    def templates_saved_kib(self) -> int:
+        return sum(r.memory.template.rss_kib - r.memory.template.pss_kib for r in self.vms
+                   if r.memory.template is not None)
+
+    @property
     def ksm_vm_profit_bytes(self) -> int | None:
         profits = [r.memory.ksm.process_profit for r in self.vms
                    if r.memory.ksm is not None and r.memory.ksm.process_profit is not None]
@@ -143,6 +181,7 @@ class HostReport:
                 "totals": {"vms": len(self.vms), "pss_mib": _mib_kib(self.total_pss_kib),
                            "rss_mib": _mib_kib(self.total_rss_kib)},
                 "savings_mib": {"segments": _mib_kib(self.segments_saved_kib),
+                                "templates": _mib_kib(self.templates_saved_kib),
                                 "ksm": _mib_b(self.ksm_saved_bytes),
                                 "ksm_vm_profit": _mib_b(self.ksm_vm_profit_bytes)},
                 "segments": self.segment_totals(),
@@ -156,13 +195,18 @@ def host_report(vms: list[tuple[str, int]], segment_files: dict[str, Path],
     """The report for ``vms`` (name, QEMU pid). A VM whose process ended meanwhile is
     listed under ``skipped``; a host without KSM has ``ksm`` None."""
     size = page_size or os.sysconf("SC_PAGE_SIZE")
+    ksm = Ksm(ksm_root, page_size=size)
+    settings = ksm.read_settings() if ksm.available() else None
+    sharers = None
+    if settings is not None and settings.pages_shared:
+        sharers = (settings.pages_shared + settings.pages_sharing) / settings.pages_shared
     rows: list[VmRow] = []
     skipped: list[Skipped] = []
     for name, pid in vms:
         try:
-            rows.append(VmRow(name, vm_memory(pid, segment_files, procfs, size)))
+            # Every VM's full smaps: a clone's template file is found in it.
+            rows.append(VmRow(name, vm_memory(pid, segment_files, procfs, size,
+                                              clone=True, ksm_sharers=sharers)))
         except NotFoundError as exc:
             skipped.append(Skipped(name, str(exc)))
-    ksm = Ksm(ksm_root, page_size=size)
-    return HostReport(vms=rows, skipped=skipped,
-                      ksm=ksm.read_settings() if ksm.available() else None)
+    return HostReport(vms=rows, skipped=skipped, ksm=settings)

@@ -45,8 +45,9 @@ class SegmentManager:
     def create(self, name: str, *, from_dir: Path | None = None,
                from_image: str | None = None,
                progress: Progress | None = None) -> SegmentRecord:
-        """Build segment ``name`` from a directory, or from a guest image's /usr
-        (``from_image="debian"``). Nothing is left behind when it fails."""
+        """Build segment ``name`` from a directory, or from a guest image's root
+        filesystem (``from_image="debian"``: its root.erofs, which a VM mounts at "/").
+        Nothing is left behind when it fails."""
         check_name("segment", name)
         if self.db.find_segment(name) is not None:
             raise ConflictError(f"a segment named {name!r} already exists; delete it first "
@@ -75,12 +76,13 @@ class SegmentManager:
             else:
                 assert from_image is not None
                 image = find_image(self.paths.cache, kind=from_image)
-                if image.usr is None:
-                    raise SegmentError(f"the {from_image} image has no separate /usr to "
-                                       "share; use --from-image debian or --from DIR.")
+                if image.root is None:
+                    raise SegmentError(f"the {from_image} image has no root filesystem "
+                                       "image to share; use --from-image debian or "
+                                       "--from DIR.")
                 source = f"image:{from_image}:{image.digest[:16]}"
-                say(f"taking {image.usr.name} of the {from_image} image")
-                _copy(image.usr, tmp)
+                say(f"taking {image.root.name} of the {from_image} image")
+                _copy(image.root, tmp)
                 size = tmp.stat().st_size
             tmp.chmod(0o444)
             os.replace(tmp, final)

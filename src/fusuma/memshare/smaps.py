@@ -21,6 +21,8 @@ from typing import Any
 from fusuma.errors import HostError, NotFoundError
 
 DELETED = " (deleted)"
+# A template's RAM file (fusuma.memshare.templates): ``<shm>/<T>.template``.
+TEMPLATE_SUFFIX = ".template"
 
 # "start-end perms offset major:minor inode [path]"; the path may contain spaces.
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+)\s+([r-][w-][x-][sp])\s+([0-9a-f]+)\s+"
@@ -190,6 +192,40 @@ def segment_usage(mappings: Iterable[Mapping],
     return {name: SegmentUse(name=name, rss_kib=sum(m.rss_kib for m in ms),
                              pss_kib=sum(m.pss_kib for m in ms), mappings=len(ms))
             for name, ms in sorted(found.items())}
+
+
+@dataclass(frozen=True)
+class TemplateUse:
+    """What a clone has of its template's RAM file: the template's pages it maps
+    (RSS, and PSS: its fair part of pages all clones share), apart from the pages it
+    has written, which are its own copies (anonymous pages of the same mapping)."""
+
+    name: str
+    rss_kib: int
+    pss_kib: int
+    copied_kib: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "rss_mib": round(self.rss_kib / 1024, 1),
+                "pss_mib": round(self.pss_kib / 1024, 1),
+                "copied_mib": round(self.copied_kib / 1024, 1)}
+
+
+def template_usage(mappings: Iterable[Mapping]) -> TemplateUse | None:
+    """The template file a clone maps privately (None: the process is no clone).
+
+    In a private file mapping the pages the process wrote are anonymous copies, its
+    own (PSS = RSS unless KSM merged them); the rest of the mapping's PSS is the
+    template file's pages, shared with the other clones."""
+    found = [m for m in mappings if m.file_path.endswith(TEMPLATE_SUFFIX) and not m.shared]
+    if not found:
+        return None
+    copied = sum(m.kib.get("Anonymous", 0) for m in found)
+    rss = sum(m.rss_kib for m in found)
+    pss = sum(m.pss_kib for m in found)
+    return TemplateUse(name=Path(found[0].file_path).name.removesuffix(TEMPLATE_SUFFIX),
+                       rss_kib=max(0, rss - copied), pss_kib=max(0, pss - copied),
+                       copied_kib=copied)
 
 
 @dataclass(frozen=True)

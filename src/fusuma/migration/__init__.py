@@ -119,6 +119,10 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
         raise StateError(f"VM {vm!r} is already in partition {to!r}.")
     if mode not in ("zero-copy", "copy"):
         raise StateError(f"unknown mode {mode!r}; use zero-copy or copy.")
+    if mode == "zero-copy" and rec.template is not None:
+        raise StateError(f"VM {vm!r} is a clone of template {rec.template!r}: its RAM is a "
+                         "private copy-on-write mapping of the template's file, which "
+                         "zero-copy migration cannot hand over; use --mode copy.")
     if mode == "zero-copy" and rec.mergeable:
         raise StateError(f"VM {vm!r} is mergeable: its RAM is private so that KSM can "
                          "merge it, and zero-copy migration needs RAM in a shared file; "

@@ -92,6 +92,10 @@ def check(parts: PartitionManager, vm: str, new: Qemu | None = None) -> None:
     if parts.supervisor_pid(p) is None:
         raise StateError(f"the supervisor of partition {p!r} is not running; start it with "
                          f"`fusuma partition restart {p}`.")
+    if rec.template is not None:
+        raise StateError(f"VM {vm!r} is a clone of template {rec.template!r}: its RAM is a "
+                         f"private copy-on-write mapping of the template's file, which "
+                         f"{MODE} cannot hand to a new QEMU; move it with {via(p)} instead.")
     if rec.mergeable or not rec.shared_ram:
         raise StateError(f"VM {vm!r} has private RAM, which {MODE} cannot hand to a new "
                          f"QEMU (it needs RAM in a shared file); move it with {via(p)} "

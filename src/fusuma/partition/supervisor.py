@@ -42,7 +42,7 @@ from fusuma.governor.qos import emulator_cores, vcpu_order
 from fusuma.host import cgroups
 from fusuma.host.accel import probe_accel
 from fusuma.images import find_image
-from fusuma.memshare import reporting
+from fusuma.memshare import reporting, template_ops
 from fusuma.memshare.ksm import enable_merge_any
 from fusuma.migration import cpr
 from fusuma.migration import supervisor_ops as migration_ops
@@ -58,6 +58,7 @@ from fusuma.qemu.cmdline import (
     VmConfig,
     build_argv,
     device_set,
+    new_vmgenid,
 )
 from fusuma.qemu.qga import GuestAgent
 from fusuma.qemu.qmp import EVENT_RESUME, EVENT_STOP, Qmp
@@ -87,7 +88,7 @@ def lazy_ram_limit(size_bytes: int, overhead_bytes: int) -> int:
     while a move runs, each within its overhead."""
     return ram_group_limit(size_bytes) + 2 * overhead_bytes
 # Jobs a supervisor owns and recovers itself (the CLI owns moves, deletes, resizes).
-LOCAL_JOBS = ("start", "stop", "kill")
+LOCAL_JOBS = ("start", "stop", "kill", "template")
 
 
 
@@ -403,14 +404,23 @@ class Supervisor:
                     self._kill_unmanaged(rec)
                 with contextlib.suppress(FusumaError):
                     self._settle_state(name, VmState.STOPPED, pid=None)
+            elif job.kind == "template":
+                await template_ops.recover(self, job)
             elif job.kind == "start":
+                status = None if rt is None else await rt.qmp.query_status()
+                if rt is not None and status in ("inmigrate", "prelaunch"):
+                    # A clone that never loaded its template's state: it cannot run.
+                    rt.stopping = True
+                    process.kill(rt.pid)
+                    with contextlib.suppress(QemuError):
+                        await self._wait_exit(rt)
+                    rt = None
                 if rt is None:
                     self._cleanup_run(self.paths.vm_run_dir(name))
                     with contextlib.suppress(FusumaError):
                         self._settle_state(name, VmState.STOPPED, pid=None,
                                            error="the supervisor died while starting it")
                 else:
-                    status = await rt.qmp.query_status()
                     self._settle_state(name, VmState.RUNNING if status == "running"
                                        else VmState.PAUSED, pid=rt.pid)
             self.log.info("recovered the %s job of %s (owner pid %d died)", job.kind, name,
@@ -500,8 +510,9 @@ class Supervisor:
         return [{"name": rt.name, "pid": rt.pid} for rt in self.vms.values()]
 
     async def op_start(self, vm: str, wait_agent: float = 0.0) -> dict[str, Any]:
+        requested = time.time()
         async with self._lock(vm), self._job(vm, "start"):
-            await self._start(self._vm(vm))
+            await self._start(self._vm(vm), requested)
         if wait_agent > 0:
             await self.op_wait_agent(vm, timeout=wait_agent)
         return {"vm": vm, "pid": self.vms[vm].pid}
@@ -663,6 +674,10 @@ class Supervisor:
         return {"vm": vm, "resident_before_mib": mib(before), "resident_after_mib": mib(after),
                 "returned_mib": mib(returned), "seconds": round(time.monotonic() - t0, 2)}
 
+    async def op_template_save(self, vm: str, template: str,
+                               fault: str = "") -> dict[str, Any]:
+        return await template_ops.save(self, vm, template, fault)
+
     async def op_governor_status(self, limit: int = 50) -> dict[str, Any]:
         return self.governor.status(limit)
 
@@ -775,7 +790,10 @@ class Supervisor:
                  incoming: str | None) -> DeviceSet:
         """What the guest sees: for a boot, today's devices on the VM's pinned machine
         type; for a move's destination, the set recorded when the guest booted."""
-        if incoming is not None and vm.devices:
+        if vm.template is not None and incoming is None:
+            # A clone: the template's devices (fusuma.memshare.templates).
+            ds = template_ops.clone_devices(self, vm, q)
+        elif incoming is not None and vm.devices:
             try:
                 ds = DeviceSet.loads(vm.devices)
             except (ValueError, KeyError, TypeError) as exc:
@@ -786,7 +804,9 @@ class Supervisor:
             # that fusuma gave it (the same devices, in the same order).
             machine = vm.machine or (versions.machine_of(self.paths, vm) if incoming
                                      else versions.default_machine(self.paths, q))
-            ds = device_set(replace(cfg, machine=machine))
+            # A boot gets a vmgenid of its own: the recorded set keeps it for moves.
+            ds = device_set(replace(cfg, machine=machine,
+                                    vmgenid=new_vmgenid() if incoming is None else None))
             if incoming is None and ds.cpu == "max":
                 # TCG's CPU, trimmed to what every installed QEMU emulates (the guest
                 # must never be told of an instruction a QEMU it moves to lacks), with
@@ -831,9 +851,9 @@ class Supervisor:
                                    ) from exc
             segments.append(SegmentConfig(sname, Path(seg.path), size, mount or
                                           f"/mnt/{sname}"))
-        usr_disk = None
-        if image.usr is not None and not any(s.mount == "/usr" for s in segments):
-            usr_disk = image.usr
+        root_disk = None
+        if image.root is not None and not any(s.mount == "/" for s in segments):
+            root_disk = image.root
         ports = [(int(h), int(g)) for h, g in (p.split(":") for p in vm.ports)]
         qmp = run / "qmp.sock"
         if len(str(qmp)) > MAX_SOCKET_PATH - 4:
@@ -848,9 +868,9 @@ class Supervisor:
             ram_file=ram_file, disks=disks, incoming=incoming, segments=segments,
             mergeable=vm.mergeable, ports=ports, bind_ports=incoming is None,
             page_reporting=reporting.wanted(vm, self.cg),
-            usr_disk=usr_disk)
+            root_disk=root_disk)
 
-    async def _start(self, vm: VmRecord) -> None:
+    async def _start(self, vm: VmRecord, requested: float | None = None) -> None:
         if vm.name in self.vms:
             raise StateError(f"VM {vm.name!r} is already running (pid {self.vms[vm.name].pid}).")
         if vm.state not in (VmState.STOPPED, VmState.CRASHED):
@@ -872,6 +892,10 @@ class Supervisor:
             self.vms[vm.name] = rt
             undo.append(lambda: self.vms.pop(vm.name, None))
             self._watch(rt)
+            restore_ms = None
+            if vm.template is not None:
+                self._phase(vm.name, "restore", pid=rt.pid)
+                restore_ms = await template_ops.restore(self, vm, rt)
             self._phase(vm.name, "pin", pid=rt.pid)
             await self._repin_all()
             self.db.transition(
@@ -880,6 +904,9 @@ class Supervisor:
                 qemu_version=rt.qemu_version,
                 error=None, ram_path=str(ram) if ram else None)
             self.log.info("started %s: pid %d, %s", vm.name, rt.pid, accel.name)
+            if restore_ms is not None:
+                template_ops.begin_identity(self, vm.name, rt, requested or started,
+                                            restore_ms)
         except BaseException as exc:
             self._undo(undo)
             if isinstance(exc, FusumaError):
@@ -919,6 +946,8 @@ class Supervisor:
                       cpu_off=versions.cpu_off(q, devices.cpu_features))
         cfg = replace(cfg, aux_ram_share=q.features.get("aux-ram-share", False),
                       cpr_socket=cpr_socket)
+        if vm.template is not None and incoming is None:
+            cfg, groups = template_ops.clone_config(self, vm, cfg, groups)
         self._cleanup_run(run)
         self.paths.ensure_runtime()
         # ``run`` is the VM's run dir or, for a migration's destination, a dir in it.
@@ -953,6 +982,8 @@ class Supervisor:
         # caller chose (the source's for zero-copy, a new one made for a copy).
         cfg, files = privilege.open_for_qemu(cfg, uid, new_ram=incoming is None)
         try:
+            if cfg.template_ram is not None:
+                cfg = template_ops.open_files(self, vm, cfg, files)
             if ram is not None and incoming is None:
                 self.charge_ram(ram, vm.memory_mib)
             if ram_stem is not None:

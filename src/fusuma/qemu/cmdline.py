@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -34,9 +35,12 @@ SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=de
 
 # Free page reporting: the guest reports free blocks of 2^order pages, and QEMU hands
 # them back to the host (a hole punched in a shared RAM file, MADV_DONTNEED for private
-# RAM). The kernel's default order is pageblock_order (9: 2 MiB blocks); a smaller one
-# returns memory freed in smaller pieces, for more reports. FUSUMA_PAGE_REPORTING_ORDER
-# overrides it.
+# RAM). The kernel's default order is pageblock_order (9: 2 MiB blocks), which leaves
+# what boot frees in smaller pieces (and the whole 16 MiB DMA zone) resident: an idle
+# 256 MiB minimal guest held ~100 MiB of host memory at order 9, 78.6 MiB at order 5
+# (128 KiB blocks) and 78.2 MiB at order 0 (single pages, many more reports). The
+# guest's /init writes it (fusuma.images lib.sh: the 6.1 kernel ignores it on its
+# command line). FUSUMA_PAGE_REPORTING_ORDER overrides it.
 PAGE_REPORTING_ORDER = 5
 
 
@@ -50,6 +54,14 @@ def page_reporting_order() -> int:
 
 
 BALLOON_ID = "balloon0"
+
+
+def new_vmgenid() -> str | None:
+    """The vmgenid guid for a VM booting now: a new one, or None (no vmgenid device, as
+    fusuma gave guests before templates) when FUSUMA_VMGENID is "0"."""
+    if os.environ.get("FUSUMA_VMGENID", "1") == "0":
+        return None
+    return str(uuid.uuid4())
 
 
 def tcg_tb_mib() -> int:
@@ -108,10 +120,19 @@ class VmConfig:
     # False on a migration's destination: the source still holds the host ports, so
     # they are added (hostfwd_add) once the source has gone.
     bind_ports: bool = True
-    usr_disk: Path | None = None     # Debian image: its /usr on a read-only virtio-blk
+    root_disk: Path | None = None    # Debian image: its root on a read-only virtio-blk
     # A virtio-balloon with free page reporting: pages the guest frees go back to the
     # host (a VM booting now; a recorded device set says it for a moving one).
     page_reporting: bool = False
+    # The guid of a ``vmgenid`` device for a VM booted now (None: no such device). The
+    # recorded device set keeps it, so a move keeps the guest's generation; a clone of a
+    # template gets a new one (fusuma.memshare.templates.clone_devices).
+    vmgenid: str | None = None
+    # A clone of a template (fusuma.memshare.templates): its RAM is the template's file
+    # mapped privately and read-only (copy-on-write: QEMU >= 8.2, ``readonly=on`` with
+    # ``rom=off``), and its device state comes from the template's state file, read
+    # from an fdset (TEMPLATE_STATE_FDSET) by ``migrate-incoming``.
+    template_ram: Path | None = None
     # The machine type of a VM booted now (its record pins a versioned one); ignored
     # when ``devices`` is given: a recorded device set names its own.
     machine: str = "q35"
@@ -136,17 +157,24 @@ class VmConfig:
     kernel_fd: int | None = None
     initrd_fd: int | None = None
     console_log_fd: int | None = None
-    usr_disk_fd: int | None = None
+    root_disk_fd: int | None = None
+    template_ram_fd: int | None = None
+    template_state_fd: int | None = None
 
     def passed_fds(self) -> list[int]:
         """Every descriptor the argv names: QEMU must inherit exactly these."""
         fds = [self.ram_fd, self.kernel_fd, self.initrd_fd, self.console_log_fd,
-               self.usr_disk_fd, *(s.fd for s in self.segments)]
+               self.root_disk_fd, self.template_ram_fd, self.template_state_fd,
+               *(s.fd for s in self.segments)]
         return [fd for fd in fds if fd is not None] + [fd for d in self.disks
                                                        for fd in d.fds]
 
 
 NET_ID = "net0"
+VMGENID_ID = "vmgenid0"
+# The fdset a clone's QEMU reads its template's state file from: numbered apart from the
+# ones build_argv numbers in argv order, so ``migrate-incoming`` can name it.
+TEMPLATE_STATE_FDSET = 90
 MACHINE_OPTS = "sata=off,smbus=off,vmport=off,i8042=off"
 DEVICE_SET_VERSION = 1
 # What build_argv names in devices' properties: the backends they attach to.
@@ -235,9 +263,9 @@ def device_set(cfg: VmConfig) -> DeviceSet:
     devs += [Device("virtio-pmem-pci", (("memdev", f"seg-{seg.name}"),
                                         ("id", f"pmem-{seg.name}")))
              for seg in cfg.segments]
-    if cfg.usr_disk is not None:
-        devs.append(Device("virtio-blk-pci", (("drive", "disk-fusuma-usr"),
-                                              ("serial", "fusuma-usr"))))
+    if cfg.root_disk is not None:
+        devs.append(Device("virtio-blk-pci", (("drive", "disk-fusuma-root"),
+                                              ("serial", "fusuma-root"))))
     if cfg.ports:
         devs.append(Device("virtio-net-pci", (("netdev", NET_ID), ("romfile", ""))))
     devs += [Device("virtio-blk-pci", (("drive", f"disk-{d.name}"), ("serial", d.name)))
@@ -245,6 +273,9 @@ def device_set(cfg: VmConfig) -> DeviceSet:
     if cfg.page_reporting:
         devs.append(Device("virtio-balloon-pci", (("id", BALLOON_ID),
                                                   ("free-page-reporting", "on"))))
+    if cfg.vmgenid is not None:
+        # Not a PCI device (an ACPI one): last, it moves no other device's address.
+        devs.append(Device("vmgenid", (("id", VMGENID_ID), ("guid", cfg.vmgenid))))
     return DeviceSet(machine=cfg.machine, machine_props=_pairs(MACHINE_OPTS),
                      cpu="host" if cfg.accel == "kvm" else "max", smp=cfg.vcpus,
                      memory=memory_arg(cfg), serial="con0", devices=tuple(devs))
@@ -314,7 +345,15 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
     machine = ",".join([ds.machine, *(f"{k}={v}" for k, v in ds.machine_props)])
     argv += ["-machine", f"{machine},memory-backend=ram0{aux}",
              "-smp", str(ds.smp), "-m", ds.memory]
-    if cfg.ram_file is not None:
+    if cfg.template_ram is not None:
+        # A clone: the template's pages, mapped privately (copy-on-write) from a
+        # read-only descriptor: the clone's writes never reach the file, and a discard
+        # (balloon, page reporting) fails instead of punching a hole in it.
+        merge = "on" if cfg.mergeable else "off"
+        argv += ["-object", f"memory-backend-file,id=ram0,size={cfg.memory_mib}M,"
+                 f"mem-path={fd_path(cfg.template_ram_fd, cfg.template_ram)},"
+                 f"share=off,readonly=on,rom=off,merge={merge}"]
+    elif cfg.ram_file is not None:
         # A named shared file (not a memfd): another QEMU can map the same pages,
         # which is what zero-copy migration (x-ignore-shared) relies on.
         argv += ["-object", f"memory-backend-file,id=ram0,size={cfg.memory_mib}M,"
@@ -348,11 +387,12 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
                  f"mem-path={fd_path(seg.fd, seg.path)},"
                  f"size={seg.size_bytes},share=on,readonly=on,merge=off"]
         backends.append(f"seg-{seg.name}")
-    if cfg.usr_disk is not None:
-        usr = fdsets.path(cfg.usr_disk_fd, "disk-fusuma-usr", cfg.usr_disk)
-        argv += ["-drive", f"file={usr},format=raw,if=none,id=disk-fusuma-usr,readonly=on"]
-        backends.append("disk-fusuma-usr")
-    if cfg.ports:
+    if cfg.root_disk is not None:
+        root = fdsets.path(cfg.root_disk_fd, "disk-fusuma-root", cfg.root_disk)
+        argv += ["-drive", f"file={root},format=raw,if=none,id=disk-fusuma-root,readonly=on"]
+        backends.append("disk-fusuma-root")
+    # A clone of a template with a network card has it whether it forwards ports or not.
+    if cfg.ports or any(NET_ID in dev.backends() for dev in ds.devices):
         fwd = "".join(f",hostfwd={hostfwd(h, g)}" for h, g in cfg.ports) \
             if cfg.bind_ports else ""
         argv += ["-netdev", f"user,id={NET_ID}{fwd}"]
@@ -383,6 +423,9 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
     for dev in ds.devices:
         argv += ["-device", dev.option()]
     argv += ["-pidfile", str(cfg.pidfile)]
+    if cfg.template_state_fd is not None:
+        fdsets.argv += ["-add-fd", f"fd={cfg.template_state_fd},set={TEMPLATE_STATE_FDSET},"
+                        "opaque=template-state"]
     argv[fdsets_at:fdsets_at] = fdsets.argv
     if cfg.incoming is not None:
         # -S: a move's destination stays paused when the stream completes, until the

@@ -204,11 +204,11 @@ def open_for_qemu(cfg: VmConfig, uid: int, *, new_ram: bool) -> tuple[VmConfig, 
                                                          s.path)))
                     for s in cfg.segments]
         disks = [replace(d, fds=_open_disk(cfg.name, files, d)) for d in cfg.disks]
-        usr_fd = None if cfg.usr_disk is None else files.add(
-            _open(cfg.name, "/usr image", cfg.usr_disk, os.O_RDONLY))
+        root_fd = None if cfg.root_disk is None else files.add(
+            _open(cfg.name, "root image", cfg.root_disk, os.O_RDONLY))
     except BaseException:
         files.close()
         raise
     return replace(cfg, ram_fd=ram_fd, kernel_fd=kernel_fd, initrd_fd=initrd_fd,
                    console_log_fd=log_fd, segments=segments, disks=disks,
-                   usr_disk_fd=usr_fd), files
+                   root_disk_fd=root_fd), files

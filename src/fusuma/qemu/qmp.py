@@ -69,7 +69,9 @@ class Qmp:
                     raise QemuError(f"VM {self.vm}: QEMU did not answer on its QMP socket "
                                     f"{self.socket} within {timeout:.0f} s.") from exc
                 self._client = QMPClient(self.vm)
-                await asyncio.sleep(0.05)
+                # QEMU opens its socket within ~50-100 ms of exec: poll finely, a
+                # clone's start (fusuma.memshare.templates) counts every ms.
+                await asyncio.sleep(0.01)
 
     async def execute(self, command: str, arguments: dict[str, Any] | None = None,
                       timeout: float = 30.0) -> Any:

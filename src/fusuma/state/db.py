@@ -93,6 +93,23 @@ CREATE TABLE IF NOT EXISTS segments (
     source TEXT NOT NULL,
     created_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS templates (
+    name TEXT PRIMARY KEY,
+    ram_path TEXT NOT NULL UNIQUE,   -- the guest RAM file (shm dir), read-only for clones
+    state_path TEXT NOT NULL UNIQUE, -- device state (migration stream without shared RAM)
+    size_bytes INTEGER NOT NULL,     -- of the RAM file
+    memory_mib INTEGER NOT NULL,
+    vcpus INTEGER NOT NULL,
+    machine TEXT NOT NULL,
+    qemu_version TEXT NOT NULL,
+    devices TEXT NOT NULL,           -- the guest's DeviceSet as JSON
+    image TEXT NOT NULL,
+    segments TEXT NOT NULL DEFAULT '[]',
+    accel TEXT NOT NULL,
+    state_sha256 TEXT NOT NULL,
+    source_vm TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
 """
 
 # Columns added after a table's first version: (table, column, definition). A state
@@ -191,6 +208,31 @@ class SegmentRecord:
     size_bytes: int
     source: str                      # the directory or image it was built from
     created_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class TemplateRecord:
+    """A booted guest kept as a RAM file and a device state file, for clones to start
+    from (fusuma.memshare.templates)."""
+
+    name: str
+    ram_path: str
+    state_path: str
+    size_bytes: int
+    memory_mib: int
+    vcpus: int
+    machine: str
+    qemu_version: str
+    devices: str
+    image: str
+    state_sha256: str
+    source_vm: str
+    accel: str = "tcg"
+    segments: list[str] = field(default_factory=list)
+    created_at: float = field(default_factory=time.time)
+    # SQLite rowid: the basis of the group that may read its files (fusuma.memshare.
+    # templates.template_gid). 0 until stored.
+    slot: int = field(default=0, compare=False)
 
 
 class Database:
@@ -644,3 +686,67 @@ class Database:
 
     def remove_segment(self, name: str) -> None:
         self._conn.execute("DELETE FROM segments WHERE name=?", (name,))
+
+    # -- templates ----------------------------------------------------------------
+    @staticmethod
+    def _template(row: sqlite3.Row) -> TemplateRecord:
+        return TemplateRecord(
+            name=row["name"], ram_path=row["ram_path"], state_path=row["state_path"],
+            size_bytes=row["size_bytes"], memory_mib=row["memory_mib"], vcpus=row["vcpus"],
+            machine=row["machine"], qemu_version=row["qemu_version"],
+            devices=row["devices"], image=row["image"],
+            segments=json.loads(row["segments"]), accel=row["accel"],
+            state_sha256=row["state_sha256"], source_vm=row["source_vm"],
+            created_at=row["created_at"], slot=row["rowid"])
+
+    def templates(self) -> list[TemplateRecord]:
+        rows = self._conn.execute("SELECT rowid, * FROM templates ORDER BY name").fetchall()
+        return [self._template(r) for r in rows]
+
+    def find_template(self, name: str) -> TemplateRecord | None:
+        row = self._conn.execute("SELECT rowid, * FROM templates WHERE name=?",
+                                 (name,)).fetchone()
+        return self._template(row) if row else None
+
+    def template(self, name: str) -> TemplateRecord:
+        rec = self.find_template(name)
+        if rec is None:
+            raise NotFoundError(f"no template named {name!r}; see `fusuma template list`.")
+        return rec
+
+    def add_template(self, t: TemplateRecord) -> TemplateRecord:
+        """Store ``t``; returns it with its slot."""
+        try:
+            cur = self._conn.execute(
+                "INSERT INTO templates (name, ram_path, state_path, size_bytes, memory_mib, "
+                "vcpus, machine, qemu_version, devices, image, segments, accel, "
+                "state_sha256, source_vm, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (t.name, t.ram_path, t.state_path, t.size_bytes, t.memory_mib, t.vcpus,
+                 t.machine, t.qemu_version, t.devices, t.image, json.dumps(t.segments),
+                 t.accel, t.state_sha256, t.source_vm, t.created_at))
+        except sqlite3.IntegrityError as exc:
+            raise ConflictError(f"a template named {t.name!r} already exists; delete it "
+                                "or pick another name.") from exc
+        self.emit("lifecycle", "template-created", f"/1.0/templates/{t.name}",
+                  source_vm=t.source_vm, memory_mib=t.memory_mib)
+        return replace(t, slot=int(cur.lastrowid or 0))
+
+    def clones_of(self, name: str) -> list[str]:
+        """The VMs (whatever their state) started from template ``name``."""
+        rows = self._conn.execute("SELECT name FROM vms WHERE template=? ORDER BY name",
+                                  (name,)).fetchall()
+        return [str(r["name"]) for r in rows]
+
+    def remove_template(self, name: str) -> None:
+        """Delete a template's record: only while no VM was cloned from it (one
+        conditional statement, so a clone defined meanwhile keeps it)."""
+        cur = self._conn.execute(
+            "DELETE FROM templates WHERE name=? AND NOT EXISTS "
+            "(SELECT 1 FROM vms WHERE template=?)", (name, name))
+        if cur.rowcount:
+            self.emit("lifecycle", "template-deleted", f"/1.0/templates/{name}")
+            return
+        users = self.clones_of(name)
+        if users:
+            raise StateError(f"template {name!r} is used by VM(s) {', '.join(users)}; "
+                             "delete them first.")

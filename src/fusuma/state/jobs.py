@@ -56,7 +56,7 @@ class JobOwner:
 DOING = {
     "start": "starting", "stop": "stopping", "kill": "being killed",
     "delete": "being deleted", "resize": "being resized", "maintain": "under maintenance",
-    "recover": "being recovered",
+    "recover": "being recovered", "template": "being made into a template",
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusuma import capacity, recovery
-from fusuma.errors import ConflictError, NotFoundError, StateError
+from fusuma.errors import ConflictError, NotFoundError, SpecError, StateError
 from fusuma.names import check_name
 from fusuma.paths import Paths
 from fusuma.qemu import process
@@ -46,6 +46,8 @@ class VmManager:
         if self.db.find_vm(spec.name) is not None:
             raise ConflictError(f"a VM named {spec.name!r} already exists.")
         part = self.db.partition(spec.partition)
+        if spec.template is not None:
+            spec = self._clone_spec(spec, part.qemu)
         for dname in spec.disks:
             disk = self.db.disk(dname)
             if disk.partition != spec.partition:
@@ -91,6 +93,33 @@ class VmManager:
                                 "give it less memory, delete a VM or shrink a partition")
         self.db.add_vm(rec)
         return rec
+
+    def _clone_spec(self, spec: VmSpec, qemu: str | None) -> VmSpec:
+        """A clone's definition: what its template's saved guest has (a value given
+        that differs is refused), on a partition whose QEMU can map the template."""
+        from fusuma.memshare import templates
+        from fusuma.qemu import versions
+
+        t = self.db.template(str(spec.template))
+        given = spec.model_fields_set
+        fill = {k: getattr(t, k) for k in ("vcpus", "memory_mib", "image", "segments")
+                if k not in given}
+        fill["machine"] = spec.machine or t.machine
+        fill["shared_ram"] = False
+        merged = spec.model_copy(update=fill)
+        templates.check_clone(t, vcpus=merged.vcpus, memory_mib=merged.memory_mib,
+                              disks=list(spec.disks), ports=list(spec.ports),
+                              segments=list(merged.segments), image=merged.image,
+                              accel=spec.accel,
+                              shared_ram="shared_ram" in given and spec.shared_ram)
+        if merged.machine != t.machine:
+            raise SpecError(f"template {t.name!r}'s guest has machine type {t.machine}; a "
+                            "clone has it too (leave out --machine).")
+        q = versions.resolve(self.paths, qemu)
+        if not templates.version_ok(q.version):
+            raise templates.too_old(f"partition {spec.partition!r}", q.version)
+        templates.check_files(t)
+        return merged.model_copy(update={"accel": t.accel})
 
     def _machine(self, partition: str, qemu: str | None, wanted: str | None) -> str:
         """The machine type a new VM pins: ``wanted`` if its partition's QEMU has it,

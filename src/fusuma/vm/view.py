@@ -52,7 +52,8 @@ class VmView:
         if alive and r.pid:
             mem = self.memory(r.name, r.pid) if self.memory is not None else None
             if mem is None:
-                mem = read_memory(r.pid, r.segments, self.segments_dir)
+                mem = read_memory(r.pid, r.segments, self.segments_dir,
+                                  clone=r.template is not None)
         return {"name": r.name, "partition": r.partition, "state": state,
                 "pid": r.pid if state != "crashed" else None,
                 "accel": r.accel_used or r.accel, "vcpus": r.vcpus,
@@ -66,15 +67,16 @@ class VmView:
                 "disks": r.disks, "error": r.error}
 
 
-def read_memory(pid: int, segments: Sequence[str],
-                segments_dir: Path) -> dict[str, Any] | None:
-    """The host memory of QEMU ``pid`` as ``ps --json`` shows it (None if it is gone)."""
+def read_memory(pid: int, segments: Sequence[str], segments_dir: Path,
+                clone: bool = False) -> dict[str, Any] | None:
+    """The host memory of QEMU ``pid`` as ``ps --json`` shows it (None if it is gone);
+    ``clone``: a clone of a template, whose template file's pages count apart."""
     from fusuma.memshare.report import vm_memory
 
     files = {seg: segments_dir / f"{seg}.erofs"
              for seg in (item.partition(":")[0] for item in segments)}
     with contextlib.suppress(FusumaError):
-        return vm_memory(pid, files).as_json()
+        return vm_memory(pid, files, clone=clone).as_json()
     return None
 
 
