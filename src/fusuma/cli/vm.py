@@ -104,7 +104,8 @@ def create(c: Ctx, name: str, partition: str, vcpus: int | None, memory_mib: int
     Examples:
       fusuma vm create web0 -p p0 --image debian --port 8080:80 --start
       fusuma vm create web1 -p p0 --image debian --segment debian-root:/
-      fusuma vm create k0 -p p1 --mergeable --start"""
+      fusuma vm create k0 -p p1 --mergeable --start
+      fusuma vm create c0 -p p10 --template web --start"""
     from fusuma.spec import VmSpec, build
     from fusuma.undo import Reverter
 

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from fusuma import capacity, recovery
 from fusuma.errors import ConflictError, StateError, TemplateError
 from fusuma.memshare import templates
-from fusuma.memshare.template_ops import refuse
 from fusuma.names import check_name
 from fusuma.paths import Paths
 from fusuma.qemu import process
@@ -49,6 +48,8 @@ class TemplateManager:
         if state != "running":
             raise TemplateError(f"VM {vm!r} is {state}; a template is made from a running "
                                 f"VM: start it (`fusuma vm start {vm}`) and try again.")
+        from fusuma.memshare.template_ops import refuse
+
         refuse(rec, rec.qemu_version)
         capacity.check_template(self.db, self.parts.host, name, rec.memory_mib)
         self.parts.client(rec.partition).call(

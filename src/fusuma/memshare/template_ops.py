@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import stat
 import time
@@ -38,6 +39,7 @@ from fusuma.errors import (
     TemplateError,
 )
 from fusuma.memshare import reporting, templates
+from fusuma.migration.supervisor_ops import _wait_migration as wait_migration
 from fusuma.paths import PRIVATE_DIR, ensure_dir
 from fusuma.qemu import process, versions
 from fusuma.qemu.cmdline import TEMPLATE_STATE_FDSET, DeviceSet, VmConfig
@@ -108,6 +110,9 @@ async def save(sup: Supervisor, vm: str, template: str, fault: str = "") -> dict
         if not rec.ram_path or not Path(rec.ram_path).is_file():
             raise StateError(f"VM {vm!r} has no RAM file ({rec.ram_path}); stop and start "
                              "it, then try again.")
+        if not rec.devices:
+            raise TemplateError(f"VM {vm!r} has no recorded device set (booted by an older "
+                                "fusuma); stop and start it, then try again.")
         async with sup._job(vm, "template"):
             return await _save(sup, rec, rt, template, fault)
 
@@ -135,9 +140,7 @@ async def _save(sup: Supervisor, rec: VmRecord, rt: VmRuntime, name: str,
         sup._phase(vm, "save")
         await rt.qmp.migrate_set_capabilities({"x-ignore-shared": True, "events": True})
         await rt.qmp.migrate(f"file:{out}")
-        from fusuma.migration.supervisor_ops import _wait_migration
-
-        info = await _wait_migration(rt, SAVE_TIMEOUT_S)
+        info = await wait_migration(rt, SAVE_TIMEOUT_S)
         if info.status != "completed":
             raise TemplateError(f"VM {vm!r}: QEMU could not save its device state "
                                 f"({info.error or info.status}); it runs on.")
@@ -147,10 +150,7 @@ async def _save(sup: Supervisor, rec: VmRecord, rt: VmRuntime, name: str,
         sha, state_bytes = _copy_state(out, state)
         with contextlib.suppress(FileNotFoundError):
             out.unlink()
-        ds = DeviceSet.loads(str(rec.devices)) if rec.devices else None
-        if ds is None:
-            raise TemplateError(f"VM {vm!r} has no recorded device set (booted by an older "
-                                "fusuma); stop and start it, then try again.")
+        ds = DeviceSet.loads(str(rec.devices))
         record = TemplateRecord(
             name=name, ram_path=str(ram_dst), state_path=str(state),
             size_bytes=ram_src.stat().st_size, memory_mib=rec.memory_mib,
@@ -164,9 +164,10 @@ async def _save(sup: Supervisor, rec: VmRecord, rt: VmRuntime, name: str,
     except BaseException as exc:
         if not committed:
             await _undo(sup, rt, out, tdir, stopped, unbound)
-        if isinstance(exc, QemuError) and not isinstance(exc, GuestAgentError) \
-                and not isinstance(exc, TemplateError):
-            raise TemplateError(f"template {name!r} was not made: {exc}; VM {vm!r} runs on."
+        if isinstance(exc, QemuError):
+            after = ("its QEMU is gone (see `fusuma ps`)" if rt.exited.is_set()
+                     else f"VM {vm!r} runs on")
+            raise TemplateError(f"template {name!r} was not made ({exc}); {after}."
                                 ) from exc
         raise
     await _finish(sup, vm, record, ram_src, rt)
@@ -231,8 +232,6 @@ async def _settle(rec: VmRecord, pid: int) -> None:
 def _copy_state(src: Path, dst: Path) -> tuple[str, int]:
     """Copy the state file QEMU wrote (in its run dir, owned by its uid) to ``dst``
     (root's, 0600), durably; returns its sha256 and size."""
-    import hashlib
-
     h = hashlib.sha256()
     size = 0
     try:
