@@ -463,3 +463,30 @@ def test_daemon_restart_keeps_vms(host: Host, daemons: Callable[..., Api]) -> No
         assert Api.ok(c, c.put("/1.0/vms/v0/state", json={"action": "kill"}))["state"] \
             in ("stopped", "crashed")
     assert not alive(vm["pid"])
+
+
+# -- templates ----------------------------------------------------------------------------
+def test_templates_over_the_api(host: Host, daemons: Callable[..., Api]) -> None:
+    api = daemons()
+    host.run("partition", "create", "p10", "--cpus", "0", "--memory", "1024",
+             "--qemu", "10.0")
+    host.run("vm", "create", "src", "-p", "p10", "--start")
+    with api.unix() as c:
+        made = Api.ok(c, c.post("/1.0/templates", json={"name": "t", "from_vm": "src"}))
+        assert made["name"] == "t" and made["intact"] is True, made
+        assert [t["name"] for t in c.get("/1.0/templates").json()] == ["t"]
+        assert host.vm("src")["state"] == "stopped"
+        clone = Api.ok(c, c.post("/1.0/vms", json={"name": "c1", "partition": "p10",
+                                                   "template": "t", "start": True}))
+        assert clone["state"] == "running" and clone["template"] == "t", clone
+        got = c.get("/1.0/templates/t").json()
+        assert got["clones"] == ["c1"], got
+        r = c.delete("/1.0/templates/t")
+        assert r.status_code == 409 and "c1" in r.json()["error"], r.text
+        r = c.post("/1.0/templates", json={"name": "t2", "from_vm": "nope"})
+        assert r.status_code == 404 and "nope" in r.json()["error"], r.text
+        r = c.post("/1.0/templates", json={"name": "t", "from_vm": "c1"})
+        assert r.status_code == 409 and "already exists" in r.json()["error"], r.text
+        Api.ok(c, c.delete("/1.0/vms/c1?force=true"))
+        assert c.delete("/1.0/templates/t").json() == {"deleted": "/1.0/templates/t"}
+        assert c.get("/1.0/templates/t").status_code == 404

@@ -674,6 +674,45 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
         SegmentManager(c.paths, c.db).delete(_name("segment", name))
         return {"deleted": f"/1.0/segments/{name}"}
 
+    # -- templates ---------------------------------------------------------------------
+    def _templates() -> Any:
+        from fusuma.memshare.template_manager import TemplateManager
+
+        c = d.ctx()
+        return TemplateManager(c.paths, c.db, c.parts)
+
+    @app.get("/1.0/templates", summary="What `fusuma template list --json` shows")
+    def list_templates() -> list[dict[str, Any]]:
+        mgr = _templates()
+        return [mgr.as_json(t) for t in mgr.all()]
+
+    @app.get("/1.0/templates/{name}", summary="What `fusuma template show --json` shows")
+    def get_template(name: str) -> dict[str, Any]:
+        mgr = _templates()
+        return dict(mgr.as_json(d.ctx().db.template(_name("template", name))))
+
+    @app.post("/1.0/templates", status_code=202,
+              summary="Stop a running VM into a template (operation)")
+    def create_template(body: m.TemplateCreate) -> JSONResponse:
+        c = d.ctx()
+        c.db.vm(body.from_vm)                   # 404 now, not a failed operation later
+        if c.db.find_template(body.name) is not None:
+            from fusuma.errors import ConflictError
+
+            raise ConflictError(f"a template named {body.name!r} already exists.")
+
+        def work(op: Operation) -> Any:
+            mgr = _templates()
+            return mgr.as_json(mgr.create(body.name, body.from_vm))
+        return d.submit("template-create", f"template {body.name} from VM {body.from_vm}",
+                        {"templates": [f"/1.0/templates/{body.name}"],
+                         "vms": [f"/1.0/vms/{body.from_vm}"]}, work)
+
+    @app.delete("/1.0/templates/{name}")
+    def delete_template(name: str) -> dict[str, Any]:
+        _templates().delete(_name("template", name))
+        return {"deleted": f"/1.0/templates/{name}"}
+
     @app.get("/1.0/share/report", summary="What `fusuma share report --json` shows")
     def share_report() -> dict[str, Any]:
         from fusuma.cli.share import report_data

@@ -102,6 +102,15 @@ class SegmentCreate(_Req):
     _check = field_validator("name")(_name_field)
 
 
+class TemplateCreate(_Req):
+    """Stop running VM ``from_vm`` into template ``name`` (`fusuma template create`)."""
+
+    name: str
+    from_vm: str
+
+    _check = field_validator("name", "from_vm")(_name_field)
+
+
 class ImageBuild(_Req):
     kind: str = "minimal"
     force: bool = False
