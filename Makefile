@@ -41,6 +41,13 @@ image: venv
 	$(FUSUMA) qemu install 10.0
 
 demo: image
+	@# The template part of an earlier demo goes first (clones need p0 on QEMU 10.0).
+	@for v in clone0 clone1 tsrc; do \
+	  $(FUSUMA) vm list --json 2>/dev/null | grep -q "\"$$v\"" && \
+	    $(FUSUMA) vm delete $$v --force; true; \
+	done
+	@$(FUSUMA) template list --json 2>/dev/null | grep -q '"demo"' && \
+	  $(FUSUMA) template delete demo; true
 	@# A p0 left on QEMU 10.0 by an earlier demo goes back to the system's first, so
 	@# that the host matches the default spec again.
 	@if $(FUSUMA) partition list --json 2>/dev/null | $(VENV)/bin/python -c 'import json,sys; sys.exit(0 if any(p["name"] == "p0" and p["qemu"] not in (None, "7.2") for p in json.load(sys.stdin)) else 1)'; then \
@@ -71,11 +78,23 @@ demo: image
 	$(FUSUMA) maintain p0 --via p1 --qemu 10.0
 	$(FUSUMA) ps
 	curl -s http://127.0.0.1:8080/ | grep -o '<title>.*</title>'
+	@echo "--- free page reporting: web0's guest drops its caches, the host gets them back"
+	$(FUSUMA) vm trim web0
+	@echo "--- a template: a booted VM stopped into RAM + device state; clones start from"
+	@echo "    it in milliseconds and share the pages they have not written"
+	$(FUSUMA) vm create tsrc -p p0 --memory 192 --start
+	$(FUSUMA) template create demo --from tsrc
+	for c in clone0 clone1; do \
+	  $(FUSUMA) vm create $$c -p p0 --template demo --start && \
+	  $(FUSUMA) vm exec $$c -- hostname || exit 1; \
+	done
+	$(FUSUMA) share report
 	@echo
 	@echo "Two partitions are up, p0 on QEMU 10.0 and p1 on the system's 7.2."
 	@echo "Try: $(FUSUMA) ps, $(FUSUMA) vm console vm0, $(FUSUMA) qemu list,"
 	@echo "$(FUSUMA) partition restart p0, $(FUSUMA) share analyze --vm web0."
 	@echo "Remove everything with: $(FUSUMA) down; $(FUSUMA) segment delete debian-root"
+	@echo "(down also deletes the template demo and its clones)."
 
 # The binaries' names carry the version: built once, reused until K8S_VERSION changes
 # (about 5 minutes on 2 cores; the Go build cache makes a rebuild a link).
