@@ -239,4 +239,11 @@ def identity_script(name: str, machine_id: str, mac: str) -> str:
     return (f"hostname {name} || exit 1; echo {name} > /etc/hostname 2>/dev/null; "
             f"echo {machine_id} > /etc/machine-id || exit 2; "
             f"if [ -e /sys/class/net/eth0 ]; then ip link set eth0 address {mac} || exit 3; "
+            # QEMU's user network (slirp) came with the template's state, ARP table
+            # included: until it hears the new MAC it sends to the template's, which
+            # the NIC drops. A gratuitous ARP and one to the gateway tell it now.
+            "ip neigh flush dev eth0 2>/dev/null; "
+            "for b in /fusuma/bin/busybox /bin/busybox; do [ -x $b ] || continue; "
+            "$b arping -U -c 1 -I eth0 10.0.2.15 >/dev/null 2>&1; "
+            "$b arping -c 1 -w 1 -I eth0 10.0.2.2 >/dev/null 2>&1; break; done; "
             "fi; head -c 64 > /dev/urandom || exit 4")
