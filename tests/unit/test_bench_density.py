@@ -22,20 +22,28 @@ def test_modes_are_checked_and_keep_their_order() -> None:
 
 def test_the_next_vm_starts_while_the_last_ones_cost_fits_once_more() -> None:
     budget = 600.0
-    assert density.next_step([], budget, 64) is None
+    assert density.next_step([], budget, 64) == (1, None)
     # one VM: no cost per added VM known yet, so the next is tried and measured
-    assert density.next_step([590.0], budget, 64) is None
-    assert density.next_step([200.0, 370.0], budget, 64) is None       # 370 + 170 = 540
-    assert density.next_step([200.0, 370.0, 540.0], budget, 64) == "budget"   # 710
-    assert density.next_step([200.0, 370.0, 430.0], budget, 64) is None   # 430 + 60 = 490
+    assert density.next_step([(1, 590.0)], budget, 64) == (1, None)
+    assert density.next_step([(1, 200.0), (2, 370.0)], budget, 64) == (1, None)  # 540
+    assert density.next_step([(1, 200.0), (2, 370.0), (3, 540.0)], budget, 64) == \
+        (0, "budget")                                                        # 710 > 600
     # a VM that cost nothing (noise, memory handed back) predicts no growth
-    assert density.next_step([200.0, 590.0, 580.0], budget, 64) is None
-    assert density.next_step([100.0, 150.0], budget, 2) == "cap"
+    assert density.next_step([(1, 200.0), (2, 590.0), (3, 580.0)], budget, 64) == (1, None)
+    assert density.next_step([(1, 100.0), (2, 150.0)], budget, 2) == (0, "cap")
+
+
+def test_two_vms_start_at_once_while_the_budget_is_far() -> None:
+    # room 450 >= 4 x 50: two at once; the cost is per VM across a step of two
+    assert density.next_step([(1, 100.0), (2, 150.0)], 600, 64) == (2, None)
+    assert density.next_step([(2, 150.0), (4, 250.0)], 600, 64) == (2, None)  # 350 >= 200
+    assert density.next_step([(4, 250.0), (6, 400.0)], 600, 64) == (1, None)  # 200 < 300
+    assert density.next_step([(1, 100.0), (2, 150.0)], 600, 3) == (1, None)   # the cap
 
 
 def test_cost_per_added_vm_and_saving_against_none() -> None:
-    assert density.per_vm_mib([300.0]) is None
-    assert density.per_vm_mib([300.0, 500.0, 700.0, 900.0]) == 200.0
+    assert density.per_vm_mib([(1, 300.0)]) is None
+    assert density.per_vm_mib([(1, 300.0), (2, 500.0), (4, 900.0)]) == 200.0
     assert density.saving_pct(50.0, 200.0) == 75.0
     assert density.saving_pct(210.0, 200.0) == -5.0
     assert density.saving_pct(None, 200.0) is None
@@ -91,10 +99,12 @@ def test_a_budget_below_one_vm_is_one_sentence() -> None:
 
 def run(mode: str, host: list[float], tcg: list[float] | None = None,
         **kw: Any) -> density.ModeRun:
-    r = density.ModeRun(mode, host_mib=host, start_ms=[900.0 + i for i in range(len(host))],
-                        exec_anon_mib=tcg or [32.0 * (i + 1) for i in range(len(host))],
-                        private_mib=[100.0] * len(host), **kw)
-    return r
+    n = len(host)
+    return density.ModeRun(mode, points=[(i + 1, h) for i, h in enumerate(host)],
+                           names=[f"v{i}" for i in range(n)],
+                           start_ms=[900.0 + i for i in range(n)],
+                           tcg_mib=tcg or [32.0 * (i + 1) for i in range(n)],
+                           private_mib=[100.0] * n, **kw)
 
 
 def test_derive_compares_each_mode_with_none() -> None:
@@ -144,12 +154,24 @@ def test_a_failing_mode_is_recorded_and_the_run_goes_on(
     b = bench(1000)
 
     def fill(mode: str, r: density.ModeRun) -> None:
-        r.host_mib.append(200.0)
+        r.points.append((1, 200.0))
         raise density.CliFailed(["vm", "create"], 2, "No such option: --template")
 
     monkeypatch.setattr(b, "_fill", fill)
     r = b._mode("none", first=True)
     assert r.stop == "failed" and r.note is not None and "--template" in r.note
+
+
+def test_vms_that_never_answer_end_the_mode_without_blaming_the_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    b = bench(1000)
+
+    def fill(mode: str, r: density.ModeRun) -> None:
+        r.failed_starts, r.stop, r.note = 3, "failed starts", "3 VMs did not answer"
+
+    monkeypatch.setattr(b, "_fill", fill)
+    r = b._mode("template", first=True)
+    assert (r.vms, r.stop, r.note) == (0, "failed starts", "3 VMs did not answer")
 
 
 def result(tmp_path: Path) -> Path:
@@ -159,6 +181,7 @@ def result(tmp_path: Path) -> Path:
                              540.0, 570.0], stop="cap"),
             run("template+ksm", [], stop="skipped", note="not available: no command")]
     runs[2].private_mib = [25.0] * 10
+    runs[2].clone_agent_ms, runs[2].clone_restore_ms = [150.0, 250.0, 400.0], [90.0, 110.0]
     data = {"meta": {"benchmark": "density", "git_revision": "abc123", "date": "2026-01-01",
                      "host": "h", "host_cores": 2, "accel": "tcg", "qemu": "QEMU 7.2",
                      "partition_qemu": "10.0", "budget_mib": 600, "quick": True,
@@ -181,6 +204,8 @@ def test_targets_are_checked_against_the_numbers(tmp_path: Path) -> None:
     assert fits == ("10 vs 3 = 3.3x (template) (capped before the budget)", "PASS")
     clone = next((v, k) for t, v, k in report_density.targets(data) if "clone" in t)
     assert clone == ("25.0 / 100.0 MiB = 25% (template)", "PASS")
+    agent = next((v, k) for t, v, k in report_density.targets(data) if "guest agent" in t)
+    assert agent == ("250.0 ms, restored in 100.0 ms (template)", "PASS")
 
 
 def test_targets_without_numbers_are_not_measured(tmp_path: Path) -> None:

@@ -22,9 +22,11 @@ QEMU read once) is reported beside it. After each VM answers HTTP through its
 forwarded port the memory is left to settle (the guest reports freed pages, KSM
 merges) before it is read.
 
-The next VM is started while the last one's cost, added again, stays within the budget;
-a VM whose measurement lands above the budget is removed again, so the count is the
-largest that fitted. Per mode the result holds the VMs that fitted, what each VM
+The next VM is started while the last one's cost, added again, stays within the budget
+(two at a time while the room left holds STEP_FAR such costs: each reading costs a
+settle); a VM whose reading lands above the budget is removed again, so the count is
+the largest that fitted. A VM that never answers HTTP is removed and counted; three
+end the mode. Per mode the result holds the VMs that fitted, what each VM
 beyond the first added (``per_vm_mib``: (host(N) - host(1)) / (N - 1)), the saving of
 that against mode none, the median time from `vm create --start` to the first HTTP
 answer, and the requests/s of a bounded request loop over all the mode's VMs.
@@ -40,20 +42,16 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusuma.bench import httpload
 from fusuma.bench.dcss import PAPER as DCSS_PAPER
 from fusuma.bench.meta import meta
 from fusuma.capacity import SUPERVISOR_MIB, definition_overhead
@@ -85,16 +83,22 @@ QUICK_REQUESTS = 200
 MEMORY_MIB = 256
 MAX_VMS = 64              # per mode, whatever the budget: the run stays bounded
 HTTP_CONCURRENCY = 4
-HTTP_TIMEOUT_S = 10.0     # one request
-READY_TIMEOUT_S = 180.0   # from `vm create --start` to the first HTTP answer
-LOOP_TIMEOUT_S = 300.0    # the whole request loop of a mode
+READY_TIMEOUT_S = 180.0   # from `vm create --start` to a booted guest's first answer
+CLONE_READY_TIMEOUT_S = 30.0   # ... and a clone's (it runs in well under a second)
+LOOP_DEADLINE_S = 180.0   # the whole request loop of a mode
+QUICK_LOOP_DEADLINE_S = 60.0
+MAX_FAILED_STARTS = 3     # VMs of one mode that never answered: then the mode stops
 CLI_TIMEOUT_S = 300.0
-# Settling after each VM (measured here, TCG, 2 cores: a booted guest's memory holds
-# still within ~2 MiB a few seconds after its first HTTP answer; page reporting starts
-# 2 s after free memory crosses its threshold): wait SETTLE_MIN_S, then read every
-# SETTLE_EVERY_S until SETTLE_WINDOW readings lie within max(SETTLE_TOL_MIB,
-# SETTLE_TOL_FRAC of the total), at most SETTLE_MAX_S.
-SETTLE_MIN_S = 3.0
+# While the room left is at least STEP_FAR times the last VM's cost, two VMs start
+# before the next reading (the budget is far; each reading costs a settle).
+STEP_FAR = 4.0
+# Settling after each step (measured here, TCG, 2 cores, 256 MiB Debian guests: the
+# host memory held still within 3 MiB at the first window in every step of a --quick
+# run; page reporting starts 2 s after free memory crosses its threshold): wait
+# SETTLE_MIN_S, then read every SETTLE_EVERY_S until SETTLE_WINDOW readings lie within
+# max(SETTLE_TOL_MIB, SETTLE_TOL_FRAC of the total), at most SETTLE_MAX_S. In the KSM
+# modes KSM settles first (its wait takes more than SETTLE_MIN_S).
+SETTLE_MIN_S = 2.0
 SETTLE_EVERY_S = 1.0
 SETTLE_WINDOW = 3
 SETTLE_TOL_MIB = 3.0
@@ -105,6 +109,9 @@ SETTLE_MAX_S = 30.0
 KSM_PAGES_TO_SCAN = 4000
 KSM_SLEEP_MS = 20
 KSM_SETTLE_TIMEOUT_S = 300.0
+# While the requests are measured KSM scans at the kernel's default rate (as bench dcss):
+# at the settling rate its scanner takes a good part of one of the two cores.
+KSM_LOAD_PAGES_TO_SCAN = 100
 MARGIN_MIB = 256
 PAPER = {"table1": DCSS_PAPER["table1"], "table3": DCSS_PAPER["table3"],
          "peers": [{"system": "Kata Containers VM templating (100 small guests)",
@@ -127,24 +134,40 @@ def parse_modes(text: str | None) -> list[str]:
     return list(dict.fromkeys(modes))
 
 
-def next_step(host_mib: Sequence[float], budget_mib: float, max_vms: int) -> str | None:
-    """None to start another VM, else why the mode stops: "cap" (``max_vms`` reached) or
-    "budget" (the last VM's cost, added once more, would pass the budget). With fewer
-    than two VMs there is no cost per added VM to go by yet: the next one is started
-    and its measurement decides."""
-    n = len(host_mib)
-    if n >= max_vms:
-        return "cap"
-    if n >= 2 and host_mib[-1] + max(0.0, host_mib[-1] - host_mib[-2]) > budget_mib:
-        return "budget"
-    return None
+Point = tuple[int, float]        # (VMs running, host memory in use MiB)
 
 
-def per_vm_mib(host_mib: Sequence[float]) -> float | None:
+def next_step(points: Sequence[Point], budget_mib: float, cap: int,
+              far: float = STEP_FAR) -> tuple[int, str | None]:
+    """(how many VMs to start before the next reading, why the mode stops when 0).
+
+    It stops at ``cap`` VMs ("cap"), or when the last VM's cost, added once more,
+    would pass the budget ("budget"). Before two readings there is no cost per added
+    VM to go by: one VM is started and its reading decides. Two start at once while the
+    room left holds ``far`` times the last cost."""
+    if not points:
+        return 1, None
+    n, host = points[-1]
+    if n >= cap:
+        return 0, "cap"
+    if len(points) < 2:
+        return 1, None
+    n0, host0 = points[-2]
+    cost = max(0.0, (host - host0) / (n - n0))
+    room = budget_mib - host
+    if room < cost:
+        return 0, "budget"
+    if cost > 0 and room >= far * cost and n + 2 <= cap:
+        return 2, None
+    return 1, None
+
+
+def per_vm_mib(points: Sequence[Point]) -> float | None:
     """What each VM beyond the first added: (host(N) - host(1)) / (N - 1)."""
-    if len(host_mib) < 2:
+    if len(points) < 2 or points[-1][0] == points[0][0]:
         return None
-    return round((host_mib[-1] - host_mib[0]) / (len(host_mib) - 1), 1)
+    (n1, h1), (n, h) = points[0], points[-1]
+    return round((h - h1) / (n - n1), 1)
 
 
 def saving_pct(per_vm: float | None, base: float | None) -> float | None:
@@ -205,15 +228,23 @@ def _median(xs: Sequence[float]) -> float | None:
 
 @dataclass
 class ModeRun:
-    """What one mode measured; ``host_mib[i]`` is the host memory with i + 1 VMs."""
+    """What one mode measured. ``points`` hold (VMs, host MiB) after each step, and
+    ``tcg_mib``, ``page_cache_mib``, ``settle_s`` one value per point."""
 
     mode: str
-    host_mib: list[float] = field(default_factory=list)
+    points: list[Point] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)      # the VMs running, oldest first
     start_ms: list[float] = field(default_factory=list)
     cli_ms: list[float] = field(default_factory=list)
     settle_s: list[float] = field(default_factory=list)
+    tcg_mib: list[float] = field(default_factory=list)
+    page_cache_mib: list[float] = field(default_factory=list)
     unsettled: int = 0
-    exec_anon_mib: list[float] = field(default_factory=list)
+    failed_starts: int = 0
+    ksm_resets: int = 0
+    first_event: int = 0
+    clone_agent_ms: list[float] = field(default_factory=list)
+    clone_restore_ms: list[float] = field(default_factory=list)
     private_mib: list[float] = field(default_factory=list)
     private_no_tcg_mib: list[float] = field(default_factory=list)
     rejected_mib: float | None = None
@@ -224,106 +255,47 @@ class ModeRun:
     failed_requests: int = 0
     host_after_requests_mib: float | None = None
     ksm_saved_mib: float | None = None
-    page_cache_mib: list[float] = field(default_factory=list)
     files: dict[str, Any] = field(default_factory=dict)
     template_mib: float | None = None
     page_reporting: bool | None = None
 
     @property
     def vms(self) -> int:
-        return len(self.host_mib)
+        return self.points[-1][0] if self.points else 0
 
 
 def derive(runs: Sequence[ModeRun]) -> list[dict[str, Any]]:
     """The per-mode records of the result file (saving against mode none's cost per
     added VM, when none ran)."""
-    base = next((per_vm_mib(r.host_mib) for r in runs if r.mode == "none"), None)
+    base = next((per_vm_mib(r.points) for r in runs if r.mode == "none"), None)
     out: list[dict[str, Any]] = []
     for r in runs:
-        per_vm = per_vm_mib(r.host_mib)
-        exec_per_vm = per_vm_mib(r.exec_anon_mib)
+        per_vm = per_vm_mib(r.points)
+        tcg = per_vm_mib([(n, t) for (n, _), t in zip(r.points, r.tcg_mib, strict=True)])
         out.append({
             "mode": r.mode, "vms": r.vms, "per_vm_mib": per_vm,
             "saving_pct": None if r.mode == "none" else saving_pct(per_vm, base),
             "start_ms_median": _median(r.start_ms),
             "requests_per_s": r.requests_per_s,
-            "first_vm_mib": r.host_mib[0] if r.host_mib else None,
-            "host_mib": list(r.host_mib),
-            "per_vm_without_tcg_buffer_mib": None if per_vm is None or exec_per_vm is None
-            else round(per_vm - exec_per_vm, 1),
-            "tcg_buffer_mib": list(r.exec_anon_mib),
-            "page_cache_mib": list(r.page_cache_mib),
+            "first_vm_mib": r.points[0][1] if r.points else None,
+            "host_mib": [{"vms": n, "mib": h} for n, h in r.points],
+            "per_vm_without_tcg_buffer_mib": None if per_vm is None or tcg is None
+            else round(per_vm - tcg, 1),
+            "tcg_buffer_mib": list(r.tcg_mib), "page_cache_mib": list(r.page_cache_mib),
             "private_mib_median": _median(r.private_mib),
             "private_without_tcg_buffer_mib_median": _median(r.private_no_tcg_mib),
-            "cli_ms_median": _median(r.cli_ms),
-            "start_ms": list(r.start_ms), "settle_s": list(r.settle_s),
-            "unsettled": r.unsettled, "rejected_mib": r.rejected_mib, "stop": r.stop,
-            "note": r.note, "requests": r.requests,
+            "cli_ms_median": _median(r.cli_ms), "start_ms": list(r.start_ms),
+            "settle_s": list(r.settle_s), "unsettled": r.unsettled,
+            "failed_starts": r.failed_starts, "rejected_mib": r.rejected_mib,
+            "stop": r.stop, "note": r.note, "requests": r.requests,
             "failed_requests": r.failed_requests,
             "host_after_requests_mib": r.host_after_requests_mib,
-            "ksm_saved_mib": r.ksm_saved_mib, "template_mib": r.template_mib,
+            "clone_restore_ms_median": _median(r.clone_restore_ms),
+            "clone_agent_ms_median": _median(r.clone_agent_ms),
+            "ksm_saved_mib": r.ksm_saved_mib, "ksm_resets": r.ksm_resets,
+            "template_mib": r.template_mib,
             "page_reporting": r.page_reporting, "files": r.files})
     return out
-
-
-# -- HTTP ---------------------------------------------------------------------------------
-def free_port(taken: set[int]) -> int:
-    """A loopback TCP port nothing listens on now (the VM's QEMU binds it next)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in taken:
-            taken.add(port)
-            return port
-    raise HostError("no free loopback TCP port for a VM's forwarded HTTP port.")
-
-
-def get(port: int, timeout: float = HTTP_TIMEOUT_S) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=timeout) as r:
-            r.read()
-            return bool(r.status == 200)
-    except (OSError, urllib.error.URLError):
-        return False
-
-
-def wait_http(port: int, started: float, timeout: float = READY_TIMEOUT_S) -> float:
-    """Poll until the guest behind ``port`` answers; ms since ``started``."""
-    deadline = started + timeout
-    while time.monotonic() < deadline:
-        if get(port, timeout=min(HTTP_TIMEOUT_S, max(0.5, deadline - time.monotonic()))):
-            return round((time.monotonic() - started) * 1000, 1)
-        time.sleep(0.05)
-    raise FusumaError(f"apache2 in the guest behind port {port} did not answer within "
-                      f"{timeout:.0f} s of `vm create --start`.")
-
-
-def request_loop(ports: Sequence[int], total: int, concurrency: int = HTTP_CONCURRENCY,
-                 timeout_s: float = LOOP_TIMEOUT_S) -> tuple[float | None, int, int]:
-    """``total`` GETs round-robin over ``ports``, ``concurrency`` at a time, stopping at
-    ``timeout_s``; returns (requests/s of the answered ones, answered, failed)."""
-    lock = threading.Lock()
-    state = {"next": 0, "ok": 0, "failed": 0}
-    started = time.monotonic()
-
-    def worker() -> None:
-        while time.monotonic() - started < timeout_s:
-            with lock:
-                i = state["next"]
-                if i >= total:
-                    return
-                state["next"] = i + 1
-            ok = get(ports[i % len(ports)])
-            with lock:
-                state["ok" if ok else "failed"] += 1
-
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for _ in range(concurrency):
-            pool.submit(worker)
-    elapsed = time.monotonic() - started
-    rps = round(state["ok"] / elapsed, 1) if state["ok"] and elapsed > 0 else None
-    return rps, state["ok"], state["failed"]
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -336,6 +308,7 @@ class Config:
     max_vms: int = MAX_VMS
     qemu: str = "auto"        # the QEMU of every mode's partition: auto, system or 10.0
     quick: bool = False
+    loop_deadline_s: float = LOOP_DEADLINE_S
 
 
 class CliFailed(FusumaError):
@@ -361,6 +334,7 @@ class Bench:
         self.ports: dict[str, int] = {}
         self.taken: set[int] = set()
         self.qemu: str | None = None
+        self._index = 0               # VM names are never reused within a run
         self.skipped: dict[str, str] = {}
 
     # checks -------------------------------------------------------------------------
@@ -433,6 +407,9 @@ class Bench:
                          "quick": cfg.quick, "modes": list(cfg.modes),
                          "memory_mib": cfg.memory_mib, "requests": cfg.requests,
                          "http_concurrency": HTTP_CONCURRENCY, "max_vms": cfg.max_vms,
+                         "loop_deadline_s": cfg.loop_deadline_s, "step_far": STEP_FAR,
+                         "ready_timeout_s": {"booted": READY_TIMEOUT_S,
+                                             "clone": CLONE_READY_TIMEOUT_S},
                          "partition_qemu": self.qemu or "system",
                          "cores": list(self.parts.host.cpus),
                          "image": image.digest[:16], "root_mount": ROOT_MOUNT,
@@ -441,6 +418,7 @@ class Bench:
                                     "window": SETTLE_WINDOW, "tol_mib": SETTLE_TOL_MIB,
                                     "tol_frac": SETTLE_TOL_FRAC, "max_s": SETTLE_MAX_S},
                          "ksm_pages_to_scan": KSM_PAGES_TO_SCAN,
+                         "ksm_load_pages_to_scan": KSM_LOAD_PAGES_TO_SCAN,
                          "ksm_sleep_ms": KSM_SLEEP_MS},
                 "results": derive(runs), "paper": PAPER}
 
@@ -467,8 +445,8 @@ class Bench:
                     self.parts.delete(PARTITION, force=True)
             if mode.startswith("template"):
                 self._delete_template()
-        if not r.vms and r.stop != "failed":
-            msg = below_one_vm(self.cfg.budget_mib, r.rejected_mib or 0.0, mode,
+        if not r.vms and r.stop == "budget" and r.rejected_mib is not None:
+            msg = below_one_vm(self.cfg.budget_mib, r.rejected_mib, mode,
                                self.cfg.memory_mib)
             if first:
                 raise ResourceError(msg)
@@ -477,7 +455,9 @@ class Bench:
         return r
 
     def _fill(self, mode: str, r: ModeRun) -> None:
-        """Start VMs while the next one is expected to fit (see next_step)."""
+        """Start VMs while the next one is expected to fit (see next_step); a step
+        whose reading lands above the budget gives back its VMs, newest first, until
+        the reading fits or the step is undone."""
         cfg = self.cfg
         for f in self._disk_files(mode):
             footprint.drop_cache(f)
@@ -490,42 +470,59 @@ class Bench:
                                         memory_mib=part_mib, qemu=self.qemu))
         if mode.startswith("template"):
             r.template_mib = self._make_template()
-        while (why := next_step(r.host_mib, cfg.budget_mib, cap)) is None:
-            i = r.vms
-            self.say(f"{mode}: starting VM {i + 1}")
-            cli_ms, ready_ms = self._start_vm(mode, i)
-            host, waited, ok = self._settled(mode)
-            if host > cfg.budget_mib:
+        r.first_event = self.parts.db.last_event_id()
+        while True:
+            count, why = next_step(r.points, cfg.budget_mib, cap)
+            if not count:
+                r.stop = why or "budget"
+                if why == "cap" and cap < cfg.max_vms:
+                    r.note = (f"stopped at {cap} VMs, the most this host admits in this "
+                              "mode (fusuma admits each VM's whole RAM and QEMU overhead, "
+                              "not what it uses), before the budget was reached")
+                return
+            before = r.vms
+            for _ in range(count):
+                if not self._add_vm(mode, r) and r.failed_starts >= MAX_FAILED_STARTS:
+                    r.stop = "failed starts"
+                    r.note = (f"{r.failed_starts} VMs did not answer HTTP after their "
+                              "start (see the VMs' console logs)")
+                    return
+            if len(r.names) == before:
+                continue
+            host, waited, ok = self._settled(mode, r)
+            while host > cfg.budget_mib:
                 r.rejected_mib = host
-                self.say(f"{mode}: with VM {i + 1} the host uses {host} MiB, more than the "
-                         f"budget of {cfg.budget_mib} MiB: removing it")
-                self.vms.delete(vm_name(i), force=True)
+                self.say(f"{mode}: with {len(r.names)} VMs the host uses {host} MiB, more "
+                         f"than the budget of {cfg.budget_mib} MiB: removing the newest")
+                self.vms.delete(r.names.pop(), force=True)
+                if len(r.names) == before:
+                    r.stop = "budget"
+                    return
+                host, waited, ok = self._settled(mode, r)
+            self._point(mode, r, host, waited, ok)
+            if r.rejected_mib is not None:
                 r.stop = "budget"
                 return
-            r.host_mib.append(host)
-            r.cli_ms.append(cli_ms)
-            r.start_ms.append(ready_ms)
-            r.settle_s.append(waited)
-            r.unsettled += 0 if ok else 1
-            fp = self._footprint(mode, cache=True)
-            r.exec_anon_mib.append(round(sum(p.exec_anon_kib for p in fp.processes)
-                                         / 1024, 1))
-            r.page_cache_mib.append(sum(f.mib for f in fp.cached))
-            self.say(f"{mode}: {i + 1} VM(s): host {host} MiB (answered HTTP "
-                     f"{ready_ms:.0f} ms after `vm create --start`, settled in "
-                     f"{waited:.0f} s)")
-        r.stop = why
-        if why == "cap" and cap < cfg.max_vms:
-            r.note = (f"stopped at {cap} VMs, the most this host admits in this mode "
-                      "(fusuma admits each VM's whole RAM and QEMU overhead, not what it "
-                      "uses), before the budget was reached")
+
+    def _point(self, mode: str, r: ModeRun, host: float, waited: float, ok: bool) -> None:
+        fp = self._footprint(mode, cache=True)
+        r.points.append((len(r.names), host))
+        r.settle_s.append(waited)
+        r.unsettled += 0 if ok else 1
+        r.tcg_mib.append(round(sum(p.exec_anon_kib for p in fp.processes) / 1024, 1))
+        r.page_cache_mib.append(round(sum(f.mib for f in fp.cached), 1))
+        self.say(f"{mode}: {len(r.names)} VM(s): host {host} MiB (settled in {waited:.0f} "
+                 "s)")
 
     def _finish(self, mode: str, r: ModeRun) -> None:
         """With every VM of the mode running: the request loop, then the last readings."""
-        ports = [self.ports[vm_name(i)] for i in range(r.vms)]
+        ports = [self.ports[name] for name in r.names]
         self.say(f"{mode}: {self.cfg.requests} requests over {r.vms} VM(s)")
-        r.requests_per_s, r.requests, r.failed_requests = request_loop(
-            ports, self.cfg.requests)
+        if "ksm" in mode:      # scanning as a host runs it, not at the settling rate
+            self.ksm.set_run(1, pages_to_scan=KSM_LOAD_PAGES_TO_SCAN,
+                             sleep_millisecs=KSM_SLEEP_MS)
+        r.requests_per_s, r.requests, r.failed_requests = httpload.request_loop(
+            ports, self.cfg.requests, HTTP_CONCURRENCY, self.cfg.loop_deadline_s)
         fp = self._footprint(mode, cache=True)
         r.host_after_requests_mib = fp.total_mib
         r.private_mib = [round(p.private_kib / 1024, 1) for p in fp.processes]
@@ -534,7 +531,14 @@ class Bench:
         r.files = fp.as_json()
         if "ksm" in mode:
             r.ksm_saved_mib = round(self.ksm.read_settings().saved_bytes / 2**20, 1)
-        recs = [self.parts.db.vm(vm_name(i)) for i in range(r.vms)]
+        for ev in self.parts.db.events_since(r.first_event, limit=100_000):
+            ctx = ev["context"]
+            if ev["action"] == "vm-clone-ready" and not ctx.get("error"):
+                if ctx.get("restore_ms") is not None:
+                    r.clone_restore_ms.append(float(ctx["restore_ms"]))
+                if ctx.get("agent_ms") is not None:
+                    r.clone_agent_ms.append(float(ctx["agent_ms"]))
+        recs = [self.parts.db.vm(name) for name in r.names]
         r.page_reporting = all(reporting.recorded(v) for v in recs)
         self.say(f"{mode}: {r.vms} VM(s) in {self.cfg.budget_mib} MiB ({r.stop}); "
                  f"{r.requests_per_s} requests/s, {r.failed_requests} failed")
@@ -554,20 +558,37 @@ class Bench:
         return footprint.measure(pids, [self.paths.shm],
                                  self._disk_files(mode) if cache else ())
 
-    def _settled(self, mode: str) -> tuple[float, float, bool]:
+    def _settled(self, mode: str, r: ModeRun) -> tuple[float, float, bool]:
         """The host memory once it holds still (in the KSM modes: once KSM settled
         too); (MiB, seconds waited, whether it settled in time)."""
         ksm_ok = True
         started = time.monotonic()
         if "ksm" in mode:
-            time.sleep(SETTLE_MIN_S)
+            ksm_ok = self._ksm_settled(mode, r)
+            host, _, ok = settle(lambda: self._footprint(mode).total_mib, min_s=0.0)
+        else:
+            host, _, ok = settle(lambda: self._footprint(mode).total_mib)
+        return host, round(time.monotonic() - started, 1), ok and ksm_ok
+
+    def _ksm_settled(self, mode: str, r: ModeRun) -> bool:
+        """Wait for KSM to settle. KSM is the host's: another program (another
+        benchmark) may stop it or slow it down meanwhile; then it is set again, counted
+        in ``r.ksm_resets``, and the wait starts over (three times at most)."""
+        for _ in range(3):
+            s = self.ksm.read_settings()
+            if (s.run, s.pages_to_scan, s.sleep_millisecs) != (1, KSM_PAGES_TO_SCAN,
+                                                                KSM_SLEEP_MS):
+                r.ksm_resets += 1
+                self.say(f"{mode}: KSM was changed by another program (run={s.run}, "
+                         f"pages_to_scan={s.pages_to_scan}); setting it again")
+                self.ksm.set_run(1, pages_to_scan=KSM_PAGES_TO_SCAN,
+                                 sleep_millisecs=KSM_SLEEP_MS)
             try:
                 self.ksm.wait_settled(KSM_SETTLE_TIMEOUT_S)
+                return True
             except StateError as exc:
-                ksm_ok = False
                 self.say(f"{mode}: {exc}")
-        host, _, ok = settle(lambda: self._footprint(mode).total_mib)
-        return host, round(time.monotonic() - started, 1), ok and ksm_ok
+        return False
 
     def _create_args(self, mode: str, name: str, port: int) -> list[str]:
         args = ["vm", "create", name, "-p", PARTITION, "--port", f"{port}:80"]
@@ -581,27 +602,41 @@ class Bench:
             args += ["--mergeable"]
         return [*args, "--start", "--json"]
 
-    def _start_vm(self, mode: str, i: int) -> tuple[float, float]:
-        """Create and start VM ``i`` with the CLI; (ms the CLI took, ms until the guest
-        answered HTTP), both from the CLI's launch."""
-        name = vm_name(i)
-        port = free_port(self.taken)
+    def _add_vm(self, mode: str, r: ModeRun) -> bool:
+        """Create and start the next VM with the CLI and wait for its HTTP answer;
+        whether it answered (one that did not is removed and counted)."""
+        name = vm_name(self._index)
+        self._index += 1
+        port = httpload.free_port(self.taken)
         self.ports[name] = port
+        self.say(f"{mode}: starting VM {len(r.names) + 1} ({name})")
         t0 = time.monotonic()
         self._cli(*self._create_args(mode, name, port))
         cli_ms = round((time.monotonic() - t0) * 1000, 1)
-        return cli_ms, wait_http(port, t0)
+        timeout = CLONE_READY_TIMEOUT_S if mode.startswith("template") else READY_TIMEOUT_S
+        try:
+            ready_ms = httpload.wait_http(port, t0, timeout)
+        except httpload.NotReady as exc:
+            r.failed_starts += 1
+            self.say(f"{mode}: {name}: {exc} Removing it.")
+            with contextlib.suppress(FusumaError):
+                self.vms.delete(name, force=True)
+            return False
+        r.names.append(name)
+        r.cli_ms.append(cli_ms)
+        r.start_ms.append(ready_ms)
+        return True
 
     def _make_template(self) -> float | None:
         """Boot the template's source VM (root on the disk, apache2 answering), let it
         settle, make the template of it; what the shm dir holds afterwards (the
         template's RAM, if it is kept there), MiB."""
-        port = free_port(self.taken)
+        port = httpload.free_port(self.taken)
         self.say(f"booting {SOURCE_VM} for template {TEMPLATE}")
         t0 = time.monotonic()
         self._cli("vm", "create", SOURCE_VM, "-p", PARTITION, "--image", "debian",
                   "--memory", str(self.cfg.memory_mib), "--port", f"{port}:80", "--start")
-        wait_http(port, t0)
+        httpload.wait_http(port, t0, READY_TIMEOUT_S)
         settle(lambda: self._footprint("none").total_mib)
         self.say(f"making template {TEMPLATE} from {SOURCE_VM}")
         self._cli("template", "create", TEMPLATE, "--from", SOURCE_VM, "--json")

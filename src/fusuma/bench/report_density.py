@@ -17,6 +17,7 @@ TARGET_SEGMENT_PCT = 25.0      # the DCSS paper's own figure
 TARGET_BEST_PCT = 75.0
 TARGET_FIT_RATIO = 3.0
 TARGET_CLONE_PRIVATE = 0.30
+TARGET_CLONE_AGENT_MS = 300.0
 PASS, FAIL, UNMEASURED = "PASS", "FAIL", "NOT MEASURED"
 # The paper's rows and the nearest fusuma mode: NSS shares the kernel's pages (here a
 # template's clones share them, with the rest of the booted guest).
@@ -89,6 +90,15 @@ def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         out.append((name, f"{clone['private_mib_median']} / {none['private_mib_median']} "
                     f"MiB = {frac:.0%} ({clone['mode']}){rest}",
                     PASS if frac <= TARGET_CLONE_PRIVATE else FAIL))
+    name = (f"a clone is ready for the guest agent in <= {TARGET_CLONE_AGENT_MS:g} ms "
+            "(median, from the start request)")
+    agent: float | None = clone.get("clone_agent_ms_median") if clone else None
+    if clone is None or agent is None:
+        out.append((name, "–", UNMEASURED))
+    else:
+        out.append((name, f"{agent} ms, restored in {clone['clone_restore_ms_median']} "
+                    f"ms ({clone['mode']})", PASS if agent <= TARGET_CLONE_AGENT_MS
+                    else FAIL))
     return out
 
 
@@ -153,19 +163,16 @@ def markdown(data: dict[str, Any], png: str) -> str:
     notes = [r for r in data["results"] if r.get("note")]
     if notes:
         lines += ["", *[f"- **{r['mode']}**: {r['note']}" for r in notes]]
-    lines += ["", f"![host memory vs VMs]({png})", "", "## Host memory by VM count (MiB)",
-              "", "| mode | " + " | ".join(str(i + 1) for i in range(_most(data))) + " |",
-              "|---|" + "---|" * _most(data)]
+    lines += ["", f"![host memory vs VMs]({png})", "",
+              "## Host memory by VM count", "",
+              "Read after each step (two VMs at a step while the budget is far).", "",
+              "| mode | VMs: host MiB |", "|---|---|"]
     for r in data["results"]:
         if r["vms"]:
-            cells = [str(x) for x in r["host_mib"]] + [""] * (_most(data) - r["vms"])
-            lines.append(f"| {r['mode']} | " + " | ".join(cells) + " |")
+            pts = ", ".join(f"{p['vms']}: {p['mib']}" for p in r["host_mib"])
+            lines.append(f"| {r['mode']} | {pts} |")
     lines += _paper(data)
     return "\n".join(lines) + "\n"
-
-
-def _most(data: dict[str, Any]) -> int:
-    return max((r["vms"] for r in data["results"]), default=0)
 
 
 def _paper(data: dict[str, Any]) -> list[str]:
@@ -207,8 +214,8 @@ def _plot(data: dict[str, Any], png: Path) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = [r for r in data["results"] if r["vms"]]
     for r in rows:
-        xs = list(range(1, r["vms"] + 1))
-        ax.plot(xs, r["host_mib"], marker="o", label=r["mode"])
+        ax.plot([p["vms"] for p in r["host_mib"]], [p["mib"] for p in r["host_mib"]],
+                marker="o", label=r["mode"])
     ax.axhline(data["meta"]["budget_mib"], color="grey", linestyle="--", label="budget")
     ax.set_xlabel("VMs")
     ax.set_ylabel("host memory in use (MiB)")

@@ -505,7 +505,8 @@ def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: i
                                   else density.DEFAULT_BUDGET_MIB),
         modes=tuple(density.parse_modes(modes)), memory_mib=memory_mib,
         requests=requests or (density.QUICK_REQUESTS if quick else density.DEFAULT_REQUESTS),
-        max_vms=max_vms, qemu=qemu, quick=quick)
+        max_vms=max_vms, qemu=qemu, quick=quick,
+        loop_deadline_s=density.QUICK_LOOP_DEADLINE_S if quick else density.LOOP_DEADLINE_S)
     run = density.Bench(c.parts, c.vms, SegmentManager(c.paths, c.db), cfg,
                         progress=progress)
     run.check_host()          # a refusal is the only line printed
