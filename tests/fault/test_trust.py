@@ -196,6 +196,7 @@ def test_host_crash_then_ps_and_up_tell_and_repair(host: Host) -> None:
 
 def test_runtime_dir_others_cannot_pass_is_refused_up_front(host: Host,
                                                             tmp_path: Path) -> None:
+    own = host.runtime
     closed = tmp_path / "closed"
     closed.mkdir(mode=0o700)
     host.runtime = closed / "run"
@@ -216,3 +217,7 @@ def test_runtime_dir_others_cannot_pass_is_refused_up_front(host: Host,
     finally:
         host.run("down", check=False)
         shutil.rmtree(f"/tmp/fz-{host.tag}", ignore_errors=True)
+        # The fixture's own teardown (and its leftover check) uses the usual runtime
+        # dir again: with the nested one it would make /tmp/fz-TAG/nested anew.
+        host.runtime = own
+        host.env["FUSUMA_RUNTIME_DIR"] = str(own)
