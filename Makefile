@@ -84,6 +84,7 @@ demo: image
 	@echo "    it in milliseconds and share the pages they have not written"
 	$(FUSUMA) vm create tsrc -p p0 --memory 192 --start
 	$(FUSUMA) template create demo --from tsrc
+	$(FUSUMA) vm delete tsrc
 	for c in clone0 clone1; do \
 	  $(FUSUMA) vm create $$c -p p0 --template demo --start && \
 	  $(FUSUMA) vm exec $$c -- hostname || exit 1; \
