@@ -32,9 +32,11 @@ from fusuma.state.db import VmRecord
 TRIM_ARGV = ["/bin/sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches; "
              "echo 1 > /proc/sys/vm/compact_memory 2>/dev/null; true"]
 # The guest reports 2 s after free memory crosses its threshold (PAGE_REPORTING_DELAY),
-# in batches; `trim` waits until the resident size holds still this long.
-SETTLE_S = 1.5
-TRIM_TIMEOUT_S = 20.0
+# and each pass reports about 1/16 of a free list before it waits another 2 s, so 2 GiB
+# freed take about half a minute to go back. `trim` waits until the resident size has
+# held still for longer than two such pauses, at most TRIM_TIMEOUT_S.
+SETTLE_S = 4.5
+TRIM_TIMEOUT_S = 90.0
 FEATURE = "VIRTIO_BALLOON_F_REPORTING"
 
 
