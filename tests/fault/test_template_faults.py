@@ -5,7 +5,6 @@ changed."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import sqlite3
@@ -17,16 +16,9 @@ import pytest
 
 from tests.conftest import FUSUMA, Host, Result
 from tests.fault.test_bad_input import assert_one_sentence
+from tests.integration.test_templates import sha256
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(400)]
-
-
-def sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def qemu_pids(host: Host, vm: str) -> list[int]:

@@ -592,16 +592,18 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
                                         f"/1.0/partitions/{body.partition}"]},
                         work, cancellable=True)
 
+    def _running(name: str) -> None:
+        """409 now unless VM ``name`` runs (404 when there is none)."""
+        from fusuma.vm.view import VmView
+
+        state = VmView(d.ctx().db.vm(_name("VM", name))).state
+        if state != "running":
+            raise StateError(f"VM {name!r} is {state}; start it first.")
+
     @app.post("/1.0/vms/{name}/exec", status_code=202,
               summary="Run a command in the guest through its agent (operation)")
     def exec_vm(name: str, body: m.VmExec) -> JSONResponse:
-        from fusuma.vm.view import VmView
-
-        c = d.ctx()
-        rec = c.db.vm(_name("VM", name))
-        state = VmView(rec).state
-        if state != "running":
-            raise StateError(f"VM {name!r} is {state}; start it first.")
+        _running(name)
 
         def work(op: Operation) -> Any:
             res = d.ctx().vms.exec(name, list(body.command),
@@ -616,13 +618,7 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     @app.post("/1.0/vms/{name}/trim", status_code=202,
               summary="Drop the guest's caches and hand its free memory back (operation)")
     def trim_vm(name: str) -> JSONResponse:
-        from fusuma.vm.view import VmView
-
-        c = d.ctx()
-        rec = c.db.vm(_name("VM", name))
-        state = VmView(rec).state
-        if state != "running":
-            raise StateError(f"VM {name!r} is {state}; start it first.")
+        _running(name)
 
         def work(op: Operation) -> Any:
             return d.ctx().vms.trim(name)

@@ -44,13 +44,18 @@ SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=de
 PAGE_REPORTING_ORDER = 5
 
 
+def _env_int(name: str, default: int, low: int, high: int) -> int:
+    """Integer environment setting ``name`` within [low, high], else ``default``."""
+    try:
+        value = int(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if low <= value <= high else default
+
+
 def page_reporting_order() -> int:
     """The guest's page_reporting_order: FUSUMA_PAGE_REPORTING_ORDER, else the default."""
-    try:
-        value = int(os.environ.get("FUSUMA_PAGE_REPORTING_ORDER", PAGE_REPORTING_ORDER))
-    except ValueError:
-        return PAGE_REPORTING_ORDER
-    return value if 0 <= value <= 10 else PAGE_REPORTING_ORDER
+    return _env_int("FUSUMA_PAGE_REPORTING_ORDER", PAGE_REPORTING_ORDER, 0, 10)
 
 
 BALLOON_ID = "balloon0"
@@ -66,11 +71,7 @@ def new_vmgenid() -> str | None:
 
 def tcg_tb_mib() -> int:
     """The TCG translation cache size: FUSUMA_TCG_TB_MIB, else TCG_TB_MIB."""
-    try:
-        value = int(os.environ.get("FUSUMA_TCG_TB_MIB", TCG_TB_MIB))
-    except ValueError:
-        return TCG_TB_MIB
-    return value if 1 <= value <= 2048 else TCG_TB_MIB
+    return _env_int("FUSUMA_TCG_TB_MIB", TCG_TB_MIB, 1, 2048)
 
 
 @dataclass(frozen=True)
