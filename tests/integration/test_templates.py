@@ -97,6 +97,10 @@ def test_clones_share_the_template_and_move_by_copy(host: Host) -> None:
         sh(host, c, "dd if=/dev/urandom of=/tmp/blob bs=1M count=24 2>/dev/null; rm /tmp/blob; "
                     "sync; echo 3 > /proc/sys/vm/drop_caches")
     assert sha256(ram) == before
+    # A clone never hands pages back (its RAM is the template's file, read-only).
+    assert host.vm("c1")["ram"]["page_reporting"] is False
+    res = host.fail("vm", "trim", "c1")
+    assert "is a clone of template" in res.err and "never hands pages back" in res.err
 
     res = host.fail("migrate", "c1", "--to", "q10")
     assert "copy-on-write" in res.err and "--mode copy" in res.err

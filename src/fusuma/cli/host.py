@@ -169,8 +169,10 @@ def ram_use(cg: Any, v: VmRecord) -> dict[str, Any]:
     back since its peak (its RAM group's high-water mark less its usage now)."""
     from fusuma.memshare import reporting
 
-    out: dict[str, Any] = {"page_reporting": reporting.recorded(v) if v.devices
-                           else bool(v.page_reporting),
+    # A clone carries its template's balloon (devices must match), driver unbound.
+    on = False if v.template is not None else (
+        reporting.recorded(v) if v.devices else bool(v.page_reporting))
+    out: dict[str, Any] = {"page_reporting": on,
                            "resident_mib": None, "returned_mib": None}
     if v.state.value not in ("running", "paused", "migrating", "stopping"):
         return out

@@ -121,6 +121,10 @@ def resident_bytes(vm: VmRecord, pid: int | None) -> int | None:
 
 
 def refuse_without_device(vm: VmRecord) -> None:
+    if vm.template is not None:
+        raise StateError(f"VM {vm.name!r} is a clone of template {vm.template!r}: its RAM "
+                         "is the template's file mapped read-only, copy-on-write, so it "
+                         "never hands pages back; stop or delete the clone instead")
     if not recorded(vm):
         raise StateError(f"VM {vm.name!r} was booted without page reporting (no "
                          "virtio-balloon with free-page-reporting): nothing can be handed "
