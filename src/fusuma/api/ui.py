@@ -249,6 +249,7 @@ def ui_state(d: Daemon) -> dict[str, Any]:
     """Everything the dashboard shows, in one read."""
     from fusuma.cli.host import ps_data
     from fusuma.cli.share import report_data
+    from fusuma.partition import rpc
 
     c = d.ctx()
     data = ps_data(c, memory=d.sampler.memory)
@@ -258,8 +259,8 @@ def ui_state(d: Daemon) -> dict[str, Any]:
         if p["supervisor_pid"] is None:
             continue
         try:
-            governor[p["name"]] = c.parts.client(p["name"]).call(
-                "governor-status", rpc_timeout=2.0, limit=20)
+            governor[p["name"]] = c.parts.client(p["name"]).send(
+                rpc.GovernorStatus(limit=20), timeout=2.0).status
         except FusumaError as exc:
             governor[p["name"]] = {"error": str(exc)}
         try:

@@ -48,6 +48,7 @@ import httpx
 
 from fusuma.bench.meta import meta
 from fusuma.errors import ConflictError, FusumaError, ResourceError
+from fusuma.partition import rpc
 
 if TYPE_CHECKING:
     from fusuma.partition.manager import PartitionManager
@@ -353,7 +354,7 @@ def _boot(parts: PartitionManager, vms_mgr: VmManager, names: list[str],
 
     def wait(client: Any, vname: str) -> None:
         try:
-            client.call("wait-agent", rpc_timeout=310, vm=vname, timeout=300)
+            client.send(rpc.WaitAgent(vname, timeout=300), timeout=310)
         except BaseException as exc:
             errors.append(exc)
 

@@ -18,6 +18,7 @@ from fusuma.bench.meta import meta
 from fusuma.capacity import SUPERVISOR_MIB
 from fusuma.errors import FusumaError, ResourceError
 from fusuma.host.accel import probe_accel
+from fusuma.partition import rpc
 from fusuma.partition.manager import PartitionManager
 from fusuma.qemu.cmdline import overhead_mib
 from fusuma.spec import PartitionSpec, VmSpec
@@ -71,7 +72,7 @@ def _one_run(vms: VmManager, names: list[str], run: int,
 
     def wait(name: str) -> None:
         try:
-            client.call("wait-agent", rpc_timeout=timeout + 10, vm=name, timeout=timeout)
+            client.send(rpc.WaitAgent(name, timeout=timeout), timeout=timeout + 10)
             done[name] = time.monotonic()
         except BaseException as exc:
             errors.append(exc)

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusuma.bench.meta import meta
 from fusuma.errors import FusumaError, NotFoundError, ResourceError, SpecError
+from fusuma.partition import rpc
 
 if TYPE_CHECKING:
     from fusuma.partition.manager import PartitionManager
@@ -318,7 +319,7 @@ def _start_vms(parts: PartitionManager, vms_mgr: VmManager, n: int, memory_mib: 
         for i, (vname, pname) in enumerate(names):
             progress(f"starting {vname} ({i + 1}/{len(names)})")
             vms_mgr.start(vname)
-            parts.client(pname).call("wait-agent", rpc_timeout=310, vm=vname, timeout=300)
+            parts.client(pname).send(rpc.WaitAgent(vname, timeout=300), timeout=310)
     except BaseException:
         for pname in made:
             try:

@@ -35,6 +35,7 @@ from fusuma.errors import FusumaError, GuestAgentError, ResourceError
 from fusuma.host.accel import probe_accel
 from fusuma.migration import cpu_seconds
 from fusuma.migration.maintain import MaintainResult, maintain, maintain_in_place
+from fusuma.partition import rpc
 from fusuma.partition.manager import PartitionManager
 from fusuma.qemu import versions
 from fusuma.spec import PartitionSpec, VmSpec
@@ -243,8 +244,7 @@ def _boot(parts: PartitionManager, vms: VmManager, names: list[str],
 
     def wait(vname: str) -> None:
         try:
-            parts.client(PARTITION).call("wait-agent", rpc_timeout=310, vm=vname,
-                                         timeout=300)
+            parts.client(PARTITION).send(rpc.WaitAgent(vname, timeout=300), timeout=310)
         except BaseException as exc:
             errors.append(exc)
 

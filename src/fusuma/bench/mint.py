@@ -57,6 +57,7 @@ from fusuma.errors import FusumaError, HostError, ResourceError
 from fusuma.host.accel import probe_accel
 from fusuma.host.cgroups import CgroupDriver
 from fusuma.images import find_image, probe_path
+from fusuma.partition import rpc
 from fusuma.partition.client import SupervisorClient
 from fusuma.partition.manager import PartitionManager
 from fusuma.spec import DiskSpec, PartitionSpec, VmSpec
@@ -404,13 +405,14 @@ class Bench:
             try:
                 client = SupervisorClient(self.parts.paths, inst.partition or "")
                 gate.wait(timeout=30)
-                res = client.call("exec", rpc_timeout=self.timeout + 30, vm=inst.vm,
-                                  argv=argvs[n], stdin=None, timeout=self.timeout)
-                out = base64.b64decode(res["stdout"]).decode(errors="replace")
-                err = base64.b64decode(res["stderr"]).decode(errors="replace").strip()
-                if int(res["exit_code"]) != 0:
+                res = client.send(rpc.Exec(str(inst.vm), argvs[n],
+                                           timeout=self.timeout),
+                                  timeout=self.timeout + 30)
+                out = base64.b64decode(res.stdout).decode(errors="replace")
+                err = base64.b64decode(res.stderr).decode(errors="replace").strip()
+                if res.exit_code != 0:
                     raise ProbeError(f"the probe in {inst.where} exited "
-                                     f"{res['exit_code']}: {err}")
+                                     f"{res.exit_code}: {err}")
                 results[n] = out
             except BaseException as exc:
                 results[n] = exc

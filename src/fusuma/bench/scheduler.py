@@ -48,6 +48,7 @@ from fusuma.errors import FusumaError, GuestAgentError, ResourceError, SpecError
 from fusuma.governor import measure
 from fusuma.governor.policy import Thresholds
 from fusuma.host.accel import probe_accel
+from fusuma.partition import rpc
 from fusuma.partition.manager import PartitionManager
 from fusuma.qemu import process
 from fusuma.spec import PartitionSpec, Qos, VmSpec
@@ -411,8 +412,8 @@ class Bench:
 
         def wait(name: str) -> None:
             try:
-                client.call("wait-agent", rpc_timeout=BOOT_TIMEOUT_S + 10, vm=name,
-                            timeout=BOOT_TIMEOUT_S)
+                client.send(rpc.WaitAgent(name, timeout=BOOT_TIMEOUT_S),
+                            timeout=BOOT_TIMEOUT_S + 10)
             except BaseException as exc:
                 errors.append(exc)
 
@@ -441,9 +442,9 @@ class Bench:
         for name in extra:
             self.vms.kill(name)
         self.running = self.running[:n]
-        self.parts.client(self.layout.dummy_partition).call("repin")
+        self.parts.client(self.layout.dummy_partition).send(rpc.Repin())
         if self.layout.target_partition != self.layout.dummy_partition:
-            self.parts.client(self.layout.target_partition).call("repin")
+            self.parts.client(self.layout.target_partition).send(rpc.Repin())
 
     # -- measuring ----------------------------------------------------------------------
     def calibrate(self) -> None:
@@ -530,8 +531,8 @@ class Bench:
         it holds for the target."""
         assert self.layout is not None
         try:
-            st = self.parts.client(self.layout.target_partition).call(
-                "governor-status", rpc_timeout=10, limit=20)
+            st = self.parts.client(self.layout.target_partition).send(
+                rpc.GovernorStatus(limit=20), timeout=10).status
         except FusumaError as exc:
             return [{"error": str(exc)}], {"error": str(exc)}
         target = next((v for v in st.get("vms", []) if v.get("name") == TARGET), None)

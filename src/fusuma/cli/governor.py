@@ -58,8 +58,10 @@ def status_data(c: Ctx, partition: str | None, limit: int) -> dict[str, Any]:
     names = [partition] if partition else [p.name for p in c.db.partitions()]
     if partition:
         c.db.partition(partition)      # an unknown name is one clear sentence
-    return {"partitions": [c.parts.client(n).call("governor-status", rpc_timeout=10.0,
-                                                  limit=limit) for n in names]}
+    from fusuma.partition import rpc
+
+    return {"partitions": [c.parts.client(n).send(rpc.GovernorStatus(limit=limit),
+                                                  timeout=10.0).status for n in names]}
 
 
 @governor.command("status")

@@ -49,10 +49,12 @@ def _reading(c: Ctx, t: Target) -> measure.Reading:
 
 def _governor(c: Ctx, partitions: set[str]) -> dict[str, dict[str, Any]]:
     """VM name -> the governor's control of it, from every reachable supervisor."""
+    from fusuma.partition import rpc
+
     out: dict[str, dict[str, Any]] = {}
     for p in sorted(partitions):
         try:
-            st = c.parts.client(p).call("governor-status", rpc_timeout=2.0, limit=0)
+            st = c.parts.client(p).send(rpc.GovernorStatus(limit=0), timeout=2.0).status
         except FusumaError:
             continue
         for vm in st.get("vms", []):

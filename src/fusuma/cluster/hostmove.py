@@ -44,6 +44,7 @@ from fusuma.cluster.owners import Owner
 from fusuma.cluster.resources import MOVING, PLACED, RUNNING, VmView, now_iso, set_condition
 from fusuma.errors import FusumaError, MigrationError
 from fusuma.migration.remote import DEST_JOB, SOURCE_JOB
+from fusuma.partition import rpc
 from fusuma.state import VmState, vm_obj
 
 if TYPE_CHECKING:
@@ -190,19 +191,19 @@ def begin(a: Agent, r: VmReconciler, v: VmView, local: VmRecord) -> None:
                           "record": record}, state=MOVING)
         a.events.emit(v.obj, "MoveStarted", f"moving live from {a.host} to {dest}/{part}")
         src = c.parts.client(local.partition)
-        out: dict[str, Any] = {}
+        out: rpc.Streamed | None = None
         try:
             prep = wait_move(a, v, move_id, lambda m: m.get("phase") == "Prepared",
                              PREPARE_TIMEOUT_S, peer=dest)
             jh.phase("streaming", uri=prep["uri"])
             update_move(a, v, move_id, {"phase": "Streaming"})
-            out = src.call("migrate-out", rpc_timeout=STREAM_TIMEOUT_S + 60, vm=v.name,
-                           uri=prep["uri"], mode="copy")
-            jh.phase("streamed", bytes_sent=out.get("bytes_sent"))
+            out = src.send(rpc.MigrateOut(v.name, str(prep["uri"]), "copy"),
+                           timeout=STREAM_TIMEOUT_S + 60)
+            jh.phase("streamed", bytes_sent=out.bytes_sent)
             update_move(a, v, move_id, {"phase": "Streamed",
-                                        "bytesSent": out.get("bytes_sent"),
-                              "paused": bool(out.get("paused")),
-                              "qemuDowntimeMs": out.get("qemu_downtime_ms")})
+                                        "bytesSent": out.bytes_sent,
+                                        "paused": out.paused,
+                                        "qemuDowntimeMs": out.qemu_downtime_ms})
             decision: str | None = wait_move(
                 a, v, move_id, lambda m: m.get("decision"), DECIDE_TIMEOUT_S,
                 peer=dest).get("decision")
@@ -223,10 +224,10 @@ def _release_source(c: Ctx, name: str, partition: str) -> None:
     """Under the source's job: the outcome is "forward", so end the source QEMU."""
     c.db.decide(vm_obj(name), "forward")
     with contextlib.suppress(FusumaError):
-        c.parts.client(partition).call("release", vm=name)
+        c.parts.client(partition).send(rpc.Release(name))
 
 
-def _source_forward(a: Agent, c: Ctx, v: VmView, move_id: str, out: dict[str, Any],
+def _source_forward(a: Agent, c: Ctx, v: VmView, move_id: str, out: rpc.Streamed | None,
                     started: str) -> None:
     """After the source's job: the destination runs the guest; forget it here (a
     record is removed only under a delete job of its own) and record the move."""
@@ -241,8 +242,8 @@ def _source_forward(a: Agent, c: Ctx, v: VmView, move_id: str, out: dict[str, An
     except FusumaError:
         move = (fresh(a, v).move or {})
     resume = move.get("resumeTs")
-    stop = out.get("stop_ts")
-    t0 = out.get("t0")
+    stop = out.stop_ts if out is not None else None
+    t0 = out.t0 if out is not None else None
     last = {k: move.get(k) for k in ("id", "kind", "mode", "from", "to", "bytesSent",
                                      "paused", "decision", "decidedBy")}
     last.update({"result": "ok", "startedAt": started, "finishedAt": now_iso(),
@@ -263,11 +264,11 @@ def _source_back(a: Agent, c: Ctx, v: VmView, move_id: str, partition: str,
     c.db.decide(vm_obj(v.name), "back")
     state = RUNNING
     try:
-        res = c.parts.client(partition).call("resume-source", vm=v.name)
+        res = c.parts.client(partition).send(rpc.ResumeSource(v.name))
         rec = c.db.vm(v.name)
         if rec.state == VmState.MIGRATING:
             c.db.transition(v.name, VmState.RUNNING, expect={VmState.MIGRATING},
-                            partition=partition, pid=res.get("pid"))
+                            partition=partition, pid=res.pid)
     except FusumaError as exc:
         why = f"{why}; the source QEMU is gone too ({exc})"
         rec = c.db.vm(v.name)
@@ -315,7 +316,7 @@ def _recover_source(a: Agent, v: VmView, m: dict[str, Any]) -> None:
                 return
             _release_source(c, v.name, part)
     if decision == "forward":
-        _source_forward(a, c, v, str(m.get("id")), {}, str(m.get("startedAt")))
+        _source_forward(a, c, v, str(m.get("id")), None, str(m.get("startedAt")))
 
 
 def _destination(a: Agent, r: VmReconciler, v: VmView, m: dict[str, Any]) -> None:
@@ -391,11 +392,10 @@ def _dest_prepare(a: Agent, c: Ctx, v: VmView, m: dict[str, Any], part: str) -> 
     if carried:
         c.db.set_vm(v.name, **carried)
     c.db.transition(v.name, VmState.STARTING, expect={VmState.STOPPED})
-    prep = c.parts.client(part).call("remote-incoming", rpc_timeout=120, vm=v.name,
-                                     listen=a.address)
-    update_move(a, v, str(m.get("id")), {"phase": "Prepared", "uri": prep["uri"],
-                                         "destPid": prep["pid"],
-                      "prepareMs": prep.get("prepare_ms")})
+    prep = c.parts.client(part).send(rpc.RemoteIncoming(v.name, a.address), timeout=120)
+    update_move(a, v, str(m.get("id")), {"phase": "Prepared", "uri": prep.uri,
+                                         "destPid": prep.pid,
+                                         "prepareMs": prep.prepare_ms})
 
 
 def _dest_receive(a: Agent, c: Ctx, v: VmView, move_id: str, part: str,
@@ -404,8 +404,7 @@ def _dest_receive(a: Agent, c: Ctx, v: VmView, move_id: str, part: str,
     src_host = str(m.get("fromHost"))
     deadline = time.monotonic() + STREAM_TIMEOUT_S
     while True:
-        w = dst.call("remote-incoming-wait", rpc_timeout=30, vm=v.name, timeout=1.0)
-        status = w.get("status")
+        status = dst.send(rpc.RemoteIncomingWait(v.name, timeout=1.0), timeout=30).status
         if status in ("completed", "running"):
             break
         if status in ("failed", "cancelled", "gone"):
@@ -421,15 +420,15 @@ def _dest_receive(a: Agent, c: Ctx, v: VmView, move_id: str, part: str,
     if decide(a, v, move_id, "forward") != "forward":
         raise MoveAborted(f"the move of {v.name!r} was decided back")
     c.db.decide(vm_obj(v.name), "forward")
-    fin = dst.call("incoming-commit", vm=v.name)
+    fin = dst.send(rpc.IncomingCommit(v.name))
     with contextlib.suppress(FusumaError):
-        dst.call("settle", vm=v.name)
+        dst.send(rpc.Settle(v.name))
     rec = c.db.vm(v.name)
     if rec.state == VmState.STARTING:
         c.db.transition(v.name, VmState.RUNNING, expect={VmState.STARTING})
     rec = c.db.vm(v.name)
     a.add_finalizer(VM, a.vms_informer.get(v.namespace, v.name) or v.obj)
-    update_move(a, v, move_id, {"phase": "Switched", "resumeTs": fin.get("resume_ts"),
+    update_move(a, v, move_id, {"phase": "Switched", "resumeTs": fin.resume_ts,
                                 "destPid": rec.pid},
                 host=a.host, partition=part, pid=rec.pid, state=RUNNING, message=None,
                 ownerUID=v.uid)
@@ -441,7 +440,7 @@ def _dest_abort(c: Ctx, name: str, part: str) -> None:
     """Under the destination's job: the move went back; end the incoming QEMU."""
     c.db.decide(vm_obj(name), "back")
     with contextlib.suppress(FusumaError, NotFoundApiError):
-        c.parts.client(part).call("incoming-abort", vm=name)
+        c.parts.client(part).send(rpc.IncomingAbort(name))
 
 
 def _dest_remove(a: Agent, c: Ctx, name: str) -> None:

@@ -13,6 +13,7 @@ from fusuma import capacity, recovery
 from fusuma.errors import ConflictError, StateError, TemplateError
 from fusuma.memshare import templates
 from fusuma.names import check_name
+from fusuma.partition import rpc
 from fusuma.paths import Paths
 from fusuma.qemu import process
 from fusuma.state import Database, vm_obj
@@ -52,9 +53,8 @@ class TemplateManager:
 
         refuse(rec, rec.qemu_version)
         capacity.check_template(self.db, self.parts.host, name, rec.memory_mib)
-        self.parts.client(rec.partition).call(
-            "template-save", rpc_timeout=300, vm=vm, template=name,
-            fault=os.environ.get(FAULT, ""))
+        self.parts.client(rec.partition).send(
+            rpc.TemplateSave(vm, name, fault=os.environ.get(FAULT, "")), timeout=300)
         return self.db.template(name)
 
     def all(self) -> list[TemplateRecord]:

@@ -40,6 +40,7 @@ from fusuma.errors import (
 )
 from fusuma.memshare import reporting, templates
 from fusuma.migration.supervisor_ops import _wait_migration as wait_migration
+from fusuma.partition import rpc
 from fusuma.paths import PRIVATE_DIR, ensure_dir
 from fusuma.qemu import process, versions
 from fusuma.qemu.cmdline import TEMPLATE_STATE_FDSET, DeviceSet, VmConfig
@@ -93,7 +94,7 @@ def refuse(rec: VmRecord, running_version: str | None) -> None:
                             "vm detach`) and boot it again.")
 
 
-async def save(sup: Supervisor, vm: str, template: str, fault: str = "") -> dict[str, Any]:
+async def save(sup: Supervisor, vm: str, template: str, fault: str = "") -> rpc.TemplateSaved:
     """Stop running ``vm`` into template ``template`` (see the module docstring)."""
     async with sup._lock(vm):
         rec = sup._running(vm)
@@ -118,7 +119,7 @@ async def save(sup: Supervisor, vm: str, template: str, fault: str = "") -> dict
 
 
 async def _save(sup: Supervisor, rec: VmRecord, rt: VmRuntime, name: str,
-                fault: str) -> dict[str, Any]:
+                fault: str) -> rpc.TemplateSaved:
     vm = rec.name
     t0 = time.monotonic()
     paths = sup.paths
@@ -174,8 +175,8 @@ async def _save(sup: Supervisor, rec: VmRecord, rt: VmRuntime, name: str,
     ms = (time.monotonic() - t0) * 1000
     sup.log.info("made template %s from %s in %.0f ms (state %d bytes)", name, vm, ms,
                  state_bytes)
-    return {"template": name, "vm": vm, "ms": round(ms, 1), "state_bytes": state_bytes,
-            "unbound": unbound}
+    return rpc.TemplateSaved(template=name, vm=vm, ms=round(ms, 1), state_bytes=state_bytes,
+                             unbound=unbound)
 
 
 def _fault(fault: str, phase: str) -> None:

@@ -41,6 +41,7 @@ from fusuma.governor.qos import check_admission
 from fusuma.migration import compat, inplace
 from fusuma.migration.inplace import MODE as CPR_MODE
 from fusuma.migration.resolve import recover_move
+from fusuma.partition import rpc
 from fusuma.partition.manager import PartitionManager
 from fusuma.state import VmState, vm_obj
 from fusuma.state.lock import host_lock
@@ -189,42 +190,39 @@ def _migrate(parts: PartitionManager, jh: recovery.JobHandle, vm: str, to: str, 
     progress(f"preparing {vm} in {to} ({mode})")
     try:
         delay = float(os.environ.get(FAULT_BEFORE_DECIDE, 0))
-        if in_place:
-            prep = dst.call("cpr-prepare", vm=vm, fault_decide_delay=delay)
-        else:
-            prep = dst.call("incoming-prepare", vm=vm, mode=mode, fault_decide_delay=delay)
-        jh.phase("prepared", dest_pid=prep["pid"], dest_run=prep.get("run_dir"),
-                 dest_ram=prep.get("dest_ram"))
-        src_pid, dst_pid = int(rec.pid or 0), int(prep["pid"])
+        prep = dst.send(rpc.CprPrepare(vm, fault_decide_delay=delay) if in_place
+                        else rpc.IncomingPrepare(vm, mode, fault_decide_delay=delay))
+        jh.phase("prepared", dest_pid=prep.pid, dest_run=prep.run_dir,
+                 dest_ram=prep.dest_ram)
+        src_pid, dst_pid = int(rec.pid or 0), prep.pid
         cpu0 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
         _fault_sleep(FAULT_BEFORE_STREAM)
         checkpoint()
         progress(f"moving {vm} {source} -> {to}")
         jh.phase("streaming")
         if in_place:
-            out = src.call("cpr-transfer", rpc_timeout=700, vm=vm,
-                           fault_incoming_delay=float(os.environ.get(FAULT_BEFORE_INCOMING,
-                                                                     0)))
+            out = src.send(rpc.CprTransfer(vm, fault_incoming_delay=float(
+                os.environ.get(FAULT_BEFORE_INCOMING, 0))), timeout=700)
         else:
-            out = src.call("migrate-out", rpc_timeout=700, vm=vm, uri=prep["uri"],
-                           mode=mode, max_bandwidth=int(os.environ.get(FAULT_STREAM_BPS, 0)))
-        jh.phase("streamed", bytes_sent=out.get("bytes_sent"))
+            out = src.send(rpc.MigrateOut(vm, str(prep.uri), mode, max_bandwidth=int(
+                os.environ.get(FAULT_STREAM_BPS, 0))), timeout=700)
+        jh.phase("streamed", bytes_sent=out.bytes_sent)
         cpu1 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
         _fault_sleep(FAULT_AFTER_COMPLETE)
-        fin = dst.call("incoming-finish", vm=vm)
+        fin = dst.send(rpc.IncomingFinish(vm))
         jh.phase("switched")
         _fault_sleep(FAULT_AFTER_SWITCH)
-        src.call("release", vm=vm)
+        src.send(rpc.Release(vm))
         jh.phase("released")
         _fault_sleep(FAULT_AFTER_RELEASE)
         try:
-            dst.call("settle", vm=vm)
+            dst.send(rpc.Settle(vm))
         except FusumaError as exc:
             # The guest runs there; a new supervisor adopts it and settles its sockets.
             progress(f"could not settle {vm} in {to} ({exc}); restarting its supervisor")
             if parts.supervisor_pid(to) is None:
                 parts.start_supervisor(to)
-                dst.call("settle", vm=vm)
+                dst.send(rpc.Settle(vm))
         after = db.vm(vm)
         if after.partition != to or after.state not in (VmState.RUNNING, VmState.PAUSED):
             raise MigrationError(f"{vm!r} moved to partition {to!r}, but is "
@@ -251,16 +249,16 @@ def _migrate(parts: PartitionManager, jh: recovery.JobHandle, vm: str, to: str, 
             raise MigrationError(f"migration of {vm!r} failed ({exc}); "
                                  f"{outcome.sentence()}.") from exc
     # An in-place transfer answers once the guest runs again, with that moment.
-    resume_ts = float(out.get("resume_ts") or fin["resume_ts"])
-    stop_ts = out.get("stop_ts")
+    resume_ts = out.resume_ts or fin.resume_ts
+    stop_ts = out.stop_ts
     return MigrationResult(
         vm=vm, source=source, to=to, mode=mode,
-        total_ms=round((resume_ts - float(out["t0"])) * 1000, 2),
-        downtime_ms=round((resume_ts - float(stop_ts)) * 1000, 2) if stop_ts else None,
-        bytes_sent=int(out["bytes_sent"]), prepare_ms=float(prep["prepare_ms"]),
-        cpu_s=round(cpu1 - cpu0, 3), qemu_total_ms=out.get("qemu_total_ms"),
-        qemu_downtime_ms=out.get("qemu_downtime_ms"), paused=bool(out.get("paused")),
-        qemu_mode=out.get("source_mode"), source_pid=src_pid, dest_pid=dst_pid)
+        total_ms=round((resume_ts - out.t0) * 1000, 2),
+        downtime_ms=round((resume_ts - stop_ts) * 1000, 2) if stop_ts else None,
+        bytes_sent=out.bytes_sent, prepare_ms=prep.prepare_ms,
+        cpu_s=round(cpu1 - cpu0, 3), qemu_total_ms=out.qemu_total_ms,
+        qemu_downtime_ms=out.qemu_downtime_ms, paused=out.paused,
+        qemu_mode=out.source_mode, source_pid=src_pid, dest_pid=dst_pid)
 
 
 def _fault_sleep(var: str) -> None:

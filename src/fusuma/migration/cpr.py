@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
 from fusuma.host.accel import probe_accel
 from fusuma.migration.inplace import MIN_VERSION_TEXT, MODE, has_cpr
+from fusuma.partition import rpc
 from fusuma.partition.supervisor_consts import INCOMING_PREFIX
 from fusuma.qemu import process
 from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_STOP, event_time
@@ -106,7 +107,7 @@ async def wait_listening(child: subprocess.Popen[bytes], sock: Path, log: Path,
 
 
 async def cpr_prepare(sup: Supervisor, vm: str,
-                      fault_decide_delay: float = 0.0) -> dict[str, Any]:
+                      fault_decide_delay: float = 0.0) -> rpc.Prepared:
     """Start the new QEMU of an in-place move, waiting on its cpr channel."""
     from fusuma.migration import supervisor_ops as ops
 
@@ -149,8 +150,8 @@ async def cpr_prepare(sup: Supervisor, vm: str,
     prepare_ms = (time.monotonic() - t0) * 1000
     sup.log.info("new QEMU of %s (pid %d, QEMU %s) waits for its descriptors on %s", vm,
                  rt.pid, q.version, run / CPR_SOCKET)
-    return {"pid": rt.pid, "prepare_ms": round(prepare_ms, 2), "run_dir": str(run),
-            "binary": str(q.binary), "version": q.version}
+    return rpc.Prepared(pid=rt.pid, prepare_ms=round(prepare_ms, 2), run_dir=str(run),
+                        binary=str(q.binary), version=q.version)
 
 
 async def _connect_new(rt: VmRuntime, timeout: float) -> None:
@@ -212,7 +213,7 @@ async def normal_mode(rt: VmRuntime) -> None:
 
 
 async def cpr_transfer(sup: Supervisor, vm: str, timeout: float = 600.0,
-                       fault_incoming_delay: float = 0.0) -> dict[str, Any]:
+                       fault_incoming_delay: float = 0.0) -> rpc.Streamed:
     """Steps 2-4 of the module docstring: the old QEMU sends, the new one receives.
 
     Returns when the old QEMU has completed (it is then the move's leaving side); the
@@ -279,7 +280,7 @@ async def cpr_transfer(sup: Supervisor, vm: str, timeout: float = 600.0,
             # sits in the guest's downtime.
             with contextlib.suppress(Exception):
                 ran = await asyncio.wait_for(asyncio.shield(inc.done), 10.0)
-                resume_ts = ran.get("resume_ts")
+                resume_ts = ran.resume_ts
         info = await rt.qmp.query_migrate()
         # Evidence that this move was a cpr-transfer, from the old QEMU itself.
         said = str((await rt.qmp.execute("query-migrate-parameters")).get("mode"))
@@ -304,7 +305,7 @@ async def cpr_transfer(sup: Supervisor, vm: str, timeout: float = 600.0,
         del sup.vms[vm]
     if not rt.exited.is_set():
         sup.leaving[vm] = rt
-    return {"t0": t0, "connected_ts": connected_ts, "stop_ts": stop_ts,
-            "qemu_total_ms": info.total_ms, "qemu_downtime_ms": info.downtime_ms,
-            "bytes_sent": info.transferred, "source_pid": rt.pid, "dest_pid": new.pid,
-            "source_mode": said, "paused": False, "resume_ts": resume_ts}
+    return rpc.Streamed(t0=t0, connected_ts=connected_ts, stop_ts=stop_ts,
+                        qemu_total_ms=info.total_ms, qemu_downtime_ms=info.downtime_ms,
+                        bytes_sent=info.transferred, source_pid=rt.pid, dest_pid=new.pid,
+                        source_mode=said, paused=False, resume_ts=resume_ts)

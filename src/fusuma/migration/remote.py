@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fusuma.errors import MigrationError, NotFoundError, StateError
 from fusuma.host.accel import probe_accel
 from fusuma.migration.supervisor_ops import Incoming, capabilities
+from fusuma.partition import rpc
 from fusuma.partition.supervisor_consts import INCOMING_PREFIX
 from fusuma.paths import PRIVATE_DIR, ensure_dir
 from fusuma.qemu import privilege
@@ -40,7 +41,7 @@ SOURCE_JOB = "host-move"
 DEST_JOB = "host-move-in"
 
 
-async def remote_incoming(sup: Supervisor, vm: str, listen: str) -> dict[str, Any]:
+async def remote_incoming(sup: Supervisor, vm: str, listen: str) -> rpc.Prepared:
     """Start a QEMU for ``vm`` waiting for a stream on ``tcp:LISTEN:<port>``."""
     rec = sup.db.vm(vm)
     if rec.partition != sup.partition:
@@ -85,26 +86,26 @@ async def remote_incoming(sup: Supervisor, vm: str, listen: str) -> dict[str, An
     sup._watch(rt)
     uri = f"tcp:{listen}:{port}"
     sup.log.info("waiting for %s from another host on %s", vm, uri)
-    return {"uri": uri, "pid": rt.pid, "run_dir": str(run),
-            "prepare_ms": round((time.monotonic() - t0) * 1000, 2)}
+    return rpc.Prepared(uri=uri, pid=rt.pid, run_dir=str(run),
+                        prepare_ms=round((time.monotonic() - t0) * 1000, 2))
 
 
 async def remote_incoming_wait(sup: Supervisor, vm: str, timeout: float = 2.0
-                               ) -> dict[str, Any]:
+                               ) -> rpc.StreamState:
     """The incoming stream's state, waiting up to ``timeout`` for it to end:
     ``completed`` (the guest is here, paused), ``failed``/``cancelled``, ``gone`` (the
     QEMU exited), ``running`` (already committed) or the state still in progress."""
     inc = sup.incoming.get(vm)
     if inc is None:
         if vm in sup.vms:
-            return {"status": "running", "pid": sup.vms[vm].pid}
+            return rpc.StreamState("running", sup.vms[vm].pid)
         raise NotFoundError(f"no incoming QEMU of {vm!r} in partition {sup.partition!r}.")
     rt = inc.rt
     deadline = time.monotonic() + timeout
     while True:
         if rt.exited.is_set():
-            return {"status": "gone"}
+            return rpc.StreamState("gone")
         status = (await rt.qmp.query_migrate()).status
         if status in ("completed", "failed", "cancelled") or time.monotonic() > deadline:
-            return {"status": status, "pid": rt.pid}
+            return rpc.StreamState(status, rt.pid)
         await asyncio.sleep(0.005)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from fusuma.errors import FusumaError
+from fusuma.partition import rpc
 from fusuma.partition.manager import PartitionManager
 from fusuma.state import Job, VmState, vm_obj
 
@@ -41,7 +41,7 @@ class Outcome:
                f"{self.partition!r}: start it again with `fusuma vm start {self.vm}`"
 
 
-def _instances(parts: PartitionManager, partition: str | None, vm: str) -> list[dict[str, Any]]:
+def _instances(parts: PartitionManager, partition: str | None, vm: str) -> list[rpc.Instance]:
     if not partition:
         return []
     client = parts.client(partition)
@@ -50,7 +50,7 @@ def _instances(parts: PartitionManager, partition: str | None, vm: str) -> list[
         with contextlib.suppress(FusumaError):
             parts.start_supervisor(partition)
     try:
-        return list(client.call("instances", vm=vm))
+        return client.send(rpc.ListInstances(vm)).instances
     except FusumaError as exc:
         LOG.warning("cannot ask partition %s about %s: %s", partition, vm, exc)
         return []
@@ -68,46 +68,45 @@ def recover_move(parts: PartitionManager, job: Job) -> Outcome:
         # An in-place move (fusuma.migration.cpr): one partition holds both QEMUs,
         # told apart by the old one's pid.
         spid = job.detail.get("source_pid")
-        s = next((i for i in src if i["pid"] == spid), None)
-        d = next((i for i in src if i["pid"] != spid and i["role"] in ("incoming", "vm")),
-                 None)
+        s = next((i for i in src if i.pid == spid), None)
+        d = next((i for i in src if i.pid != spid and i.role in ("incoming", "vm")), None)
     else:
         dst = _instances(parts, dest, vm)
-        s = next((i for i in src if i["role"] in ("vm", "leaving")), None)
-        d = next((i for i in dst if i["role"] in ("incoming", "vm")), None)
+        s = next((i for i in src if i.role in ("vm", "leaving")), None)
+        d = next((i for i in dst if i.role in ("incoming", "vm")), None)
     cur = db.find_job(vm_obj(vm))
     decision = (cur.detail.get("decision") if cur else None)
     if decision is None:
-        ready = d is not None and (d["role"] == "vm" or (
-            d["migration"] == "completed" and d["status"] in ("paused", "running")))
+        ready = d is not None and (d.role == "vm" or (
+            d.migration == "completed" and d.status in ("paused", "running")))
         decision = db.decide(vm_obj(vm), "forward" if ready else "back") or "back"
     LOG.info("recovering the move of %s: outcome %s (source %s, destination %s)", vm,
              decision, s, d)
     if decision == "forward":
         if d is not None:
-            parts.client(dest).call("incoming-commit", vm=vm)
+            parts.client(dest).send(rpc.IncomingCommit(vm))
             with contextlib.suppress(FusumaError):
-                parts.client(source).call("release", vm=vm)
+                parts.client(source).send(rpc.Release(vm))
             with contextlib.suppress(FusumaError):
-                parts.client(dest).call("settle", vm=vm)
+                parts.client(dest).send(rpc.Settle(vm))
             return Outcome(vm, decision, dest, True, "moved")
         # The guest ran at the destination, which is gone: it must not run from the
         # source's older state either.
         with contextlib.suppress(FusumaError):
-            parts.client(source).call("release", vm=vm)
+            parts.client(source).send(rpc.Release(vm))
         _crashed(parts, vm, dest, "its destination QEMU ended after the guest had moved")
         return Outcome(vm, "lost", dest, False, "its destination QEMU ended after the "
                        "guest had moved there")
     # back
-    if d is not None and d["role"] == "incoming":
+    if d is not None and d.role == "incoming":
         with contextlib.suppress(FusumaError):
-            parts.client(dest).call("incoming-abort", vm=vm)
+            parts.client(dest).send(rpc.IncomingAbort(vm))
     if s is not None:
-        parts.client(source).call("resume-source", vm=vm)
+        parts.client(source).send(rpc.ResumeSource(vm))
         rec = db.vm(vm)
         if rec.state == VmState.MIGRATING:
             db.transition(vm, VmState.RUNNING, expect={VmState.MIGRATING},
-                          partition=source, pid=s["pid"])
+                          partition=source, pid=s.pid)
         return Outcome(vm, decision, source, True, "stays where it was")
     _crashed(parts, vm, source, "its source QEMU ended before the guest reached the "
              "destination")

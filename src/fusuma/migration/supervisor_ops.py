@@ -33,6 +33,7 @@ from qemu.qmp import EventListener
 
 from fusuma.errors import FusumaError, MigrationError, NotFoundError, QemuError, StateError
 from fusuma.host.accel import probe_accel
+from fusuma.partition import rpc
 from fusuma.partition.supervisor_consts import INCOMING_PREFIX
 from fusuma.qemu import privilege, process
 from fusuma.qemu.cmdline import NET_ID, hostfwd
@@ -58,7 +59,7 @@ class Incoming:
     mode: str
     source: str
     # Resolves to the commit's result once the guest runs here (or the error).
-    done: asyncio.Future[dict[str, Any]] | None = None
+    done: asyncio.Future[rpc.Resumed] | None = None
     task: asyncio.Task[None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -68,7 +69,7 @@ def capabilities(mode: str) -> dict[str, bool]:
 
 
 async def incoming_prepare(sup: Supervisor, vm: str, mode: str,
-                           fault_decide_delay: float = 0.0) -> dict[str, Any]:
+                           fault_decide_delay: float = 0.0) -> rpc.Prepared:
     if mode not in MODES:
         raise StateError(f"unknown migration mode {mode!r}; use zero-copy or copy.")
     rec = sup.db.vm(vm)
@@ -117,8 +118,9 @@ async def incoming_prepare(sup: Supervisor, vm: str, mode: str,
     inc.task = asyncio.ensure_future(_resume_when_complete(sup, vm, inc))
     prepare_ms = (time.monotonic() - t0) * 1000
     sup.log.info("waiting for %s (%s) from %s on %s", vm, mode, rec.partition, uri)
-    return {"uri": uri, "pid": rt.pid, "prepare_ms": round(prepare_ms, 2),
-            "run_dir": str(run), "dest_ram": str(ram) if ram and mode == "copy" else None}
+    return rpc.Prepared(uri=uri, pid=rt.pid, prepare_ms=round(prepare_ms, 2),
+                        run_dir=str(run),
+                        dest_ram=str(ram) if ram and mode == "copy" else None)
 
 
 async def _resume_when_complete(sup: Supervisor, vm: str, inc: Incoming) -> None:
@@ -149,13 +151,13 @@ async def _resume_when_complete(sup: Supervisor, vm: str, inc: Incoming) -> None
         rt.qmp.drop_listener(inc.listener)
 
 
-def _fail(done: asyncio.Future[dict[str, Any]], exc: BaseException) -> None:
+def _fail(done: asyncio.Future[rpc.Resumed], exc: BaseException) -> None:
     if not done.done():
         done.set_exception(exc)
         done.exception()     # retrieved: no "never retrieved" noise when nobody waits
 
 
-async def incoming_commit(sup: Supervisor, vm: str, paused: bool = False) -> dict[str, Any]:
+async def incoming_commit(sup: Supervisor, vm: str, paused: bool = False) -> rpc.Resumed:
     """Make this partition's incoming QEMU the VM's: record "forward", run the guest,
     take the record. Idempotent; refused if the outcome recorded is "back".
 
@@ -165,7 +167,7 @@ async def incoming_commit(sup: Supervisor, vm: str, paused: bool = False) -> dic
     if inc is None:
         rt = sup.vms.get(vm)
         if rt is not None:
-            return {"pid": rt.pid, "resume_ts": time.time(), "already": True}
+            return rpc.Resumed(pid=rt.pid, resume_ts=time.time(), already=True)
         raise NotFoundError(f"no incoming QEMU of {vm!r} in partition {sup.partition!r}.")
     rt = inc.rt
     decision = sup.db.decide(vm_obj(vm), "forward")
@@ -209,11 +211,11 @@ async def incoming_commit(sup: Supervisor, vm: str, paused: bool = False) -> dic
     if rt.runstate_task is None:
         rt.runstate_task = asyncio.ensure_future(sup._follow_runstate(rt))
     await sup._repin_all()
-    return {"resume_ts": resume_ts, "pid": rt.pid}
+    return rpc.Resumed(pid=rt.pid, resume_ts=resume_ts)
 
 
 async def migrate_out(sup: Supervisor, vm: str, uri: str, mode: str,
-                      timeout: float = 600.0, max_bandwidth: int = 0) -> dict[str, Any]:
+                      timeout: float = 600.0, max_bandwidth: int = 0) -> rpc.Streamed:
     rt = sup.vms.get(vm)
     rec = sup.db.vm(vm)
     if rt is None:
@@ -249,9 +251,9 @@ async def migrate_out(sup: Supervisor, vm: str, uri: str, mode: str,
     if sup.vms.get(vm) is rt:
         del sup.vms[vm]
     sup.leaving[vm] = rt
-    return {"t0": t0, "stop_ts": stop_ts, "qemu_total_ms": info.total_ms,
-            "qemu_downtime_ms": info.downtime_ms, "bytes_sent": info.transferred,
-            "source_pid": rt.pid, "paused": paused}
+    return rpc.Streamed(t0=t0, stop_ts=stop_ts, qemu_total_ms=info.total_ms,
+                        qemu_downtime_ms=info.downtime_ms, bytes_sent=info.transferred,
+                        source_pid=rt.pid, paused=paused)
 
 
 async def _tcg_dirty_bug(rt: VmRuntime, accel: str | None) -> bool:
@@ -284,13 +286,13 @@ async def _wait_migration(rt: VmRuntime, timeout: float) -> Any:
         delay = min(delay * 2, 0.05)
 
 
-async def incoming_finish(sup: Supervisor, vm: str, timeout: float = 30.0) -> dict[str, Any]:
+async def incoming_finish(sup: Supervisor, vm: str, timeout: float = 30.0) -> rpc.Resumed:
     """Wait until the guest runs here (the destination's own task resumes it)."""
     inc = sup.incoming.get(vm)
     if inc is None:
         rt = sup.vms.get(vm)
         if rt is not None:
-            return {"resume_ts": time.time(), "pid": rt.pid}
+            return rpc.Resumed(pid=rt.pid, resume_ts=time.time(), already=True)
         raise NotFoundError(f"no incoming migration of {vm!r} in partition {sup.partition!r}.")
     if inc.done is None:
         return await incoming_commit(sup, vm)
@@ -301,7 +303,7 @@ async def incoming_finish(sup: Supervisor, vm: str, timeout: float = 30.0) -> di
                              f"{sup.partition!r} within {timeout:.0f} s.") from exc
 
 
-async def release(sup: Supervisor, vm: str, timeout: float = 10.0) -> dict[str, Any]:
+async def release(sup: Supervisor, vm: str, timeout: float = 10.0) -> rpc.Ended:
     """End the source QEMU of a move whose outcome is "forward"."""
     rt = sup.leaving.get(vm)
     if rt is None:
@@ -309,7 +311,7 @@ async def release(sup: Supervisor, vm: str, timeout: float = 10.0) -> dict[str, 
         rec = sup.db.find_vm(vm)
         if cand is None or rec is None or (rec.partition == sup.partition
                                            and rec.pid == cand.pid):
-            return {"vm": vm, "was": "gone"}
+            return rpc.Ended(vm, was="gone")
         rt = cand     # a source the record no longer names (adopted after a crash)
     job = sup.db.find_job(vm_obj(vm))
     decision = job.detail.get("decision") if job else None
@@ -328,10 +330,10 @@ async def release(sup: Supervisor, vm: str, timeout: float = 10.0) -> dict[str, 
         except TimeoutError:
             process.kill(rt.pid)
             await asyncio.wait_for(rt.exited.wait(), 10)
-    return {"vm": vm, "was": "released"}
+    return rpc.Ended(vm, was="released", pid=rt.pid)
 
 
-async def resume_source(sup: Supervisor, vm: str) -> dict[str, Any]:
+async def resume_source(sup: Supervisor, vm: str) -> rpc.Resumed:
     """Run the source again: only once the move's outcome is recorded as "back"."""
     rt = sup.leaving.get(vm) or sup.vms.get(vm)
     if rt is None or rt.exited.is_set():
@@ -353,17 +355,17 @@ async def resume_source(sup: Supervisor, vm: str) -> dict[str, Any]:
     sup.vms[vm] = rt
     if rt.runstate_task is None:
         rt.runstate_task = asyncio.ensure_future(sup._follow_runstate(rt))
-    return {"vm": vm, "pid": rt.pid}
+    return rpc.Resumed(pid=rt.pid, resume_ts=time.time())
 
 
-async def settle(sup: Supervisor, vm: str) -> dict[str, Any]:
+async def settle(sup: Supervisor, vm: str) -> rpc.Settled:
     """Move the sockets of a migrated-in QEMU from ``<run>/in-…`` to ``<run>``.
 
     Only after the source QEMU exited: QEMU unlinks its listening sockets' paths on
     exit, which would remove ours if they already had the same names."""
     rt = sup.vms.get(vm)
     if rt is None or not rt.run_dir.name.startswith(INCOMING_PREFIX):
-        return {"vm": vm, "moved": False}
+        return rpc.Settled(vm, moved=False)
     # The source held the forwarded host ports until it exited: take them over now.
     unbound = []
     for item in sup.db.vm(vm).ports:
@@ -389,14 +391,14 @@ async def settle(sup: Supervisor, vm: str) -> dict[str, Any]:
         rt.run_dir.rmdir()
     rt.run_dir = target
     rt.qmp.socket = target / "qmp.sock"
-    return {"vm": vm, "moved": True, "unbound_ports": unbound}
+    return rpc.Settled(vm, moved=True, unbound_ports=unbound)
 
 
-async def incoming_abort(sup: Supervisor, vm: str) -> dict[str, Any]:
+async def incoming_abort(sup: Supervisor, vm: str) -> rpc.Ended:
     """End the incoming QEMU (never one the outcome "forward" lets run)."""
     inc = sup.incoming.get(vm)
     if inc is None:
-        return {"vm": vm, "was": "gone"}
+        return rpc.Ended(vm, was="gone")
     job = sup.db.find_job(vm_obj(vm))
     if job is not None and job.detail.get("decision") == "forward":
         raise MigrationError(f"the incoming QEMU of {vm!r} is kept: the guest has moved "
@@ -409,10 +411,10 @@ async def incoming_abort(sup: Supervisor, vm: str) -> dict[str, Any]:
         rt.stopping = True
         process.kill(rt.pid)
         await asyncio.wait_for(rt.exited.wait(), 10)
-    return {"vm": vm, "was": "aborted"}
+    return rpc.Ended(vm, was="aborted", pid=rt.pid)
 
 
-async def instances(sup: Supervisor, vm: str) -> list[dict[str, Any]]:
+async def instances(sup: Supervisor, vm: str) -> list[rpc.Instance]:
     """What this supervisor holds of ``vm``, as QEMU itself reports it."""
     held: list[tuple[str, VmRuntime]] = []
     if vm in sup.vms:
@@ -430,6 +432,6 @@ async def instances(sup: Supervisor, vm: str) -> list[dict[str, Any]]:
             migration = (await rt.qmp.query_migrate()).status
         except FusumaError as exc:
             status, migration = f"unknown ({exc})", "unknown"
-        out.append({"role": role, "pid": rt.pid, "status": status, "migration": migration,
-                    "run_dir": str(rt.run_dir)})
+        out.append(rpc.Instance(role=role, pid=rt.pid, status=status, migration=migration,
+                                run_dir=str(rt.run_dir)))
     return out

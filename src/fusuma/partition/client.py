@@ -1,46 +1,47 @@
-"""The CLI's side of a partition supervisor's socket."""
+"""The callers' side of a partition supervisor's socket (typed: ``fusuma.partition.rpc``)."""
 
 from __future__ import annotations
 
-import json
 import socket
 import time
-from typing import Any
+from typing import TypeVar
 
 from fusuma.errors import SupervisorError
-from fusuma.partition.protocol import encode, raise_reply
+from fusuma.partition import rpc
 from fusuma.paths import Paths
+
+R = TypeVar("R")
 
 
 class SupervisorClient:
-    """Synchronous request/response calls to one partition's supervisor."""
+    """Synchronous request/reply calls to one partition's supervisor."""
 
     def __init__(self, paths: Paths, partition: str) -> None:
         self.paths = paths
         self.partition = partition
         self.path = paths.supervisor_socket(partition)
 
-    def call(self, op: str, rpc_timeout: float = 60.0, *, wait_up: float = 3.0,
-             **args: Any) -> Any:
+    def send(self, req: rpc.Request[R], timeout: float = 60.0, *,
+             wait_up: float = 3.0) -> R:
         """One request and its reply. A supervisor that is restarting (no socket yet)
         is waited for up to ``wait_up`` seconds, so a command issued during
         `partition restart` is queued rather than refused."""
         deadline = time.monotonic() + wait_up
         while True:
             try:
-                return self._call(op, rpc_timeout, **args)
+                return self._send(req, timeout)
             except SupervisorError as exc:
                 if not isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError)) \
                         or time.monotonic() >= deadline:
                     raise
             time.sleep(0.05)
 
-    def _call(self, op: str, rpc_timeout: float, **args: Any) -> Any:
+    def _send(self, req: rpc.Request[R], timeout: float) -> R:
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(rpc_timeout)
+                s.settimeout(timeout)
                 s.connect(str(self.path))
-                s.sendall(encode({"op": op, "args": args}))
+                s.sendall(rpc.encode_request(req))
                 buf = b""
                 while not buf.endswith(b"\n"):
                     chunk = s.recv(65536)
@@ -53,24 +54,19 @@ class SupervisorClient:
                 f"with `fusuma partition restart {self.partition}`.") from exc
         except TimeoutError as exc:
             raise SupervisorError(f"the supervisor of partition {self.partition!r} did not "
-                                  f"answer {op!r} within {rpc_timeout:.0f} s.") from exc
+                                  f"answer {req.OP!r} within {timeout:.0f} s.") from exc
         except OSError as exc:
             raise SupervisorError(f"cannot talk to the supervisor of partition "
                                   f"{self.partition!r}: {exc}.") from exc
         if not buf:
             raise SupervisorError(f"the supervisor of partition {self.partition!r} closed the "
-                                  f"connection during {op!r}; see its log in "
+                                  f"connection during {req.OP!r}; see its log in "
                                   f"{self.paths.partition_dir(self.partition)}/supervisor.log.")
-        try:
-            reply = json.loads(buf)
-        except ValueError as exc:
-            raise SupervisorError(f"the supervisor of partition {self.partition!r} sent a "
-                                  f"garbled answer to {op!r}; see its log.") from exc
-        return raise_reply(reply)
+        return rpc.decode_reply(req, buf, self.partition)
 
     def alive(self) -> bool:
         try:
-            self.call("ping", rpc_timeout=2.0, wait_up=0.0)
+            self.send(rpc.Ping(), timeout=2.0, wait_up=0.0)
         except SupervisorError:
             return False
         return True

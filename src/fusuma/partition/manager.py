@@ -34,7 +34,7 @@ from fusuma.governor.qos import check_cores
 from fusuma.host import cgroups
 from fusuma.host.topology import HostInfo, format_cpulist, host_info, siblings_text
 from fusuma.names import check_name
-from fusuma.partition import liveness
+from fusuma.partition import liveness, rpc
 from fusuma.partition.client import SupervisorClient
 from fusuma.partition.liveness import SUPERVISOR_MODULE
 from fusuma.paths import PRIVATE_DIR, Paths, ensure_dir
@@ -106,7 +106,7 @@ class PartitionManager:
             if self.db.find_partition(other) is None:
                 continue
             try:
-                self.client(other).call("repin")
+                self.client(other).send(rpc.Repin())
             except FusumaError as exc:
                 LOG.warning("partition %s: its vCPUs were not re-pinned: %s", other, exc)
         self.cg.disturbed.clear()
@@ -271,7 +271,7 @@ class PartitionManager:
                      old_cpus=rec.cpus, old_memory_mib=rec.memory_mib)
         # The kernel resets the affinity of every task in a changed cpuset: pin again.
         try:
-            self.client(name).call("repin")
+            self.client(name).send(rpc.Repin())
         except FusumaError as exc:
             LOG.warning("partition %s resized, but its vCPUs were not re-pinned: %s", name, exc)
         self._repin_disturbed(name)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -44,9 +43,9 @@ from fusuma.host.accel import probe_accel
 from fusuma.images import find_image
 from fusuma.memshare import reporting, template_ops
 from fusuma.memshare.ksm import enable_merge_any
-from fusuma.migration import cpr
+from fusuma.migration import cpr, remote
 from fusuma.migration import supervisor_ops as migration_ops
-from fusuma.partition.protocol import encode, error_reply
+from fusuma.partition import rpc
 from fusuma.partition.supervisor_consts import INCOMING_PREFIX
 from fusuma.paths import MAX_SOCKET_PATH, PRIVATE_DIR, Paths, ensure_dir
 from fusuma.qemu import privilege, process, versions
@@ -142,6 +141,7 @@ class Supervisor:
         # Recovery processes this supervisor started, by job (obj, owner pid).
         self._recoverers: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
         self.owner = JobOwner.me()
+        self._handlers = self.handlers()
         self.governor = Governor(partition, self.cg, self.db,
                                  pids=lambda: {n: rt.pid for n, rt in self.vms.items()},
                                  repin=self._repin_all, leaf=vm_leaf, log=self.log)
@@ -468,25 +468,40 @@ class Supervisor:
                         start_new_session=True, close_fds=True, env=env)
 
     # -- request handling -----------------------------------------------------------
+    def handlers(self) -> dict[type[rpc.Request[Any]], Any]:
+        """The one table from request class to handler (every class of
+        ``rpc.REQUESTS`` has one; a unit test holds them together)."""
+        return {
+            rpc.Ping: self.op_ping, rpc.Status: self.op_status, rpc.Start: self.op_start,
+            rpc.WaitAgent: self.op_wait_agent, rpc.Stop: self.op_stop,
+            rpc.Kill: self.op_kill, rpc.Exec: self.op_exec, rpc.Trim: self.op_trim,
+            rpc.TemplateSave: self.op_template_save,
+            rpc.GovernorStatus: self.op_governor_status, rpc.Repin: self.op_repin,
+            rpc.IncomingPrepare: self.op_incoming_prepare,
+            rpc.MigrateOut: self.op_migrate_out, rpc.CprPrepare: self.op_cpr_prepare,
+            rpc.CprTransfer: self.op_cpr_transfer,
+            rpc.IncomingFinish: self.op_incoming_finish,
+            rpc.IncomingCommit: self.op_incoming_commit,
+            rpc.IncomingAbort: self.op_incoming_abort, rpc.Release: self.op_release,
+            rpc.ResumeSource: self.op_resume_source, rpc.Settle: self.op_settle,
+            rpc.ListInstances: self.op_instances,
+            rpc.RemoteIncoming: self.op_remote_incoming,
+            rpc.RemoteIncomingWait: self.op_remote_incoming_wait,
+        }
+
     async def _handle(self, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
         try:
-            line = await reader.readline()
-            req = json.loads(line)
-            op = str(req.get("op"))
-            args = dict(req.get("args") or {})
-            handler = getattr(self, "op_" + op.replace("-", "_"), None)
-            if handler is None:
-                raise SupervisorError(f"unknown supervisor operation {op!r}.")
-            result = await handler(**args)
-            reply: dict[str, Any] = {"ok": True, "result": result}
+            req = rpc.decode_request(await reader.readline())
+            result = await self._handlers[type(req)](req)
+            out = rpc.encode_reply(result)
         except FusumaError as exc:
-            reply = error_reply(exc)
+            out = rpc.encode_error(exc)
         except Exception as exc:  # report, keep serving
             self.log.exception("request failed")
-            reply = error_reply(SupervisorError(f"internal supervisor error: {exc!r}"))
+            out = rpc.encode_error(SupervisorError(f"internal supervisor error: {exc!r}"))
         try:
-            writer.write(encode(reply))
+            writer.write(out)
             await writer.drain()
             writer.close()
         except OSError:
@@ -502,20 +517,20 @@ class Supervisor:
                                 f"not {self.partition!r}.")
         return vm
 
-    async def op_ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "partition": self.partition,
-                "vms": sorted(self.vms)}
+    async def op_ping(self, req: rpc.Ping) -> rpc.Pong:
+        return rpc.Pong(pid=os.getpid(), partition=self.partition, vms=sorted(self.vms))
 
-    async def op_status(self) -> list[dict[str, Any]]:
-        return [{"name": rt.name, "pid": rt.pid} for rt in self.vms.values()]
+    async def op_status(self, req: rpc.Status) -> rpc.Running:
+        return rpc.Running([rpc.VmPid(rt.name, rt.pid) for rt in self.vms.values()])
 
-    async def op_start(self, vm: str, wait_agent: float = 0.0) -> dict[str, Any]:
+    async def op_start(self, req: rpc.Start) -> rpc.VmPid:
+        vm = req.vm
         requested = time.time()
         async with self._lock(vm), self._job(vm, "start"):
             await self._start(self._vm(vm), requested)
-        if wait_agent > 0:
-            await self.op_wait_agent(vm, timeout=wait_agent)
-        return {"vm": vm, "pid": self.vms[vm].pid}
+        if req.wait_agent > 0:
+            await self.op_wait_agent(rpc.WaitAgent(vm, timeout=req.wait_agent))
+        return rpc.VmPid(vm, self.vms[vm].pid)
 
     def _agent_lock(self, vm: str) -> asyncio.Lock:
         return self._agent_locks.setdefault(vm, asyncio.Lock())
@@ -530,22 +545,24 @@ class Supervisor:
         raise StateError(f"VM {vm!r} is being recovered: the owner (pid {job.owner.pid}) of "
                          f"its {job.kind} job died; try again in a few seconds.")
 
-    async def op_wait_agent(self, vm: str, timeout: float = 60.0) -> float:
+    async def op_wait_agent(self, req: rpc.WaitAgent) -> rpc.Seconds:
         """Wait until the guest agent answers; returns seconds since QEMU started."""
+        vm, timeout = req.vm, req.timeout
         rec = self._running(vm)
         async with self._agent_lock(vm), GuestAgent(
                 vm, self.vms[vm].run_dir / "qga.sock", self._vm_logger(vm)) as ga:
             await ga.connect(timeout=timeout)
             await ga.ping()
-        return time.time() - (rec.started_at or time.time())
+        return rpc.Seconds(time.time() - (rec.started_at or time.time()))
 
-    async def op_stop(self, vm: str, timeout: float = 10.0) -> dict[str, Any]:
+    async def op_stop(self, req: rpc.Stop) -> rpc.Ended:
+        vm, timeout = req.vm, req.timeout
         async with self._lock(vm):
             rec = self._vm(vm)
             rt = self.vms.get(vm)
             if rt is None:
                 if rec.state in (VmState.STOPPED, VmState.CRASHED):
-                    return {"vm": vm, "was": rec.state.value}
+                    return rpc.Ended(vm, was=rec.state.value)
                 self._no_job(vm)
                 return self._kill_unmanaged(rec)
             async with self._job(vm, "stop"):
@@ -573,9 +590,10 @@ class Supervisor:
                                      timeout, rt.pid)
                     process.kill(rt.pid)
                     await self._wait_exit(rt)
-        return {"vm": vm, "was": "running"}
+        return rpc.Ended(vm, was="running", pid=rt.pid)
 
-    async def op_kill(self, vm: str) -> dict[str, Any]:
+    async def op_kill(self, req: rpc.Kill) -> rpc.Ended:
+        vm = req.vm
         rec = self._vm(vm)
         rt = self.vms.get(vm)
         if rt is None:
@@ -589,7 +607,7 @@ class Supervisor:
             rt.stopping = True
             process.kill(rt.pid)
             await self._wait_exit(rt)
-        return {"vm": vm, "pid": rt.pid}
+        return rpc.Ended(vm, was="killed", pid=rt.pid)
 
     async def _wait_exit(self, rt: VmRuntime, timeout: float = 10.0) -> None:
         try:
@@ -598,7 +616,7 @@ class Supervisor:
             raise QemuError(f"VM {rt.name}: QEMU (pid {rt.pid}) did not exit within "
                             f"{timeout:.0f} s of SIGKILL.") from exc
 
-    def _kill_unmanaged(self, rec: VmRecord) -> dict[str, Any]:
+    def _kill_unmanaged(self, rec: VmRecord) -> rpc.Ended:
         """A QEMU this supervisor could not adopt (no QMP): end it by its checked pid."""
         if rec.pid and process.is_vm_process(rec.pid, rec.name,
                                              self.paths.vm_run_dir(rec.name)):
@@ -611,10 +629,10 @@ class Supervisor:
             self._remove_ram(Path(rec.ram_path))
         self._delete_leaf(rec.name)
         self._settle_state(rec.name, VmState.STOPPED, pid=None)
-        return {"vm": rec.name, "pid": rec.pid}
+        return rpc.Ended(rec.name, was="killed", pid=rec.pid)
 
-    async def op_exec(self, vm: str, argv: list[str], stdin: str | None = None,
-                      timeout: float = 60.0) -> dict[str, Any]:
+    async def op_exec(self, req: rpc.Exec) -> rpc.ExecResult:
+        vm, argv, stdin, timeout = req.vm, req.argv, req.stdin, req.timeout
         self._running(vm)
         self._no_job(vm)
         data = base64.b64decode(stdin) if stdin is not None else None
@@ -624,13 +642,14 @@ class Supervisor:
                                   self._vm_logger(vm)) as ga:
                 await ga.connect(timeout=timeout)
                 res = await ga.run(argv, stdin=data, timeout=timeout)
-        return {"exit_code": res.exit_code, "signal": res.signal,
-                "stdout": base64.b64encode(res.stdout).decode(),
-                "stderr": base64.b64encode(res.stderr).decode()}
+        return rpc.ExecResult(exit_code=res.exit_code, signal=res.signal,
+                              stdout=base64.b64encode(res.stdout).decode(),
+                              stderr=base64.b64encode(res.stderr).decode())
 
-    async def op_trim(self, vm: str, timeout: float = 60.0) -> dict[str, Any]:
+    async def op_trim(self, req: rpc.Trim) -> rpc.Trimmed:
         """Ask the guest to drop its caches and compact, then wait until the pages it
         freed have been reported and the RAM's resident size holds still."""
+        vm, timeout = req.vm, req.timeout
         rec = self._running(vm)
         self._no_job(vm)
         reporting.refuse_without_device(rec)
@@ -671,18 +690,18 @@ class Supervisor:
             return None if b is None else round(b / 2**20, 1)
         returned = None if before is None or after is None else max(0, before - after)
         self.log.info("trim %s: %s -> %s MiB", vm, mib(before), mib(after))
-        return {"vm": vm, "resident_before_mib": mib(before), "resident_after_mib": mib(after),
-                "returned_mib": mib(returned), "seconds": round(time.monotonic() - t0, 2)}
+        return rpc.Trimmed(vm=vm, resident_before_mib=mib(before),
+                           resident_after_mib=mib(after), returned_mib=mib(returned),
+                           seconds=round(time.monotonic() - t0, 2))
 
-    async def op_template_save(self, vm: str, template: str,
-                               fault: str = "") -> dict[str, Any]:
-        return await template_ops.save(self, vm, template, fault)
+    async def op_template_save(self, req: rpc.TemplateSave) -> rpc.TemplateSaved:
+        return await template_ops.save(self, req.vm, req.template, req.fault)
 
-    async def op_governor_status(self, limit: int = 50) -> dict[str, Any]:
-        return self.governor.status(limit)
+    async def op_governor_status(self, req: rpc.GovernorStatus) -> rpc.GovernorReport:
+        return rpc.GovernorReport(self.governor.status(req.limit))
 
-    async def op_repin(self) -> dict[str, list[int]]:
-        return await self._repin_all()
+    async def op_repin(self, req: rpc.Repin) -> rpc.Pins:
+        return rpc.Pins(await self._repin_all())
 
     async def _repin_all(self) -> dict[str, list[int]]:
         """Spread the vCPUs of all running VMs round-robin over the partition's cores,
@@ -708,57 +727,51 @@ class Supervisor:
         return out
 
     # -- migration (fusuma.migration.supervisor_ops) -----------------------------------
-    async def op_incoming_prepare(self, vm: str, mode: str,
-                                  fault_decide_delay: float = 0.0) -> dict[str, Any]:
-        return await migration_ops.incoming_prepare(self, vm, mode, fault_decide_delay)
+    async def op_incoming_prepare(self, req: rpc.IncomingPrepare) -> rpc.Prepared:
+        return await migration_ops.incoming_prepare(self, req.vm, req.mode,
+                                                    req.fault_decide_delay)
 
-    async def op_migrate_out(self, vm: str, uri: str, mode: str,
-                             max_bandwidth: int = 0) -> dict[str, Any]:
-        async with self._lock(vm):
-            return await migration_ops.migrate_out(self, vm, uri, mode,
-                                                   max_bandwidth=max_bandwidth)
+    async def op_migrate_out(self, req: rpc.MigrateOut) -> rpc.Streamed:
+        async with self._lock(req.vm):
+            return await migration_ops.migrate_out(self, req.vm, req.uri, req.mode,
+                                                   max_bandwidth=req.max_bandwidth)
 
-    async def op_cpr_prepare(self, vm: str,
-                             fault_decide_delay: float = 0.0) -> dict[str, Any]:
-        return await cpr.cpr_prepare(self, vm, fault_decide_delay)
+    async def op_cpr_prepare(self, req: rpc.CprPrepare) -> rpc.Prepared:
+        return await cpr.cpr_prepare(self, req.vm, req.fault_decide_delay)
 
-    async def op_cpr_transfer(self, vm: str,
-                              fault_incoming_delay: float = 0.0) -> dict[str, Any]:
-        async with self._lock(vm):
-            return await cpr.cpr_transfer(self, vm,
-                                          fault_incoming_delay=fault_incoming_delay)
+    async def op_cpr_transfer(self, req: rpc.CprTransfer) -> rpc.Streamed:
+        async with self._lock(req.vm):
+            return await cpr.cpr_transfer(self, req.vm,
+                                          fault_incoming_delay=req.fault_incoming_delay)
 
-    async def op_incoming_finish(self, vm: str, timeout: float = 30.0) -> dict[str, Any]:
-        return await migration_ops.incoming_finish(self, vm, timeout=timeout)
+    async def op_incoming_finish(self, req: rpc.IncomingFinish) -> rpc.Resumed:
+        return await migration_ops.incoming_finish(self, req.vm, timeout=req.timeout)
 
-    async def op_incoming_commit(self, vm: str) -> dict[str, Any]:
-        return await migration_ops.incoming_commit(self, vm)
+    async def op_incoming_commit(self, req: rpc.IncomingCommit) -> rpc.Resumed:
+        return await migration_ops.incoming_commit(self, req.vm)
 
-    async def op_incoming_abort(self, vm: str) -> dict[str, Any]:
-        return await migration_ops.incoming_abort(self, vm)
+    async def op_incoming_abort(self, req: rpc.IncomingAbort) -> rpc.Ended:
+        return await migration_ops.incoming_abort(self, req.vm)
 
-    async def op_release(self, vm: str) -> dict[str, Any]:
-        return await migration_ops.release(self, vm)
+    async def op_release(self, req: rpc.Release) -> rpc.Ended:
+        return await migration_ops.release(self, req.vm)
 
-    async def op_resume_source(self, vm: str) -> dict[str, Any]:
-        return await migration_ops.resume_source(self, vm)
+    async def op_resume_source(self, req: rpc.ResumeSource) -> rpc.Resumed:
+        return await migration_ops.resume_source(self, req.vm)
 
-    async def op_settle(self, vm: str) -> dict[str, Any]:
-        return await migration_ops.settle(self, vm)
+    async def op_settle(self, req: rpc.Settle) -> rpc.Settled:
+        return await migration_ops.settle(self, req.vm)
 
-    async def op_instances(self, vm: str) -> list[dict[str, Any]]:
-        return await migration_ops.instances(self, vm)
+    async def op_instances(self, req: rpc.ListInstances) -> rpc.Instances:
+        return rpc.Instances(await migration_ops.instances(self, req.vm))
 
     # -- moves between hosts (fusuma.migration.remote; the cluster agent orchestrates) --
-    async def op_remote_incoming(self, vm: str, listen: str) -> dict[str, Any]:
-        from fusuma.migration import remote
+    async def op_remote_incoming(self, req: rpc.RemoteIncoming) -> rpc.Prepared:
+        return await remote.remote_incoming(self, req.vm, req.listen)
 
-        return await remote.remote_incoming(self, vm, listen)
-
-    async def op_remote_incoming_wait(self, vm: str, timeout: float = 2.0) -> dict[str, Any]:
-        from fusuma.migration import remote
-
-        return await remote.remote_incoming_wait(self, vm, timeout)
+    async def op_remote_incoming_wait(self, req: rpc.RemoteIncomingWait
+                                      ) -> rpc.StreamState:
+        return await remote.remote_incoming_wait(self, req.vm, req.timeout)
 
     def _running(self, vm: str) -> VmRecord:
         rec = self._vm(vm)

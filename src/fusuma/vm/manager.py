@@ -5,20 +5,24 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fusuma import capacity, recovery
 from fusuma.errors import ConflictError, NotFoundError, SpecError, StateError
 from fusuma.names import check_name
+from fusuma.partition import rpc
 from fusuma.paths import Paths
 from fusuma.qemu import process
 from fusuma.state import ALIVE, Database, VmRecord, VmState, busy_sentence, vm_obj
 from fusuma.state.lock import locked
 from fusuma.vm.view import VmView
+
+R = TypeVar("R")
 
 if TYPE_CHECKING:   # not imported at run time: `fusuma ps` needs only VmView (issue 17)
     from fusuma.partition.manager import PartitionManager
@@ -142,47 +146,45 @@ class VmManager:
         find_image(self.paths.cache, kind=vm.image)
         if VmView(vm).state in ("stopped", "crashed"):
             capacity.check_start(self.paths, vm)
-        self._call(name, "start", rpc_timeout=120 + wait_agent, wait_agent=wait_agent)
+        self._send(name, rpc.Start(name, wait_agent=wait_agent), 120 + wait_agent)
         return self.db.vm(name)
 
-    def _call(self, name: str, op: str, rpc_timeout: float = 60.0, **args: Any) -> Any:
+    def _send(self, name: str, req: rpc.Request[R], timeout: float = 60.0) -> R:
         """Ask the supervisor that runs VM ``name`` (recovering a dead job first; if
         the VM moved meanwhile, ask its new partition)."""
         recovery.ensure_recovered(self.parts, vm_obj(name))
         for attempt in range(2):
             vm = self.db.vm(name)
             try:
-                return self.parts.client(vm.partition).call(op, rpc_timeout=rpc_timeout,
-                                                            vm=name, **args)
+                return self.parts.client(vm.partition).send(req, timeout)
             except NotFoundError:
                 if attempt or self.db.vm(name).partition == vm.partition:
                     raise
         raise AssertionError("unreachable")
 
     def stop(self, name: str, timeout: float = 10.0) -> VmRecord:
-        self._call(name, "stop", rpc_timeout=timeout + 30, timeout=timeout)
+        self._send(name, rpc.Stop(name, timeout=timeout), timeout + 30)
         return self.db.vm(name)
 
     def kill(self, name: str) -> VmRecord:
-        self._call(name, "kill")
+        self._send(name, rpc.Kill(name))
         return self.db.vm(name)
 
     def exec(self, name: str, argv: list[str], stdin: bytes | None = None,
              timeout: float = 60.0) -> ExecOutput:
-        res = self._call(name, "exec", rpc_timeout=timeout + 30, argv=argv,
-                         stdin=base64.b64encode(stdin).decode() if stdin is not None
-                         else None, timeout=timeout)
-        return ExecOutput(int(res["exit_code"]), base64.b64decode(res["stdout"]),
-                          base64.b64decode(res["stderr"]), res.get("signal"))
+        res = self._send(name, rpc.Exec(
+            name, argv, stdin=base64.b64encode(stdin).decode() if stdin is not None
+            else None, timeout=timeout), timeout + 30)
+        return ExecOutput(res.exit_code, base64.b64decode(res.stdout),
+                          base64.b64decode(res.stderr), res.signal)
 
     def trim(self, name: str, timeout: float = 60.0) -> dict[str, Any]:
         """Drop the guest's caches and wait for its free pages to be handed back."""
-        res = self._call(name, "trim", rpc_timeout=timeout + 60, timeout=timeout)
-        return dict(res)
+        return dataclasses.asdict(self._send(name, rpc.Trim(name, timeout=timeout),
+                                             timeout + 60))
 
     def wait_agent(self, name: str, timeout: float = 60.0) -> float:
-        return float(self._call(name, "wait-agent", rpc_timeout=timeout + 10,
-                                timeout=timeout))
+        return self._send(name, rpc.WaitAgent(name, timeout=timeout), timeout + 10).seconds
 
     @locked
     def delete(self, name: str, force: bool = False) -> None:

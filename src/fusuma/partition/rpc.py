@@ -1,0 +1,483 @@
+"""Typed requests and replies between a partition supervisor and its callers.
+
+Every supervisor operation is one request class (a frozen dataclass naming its reply
+class as its type argument) in :data:`REQUESTS`, the one table from wire name to
+request; the supervisor maps each request class to one handler
+(``Supervisor.handlers``), and callers use ``SupervisorClient.send(request)``, whose
+return type is the request's reply class. A reader and a type checker follow a call
+from the CLI into the supervisor by class, never by string.
+
+Wire format, one JSON object per line::
+
+    request  {"v": 2, "request": "start", "args": {"vm": "vm0", "wait_agent": 0.0}}
+    reply    {"v": 2, "ok": true, "result": {"vm": "vm0", "pid": 4242}}
+             {"v": 2, "ok": false, "error": "one sentence", "kind": "StateError"}
+
+``v`` is :data:`PROTOCOL_VERSION`. A request of another version is refused with one
+sentence and never acted on; version 1 named the operation ``op``, so a supervisor of
+version 1 answers a version 2 request with an error, never by doing something.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+from fusuma import errors
+
+PROTOCOL_VERSION = 2
+
+R = TypeVar("R")
+
+
+class Request(Generic[R]):
+    """One supervisor operation; ``R`` is its reply class."""
+
+    OP: ClassVar[str]
+
+
+def reply_type(req: type[Request[Any]]) -> type[Any]:
+    """The reply class a request class names as its type argument."""
+    for base in getattr(req, "__orig_bases__", ()):
+        if typing.get_origin(base) is Request:
+            arg = typing.get_args(base)[0]
+            if isinstance(arg, str):
+                arg = globals()[arg]
+            return typing.cast(type[Any], arg)
+    raise TypeError(f"{req.__name__} names no reply class")
+
+
+# -- replies ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pong:
+    pid: int
+    partition: str
+    vms: list[str]
+
+
+@dataclass(frozen=True)
+class VmPid:
+    vm: str
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class Running:
+    vms: list[VmPid]
+
+
+@dataclass(frozen=True)
+class Seconds:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A QEMU ended, or was already gone: ``was`` says which."""
+
+    vm: str
+    was: str
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    signal: int | None
+    stdout: str          # base64
+    stderr: str          # base64
+
+
+@dataclass(frozen=True)
+class Trimmed:
+    vm: str
+    resident_before_mib: float | None
+    resident_after_mib: float | None
+    returned_mib: float | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TemplateSaved:
+    template: str
+    vm: str
+    ms: float
+    state_bytes: int
+    unbound: list[str]
+
+
+@dataclass(frozen=True)
+class GovernorReport:
+    """The governor's controls and decisions, a document for display (``governor
+    status``, ``top``, the API): its shape is ``Governor.status``'s."""
+
+    status: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Each VM's vCPU cores after a repin."""
+
+    cores: dict[str, list[int]]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A move's destination QEMU, waiting for the stream (or, in place, for the old
+    QEMU's descriptors)."""
+
+    pid: int
+    prepare_ms: float
+    run_dir: str
+    uri: str | None = None
+    dest_ram: str | None = None
+    binary: str | None = None
+    version: str | None = None
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A move's source after its stream completed (it is then the leaving side)."""
+
+    t0: float
+    stop_ts: float | None
+    qemu_total_ms: float | None
+    qemu_downtime_ms: float | None
+    bytes_sent: int
+    source_pid: int
+    paused: bool
+    # An in-place move's: the new QEMU's pid, when it connected, the mode the old QEMU
+    # reported, and when the guest ran again on the new one.
+    dest_pid: int | None = None
+    connected_ts: float | None = None
+    source_mode: str | None = None
+    resume_ts: float | None = None
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The guest runs on this QEMU (a destination that took it, or a source again)."""
+
+    pid: int
+    resume_ts: float
+    already: bool = False
+
+
+@dataclass(frozen=True)
+class Settled:
+    vm: str
+    moved: bool
+    unbound_ports: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One QEMU a supervisor holds of a VM, as QEMU itself reports it."""
+
+    role: str            # "vm" | "leaving" | "incoming"
+    pid: int
+    status: str
+    migration: str
+    run_dir: str
+
+
+@dataclass(frozen=True)
+class Instances:
+    instances: list[Instance]
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """An incoming stream from another host: ``completed``, ``failed``, ``cancelled``,
+    ``gone`` (its QEMU exited), ``running`` (committed) or still in progress."""
+
+    status: str
+    pid: int | None = None
+
+
+# -- requests -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ping(Request[Pong]):
+    OP: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True)
+class Status(Request[Running]):
+    OP: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True)
+class Start(Request[VmPid]):
+    OP: ClassVar[str] = "start"
+    vm: str
+    wait_agent: float = 0.0
+
+
+@dataclass(frozen=True)
+class WaitAgent(Request[Seconds]):
+    """Wait until the guest agent answers; the reply is seconds since QEMU started."""
+
+    OP: ClassVar[str] = "wait-agent"
+    vm: str
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True)
+class Stop(Request[Ended]):
+    OP: ClassVar[str] = "stop"
+    vm: str
+    timeout: float = 10.0
+
+
+@dataclass(frozen=True)
+class Kill(Request[Ended]):
+    OP: ClassVar[str] = "kill"
+    vm: str
+
+
+@dataclass(frozen=True)
+class Exec(Request[ExecResult]):
+    OP: ClassVar[str] = "exec"
+    vm: str
+    argv: list[str]
+    stdin: str | None = None     # base64
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True)
+class Trim(Request[Trimmed]):
+    OP: ClassVar[str] = "trim"
+    vm: str
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True)
+class TemplateSave(Request[TemplateSaved]):
+    OP: ClassVar[str] = "template-save"
+    vm: str
+    template: str
+    fault: str = ""
+
+
+@dataclass(frozen=True)
+class GovernorStatus(Request[GovernorReport]):
+    OP: ClassVar[str] = "governor-status"
+    limit: int = 50
+
+
+@dataclass(frozen=True)
+class Repin(Request[Pins]):
+    OP: ClassVar[str] = "repin"
+
+
+@dataclass(frozen=True)
+class IncomingPrepare(Request[Prepared]):
+    """Destination, same host: a QEMU waiting for the stream of ``vm``."""
+
+    OP: ClassVar[str] = "incoming-prepare"
+    vm: str
+    mode: str
+    fault_decide_delay: float = 0.0
+
+
+@dataclass(frozen=True)
+class MigrateOut(Request[Streamed]):
+    """Source: stream ``vm`` to ``uri``; it is then the leaving side."""
+
+    OP: ClassVar[str] = "migrate-out"
+    vm: str
+    uri: str
+    mode: str
+    max_bandwidth: int = 0
+
+
+@dataclass(frozen=True)
+class CprPrepare(Request[Prepared]):
+    """In place: a new QEMU waiting for the old one's descriptors."""
+
+    OP: ClassVar[str] = "cpr-prepare"
+    vm: str
+    fault_decide_delay: float = 0.0
+
+
+@dataclass(frozen=True)
+class CprTransfer(Request[Streamed]):
+    OP: ClassVar[str] = "cpr-transfer"
+    vm: str
+    fault_incoming_delay: float = 0.0
+
+
+@dataclass(frozen=True)
+class IncomingFinish(Request[Resumed]):
+    """Destination: wait until the guest runs here."""
+
+    OP: ClassVar[str] = "incoming-finish"
+    vm: str
+    timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class IncomingCommit(Request[Resumed]):
+    """Destination: record "forward" and run the guest here."""
+
+    OP: ClassVar[str] = "incoming-commit"
+    vm: str
+
+
+@dataclass(frozen=True)
+class IncomingAbort(Request[Ended]):
+    OP: ClassVar[str] = "incoming-abort"
+    vm: str
+
+
+@dataclass(frozen=True)
+class Release(Request[Ended]):
+    """Source: end the leaving QEMU once the outcome is "forward"."""
+
+    OP: ClassVar[str] = "release"
+    vm: str
+
+
+@dataclass(frozen=True)
+class ResumeSource(Request[Resumed]):
+    """Source: run the guest again once the outcome is "back"."""
+
+    OP: ClassVar[str] = "resume-source"
+    vm: str
+
+
+@dataclass(frozen=True)
+class Settle(Request[Settled]):
+    OP: ClassVar[str] = "settle"
+    vm: str
+
+
+@dataclass(frozen=True)
+class ListInstances(Request[Instances]):
+    OP: ClassVar[str] = "instances"
+    vm: str
+
+
+@dataclass(frozen=True)
+class RemoteIncoming(Request[Prepared]):
+    """Destination, another host's move: a QEMU listening on ``tcp:LISTEN:<port>``."""
+
+    OP: ClassVar[str] = "remote-incoming"
+    vm: str
+    listen: str
+
+
+@dataclass(frozen=True)
+class RemoteIncomingWait(Request[StreamState]):
+    OP: ClassVar[str] = "remote-incoming-wait"
+    vm: str
+    timeout: float = 2.0
+
+
+#: The one table from wire name to request class.
+REQUESTS: dict[str, type[Request[Any]]] = {cls.OP: cls for cls in (
+    Ping, Status, Start, WaitAgent, Stop, Kill, Exec, Trim, TemplateSave, GovernorStatus,
+    Repin, IncomingPrepare, MigrateOut, CprPrepare, CprTransfer, IncomingFinish,
+    IncomingCommit, IncomingAbort, Release, ResumeSource, Settle, ListInstances,
+    RemoteIncoming, RemoteIncomingWait)}
+
+
+# -- the wire -----------------------------------------------------------------------------
+class ProtocolError(errors.SupervisorError):
+    """A message that is not of this protocol (version, name, fields, JSON)."""
+
+
+_ADAPTERS: dict[type[Any], Any] = {}
+
+
+def _adapter(cls: type[Any]) -> Any:
+    """pydantic's validator of one dataclass, made once (pydantic is imported only
+    where a supervisor is talked to)."""
+    if cls not in _ADAPTERS:
+        from pydantic import TypeAdapter
+
+        _ADAPTERS[cls] = TypeAdapter(cls)
+    return _ADAPTERS[cls]
+
+
+def _load(cls: type[R], data: Any, what: str) -> R:
+    from pydantic import ValidationError
+
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{what} is not an object.")
+    names = {f.name for f in dataclasses.fields(typing.cast(Any, cls))}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ProtocolError(f"{what} has fields this fusuma does not know: "
+                            f"{', '.join(unknown)}.")
+    try:
+        return typing.cast(R, _adapter(cls).validate_python(data))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ())) or "(top)"
+        raise ProtocolError(f"{what}: field {where}: {first.get('msg')}.") from exc
+
+
+def encode_request(req: Request[Any]) -> bytes:
+    return json.dumps({"v": PROTOCOL_VERSION, "request": req.OP,
+                       "args": dataclasses.asdict(typing.cast(Any, req))}).encode() + b"\n"
+
+
+def decode_request(line: bytes) -> Request[Any]:
+    """The request in one line, or ProtocolError with one sentence."""
+    try:
+        msg = json.loads(line)
+    except ValueError as exc:
+        raise ProtocolError("the request is not JSON.") from exc
+    if not isinstance(msg, dict):
+        raise ProtocolError("the request is not a JSON object.")
+    version = msg.get("v", 1)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"this supervisor speaks protocol version {PROTOCOL_VERSION} "
+                            f"and the request is of version {version}: use the fusuma "
+                            "that started it, or restart it with `fusuma partition "
+                            "restart` (its VMs keep running).")
+    name = msg.get("request")
+    cls = REQUESTS.get(str(name))
+    if cls is None:
+        raise ProtocolError(f"unknown supervisor request {name!r}.")
+    return _load(cls, msg.get("args") or {}, f"request {name!r}")
+
+
+def encode_reply(result: Any) -> bytes:
+    return json.dumps({"v": PROTOCOL_VERSION, "ok": True,
+                       "result": dataclasses.asdict(result)}).encode() + b"\n"
+
+
+def encode_error(exc: BaseException) -> bytes:
+    kind = type(exc).__name__ if isinstance(exc, errors.FusumaError) else "FusumaError"
+    if not hasattr(errors, kind):
+        kind = "SupervisorError" if isinstance(exc, errors.SupervisorError) else "FusumaError"
+    return json.dumps({"v": PROTOCOL_VERSION, "ok": False, "kind": kind,
+                       "error": str(exc) or type(exc).__name__}).encode() + b"\n"
+
+
+def decode_reply(req: Request[R], line: bytes, partition: str) -> R:
+    """The reply to ``req``, or the error it carries raised as its own class."""
+    try:
+        msg = json.loads(line)
+    except ValueError as exc:
+        raise ProtocolError(f"the supervisor of partition {partition!r} sent a garbled "
+                            f"answer to {req.OP!r}; see its log.") from exc
+    if not isinstance(msg, dict) or msg.get("v", 1) != PROTOCOL_VERSION:
+        version = msg.get("v", 1) if isinstance(msg, dict) else "unknown"
+        raise ProtocolError(
+            f"the supervisor of partition {partition!r} speaks protocol version {version} "
+            f"and this fusuma speaks {PROTOCOL_VERSION}: it was started by another "
+            f"version of fusuma; restart it with `fusuma partition restart {partition}` "
+            "(its VMs keep running).")
+    if not msg.get("ok"):
+        cls = getattr(errors, str(msg.get("kind", "FusumaError")), errors.FusumaError)
+        if not (isinstance(cls, type) and issubclass(cls, errors.FusumaError)):
+            cls = errors.FusumaError
+        raise cls(str(msg.get("error") or "the supervisor reported an unknown error"))
+    return _load(typing.cast(type[R], reply_type(type(req))), msg.get("result"),
+                 f"the reply of partition {partition!r} to {req.OP!r}")

@@ -1,0 +1,106 @@
+"""The supervisor protocol: one typed request and reply per operation, a version."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import typing
+from typing import Any
+
+import pytest
+
+from fusuma.errors import FusumaError, StateError, SupervisorError
+from fusuma.partition import rpc
+from fusuma.partition.supervisor import Supervisor
+
+
+def test_every_request_has_a_reply_class_and_one_handler() -> None:
+    # The table from name to request and the supervisor's table from request to
+    # handler hold the same operations, each handler typed with its request and reply.
+    names = {h.__name__ for h in Supervisor.__dict__.values() if callable(h)}
+    for name, cls in rpc.REQUESTS.items():
+        assert name == cls.OP
+        reply = rpc.reply_type(cls)
+        assert dataclasses.is_dataclass(reply), name
+        assert f"op_{name.replace('-', '_')}" in names, name
+    sup = object.__new__(Supervisor)
+    table = Supervisor.handlers(sup)
+    assert set(table) == set(rpc.REQUESTS.values())
+    for cls, handler in table.items():
+        hints = typing.get_type_hints(handler, {"rpc": rpc})
+        params = list(inspect.signature(handler).parameters)
+        assert hints[params[0]] is cls, cls
+        assert hints["return"] is rpc.reply_type(cls), cls
+
+
+def test_requests_round_trip() -> None:
+    for req in (rpc.Start("vm0", wait_agent=2.5), rpc.Exec("v", ["/bin/true"], "aGk=", 3.0),
+                rpc.MigrateOut("v", "unix:/x", "copy", max_bandwidth=5), rpc.Ping(),
+                rpc.RemoteIncomingWait("v", timeout=1.0)):
+        assert rpc.decode_request(rpc.encode_request(req)) == req
+
+
+def test_replies_round_trip_with_nested_types() -> None:
+    reply = rpc.Instances([rpc.Instance("vm", 12, "running", "none", "/run/x")])
+    line = rpc.encode_reply(reply)
+    assert rpc.decode_reply(rpc.ListInstances("v"), line, "p0") == reply
+    streamed = rpc.Streamed(t0=1.0, stop_ts=None, qemu_total_ms=3.0, qemu_downtime_ms=None,
+                            bytes_sent=210100, source_pid=7, paused=False)
+    got = rpc.decode_reply(rpc.MigrateOut("v", "u", "zero-copy"), rpc.encode_reply(streamed),
+                           "p0")
+    assert got == streamed and isinstance(got, rpc.Streamed)
+
+
+def test_errors_keep_their_class() -> None:
+    line = rpc.encode_error(StateError("VM 'v' is stopped."))
+    with pytest.raises(StateError, match="is stopped"):
+        rpc.decode_reply(rpc.Stop("v"), line, "p0")
+    with pytest.raises(SupervisorError):
+        rpc.decode_reply(rpc.Ping(), rpc.encode_error(SupervisorError("down")), "p0")
+    # A kind that is not one of fusuma's errors never names another class.
+    bad = json.dumps({"v": rpc.PROTOCOL_VERSION, "ok": False, "kind": "os.system",
+                      "error": "x"}).encode()
+    with pytest.raises(FusumaError) as info:
+        rpc.decode_reply(rpc.Ping(), bad, "p0")
+    assert type(info.value) is FusumaError
+    assert json.loads(rpc.encode_error(ValueError("v")))["kind"] == "FusumaError"
+
+
+def _line(msg: dict[str, Any]) -> bytes:
+    return json.dumps(msg).encode() + b"\n"
+
+
+def test_another_version_is_one_sentence_on_either_side() -> None:
+    # A version 1 supervisor answers without "v": the caller says what to do.
+    with pytest.raises(SupervisorError, match=r"speaks protocol version 1 and this fusuma "
+                       r"speaks 2.*fusuma partition restart p0"):
+        rpc.decode_reply(rpc.Ping(), _line({"ok": True, "result": {"pid": 1}}), "p0")
+    # A version 1 request ({"op": ...}) is refused, never acted on.
+    with pytest.raises(SupervisorError, match="protocol version 2 and the request is of "
+                       "version 1"):
+        rpc.decode_request(_line({"op": "stop", "args": {"vm": "v"}}))
+
+
+@pytest.mark.parametrize(("msg", "says"), [
+    ({"v": 2, "request": "format-disk", "args": {}}, "unknown supervisor request"),
+    ({"v": 2, "request": "stop", "args": {"vm": "v", "force": True}},
+     "fields this fusuma does not know: force"),
+    ({"v": 2, "request": "stop", "args": {}}, "field vm: Field required"),
+    ({"v": 2, "request": "exec", "args": {"vm": "v", "argv": "rm -rf /"}},
+     "field argv"),
+    ({"v": 2, "request": "start", "args": ["vm0"]}, "is not an object"),
+])
+def test_bad_requests_are_one_sentence(msg: dict[str, Any], says: str) -> None:
+    with pytest.raises(SupervisorError, match=says):
+        rpc.decode_request(_line(msg))
+    with pytest.raises(SupervisorError, match="not JSON"):
+        rpc.decode_request(b"{nope\n")
+
+
+def test_a_malformed_reply_is_one_sentence() -> None:
+    with pytest.raises(SupervisorError, match="garbled"):
+        rpc.decode_reply(rpc.Ping(), b"<html>\n", "p0")
+    with pytest.raises(SupervisorError, match="field pid"):
+        rpc.decode_reply(rpc.Ping(), _line({"v": 2, "ok": True, "result": {
+            "pid": "many", "partition": "p0", "vms": []}}), "p0")
