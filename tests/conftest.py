@@ -108,7 +108,7 @@ class Host:
             except OSError:
                 continue
             if str(self.runtime) in cmd or (
-                    "fusuma.partition.supervisor" in cmd
+                    "fusuma.supervisor" in cmd
                     and f"FUSUMA_RUNTIME_DIR={self.runtime}\0" in env):
                 found.append(int(d.name))
         return found

@@ -59,6 +59,19 @@ Verb = Literal["create", "move"]
 
 
 # -- one VM -------------------------------------------------------------------------------
+def ram_group_limit(size_bytes: int) -> int:
+    """A RAM cgroup's limit: the file's size plus the page cache's index of its pages
+    (xarray nodes, about 0.2% of its size; v1 charges them with the pages) and the
+    allocating process itself."""
+    return size_bytes + size_bytes // 256 + 8 * 1024 * 1024
+
+
+def lazy_ram_limit(size_bytes: int, overhead_bytes: int) -> int:
+    """A RAM group that also holds the QEMUs mapping the file (cgroup v1): two of them
+    while a move runs, each within its overhead."""
+    return ram_group_limit(size_bytes) + 2 * overhead_bytes
+
+
 def definition_overhead(accel: str) -> int:
     """QEMU's overhead for a VM being defined with ``accel`` (auto, kvm or tcg): the
     value stored in ``VmRecord.overhead_mib``. ``auto`` is resolved on this host now."""

@@ -20,3 +20,8 @@ def check_name(kind: str, name: str) -> str:
     if not NAME_RE.match(name):
         raise SpecError(f"{kind} name {name!r} is not allowed: use {NAME_HINT}.")
     return name
+
+
+def vm_leaf(vm: str) -> str:
+    """The cgroup leaf of a VM's QEMU in its partition."""
+    return f"vm.{vm}"

@@ -66,8 +66,7 @@ def test_half_the_host_moves_out_and_back_with_no_spare_memory(host: Host) -> No
     # a holds only the supervisor, well inside its budget.
     assert list(before["ram"]) == ["big"]
     assert 16 * MIB < before["ram"]["big"]["usage"] < big * MIB // 4
-    from fusuma.capacity import definition_overhead
-    from fusuma.partition.supervisor import lazy_ram_limit
+    from fusuma.capacity import definition_overhead, lazy_ram_limit
 
     assert before["ram"]["big"]["limit"] == lazy_ram_limit(
         big * MIB, definition_overhead("tcg") * MIB)

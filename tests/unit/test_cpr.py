@@ -14,6 +14,7 @@ from fusuma.migration import MigrationResult
 from fusuma.migration.cpr import in_place_side
 from fusuma.migration.inplace import has_cpr
 from fusuma.qemu.cmdline import VmConfig, build_argv, cpr_channel
+from fusuma.qemu.instance import Role
 from fusuma.qemu.versions import Qemu, features_for
 from fusuma.state import Job, JobOwner, VmRecord
 
@@ -71,11 +72,11 @@ def test_adopting_supervisor_tells_old_and_new_qemu_apart() -> None:
     rec = VmRecord(name="vm0", partition="p0", vcpus=1, memory_mib=256, pid=100)
     # Before "forward": the record names the old QEMU.
     assert in_place_side(job, "p0", rec, 100) is None          # the VM's own
-    assert in_place_side(job, "p0", rec, 200) == "incoming"
+    assert in_place_side(job, "p0", rec, 200) == Role.INCOMING
     # After: the record names the new one; the old one is leaving.
     moved = replace(rec, pid=200)
     assert in_place_side(job, "p0", moved, 200) is None
-    assert in_place_side(job, "p0", moved, 100) == "leaving"
+    assert in_place_side(job, "p0", moved, 100) == Role.LEAVING
     # Not an in-place move: a move between partitions, or another partition.
     across = replace(job, peer="p1")
     assert in_place_side(across, "p0", rec, 200) is None

@@ -272,7 +272,7 @@ def test_supervisor_up(paths: Paths, db: Database, procfs: Path) -> None:
     d = procfs / "5555"
     d.mkdir()
     (d / "stat").write_text("5555 (python3) S 1 0\n")
-    (d / "cmdline").write_bytes(b"python3\0-m\0fusuma.partition.supervisor\0p0\0")
+    (d / "cmdline").write_bytes(b"python3\0-m\0fusuma.supervisor\0p0\0")
     db.set_supervisor_pid("p0", 5555)
     s = scrape(collector(paths, db, procfs))
     assert get(s, "fusuma_partition_supervisor_up", partition="p0") == 1

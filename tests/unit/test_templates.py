@@ -18,7 +18,7 @@ from fusuma.host.topology import HostInfo
 from fusuma.memshare import templates
 from fusuma.memshare.report import vm_memory
 from fusuma.memshare.smaps import parse_smaps, template_usage
-from fusuma.memshare.template_ops import refuse
+from fusuma.memshare.templates import refuse
 from fusuma.paths import UID_RANGE, Paths
 from fusuma.qemu.cmdline import (
     TEMPLATE_STATE_FDSET,

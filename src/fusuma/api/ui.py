@@ -249,7 +249,7 @@ def ui_state(d: Daemon) -> dict[str, Any]:
     """Everything the dashboard shows, in one read."""
     from fusuma.cli.host import ps_data
     from fusuma.cli.share import report_data
-    from fusuma.partition import rpc
+    from fusuma.supervisor import rpc
 
     c = d.ctx()
     data = ps_data(c, memory=d.sampler.memory)

@@ -48,7 +48,7 @@ import httpx
 
 from fusuma.bench.meta import meta
 from fusuma.errors import ConflictError, FusumaError, ResourceError
-from fusuma.partition import rpc
+from fusuma.supervisor import rpc
 
 if TYPE_CHECKING:
     from fusuma.partition.manager import PartitionManager

@@ -18,10 +18,10 @@ from fusuma.bench.meta import meta
 from fusuma.capacity import SUPERVISOR_MIB
 from fusuma.errors import FusumaError, ResourceError
 from fusuma.host.accel import probe_accel
-from fusuma.partition import rpc
 from fusuma.partition.manager import PartitionManager
 from fusuma.qemu.cmdline import overhead_mib
 from fusuma.spec import PartitionSpec, VmSpec
+from fusuma.supervisor import rpc
 from fusuma.vm import VmManager
 
 PARTITION = "bench-boot"

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusuma.bench.meta import meta
 from fusuma.errors import FusumaError, NotFoundError, ResourceError, SpecError
-from fusuma.partition import rpc
+from fusuma.supervisor import rpc
 
 if TYPE_CHECKING:
     from fusuma.partition.manager import PartitionManager

@@ -62,7 +62,7 @@ def host_pids(env: dict[str, str]) -> list[int]:
             penv = (d / "environ").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if run in cmd or ("fusuma.partition.supervisor" in cmd
+        if run in cmd or ("fusuma.supervisor" in cmd
                           and f"FUSUMA_RUNTIME_DIR={run}\0" in penv):
             out.append(int(d.name))
     return out

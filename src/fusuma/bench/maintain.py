@@ -35,11 +35,11 @@ from fusuma.errors import FusumaError, GuestAgentError, ResourceError
 from fusuma.host.accel import probe_accel
 from fusuma.migration import cpu_seconds
 from fusuma.migration.maintain import MaintainResult, maintain, maintain_in_place
-from fusuma.partition import rpc
 from fusuma.partition.manager import PartitionManager
 from fusuma.qemu import versions
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
+from fusuma.supervisor import rpc
 from fusuma.vm import VmManager
 
 LOG = logging.getLogger(__name__)

@@ -57,11 +57,11 @@ from fusuma.errors import FusumaError, HostError, ResourceError
 from fusuma.host.accel import probe_accel
 from fusuma.host.cgroups import CgroupDriver
 from fusuma.images import find_image, probe_path
-from fusuma.partition import rpc
-from fusuma.partition.client import SupervisorClient
 from fusuma.partition.manager import PartitionManager
 from fusuma.spec import DiskSpec, PartitionSpec, VmSpec
 from fusuma.state import VmRecord
+from fusuma.supervisor import rpc
+from fusuma.supervisor.client import SupervisorClient
 from fusuma.vm import VmManager
 
 LOG = logging.getLogger(__name__)

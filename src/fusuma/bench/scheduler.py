@@ -48,11 +48,11 @@ from fusuma.errors import FusumaError, GuestAgentError, ResourceError, SpecError
 from fusuma.governor import measure
 from fusuma.governor.policy import Thresholds
 from fusuma.host.accel import probe_accel
-from fusuma.partition import rpc
 from fusuma.partition.manager import PartitionManager
 from fusuma.qemu import process
 from fusuma.spec import PartitionSpec, Qos, VmSpec
 from fusuma.state import VmRecord
+from fusuma.supervisor import rpc
 from fusuma.vm import VmManager
 
 LOG = logging.getLogger(__name__)

@@ -58,7 +58,7 @@ def status_data(c: Ctx, partition: str | None, limit: int) -> dict[str, Any]:
     names = [partition] if partition else [p.name for p in c.db.partitions()]
     if partition:
         c.db.partition(partition)      # an unknown name is one clear sentence
-    from fusuma.partition import rpc
+    from fusuma.supervisor import rpc
 
     return {"partitions": [c.parts.client(n).send(rpc.GovernorStatus(limit=limit),
                                                   timeout=10.0).status for n in names]}

@@ -38,7 +38,7 @@ def _targets(c: Ctx) -> list[Target]:
 
 
 def _reading(c: Ctx, t: Target) -> measure.Reading:
-    from fusuma.partition.supervisor import vm_leaf  # pulls in QMP and asyncio
+    from fusuma.names import vm_leaf
 
     try:
         stat = c.parts.cg.cpu_stat(t.partition, vm_leaf(t.name))
@@ -49,7 +49,7 @@ def _reading(c: Ctx, t: Target) -> measure.Reading:
 
 def _governor(c: Ctx, partitions: set[str]) -> dict[str, dict[str, Any]]:
     """VM name -> the governor's control of it, from every reachable supervisor."""
-    from fusuma.partition import rpc
+    from fusuma.supervisor import rpc
 
     out: dict[str, dict[str, Any]] = {}
     for p in sorted(partitions):

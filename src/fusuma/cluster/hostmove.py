@@ -44,8 +44,8 @@ from fusuma.cluster.owners import Owner
 from fusuma.cluster.resources import MOVING, PLACED, RUNNING, VmView, now_iso, set_condition
 from fusuma.errors import FusumaError, MigrationError
 from fusuma.migration.remote import DEST_JOB, SOURCE_JOB
-from fusuma.partition import rpc
 from fusuma.state import VmState, vm_obj
+from fusuma.supervisor import rpc
 
 if TYPE_CHECKING:
     from fusuma.cli.common import Ctx

@@ -10,7 +10,7 @@ file is the same, only emptier); for private RAM, ``MADV_DONTNEED``.
 Where the pages are charged when the guest touches them again decides whether it is on
 by default. The kernel charges a page to the memory cgroup of the process that faults
 it. On cgroup v1 the memory hierarchy is separate, so a QEMU's memory membership is its
-RAM file's group wherever it runs (fusuma.partition.supervisor): refaults land there,
+RAM file's group wherever it runs (fusuma.supervisor): refaults land there,
 and reporting is on by default. On cgroup v2 a process has one cgroup for every
 controller, its partition's: RAM files are allocated whole up front (issue 18) and
 refaults would be charged to the partition, so reporting is off by default there and
@@ -19,7 +19,9 @@ refused for shared RAM (private RAM is the partition's anyway, so it may have it
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -118,6 +120,23 @@ def resident_bytes(vm: VmRecord, pid: int | None) -> int | None:
         if line.startswith("Anonymous:"):
             return int(line.split()[1]) * 1024
     return None
+
+
+async def settled_bytes(vm: VmRecord, pid: int | None) -> int | None:
+    """The guest RAM's resident size once it holds still: reports come 2 s after the
+    guest's free memory crosses its threshold, then in batches, so wait until the
+    size has stopped falling for ``SETTLE_S`` (at most ``TRIM_TIMEOUT_S``)."""
+    last, since = resident_bytes(vm, pid), time.monotonic()
+    deadline = time.monotonic() + TRIM_TIMEOUT_S
+    await asyncio.sleep(2.0)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+        now = resident_bytes(vm, pid)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= SETTLE_S:
+            break
+    return last
 
 
 def refuse_without_device(vm: VmRecord) -> None:

@@ -13,19 +13,19 @@ from fusuma import capacity, recovery
 from fusuma.errors import ConflictError, StateError, TemplateError
 from fusuma.memshare import templates
 from fusuma.names import check_name
-from fusuma.partition import rpc
 from fusuma.paths import Paths
 from fusuma.qemu import process
 from fusuma.state import Database, vm_obj
 from fusuma.state.db import TemplateRecord
 from fusuma.state.lock import locked
+from fusuma.supervisor import rpc
 from fusuma.vm.view import VmView
 
 if TYPE_CHECKING:
     from fusuma.partition.manager import PartitionManager
 
 # Fault injection (tests): the supervisor fails the save after this phase
-# (template_ops.FAULT_PHASES), so a test can check that nothing is left.
+# (fusuma.supervisor.templates.FAULT_PHASES), so a test can check that nothing is left.
 FAULT = "FUSUMA_FAULT_TEMPLATE"
 
 
@@ -49,7 +49,7 @@ class TemplateManager:
         if state != "running":
             raise TemplateError(f"VM {vm!r} is {state}; a template is made from a running "
                                 f"VM: start it (`fusuma vm start {vm}`) and try again.")
-        from fusuma.memshare.template_ops import refuse
+        from fusuma.memshare.templates import refuse
 
         refuse(rec, rec.qemu_version)
         capacity.check_template(self.db, self.parts.host, name, rec.memory_mib)

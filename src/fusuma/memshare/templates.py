@@ -47,7 +47,7 @@ from fusuma.errors import SpecError, StateError, TemplateError
 from fusuma.memshare.smaps import TEMPLATE_SUFFIX
 from fusuma.paths import UID_RANGE, Paths
 from fusuma.qemu.cmdline import NET_ID, DeviceSet
-from fusuma.state.db import TemplateRecord
+from fusuma.state.db import TemplateRecord, VmRecord
 
 # QEMU opens a private file mapping read-only (``readonly=on`` with ``rom=off``) and
 # migrates to and from ``file:`` URIs since 8.2: older QEMUs would open the template
@@ -247,3 +247,21 @@ def identity_script(name: str, machine_id: str, mac: str) -> str:
             "$b arping -U -c 1 -I eth0 10.0.2.15 >/dev/null 2>&1; "
             "$b arping -c 1 -w 1 -I eth0 10.0.2.2 >/dev/null 2>&1; break; done; "
             "fi; head -c 64 > /dev/urandom || exit 4")
+
+
+def refuse(rec: VmRecord, running_version: str | None) -> None:
+    """Refuse (one sentence) to make a template of ``rec``."""
+    if rec.template is not None:
+        raise TemplateError(f"VM {rec.name!r} is a clone of template {rec.template!r}: its "
+                            "RAM is a private copy-on-write mapping, not a file a template "
+                            "could keep; make templates of booted VMs.")
+    if not rec.shared_ram or rec.mergeable:
+        raise TemplateError(f"VM {rec.name!r} has private RAM (--private-ram or "
+                            "--mergeable): a template keeps a VM's shared RAM file; create "
+                            "the VM with shared RAM (the default).")
+    if not version_ok(running_version):
+        raise too_old(f"VM {rec.name!r} (partition {rec.partition!r})", running_version)
+    if rec.disks:
+        raise TemplateError(f"VM {rec.name!r} has disks ({', '.join(rec.disks)}): its "
+                            "clones could not have them; detach them (stop it, `fusuma "
+                            "vm detach`) and boot it again.")

@@ -41,10 +41,10 @@ from fusuma.governor.qos import check_admission
 from fusuma.migration import compat, inplace
 from fusuma.migration.inplace import MODE as CPR_MODE
 from fusuma.migration.resolve import recover_move
-from fusuma.partition import rpc
 from fusuma.partition.manager import PartitionManager
 from fusuma.state import VmState, vm_obj
 from fusuma.state.lock import host_lock
+from fusuma.supervisor import rpc
 from fusuma.vm import VmView
 
 LOG = logging.getLogger(__name__)

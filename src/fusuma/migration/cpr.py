@@ -8,13 +8,13 @@ descriptor of every RAM block over a UNIX socket (SCM_RIGHTS), and only device s
 goes through the migration stream. The protocol, as QEMU 10.0 implements it
 (docs/devel/migration/CPR.rst, qapi/migration.json):
 
-1. ``cpr_prepare``: the new QEMU starts like any move's destination (``-S -incoming
+1. ``prepare``: the new QEMU starts like any move's destination (``-S -incoming
    defer``) plus a second ``-incoming`` naming the cpr channel as JSON
    (``{"channel-type": "cpr", "addr": {"transport": "socket", "type": "unix", ...}}``).
    It listens on that socket and blocks there *before* it creates its devices and its
    monitor: it has no QMP socket yet. The cpr channel can only be given on the
    command line.
-2. ``cpr_transfer``, old QEMU: ``migrate-set-parameters mode=cpr-transfer``, then
+2. ``transfer``, old QEMU: ``migrate-set-parameters mode=cpr-transfer``, then
    ``migrate`` with ``channels``: ``main`` (unix migrate.sock) and ``cpr`` (unix
    cpr.sock). It writes the cpr state (the descriptors) at once, then waits for the
    new QEMU to hang up the cpr channel before it connects the main one. The guest runs
@@ -24,10 +24,11 @@ goes through the migration stream. The protocol, as QEMU 10.0 implements it
    channel (that hang-up is the old QEMU's signal).
 4. old QEMU connects the main channel, stops the guest (cpr always stops it before it
    saves anything: no dirty tracking), sends the device state and enters postmigrate.
-5. From here it is a zero-copy move's end (``supervisor_ops``): the new QEMU stays
-   paused (-S) until "forward" is recorded and only then runs (``incoming_commit``);
-   the old one quits only then (``release``), or runs on if "back" is recorded
-   (``resume_source``). Never two QEMUs running one guest.
+5. From here it is a zero-copy move's end (``fusuma.migration.dest`` and ``source``):
+   the new QEMU stays paused (-S) until "forward" is recorded and only then runs
+   (``dest.commit``); the old one quits only then (``source.release``), or runs on if
+   "back" is recorded
+   (``source.resume``). Never two QEMUs running one guest.
 
 Requirements, checked before anything starts (``fusuma.migration.inplace``): both
 QEMUs >= 10.0; the old one started with ``-machine aux-ram-share=on`` (RAM QEMU
@@ -45,23 +46,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
 from fusuma.host.accel import probe_accel
+from fusuma.migration.dest import MoveIn, incoming, incoming_run_dir, resume_when_complete
 from fusuma.migration.inplace import MIN_VERSION_TEXT, MODE, has_cpr
-from fusuma.partition import rpc
-from fusuma.partition.supervisor_consts import INCOMING_PREFIX
-from fusuma.qemu import process
+from fusuma.migration.source import leaving, set_mode
+from fusuma.qemu.instance import QemuInstance, Role
 from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_STOP, event_time
 from fusuma.state import Job, VmRecord, VmState, vm_obj
-
-if TYPE_CHECKING:
-    from fusuma.partition.supervisor import Supervisor, VmRuntime
+from fusuma.supervisor import rpc
+from fusuma.supervisor.host import PartitionHost
 
 CPR_SOCKET = "cpr.sock"
 MAIN_SOCKET = "migrate.sock"
@@ -70,100 +68,79 @@ MAIN_SOCKET = "migrate.sock"
 CAPABILITIES = {"x-ignore-shared": True, "events": True}
 # How long the new QEMU may take to open its monitor once it has its descriptors.
 CONNECT_TIMEOUT_S = 30.0
-LISTEN_TIMEOUT_S = 30.0
 
 
 # -- adoption ---------------------------------------------------------------------------
 def in_place_side(job: Job | None, partition: str, rec: VmRecord | None,
-                  pid: int) -> str | None:
+                  pid: int) -> Role | None:
     """Which side of an in-place move in ``partition`` the QEMU ``pid`` is, for a
-    supervisor adopting it: "incoming" (the new QEMU, while the record still names the
-    old one), "leaving" (the old one, once the record names the new one), or None (no
+    supervisor adopting it: INCOMING (the new QEMU, while the record still names the
+    old one), LEAVING (the old one, once the record names the new one), or None (no
     in-place move, or the QEMU the record names)."""
     if job is None or job.kind != "migrate" or not job.source == job.peer == partition:
         return None
     if rec is not None and rec.partition == partition and rec.pid == pid:
         return None
     if rec is not None and rec.pid is not None and rec.pid == job.detail.get("source_pid"):
-        return "incoming"
-    return "leaving"
+        return Role.INCOMING
+    return Role.LEAVING
 
 
 # -- the new QEMU -------------------------------------------------------------------------
-async def wait_listening(child: subprocess.Popen[bytes], sock: Path, log: Path,
-                         vm: str, timeout: float = LISTEN_TIMEOUT_S) -> None:
-    """Wait until a new QEMU listens on its cpr channel (its monitor opens only after
-    the descriptors arrived, so there is no QMP to wait for)."""
-    deadline = time.monotonic() + timeout
-    while not sock.exists():
-        if child.poll() is not None:
-            raise QemuError(f"VM {vm}: the new QEMU exited at start with status "
-                            f"{child.returncode}: {process.tail(log, 1) or 'no message'}",
-                            exit_status=child.returncode, log_tail=process.tail(log))
-        if time.monotonic() > deadline:
-            raise QemuError(f"VM {vm}: the new QEMU did not listen on {sock} within "
-                            f"{timeout:.0f} s; see {log}.", log_tail=process.tail(log))
-        await asyncio.sleep(0.002)
-
-
-async def cpr_prepare(sup: Supervisor, vm: str,
-                      fault_decide_delay: float = 0.0) -> rpc.Prepared:
+async def prepare(h: PartitionHost, vm: str, fault_decide_delay: float = 0.0) -> rpc.Prepared:
     """Start the new QEMU of an in-place move, waiting on its cpr channel."""
-    from fusuma.migration import supervisor_ops as ops
-
-    rec = sup.db.vm(vm)
-    old = sup.vms.get(vm)
-    if rec.partition != sup.partition or old is None:
-        raise StateError(f"VM {vm!r} does not run in partition {sup.partition!r}.")
-    if vm in sup.incoming or vm in sup.leaving:
-        raise StateError(f"partition {sup.partition!r} already runs a second QEMU for "
+    rec = h.db.vm(vm)
+    old = h.instances.get(vm)
+    if rec.partition != h.partition or old is None:
+        raise StateError(f"VM {vm!r} does not run in partition {h.partition!r}.")
+    if h.instances.get(vm, Role.INCOMING) or h.instances.get(vm, Role.LEAVING):
+        raise StateError(f"partition {h.partition!r} already runs a second QEMU for "
                          f"{vm!r}.")
-    job = sup.db.find_job(vm_obj(vm))
-    if job is None or job.kind != "migrate" or job.peer != sup.partition \
-            or job.source != sup.partition:
+    job = h.db.find_job(vm_obj(vm))
+    if job is None or job.kind != "migrate" or job.peer != h.partition \
+            or job.source != h.partition:
         raise StateError(f"no in-place move of {vm!r} is under way.")
     if not (rec.shared_ram and rec.ram_path):
         raise StateError(f"VM {vm!r} has private RAM; cpr-transfer hands over RAM in a "
                          "shared file only.")
-    q = sup._qemu()
+    q = h.qemu()
     if not has_cpr(q):
-        raise StateError(f"the QEMU of partition {sup.partition!r} ({q.version}) lacks "
+        raise StateError(f"the QEMU of partition {h.partition!r} ({q.version}) lacks "
                          f"{MODE} (QEMU >= {MIN_VERSION_TEXT}).")
-    run = sup.paths.vm_run_dir(vm) / f"{INCOMING_PREFIX}{os.urandom(4).hex()}"
+    run = incoming_run_dir(h, vm)
     accel = probe_accel(rec.accel_used or rec.accel).name
     t0 = time.monotonic()
     undo: list[Any] = []
     try:
-        rt = await sup._launch(rec, accel, run, Path(str(rec.ram_path)), "defer", undo,
-                               cpr_socket=run / CPR_SOCKET)
+        new = await h.launch(rec, accel, run, Path(str(rec.ram_path)), "defer", undo,
+                             role=Role.INCOMING, owns_ram=False, cpr_socket=run / CPR_SOCKET)
     except BaseException:
-        sup._undo(undo)
+        for fn in reversed(undo):
+            try:
+                fn()
+            except Exception:
+                h.log.exception("undo step failed")
         raise
-    rt.detached = True
-    rt.owns_ram = False
-    inc = ops.Incoming(rt, None, MODE, sup.partition,
-                       done=asyncio.get_running_loop().create_future(),
-                       extra={"fault_decide_delay": fault_decide_delay,
-                              "cpr_socket": str(run / CPR_SOCKET)})
-    sup.incoming[vm] = inc
-    sup._watch(rt)
+    new.move = MoveIn(None, MODE, h.partition,
+                      done=asyncio.get_running_loop().create_future(),
+                      fault_decide_delay=fault_decide_delay, cpr_socket=run / CPR_SOCKET)
     prepare_ms = (time.monotonic() - t0) * 1000
-    sup.log.info("new QEMU of %s (pid %d, QEMU %s) waits for its descriptors on %s", vm,
-                 rt.pid, q.version, run / CPR_SOCKET)
-    return rpc.Prepared(pid=rt.pid, prepare_ms=round(prepare_ms, 2), run_dir=str(run),
+    h.log.info("new QEMU of %s (pid %d, QEMU %s) waits for its descriptors on %s", vm,
+               new.pid, q.version, run / CPR_SOCKET)
+    return rpc.Prepared(pid=new.pid, prepare_ms=round(prepare_ms, 2), run_dir=str(run),
                         binary=str(q.binary), version=q.version)
 
 
-async def _connect_new(rt: VmRuntime, timeout: float) -> None:
+async def _connect_new(new: QemuInstance, timeout: float) -> None:
     """Connect to the new QEMU's monitor, giving up as soon as it exits. Its socket
     appears once the descriptors have arrived and the machine is built: watched every
     2 ms (``Qmp.connect`` retries every 50 ms, which would all be move time)."""
     deadline = time.monotonic() + timeout
-    while not rt.qmp.socket.exists() and not rt.exited.is_set() \
+    while not new.qmp.socket.exists() and not new.exited.is_set() \
             and time.monotonic() < deadline:
         await asyncio.sleep(0.002)
-    connect = asyncio.ensure_future(rt.qmp.connect(timeout=timeout))
-    exited = asyncio.ensure_future(rt.exited.wait())
+    connect = asyncio.ensure_future(new.qmp.connect(timeout=timeout))
+    exited = asyncio.ensure_future(new.exited.wait())
     try:
         await asyncio.wait({connect, exited}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -172,78 +149,64 @@ async def _connect_new(rt: VmRuntime, timeout: float) -> None:
         connect.cancel()
         with contextlib.suppress(asyncio.CancelledError, FusumaError):
             await connect
-        raise MigrationError(f"the new QEMU of {rt.name!r} (pid {rt.pid}) exited before "
+        raise MigrationError(f"the new QEMU of {new.vm!r} (pid {new.pid}) exited before "
                              "it took the guest's descriptors.")
     connect.result()
 
 
-async def _set_mode(rt: VmRuntime, mode: str) -> str:
-    await rt.qmp.execute("migrate-set-parameters", {"mode": mode})
-    params = await rt.qmp.execute("query-migrate-parameters")
-    return str(params.get("mode"))
-
-
-async def _migration_end(rt: VmRuntime, listener: Any, timeout: float) -> str:
+async def _migration_end(old: QemuInstance, listener: Any, timeout: float) -> str:
     """Wait for the old QEMU's migration to end, from its MIGRATION events (asking it
     only every second, in case an event was missed); the final status."""
     deadline = time.monotonic() + timeout
     while True:
-        if rt.exited.is_set():
-            raise MigrationError(f"the old QEMU of {rt.name!r} exited during the "
+        if old.exited.is_set():
+            raise MigrationError(f"the old QEMU of {old.vm!r} exited during the "
                                  "cpr-transfer.")
         try:
             ev = await asyncio.wait_for(listener.get(), 1.0)
             status = str(ev.get("data", {}).get("status"))
         except TimeoutError:
-            status = (await rt.qmp.query_migrate()).status
+            status = (await old.qmp.query_migrate()).status
         if status in ("completed", "failed", "cancelled"):
             return status
         if time.monotonic() > deadline:
             with contextlib.suppress(QemuError):
-                await rt.qmp.migrate_cancel()
-            raise MigrationError(f"the cpr-transfer of {rt.name!r} did not finish in "
+                await old.qmp.migrate_cancel()
+            raise MigrationError(f"the cpr-transfer of {old.vm!r} did not finish in "
                                  f"{timeout:.0f} s and was cancelled.")
 
 
-async def normal_mode(rt: VmRuntime) -> None:
-    """Set an old QEMU that runs on (the move went "back") to migration mode normal,
-    so that its next move may be an ordinary one; best effort."""
-    with contextlib.suppress(FusumaError):
-        await _set_mode(rt, "normal")
-
-
-async def cpr_transfer(sup: Supervisor, vm: str, timeout: float = 600.0,
-                       fault_incoming_delay: float = 0.0) -> rpc.Streamed:
+async def transfer(h: PartitionHost, vm: str, timeout: float = 600.0,
+                   fault_incoming_delay: float = 0.0) -> rpc.Streamed:
     """Steps 2-4 of the module docstring: the old QEMU sends, the new one receives.
 
     Returns when the old QEMU has completed (it is then the move's leaving side); the
-    new QEMU's own task records "forward" and runs the guest (``incoming_finish``).
+    new QEMU's own task records "forward" and runs the guest (``dest.finish``).
     ``fault_incoming_delay`` (tests): hold between step 3's descriptors and
     ``migrate-incoming``, the new QEMU built and the guest still running on the old."""
-    from fusuma.migration import supervisor_ops as ops
-
-    rt = sup.vms.get(vm)
-    inc = sup.incoming.get(vm)
-    rec = sup.db.vm(vm)
-    if inc is None and rt is not None:
+    old = h.instances.get(vm)
+    found = incoming(h, vm)
+    rec = h.db.vm(vm)
+    if found is None and old is not None:
         raise MigrationError(f"the new QEMU of {vm!r} ended before the transfer began.")
-    if rt is None or inc is None or inc.mode != MODE:
+    if old is None or found is None or found[1].mode != MODE:
         raise StateError(f"no in-place move of {vm!r} is prepared in partition "
-                         f"{sup.partition!r}.")
+                         f"{h.partition!r}.")
     if rec.state != VmState.MIGRATING:
         raise StateError(f"VM {vm!r} is {rec.state.value}; no move of it is under way.")
-    new = inc.rt
-    main, cpr = new.run_dir / MAIN_SOCKET, Path(str(inc.extra["cpr_socket"]))
-    stopped = rt.qmp.listener(EVENT_STOP)
-    migrated = rt.qmp.listener(EVENT_MIGRATION)
+    new, move = found
+    main, cpr = new.run_dir / MAIN_SOCKET, Path(str(move.cpr_socket))
+    stopped = old.qmp.listener(EVENT_STOP)
+    migrated = old.qmp.listener(EVENT_MIGRATION)
     try:
-        await rt.qmp.migrate_set_capabilities(CAPABILITIES)
-        mode = await _set_mode(rt, MODE)
+        await old.qmp.migrate_set_capabilities(CAPABILITIES)
+        await old.qmp.execute("migrate-set-parameters", {"mode": MODE})
+        mode = str((await old.qmp.execute("query-migrate-parameters")).get("mode"))
         if mode != MODE:
             raise MigrationError(f"the QEMU of {vm!r} did not take migration mode {MODE} "
                                  f"(it says {mode}).")
         t0 = time.time()
-        await rt.qmp.execute("migrate", {"channels": [
+        await old.qmp.execute("migrate", {"channels": [
             {"channel-type": "main", "addr": {"transport": "socket", "type": "unix",
                                               "path": str(main)}},
             {"channel-type": "cpr", "addr": {"transport": "socket", "type": "unix",
@@ -256,56 +219,51 @@ async def cpr_transfer(sup: Supervisor, vm: str, timeout: float = 600.0,
                 raise MigrationError(f"the new QEMU of {vm!r} (pid {new.pid}) ended "
                                      "before it took the device state.")
             await new.qmp.migrate_set_capabilities(CAPABILITIES)
-            inc.listener = new.qmp.listener(EVENT_MIGRATION)
+            move.listener = new.qmp.listener(EVENT_MIGRATION)
             await new.qmp.migrate_incoming(f"unix:{main}")
         except FusumaError:
             # The old QEMU waits for the cpr channel to hang up: end the new one so it
             # does, and its migration fails with the guest never stopped.
-            if not new.exited.is_set():
-                process.kill(new.pid)
+            with contextlib.suppress(QemuError):
+                await new.kill()
             with contextlib.suppress(FusumaError):
-                await ops._wait_migration(rt, 10.0)
+                await old.wait_migration(10.0)
             raise
         connected_ts = time.time()
-        inc.task = asyncio.ensure_future(ops._resume_when_complete(sup, vm, inc))
+        move.task = asyncio.ensure_future(resume_when_complete(h, new, move))
         # Both QEMUs and this supervisor share the partition's cores: during the
         # downtime nothing here asks the old QEMU anything (its MIGRATION events say
         # when it is done), and its results are read once the guest runs again.
-        status = await _migration_end(rt, migrated, timeout)
+        status = await _migration_end(old, migrated, timeout)
         resume_ts = None
-        if status == "completed" and not inc.extra.get("fault_decide_delay") \
-                and inc.done is not None:
+        if status == "completed" and not move.fault_decide_delay \
+                and move.done is not None:
             # Answer once the new QEMU runs the guest (or failed to): the caller's next
             # write to the state file then never queues behind the decision, which
             # sits in the guest's downtime.
             with contextlib.suppress(Exception):
-                ran = await asyncio.wait_for(asyncio.shield(inc.done), 10.0)
+                ran = await asyncio.wait_for(asyncio.shield(move.done), 10.0)
                 resume_ts = ran.resume_ts
-        info = await rt.qmp.query_migrate()
+        info = await old.qmp.query_migrate()
         # Evidence that this move was a cpr-transfer, from the old QEMU itself.
-        said = str((await rt.qmp.execute("query-migrate-parameters")).get("mode"))
-        await normal_mode(rt)    # should it run on ("back"), a normal QEMU again
+        said = str((await old.qmp.execute("query-migrate-parameters")).get("mode"))
+        await set_mode(old, "normal")    # should it run on ("back"), a normal QEMU again
         if info.status != "completed":
             raise MigrationError(f"cpr-transfer of {vm!r} failed "
                                  f"({info.error or info.status}).")
         stop_ts = None
         with contextlib.suppress(QemuError):
-            stop_ts = event_time(await rt.qmp.wait_event(stopped, 5.0))
+            stop_ts = event_time(await old.qmp.wait_event(stopped, 5.0))
     except FusumaError:
-        if not rt.exited.is_set():
-            await normal_mode(rt)
+        if not old.exited.is_set():
+            await set_mode(old, "normal")
         raise
     finally:
-        rt.qmp.drop_listener(stopped)
-        rt.qmp.drop_listener(migrated)
+        old.qmp.drop_listener(stopped)
+        old.qmp.drop_listener(migrated)
     # The old QEMU is paused (postmigrate): the leaving side now, as a source is.
-    rt.detached = True
-    rt.owns_ram = False
-    if sup.vms.get(vm) is rt:
-        del sup.vms[vm]
-    if not rt.exited.is_set():
-        sup.leaving[vm] = rt
+    leaving(h, old, owns_ram=False)
     return rpc.Streamed(t0=t0, connected_ts=connected_ts, stop_ts=stop_ts,
                         qemu_total_ms=info.total_ms, qemu_downtime_ms=info.downtime_ms,
-                        bytes_sent=info.transferred, source_pid=rt.pid, dest_pid=new.pid,
+                        bytes_sent=info.transferred, source_pid=old.pid, dest_pid=new.pid,
                         source_mode=said, paused=False, resume_ts=resume_ts)

@@ -21,91 +21,90 @@ import asyncio
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fusuma.errors import MigrationError, NotFoundError, StateError
 from fusuma.host.accel import probe_accel
-from fusuma.migration.supervisor_ops import Incoming, capabilities
-from fusuma.partition import rpc
-from fusuma.partition.supervisor_consts import INCOMING_PREFIX
+from fusuma.migration.dest import MoveIn, incoming, incoming_run_dir
+from fusuma.migration.source import capabilities
 from fusuma.paths import PRIVATE_DIR, ensure_dir
 from fusuma.qemu import privilege
+from fusuma.qemu.instance import Role
 from fusuma.qemu.qmp import EVENT_MIGRATION
 from fusuma.state import vm_obj
-
-if TYPE_CHECKING:
-    from fusuma.partition.supervisor import Supervisor
+from fusuma.supervisor import rpc
+from fusuma.supervisor.host import PartitionHost
 
 # The agent's job kinds for the two halves (fusuma.recovery leaves them to the agent).
 SOURCE_JOB = "host-move"
 DEST_JOB = "host-move-in"
 
 
-async def remote_incoming(sup: Supervisor, vm: str, listen: str) -> rpc.Prepared:
+async def remote_incoming(h: PartitionHost, vm: str, listen: str) -> rpc.Prepared:
     """Start a QEMU for ``vm`` waiting for a stream on ``tcp:LISTEN:<port>``."""
-    rec = sup.db.vm(vm)
-    if rec.partition != sup.partition:
+    rec = h.db.vm(vm)
+    if rec.partition != h.partition:
         raise StateError(f"VM {vm!r} is defined in partition {rec.partition!r}, not "
-                         f"{sup.partition!r}.")
-    if vm in sup.vms or vm in sup.incoming:
-        raise StateError(f"partition {sup.partition!r} already runs a QEMU for {vm!r}.")
-    job = sup.db.find_job(vm_obj(vm))
+                         f"{h.partition!r}.")
+    if h.instances.get(vm) or h.instances.get(vm, Role.INCOMING):
+        raise StateError(f"partition {h.partition!r} already runs a QEMU for {vm!r}.")
+    job = h.db.find_job(vm_obj(vm))
     if job is None or job.kind != DEST_JOB:
         raise StateError(f"no move of {vm!r} from another host is under way.")
-    ram: Path | None = (sup.paths.shm / f"{vm}.{uuid.uuid4().hex[:8]}.ram"
+    ram: Path | None = (h.paths.shm / f"{vm}.{uuid.uuid4().hex[:8]}.ram"
                         if rec.shared_ram else None)
-    run = sup.paths.vm_run_dir(vm) / f"{INCOMING_PREFIX}{uuid.uuid4().hex[:8]}"
+    run = incoming_run_dir(h, vm)
     accel = probe_accel(rec.accel_used or rec.accel).name
     t0 = time.monotonic()
     undo: list[Any] = []
     try:
         if ram is not None:
-            ensure_dir(sup.paths.shm, PRIVATE_DIR)
-            undo.append(lambda: sup._remove_ram(ram))
-            privilege.create_ram_file(ram, privilege.uid_for(sup.paths, rec))
-            charge = getattr(sup, "charge_ram", None)
-            if charge is not None:
-                charge(ram, rec.memory_mib)
-        rt = await sup._launch(rec, accel, run, ram, "defer", undo,
-                               disk_owner=rec.partition)
-        rt.detached = True
-        rt.owns_ram = True
-        await rt.qmp.migrate_set_capabilities(capabilities("copy"))
-        listener = rt.qmp.listener(EVENT_MIGRATION)
-        await rt.qmp.migrate_incoming(f"tcp:{listen}:0")
-        info = await rt.qmp.execute("query-migrate")
+            ensure_dir(h.paths.shm, PRIVATE_DIR)
+            undo.append(lambda: h.remove_ram(ram))
+            privilege.create_ram_file(ram, privilege.uid_for(h.paths, rec))
+            h.charge_ram(ram, rec.memory_mib)
+        inst = await h.launch(rec, accel, run, ram, "defer", undo, role=Role.INCOMING,
+                              disk_owner=rec.partition)
+        await inst.qmp.migrate_set_capabilities(capabilities("copy"))
+        listener = inst.qmp.listener(EVENT_MIGRATION)
+        await inst.qmp.migrate_incoming(f"tcp:{listen}:0")
+        info = await inst.qmp.execute("query-migrate")
         port = next((a.get("port") for a in info.get("socket-address") or []
                      if a.get("type") == "inet"), None)
         if not port:
             raise MigrationError(f"the incoming QEMU of {vm!r} did not say which port it "
                                  f"listens on ({info}).")
     except BaseException:
-        sup._undo(undo)
+        for fn in reversed(undo):
+            try:
+                fn()
+            except Exception:
+                h.log.exception("undo step failed")
         raise
-    sup.incoming[vm] = Incoming(rt, listener, "copy", "remote")
-    sup._watch(rt)
+    inst.move = MoveIn(listener, "copy", "remote")
     uri = f"tcp:{listen}:{port}"
-    sup.log.info("waiting for %s from another host on %s", vm, uri)
-    return rpc.Prepared(uri=uri, pid=rt.pid, run_dir=str(run),
+    h.log.info("waiting for %s from another host on %s", vm, uri)
+    return rpc.Prepared(uri=uri, pid=inst.pid, run_dir=str(run),
                         prepare_ms=round((time.monotonic() - t0) * 1000, 2))
 
 
-async def remote_incoming_wait(sup: Supervisor, vm: str, timeout: float = 2.0
+async def remote_incoming_wait(h: PartitionHost, vm: str, timeout: float = 2.0
                                ) -> rpc.StreamState:
     """The incoming stream's state, waiting up to ``timeout`` for it to end:
     ``completed`` (the guest is here, paused), ``failed``/``cancelled``, ``gone`` (the
     QEMU exited), ``running`` (already committed) or the state still in progress."""
-    inc = sup.incoming.get(vm)
-    if inc is None:
-        if vm in sup.vms:
-            return rpc.StreamState("running", sup.vms[vm].pid)
-        raise NotFoundError(f"no incoming QEMU of {vm!r} in partition {sup.partition!r}.")
-    rt = inc.rt
+    found = incoming(h, vm)
+    if found is None:
+        running = h.instances.get(vm)
+        if running is not None:
+            return rpc.StreamState("running", running.pid)
+        raise NotFoundError(f"no incoming QEMU of {vm!r} in partition {h.partition!r}.")
+    inst, _ = found
     deadline = time.monotonic() + timeout
     while True:
-        if rt.exited.is_set():
+        if inst.exited.is_set():
             return rpc.StreamState("gone")
-        status = (await rt.qmp.query_migrate()).status
+        status = (await inst.qmp.query_migrate()).status
         if status in ("completed", "failed", "cancelled") or time.monotonic() > deadline:
-            return rpc.StreamState(status, rt.pid)
+            return rpc.StreamState(status, inst.pid)
         await asyncio.sleep(0.005)

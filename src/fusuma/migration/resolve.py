@@ -19,9 +19,9 @@ import logging
 from dataclasses import dataclass
 
 from fusuma.errors import FusumaError
-from fusuma.partition import rpc
 from fusuma.partition.manager import PartitionManager
 from fusuma.state import Job, VmState, vm_obj
+from fusuma.supervisor import rpc
 
 LOG = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import contextlib
 from fusuma.paths import Paths
 from fusuma.qemu import process
 
-SUPERVISOR_MODULE = "fusuma.partition.supervisor"
+SUPERVISOR_MODULE = "fusuma.supervisor"
 
 
 def supervisor_pid(paths: Paths, name: str, recorded_pid: int | None) -> int | None:

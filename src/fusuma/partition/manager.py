@@ -34,14 +34,15 @@ from fusuma.governor.qos import check_cores
 from fusuma.host import cgroups
 from fusuma.host.topology import HostInfo, format_cpulist, host_info, siblings_text
 from fusuma.names import check_name
-from fusuma.partition import liveness, rpc
-from fusuma.partition.client import SupervisorClient
+from fusuma.partition import liveness
 from fusuma.partition.liveness import SUPERVISOR_MODULE
 from fusuma.paths import PRIVATE_DIR, Paths, ensure_dir
 from fusuma.qemu import process
 from fusuma.state import Database, DiskRecord, PartitionRecord
 from fusuma.state.jobs import partition_obj
 from fusuma.state.lock import locked
+from fusuma.supervisor import rpc
+from fusuma.supervisor.client import SupervisorClient
 from fusuma.undo import Reverter
 
 if TYPE_CHECKING:   # fusuma.spec needs pydantic: not imported by `fusuma ps`

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fusuma import capacity, recovery
 from fusuma.errors import ConflictError, NotFoundError, SpecError, StateError
 from fusuma.names import check_name
-from fusuma.partition import rpc
 from fusuma.paths import Paths
 from fusuma.qemu import process
 from fusuma.state import ALIVE, Database, VmRecord, VmState, busy_sentence, vm_obj
 from fusuma.state.lock import locked
+from fusuma.supervisor import rpc
 from fusuma.vm.view import VmView
 
 R = TypeVar("R")

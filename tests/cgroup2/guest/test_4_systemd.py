@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from kit import CGROUP, Fusuma, alive, cgroup_of, read, show, systemctl, threads_allowed, wait_for
 
-from fusuma.partition.supervisor import ram_group_limit
+from fusuma.capacity import ram_group_limit
 
 UNIT = "fusuma-supervisor@p0.service"
 RAM_UNIT = "fusuma-ram@fusuma.service"

@@ -26,9 +26,8 @@ import os
 import stat
 import time
 import uuid
-from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fusuma.errors import (
     ConflictError,
@@ -39,19 +38,15 @@ from fusuma.errors import (
     TemplateError,
 )
 from fusuma.memshare import reporting, templates
-from fusuma.migration.supervisor_ops import _wait_migration as wait_migration
-from fusuma.partition import rpc
 from fusuma.paths import PRIVATE_DIR, ensure_dir
-from fusuma.qemu import process, versions
-from fusuma.qemu.cmdline import TEMPLATE_STATE_FDSET, DeviceSet, VmConfig
-from fusuma.qemu.privilege import QemuFiles
-from fusuma.qemu.qga import GuestAgent
+from fusuma.qemu.cmdline import TEMPLATE_STATE_FDSET, DeviceSet
+from fusuma.qemu.instance import QemuInstance
+from fusuma.qemu.process import tail
 from fusuma.qemu.qmp import EVENT_MIGRATION
 from fusuma.state import Job, VmRecord, VmState
 from fusuma.state.db import TemplateRecord
-
-if TYPE_CHECKING:
-    from fusuma.partition.supervisor import Supervisor, VmRuntime
+from fusuma.supervisor import rpc
+from fusuma.supervisor.host import PartitionHost
 
 # The guest's part of a save: write back, drop clean caches, compact (so freed pages
 # form blocks of the reporting order).
@@ -75,36 +70,16 @@ _TASKS: set[asyncio.Task[None]] = set()
 
 
 # -- saving ------------------------------------------------------------------------------
-def refuse(rec: VmRecord, running_version: str | None) -> None:
-    """Refuse (one sentence) to make a template of ``rec``."""
-    if rec.template is not None:
-        raise TemplateError(f"VM {rec.name!r} is a clone of template {rec.template!r}: its "
-                            "RAM is a private copy-on-write mapping, not a file a template "
-                            "could keep; make templates of booted VMs.")
-    if not rec.shared_ram or rec.mergeable:
-        raise TemplateError(f"VM {rec.name!r} has private RAM (--private-ram or "
-                            "--mergeable): a template keeps a VM's shared RAM file; create "
-                            "the VM with shared RAM (the default).")
-    if not templates.version_ok(running_version):
-        raise templates.too_old(f"VM {rec.name!r} (partition {rec.partition!r})",
-                                running_version)
-    if rec.disks:
-        raise TemplateError(f"VM {rec.name!r} has disks ({', '.join(rec.disks)}): its "
-                            "clones could not have them; detach them (stop it, `fusuma "
-                            "vm detach`) and boot it again.")
-
-
-async def save(sup: Supervisor, vm: str, template: str, fault: str = "") -> rpc.TemplateSaved:
+async def save(h: PartitionHost, vm: str, template: str, fault: str = "") -> rpc.TemplateSaved:
     """Stop running ``vm`` into template ``template`` (see the module docstring)."""
-    async with sup._lock(vm):
-        rec = sup._running(vm)
-        rt = sup.vms[vm]
-        refuse(rec, rt.qemu_version or rec.qemu_version)
-        if sup.db.find_template(template) is not None:
+    async with h.lock(vm):
+        rec, inst = h.running(vm)
+        templates.refuse(rec, inst.version or rec.qemu_version)
+        if h.db.find_template(template) is not None:
             raise ConflictError(f"a template named {template!r} already exists; delete it "
                                 "or pick another name.")
-        for left in (templates.ram_file(sup.paths, template),
-                     templates.template_dir(sup.paths, template)):
+        for left in (templates.ram_file(h.paths, template),
+                     templates.template_dir(h.paths, template)):
             if left.exists():
                 raise ConflictError(f"{left} is left from an earlier template named "
                                     f"{template!r}; remove it or pick another name.")
@@ -114,16 +89,16 @@ async def save(sup: Supervisor, vm: str, template: str, fault: str = "") -> rpc.
         if not rec.devices:
             raise TemplateError(f"VM {vm!r} has no recorded device set (booted by an older "
                                 "fusuma); stop and start it, then try again.")
-        async with sup._job(vm, "template"):
-            return await _save(sup, rec, rt, template, fault)
+        async with h.job(vm, "template"):
+            return await _save(h, rec, inst, template, fault)
 
 
-async def _save(sup: Supervisor, rec: VmRecord, rt: VmRuntime, name: str,
+async def _save(h: PartitionHost, rec: VmRecord, inst: QemuInstance, name: str,
                 fault: str) -> rpc.TemplateSaved:
     vm = rec.name
     t0 = time.monotonic()
-    paths = sup.paths
-    out = rt.run_dir / "template.state"
+    paths = h.paths
+    out = inst.run_dir / "template.state"
     tdir = templates.template_dir(paths, name)
     state = templates.state_file(paths, name)
     ram_src = Path(str(rec.ram_path))
@@ -131,17 +106,17 @@ async def _save(sup: Supervisor, rec: VmRecord, rt: VmRuntime, name: str,
     unbound: list[str] = []
     stopped = committed = False
     try:
-        sup._phase(vm, "guest", template=name, ram_src=str(ram_src))
-        unbound = await _prepare_guest(sup, rec, rt)
+        h.phase(vm, "guest", template=name, ram_src=str(ram_src))
+        unbound = await _prepare_guest(h, rec, inst)
         _fault(fault, "guest")
-        sup._phase(vm, "stop", template=name, unbound=unbound)
-        await rt.qmp.stop()
+        h.phase(vm, "stop", template=name, unbound=unbound)
+        await inst.qmp.stop()
         stopped = True
         _fault(fault, "stop")
-        sup._phase(vm, "save")
-        await rt.qmp.migrate_set_capabilities({"x-ignore-shared": True, "events": True})
-        await rt.qmp.migrate(f"file:{out}")
-        info = await wait_migration(rt, SAVE_TIMEOUT_S)
+        h.phase(vm, "save")
+        await inst.qmp.migrate_set_capabilities({"x-ignore-shared": True, "events": True})
+        await inst.qmp.migrate(f"file:{out}")
+        info = await inst.wait_migration(SAVE_TIMEOUT_S)
         if info.status != "completed":
             raise TemplateError(f"VM {vm!r}: QEMU could not save its device state "
                                 f"({info.error or info.status}); it runs on.")
@@ -156,24 +131,24 @@ async def _save(sup: Supervisor, rec: VmRecord, rt: VmRuntime, name: str,
             name=name, ram_path=str(ram_dst), state_path=str(state),
             size_bytes=ram_src.stat().st_size, memory_mib=rec.memory_mib,
             vcpus=rec.vcpus, machine=ds.machine,
-            qemu_version=str(rt.qemu_version or rec.qemu_version), devices=ds.dumps(),
+            qemu_version=str(inst.version or rec.qemu_version), devices=ds.dumps(),
             image=rec.image, segments=list(rec.segments),
             accel=rec.accel_used or "tcg", state_sha256=sha, source_vm=vm)
-        sup._phase(vm, "commit", state_bytes=state_bytes)
-        record = sup.db.add_template(record)
+        h.phase(vm, "commit", state_bytes=state_bytes)
+        record = h.db.add_template(record)
         committed = True
     except BaseException as exc:
         if not committed:
-            await _undo(sup, rt, out, tdir, stopped, unbound)
+            await _undo(h, inst, out, tdir, stopped, unbound)
         if isinstance(exc, QemuError):
-            after = ("its QEMU is gone (see `fusuma ps`)" if rt.exited.is_set()
+            after = ("its QEMU is gone (see `fusuma ps`)" if inst.exited.is_set()
                      else f"VM {vm!r} runs on")
             raise TemplateError(f"template {name!r} was not made ({exc}); {after}."
                                 ) from exc
         raise
-    await _finish(sup, vm, record, ram_src, rt)
+    await _finish(h, vm, record, ram_src, inst)
     ms = (time.monotonic() - t0) * 1000
-    sup.log.info("made template %s from %s in %.0f ms (state %d bytes)", name, vm, ms,
+    h.log.info("made template %s from %s in %.0f ms (state %d bytes)", name, vm, ms,
                  state_bytes)
     return rpc.TemplateSaved(template=name, vm=vm, ms=round(ms, 1), state_bytes=state_bytes,
                              unbound=unbound)
@@ -184,7 +159,7 @@ def _fault(fault: str, phase: str) -> None:
         raise TemplateError(f"fault injected after phase {phase!r} (FUSUMA_FAULT_TEMPLATE).")
 
 
-async def _prepare_guest(sup: Supervisor, rec: VmRecord, rt: VmRuntime) -> list[str]:
+async def _prepare_guest(h: PartitionHost, rec: VmRecord, inst: QemuInstance) -> list[str]:
     """Make the guest small and quiet: drop its caches and, if it reports free pages,
     wait until they are handed back, then unbind its balloon driver. Returns the
     devices unbound."""
@@ -192,19 +167,19 @@ async def _prepare_guest(sup: Supervisor, rec: VmRecord, rt: VmRuntime) -> list[
     reports = False
     if reporting.recorded(rec):
         with contextlib.suppress(QemuError):
-            status = await rt.qmp.execute("x-query-virtio-status",
+            status = await inst.qmp.execute("x-query-virtio-status",
                                           {"path": reporting.balloon_path()})
             reports = reporting.negotiated(status)
-    async with sup._agent_lock(vm):
+    async with h.agent_lock(vm):
         try:
-            async with GuestAgent(vm, rt.run_dir / "qga.sock", sup._vm_logger(vm)) as ga:
+            async with h.agent(inst) as ga:
                 await ga.connect(timeout=AGENT_TIMEOUT_S)
                 res = await ga.run(["/bin/sh", "-c", DROP_CACHES], timeout=AGENT_TIMEOUT_S)
                 if res.exit_code != 0:
                     raise GuestAgentError(f"dropping the guest's caches failed (exit "
                                           f"{res.exit_code})")
                 if reports:
-                    await _settle(rec, rt.pid)
+                    await reporting.settled_bytes(rec, inst.pid)
                 if not reporting.recorded(rec):
                     return []
                 res = await ga.run(["/bin/sh", "-c", UNBIND], timeout=AGENT_TIMEOUT_S)
@@ -213,21 +188,6 @@ async def _prepare_guest(sup: Supervisor, rec: VmRecord, rt: VmRuntime) -> list[
             raise TemplateError(f"VM {vm!r}: its guest agent is needed to drop the guest's "
                                 f"caches and stop page reporting before it is saved, and "
                                 f"it failed ({exc}); nothing was changed.") from exc
-
-
-async def _settle(rec: VmRecord, pid: int) -> None:
-    """Wait until the pages the guest freed have been reported (the RAM file's
-    allocation holds still), as `vm trim` does."""
-    last, since = reporting.resident_bytes(rec, pid), time.monotonic()
-    deadline = time.monotonic() + reporting.TRIM_TIMEOUT_S
-    await asyncio.sleep(2.0)
-    while time.monotonic() < deadline:
-        await asyncio.sleep(0.25)
-        now = reporting.resident_bytes(rec, pid)
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= reporting.SETTLE_S:
-            return
 
 
 def _copy_state(src: Path, dst: Path) -> tuple[str, int]:
@@ -266,42 +226,41 @@ def _copy_state(src: Path, dst: Path) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
-async def _undo(sup: Supervisor, rt: VmRuntime, out: Path, tdir: Path | None,
+async def _undo(h: PartitionHost, inst: QemuInstance, out: Path, tdir: Path | None,
                 stopped: bool, unbound: list[str]) -> None:
     """A save that failed before its commit: no file left, the guest runs again."""
     with contextlib.suppress(FileNotFoundError):
         out.unlink()
     if tdir is not None:
         _remove_dir(tdir)
-    if rt.exited.is_set():
+    if inst.exited.is_set():
         return
     if stopped:
         try:
-            info = await rt.qmp.query_migrate()
+            info = await inst.qmp.query_migrate()
             if info.status in ("setup", "active", "device"):
-                await rt.qmp.migrate_cancel()
-            if await rt.qmp.query_status() != "running":
-                await rt.qmp.cont()
+                await inst.qmp.migrate_cancel()
+            if await inst.qmp.query_status() != "running":
+                await inst.qmp.cont()
         except QemuError as exc:
-            sup.log.error("%s: could not resume the guest after a failed save: %s",
-                          rt.name, exc)
+            h.log.error("%s: could not resume the guest after a failed save: %s",
+                          inst.vm, exc)
     if unbound:
-        await _rebind(sup, rt, unbound)
+        await _rebind(h, inst, unbound)
 
 
-async def _rebind(sup: Supervisor, rt: VmRuntime, names: list[str]) -> None:
+async def _rebind(h: PartitionHost, inst: QemuInstance, names: list[str]) -> None:
     """Give the balloon devices back to their driver (best effort)."""
     script = "; ".join(f"echo {n} > {BALLOON_DRIVER}/bind" for n in names
                        if n.startswith("virtio") and n[6:].isdigit())
     if not script:
         return
     try:
-        async with sup._agent_lock(rt.name), GuestAgent(
-                rt.name, rt.run_dir / "qga.sock", sup._vm_logger(rt.name)) as ga:
+        async with h.agent_lock(inst.vm), h.agent(inst) as ga:
             await ga.connect(timeout=10.0)
             await ga.run(["/bin/sh", "-c", script], timeout=10.0)
     except FusumaError as exc:
-        sup.log.warning("%s: could not rebind its balloon driver: %s", rt.name, exc)
+        h.log.warning("%s: could not rebind its balloon driver: %s", inst.vm, exc)
 
 
 def _remove_dir(tdir: Path) -> None:
@@ -314,33 +273,28 @@ def _remove_dir(tdir: Path) -> None:
         tdir.rmdir()
 
 
-async def _finish(sup: Supervisor, vm: str, t: TemplateRecord, ram_src: Path,
-                  rt: VmRuntime | None) -> None:
+async def _finish(h: PartitionHost, vm: str, t: TemplateRecord, ram_src: Path,
+                  inst: QemuInstance | None) -> None:
     """After the commit: the VM stops without its RAM file, which is the template's."""
-    rec = sup.db.find_vm(vm)
-    if rt is not None:
-        rt.stopping = True
-        rt.ram_file = None       # never removed on exit: it is the template's now
-        rt.owns_ram = False
+    rec = h.db.find_vm(vm)
+    if inst is not None:
+        inst.stopping = True
+        inst.ram_file = None       # never removed on exit: it is the template's now
+        inst.owns_ram = False
     if rec is not None and rec.state in (VmState.RUNNING, VmState.PAUSED):
-        sup.db.transition(vm, VmState.STOPPING, ram_path=None)
+        h.db.transition(vm, VmState.STOPPING, ram_path=None)
     elif rec is not None and rec.ram_path:
-        sup.db.set_vm(vm, ram_path=None)
-    _take_ram(sup, t, ram_src)
-    sup._phase(vm, "quit")
-    if rt is not None and not rt.exited.is_set():
-        await rt.qmp.quit()
-        try:
-            await asyncio.wait_for(rt.exited.wait(), 10)
-        except TimeoutError:
-            process.kill(rt.pid)
-            await sup._wait_exit(rt)
+        h.db.set_vm(vm, ram_path=None)
+    _take_ram(h, t, ram_src)
+    h.phase(vm, "quit")
+    if inst is not None:
+        await inst.stop(10.0)
     with contextlib.suppress(FusumaError):
-        sup._settle_state(vm, VmState.STOPPED, pid=None, ram_path=None)
-    sup.cg.sweep_ram_groups(sup.paths.shm)
+        h.settle_state(vm, VmState.STOPPED, pid=None, ram_path=None)
+    h.cg.sweep_ram_groups(h.paths.shm)
 
 
-def _take_ram(sup: Supervisor, t: TemplateRecord, ram_src: Path) -> None:
+def _take_ram(h: PartitionHost, t: TemplateRecord, ram_src: Path) -> None:
     """The VM's RAM file becomes the template's: renamed (same directory), root's,
     readable by the template's group only (its clones' QEMUs)."""
     dst = Path(t.ram_path)
@@ -348,91 +302,57 @@ def _take_ram(sup: Supervisor, t: TemplateRecord, ram_src: Path) -> None:
         os.rename(ram_src, dst)
     fd = os.open(dst, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        os.fchown(fd, 0, templates.template_gid(sup.paths, t))
+        os.fchown(fd, 0, templates.template_gid(h.paths, t))
         os.fchmod(fd, templates.RAM_MODE)
     finally:
         os.close(fd)
 
 
-async def recover(sup: Supervisor, job: Job) -> None:
+async def recover(h: PartitionHost, job: Job) -> None:
     """Finish or undo the save of a supervisor that died: finished once its record
     exists (committed), else undone, asking QEMU."""
     vm = job.name
     name = str(job.detail.get("template") or "")
-    t = sup.db.find_template(name) if name else None
-    rt = sup.vms.get(vm)
-    ram_src = Path(str(job.detail.get("ram_src") or sup.paths.ram_file(vm)))
+    t = h.db.find_template(name) if name else None
+    inst = h.instances.get(vm)
+    ram_src = Path(str(job.detail.get("ram_src") or h.paths.ram_file(vm)))
     if t is not None and t.source_vm == vm:
-        await _finish(sup, vm, t, ram_src, rt)
-        sup.log.info("finished making template %s from %s (its supervisor died)", name, vm)
+        await _finish(h, vm, t, ram_src, inst)
+        h.log.info("finished making template %s from %s (its supervisor died)", name, vm)
         return
     if name:
-        _remove_dir(templates.template_dir(sup.paths, name))
-    if rt is None:
+        _remove_dir(templates.template_dir(h.paths, name))
+    if inst is None:
         return          # its QEMU is gone: adoption recorded the crash
-    run = rt.run_dir
-    await _undo(sup, rt, run / "template.state", None, True,
+    run = inst.run_dir
+    await _undo(h, inst, run / "template.state", None, True,
                 [str(x) for x in job.detail.get("unbound") or []])
     with contextlib.suppress(FusumaError):
-        status = await rt.qmp.query_status()
-        sup._settle_state(vm, VmState.RUNNING if status == "running" else VmState.PAUSED)
-    sup.log.info("undid making a template of %s (its supervisor died)", vm)
+        status = await inst.qmp.query_status()
+        h.settle_state(vm, VmState.RUNNING if status == "running" else VmState.PAUSED)
+    h.log.info("undid making a template of %s (its supervisor died)", vm)
 
 
 # -- clones ------------------------------------------------------------------------------
-def template_of(sup: Supervisor, vm: VmRecord) -> TemplateRecord:
-    t = sup.db.find_template(str(vm.template))
-    if t is None:
-        raise TemplateError(f"VM {vm.name!r} is a clone of template {vm.template!r}, which "
-                            "no longer exists; delete the VM.")
-    return t
-
-
-def clone_devices(sup: Supervisor, vm: VmRecord, q: versions.Qemu) -> DeviceSet:
-    """The devices a clone starts with (the template's, a vmgenid guid of its own), on
-    a QEMU that can map the template read-only."""
-    if not templates.version_ok(q.version):
-        raise templates.too_old(f"partition {sup.partition!r}", q.version)
-    return templates.clone_devices(template_of(sup, vm))
-
-
-def clone_config(sup: Supervisor, vm: VmRecord, cfg: VmConfig,
-                 groups: list[int]) -> tuple[VmConfig, list[int]]:
-    """A clone's QEMU: RAM from the template's file, ``-incoming defer``, and the
-    template's group among its own (to reopen the RAM file's descriptor)."""
-    t = template_of(sup, vm)
-    return (replace(cfg, template_ram=Path(t.ram_path), incoming="defer", ram_file=None),
-            [*groups, templates.template_gid(sup.paths, t)])
-
-
-def open_files(sup: Supervisor, vm: VmRecord, cfg: VmConfig, files: QemuFiles) -> VmConfig:
-    """Open the template's RAM and state files read-only for the clone's QEMU, checked
-    (size, sha256) as QEMU will read them."""
-    ram_fd, state_fd = templates.open_files(template_of(sup, vm))
-    files.add(ram_fd)
-    files.add(state_fd)
-    return replace(cfg, template_ram_fd=ram_fd, template_state_fd=state_fd)
-
-
-async def restore(sup: Supervisor, vm: VmRecord, rt: VmRuntime,
+async def restore(h: PartitionHost, vm: VmRecord, inst: QemuInstance,
                   timeout: float = 30.0) -> float:
     """Load the template's state into the clone's waiting QEMU and let it run; returns
     the ms it took."""
     delay = float(os.environ.get(FAULT_RESTORE_DELAY) or 0)
     if delay > 0:
         await asyncio.sleep(delay)
-        if rt.exited.is_set():
+        if inst.exited.is_set():
             raise TemplateError(f"VM {vm.name!r}: its QEMU exited before it loaded template "
                                 f"{vm.template!r}'s state.")
     t0 = time.monotonic()
-    listener = rt.qmp.listener(EVENT_MIGRATION)
+    listener = inst.qmp.listener(EVENT_MIGRATION)
     try:
-        await rt.qmp.migrate_set_capabilities({"x-ignore-shared": True, "events": True})
-        await rt.qmp.migrate_incoming(f"file:/dev/fdset/{TEMPLATE_STATE_FDSET}")
+        await inst.qmp.migrate_set_capabilities({"x-ignore-shared": True, "events": True})
+        await inst.qmp.migrate_incoming(f"file:/dev/fdset/{TEMPLATE_STATE_FDSET}")
         deadline = time.monotonic() + timeout
         while True:
             got: asyncio.Future[Any] = asyncio.ensure_future(listener.get())
-            gone: asyncio.Future[Any] = asyncio.ensure_future(rt.exited.wait())
+            gone: asyncio.Future[Any] = asyncio.ensure_future(inst.exited.wait())
             done, _ = await asyncio.wait({got, gone}, timeout=max(0.0, deadline -
                                                                    time.monotonic()),
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -446,40 +366,40 @@ async def restore(sup: Supervisor, vm: VmRecord, rt: VmRuntime,
                     break
                 if status not in ("failed", "cancelled"):
                     continue
-            said = process.tail(sup.paths.vm_dir(vm.name) / "qemu.log", 1)
+            said = tail(h.paths.vm_dir(vm.name) / "qemu.log", 1)
             why = ("QEMU exited" if gone in done else "it did not finish in "
                    f"{timeout:.0f} s" if not done else "QEMU refused it")
             raise TemplateError(f"VM {vm.name!r} could not load template {vm.template!r}'s "
                                 f"state: {why}{': ' + said if said else ''}.")
     finally:
-        rt.qmp.drop_listener(listener)
-    await rt.qmp.cont()
+        inst.qmp.drop_listener(listener)
+    await inst.qmp.cont()
     return (time.monotonic() - t0) * 1000
 
 
-def begin_identity(sup: Supervisor, vm: str, rt: VmRuntime, requested: float,
+def begin_identity(h: PartitionHost, vm: str, inst: QemuInstance, requested: float,
                    restore_ms: float) -> None:
     """Give a clone that runs now its own identity, in the background (holding the
     guest agent's lock from the next loop iteration on)."""
-    task = asyncio.ensure_future(_identity(sup, vm, rt, requested, restore_ms))
+    task = asyncio.ensure_future(_identity(h, vm, inst, requested, restore_ms))
     _TASKS.add(task)
     task.add_done_callback(_TASKS.discard)
 
 
-async def _identity(sup: Supervisor, vm: str, rt: VmRuntime, requested: float,
+async def _identity(h: PartitionHost, vm: str, inst: QemuInstance, requested: float,
                     restore_ms: float) -> None:
-    rec = sup.db.find_vm(vm)
+    rec = h.db.find_vm(vm)
     if rec is None:
         return
     machine_id = uuid.uuid4().hex
     script = templates.identity_script(vm, machine_id, templates.clone_mac(vm))
     agent_ms = identity_ms = None
     error = None
-    async with sup._agent_lock(vm):
-        if sup.vms.get(vm) is not rt or rt.exited.is_set():
+    async with h.agent_lock(vm):
+        if h.instances.get(vm) is not inst or inst.exited.is_set():
             return
         try:
-            async with GuestAgent(vm, rt.run_dir / "qga.sock", sup._vm_logger(vm)) as ga:
+            async with h.agent(inst) as ga:
                 await ga.connect(timeout=AGENT_TIMEOUT_S)
                 await ga.ping()
                 agent_ms = (time.time() - requested) * 1000
@@ -492,12 +412,12 @@ async def _identity(sup: Supervisor, vm: str, rt: VmRuntime, requested: float,
         except FusumaError as exc:
             error = str(exc)
     if error is not None:
-        sup.log.warning("%s: its identity as a clone is incomplete: %s", vm, error)
+        h.log.warning("%s: its identity as a clone is incomplete: %s", vm, error)
     else:
-        sup.log.info("%s: clone of %s restored in %.0f ms, agent after %.0f ms, identity "
+        h.log.info("%s: clone of %s restored in %.0f ms, agent after %.0f ms, identity "
                      "after %.0f ms", vm, rec.template, restore_ms, agent_ms or -1,
                      identity_ms or -1)
-    sup.db.emit("lifecycle", "vm-clone-ready", f"/1.0/vms/{vm}", template=rec.template,
+    h.db.emit("lifecycle", "vm-clone-ready", f"/1.0/vms/{vm}", template=rec.template,
                 restore_ms=round(restore_ms, 1),
                 agent_ms=None if agent_ms is None else round(agent_ms, 1),
                 identity_ms=None if identity_ms is None else round(identity_ms, 1),

@@ -1,4 +1,4 @@
-"""The callers' side of a partition supervisor's socket (typed: ``fusuma.partition.rpc``)."""
+"""The callers' side of a partition supervisor's socket (typed: ``fusuma.supervisor.rpc``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 from typing import TypeVar
 
 from fusuma.errors import SupervisorError
-from fusuma.partition import rpc
 from fusuma.paths import Paths
+from fusuma.supervisor import rpc
 
 R = TypeVar("R")
 

@@ -1,0 +1,269 @@
+"""A move's destination side, in the destination partition's supervisor.
+
+``prepare`` starts a QEMU with ``-S -incoming defer`` in this partition (sockets under
+``<run>/in-…``), with the role INCOMING, and a task that, when the stream completes,
+records the move's outcome as "forward" and only then lets the guest run here
+(``commit``: cont, the instance becomes the VM's RUNNING QEMU and the VM's record names
+this partition and pid). ``finish`` waits for that; ``settle`` moves the sockets to
+their usual place once the source QEMU is gone; ``abort`` ends a destination that must
+not run.
+
+The outcome is written once (``Database.decide``): whoever records it first, the
+destination's task or a recovery, wins, and the other follows. So a source never
+resumes after its destination has run, and two QEMUs never run one guest.
+
+Zero-copy: both QEMUs map the same named RAM file and the capability
+``x-ignore-shared`` keeps RAM out of the stream; only device state moves. The RAM file
+then belongs to both until the source exits, so neither side deletes it on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import EventListener
+
+from fusuma.errors import MigrationError, NotFoundError, QemuError, StateError
+from fusuma.host.accel import probe_accel
+from fusuma.migration.source import MODES, capabilities
+from fusuma.qemu import privilege
+from fusuma.qemu.cmdline import NET_ID, hostfwd
+from fusuma.qemu.instance import INCOMING_PREFIX, QemuInstance, Role
+from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_RESUME, event_time
+from fusuma.state import VmState, vm_obj
+from fusuma.supervisor import rpc
+from fusuma.supervisor.host import PartitionHost
+
+
+@dataclass
+class MoveIn:
+    """What an incoming QEMU's side of a move holds (``QemuInstance.move``)."""
+
+    listener: EventListener | None
+    mode: str
+    source: str
+    # Resolves to the commit's result once the guest runs here (or the error).
+    done: asyncio.Future[rpc.Resumed] | None = None
+    task: asyncio.Task[None] | None = None
+    fault_decide_delay: float = 0.0
+    cpr_socket: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def incoming_run_dir(h: PartitionHost, vm: str) -> Path:
+    """A move destination's own dir in the VM's run dir (unique per move)."""
+    return h.paths.vm_run_dir(vm) / f"{INCOMING_PREFIX}{uuid.uuid4().hex[:8]}"
+
+
+def incoming(h: PartitionHost, vm: str) -> tuple[QemuInstance, MoveIn] | None:
+    inst = h.instances.get(vm, Role.INCOMING)
+    if inst is None or not isinstance(inst.move, MoveIn):
+        return None
+    return inst, inst.move
+
+
+async def prepare(h: PartitionHost, vm: str, mode: str,
+                  fault_decide_delay: float = 0.0) -> rpc.Prepared:
+    if mode not in MODES:
+        raise StateError(f"unknown migration mode {mode!r}; use zero-copy or copy.")
+    rec = h.db.vm(vm)
+    if rec.partition == h.partition:
+        raise StateError(f"VM {vm!r} is already in partition {h.partition!r}.")
+    if h.instances.get(vm) or h.instances.get(vm, Role.INCOMING):
+        raise StateError(f"partition {h.partition!r} already runs a QEMU for {vm!r}.")
+    job = h.db.find_job(vm_obj(vm))
+    if job is None or job.kind != "migrate" or job.peer != h.partition:
+        raise StateError(f"no move of {vm!r} to partition {h.partition!r} is under way.")
+    if mode == "zero-copy" and not (rec.shared_ram and rec.ram_path):
+        raise StateError(f"VM {vm!r} has private RAM; zero-copy migration needs RAM in a "
+                         "shared file: use --mode copy.")
+    if mode == "zero-copy":
+        ram: Path | None = Path(str(rec.ram_path))
+    elif rec.shared_ram:
+        ram = h.paths.shm / f"{vm}.{uuid.uuid4().hex[:8]}.ram"
+    else:
+        ram = None
+    run = incoming_run_dir(h, vm)
+    accel = probe_accel(rec.accel_used or rec.accel).name
+    t0 = time.monotonic()
+    undo: list[Any] = []
+    try:
+        if mode == "copy" and ram is not None:
+            undo.append(lambda: h.remove_ram(ram))
+            # The destination's own RAM file, made like a new VM's (0600, the VM's uid).
+            privilege.create_ram_file(ram, privilege.uid_for(h.paths, rec))
+            h.charge_ram(ram, rec.memory_mib)
+        inst = await h.launch(rec, accel, run, ram, "defer", undo, role=Role.INCOMING,
+                              owns_ram=mode == "copy", disk_owner=rec.partition)
+        await inst.qmp.migrate_set_capabilities(capabilities(mode))
+        listener = inst.qmp.listener(EVENT_MIGRATION)
+        uri = f"unix:{run}/migrate.sock"
+        await inst.qmp.migrate_incoming(uri)
+    except BaseException:
+        for fn in reversed(undo):
+            try:
+                fn()
+            except Exception:
+                h.log.exception("undo step failed")
+        raise
+    move = MoveIn(listener, mode, rec.partition,
+                  done=asyncio.get_running_loop().create_future(),
+                  fault_decide_delay=fault_decide_delay)
+    inst.move = move
+    move.task = asyncio.ensure_future(resume_when_complete(h, inst, move))
+    prepare_ms = (time.monotonic() - t0) * 1000
+    h.log.info("waiting for %s (%s) from %s on %s", vm, mode, rec.partition, uri)
+    return rpc.Prepared(uri=uri, pid=inst.pid, prepare_ms=round(prepare_ms, 2),
+                        run_dir=str(run),
+                        dest_ram=str(ram) if ram and mode == "copy" else None)
+
+
+async def resume_when_complete(h: PartitionHost, inst: QemuInstance, move: MoveIn) -> None:
+    """When the stream has arrived, record "forward" and let the guest run here."""
+    vm = inst.vm
+    assert move.done is not None and move.listener is not None
+    try:
+        while True:
+            ev: Any = await move.listener.get()
+            status = ev.get("data", {}).get("status")
+            if status == "completed":
+                break
+            if status in ("failed", "cancelled"):
+                raise MigrationError(f"the stream of {vm!r} into partition "
+                                     f"{h.partition!r} {status}.")
+        if move.fault_decide_delay > 0:  # fault injection (tests): hold before deciding
+            await asyncio.sleep(move.fault_decide_delay)
+        result = await commit(h, vm, paused=True)
+        if not move.done.done():
+            move.done.set_result(result)
+    except asyncio.CancelledError:
+        _fail(move.done, MigrationError(f"the incoming QEMU of {vm!r} in partition "
+                                        f"{h.partition!r} ended before the guest ran."))
+    except Exception as exc:
+        _fail(move.done, exc)
+    finally:
+        inst.qmp.drop_listener(move.listener)
+
+
+def _fail(done: asyncio.Future[rpc.Resumed], exc: BaseException) -> None:
+    if not done.done():
+        done.set_exception(exc)
+        done.exception()     # retrieved: no "never retrieved" noise when nobody waits
+
+
+async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed:
+    """Make this partition's incoming QEMU the VM's: record "forward", run the guest,
+    take the record. Idempotent; refused if the outcome recorded is "back".
+
+    ``paused``: the caller knows the guest is paused here (the stream has just
+    completed into a ``-S`` QEMU), which saves a round trip in the move's downtime."""
+    found = incoming(h, vm)
+    if found is None:
+        running = h.instances.get(vm)
+        if running is not None:
+            return rpc.Resumed(pid=running.pid, resume_ts=time.time(), already=True)
+        raise NotFoundError(f"no incoming QEMU of {vm!r} in partition {h.partition!r}.")
+    inst, _ = found
+    decision = h.db.decide(vm_obj(vm), "forward")
+    if decision != "forward":
+        raise MigrationError(f"the move of {vm!r} was decided {decision!r}: the guest "
+                             f"stays at its source.")
+    status = "paused" if paused else await inst.qmp.query_status()
+    resume_ts = time.time()
+    if status != "running":
+        listener = inst.qmp.listener(EVENT_RESUME)
+        try:
+            await inst.qmp.cont()
+            with contextlib.suppress(QemuError):
+                resume_ts = event_time(await inst.qmp.wait_event(listener, 5.0))
+        finally:
+            inst.qmp.drop_listener(listener)
+    old = h.instances.get(vm)
+    if old is not None and old is not inst:
+        # An in-place move (fusuma.migration.cpr): the old QEMU of this partition is
+        # the leaving side now, ended by ``release``.
+        h.instances.change(old, Role.LEAVING)
+        old.owns_ram = False
+    inst.move = None
+    h.instances.change(inst, Role.RUNNING)
+    # The guest's RAM is this QEMU's now (removal still waits until no QEMU maps it).
+    inst.owns_ram = True
+    rec = h.db.vm(vm)
+    for dname in rec.disks:
+        h.db.move_disk(dname, h.partition)
+    fields: dict[str, Any] = dict(
+        partition=h.partition, pid=inst.pid, error=None,
+        ram_path=str(inst.ram_file) if inst.ram_file else None,
+        qemu_binary=str(h.qemu().binary),
+        qemu_version=inst.version or h.qemu().version)
+    if rec.state == VmState.MIGRATING:
+        h.db.transition(vm, VmState.RUNNING, expect={VmState.MIGRATING}, **fields)
+    else:
+        h.db.set_vm(vm, **fields)
+    h.follow_runstate(inst)
+    await h.repin_all()
+    return rpc.Resumed(pid=inst.pid, resume_ts=resume_ts)
+
+
+async def finish(h: PartitionHost, vm: str, timeout: float = 30.0) -> rpc.Resumed:
+    """Wait until the guest runs here (the destination's own task resumes it)."""
+    found = incoming(h, vm)
+    if found is None:
+        running = h.instances.get(vm)
+        if running is not None:
+            return rpc.Resumed(pid=running.pid, resume_ts=time.time(), already=True)
+        raise NotFoundError(f"no incoming migration of {vm!r} in partition {h.partition!r}.")
+    _, move = found
+    if move.done is None:
+        return await commit(h, vm)
+    try:
+        return await asyncio.wait_for(asyncio.shield(move.done), timeout)
+    except TimeoutError as exc:
+        raise MigrationError(f"{vm!r} did not start running in partition "
+                             f"{h.partition!r} within {timeout:.0f} s.") from exc
+
+
+async def settle(h: PartitionHost, vm: str) -> rpc.Settled:
+    """Move the sockets of a migrated-in QEMU from ``<run>/in-…`` to ``<run>``, once
+    the source QEMU is gone (``QemuInstance.settle_into``)."""
+    inst = h.instances.get(vm)
+    if inst is None or not inst.run_dir.name.startswith(INCOMING_PREFIX):
+        return rpc.Settled(vm, moved=False)
+    # The source held the forwarded host ports until it exited: take them over now.
+    unbound = []
+    for item in h.db.vm(vm).ports:
+        host, guest = (int(x) for x in item.split(":"))
+        out = await inst.qmp.execute("human-monitor-command", {
+            "command-line": f"hostfwd_add {NET_ID} {hostfwd(host, guest)}"})
+        if isinstance(out, str) and out.strip():
+            unbound.append(item)
+            h.log.warning("%s: cannot forward host port %d after migration: %s",
+                          vm, host, out.strip())
+    rec = h.db.vm(vm)
+    if rec.ram_path and rec.shared_ram:
+        # The source QEMU's memory has left the RAM group: its peak starts again here.
+        h.cg.reset_ram_peak(Path(rec.ram_path).name.removesuffix(".ram"))
+    inst.settle_into(inst.run_dir.parent)
+    return rpc.Settled(vm, moved=True, unbound_ports=unbound)
+
+
+async def abort(h: PartitionHost, vm: str) -> rpc.Ended:
+    """End the incoming QEMU (never one the outcome "forward" lets run)."""
+    found = incoming(h, vm)
+    if found is None:
+        return rpc.Ended(vm, was="gone")
+    job = h.db.find_job(vm_obj(vm))
+    if job is not None and job.detail.get("decision") == "forward":
+        raise MigrationError(f"the incoming QEMU of {vm!r} is kept: the guest has moved "
+                             "to it.")
+    inst, move = found
+    if move.task is not None:
+        move.task.cancel()
+    await inst.kill()
+    return rpc.Ended(vm, was="aborted", pid=inst.pid)

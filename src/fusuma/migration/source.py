@@ -1,0 +1,159 @@
+"""A move's source side, in the source partition's supervisor.
+
+``perform`` streams the VM and reports (its QEMU is then the LEAVING side: the
+destination, or a recovery, decides whether the guest moves on); ``confirm`` ends the
+source once the outcome is "forward" (``release``) or runs it again once the outcome
+is "back" (``resume``). ``instances`` tells recovery what this supervisor holds of a
+VM, asking QEMU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
+from fusuma.qemu.instance import QemuInstance, Role
+from fusuma.qemu.qmp import EVENT_STOP, event_time
+from fusuma.state import VmState, vm_obj
+from fusuma.supervisor import rpc
+from fusuma.supervisor.host import PartitionHost
+
+MODES = ("zero-copy", "copy")
+# QEMU before 9.0 loses TCG guest writes from the dirty bitmap during pre-copy
+# (fixed upstream by 03bfc2188f06 "physmem: Fix migration dirty bitmap coherency with
+# TCG memory access"): a live copy migration can hand the destination stale pages.
+# Under TCG with such a QEMU, copy mode pauses the guest for the transfer instead.
+TCG_DIRTY_FIX = (9, 0)
+
+
+def capabilities(mode: str) -> dict[str, bool]:
+    return {"x-ignore-shared": mode == "zero-copy", "events": True}
+
+
+async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
+                  timeout: float = 600.0, max_bandwidth: int = 0) -> rpc.Streamed:
+    inst = h.instances.get(vm)
+    rec = h.db.vm(vm)
+    if inst is None:
+        raise StateError(f"VM {vm!r} is {rec.state.value}, not running in partition "
+                         f"{h.partition!r}.")
+    if rec.state != VmState.MIGRATING:
+        raise StateError(f"VM {vm!r} is {rec.state.value}; no move of it is under way.")
+    listener = inst.qmp.listener(EVENT_STOP)
+    paused = False
+    try:
+        await inst.qmp.migrate_set_capabilities(capabilities(mode))
+        if max_bandwidth > 0:     # fault injection (tests): a stream slow enough to hit
+            await inst.qmp.execute("migrate-set-parameters",
+                                   {"max-bandwidth": max_bandwidth})
+        if mode == "copy" and await _tcg_dirty_bug(inst, rec.accel_used):
+            paused = True
+        t0 = time.time()
+        if paused:
+            await inst.qmp.stop()
+        await inst.qmp.migrate(uri)
+        info = await inst.wait_migration(timeout)
+        if info.status != "completed":
+            raise MigrationError(f"migration of {vm!r} failed ({info.error or info.status}).")
+        stop_ts = None
+        with contextlib.suppress(QemuError):
+            stop_ts = event_time(await inst.qmp.wait_event(listener, 5.0))
+    finally:
+        inst.qmp.drop_listener(listener)
+    # The stream is complete; this QEMU is paused ("postmigrate"). It is the leaving
+    # side now: the destination (or recovery) decides whether the guest moves on.
+    leaving(h, inst, owns_ram=mode == "copy")
+    return rpc.Streamed(t0=t0, stop_ts=stop_ts, qemu_total_ms=info.total_ms,
+                        qemu_downtime_ms=info.downtime_ms, bytes_sent=info.transferred,
+                        source_pid=inst.pid, paused=paused)
+
+
+def leaving(h: PartitionHost, inst: QemuInstance, owns_ram: bool) -> None:
+    """The VM's QEMU whose stream completed becomes the move's leaving side."""
+    inst.owns_ram = owns_ram
+    if inst.role == Role.RUNNING and h.instances.get(inst.vm) is inst \
+            and not inst.exited.is_set():
+        h.instances.change(inst, Role.LEAVING)
+
+
+async def _tcg_dirty_bug(inst: QemuInstance, accel: str | None) -> bool:
+    """True if this QEMU runs the guest under TCG and predates the dirty-bitmap fix."""
+    if accel != "tcg":
+        return False
+    try:
+        ver = (await inst.qmp.execute("query-version"))["qemu"]
+        return (int(ver["major"]), int(ver["minor"])) < TCG_DIRTY_FIX
+    except (QemuError, KeyError, TypeError, ValueError):
+        return True
+
+
+async def release(h: PartitionHost, vm: str, timeout: float = 10.0) -> rpc.Ended:
+    """End the source QEMU of a move whose outcome is "forward"."""
+    inst = h.instances.get(vm, Role.LEAVING)
+    if inst is None:
+        cand = h.instances.get(vm)
+        rec = h.db.find_vm(vm)
+        if cand is None or rec is None or (rec.partition == h.partition
+                                           and rec.pid == cand.pid):
+            return rpc.Ended(vm, was="gone")
+        inst = cand     # a source the record no longer names (adopted after a crash)
+    job = h.db.find_job(vm_obj(vm))
+    decision = job.detail.get("decision") if job else None
+    if job is not None and decision != "forward":
+        raise MigrationError(f"the source QEMU of {vm!r} is kept: the move's outcome is "
+                             f"{decision or 'not decided'}.")
+    if inst.role == Role.RUNNING:
+        h.instances.change(inst, Role.LEAVING)
+    h.instances.remove(inst)
+    await inst.stop(timeout)
+    return rpc.Ended(vm, was="released", pid=inst.pid)
+
+
+async def resume(h: PartitionHost, vm: str) -> rpc.Resumed:
+    """Run the source again: only once the move's outcome is recorded as "back"."""
+    inst = h.instances.get(vm, Role.LEAVING) or h.instances.get(vm)
+    if inst is None or inst.exited.is_set():
+        raise MigrationError(f"the source QEMU of {vm!r} is gone.")
+    decision = h.db.decide(vm_obj(vm), "back")
+    if decision not in ("back", None):
+        raise MigrationError(f"the source of {vm!r} must not run again: its destination "
+                             "may already have run the guest.")
+    if await inst.qmp.query_status() != "running":
+        await inst.qmp.cont()
+    job = h.db.find_job(vm_obj(vm))
+    if job is not None and job.detail.get("mode") == "cpr-transfer":
+        await set_mode(inst, "normal")    # its next move may be an ordinary one
+    if inst.role == Role.LEAVING:
+        h.instances.change(inst, Role.RUNNING)
+    inst.owns_ram = True
+    h.follow_runstate(inst)
+    return rpc.Resumed(pid=inst.pid, resume_ts=time.time())
+
+
+async def set_mode(inst: QemuInstance, mode: str) -> str | None:
+    """Set a QEMU's migration mode (normal, cpr-transfer); the mode it reports then,
+    or None if it could not be asked (best effort)."""
+    try:
+        await inst.qmp.execute("migrate-set-parameters", {"mode": mode})
+        params: Any = await inst.qmp.execute("query-migrate-parameters")
+        return str(params.get("mode"))
+    except FusumaError:
+        return None
+
+
+async def instances(h: PartitionHost, vm: str) -> list[rpc.Instance]:
+    """What this supervisor holds of ``vm``, as QEMU itself reports it."""
+    out = []
+    for inst in h.instances.of(vm):
+        if not inst.alive:
+            continue
+        try:
+            status = await inst.qmp.query_status()
+            migration = (await inst.qmp.query_migrate()).status
+        except FusumaError as exc:
+            status, migration = f"unknown ({exc})", "unknown"
+        out.append(rpc.Instance(role=inst.role.value, pid=inst.pid, status=status,
+                                migration=migration, run_dir=str(inst.run_dir)))
+    return out

@@ -1,0 +1,120 @@
+"""From a VM's record to its QEMU's configuration, in one partition: the devices the
+guest sees and the files, sockets and disks its QEMU gets (rendered to argv by
+``fusuma.qemu.cmdline``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Protocol
+
+from fusuma.errors import HostError, SegmentError, StateError
+from fusuma.host import cgroups
+from fusuma.images import find_image
+from fusuma.memshare import clones, reporting
+from fusuma.paths import MAX_SOCKET_PATH, Paths
+from fusuma.qemu import versions
+from fusuma.qemu.cmdline import (
+    DeviceSet,
+    DiskConfig,
+    SegmentConfig,
+    VmConfig,
+    device_set,
+    new_vmgenid,
+)
+from fusuma.state import Database, VmRecord
+
+
+class Where(Protocol):
+    """The partition a QEMU is configured for."""
+
+    paths: Paths
+    db: Database
+    cg: cgroups.CgroupDriver
+    partition: str
+
+
+def devices(h: Where, vm: VmRecord, cfg: VmConfig, q: versions.Qemu,
+            incoming: str | None) -> DeviceSet:
+    """What the guest sees: for a boot, today's devices on the VM's pinned machine
+    type; for a move's destination, the set recorded when the guest booted."""
+    if vm.template is not None and incoming is None:
+        # A clone: the template's devices (fusuma.memshare.templates).
+        ds = clones.clone_devices(h.db, h.partition, vm, q)
+    elif incoming is not None and vm.devices:
+        try:
+            ds = DeviceSet.loads(vm.devices)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StateError(f"VM {vm.name!r}: its recorded device set is unreadable "
+                             f"({exc}); stop and start it to record it anew.") from exc
+    else:
+        # A boot, or a guest booted by a fusuma that recorded no device set: what
+        # that fusuma gave it (the same devices, in the same order).
+        machine = vm.machine or (versions.machine_of(h.paths, vm) if incoming
+                                 else versions.default_machine(h.paths, q))
+        # A boot gets a vmgenid of its own: the recorded set keeps it for moves.
+        ds = device_set(replace(cfg, machine=machine,
+                                vmgenid=new_vmgenid() if incoming is None else None))
+        if incoming is None and ds.cpu == "max":
+            # TCG's CPU, trimmed to what every installed QEMU emulates (the guest
+            # must never be told of an instruction a QEMU it moves to lacks), with
+            # one identity on every QEMU version (each names its max differently).
+            ds = replace(ds, cpu=f"max,{versions.TCG_CPU_IDENTITY}",
+                         cpu_features=versions.tcg_cpu_features(h.paths, q))
+    why = versions.cannot_run(q, ds.machine)
+    missing = versions.cpu_missing(q, ds.cpu_features)
+    if why is None and missing:
+        why = f"its TCG lacks the guest's CPU features {', '.join(missing)}"
+    if why is not None:
+        raise StateError(f"VM {vm.name!r} has machine type {ds.machine}, and partition "
+                         f"{h.partition!r} runs QEMU {q.version}: {why}; run it in "
+                         "a partition whose QEMU has it (`fusuma qemu list`).")
+    return ds
+
+
+def vm_config(h: Where, vm: VmRecord, accel: str, run: Path, ram_file: Path | None,
+              incoming: str | None = None, disk_owner: str | None = None) -> VmConfig:
+    image = find_image(h.paths.cache, kind=vm.image)
+    vdir = h.paths.vm_dir(vm.name)
+    disks = []
+    for dname in vm.disks:
+        d = h.db.disk(dname)
+        if d.partition != (disk_owner or h.partition):
+            raise StateError(f"disk {dname!r} belongs to partition {d.partition!r}, not "
+                             f"{h.partition!r}; a VM can only use its partition's disks.")
+        if not Path(d.path).exists():
+            raise HostError(f"disk {dname!r}: {d.path} does not exist.")
+        disks.append(DiskConfig(dname, Path(d.path)))
+    segments = []
+    for item in vm.segments:
+        sname, _, mount = item.partition(":")
+        seg = h.db.find_segment(sname)
+        if seg is None:
+            raise SegmentError(f"VM {vm.name!r} needs segment {sname!r}, which does not "
+                               "exist; create it with `fusuma segment create`.")
+        try:
+            size = Path(seg.path).stat().st_size
+        except OSError as exc:
+            raise SegmentError(f"segment {sname!r}: its file {seg.path} is unreadable "
+                               f"({exc.strerror}); delete and re-create the segment."
+                               ) from exc
+        segments.append(SegmentConfig(sname, Path(seg.path), size, mount or
+                                      f"/mnt/{sname}"))
+    root_disk = None
+    if image.root is not None and not any(s.mount == "/" for s in segments):
+        root_disk = image.root
+    ports = [(int(p), int(g)) for p, g in (p.split(":") for p in vm.ports)]
+    qmp = run / "qmp.sock"
+    if len(str(qmp)) > MAX_SOCKET_PATH - 4:
+        raise HostError(f"socket path {qmp} is too long for a UNIX socket; set "
+                        "FUSUMA_RUNTIME_DIR to a shorter directory.")
+    return VmConfig(
+        name=vm.name, vcpus=vm.vcpus, memory_mib=vm.memory_mib,
+        accel="kvm" if accel == "kvm" else "tcg",
+        kernel=image.kernel, initrd=image.initrd, append=image.append,
+        qmp_socket=qmp, qga_socket=run / "qga.sock", console_socket=run / "console.sock",
+        console_log=vdir / "console.log", pidfile=run / "qemu.pid",
+        ram_file=ram_file, disks=disks, incoming=incoming, segments=segments,
+        mergeable=vm.mergeable, ports=ports, bind_ports=incoming is None,
+        page_reporting=reporting.wanted(vm, h.cg),
+        root_disk=root_disk)

@@ -1,0 +1,260 @@
+"""A partition's supervisor: its own hypervisor instance (Mint's OS node).
+
+Run as ``python -m fusuma.supervisor PARTITION``. It moves itself into the partition's
+cgroup, re-adopts QEMU processes left running by an earlier supervisor
+(``fusuma.supervisor.adopt``), then serves typed requests (``fusuma.supervisor.rpc``)
+on its UNIX socket, one handler per request in :meth:`Supervisor.handlers`. Handlers
+get the partition (``PartitionHost``: its QEMUs, state and cgroups), never this
+daemon. QEMU processes are started in their own session, so killing the supervisor
+(even with SIGKILL) never touches them; SIGTERM ends the supervisor and leaves the VMs
+running too.
+
+Everything runs in one thread (asyncio): ``preexec_fn`` is used to place QEMU in its
+cgroup before exec, which is only safe without other threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fusuma.errors import FusumaError, SupervisorError
+from fusuma.governor.loop import Governor
+from fusuma.host import cgroups
+from fusuma.migration import cpr, dest, remote, source
+from fusuma.names import vm_leaf
+from fusuma.paths import Paths
+from fusuma.state import Database
+from fusuma.supervisor import adopt, rpc, templates, vms
+from fusuma.supervisor.host import LOCAL_JOBS, PartitionHost
+
+LOG = logging.getLogger("fusuma.supervisor")
+
+Handler = Callable[[Any], Awaitable[Any]]
+R = TypeVar("R")
+
+
+def route(req: type[rpc.Request[R]], handler: Callable[[Any], Awaitable[R]]
+          ) -> tuple[type[rpc.Request[Any]], Handler]:
+    """One row of the handler table: mypy checks that ``handler`` answers with the
+    reply class ``req`` names."""
+    return req, handler
+
+
+class Supervisor:
+    """Serve one partition: adopt, answer requests, sweep dead jobs, govern CPUs."""
+
+    def __init__(self, paths: Paths, partition: str) -> None:
+        self.paths = paths
+        self.partition = partition
+        self.log = LOG.getChild(partition)
+        self.host = h = PartitionHost(paths, partition, Database(paths.db),
+                                      cgroups.for_paths(paths), self.log)
+        h.recover_local = functools.partial(vms.recover_local, h)
+        self.governor = Governor(
+            partition, h.cg, h.db,
+            pids=lambda: {n: i.pid for n, i in h.instances.running().items()},
+            repin=h.repin_all, leaf=vm_leaf, log=self.log)
+        h.apply_class = self.governor.apply_class
+        h.pin_guaranteed = self.governor.pin
+        self._handlers = self.handlers()
+        self._server: asyncio.AbstractServer | None = None
+        self._done = asyncio.Event()
+        # Recovery processes this supervisor started, by job (obj, owner pid).
+        self._recoverers: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
+
+    def handlers(self) -> dict[type[rpc.Request[Any]], Handler]:
+        """The one table from request class to handler (every class of
+        ``rpc.REQUESTS`` has one; a unit test holds them together)."""
+        h = self.host
+
+        def locked(fn: Callable[[Any], Awaitable[R]]) -> Callable[[Any], Awaitable[R]]:
+            async def run(req: Any) -> R:
+                async with h.lock(req.vm):
+                    return await fn(req)
+            return run
+        routes = [
+            route(rpc.Ping, self.ping),
+            route(rpc.Status, self.status),
+            route(rpc.Start, lambda r: vms.start(h, r)),
+            route(rpc.WaitAgent, lambda r: vms.wait_agent(h, r)),
+            route(rpc.Stop, lambda r: vms.stop(h, r)),
+            route(rpc.Kill, lambda r: vms.kill(h, r)),
+            route(rpc.Exec, lambda r: vms.exec_(h, r)),
+            route(rpc.Trim, lambda r: vms.trim(h, r)),
+            route(rpc.TemplateSave, lambda r: templates.save(h, r.vm, r.template, r.fault)),
+            route(rpc.GovernorStatus, self.governor_status),
+            route(rpc.Repin, self.repin),
+            route(rpc.IncomingPrepare,
+                  lambda r: dest.prepare(h, r.vm, r.mode, r.fault_decide_delay)),
+            route(rpc.MigrateOut, locked(lambda r: source.perform(
+                h, r.vm, r.uri, r.mode, max_bandwidth=r.max_bandwidth))),
+            route(rpc.CprPrepare, lambda r: cpr.prepare(h, r.vm, r.fault_decide_delay)),
+            route(rpc.CprTransfer, locked(lambda r: cpr.transfer(
+                h, r.vm, fault_incoming_delay=r.fault_incoming_delay))),
+            route(rpc.IncomingFinish, lambda r: dest.finish(h, r.vm, timeout=r.timeout)),
+            route(rpc.IncomingCommit, lambda r: dest.commit(h, r.vm)),
+            route(rpc.IncomingAbort, lambda r: dest.abort(h, r.vm)),
+            route(rpc.Release, lambda r: source.release(h, r.vm)),
+            route(rpc.ResumeSource, lambda r: source.resume(h, r.vm)),
+            route(rpc.Settle, lambda r: dest.settle(h, r.vm)),
+            route(rpc.ListInstances, self.instances),
+            route(rpc.RemoteIncoming, lambda r: remote.remote_incoming(h, r.vm, r.listen)),
+            route(rpc.RemoteIncomingWait,
+                  lambda r: remote.remote_incoming_wait(h, r.vm, r.timeout)),
+        ]
+        return dict(routes)
+
+    # -- the daemon's own requests ------------------------------------------------------
+    async def ping(self, req: rpc.Ping) -> rpc.Pong:
+        return rpc.Pong(pid=os.getpid(), partition=self.partition,
+                        vms=sorted(self.host.instances.running()))
+
+    async def status(self, req: rpc.Status) -> rpc.Running:
+        return rpc.Running([rpc.VmPid(n, i.pid)
+                            for n, i in self.host.instances.running().items()])
+
+    async def governor_status(self, req: rpc.GovernorStatus) -> rpc.GovernorReport:
+        return rpc.GovernorReport(self.governor.status(req.limit))
+
+    async def repin(self, req: rpc.Repin) -> rpc.Pins:
+        return rpc.Pins(await self.host.repin_all())
+
+    async def instances(self, req: rpc.ListInstances) -> rpc.Instances:
+        return rpc.Instances(await source.instances(self.host, req.vm))
+
+    # -- lifecycle of the supervisor itself ------------------------------------------
+    async def run(self) -> None:
+        h = self.host
+        rec = h.db.partition(self.partition)
+        h.cg.create_leaf(self.partition, "supervisor")
+        h.cg.attach(self.partition, "supervisor", os.getpid())
+        sock = self.paths.supervisor_socket(self.partition)
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()
+        await adopt.adopt(h)
+        await h.repin_all()
+        self._server = await asyncio.start_unix_server(self._handle, path=str(sock))
+        os.chmod(sock, 0o600)
+        self.paths.supervisor_pidfile(self.partition).write_text(f"{os.getpid()}\n")
+        h.db.set_supervisor_pid(self.partition, os.getpid())
+        h.db.emit("lifecycle", "partition-supervisor-started",
+                  f"/1.0/partitions/{self.partition}", supervisor_pid=os.getpid(),
+                  vms=sorted(h.instances.running()))
+        self.log.info("supervisor %d serving %s on cores %s", os.getpid(), sock, rec.cpus)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._done.set)
+        governing = asyncio.create_task(self.governor.run())
+        sweeping = asyncio.create_task(self._sweep_jobs())
+        await self._done.wait()
+        governing.cancel()
+        sweeping.cancel()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Stop serving; VMs keep running and the next supervisor re-adopts them."""
+        h = self.host
+        if self._server is not None:
+            self._server.close()
+        for inst in h.instances:
+            await inst.qmp.disconnect()
+            inst.detach()
+        with contextlib.suppress(FileNotFoundError):
+            self.paths.supervisor_socket(self.partition).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.paths.supervisor_pidfile(self.partition).unlink()
+        with h.db.transaction():
+            cur = h.db.find_partition(self.partition)
+            if cur is not None and cur.supervisor_pid == os.getpid():
+                h.db.set_supervisor_pid(self.partition, None)
+        self.log.info("supervisor %d stopped; %d VM(s) left running", os.getpid(),
+                      len(h.instances.running()))
+
+    async def _handle(self, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        try:
+            req = rpc.decode_request(await reader.readline())
+            out = rpc.encode_reply(await self._handlers[type(req)](req))
+        except FusumaError as exc:
+            out = rpc.encode_error(exc)
+        except Exception as exc:  # report, keep serving
+            self.log.exception("request failed")
+            out = rpc.encode_error(SupervisorError(f"internal supervisor error: {exc!r}"))
+        try:
+            writer.write(out)
+            await writer.drain()
+            writer.close()
+        except OSError:
+            pass
+
+    # -- jobs whose owner died ----------------------------------------------------------
+    async def _sweep_jobs(self, every: float = 1.0) -> None:
+        """Within a second or two of a job owner's death, have its job recovered: a
+        paused guest never waits for an operator."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self._sweep_once()
+            except Exception:
+                self.log.exception("job sweep failed")
+
+    async def _sweep_once(self) -> None:
+        h = self.host
+        for key, child in list(self._recoverers.items()):
+            if child.poll() is not None:
+                del self._recoverers[key]
+        for job in h.db.jobs():
+            if job.owner.alive() or job.owner == h.owner:
+                continue
+            if job.kind in LOCAL_JOBS:
+                if job.source == self.partition:
+                    await vms.recover_local(h, job)
+                continue
+            involved = self.partition in (job.source, job.peer)
+            if not involved and job.obj.startswith("vm:"):
+                rec = h.db.find_vm(job.name)
+                involved = rec is not None and rec.partition == self.partition
+            if not involved and job.obj == f"partition:{self.partition}":
+                involved = True
+            key = (job.obj, job.owner.pid)
+            if involved and key not in self._recoverers:
+                self.log.warning("owner pid %d of the %s job on %s died; recovering",
+                                 job.owner.pid, job.kind, job.obj)
+                env = {**os.environ, **self.paths.as_env()}
+                with open(self.paths.partition_dir(self.partition) / "recovery.log",
+                          "ab") as log:
+                    self._recoverers[key] = subprocess.Popen(
+                        [sys.executable, "-m", "fusuma.recovery", job.obj],
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                        start_new_session=True, close_fds=True, env=env)
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        print("usage: python -m fusuma.supervisor PARTITION", file=sys.stderr)
+        sys.exit(2)
+    partition = sys.argv[1]
+    # Nothing the supervisor (or a QEMU it starts) creates is for other users.
+    os.umask(0o077)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # fusuma logs every QMP exchange per VM; the library's own connection retries
+    # would only add noise.
+    logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
+    paths = Paths.from_env()
+    paths.ensure_parents()
+    try:
+        asyncio.run(Supervisor(paths, partition).run())
+    except FusumaError as exc:
+        LOG.error("%s", exc)
+        sys.exit(1)

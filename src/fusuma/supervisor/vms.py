@@ -1,0 +1,237 @@
+"""A supervisor's VM operations: start, stop, kill, exec, trim, wait for the agent, and
+the recovery of a local job (start, stop, kill, template save) whose supervisor died.
+
+Each handler takes the partition (``PartitionHost``) and its typed request
+(``fusuma.supervisor.rpc``) and returns its typed reply."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+from fusuma.errors import FusumaError, GuestAgentError, QemuError, StateError
+from fusuma.host.accel import probe_accel
+from fusuma.memshare import reporting
+from fusuma.qemu.instance import QemuInstance, remove_run_files
+from fusuma.state import ALIVE, Job, VmRecord, VmState
+from fusuma.supervisor import rpc
+from fusuma.supervisor import templates as template_ops
+from fusuma.supervisor.host import PartitionHost
+
+
+async def start(h: PartitionHost, req: rpc.Start) -> rpc.VmPid:
+    vm = req.vm
+    requested = time.time()
+    async with h.lock(vm), h.job(vm, "start"):
+        inst = await _start(h, h.vm(vm), requested)
+    if req.wait_agent > 0:
+        await wait_agent(h, rpc.WaitAgent(vm, timeout=req.wait_agent))
+    return rpc.VmPid(vm, inst.pid)
+
+
+async def _start(h: PartitionHost, vm: VmRecord, requested: float) -> QemuInstance:
+    running = h.instances.get(vm.name)
+    if running is not None:
+        raise StateError(f"VM {vm.name!r} is already running (pid {running.pid}).")
+    if vm.state not in (VmState.STOPPED, VmState.CRASHED):
+        raise StateError(f"VM {vm.name!r} is {vm.state.value}; it can only be started "
+                         "when stopped or crashed.")
+    accel = probe_accel(vm.accel)
+    if accel.notice:
+        h.log.info("%s", accel.notice)
+    run = h.paths.vm_run_dir(vm.name)
+    ram = h.paths.ram_file(vm.name) if vm.shared_ram else None
+    undo: list[Any] = []
+    try:
+        h.db.transition(vm.name, VmState.STARTING,
+                        expect={VmState.STOPPED, VmState.CRASHED}, error=None)
+        undo.append(lambda: h.settle_state(vm.name, VmState.STOPPED, pid=None))
+        started = time.time()
+        h.phase(vm.name, "launch")
+        inst = await h.launch(vm, accel.name, run, ram, None, undo)
+        restore_ms = None
+        if vm.template is not None:
+            h.phase(vm.name, "restore", pid=inst.pid)
+            restore_ms = await template_ops.restore(h, vm, inst)
+        h.phase(vm.name, "pin", pid=inst.pid)
+        await h.repin_all()
+        h.db.transition(
+            vm.name, VmState.RUNNING, expect={VmState.STARTING}, pid=inst.pid,
+            accel_used=accel.name, qemu_binary=str(h.qemu().binary), started_at=started,
+            qemu_version=inst.version, error=None, ram_path=str(ram) if ram else None)
+        h.log.info("started %s: pid %d, %s", vm.name, inst.pid, accel.name)
+        if restore_ms is not None:
+            template_ops.begin_identity(h, vm.name, inst, requested, restore_ms)
+        return inst
+    except BaseException as exc:
+        for fn in reversed(undo):
+            try:
+                fn()
+            except Exception:
+                h.log.exception("undo step failed")
+        if isinstance(exc, FusumaError):
+            with contextlib.suppress(Exception):
+                h.db.set_vm(vm.name, error=str(exc))
+        raise
+
+
+async def wait_agent(h: PartitionHost, req: rpc.WaitAgent) -> rpc.Seconds:
+    """Wait until the guest agent answers; the seconds since QEMU started."""
+    rec, inst = h.running(req.vm)
+    async with h.agent_lock(req.vm), h.agent(inst) as ga:
+        await ga.connect(timeout=req.timeout)
+        await ga.ping()
+    return rpc.Seconds(time.time() - (rec.started_at or time.time()))
+
+
+async def stop(h: PartitionHost, req: rpc.Stop) -> rpc.Ended:
+    vm, timeout = req.vm, req.timeout
+    async with h.lock(vm):
+        rec = h.vm(vm)
+        inst = h.instances.get(vm)
+        if inst is None:
+            if rec.state in (VmState.STOPPED, VmState.CRASHED):
+                return rpc.Ended(vm, was=rec.state.value)
+            h.no_job(vm)
+            h.end_unmanaged(rec)
+            return rpc.Ended(vm, was="killed", pid=rec.pid)
+        async with h.job(vm, "stop"):
+            h.db.transition(vm, VmState.STOPPING, expect={VmState.RUNNING, VmState.PAUSED})
+            inst.stopping = True
+            # Flush guest filesystems first, so stopping a VM with disks loses no
+            # data; the agent lock waits for a command already running there.
+            h.phase(vm, "sync")
+            with contextlib.suppress(FusumaError, OSError, TimeoutError):
+                await asyncio.wait_for(h.agent_lock(vm).acquire(), timeout)
+                try:
+                    async with h.agent(inst) as ga:
+                        await ga.connect(timeout=min(2.0, timeout))
+                        await ga.run(["/bin/sync"], timeout=min(5.0, timeout))
+                finally:
+                    h.agent_lock(vm).release()
+            h.phase(vm, "quit")
+            await inst.stop(timeout)
+    return rpc.Ended(vm, was="running", pid=inst.pid)
+
+
+async def kill(h: PartitionHost, req: rpc.Kill) -> rpc.Ended:
+    vm = req.vm
+    rec = h.vm(vm)
+    inst = h.instances.get(vm)
+    if inst is None:
+        if rec.state in (VmState.STOPPED, VmState.CRASHED):
+            raise StateError(f"VM {vm!r} is {rec.state.value}; there is no QEMU to kill.")
+        h.no_job(vm)
+        h.end_unmanaged(rec)
+        return rpc.Ended(vm, was="killed", pid=rec.pid)
+    async with h.job(vm, "kill"):
+        h.db.transition(vm, VmState.STOPPING, expect={VmState.RUNNING, VmState.PAUSED})
+        await inst.kill()
+    return rpc.Ended(vm, was="killed", pid=inst.pid)
+
+
+async def exec_(h: PartitionHost, req: rpc.Exec) -> rpc.ExecResult:
+    h.running(req.vm)
+    h.no_job(req.vm)
+    data = base64.b64decode(req.stdin) if req.stdin is not None else None
+    async with h.agent_lock(req.vm):
+        _, inst = h.running(req.vm)   # it may have stopped while we waited for the channel
+        async with h.agent(inst) as ga:
+            await ga.connect(timeout=req.timeout)
+            res = await ga.run(req.argv, stdin=data, timeout=req.timeout)
+    return rpc.ExecResult(exit_code=res.exit_code, signal=res.signal,
+                          stdout=base64.b64encode(res.stdout).decode(),
+                          stderr=base64.b64encode(res.stderr).decode())
+
+
+async def trim(h: PartitionHost, req: rpc.Trim) -> rpc.Trimmed:
+    """Ask the guest to drop its caches and compact, then wait until the pages it
+    freed have been reported and the RAM's resident size holds still."""
+    vm, timeout = req.vm, req.timeout
+    rec, inst = h.running(vm)
+    h.no_job(vm)
+    reporting.refuse_without_device(rec)
+    try:
+        status = await inst.qmp.execute("x-query-virtio-status",
+                                        {"path": reporting.balloon_path()})
+    except QemuError as exc:
+        raise StateError(f"VM {vm!r}: QEMU cannot say whether its guest took page "
+                         f"reporting ({exc})") from exc
+    if not reporting.negotiated(status):
+        raise reporting.refuse_without_driver(vm)
+    t0 = time.monotonic()
+    before = reporting.resident_bytes(rec, inst.pid)
+    async with h.agent_lock(vm):
+        h.running(vm)
+        async with h.agent(inst) as ga:
+            await ga.connect(timeout=timeout)
+            res = await ga.run(reporting.TRIM_ARGV, timeout=timeout)
+    if res.exit_code != 0:
+        raise GuestAgentError(f"VM {vm!r}: dropping the guest's caches failed (exit "
+                              f"{res.exit_code}): {res.stderr.decode(errors='replace')}")
+    after = await reporting.settled_bytes(rec, inst.pid)
+
+    def mib(b: int | None) -> float | None:
+        return None if b is None else round(b / 2**20, 1)
+    returned = None if before is None or after is None else max(0, before - after)
+    h.log.info("trim %s: %s -> %s MiB", vm, mib(before), mib(after))
+    return rpc.Trimmed(vm=vm, resident_before_mib=mib(before),
+                       resident_after_mib=mib(after), returned_mib=mib(returned),
+                       seconds=round(time.monotonic() - t0, 2))
+
+
+async def recover_local(h: PartitionHost, job: Job) -> None:
+    """Finish a start, stop, kill or template save whose supervisor died, asking
+    QEMU (one entry point for every local job kind)."""
+    if h.db.take_over(job.obj, job.owner, h.owner) is None:
+        return
+    name = job.name
+    try:
+        rec = h.db.find_vm(name)
+        inst = h.instances.get(name)
+        if rec is None:
+            pass
+        elif job.kind in ("stop", "kill"):
+            if inst is not None:
+                with contextlib.suppress(QemuError):
+                    await inst.kill()
+            elif rec.state in ALIVE:
+                h.end_unmanaged(rec)
+            with contextlib.suppress(FusumaError):
+                h.settle_state(name, VmState.STOPPED, pid=None)
+        elif job.kind == "template":
+            await template_ops.recover(h, job)
+        elif job.kind == "start":
+            status = None if inst is None else await inst.qmp.query_status()
+            if inst is not None and status in ("inmigrate", "prelaunch"):
+                # A clone that never loaded its template's state: it cannot run.
+                with contextlib.suppress(QemuError):
+                    await inst.kill()
+                inst = None
+            if inst is None:
+                remove_run_files(h.paths.vm_run_dir(name))
+                with contextlib.suppress(FusumaError):
+                    h.settle_state(name, VmState.STOPPED, pid=None,
+                                   error="the supervisor died while starting it")
+            else:
+                h.settle_state(name, VmState.RUNNING if status == "running"
+                               else VmState.PAUSED, pid=inst.pid)
+        h.log.info("recovered the %s job of %s (owner pid %d died)", job.kind, name,
+                   job.owner.pid)
+    finally:
+        h.db.end_job(job.obj, h.owner)
+
+
+def crashed_while_away(h: PartitionHost, vm: VmRecord) -> None:
+    """A VM whose QEMU exited while no supervisor watched it."""
+    h.log.warning("%s (pid %s) exited while no supervisor watched it", vm.name, vm.pid)
+    remove_run_files(h.paths.vm_run_dir(vm.name))
+    if vm.ram_path:
+        h.remove_ram(Path(vm.ram_path))
+    with contextlib.suppress(FusumaError):
+        h.settle_state(vm.name, VmState.CRASHED, pid=None,
+                       error="QEMU exited while the partition's supervisor was down")
