@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fusuma.errors import HostError, NotFoundError, SpecError
+from fusuma.host import distro
 from fusuma.paths import Paths, ensure_dir
 from fusuma.qemu import versions
 from fusuma.qemu.store import ensure_qemu_dir, install_lock
@@ -168,9 +169,7 @@ def install(paths: Paths, series: str,
             progress(f"QEMU {have.version} is already installed in {have.root}")
             return have
         _sweep(base)
-        from fusuma.images.debian import bootstrap_source
-
-        release, mirror = bootstrap_source()
+        release, mirror = distro.debian_source()
         tmp = ensure_dir(base / f".tmp-{series}-{uuid.uuid4().hex[:8]}", 0o755)
         try:
             q = _fetch(tmp, series, release, mirror, progress)
