@@ -112,6 +112,7 @@ kube: deps
 lint: venv
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 unit: venv
 	$(VENV)/bin/pytest -q tests/unit

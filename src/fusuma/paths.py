@@ -17,7 +17,7 @@ temporary directory without touching the host's real fusuma:
   1500000000; VM slot n runs as base + n, see fusuma.qemu.privilege)
 - ``FUSUMA_CPU_PARTITION`` cgroup v2: hold partitions' cores with the kernel's cpuset
   partitions: "auto" (default: where the kernel and the layout allow, else plain cpusets
-  with a notice), "root" or "isolated" (those or refuse), "off" (fusuma.host.cgroups_v2)
+  with a notice), "root" or "isolated" (those or refuse), "off" (fusuma.host.cgroups.v2)
 - ``FUSUMA_SYSTEMD``     "auto" (default: supervisors run as systemd units when PID 1 is
   systemd on a cgroup v2 host), "1" (require it) or "0" (never; fusuma.host.systemd)
 

@@ -18,8 +18,8 @@ import pytest
 
 from fusuma.errors import CgroupError, HostError
 from fusuma.host.cgroups import CgroupDriver, Limits, detect, parse_mountinfo
-from fusuma.host.cgroups_v1 import CgroupV1Driver
-from fusuma.host.cgroups_v2 import CgroupV2Driver
+from fusuma.host.cgroups.v1 import CgroupV1Driver
+from fusuma.host.cgroups.v2 import CgroupV2Driver
 
 pytestmark = [
     pytest.mark.integration,

@@ -24,8 +24,8 @@ from fusuma.host.cgroups import (
     detect,
     parse_mountinfo,
 )
-from fusuma.host.cgroups_v1 import CgroupV1Driver
-from fusuma.host.cgroups_v2 import CgroupV2Driver
+from fusuma.host.cgroups.v1 import CgroupV1Driver
+from fusuma.host.cgroups.v2 import CgroupV2Driver
 
 MIB = 1024 * 1024
 

@@ -10,7 +10,7 @@ import pytest
 
 from fusuma.errors import CgroupError, SpecError
 from fusuma.host.cgroups import CpuPolicy, parse_flat_keyed, parse_pressure_total
-from fusuma.host.cgroups_v1 import CgroupV1Driver, shares_for_weight
+from fusuma.host.cgroups.v1 import CgroupV1Driver, shares_for_weight
 from tests.unit.test_cgroups import (
     LIMITS,
     V1_CHILD,

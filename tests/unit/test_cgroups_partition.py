@@ -17,7 +17,7 @@ from fusuma.host.cgroups import (
     HELD_SHARED,
     Limits,
 )
-from fusuma.host.cgroups_v2 import CgroupV2Driver
+from fusuma.host.cgroups.v2 import CgroupV2Driver
 from fusuma.host.topology import format_cpulist, parse_cpulist
 from tests.unit.test_cgroups import V2_CHILD, V2_ROOT, FakeCgroupFs, read
 

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from fusuma.api.metrics import EventMetrics, HostCollector, build_registry, render
 from fusuma.governor.measure import read_threads
 from fusuma.host.cgroups import CgroupDriver
-from fusuma.host.cgroups_v1 import CgroupV1Driver
-from fusuma.host.cgroups_v2 import CgroupV2Driver
+from fusuma.host.cgroups.v1 import CgroupV1Driver
+from fusuma.host.cgroups.v2 import CgroupV2Driver
 from fusuma.paths import Paths
 from fusuma.qemu import process
 from fusuma.state import Database, PartitionRecord, VmRecord, VmState

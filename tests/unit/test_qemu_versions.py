@@ -187,14 +187,14 @@ def test_a_failed_install_leaves_nothing_half_unpacked(
     monkeypatch.setenv("FUSUMA_DEBIAN_MIRROR", "http://127.0.0.1:9/debian")
     with pytest.raises(HostError, match=r"cannot fetch QEMU 10\.0 from Debian's "
                                         r"\S+-backports suite at http://127\.0\.0\.1:9"):
-        versions.install(paths, "10.0", progress=said.append)
+        fetch.install(paths, "10.0", progress=said.append)
     assert said and "reading the package lists" in said[0]
     left = sorted(p.name for p in (paths.cache / "qemu").iterdir())
     assert [n for n in left if n not in (".lock", "probes.json")] == []
     # The system's own series is not fetched.
-    assert versions.install(paths, "7.2").system
+    assert fetch.install(paths, "7.2").system
     with pytest.raises(SpecError):
-        versions.install(paths, "latest")
+        fetch.install(paths, "latest")
 
 
 def test_open_up_makes_the_tree_readable_by_other_users(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 from fusuma.errors import CgroupError, HostError, SupervisorError
 from fusuma.host import systemd
 from fusuma.host.cgroups import Limits, detect
-from fusuma.host.cgroups_systemd import CgroupSystemdDriver
+from fusuma.host.cgroups.systemd import CgroupSystemdDriver
 from fusuma.host.systemd import Units, slice_path, wanted
 from tests.unit.test_cgroups import FakeCgroupFs, read
 

@@ -62,8 +62,7 @@ from prometheus_client.registry import Collector
 
 from fusuma.errors import FusumaError
 from fusuma.governor.measure import ThreadStat, read_threads
-from fusuma.host.cgroups import CgroupDriver, parse_pressure_total
-from fusuma.host.cgroups_v2 import CgroupV2Driver
+from fusuma.host.cgroups import CgroupDriver, CgroupV2Driver, parse_pressure_total
 from fusuma.memshare.report import VmMemory, vm_memory
 from fusuma.partition.liveness import supervisor_pid
 from fusuma.paths import Paths

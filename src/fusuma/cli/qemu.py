@@ -39,9 +39,9 @@ def install(c: Ctx, series: str, as_json: bool) -> None:
     Uses apt with a configuration of its own (the host's sources are not changed) and
     dpkg-deb; nothing is left half unpacked if the download fails. Installing a version
     that is already there does nothing."""
-    from fusuma.qemu import versions
+    from fusuma.qemu import fetch
 
-    q = versions.install(c.paths, series, progress=_say)
+    q = fetch.install(c.paths, series, progress=_say)
     if as_json:
         emit_json(q.as_json())
     else:

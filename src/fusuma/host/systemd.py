@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusuma.errors import HostError
-from fusuma.host.cgroups import Limits
+from fusuma.host.limits import Limits
 from fusuma.host.topology import format_cpulist
 
 LOG = logging.getLogger(__name__)

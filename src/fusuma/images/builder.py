@@ -44,7 +44,8 @@ from typing import Any
 
 from fusuma import guest
 from fusuma.errors import ImageError
-from fusuma.images import debian, elf, modules
+from fusuma.host import distro
+from fusuma.images import debian, elf, erofs, modules
 from fusuma.images.initramfs import Tree
 
 LOG = logging.getLogger(__name__)
@@ -277,7 +278,7 @@ def _inputs(spec: ImageKind, debs: Path,
         say(f"apt-cache failed ({exc.detail}); using cached {deb.filename}")
     rootfs = ""
     if spec.packages:
-        suite, mirror = debian.bootstrap_source()
+        suite, mirror = distro.debian_source()
         rootfs = f"{suite} {mirror} {','.join(spec.packages)}"
     scripts = hashlib.sha256()
     for name in SCRIPTS + tuple(n for n in (spec.init,) if n not in SCRIPTS):
@@ -417,8 +418,6 @@ def _debian(spec: ImageKind, inputs: Inputs, moddir: Path, digest: str, tmp: Pat
     """Bootstrap Debian into ``tmp/rootfs``, write ``tmp/root.erofs`` from it and
     return the initramfs tree: /fusuma (busybox, modules, lib.sh) and /init, plus for
     a systemd kind Debian's root without /usr (see the module docstring)."""
-    from fusuma.memshare import erofs
-
     suite, mirror, _ = inputs.rootfs.split(" ", 2)
     rootfs = tmp / "rootfs"
     started = time.monotonic()

@@ -191,38 +191,6 @@ def which(name: str) -> Path | None:
     return Path(found) if found else None
 
 
-DEFAULT_MIRROR = "http://deb.debian.org/debian"
-
-
-def bootstrap_source(os_release: Path = Path("/etc/os-release"),
-                     sources: Path = Path("/etc/apt")) -> tuple[str, str]:
-    """The suite and mirror debootstrap should use: this host's Debian release and the
-    first Debian archive in its apt sources (``FUSUMA_DEBIAN_MIRROR`` overrides)."""
-    suite = "bookworm"
-    try:
-        for line in os_release.read_text().splitlines():
-            if line.startswith("VERSION_CODENAME=") and line.split("=", 1)[1].strip('"'):
-                suite = line.split("=", 1)[1].strip('"')
-    except OSError:
-        pass
-    mirror = os.environ.get("FUSUMA_DEBIAN_MIRROR", "")
-    if not mirror:
-        files = [sources / "sources.list", *sorted((sources / "sources.list.d").glob("*"))]
-        for f in files:
-            try:
-                text = f.read_text()
-            except OSError:
-                continue
-            for m in re.finditer(r"(?:^deb\s+(?:\[[^]]*\]\s+)?|^URIs:\s*)(\S+)", text, re.M):
-                uri = m.group(1).rstrip("/")
-                if "security" not in uri and uri.startswith(("http://", "https://")):
-                    mirror = uri
-                    break
-            if mirror:
-                break
-    return suite, mirror or DEFAULT_MIRROR
-
-
 def debootstrap(suite: str, mirror: str, packages: tuple[str, ...], dest: Path) -> None:
     """A minbase Debian ``suite`` in ``dest`` with ``packages`` installed."""
     argv = ["debootstrap", "--variant=minbase", f"--include={','.join(packages)}",

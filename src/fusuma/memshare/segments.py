@@ -18,8 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fusuma.errors import ConflictError, SegmentError
-from fusuma.images import find_image
-from fusuma.memshare import erofs
+from fusuma.images import erofs, find_image
 from fusuma.names import check_name
 from fusuma.paths import Paths
 from fusuma.state.db import Database, SegmentRecord

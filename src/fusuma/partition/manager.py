@@ -89,7 +89,7 @@ class PartitionManager:
     def units(self) -> Units | None:
         """fusuma's systemd units when supervisors run as units (PID 1 is systemd on a
         cgroup v2 host; fusuma.host.systemd), else None."""
-        from fusuma.host.cgroups_systemd import CgroupSystemdDriver
+        from fusuma.host.cgroups import CgroupSystemdDriver
 
         cg = self.cg
         return cg.units if isinstance(cg, CgroupSystemdDriver) else None

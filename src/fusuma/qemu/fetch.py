@@ -13,8 +13,6 @@ than bookworm's: the firmware comes from the backports suite too.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import re
@@ -23,12 +21,14 @@ import stat
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from fusuma.errors import HostError, NotFoundError, SpecError
+from fusuma.host import distro
 from fusuma.paths import Paths, ensure_dir
 from fusuma.qemu import versions
+from fusuma.qemu.store import ensure_qemu_dir, install_lock
 from fusuma.qemu.versions import BINARY_IN_ROOT, MODULE_DIR, SERIES_RE, Qemu
 
 LOG = logging.getLogger(__name__)
@@ -40,18 +40,6 @@ PACKAGES = ("qemu-system-x86", "qemu-system-common", "qemu-system-data")
 # Firmware taken from the backports suite when it carries it (newer QEMUs need it).
 FIRMWARE = ("seabios",)
 APT_TIMEOUT_S = 600
-
-
-@contextlib.contextmanager
-def install_lock(paths: Paths) -> Iterator[None]:
-    """One install or removal at a time in this cache (other namespaces share it)."""
-    base = versions.ensure_qemu_dir(paths)
-    fd = os.open(base / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 class Apt:
@@ -174,16 +162,14 @@ def install(paths: Paths, series: str,
         progress(f"QEMU {sysq.version} is the system's own ({sysq.binary})")
         return sysq
     versions.check_passable(paths)
-    base = versions.ensure_qemu_dir(paths)
+    base = ensure_qemu_dir(paths)
     with install_lock(paths):
         have = versions.resolve_unpacked(paths, series)
         if have is not None:
             progress(f"QEMU {have.version} is already installed in {have.root}")
             return have
         _sweep(base)
-        from fusuma.images.debian import bootstrap_source
-
-        release, mirror = bootstrap_source()
+        release, mirror = distro.debian_source()
         tmp = ensure_dir(base / f".tmp-{series}-{uuid.uuid4().hex[:8]}", 0o755)
         try:
             q = _fetch(tmp, series, release, mirror, progress)

@@ -37,6 +37,7 @@ from typing import Any
 
 from fusuma.errors import HostError, NotFoundError, SpecError, StateError
 from fusuma.paths import Paths
+from fusuma.qemu.store import ensure_qemu_dir, install_lock, qemu_dir
 from fusuma.state.db import VmRecord
 
 DEFAULT_BINARY = "qemu-system-x86_64"
@@ -243,10 +244,6 @@ def write_json(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
-def qemu_dir(paths: Paths) -> Path:
-    return paths.cache / "qemu"
-
-
 def _probes_file(paths: Paths) -> Path:
     return qemu_dir(paths) / "probes.json"
 
@@ -289,15 +286,6 @@ def _cached_probe(paths: Paths, binary: Path, run: bool = True) -> Probe | None:
                               "size": st.st_size}
         write_json(file, cache)
     return found
-
-
-def ensure_qemu_dir(paths: Paths) -> Path:
-    """``FUSUMA_CACHE/qemu``, 0755 (unpacked trees are for every VM's uid)."""
-    from fusuma.paths import ensure_dir
-
-    if not paths.cache.exists():
-        ensure_dir(paths.cache, 0o755)
-    return ensure_dir(qemu_dir(paths), 0o755)
 
 
 def check_passable(paths: Paths) -> None:
@@ -587,8 +575,6 @@ def remove(paths: Paths, series: str, progress: Callable[[str], None] = lambda s
                              "apt-get).")
         raise NotFoundError(f"QEMU {series} is not installed by fusuma; see "
                             "`fusuma qemu list`.")
-    from fusuma.qemu.fetch import install_lock
-
     with install_lock(paths):
         busy = users(paths, q)
         if busy:
@@ -601,15 +587,6 @@ def remove(paths: Paths, series: str, progress: Callable[[str], None] = lambda s
         progress(f"removing {gone}")
         shutil.rmtree(gone, ignore_errors=True)
     return q
-
-
-def install(paths: Paths, series: str,
-            progress: Callable[[str], None] = lambda s: None) -> Qemu:
-    """Fetch QEMU ``series`` from Debian's backports suite into FUSUMA_CACHE (see
-    fusuma.qemu.fetch); an installed one is returned as it is."""
-    from fusuma.qemu.fetch import install as fetch_install
-
-    return fetch_install(paths, series, progress)
 
 
 def manifest_of(q: Qemu) -> dict[str, Any]:

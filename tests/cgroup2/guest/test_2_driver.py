@@ -23,7 +23,7 @@ from fusuma.host.cgroups import (
     RAM_GROUP,
     Limits,
 )
-from fusuma.host.cgroups_v2 import CgroupV2Driver
+from fusuma.host.cgroups.v2 import CgroupV2Driver
 
 MIB = 1 << 20
 PREFIX = "cg2-driver"

@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 from fusuma.errors import CgroupError
-from fusuma.host.cgroups import RAM_STEM_RE, Limits, check_name
-from fusuma.host.cgroups_v2 import CgroupV2Driver
+from fusuma.host.cgroups.base import RAM_STEM_RE, check_name
+from fusuma.host.cgroups.v2 import CgroupV2Driver
+from fusuma.host.limits import Limits
 from fusuma.host.systemd import KEEPER, Units, slice_path
 from fusuma.host.topology import format_cpulist, parse_cpulist
 

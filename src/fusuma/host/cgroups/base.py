@@ -12,37 +12,33 @@ Processes live only in leaves because cgroup v2's no-internal-process rule forbi
 processes in a cgroup whose children have controllers enabled; the governor later puts
 per-VM QoS on the ``vm.*`` leaves.
 
-The drivers take their mount points as parameters, so the unit tests run them against
-a fake directory tree; the two filesystem hooks that differ on a fake tree
-(``_make_dir``, ``_remove_dir``) are methods a test can replace.
+This module is the drivers' interface and the types they share; the drivers (v1, v2,
+systemd) import it and nothing else of the package, and the package's ``__init__``
+picks one. The drivers take their mount points as parameters, so the unit tests run
+them against a fake directory tree; the two filesystem hooks that differ on a fake tree
+(``_make_dir``, ``_remove_dir``, see fusuma.host.cgroups.files) are methods a test can
+replace.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import errno
 import logging
 import os
 import re
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from fusuma.errors import CgroupError, HostError, SpecError
-
-if TYPE_CHECKING:
-    from fusuma.paths import Paths
+from fusuma.errors import CgroupError, SpecError
+from fusuma.host.cgroups.files import CgroupFiles
+from fusuma.host.limits import Limits
 
 LOG = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$")
-IO_WEIGHT_MIN = 1
-IO_WEIGHT_MAX = 10000
-_RMDIR_RETRY_S = 2.0
 
 
 # What keeps a partition's cores to itself (`fusuma ps`: cores_held_by), strongest first:
@@ -58,35 +54,6 @@ HELD_SHARED = "shared"
 # with a dot: partition names cannot have one, so it never collides with a partition.
 RAM_GROUP = "guest.ram"
 RAM_STEM_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}(\.[0-9a-f]{8})?$")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a partition cgroup may use.
-
-    ``io_weight`` follows cgroup v2's ``io.weight`` scale (1..10000, default 100); it is
-    best effort: where the kernel offers no weight file the driver warns once and goes on.
-    """
-
-    cpus: list[int]
-    mems: list[int]
-    memory_bytes: int
-    io_weight: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.cpus:
-            raise SpecError("a partition needs at least one CPU")
-        if not self.mems:
-            raise SpecError("a partition needs at least one memory node")
-        if self.memory_bytes <= 0:
-            raise SpecError(f"memory limit must be positive, not {self.memory_bytes} bytes")
-        if self.io_weight is not None and not (
-            IO_WEIGHT_MIN <= self.io_weight <= IO_WEIGHT_MAX
-        ):
-            raise SpecError(
-                f"io weight {self.io_weight} is out of range; "
-                f"use {IO_WEIGHT_MIN}..{IO_WEIGHT_MAX}"
-            )
 
 
 # CPU weight on cgroup v2's ``cpu.weight`` scale; v1 drivers convert to ``cpu.shares``.
@@ -164,17 +131,17 @@ def check_name(kind: str, name: str) -> None:
         )
 
 
-class CgroupDriver(abc.ABC):
+class CgroupDriver(CgroupFiles, abc.ABC):
     """Creates, changes and removes fusuma's cgroups in one cgroup hierarchy layout."""
 
     version: int
 
     def __init__(self, prefix: str) -> None:
+        super().__init__()
         parts = prefix.strip("/").split("/")
         for part in parts:
             check_name("cgroup prefix", part)
         self.prefix = "/".join(parts)
-        self._warned: set[str] = set()
         # Where a notice for the user goes (the partition manager prints it on stderr).
         self.notice: Callable[[str], None] = lambda text: LOG.warning("%s", text)
         # Partitions other than the one being changed whose cpuset the kernel reset
@@ -197,95 +164,6 @@ class CgroupDriver(abc.ABC):
 
     def _label(self, group: str, leaf: str | None = None) -> str:
         return "/".join(p for p in (self.prefix, group, leaf) if p)
-
-    # -- filesystem primitives (tests replace _make_dir/_remove_dir on a fake tree) ------
-
-    def _make_dir(self, path: Path) -> None:
-        os.mkdir(path)
-
-    def _remove_dir(self, path: Path) -> None:
-        # A cgroup whose last task just exited can stay busy for a moment (v1).
-        deadline = time.monotonic() + _RMDIR_RETRY_S
-        while True:
-            try:
-                os.rmdir(path)
-                return
-            except FileNotFoundError:
-                return
-            except OSError as exc:
-                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    @staticmethod
-    def _write(path: Path, value: str) -> None:
-        # No O_CREAT: cgroupfs files exist or the controller is missing; never create one.
-        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
-        try:
-            os.write(fd, value.encode())
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _read(path: Path) -> str:
-        return path.read_text().strip()
-
-    def _get(self, path: Path) -> str:
-        """Read a control file, turning a failure into a CgroupError."""
-        try:
-            return self._read(path)
-        except OSError as exc:
-            raise CgroupError(f"cannot read {path}: {exc.strerror or exc}") from exc
-
-    def _warn_once(self, key: str, message: str, *args: object) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            LOG.warning(message, *args)
-
-    def _set(self, path: Path, value: str, what: str) -> None:
-        """Write a control file, turning a refusal into one sentence naming the change."""
-        try:
-            self._write(path, value)
-        except OSError as exc:
-            raise CgroupError(
-                f"cannot set {what} ({path.name} = {value.strip()!r} in {path.parent}): "
-                f"{exc.strerror or exc}"
-            ) from exc
-        LOG.debug("%s <- %s", path, value.strip())
-
-    def _try_set(self, path: Path, value: str, key: str, what: str) -> bool:
-        """Best-effort write: warn once per ``key`` when the file is missing or refuses."""
-        if not path.exists():
-            self._warn_once(key, "%s: %s does not exist on this kernel; carrying on without it",
-                            what, path.name)
-            return False
-        try:
-            self._write(path, value)
-        except OSError as exc:
-            self._warn_once(key, "%s: writing %r to %s failed (%s); carrying on without it",
-                            what, value.strip(), path, exc.strerror or exc)
-            return False
-        LOG.debug("%s <- %s", path, value.strip())
-        return True
-
-    def _mkdirs(self, dirs: list[Path], label: str, made: list[Path]) -> None:
-        for path in dirs:
-            if path.is_dir():
-                continue
-            try:
-                self._make_dir(path)
-            except OSError as exc:
-                raise CgroupError(
-                    f"cannot create cgroup {label} at {path}: {exc.strerror or exc}"
-                ) from exc
-            made.append(path)
-
-    def _undo(self, made: list[Path]) -> None:
-        for path in reversed(made):
-            try:
-                self._remove_dir(path)
-            except OSError as exc:
-                LOG.warning("cleanup: cannot remove %s: %s", path, exc.strerror or exc)
 
     # -- version-specific steps ----------------------------------------------------------
 
@@ -452,25 +330,6 @@ class CgroupDriver(abc.ABC):
                 ) from exc
         LOG.debug("attached pid %d to %s", pid, label)
 
-    @staticmethod
-    def _walk_dirs(top: Path) -> Iterator[Path]:
-        """``top`` and every cgroup below it, children before their parent."""
-        for dirpath, _dirnames, _files in os.walk(top, topdown=False):
-            yield Path(dirpath)
-
-    def _procs_below(self, top: Path) -> set[int]:
-        pids: set[int] = set()
-        for path in self._walk_dirs(top):
-            try:
-                text = (path / "cgroup.procs").read_text()
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                raise CgroupError(f"cannot read {path / 'cgroup.procs'}: "
-                                  f"{exc.strerror or exc}") from exc
-            pids.update(int(tok) for tok in text.split())
-        return pids
-
     def pids(self, group: str) -> list[int]:
         """Every process in the partition and its leaves, in any hierarchy."""
         check_name("partition", group)
@@ -510,7 +369,7 @@ class CgroupDriver(abc.ABC):
     def _ram_usage_file(self) -> str:
         """memory.usage_in_bytes (v1) or memory.current (v2)."""
 
-    def _prepare_ram_parent(self, path: Path) -> None:  # noqa: B027 (v1: nothing to do)
+    def _prepare_ram_parent(self, path: Path) -> None:  # v1: nothing to do
         """Make ``prefix/guest.ram`` usable for children (v2: enable memory there)."""
 
     def _ram_dir(self, stem: str) -> Path:
@@ -669,127 +528,3 @@ class CgroupDriver(abc.ABC):
                 raise CgroupError(f"cannot remove cgroup {parent}: {exc.strerror or exc}"
                                   ) from exc
 
-
-# -- detection ---------------------------------------------------------------------------
-
-V1_CONTROLLERS = ("cpuset", "cpu", "memory", "blkio")
-
-
-@dataclass(frozen=True)
-class CgroupMount:
-    """One cgroup filesystem mount from mountinfo."""
-
-    mountpoint: Path
-    fstype: str  # "cgroup" (v1) or "cgroup2"
-    options: frozenset[str]  # super options; for v1 these name the controllers
-
-
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo.
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def parse_mountinfo(text: str) -> list[CgroupMount]:
-    """The cgroup and cgroup2 mounts listed in a ``/proc/PID/mountinfo`` text."""
-    mounts: list[CgroupMount] = []
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        if not sep:
-            continue
-        fields = left.split()
-        tail = right.split()
-        if len(fields) < 5 or len(tail) < 3 or tail[0] not in ("cgroup", "cgroup2"):
-            continue
-        mounts.append(CgroupMount(Path(_unescape(fields[4])), tail[0],
-                                  frozenset(tail[2].split(","))))
-    return mounts
-
-
-def _mounts_from_root(root: Path) -> list[CgroupMount]:
-    """Guess the mounts from the usual layout under ``root`` when mountinfo is unreadable."""
-    mounts: list[CgroupMount] = []
-    for candidate in (root, root / "unified"):
-        if (candidate / "cgroup.controllers").exists():
-            mounts.append(CgroupMount(candidate, "cgroup2", frozenset()))
-    if root.is_dir():
-        for child in sorted(root.iterdir()):
-            if child.is_dir() and (child / "cgroup.procs").exists() and child.name != "unified":
-                mounts.append(CgroupMount(child, "cgroup", frozenset(child.name.split(","))))
-    return mounts
-
-
-def _v2_controllers(mount: Path) -> set[str]:
-    try:
-        return set((mount / "cgroup.controllers").read_text().split())
-    except OSError:
-        return set()
-
-
-def for_paths(paths: Paths) -> CgroupDriver:
-    """The driver for the fusuma namespace ``paths`` describes (its prefix and settings)."""
-    return detect(prefix=paths.cgroup_prefix, exclusive=paths.cpu_exclusive,
-                  partition=paths.cpu_partition, systemd=paths.systemd)
-
-
-def detect(
-    prefix: str = "fusuma",
-    root: Path = Path("/sys/fs/cgroup"),
-    mountinfo: Path = Path("/proc/self/mountinfo"),
-    *,
-    exclusive: bool = True,
-    partition: str = "auto",
-    systemd: str = "auto",
-) -> CgroupDriver:
-    """Pick the driver for this host: v2 when a cgroup2 mount offers ``cpuset``, else v1.
-    On v2 with systemd as PID 1 (``systemd``: FUSUMA_SYSTEMD), the systemd driver:
-    fusuma's cgroups inside its delegated units.
-
-    ``exclusive=False`` skips exclusive cpusets (v1 makes an exclusive root-level parent
-    that owns every CPU, which locks other root-level cpusets such as Docker's out).
-    ``partition``: FUSUMA_CPU_PARTITION (cgroup v2 cpuset partitions).
-    """
-    # Imported here: the driver modules import CgroupDriver from this module.
-    from fusuma.host import systemd as sd
-    from fusuma.host.cgroups_systemd import CgroupSystemdDriver
-    from fusuma.host.cgroups_v1 import CgroupV1Driver
-    from fusuma.host.cgroups_v2 import CgroupV2Driver
-
-    try:
-        mounts = parse_mountinfo(mountinfo.read_text())
-    except OSError:
-        LOG.debug("cannot read %s; looking for cgroup mounts under %s", mountinfo, root)
-        mounts = []
-    if not mounts:
-        mounts = _mounts_from_root(root)
-    for mount in mounts:
-        if mount.fstype == "cgroup2" and "cpuset" in _v2_controllers(mount.mountpoint):
-            LOG.debug("cgroup v2 with cpuset at %s", mount.mountpoint)
-            if sd.wanted(systemd, unified=mount.mountpoint == root):
-                return CgroupSystemdDriver(mount.mountpoint, prefix, sd.Units(prefix),
-                                           exclusive=exclusive)
-            return CgroupV2Driver(mount.mountpoint, prefix, exclusive=exclusive,
-                                  partition=partition)
-    sd.wanted(systemd, unified=False)    # FUSUMA_SYSTEMD=1 says why it cannot be
-    v1: dict[str, Path] = {}
-    for mount in mounts:
-        if mount.fstype != "cgroup":
-            continue
-        for ctrl in V1_CONTROLLERS:
-            if ctrl in mount.options:
-                v1.setdefault(ctrl, mount.mountpoint)
-    if "cpuset" in v1 and "memory" in v1:
-        LOG.debug("cgroup v1: %s", ", ".join(f"{c}={p}" for c, p in sorted(v1.items())))
-        return CgroupV1Driver(v1, prefix, exclusive=exclusive)
-    unified = [m for m in mounts if m.fstype == "cgroup2" and m.mountpoint == root]
-    if unified and not v1:
-        offered = " ".join(sorted(_v2_controllers(root))) or "none"
-        raise HostError(
-            f"the cgroup v2 hierarchy at {root} does not offer the cpuset controller (it "
-            f"offers: {offered}), so partitions cannot be held to their cores; use a "
-            "kernel with CONFIG_CPUSETS and make sure no cgroup v1 hierarchy binds cpuset"
-        )
-    raise HostError(
-        "no usable cgroup cpuset and memory controllers: neither a cgroup2 mount offers "
-        "cpuset nor are v1 cpuset and memory hierarchies mounted; mount cgroup2 at "
-        "/sys/fs/cgroup (or the v1 cpuset and memory hierarchies) and try again"
-    )

@@ -1,4 +1,5 @@
-"""Write the read-only filesystem images that segments are made of.
+"""Write read-only erofs filesystem images: the ones segments are made of
+(fusuma.memshare.segments) and a Debian image's root (fusuma.images.builder).
 
 A segment is an erofs image: uncompressed (DAX maps file blocks straight into the
 guest, so they must be stored as they are), 4 KiB blocks (DAX needs block size = page

@@ -40,7 +40,7 @@ import logging
 from pathlib import Path
 
 from fusuma.errors import CgroupError
-from fusuma.host.cgroups import (
+from fusuma.host.cgroups.base import (
     CPU_WEIGHT_MIN,
     HELD_EXCLUSIVE,
     HELD_PARTITION_ISOLATED,
@@ -49,10 +49,10 @@ from fusuma.host.cgroups import (
     CgroupDriver,
     CpuPolicy,
     CpuStat,
-    Limits,
     parse_flat_keyed,
     parse_pressure_total,
 )
+from fusuma.host.limits import Limits
 from fusuma.host.topology import format_cpulist, parse_cpulist
 
 LOG = logging.getLogger(__name__)
