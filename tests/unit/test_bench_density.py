@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from fusuma.bench import density, report_density
 from fusuma.errors import ResourceError, SpecError
+from fusuma_bench import density, report_density
 
 
 def test_modes_are_checked_and_keep_their_order() -> None:

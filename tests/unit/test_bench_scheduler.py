@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from fusuma.bench import report_scheduler, scheduler
 from fusuma.errors import GuestAgentError, SpecError
+from fusuma_bench import report_scheduler, scheduler
 
 OUTPUT = """cpu 600 301
 syscall 40000 300

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from fusuma.bench import report_maintain
 from fusuma.migration import MigrationResult
 from fusuma.migration.cpr import in_place_side
 from fusuma.migration.inplace import has_cpr
 from fusuma.qemu.cmdline import VmConfig, build_argv, cpr_channel
 from fusuma.qemu.versions import Qemu, features_for
 from fusuma.state import Job, JobOwner, VmRecord
+from fusuma_bench import report_maintain
 
 
 def cfg(**kw: object) -> VmConfig:

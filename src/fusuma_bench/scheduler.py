@@ -42,7 +42,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fusuma.bench.meta import meta
 from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, GuestAgentError, ResourceError, SpecError
 from fusuma.governor import measure
@@ -53,6 +52,7 @@ from fusuma.qemu import process
 from fusuma.spec import PartitionSpec, Qos, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
+from fusuma_bench.meta import meta
 
 LOG = logging.getLogger(__name__)
 

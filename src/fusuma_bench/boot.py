@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fusuma.bench.meta import meta
 from fusuma.capacity import SUPERVISOR_MIB
 from fusuma.errors import FusumaError, ResourceError
 from fusuma.host.accel import probe_accel
@@ -22,6 +21,7 @@ from fusuma.partition.manager import PartitionManager
 from fusuma.qemu.cmdline import overhead_mib
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.vm import VmManager
+from fusuma_bench.meta import meta
 
 PARTITION = "bench-boot"
 

@@ -51,9 +51,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fusuma.bench import httpload
-from fusuma.bench.dcss import PAPER as DCSS_PAPER
-from fusuma.bench.meta import meta
 from fusuma.capacity import SUPERVISOR_MIB, definition_overhead
 from fusuma.errors import FusumaError, HostError, ResourceError, StateError
 from fusuma.host.accel import probe_accel
@@ -65,6 +62,9 @@ from fusuma.partition.manager import PartitionManager
 from fusuma.qemu.cmdline import tcg_tb_mib
 from fusuma.spec import PartitionSpec
 from fusuma.vm import VmManager
+from fusuma_bench import httpload
+from fusuma_bench.dcss import PAPER as DCSS_PAPER
+from fusuma_bench.meta import meta
 
 LOG = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
-"""`fusuma bench ...`: benchmarks that write result files.
+"""`fusuma bench ...`: benchmarks that write result files, and reports made from them.
 
-Each command imports its benchmark (and, for reports, matplotlib) when it runs, so that
-`fusuma bench --help` and every other fusuma command stay fast."""
+fusuma finds this group through the `fusuma.commands` entry point (pyproject.toml): the
+runtime never imports the benchmarks. Each command imports its benchmark (and, for
+reports, matplotlib) when it runs, so that `fusuma bench --help` stays fast."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def boot_cmd(c: Ctx, n: int, runs: int, memory_mib: int, json_file: Path | None)
     """Time from `vm start` to the guest agent answering, N VMs started together.
 
     Uses a scratch partition on the cores no partition holds, removed afterwards."""
-    from fusuma.bench import boot
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import boot
+    from fusuma_bench.meta import write_result
 
     c.accel_notice("auto")
     data = boot.run(c.parts, c.vms, n, runs=runs, memory_mib=memory_mib, progress=progress)
@@ -78,16 +79,16 @@ def cli_cmd(c: Ctx, runs: int, n: int, memory_mib: int, revision: str | None,
       python_bare_ms, python_click_ms
                           the interpreter alone and with click: the floor
     The commands run round-robin; Python's bytecode cache is on (in a scratch dir).
-    See fusuma/bench/cli.py for exactly what each number covers."""
-    from fusuma.bench import cli as bench_cli
-    from fusuma.bench.meta import write_result
+    See fusuma_bench/clitime.py for exactly what each number covers."""
+    from fusuma_bench import clitime
+    from fusuma_bench.meta import write_result
 
     if revision and n:
         raise click.UsageError("--revision times the empty-host commands only (an older "
                                "fusuma may not read this host's state DB); leave out --vms.")
     if n:
         c.accel_notice("auto")
-    data = bench_cli.run(c.parts, c.vms, runs=runs, vms=n, memory_mib=memory_mib,
+    data = clitime.run(c.parts, c.vms, runs=runs, vms=n, memory_mib=memory_mib,
                          revision=revision, progress=progress)
     if json_file is None:
         emit_json(data)
@@ -141,8 +142,8 @@ def api_cmd(c: Ctx, n: int, json_file: Path | None) -> None:
     \b
     Example:
       fusuma bench api --vms 16 --json results/api.json"""
-    from fusuma.bench import api
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import api
+    from fusuma_bench.meta import write_result
 
     c.accel_notice("auto")
     data = api.run(c.parts, c.vms, n, progress=progress)
@@ -213,8 +214,8 @@ def vmbeam_cmd(c: Ctx, sizes: str | None, moves: int | None, quick: bool,
 
     Needs every core (two scratch partitions, removed afterwards), so no partition may
     exist."""
-    from fusuma.bench import report_vmbeam, vmbeam
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import report_vmbeam, vmbeam
+    from fusuma_bench.meta import write_result
 
     size_list = _sizes(sizes) or list(vmbeam.QUICK_SIZES if quick else vmbeam.DEFAULT_SIZES)
     n = moves or (vmbeam.QUICK_MOVES if quick else vmbeam.DEFAULT_MOVES)
@@ -263,8 +264,8 @@ def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
 
     Makes two scratch partitions on two cores no partition holds (removed
     afterwards)."""
-    from fusuma.bench import maintain, report_maintain
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import maintain, report_maintain
+    from fusuma_bench.meta import write_result
 
     counts = _counts(vms_opt) or list(maintain.DEFAULT_VMS)
     c.accel_notice("auto")
@@ -307,8 +308,8 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
 
     Needs every core (scratch partitions, VMs and disks, removed afterwards), so no
     partition may exist."""
-    from fusuma.bench import mint, mint_report
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import mint, mint_report
+    from fusuma_bench.meta import write_result
 
     c.accel_notice("auto")
     data = mint.run(c.parts, c.vms, quick=quick, disk_dir=disk_dir, progress=progress)
@@ -362,8 +363,8 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
 
     Needs both cores (scratch partitions, removed afterwards), so no partition may
     exist."""
-    from fusuma.bench import report_scheduler, scheduler
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import report_scheduler, scheduler
+    from fusuma_bench.meta import write_result
 
     cfg = scheduler.Config(
         dummies=scheduler.parse_counts(dummies) if dummies else list(
@@ -432,9 +433,9 @@ def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
     partition may exist; it changes the host's KSM settings while it runs and puts
     them back afterwards. Needs the debian image (`fusuma image build --kind debian`)
     and ab (`apt-get install apache2-utils`)."""
-    from fusuma.bench import dcss, report_dcss
-    from fusuma.bench.meta import write_result
     from fusuma.memshare.segments import SegmentManager
+    from fusuma_bench import dcss, report_dcss
+    from fusuma_bench.meta import write_result
 
     count_list = _counts(counts) or list(dcss.QUICK_COUNTS if quick else dcss.DEFAULT_COUNTS)
     mode_list = [m.strip() for m in modes.split(",")] if modes else list(dcss.MODES)
@@ -496,9 +497,9 @@ def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: i
     template, removed afterwards), so no partition may exist; it changes the host's KSM
     settings while it runs and puts them back. Needs the debian image (`fusuma image
     build --kind debian`)."""
-    from fusuma.bench import density, report_density
-    from fusuma.bench.meta import write_result
     from fusuma.memshare.segments import SegmentManager
+    from fusuma_bench import density, report_density
+    from fusuma_bench.meta import write_result
 
     cfg = density.Config(
         budget_mib=budget_mib or (density.QUICK_BUDGET_MIB if quick
@@ -541,7 +542,7 @@ def report() -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
 def report_vmbeam_cmd(result_file: Path, out_dir: Path) -> None:
     """Write OUT_DIR/report.md and OUT_DIR/vmbeam.png from a `bench vmbeam` result file."""
-    from fusuma.bench import report_vmbeam
+    from fusuma_bench import report_vmbeam
 
     paths = report_vmbeam.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(p) for p in paths)}")
@@ -553,7 +554,7 @@ def report_vmbeam_cmd(result_file: Path, out_dir: Path) -> None:
 def report_maintain_cmd(result_file: Path, out_dir: Path) -> None:
     """Write OUT_DIR/report.md and OUT_DIR/maintain.png from a `bench maintain` result
     file."""
-    from fusuma.bench import report_maintain
+    from fusuma_bench import report_maintain
 
     paths = report_maintain.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(p) for p in paths)}")
@@ -564,7 +565,7 @@ def report_maintain_cmd(result_file: Path, out_dir: Path) -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
 def report_mint_cmd(result_file: Path, out_dir: Path) -> None:
     """Write OUT_DIR/report.md and OUT_DIR/mint-*.png from a `bench mint` result file."""
-    from fusuma.bench import mint_report
+    from fusuma_bench import mint_report
 
     paths = mint_report.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(p) for p in paths)}")
@@ -575,7 +576,7 @@ def report_mint_cmd(result_file: Path, out_dir: Path) -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
 def report_scheduler_cmd(result_file: Path, out_dir: Path) -> None:
     """Write OUT_DIR/report.md and OUT_DIR/scheduler.png from a `bench scheduler` file."""
-    from fusuma.bench import report_scheduler
+    from fusuma_bench import report_scheduler
 
     paths = report_scheduler.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(x) for x in paths)}")
@@ -586,7 +587,7 @@ def report_scheduler_cmd(result_file: Path, out_dir: Path) -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
 def report_dcss_cmd(result_file: Path, out_dir: Path) -> None:
     """Write OUT_DIR/report.md and OUT_DIR/dcss.png from a `bench dcss` result file."""
-    from fusuma.bench import report_dcss
+    from fusuma_bench import report_dcss
 
     paths = report_dcss.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(x) for x in paths)}")
@@ -597,7 +598,7 @@ def report_dcss_cmd(result_file: Path, out_dir: Path) -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
 def report_density_cmd(result_file: Path, out_dir: Path) -> None:
     """Write OUT_DIR/report.md and OUT_DIR/density.png from a `bench density` file."""
-    from fusuma.bench import report_density
+    from fusuma_bench import report_density
 
     paths = report_density.render(result_file, out_dir)
     click.echo(f"report: {', '.join(str(x) for x in paths)}")
@@ -637,8 +638,8 @@ def cluster_cmd(c: Ctx, hosts: int, vms: int, lease_seconds: int, qemu: str,
     \b
     Example:
       fusuma bench cluster --hosts 3 --vms 24 --json results/cluster.json"""
-    from fusuma.bench import cluster
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import cluster
+    from fusuma_bench.meta import write_result
 
     version: str | None = None if qemu == "system" else qemu
     if qemu == "auto":

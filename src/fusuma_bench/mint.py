@@ -42,16 +42,6 @@ from pathlib import Path
 from typing import Any
 
 from fusuma import guest
-from fusuma.bench.meta import meta
-from fusuma.bench.mint_probe import (
-    GUEST_DISK,
-    GUEST_PROBE,
-    TESTS,
-    ProbeError,
-    ProbeParams,
-    parse_output,
-    probe_argv,
-)
 from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, HostError, ResourceError
 from fusuma.host.accel import probe_accel
@@ -62,6 +52,16 @@ from fusuma.partition.manager import PartitionManager
 from fusuma.spec import DiskSpec, PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
+from fusuma_bench.meta import meta
+from fusuma_bench.mint_probe import (
+    GUEST_DISK,
+    GUEST_PROBE,
+    TESTS,
+    ProbeError,
+    ProbeParams,
+    parse_output,
+    probe_argv,
+)
 
 LOG = logging.getLogger(__name__)
 
