@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from fusuma.errors import ConflictError, FusumaError, ResourceError
-from fusuma_bench.meta import meta
+from fusuma_bench.report import meta
 
 if TYPE_CHECKING:
     from fusuma.partition.manager import PartitionManager

@@ -21,7 +21,7 @@ from fusuma.partition.manager import PartitionManager
 from fusuma.qemu.cmdline import overhead_mib
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.vm import VmManager
-from fusuma_bench.meta import meta
+from fusuma_bench.report import meta
 
 PARTITION = "bench-boot"
 

@@ -34,7 +34,7 @@ def boot_cmd(c: Ctx, n: int, runs: int, memory_mib: int, json_file: Path | None)
 
     Uses a scratch partition on the cores no partition holds, removed afterwards."""
     from fusuma_bench import boot
-    from fusuma_bench.meta import write_result
+    from fusuma_bench.report import write_result
 
     c.accel_notice("auto")
     data = boot.run(c.parts, c.vms, n, runs=runs, memory_mib=memory_mib, progress=progress)
@@ -81,7 +81,7 @@ def cli_cmd(c: Ctx, runs: int, n: int, memory_mib: int, revision: str | None,
     The commands run round-robin; Python's bytecode cache is on (in a scratch dir).
     See fusuma_bench/clitime.py for exactly what each number covers."""
     from fusuma_bench import clitime
-    from fusuma_bench.meta import write_result
+    from fusuma_bench.report import write_result
 
     if revision and n:
         raise click.UsageError("--revision times the empty-host commands only (an older "
@@ -143,7 +143,7 @@ def api_cmd(c: Ctx, n: int, json_file: Path | None) -> None:
     Example:
       fusuma bench api --vms 16 --json results/api.json"""
     from fusuma_bench import api
-    from fusuma_bench.meta import write_result
+    from fusuma_bench.report import write_result
 
     c.accel_notice("auto")
     data = api.run(c.parts, c.vms, n, progress=progress)
@@ -215,7 +215,7 @@ def vmbeam_cmd(c: Ctx, sizes: str | None, moves: int | None, quick: bool,
     Needs every core (two scratch partitions, removed afterwards), so no partition may
     exist."""
     from fusuma_bench import report_vmbeam, vmbeam
-    from fusuma_bench.meta import write_result
+    from fusuma_bench.report import write_result
 
     size_list = _sizes(sizes) or list(vmbeam.QUICK_SIZES if quick else vmbeam.DEFAULT_SIZES)
     n = moves or (vmbeam.QUICK_MOVES if quick else vmbeam.DEFAULT_MOVES)
@@ -265,7 +265,7 @@ def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
     Makes two scratch partitions on two cores no partition holds (removed
     afterwards)."""
     from fusuma_bench import maintain, report_maintain
-    from fusuma_bench.meta import write_result
+    from fusuma_bench.report import write_result
 
     counts = _counts(vms_opt) or list(maintain.DEFAULT_VMS)
     c.accel_notice("auto")
@@ -309,7 +309,7 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
     Needs every core (scratch partitions, VMs and disks, removed afterwards), so no
     partition may exist."""
     from fusuma_bench import mint, mint_report
-    from fusuma_bench.meta import write_result
+    from fusuma_bench.report import write_result
 
     c.accel_notice("auto")
     data = mint.run(c.parts, c.vms, quick=quick, disk_dir=disk_dir, progress=progress)
@@ -364,7 +364,7 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
     Needs both cores (scratch partitions, removed afterwards), so no partition may
     exist."""
     from fusuma_bench import report_scheduler, scheduler
-    from fusuma_bench.meta import write_result
+    from fusuma_bench.report import write_result
 
     cfg = scheduler.Config(
         dummies=scheduler.parse_counts(dummies) if dummies else list(
@@ -435,7 +435,7 @@ def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
     and ab (`apt-get install apache2-utils`)."""
     from fusuma.memshare.segments import SegmentManager
     from fusuma_bench import dcss, report_dcss
-    from fusuma_bench.meta import write_result
+    from fusuma_bench.report import write_result
 
     count_list = _counts(counts) or list(dcss.QUICK_COUNTS if quick else dcss.DEFAULT_COUNTS)
     mode_list = [m.strip() for m in modes.split(",")] if modes else list(dcss.MODES)
@@ -499,7 +499,7 @@ def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: i
     build --kind debian`)."""
     from fusuma.memshare.segments import SegmentManager
     from fusuma_bench import density, report_density
-    from fusuma_bench.meta import write_result
+    from fusuma_bench.report import write_result
 
     cfg = density.Config(
         budget_mib=budget_mib or (density.QUICK_BUDGET_MIB if quick
@@ -639,7 +639,7 @@ def cluster_cmd(c: Ctx, hosts: int, vms: int, lease_seconds: int, qemu: str,
     Example:
       fusuma bench cluster --hosts 3 --vms 24 --json results/cluster.json"""
     from fusuma_bench import cluster
-    from fusuma_bench.meta import write_result
+    from fusuma_bench.report import write_result
 
     version: str | None = None if qemu == "system" else qemu
     if qemu == "auto":

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusuma.errors import FusumaError, NotFoundError, ResourceError, SpecError
-from fusuma_bench.meta import meta
+from fusuma_bench.report import meta
 
 if TYPE_CHECKING:
     from fusuma.partition.manager import PartitionManager

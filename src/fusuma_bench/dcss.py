@@ -51,7 +51,7 @@ from fusuma.partition.manager import PartitionManager
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
-from fusuma_bench.meta import meta
+from fusuma_bench.report import meta
 
 LOG = logging.getLogger(__name__)
 

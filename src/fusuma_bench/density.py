@@ -64,7 +64,7 @@ from fusuma.spec import PartitionSpec
 from fusuma.vm import VmManager
 from fusuma_bench import httpload
 from fusuma_bench.dcss import PAPER as DCSS_PAPER
-from fusuma_bench.meta import meta
+from fusuma_bench.report import meta
 
 LOG = logging.getLogger(__name__)
 

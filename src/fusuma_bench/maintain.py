@@ -39,7 +39,7 @@ from fusuma.qemu import versions
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
-from fusuma_bench.meta import meta
+from fusuma_bench.report import meta
 
 LOG = logging.getLogger(__name__)
 

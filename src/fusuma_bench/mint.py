@@ -52,7 +52,6 @@ from fusuma.partition.manager import PartitionManager
 from fusuma.spec import DiskSpec, PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
-from fusuma_bench.meta import meta
 from fusuma_bench.mint_probe import (
     GUEST_DISK,
     GUEST_PROBE,
@@ -62,6 +61,7 @@ from fusuma_bench.mint_probe import (
     parse_output,
     probe_argv,
 )
+from fusuma_bench.report import meta
 
 LOG = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from fusuma.qemu import process
 from fusuma.spec import PartitionSpec, Qos, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
-from fusuma_bench.meta import meta
+from fusuma_bench.report import meta
 
 LOG = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from fusuma.paths import Paths
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
-from fusuma_bench.meta import meta
+from fusuma_bench.report import meta
 
 LOG = logging.getLogger(__name__)
 
