@@ -6,11 +6,41 @@ reports, matplotlib) when it runs, so that `fusuma bench --help` stays fast."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress
+from fusuma_bench.report import REPORTS, render_report
+
+
+def publish(data: dict[str, Any], json_file: Path | None, report_dir: Path | None,
+            name: str, summary: Callable[[dict[str, Any]], Iterable[str]],
+            inline: bool = False) -> None:
+    """What every benchmark command does with its result: print it (no --json, no
+    --report), or write the result file (DIR/NAME.json with only --report), print the
+    summary lines and where the file went (on the summary's last line with
+    ``inline``), then with --report render report NAME into DIR."""
+    from fusuma_bench.report import write_result
+
+    if json_file is None and report_dir is not None:
+        json_file = report_dir / f"{name}.json"
+    if json_file is None:
+        emit_json(data)
+        return
+    write_result(json_file, data)
+    lines = list(summary(data))
+    if inline:
+        lines[-1] += f"; written to {json_file}"
+    else:
+        lines.append(f"written to {json_file}")
+    for line in lines:
+        click.echo(line)
+    if report_dir is not None:
+        paths = render_report(name, json_file, report_dir)
+        click.echo(f"report: {', '.join(str(p) for p in paths)}")
 
 
 @click.group()
@@ -34,18 +64,16 @@ def boot_cmd(c: Ctx, n: int, runs: int, memory_mib: int, json_file: Path | None)
 
     Uses a scratch partition on the cores no partition holds, removed afterwards."""
     from fusuma_bench import boot
-    from fusuma_bench.report import write_result
 
     c.accel_notice("auto")
     data = boot.run(c.parts, c.vms, n, runs=runs, memory_mib=memory_mib, progress=progress)
-    if json_file is None:
-        emit_json(data)
-    else:
-        write_result(json_file, data)
+
+    def summary(data: dict[str, Any]) -> list[str]:
         s = data["summary"]
-        click.echo(f"boot to guest agent, {n} VM(s) x {runs} run(s): median "
-                   f"{s['median_boot_ms']} ms (min {s['min_boot_ms']}, max "
-                   f"{s['max_boot_ms']}); written to {json_file}")
+        return [f"boot to guest agent, {n} VM(s) x {runs} run(s): median "
+                f"{s['median_boot_ms']} ms (min {s['min_boot_ms']}, max {s['max_boot_ms']})"]
+
+    publish(data, json_file, None, "boot", summary, inline=True)
 
 
 @bench.command("cli")
@@ -81,7 +109,6 @@ def cli_cmd(c: Ctx, runs: int, n: int, memory_mib: int, revision: str | None,
     The commands run round-robin; Python's bytecode cache is on (in a scratch dir).
     See fusuma_bench/clitime.py for exactly what each number covers."""
     from fusuma_bench import clitime
-    from fusuma_bench.report import write_result
 
     if revision and n:
         raise click.UsageError("--revision times the empty-host commands only (an older "
@@ -89,22 +116,28 @@ def cli_cmd(c: Ctx, runs: int, n: int, memory_mib: int, revision: str | None,
     if n:
         c.accel_notice("auto")
     data = clitime.run(c.parts, c.vms, runs=runs, vms=n, memory_mib=memory_mib,
-                         revision=revision, progress=progress)
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
+                       revision=revision, progress=progress)
+    publish(data, json_file, None, "cli", _cli_summary)
+
+
+def _cli_summary(data: dict[str, Any]) -> Iterable[str]:
     for r in data["results"]:
-        click.echo(f"{r['metric']:24} median {r['median_ms']:7.1f} ms (min {r['min_ms']}, "
-                   f"max {r['max_ms']})  {r['command']}")
+        yield (f"{r['metric']:24} median {r['median_ms']:7.1f} ms (min {r['min_ms']}, "
+               f"max {r['max_ms']})  {r['command']}")
     own = data["summary"].get("migrate_startup_over_click_ms")
     if own is not None:
-        click.echo(f"{'migrate_startup_over_click_ms':24} {own:14.1f} ms  (migrate_startup_ms - "
-                   "python_click_ms: fusuma's own part)")
+        yield (f"{'migrate_startup_over_click_ms':24} {own:14.1f} ms  (migrate_startup_ms - "
+               "python_click_ms: fusuma's own part)")
+    yield from _targets(data, "median_ms")
+
+
+def _targets(data: dict[str, Any], key: str, ms: bool = True) -> Iterable[str]:
+    """The result's targets, one line each: met or not, and the measured value (KEY),
+    in milliseconds (target_ms) or as the result file gives them (target)."""
     for t in data["targets"]:
-        click.echo(f"target {t['metric']} <= {t['target_ms']:.0f} ms: "
-                   f"{'met' if t['met'] else 'NOT met'} ({t['median_ms']} ms)")
-    click.echo(f"written to {json_file}")
+        target, value = ((f"{t['target_ms']:.0f} ms", f"{t[key]} ms") if ms
+                         else (t["target"], t[key]))
+        yield f"target {t['metric']} <= {target}: {'met' if t['met'] else 'NOT met'} ({value})"
 
 
 @bench.command("api")
@@ -143,53 +176,46 @@ def api_cmd(c: Ctx, n: int, json_file: Path | None) -> None:
     Example:
       fusuma bench api --vms 16 --json results/api.json"""
     from fusuma_bench import api
-    from fusuma_bench.report import write_result
 
     c.accel_notice("auto")
     data = api.run(c.parts, c.vms, n, progress=progress)
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    s = data["summary"]
-    click.echo(f"GET /1.0/vms  p50 {s['get_vms_p50_ms']} ms, p99 {s['get_vms_p99_ms']} ms "
+
+    def summary(data: dict[str, Any]) -> Iterable[str]:
+        s = data["summary"]
+        yield (f"GET /1.0/vms  p50 {s['get_vms_p50_ms']} ms, p99 {s['get_vms_p99_ms']} ms "
                f"({n} VMs running)")
-    click.echo(f"GET /metrics  p50 {s['scrape_p50_ms']} ms, p99 {s['scrape_p99_ms']} ms")
-    for k in api.LOAD_CLIENTS:
-        click.echo(f"{k:3} clients   {s[f'rps_{k}_clients']} requests/s, p99 "
+        yield f"GET /metrics  p50 {s['scrape_p50_ms']} ms, p99 {s['scrape_p99_ms']} ms"
+        for k in api.LOAD_CLIENTS:
+            yield (f"{k:3} clients   {s[f'rps_{k}_clients']} requests/s, p99 "
                    f"{s[f'p99_ms_{k}_clients']} ms")
-    click.echo(f"move -> event median {s['event_after_move_ms_median']} ms after the "
+        yield (f"move -> event median {s['event_after_move_ms_median']} ms after the "
                f"move's timestamp, {s['event_after_op_end_ms_median']} ms after its "
                "operation ended")
-    for t in data["targets"]:
-        click.echo(f"target {t['metric']} <= {t['target_ms']:.0f} ms: "
-                   f"{'met' if t['met'] else 'NOT met'} ({t['value_ms']} ms)")
-    click.echo(f"written to {json_file}")
+        yield from _targets(data, "value_ms")
+
+    publish(data, json_file, None, "api", summary)
+
+
+def _ints(value: str | None, lo: int, hi: int | None, what: str) -> list[int] | None:
+    """A comma-separated list of integers in [lo, hi], or None without a value; a
+    BadParameter ending in WHAT ("a list of ..., e.g. ...") otherwise."""
+    if value is None:
+        return None
+    try:
+        ints = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        ints = []
+    if not ints or any(n < lo or (hi is not None and n > hi) for n in ints):
+        raise click.BadParameter(f"{value!r} is not {what}.")
+    return ints
 
 
 def _sizes(value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        sizes = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or any(s < 64 for s in sizes):
-        raise click.BadParameter(f"{value!r} is not a list of sizes in MiB (each >= 64), "
-                                 "e.g. 256,1024,4096.")
-    return sizes
+    return _ints(value, 64, None, "a list of sizes in MiB (each >= 64), e.g. 256,1024,4096")
 
 
 def _counts(value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        counts = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        counts = []
-    if not counts or any(n < 1 or n > 64 for n in counts):
-        raise click.BadParameter(f"{value!r} is not a list of VM counts (1-64), e.g. 1,2,4,8.")
-    return counts
+    return _ints(value, 1, 64, "a list of VM counts (1-64), e.g. 1,2,4,8")
 
 
 @bench.command("vmbeam")
@@ -214,28 +240,20 @@ def vmbeam_cmd(c: Ctx, sizes: str | None, moves: int | None, quick: bool,
 
     Needs every core (two scratch partitions, removed afterwards), so no partition may
     exist."""
-    from fusuma_bench import report_vmbeam, vmbeam
-    from fusuma_bench.report import write_result
+    from fusuma_bench import vmbeam
 
     size_list = _sizes(sizes) or list(vmbeam.QUICK_SIZES if quick else vmbeam.DEFAULT_SIZES)
     n = moves or (vmbeam.QUICK_MOVES if quick else vmbeam.DEFAULT_MOVES)
     c.accel_notice("auto")
     data = vmbeam.run(c.parts, c.vms, size_list, moves=n, progress=progress)
-    if json_file is None and report_dir is not None:
-        json_file = report_dir / "vmbeam.json"
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    for r in data["results"]:
-        click.echo(f"{r['mode']:9} {r['memory_mib']:6} MiB: total {r['total_ms']} ms, "
-                   f"downtime {r['downtime_ms']} ms, {r['bytes_sent']} bytes, "
-                   f"data intact {str(r['data_intact']).lower()}"
-                   + (f" ({r['error']})" if r.get("error") else ""))
-    click.echo(f"written to {json_file}")
-    if report_dir is not None:
-        paths = report_vmbeam.render(json_file, report_dir)
-        click.echo(f"report: {', '.join(str(p) for p in paths)}")
+    publish(data, json_file, report_dir, "vmbeam", lambda data: (
+        f"{r['mode']:9} {r['memory_mib']:6} MiB: total {r['total_ms']} ms, "
+        f"downtime {r['downtime_ms']} ms, {r['bytes_sent']} bytes, "
+        f"data intact {str(r['data_intact']).lower()}{_error(r)}" for r in data["results"]))
+
+
+def _error(r: dict[str, Any]) -> str:
+    return f" ({r['error']})" if r.get("error") else ""
 
 
 @bench.command("maintain")
@@ -264,28 +282,16 @@ def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
 
     Makes two scratch partitions on two cores no partition holds (removed
     afterwards)."""
-    from fusuma_bench import maintain, report_maintain
-    from fusuma_bench.report import write_result
+    from fusuma_bench import maintain
 
     counts = _counts(vms_opt) or list(maintain.DEFAULT_VMS)
     c.accel_notice("auto")
     data = maintain.run(c.parts, c.vms, counts, source, target, in_place,
                         progress=progress)
-    if json_file is None and report_dir is not None:
-        json_file = report_dir / "maintain.json"
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    for r in data["results"]:
-        click.echo(f"{r['method']:12} x{r['vms']:<3} {r['from_qemu']} -> {r['to_qemu']}: "
-                   f"maintain {r['maintain_s']} s, downtime max {r['downtime_ms_max']} ms, "
-                   f"data intact {str(r['data_intact']).lower()}"
-                   + (f" ({r['error']})" if r.get("error") else ""))
-    click.echo(f"written to {json_file}")
-    if report_dir is not None:
-        paths = report_maintain.render(json_file, report_dir)
-        click.echo(f"report: {', '.join(str(p) for p in paths)}")
+    publish(data, json_file, report_dir, "maintain", lambda data: (
+        f"{r['method']:12} x{r['vms']:<3} {r['from_qemu']} -> {r['to_qemu']}: "
+        f"maintain {r['maintain_s']} s, downtime max {r['downtime_ms_max']} ms, "
+        f"data intact {str(r['data_intact']).lower()}{_error(r)}" for r in data["results"]))
 
 
 @bench.command("mint")
@@ -308,22 +314,12 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
 
     Needs every core (scratch partitions, VMs and disks, removed afterwards), so no
     partition may exist."""
-    from fusuma_bench import mint, mint_report
-    from fusuma_bench.report import write_result
+    from fusuma_bench import mint
 
     c.accel_notice("auto")
     data = mint.run(c.parts, c.vms, quick=quick, disk_dir=disk_dir, progress=progress)
-    if json_file is None and report_dir is not None:
-        json_file = report_dir / "mint.json"
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    click.echo(f"{len(data['results'])} results in {data['meta']['duration_s']} s; "
-               f"written to {json_file}")
-    if report_dir is not None:
-        paths = mint_report.render(json_file, report_dir)
-        click.echo(f"report: {', '.join(str(p) for p in paths)}")
+    publish(data, json_file, report_dir, "mint", lambda data: [
+        f"{len(data['results'])} results in {data['meta']['duration_s']} s"], inline=True)
 
 
 @bench.command("scheduler")
@@ -363,8 +359,7 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
 
     Needs both cores (scratch partitions, removed afterwards), so no partition may
     exist."""
-    from fusuma_bench import report_scheduler, scheduler
-    from fusuma_bench.report import write_result
+    from fusuma_bench import scheduler
 
     cfg = scheduler.Config(
         dummies=scheduler.parse_counts(dummies) if dummies else list(
@@ -380,25 +375,17 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
     run = scheduler.Bench(c.parts, c.vms, cfg, progress)
     run.check_host()          # a refusal is the only line printed
     c.accel_notice("auto")
-    data = run.run()
-    if json_file is None and report_dir is not None:
-        json_file = report_dir / "scheduler.json"
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
+    publish(run.run(), json_file, report_dir, "scheduler", _scheduler_summary)
+
+
+def _scheduler_summary(data: dict[str, Any]) -> Iterable[str]:
     for r in data["results"]:
-        click.echo(f"{r['policy']:9} {r['dummies']:2} {r['dummy_load']:4} dummies: index "
-                   f"{r['index']:6.1f}")
+        yield (f"{r['policy']:9} {r['dummies']:2} {r['dummy_load']:4} dummies: index "
+               f"{r['index']:6.1f}")
     for p in data["dummy_progress"]:
-        click.echo(f"{p['policy']:9} {p['dummies']:2} cpu  dummies, target idle: "
-                   f"{p['progressing']}/{p['dummies']} progressing "
-                   f"({p.get('read', p['dummies'])} read), "
-                   f"{p['iterations_per_s']} iterations/s")
-    click.echo(f"written to {json_file}")
-    if report_dir is not None:
-        paths = report_scheduler.render(json_file, report_dir)
-        click.echo(f"report: {', '.join(str(x) for x in paths)}")
+        yield (f"{p['policy']:9} {p['dummies']:2} cpu  dummies, target idle: "
+               f"{p['progressing']}/{p['dummies']} progressing "
+               f"({p.get('read', p['dummies'])} read), {p['iterations_per_s']} iterations/s")
 
 
 @bench.command("dcss")
@@ -434,8 +421,7 @@ def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
     them back afterwards. Needs the debian image (`fusuma image build --kind debian`)
     and ab (`apt-get install apache2-utils`)."""
     from fusuma.memshare.segments import SegmentManager
-    from fusuma_bench import dcss, report_dcss
-    from fusuma_bench.report import write_result
+    from fusuma_bench import dcss
 
     count_list = _counts(counts) or list(dcss.QUICK_COUNTS if quick else dcss.DEFAULT_COUNTS)
     mode_list = [m.strip() for m in modes.split(",")] if modes else list(dcss.MODES)
@@ -446,19 +432,10 @@ def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
                     load_list, memory_mib=memory_mib, requests=n_req,
                     ab_runs=ab_runs or (dcss.QUICK_AB_RUNS if quick else dcss.AB_RUNS),
                     progress=progress)
-    if json_file is None and report_dir is not None:
-        json_file = report_dir / "dcss.json"
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    for r in data["summary"]:
-        click.echo(f"{r['load']:7} {r['mode']:11}: {r['slope_pss_mib']} MiB per added VM, "
-                   f"saving {r['saving_pss_pct']}%, requests/s {r['requests_per_s']}")
-    click.echo(f"written to {json_file}")
-    if report_dir is not None:
-        paths = report_dcss.render(json_file, report_dir)
-        click.echo(f"report: {', '.join(str(x) for x in paths)}")
+    publish(data, json_file, report_dir, "dcss", lambda data: (
+        f"{r['load']:7} {r['mode']:11}: {r['slope_pss_mib']} MiB per added VM, "
+        f"saving {r['saving_pss_pct']}%, requests/s {r['requests_per_s']}"
+        for r in data["summary"]))
 
 
 @bench.command("density")
@@ -499,7 +476,6 @@ def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: i
     build --kind debian`)."""
     from fusuma.memshare.segments import SegmentManager
     from fusuma_bench import density, report_density
-    from fusuma_bench.report import write_result
 
     cfg = density.Config(
         budget_mib=budget_mib or (density.QUICK_BUDGET_MIB if quick
@@ -512,24 +488,17 @@ def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: i
                         progress=progress)
     run.check_host()          # a refusal is the only line printed
     c.accel_notice("auto")
-    data = run.run()
-    if json_file is None and report_dir is not None:
-        json_file = report_dir / "density.json"
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    for r in data["results"]:
-        click.echo(f"{r['mode']:12} {r['vms']:3} VMs ({r['stop']}), "
+
+    def summary(data: dict[str, Any]) -> Iterable[str]:
+        for r in data["results"]:
+            yield (f"{r['mode']:12} {r['vms']:3} VMs ({r['stop']}), "
                    f"{r['per_vm_mib']} MiB per added VM, saving {r['saving_pct']}%, "
                    f"start {r['start_ms_median']} ms, {r['requests_per_s']} requests/s"
                    + (f"; {r['note']}" if r["note"] else ""))
-    for target, measured, verdict in report_density.targets(data):
-        click.echo(f"target {target}: {verdict} ({measured})")
-    click.echo(f"written to {json_file}")
-    if report_dir is not None:
-        paths = report_density.render(json_file, report_dir)
-        click.echo(f"report: {', '.join(str(x) for x in paths)}")
+        for target, measured, verdict in report_density.targets(data):
+            yield f"target {target}: {verdict} ({measured})"
+
+    publish(run.run(), json_file, report_dir, "density", summary)
 
 
 @bench.group("report")
@@ -537,71 +506,22 @@ def report() -> None:
     """Render a report from an existing result file."""
 
 
-@report.command("vmbeam")
-@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def report_vmbeam_cmd(result_file: Path, out_dir: Path) -> None:
-    """Write OUT_DIR/report.md and OUT_DIR/vmbeam.png from a `bench vmbeam` result file."""
-    from fusuma_bench import report_vmbeam
+def _report_command(name: str) -> click.Command:
+    """`bench report NAME RESULT_FILE OUT_DIR` for REPORTS[name]."""
 
-    paths = report_vmbeam.render(result_file, out_dir)
-    click.echo(f"report: {', '.join(str(p) for p in paths)}")
+    @report.command(name, help=REPORTS[name].help)
+    @click.argument("result_file", type=click.Path(path_type=Path, exists=True,
+                                                   dir_okay=False))
+    @click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
+    def command(result_file: Path, out_dir: Path) -> None:
+        paths = render_report(name, result_file, out_dir)
+        click.echo(f"report: {', '.join(str(p) for p in paths)}")
 
-
-@report.command("maintain")
-@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def report_maintain_cmd(result_file: Path, out_dir: Path) -> None:
-    """Write OUT_DIR/report.md and OUT_DIR/maintain.png from a `bench maintain` result
-    file."""
-    from fusuma_bench import report_maintain
-
-    paths = report_maintain.render(result_file, out_dir)
-    click.echo(f"report: {', '.join(str(p) for p in paths)}")
+    return command
 
 
-@report.command("mint")
-@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def report_mint_cmd(result_file: Path, out_dir: Path) -> None:
-    """Write OUT_DIR/report.md and OUT_DIR/mint-*.png from a `bench mint` result file."""
-    from fusuma_bench import mint_report
-
-    paths = mint_report.render(result_file, out_dir)
-    click.echo(f"report: {', '.join(str(p) for p in paths)}")
-
-
-@report.command("scheduler")
-@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def report_scheduler_cmd(result_file: Path, out_dir: Path) -> None:
-    """Write OUT_DIR/report.md and OUT_DIR/scheduler.png from a `bench scheduler` file."""
-    from fusuma_bench import report_scheduler
-
-    paths = report_scheduler.render(result_file, out_dir)
-    click.echo(f"report: {', '.join(str(x) for x in paths)}")
-
-
-@report.command("dcss")
-@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def report_dcss_cmd(result_file: Path, out_dir: Path) -> None:
-    """Write OUT_DIR/report.md and OUT_DIR/dcss.png from a `bench dcss` result file."""
-    from fusuma_bench import report_dcss
-
-    paths = report_dcss.render(result_file, out_dir)
-    click.echo(f"report: {', '.join(str(x) for x in paths)}")
-
-
-@report.command("density")
-@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def report_density_cmd(result_file: Path, out_dir: Path) -> None:
-    """Write OUT_DIR/report.md and OUT_DIR/density.png from a `bench density` file."""
-    from fusuma_bench import report_density
-
-    paths = report_density.render(result_file, out_dir)
-    click.echo(f"report: {', '.join(str(x) for x in paths)}")
+for _name in REPORTS:
+    _report_command(_name)
 
 
 @bench.command("cluster")
@@ -639,7 +559,6 @@ def cluster_cmd(c: Ctx, hosts: int, vms: int, lease_seconds: int, qemu: str,
     Example:
       fusuma bench cluster --hosts 3 --vms 24 --json results/cluster.json"""
     from fusuma_bench import cluster
-    from fusuma_bench.report import write_result
 
     version: str | None = None if qemu == "system" else qemu
     if qemu == "auto":
@@ -647,13 +566,6 @@ def cluster_cmd(c: Ctx, hosts: int, vms: int, lease_seconds: int, qemu: str,
 
         version = "10.0" if versions.resolve_unpacked(c.paths, "10.0") else None
     data = cluster.run(hosts, vms, lease_seconds, version, progress=progress)
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    for k, v in data["summary"].items():
-        click.echo(f"{k:36} {v}")
-    for t in data["targets"]:
-        click.echo(f"target {t['metric']} <= {t['target']}: "
-                   f"{'met' if t['met'] else 'NOT met'} ({t['value']})")
-    click.echo(f"written to {json_file}")
+    publish(data, json_file, None, "cluster", lambda data: [
+        *(f"{k:36} {v}" for k, v in data["summary"].items()),
+        *_targets(data, "value", ms=False)])

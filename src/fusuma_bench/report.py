@@ -10,6 +10,7 @@ only when a plot is drawn.
 from __future__ import annotations
 
 import datetime as dt
+import importlib
 import json
 import os
 import platform
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 from fusuma import __version__
 from fusuma.errors import SpecError
@@ -104,6 +105,37 @@ def load_result(path: Path, benchmark: str, parse: Callable[[dict[str, Any]], T]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SpecError(f"{path} is not a `fusuma bench {benchmark}` result file ({exc}); "
                         f"make one with `fusuma bench {benchmark} --json FILE`.") from exc
+
+
+class Report(NamedTuple):
+    """A report made from one benchmark's result file: the module with its
+    ``load(path)`` and ``render(result_file, out_dir) -> paths``, and the help of its
+    `bench report NAME` command."""
+
+    module: str
+    help: str
+
+
+REPORTS: dict[str, Report] = {
+    "vmbeam": Report("fusuma_bench.report_vmbeam", "Write OUT_DIR/report.md and "
+                     "OUT_DIR/vmbeam.png from a `bench vmbeam` result file."),
+    "maintain": Report("fusuma_bench.report_maintain", "Write OUT_DIR/report.md and "
+                       "OUT_DIR/maintain.png from a `bench maintain` result file."),
+    "mint": Report("fusuma_bench.mint_report", "Write OUT_DIR/report.md and "
+                   "OUT_DIR/mint-*.png from a `bench mint` result file."),
+    "scheduler": Report("fusuma_bench.report_scheduler", "Write OUT_DIR/report.md and "
+                        "OUT_DIR/scheduler.png from a `bench scheduler` file."),
+    "dcss": Report("fusuma_bench.report_dcss", "Write OUT_DIR/report.md and "
+                   "OUT_DIR/dcss.png from a `bench dcss` result file."),
+    "density": Report("fusuma_bench.report_density", "Write OUT_DIR/report.md and "
+                      "OUT_DIR/density.png from a `bench density` file."),
+}
+
+
+def render_report(name: str, result_file: Path, out_dir: Path) -> list[Path]:
+    """Render report NAME from ``result_file`` into ``out_dir``; the files written."""
+    module = importlib.import_module(REPORTS[name].module)
+    return cast(list[Path], module.render(result_file, out_dir))
 
 
 # -- report directories ----------------------------------------------------------------

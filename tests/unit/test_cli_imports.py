@@ -32,7 +32,7 @@ READ_ONLY = (*HEAVY, "pydantic", "fusuma.spec", "fusuma_bench", "fusuma.images",
              "fusuma.partition.supervisor", "fusuma.partition.manager", "qemu", "asyncio")
 # `fusuma --help` lists the commands packages add, from their own help: it imports
 # their command modules (`bench`'s group), and nothing of the benchmarks behind them.
-LISTED = ("fusuma_bench", "fusuma_bench.cli")
+LISTED = ("fusuma_bench", "fusuma_bench.cli", "fusuma_bench.report")
 
 PROBE = """
 import json, sys

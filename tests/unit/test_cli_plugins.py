@@ -117,3 +117,40 @@ def test_without_the_package_bench_is_no_command(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(cli_main, "plugin_commands", lambda: {})
     res = CliRunner().invoke(cli_main.cli, ["bench", "--help"])
     assert res.exit_code == 2 and "No such command 'bench'" in res.output
+
+
+# -- the generic `bench report NAME` ---------------------------------------------------
+def test_every_report_has_its_command() -> None:
+    from fusuma_bench.cli import bench
+    from fusuma_bench.report import REPORTS
+
+    res = CliRunner().invoke(bench, ["report", "--help"])
+    assert res.exit_code == 0
+    for name in REPORTS:
+        assert f"  {name} " in res.output
+    assert set(REPORTS) == {"vmbeam", "maintain", "mint", "scheduler", "dcss", "density"}
+
+
+@pytest.mark.parametrize("name, pngs", [
+    ("vmbeam", ["vmbeam.png"]), ("maintain", ["maintain.png"]),
+    ("mint", ["mint-register.png", "mint-copy.png", "mint-io.png"]),
+    ("scheduler", ["scheduler.png"]), ("dcss", ["dcss.png"]), ("density", ["density.png"]),
+])
+def test_report_command_renders_a_result_file(tmp_path: Path, name: str,
+                                              pngs: list[str]) -> None:
+    from fusuma_bench.cli import bench
+
+    out = tmp_path / "out"
+    res = CliRunner().invoke(bench, ["report", name, str(RESULTS / f"{name}.json"), str(out)])
+    assert res.exit_code == 0, res.output
+    paths = [out / "report.md", *(out / p for p in pngs)]
+    assert res.output == f"report: {', '.join(str(p) for p in paths)}\n"
+    assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_report_command_refuses_another_benchmarks_file(tmp_path: Path) -> None:
+    from fusuma_bench.report import render_report
+
+    with pytest.raises(Exception, match=r"not a `fusuma bench maintain` result file .*"
+                                        r"its benchmark is 'vmbeam'"):
+        render_report("maintain", RESULTS / "vmbeam.json", tmp_path)
