@@ -359,7 +359,7 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
 
     Needs both cores (scratch partitions, removed afterwards), so no partition may
     exist."""
-    from fusuma_bench import scheduler
+    from fusuma_bench import scheduler, scheduler_run
 
     cfg = scheduler.Config(
         dummies=scheduler.parse_counts(dummies) if dummies else list(
@@ -372,7 +372,7 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
         progress_s=scheduler.QUICK_TEST_S if quick else scheduler.PROGRESS_S,
         runs=runs or (scheduler.QUICK_RUNS if quick else scheduler.RUNS),
         target_emulator=target_emulator)
-    run = scheduler.Bench(c.parts, c.vms, cfg, progress)
+    run = scheduler_run.Bench(c.parts, c.vms, cfg, progress)
     run.check_host()          # a refusal is the only line printed
     c.accel_notice("auto")
     publish(run.run(), json_file, report_dir, "scheduler", _scheduler_summary)
@@ -475,7 +475,7 @@ def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: i
     settings while it runs and puts them back. Needs the debian image (`fusuma image
     build --kind debian`)."""
     from fusuma.memshare.segments import SegmentManager
-    from fusuma_bench import density, report_density
+    from fusuma_bench import density, density_run, report_density
 
     cfg = density.Config(
         budget_mib=budget_mib or (density.QUICK_BUDGET_MIB if quick
@@ -484,7 +484,7 @@ def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: i
         requests=requests or (density.QUICK_REQUESTS if quick else density.DEFAULT_REQUESTS),
         max_vms=max_vms, qemu=qemu, quick=quick,
         loop_deadline_s=density.QUICK_LOOP_DEADLINE_S if quick else density.LOOP_DEADLINE_S)
-    run = density.Bench(c.parts, c.vms, SegmentManager(c.paths, c.db), cfg,
+    run = density_run.Bench(c.parts, c.vms, SegmentManager(c.paths, c.db), cfg,
                         progress=progress)
     run.check_host()          # a refusal is the only line printed
     c.accel_notice("auto")

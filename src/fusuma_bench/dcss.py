@@ -36,7 +36,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
@@ -430,10 +429,3 @@ def _cleanup(parts: PartitionManager, segs: SegmentManager, progress: Progress) 
             segs.delete(SEGMENT)
         except FusumaError as exc:
             progress(f"cleanup of segment {SEGMENT} failed: {exc}")
-
-
-def load_result(path: Path) -> dict[str, Any]:
-    import json
-
-    data: dict[str, Any] = json.loads(path.read_text())
-    return data
