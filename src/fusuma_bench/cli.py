@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress
 from fusuma_bench.report import REPORTS, render_report
+
+FC = TypeVar("FC", bound=Callable[..., Any])
 
 
 def publish(data: dict[str, Any], json_file: Path | None, report_dir: Path | None,
@@ -49,6 +51,20 @@ def bench() -> None:
     (git revision, date, host, accelerator) and metric names that carry units."""
 
 
+def _json_option(report: str | None = None) -> Callable[[FC], FC]:
+    """--json FILE; with a REPORT, its default under --report DIR is DIR/REPORT.json."""
+    default = "print it" if report is None else f"print it, or DIR/{report}.json with --report"
+    return click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
+                        help=f"Write the result file here (default: {default}).")
+
+
+def _report_option(plots: str, from_file: bool = True) -> Callable[[FC], FC]:
+    """--report DIR: render report.md and PLOTS there after the run."""
+    return click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
+                        help=f"After the run, render DIR/report.md and DIR/{plots}"
+                             + (" from the result file." if from_file else "."))
+
+
 @bench.command("boot")
 @click.option("--vms", "n", type=click.IntRange(1, 64), default=1, show_default=True,
               help="VMs started together.")
@@ -56,8 +72,7 @@ def bench() -> None:
               help="Repetitions; the summary is the median over all VMs and runs.")
 @click.option("--memory", "memory_mib", type=click.IntRange(64, 65536), default=256,
               show_default=True, help="Guest RAM of each VM, MiB.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it).")
+@_json_option()
 @pass_ctx
 def boot_cmd(c: Ctx, n: int, runs: int, memory_mib: int, json_file: Path | None) -> None:
     """Time from `vm start` to the guest agent answering, N VMs started together.
@@ -88,8 +103,7 @@ def boot_cmd(c: Ctx, n: int, runs: int, memory_mib: int, json_file: Path | None)
               help="Time the fusuma of git revision REV of this checkout (its src/, "
                    "extracted to a scratch dir) instead of this one, e.g. to compare "
                    "with an older revision.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it).")
+@_json_option()
 @pass_ctx
 def cli_cmd(c: Ctx, runs: int, n: int, memory_mib: int, revision: str | None,
             json_file: Path | None) -> None:
@@ -143,8 +157,7 @@ def _targets(data: dict[str, Any], key: str, ms: bool = True) -> Iterable[str]:
 @bench.command("api")
 @click.option("--vms", "n", type=click.IntRange(2, 64), default=16, show_default=True,
               help="Running VMs (128 MiB each) while the API is measured.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it).")
+@_json_option()
 @pass_ctx
 def api_cmd(c: Ctx, n: int, json_file: Path | None) -> None:
     """Latency and throughput of `fusuma serve` with N running VMs.
@@ -226,12 +239,8 @@ def _counts(value: str | None) -> list[int] | None:
               help="Moves per (mode, size); figures are their median  [default: 5; with "
                    "--quick 2].")
 @click.option("--quick", is_flag=True, help="Fewer sizes and moves (a few minutes).")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it, or DIR/vmbeam.json "
-                   "with --report).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="After the run, render DIR/report.md and DIR/vmbeam.png from the "
-                   "result file.")
+@_json_option("vmbeam")
+@_report_option("vmbeam.png")
 @pass_ctx
 def vmbeam_cmd(c: Ctx, sizes: str | None, moves: int | None, quick: bool,
                json_file: Path | None, report_dir: Path | None) -> None:
@@ -267,12 +276,8 @@ def _error(r: dict[str, Any]) -> str:
 @click.option("--in-place", "in_place", is_flag=True,
               help="Then also `maintain --in-place` (cpr-transfer, --to -> --to) on the "
                    "same VMs, and compare.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it, or DIR/maintain.json "
-                   "with --report).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="After the run, render DIR/report.md and DIR/maintain.png from the "
-                   "result file.")
+@_json_option("maintain")
+@_report_option("maintain.png")
 @pass_ctx
 def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
                  json_file: Path | None, report_dir: Path | None) -> None:
@@ -297,12 +302,8 @@ def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
 @bench.command("mint")
 @click.option("--quick", is_flag=True, help="Smaller loop counts and 256 MiB guests "
               "(a few minutes).")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it, or DIR/mint.json "
-                   "with --report).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="After the run, render DIR/report.md and DIR/mint-*.png from the "
-                   "result file.")
+@_json_option("mint")
+@_report_option("mint-*.png")
 @click.option("--disk-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Where the two scratch disk files go  [default: FUSUMA_HOME/bench-mint].")
 @pass_ctx
@@ -342,12 +343,8 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
               help="The target VM's emulator threads: shared, isolated (a core of its "
                    "partition with no guaranteed vCPU; policies whose layout has none are "
                    "skipped, saying why) or a core list.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it, or DIR/scheduler.json "
-                   "with --report).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="After the run, render DIR/report.md and DIR/scheduler.png from the "
-                   "result file.")
+@_json_option("scheduler")
+@_report_option("scheduler.png")
 @pass_ctx
 def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str | None,
                   test_seconds: float | None, runs: int | None, quick: bool,
@@ -403,11 +400,8 @@ def _scheduler_summary(data: dict[str, Any]) -> Iterable[str]:
               help="ab runs per VM; its requests/s is their median  [default: 3; with "
                    "--quick 1].")
 @click.option("--quick", is_flag=True, help="VM counts 1,2 and fewer requests.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it, or DIR/dcss.json "
-                   "with --report).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="After the run, render DIR/report.md and DIR/dcss.png.")
+@_json_option("dcss")
+@_report_option("dcss.png", from_file=False)
 @pass_ctx
 def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
              memory_mib: int, requests: int | None, ab_runs: int | None, quick: bool,
@@ -455,11 +449,8 @@ def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
               help="QEMU of every mode's partition: auto (10.0 when installed: template "
                    "clones need it), system, or a version.")
 @click.option("--quick", is_flag=True, help="A 1536 MiB budget and fewer requests.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it, or DIR/density.json "
-                   "with --report).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="After the run, render DIR/report.md and DIR/density.png.")
+@_json_option("density")
+@_report_option("density.png", from_file=False)
 @pass_ctx
 def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: int,
                 requests: int | None, max_vms: int, qemu: str, quick: bool,
@@ -535,8 +526,7 @@ for _name in REPORTS:
               help="QEMU of the partitions: a version (10.0), `system`, or auto (10.0 "
                    "when `fusuma qemu install 10.0` installed it: live copy between hosts "
                    "under TCG needs QEMU >= 9.0).")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it).")
+@_json_option()
 @pass_ctx
 def cluster_cmd(c: Ctx, hosts: int, vms: int, lease_seconds: int, qemu: str,
                 json_file: Path | None) -> None:
