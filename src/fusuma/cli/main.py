@@ -135,7 +135,8 @@ class LazyGroup(click.Group):
         return load_command(cmd_name)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        """Like click's listing, but from the summaries: imports nothing."""
+        """Like click's listing, but from the summaries: imports no built-in command (a
+        package's command is loaded for the summary in its own help)."""
         names = self.list_commands(ctx)
         if not names:
             return
