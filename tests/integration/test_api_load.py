@@ -31,7 +31,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fusuma.bench.api import load, summarize_ms
+from fusuma_bench.api import load, summarize_ms
 from tests.apikit import Api
 from tests.conftest import REPO, Host
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fusuma.bench import dcss, report_dcss
 from fusuma.memshare.smaps import parse_smaps
+from fusuma_bench import dcss, report_dcss
 
 AB = """Server Software:        Apache/2.4.62
 Complete requests:      2000

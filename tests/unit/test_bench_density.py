@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from fusuma.bench import density, report_density
 from fusuma.errors import ResourceError, SpecError
+from fusuma_bench import density, density_run, report_density
 
 
 def test_modes_are_checked_and_keep_their_order() -> None:
@@ -128,10 +128,10 @@ class FakeDb:
         return None
 
 
-def bench(budget: int) -> density.Bench:
+def bench(budget: int) -> density_run.Bench:
     parts = SimpleNamespace(paths=SimpleNamespace(as_env=lambda: {}), db=FakeDb())
     cfg = density.Config(budget_mib=budget, modes=("none", "segment"))
-    return density.Bench(parts, None, None, cfg)  # type: ignore[arg-type]
+    return density_run.Bench(parts, None, None, cfg)  # type: ignore[arg-type]
 
 
 def test_the_first_mode_below_one_vm_ends_the_run_later_ones_say_it(

@@ -12,16 +12,16 @@ from typing import Any
 import pytest
 
 from fusuma import guest
-from fusuma.bench import mint, mint_report
-from fusuma.bench.mint_probe import (
+from fusuma.errors import ImageError, SpecError
+from fusuma.images import builder
+from fusuma_bench import mint, mint_report
+from fusuma_bench.mint_probe import (
     ProbeError,
     ProbeParams,
     parse_line,
     parse_output,
     probe_argv,
 )
-from fusuma.errors import ImageError, SpecError
-from fusuma.images import builder
 
 PARAMS = ProbeParams(reps=3, m=1000, n=5, l=2, sizes_kib=(256, 1024))
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from fusuma.bench import report_scheduler, scheduler
 from fusuma.errors import GuestAgentError, SpecError
+from fusuma_bench import report_scheduler, scheduler, scheduler_run
 
 OUTPUT = """cpu 600 301
 syscall 40000 300
@@ -201,10 +201,10 @@ class _FakeVms:
 def test_dummy_progress_retries_and_names_unread_counters(
         monkeypatch: pytest.MonkeyPatch, empty: dict[str, int], read: int,
         unread: list[str]) -> None:
-    monkeypatch.setattr(scheduler.time, "sleep", lambda s: None)
+    monkeypatch.setattr(scheduler_run.time, "sleep", lambda s: None)
     names = ["d0", "d1", "d2"]
     cfg = scheduler.Config(dummies=[3], policies=["governor"], loads=["cpu"], test_s=1.0)
-    bench = scheduler.Bench.__new__(scheduler.Bench)
+    bench = scheduler_run.Bench.__new__(scheduler_run.Bench)
     bench.vms, bench.cfg, bench.say = _FakeVms(names, empty), cfg, lambda s: None
     bench.running, bench.dummy_progress = names, []
     bench.measure_progress("governor", 3)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from fusuma.bench import report_maintain
 from fusuma.migration import MigrationResult
 from fusuma.migration.cpr import in_place_side
 from fusuma.migration.inplace import has_cpr
@@ -17,6 +16,7 @@ from fusuma.qemu.cmdline import VmConfig, build_argv, cpr_channel
 from fusuma.qemu.instance import Role
 from fusuma.qemu.versions import Qemu, features_for
 from fusuma.state import Job, JobOwner, VmRecord
+from fusuma_bench import report_maintain
 
 
 def cfg(**kw: object) -> VmConfig:

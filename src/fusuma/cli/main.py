@@ -5,16 +5,26 @@ one-line summary, so `fusuma ps` imports only what `ps` runs and `fusuma --help`
 every command without importing any of them (tests/unit/test_cli_imports.py checks that
 each summary still equals the command's own short help, and that no command pulls in
 the benchmarks, matplotlib or a server/cluster library it does not use).
+
+Other installed packages add commands through the `fusuma.commands` entry point group
+(`fusuma bench` is the fusuma_bench package's). The entry points are read only for a
+name that is not built in and for the `--help` listing, so a built-in command never
+pays for the scan, and the runtime never imports those packages itself.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 from fusuma import __version__
 from fusuma.errors import FusumaError
@@ -25,9 +35,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("fusuma.cli.cluster:agent",
               "Run this host's fusuma agent: register it, reconcile the cluster's objects "
               "here."),
-    "bench": ("fusuma.cli.bench:bench",
-              "Run benchmarks; each writes a JSON result file with a `meta` block (git "
-              "revision, date, host, accelerator) and metric names that carry units."),
     "cluster": ("fusuma.cli.cluster:cluster",
                 "fusuma on Kubernetes: the CRDs and RBAC the agents need."),
     "disk": ("fusuma.cli.disk:disk",
@@ -77,6 +84,9 @@ Start with `fusuma up` (a default layout for this host) and `fusuma ps`.
 """
 
 
+PLUGIN_GROUP = "fusuma.commands"
+
+
 def load_command(name: str) -> click.Command:
     """Import the module that defines command NAME and return the command."""
     module, _, attr = COMMANDS[name][0].partition(":")
@@ -86,21 +96,47 @@ def load_command(name: str) -> click.Command:
     return cmd
 
 
+@functools.cache
+def plugin_commands() -> dict[str, EntryPoint]:
+    """The commands other installed packages add (entry point group PLUGIN_GROUP), by
+    name; a built-in name wins, and of two packages with one name the first found."""
+    from importlib.metadata import entry_points
+
+    found: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=PLUGIN_GROUP):
+        if ep.name not in COMMANDS:
+            found.setdefault(ep.name, ep)
+    return found
+
+
+def load_plugin(name: str) -> click.Command | None:
+    """Command NAME from an installed package, or None if no package adds one."""
+    ep = plugin_commands().get(name)
+    if ep is None:
+        return None
+    cmd = ep.load()
+    if not isinstance(cmd, click.Command):
+        raise TypeError(f"entry point {name} = {ep.value} is not a click command")
+    return cmd
+
+
 class LazyGroup(click.Group):
-    """A group whose subcommands (from COMMANDS) are imported only when run."""
+    """A group whose subcommands (from COMMANDS, then the entry points) are imported
+    only when run."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*COMMANDS, *self.commands})
+        return sorted({*COMMANDS, *self.commands, *plugin_commands()})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in self.commands:
             return self.commands[cmd_name]
         if cmd_name not in COMMANDS:
-            return None
+            return load_plugin(cmd_name)
         return load_command(cmd_name)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        """Like click's listing, but from the summaries: imports nothing."""
+        """Like click's listing, but from the summaries: imports no built-in command (a
+        package's command is loaded for the summary in its own help)."""
         names = self.list_commands(ctx)
         if not names:
             return
@@ -109,6 +145,10 @@ class LazyGroup(click.Group):
         for name in names:
             if name in self.commands:
                 short = self.commands[name].get_short_help_str(limit)
+            elif name not in COMMANDS:
+                # A package's command: its summary is in its own help.
+                cmd = load_plugin(name)
+                short = cmd.get_short_help_str(limit) if cmd else ""
             else:
                 # A stand-in with the summary as its help: click's own shortening.
                 short = click.Command(name, help=COMMANDS[name][1]).get_short_help_str(limit)

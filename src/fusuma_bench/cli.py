@@ -1,21 +1,68 @@
-"""`fusuma bench ...`: benchmarks that write result files.
+"""`fusuma bench ...`: benchmarks that write result files, and reports made from them.
 
-Each command imports its benchmark (and, for reports, matplotlib) when it runs, so that
-`fusuma bench --help` and every other fusuma command stay fast."""
+fusuma finds this group through the `fusuma.commands` entry point (pyproject.toml): the
+runtime never imports the benchmarks. Each command imports its benchmark (and, for
+reports, matplotlib) when it runs, so that `fusuma bench --help` stays fast."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress
+from fusuma_bench.report import REPORTS, render_report
+
+FC = TypeVar("FC", bound=Callable[..., Any])
+
+
+def publish(data: dict[str, Any], json_file: Path | None, report_dir: Path | None,
+            name: str, summary: Callable[[dict[str, Any]], Iterable[str]],
+            inline: bool = False) -> None:
+    """What every benchmark command does with its result: print it (no --json, no
+    --report), or write the result file (DIR/NAME.json with only --report), print the
+    summary lines and where the file went (on the summary's last line with
+    ``inline``), then with --report render report NAME into DIR."""
+    from fusuma_bench.report import write_result
+
+    if json_file is None and report_dir is not None:
+        json_file = report_dir / f"{name}.json"
+    if json_file is None:
+        emit_json(data)
+        return
+    write_result(json_file, data)
+    lines = list(summary(data))
+    if inline:
+        lines[-1] += f"; written to {json_file}"
+    else:
+        lines.append(f"written to {json_file}")
+    for line in lines:
+        click.echo(line)
+    if report_dir is not None:
+        paths = render_report(name, json_file, report_dir)
+        click.echo(f"report: {', '.join(str(p) for p in paths)}")
 
 
 @click.group()
 def bench() -> None:
     """Run benchmarks; each writes a JSON result file with a `meta` block
     (git revision, date, host, accelerator) and metric names that carry units."""
+
+
+def _json_option(report: str | None = None) -> Callable[[FC], FC]:
+    """--json FILE; with a REPORT, its default under --report DIR is DIR/REPORT.json."""
+    default = "print it" if report is None else f"print it, or DIR/{report}.json with --report"
+    return click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
+                        help=f"Write the result file here (default: {default}).")
+
+
+def _report_option(plots: str, from_file: bool = True) -> Callable[[FC], FC]:
+    """--report DIR: render report.md and PLOTS there after the run."""
+    return click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
+                        help=f"After the run, render DIR/report.md and DIR/{plots}"
+                             + (" from the result file." if from_file else "."))
 
 
 @bench.command("boot")
@@ -25,26 +72,23 @@ def bench() -> None:
               help="Repetitions; the summary is the median over all VMs and runs.")
 @click.option("--memory", "memory_mib", type=click.IntRange(64, 65536), default=256,
               show_default=True, help="Guest RAM of each VM, MiB.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it).")
+@_json_option()
 @pass_ctx
 def boot_cmd(c: Ctx, n: int, runs: int, memory_mib: int, json_file: Path | None) -> None:
     """Time from `vm start` to the guest agent answering, N VMs started together.
 
     Uses a scratch partition on the cores no partition holds, removed afterwards."""
-    from fusuma.bench import boot
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import boot
 
     c.accel_notice("auto")
     data = boot.run(c.parts, c.vms, n, runs=runs, memory_mib=memory_mib, progress=progress)
-    if json_file is None:
-        emit_json(data)
-    else:
-        write_result(json_file, data)
+
+    def summary(data: dict[str, Any]) -> list[str]:
         s = data["summary"]
-        click.echo(f"boot to guest agent, {n} VM(s) x {runs} run(s): median "
-                   f"{s['median_boot_ms']} ms (min {s['min_boot_ms']}, max "
-                   f"{s['max_boot_ms']}); written to {json_file}")
+        return [f"boot to guest agent, {n} VM(s) x {runs} run(s): median "
+                f"{s['median_boot_ms']} ms (min {s['min_boot_ms']}, max {s['max_boot_ms']})"]
+
+    publish(data, json_file, None, "boot", summary, inline=True)
 
 
 @bench.command("cli")
@@ -59,8 +103,7 @@ def boot_cmd(c: Ctx, n: int, runs: int, memory_mib: int, json_file: Path | None)
               help="Time the fusuma of git revision REV of this checkout (its src/, "
                    "extracted to a scratch dir) instead of this one, e.g. to compare "
                    "with an older revision.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it).")
+@_json_option()
 @pass_ctx
 def cli_cmd(c: Ctx, runs: int, n: int, memory_mib: int, revision: str | None,
             json_file: Path | None) -> None:
@@ -78,39 +121,43 @@ def cli_cmd(c: Ctx, runs: int, n: int, memory_mib: int, revision: str | None,
       python_bare_ms, python_click_ms
                           the interpreter alone and with click: the floor
     The commands run round-robin; Python's bytecode cache is on (in a scratch dir).
-    See fusuma/bench/cli.py for exactly what each number covers."""
-    from fusuma.bench import cli as bench_cli
-    from fusuma.bench.meta import write_result
+    See fusuma_bench/clitime.py for exactly what each number covers."""
+    from fusuma_bench import clitime
 
     if revision and n:
         raise click.UsageError("--revision times the empty-host commands only (an older "
                                "fusuma may not read this host's state DB); leave out --vms.")
     if n:
         c.accel_notice("auto")
-    data = bench_cli.run(c.parts, c.vms, runs=runs, vms=n, memory_mib=memory_mib,
-                         revision=revision, progress=progress)
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
+    data = clitime.run(c.parts, c.vms, runs=runs, vms=n, memory_mib=memory_mib,
+                       revision=revision, progress=progress)
+    publish(data, json_file, None, "cli", _cli_summary)
+
+
+def _cli_summary(data: dict[str, Any]) -> Iterable[str]:
     for r in data["results"]:
-        click.echo(f"{r['metric']:24} median {r['median_ms']:7.1f} ms (min {r['min_ms']}, "
-                   f"max {r['max_ms']})  {r['command']}")
+        yield (f"{r['metric']:24} median {r['median_ms']:7.1f} ms (min {r['min_ms']}, "
+               f"max {r['max_ms']})  {r['command']}")
     own = data["summary"].get("migrate_startup_over_click_ms")
     if own is not None:
-        click.echo(f"{'migrate_startup_over_click_ms':24} {own:14.1f} ms  (migrate_startup_ms - "
-                   "python_click_ms: fusuma's own part)")
+        yield (f"{'migrate_startup_over_click_ms':24} {own:14.1f} ms  (migrate_startup_ms - "
+               "python_click_ms: fusuma's own part)")
+    yield from _targets(data, "median_ms")
+
+
+def _targets(data: dict[str, Any], key: str, ms: bool = True) -> Iterable[str]:
+    """The result's targets, one line each: met or not, and the measured value (KEY),
+    in milliseconds (target_ms) or as the result file gives them (target)."""
     for t in data["targets"]:
-        click.echo(f"target {t['metric']} <= {t['target_ms']:.0f} ms: "
-                   f"{'met' if t['met'] else 'NOT met'} ({t['median_ms']} ms)")
-    click.echo(f"written to {json_file}")
+        target, value = ((f"{t['target_ms']:.0f} ms", f"{t[key]} ms") if ms
+                         else (t["target"], t[key]))
+        yield f"target {t['metric']} <= {target}: {'met' if t['met'] else 'NOT met'} ({value})"
 
 
 @bench.command("api")
 @click.option("--vms", "n", type=click.IntRange(2, 64), default=16, show_default=True,
               help="Running VMs (128 MiB each) while the API is measured.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it).")
+@_json_option()
 @pass_ctx
 def api_cmd(c: Ctx, n: int, json_file: Path | None) -> None:
     """Latency and throughput of `fusuma serve` with N running VMs.
@@ -141,54 +188,47 @@ def api_cmd(c: Ctx, n: int, json_file: Path | None) -> None:
     \b
     Example:
       fusuma bench api --vms 16 --json results/api.json"""
-    from fusuma.bench import api
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import api
 
     c.accel_notice("auto")
     data = api.run(c.parts, c.vms, n, progress=progress)
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    s = data["summary"]
-    click.echo(f"GET /1.0/vms  p50 {s['get_vms_p50_ms']} ms, p99 {s['get_vms_p99_ms']} ms "
+
+    def summary(data: dict[str, Any]) -> Iterable[str]:
+        s = data["summary"]
+        yield (f"GET /1.0/vms  p50 {s['get_vms_p50_ms']} ms, p99 {s['get_vms_p99_ms']} ms "
                f"({n} VMs running)")
-    click.echo(f"GET /metrics  p50 {s['scrape_p50_ms']} ms, p99 {s['scrape_p99_ms']} ms")
-    for k in api.LOAD_CLIENTS:
-        click.echo(f"{k:3} clients   {s[f'rps_{k}_clients']} requests/s, p99 "
+        yield f"GET /metrics  p50 {s['scrape_p50_ms']} ms, p99 {s['scrape_p99_ms']} ms"
+        for k in api.LOAD_CLIENTS:
+            yield (f"{k:3} clients   {s[f'rps_{k}_clients']} requests/s, p99 "
                    f"{s[f'p99_ms_{k}_clients']} ms")
-    click.echo(f"move -> event median {s['event_after_move_ms_median']} ms after the "
+        yield (f"move -> event median {s['event_after_move_ms_median']} ms after the "
                f"move's timestamp, {s['event_after_op_end_ms_median']} ms after its "
                "operation ended")
-    for t in data["targets"]:
-        click.echo(f"target {t['metric']} <= {t['target_ms']:.0f} ms: "
-                   f"{'met' if t['met'] else 'NOT met'} ({t['value_ms']} ms)")
-    click.echo(f"written to {json_file}")
+        yield from _targets(data, "value_ms")
+
+    publish(data, json_file, None, "api", summary)
+
+
+def _ints(value: str | None, lo: int, hi: int | None, what: str) -> list[int] | None:
+    """A comma-separated list of integers in [lo, hi], or None without a value; a
+    BadParameter ending in WHAT ("a list of ..., e.g. ...") otherwise."""
+    if value is None:
+        return None
+    try:
+        ints = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        ints = []
+    if not ints or any(n < lo or (hi is not None and n > hi) for n in ints):
+        raise click.BadParameter(f"{value!r} is not {what}.")
+    return ints
 
 
 def _sizes(value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        sizes = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or any(s < 64 for s in sizes):
-        raise click.BadParameter(f"{value!r} is not a list of sizes in MiB (each >= 64), "
-                                 "e.g. 256,1024,4096.")
-    return sizes
+    return _ints(value, 64, None, "a list of sizes in MiB (each >= 64), e.g. 256,1024,4096")
 
 
 def _counts(value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        counts = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        counts = []
-    if not counts or any(n < 1 or n > 64 for n in counts):
-        raise click.BadParameter(f"{value!r} is not a list of VM counts (1-64), e.g. 1,2,4,8.")
-    return counts
+    return _ints(value, 1, 64, "a list of VM counts (1-64), e.g. 1,2,4,8")
 
 
 @bench.command("vmbeam")
@@ -199,12 +239,8 @@ def _counts(value: str | None) -> list[int] | None:
               help="Moves per (mode, size); figures are their median  [default: 5; with "
                    "--quick 2].")
 @click.option("--quick", is_flag=True, help="Fewer sizes and moves (a few minutes).")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it, or DIR/vmbeam.json "
-                   "with --report).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="After the run, render DIR/report.md and DIR/vmbeam.png from the "
-                   "result file.")
+@_json_option("vmbeam")
+@_report_option("vmbeam.png")
 @pass_ctx
 def vmbeam_cmd(c: Ctx, sizes: str | None, moves: int | None, quick: bool,
                json_file: Path | None, report_dir: Path | None) -> None:
@@ -213,28 +249,20 @@ def vmbeam_cmd(c: Ctx, sizes: str | None, moves: int | None, quick: bool,
 
     Needs every core (two scratch partitions, removed afterwards), so no partition may
     exist."""
-    from fusuma.bench import report_vmbeam, vmbeam
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import vmbeam
 
     size_list = _sizes(sizes) or list(vmbeam.QUICK_SIZES if quick else vmbeam.DEFAULT_SIZES)
     n = moves or (vmbeam.QUICK_MOVES if quick else vmbeam.DEFAULT_MOVES)
     c.accel_notice("auto")
     data = vmbeam.run(c.parts, c.vms, size_list, moves=n, progress=progress)
-    if json_file is None and report_dir is not None:
-        json_file = report_dir / "vmbeam.json"
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    for r in data["results"]:
-        click.echo(f"{r['mode']:9} {r['memory_mib']:6} MiB: total {r['total_ms']} ms, "
-                   f"downtime {r['downtime_ms']} ms, {r['bytes_sent']} bytes, "
-                   f"data intact {str(r['data_intact']).lower()}"
-                   + (f" ({r['error']})" if r.get("error") else ""))
-    click.echo(f"written to {json_file}")
-    if report_dir is not None:
-        paths = report_vmbeam.render(json_file, report_dir)
-        click.echo(f"report: {', '.join(str(p) for p in paths)}")
+    publish(data, json_file, report_dir, "vmbeam", lambda data: (
+        f"{r['mode']:9} {r['memory_mib']:6} MiB: total {r['total_ms']} ms, "
+        f"downtime {r['downtime_ms']} ms, {r['bytes_sent']} bytes, "
+        f"data intact {str(r['data_intact']).lower()}{_error(r)}" for r in data["results"]))
+
+
+def _error(r: dict[str, Any]) -> str:
+    return f" ({r['error']})" if r.get("error") else ""
 
 
 @bench.command("maintain")
@@ -248,12 +276,8 @@ def vmbeam_cmd(c: Ctx, sizes: str | None, moves: int | None, quick: bool,
 @click.option("--in-place", "in_place", is_flag=True,
               help="Then also `maintain --in-place` (cpr-transfer, --to -> --to) on the "
                    "same VMs, and compare.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it, or DIR/maintain.json "
-                   "with --report).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="After the run, render DIR/report.md and DIR/maintain.png from the "
-                   "result file.")
+@_json_option("maintain")
+@_report_option("maintain.png")
 @pass_ctx
 def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
                  json_file: Path | None, report_dir: Path | None) -> None:
@@ -263,39 +287,23 @@ def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
 
     Makes two scratch partitions on two cores no partition holds (removed
     afterwards)."""
-    from fusuma.bench import maintain, report_maintain
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import maintain
 
     counts = _counts(vms_opt) or list(maintain.DEFAULT_VMS)
     c.accel_notice("auto")
     data = maintain.run(c.parts, c.vms, counts, source, target, in_place,
                         progress=progress)
-    if json_file is None and report_dir is not None:
-        json_file = report_dir / "maintain.json"
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    for r in data["results"]:
-        click.echo(f"{r['method']:12} x{r['vms']:<3} {r['from_qemu']} -> {r['to_qemu']}: "
-                   f"maintain {r['maintain_s']} s, downtime max {r['downtime_ms_max']} ms, "
-                   f"data intact {str(r['data_intact']).lower()}"
-                   + (f" ({r['error']})" if r.get("error") else ""))
-    click.echo(f"written to {json_file}")
-    if report_dir is not None:
-        paths = report_maintain.render(json_file, report_dir)
-        click.echo(f"report: {', '.join(str(p) for p in paths)}")
+    publish(data, json_file, report_dir, "maintain", lambda data: (
+        f"{r['method']:12} x{r['vms']:<3} {r['from_qemu']} -> {r['to_qemu']}: "
+        f"maintain {r['maintain_s']} s, downtime max {r['downtime_ms_max']} ms, "
+        f"data intact {str(r['data_intact']).lower()}{_error(r)}" for r in data["results"]))
 
 
 @bench.command("mint")
 @click.option("--quick", is_flag=True, help="Smaller loop counts and 256 MiB guests "
               "(a few minutes).")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it, or DIR/mint.json "
-                   "with --report).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="After the run, render DIR/report.md and DIR/mint-*.png from the "
-                   "result file.")
+@_json_option("mint")
+@_report_option("mint-*.png")
 @click.option("--disk-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Where the two scratch disk files go  [default: FUSUMA_HOME/bench-mint].")
 @pass_ctx
@@ -307,22 +315,12 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
 
     Needs every core (scratch partitions, VMs and disks, removed afterwards), so no
     partition may exist."""
-    from fusuma.bench import mint, mint_report
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import mint
 
     c.accel_notice("auto")
     data = mint.run(c.parts, c.vms, quick=quick, disk_dir=disk_dir, progress=progress)
-    if json_file is None and report_dir is not None:
-        json_file = report_dir / "mint.json"
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    click.echo(f"{len(data['results'])} results in {data['meta']['duration_s']} s; "
-               f"written to {json_file}")
-    if report_dir is not None:
-        paths = mint_report.render(json_file, report_dir)
-        click.echo(f"report: {', '.join(str(p) for p in paths)}")
+    publish(data, json_file, report_dir, "mint", lambda data: [
+        f"{len(data['results'])} results in {data['meta']['duration_s']} s"], inline=True)
 
 
 @bench.command("scheduler")
@@ -345,12 +343,8 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
               help="The target VM's emulator threads: shared, isolated (a core of its "
                    "partition with no guaranteed vCPU; policies whose layout has none are "
                    "skipped, saying why) or a core list.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it, or DIR/scheduler.json "
-                   "with --report).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="After the run, render DIR/report.md and DIR/scheduler.png from the "
-                   "result file.")
+@_json_option("scheduler")
+@_report_option("scheduler.png")
 @pass_ctx
 def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str | None,
                   test_seconds: float | None, runs: int | None, quick: bool,
@@ -362,8 +356,7 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
 
     Needs both cores (scratch partitions, removed afterwards), so no partition may
     exist."""
-    from fusuma.bench import report_scheduler, scheduler
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import scheduler, scheduler_run
 
     cfg = scheduler.Config(
         dummies=scheduler.parse_counts(dummies) if dummies else list(
@@ -376,28 +369,20 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
         progress_s=scheduler.QUICK_TEST_S if quick else scheduler.PROGRESS_S,
         runs=runs or (scheduler.QUICK_RUNS if quick else scheduler.RUNS),
         target_emulator=target_emulator)
-    run = scheduler.Bench(c.parts, c.vms, cfg, progress)
+    run = scheduler_run.Bench(c.parts, c.vms, cfg, progress)
     run.check_host()          # a refusal is the only line printed
     c.accel_notice("auto")
-    data = run.run()
-    if json_file is None and report_dir is not None:
-        json_file = report_dir / "scheduler.json"
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
+    publish(run.run(), json_file, report_dir, "scheduler", _scheduler_summary)
+
+
+def _scheduler_summary(data: dict[str, Any]) -> Iterable[str]:
     for r in data["results"]:
-        click.echo(f"{r['policy']:9} {r['dummies']:2} {r['dummy_load']:4} dummies: index "
-                   f"{r['index']:6.1f}")
+        yield (f"{r['policy']:9} {r['dummies']:2} {r['dummy_load']:4} dummies: index "
+               f"{r['index']:6.1f}")
     for p in data["dummy_progress"]:
-        click.echo(f"{p['policy']:9} {p['dummies']:2} cpu  dummies, target idle: "
-                   f"{p['progressing']}/{p['dummies']} progressing "
-                   f"({p.get('read', p['dummies'])} read), "
-                   f"{p['iterations_per_s']} iterations/s")
-    click.echo(f"written to {json_file}")
-    if report_dir is not None:
-        paths = report_scheduler.render(json_file, report_dir)
-        click.echo(f"report: {', '.join(str(x) for x in paths)}")
+        yield (f"{p['policy']:9} {p['dummies']:2} cpu  dummies, target idle: "
+               f"{p['progressing']}/{p['dummies']} progressing "
+               f"({p.get('read', p['dummies'])} read), {p['iterations_per_s']} iterations/s")
 
 
 @bench.command("dcss")
@@ -415,11 +400,8 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
               help="ab runs per VM; its requests/s is their median  [default: 3; with "
                    "--quick 1].")
 @click.option("--quick", is_flag=True, help="VM counts 1,2 and fewer requests.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it, or DIR/dcss.json "
-                   "with --report).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="After the run, render DIR/report.md and DIR/dcss.png.")
+@_json_option("dcss")
+@_report_option("dcss.png", from_file=False)
 @pass_ctx
 def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
              memory_mib: int, requests: int | None, ab_runs: int | None, quick: bool,
@@ -432,9 +414,8 @@ def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
     partition may exist; it changes the host's KSM settings while it runs and puts
     them back afterwards. Needs the debian image (`fusuma image build --kind debian`)
     and ab (`apt-get install apache2-utils`)."""
-    from fusuma.bench import dcss, report_dcss
-    from fusuma.bench.meta import write_result
     from fusuma.memshare.segments import SegmentManager
+    from fusuma_bench import dcss
 
     count_list = _counts(counts) or list(dcss.QUICK_COUNTS if quick else dcss.DEFAULT_COUNTS)
     mode_list = [m.strip() for m in modes.split(",")] if modes else list(dcss.MODES)
@@ -445,19 +426,10 @@ def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
                     load_list, memory_mib=memory_mib, requests=n_req,
                     ab_runs=ab_runs or (dcss.QUICK_AB_RUNS if quick else dcss.AB_RUNS),
                     progress=progress)
-    if json_file is None and report_dir is not None:
-        json_file = report_dir / "dcss.json"
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    for r in data["summary"]:
-        click.echo(f"{r['load']:7} {r['mode']:11}: {r['slope_pss_mib']} MiB per added VM, "
-                   f"saving {r['saving_pss_pct']}%, requests/s {r['requests_per_s']}")
-    click.echo(f"written to {json_file}")
-    if report_dir is not None:
-        paths = report_dcss.render(json_file, report_dir)
-        click.echo(f"report: {', '.join(str(x) for x in paths)}")
+    publish(data, json_file, report_dir, "dcss", lambda data: (
+        f"{r['load']:7} {r['mode']:11}: {r['slope_pss_mib']} MiB per added VM, "
+        f"saving {r['saving_pss_pct']}%, requests/s {r['requests_per_s']}"
+        for r in data["summary"]))
 
 
 @bench.command("density")
@@ -477,11 +449,8 @@ def dcss_cmd(c: Ctx, counts: str | None, modes: str | None, loads: str | None,
               help="QEMU of every mode's partition: auto (10.0 when installed: template "
                    "clones need it), system, or a version.")
 @click.option("--quick", is_flag=True, help="A 1536 MiB budget and fewer requests.")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it, or DIR/density.json "
-                   "with --report).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="After the run, render DIR/report.md and DIR/density.png.")
+@_json_option("density")
+@_report_option("density.png", from_file=False)
 @pass_ctx
 def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: int,
                 requests: int | None, max_vms: int, qemu: str, quick: bool,
@@ -496,9 +465,8 @@ def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: i
     template, removed afterwards), so no partition may exist; it changes the host's KSM
     settings while it runs and puts them back. Needs the debian image (`fusuma image
     build --kind debian`)."""
-    from fusuma.bench import density, report_density
-    from fusuma.bench.meta import write_result
     from fusuma.memshare.segments import SegmentManager
+    from fusuma_bench import density, density_run, report_density
 
     cfg = density.Config(
         budget_mib=budget_mib or (density.QUICK_BUDGET_MIB if quick
@@ -507,28 +475,21 @@ def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: i
         requests=requests or (density.QUICK_REQUESTS if quick else density.DEFAULT_REQUESTS),
         max_vms=max_vms, qemu=qemu, quick=quick,
         loop_deadline_s=density.QUICK_LOOP_DEADLINE_S if quick else density.LOOP_DEADLINE_S)
-    run = density.Bench(c.parts, c.vms, SegmentManager(c.paths, c.db), cfg,
+    run = density_run.Bench(c.parts, c.vms, SegmentManager(c.paths, c.db), cfg,
                         progress=progress)
     run.check_host()          # a refusal is the only line printed
     c.accel_notice("auto")
-    data = run.run()
-    if json_file is None and report_dir is not None:
-        json_file = report_dir / "density.json"
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    for r in data["results"]:
-        click.echo(f"{r['mode']:12} {r['vms']:3} VMs ({r['stop']}), "
+
+    def summary(data: dict[str, Any]) -> Iterable[str]:
+        for r in data["results"]:
+            yield (f"{r['mode']:12} {r['vms']:3} VMs ({r['stop']}), "
                    f"{r['per_vm_mib']} MiB per added VM, saving {r['saving_pct']}%, "
                    f"start {r['start_ms_median']} ms, {r['requests_per_s']} requests/s"
                    + (f"; {r['note']}" if r["note"] else ""))
-    for target, measured, verdict in report_density.targets(data):
-        click.echo(f"target {target}: {verdict} ({measured})")
-    click.echo(f"written to {json_file}")
-    if report_dir is not None:
-        paths = report_density.render(json_file, report_dir)
-        click.echo(f"report: {', '.join(str(x) for x in paths)}")
+        for target, measured, verdict in report_density.targets(data):
+            yield f"target {target}: {verdict} ({measured})"
+
+    publish(run.run(), json_file, report_dir, "density", summary)
 
 
 @bench.group("report")
@@ -536,71 +497,22 @@ def report() -> None:
     """Render a report from an existing result file."""
 
 
-@report.command("vmbeam")
-@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def report_vmbeam_cmd(result_file: Path, out_dir: Path) -> None:
-    """Write OUT_DIR/report.md and OUT_DIR/vmbeam.png from a `bench vmbeam` result file."""
-    from fusuma.bench import report_vmbeam
+def _report_command(name: str) -> click.Command:
+    """`bench report NAME RESULT_FILE OUT_DIR` for REPORTS[name]."""
 
-    paths = report_vmbeam.render(result_file, out_dir)
-    click.echo(f"report: {', '.join(str(p) for p in paths)}")
+    @report.command(name, help=REPORTS[name].help)
+    @click.argument("result_file", type=click.Path(path_type=Path, exists=True,
+                                                   dir_okay=False))
+    @click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
+    def command(result_file: Path, out_dir: Path) -> None:
+        paths = render_report(name, result_file, out_dir)
+        click.echo(f"report: {', '.join(str(p) for p in paths)}")
 
-
-@report.command("maintain")
-@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def report_maintain_cmd(result_file: Path, out_dir: Path) -> None:
-    """Write OUT_DIR/report.md and OUT_DIR/maintain.png from a `bench maintain` result
-    file."""
-    from fusuma.bench import report_maintain
-
-    paths = report_maintain.render(result_file, out_dir)
-    click.echo(f"report: {', '.join(str(p) for p in paths)}")
+    return command
 
 
-@report.command("mint")
-@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def report_mint_cmd(result_file: Path, out_dir: Path) -> None:
-    """Write OUT_DIR/report.md and OUT_DIR/mint-*.png from a `bench mint` result file."""
-    from fusuma.bench import mint_report
-
-    paths = mint_report.render(result_file, out_dir)
-    click.echo(f"report: {', '.join(str(p) for p in paths)}")
-
-
-@report.command("scheduler")
-@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def report_scheduler_cmd(result_file: Path, out_dir: Path) -> None:
-    """Write OUT_DIR/report.md and OUT_DIR/scheduler.png from a `bench scheduler` file."""
-    from fusuma.bench import report_scheduler
-
-    paths = report_scheduler.render(result_file, out_dir)
-    click.echo(f"report: {', '.join(str(x) for x in paths)}")
-
-
-@report.command("dcss")
-@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def report_dcss_cmd(result_file: Path, out_dir: Path) -> None:
-    """Write OUT_DIR/report.md and OUT_DIR/dcss.png from a `bench dcss` result file."""
-    from fusuma.bench import report_dcss
-
-    paths = report_dcss.render(result_file, out_dir)
-    click.echo(f"report: {', '.join(str(x) for x in paths)}")
-
-
-@report.command("density")
-@click.argument("result_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
-def report_density_cmd(result_file: Path, out_dir: Path) -> None:
-    """Write OUT_DIR/report.md and OUT_DIR/density.png from a `bench density` file."""
-    from fusuma.bench import report_density
-
-    paths = report_density.render(result_file, out_dir)
-    click.echo(f"report: {', '.join(str(x) for x in paths)}")
+for _name in REPORTS:
+    _report_command(_name)
 
 
 @bench.command("cluster")
@@ -614,8 +526,7 @@ def report_density_cmd(result_file: Path, out_dir: Path) -> None:
               help="QEMU of the partitions: a version (10.0), `system`, or auto (10.0 "
                    "when `fusuma qemu install 10.0` installed it: live copy between hosts "
                    "under TCG needs QEMU >= 9.0).")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None,
-              help="Write the result file here (default: print it).")
+@_json_option()
 @pass_ctx
 def cluster_cmd(c: Ctx, hosts: int, vms: int, lease_seconds: int, qemu: str,
                 json_file: Path | None) -> None:
@@ -637,8 +548,7 @@ def cluster_cmd(c: Ctx, hosts: int, vms: int, lease_seconds: int, qemu: str,
     \b
     Example:
       fusuma bench cluster --hosts 3 --vms 24 --json results/cluster.json"""
-    from fusuma.bench import cluster
-    from fusuma.bench.meta import write_result
+    from fusuma_bench import cluster
 
     version: str | None = None if qemu == "system" else qemu
     if qemu == "auto":
@@ -646,13 +556,6 @@ def cluster_cmd(c: Ctx, hosts: int, vms: int, lease_seconds: int, qemu: str,
 
         version = "10.0" if versions.resolve_unpacked(c.paths, "10.0") else None
     data = cluster.run(hosts, vms, lease_seconds, version, progress=progress)
-    if json_file is None:
-        emit_json(data)
-        return
-    write_result(json_file, data)
-    for k, v in data["summary"].items():
-        click.echo(f"{k:36} {v}")
-    for t in data["targets"]:
-        click.echo(f"target {t['metric']} <= {t['target']}: "
-                   f"{'met' if t['met'] else 'NOT met'} ({t['value']})")
-    click.echo(f"written to {json_file}")
+    publish(data, json_file, None, "cluster", lambda data: [
+        *(f"{k:36} {v}" for k, v in data["summary"].items()),
+        *_targets(data, "value", ms=False)])

@@ -42,16 +42,6 @@ from pathlib import Path
 from typing import Any
 
 from fusuma import guest
-from fusuma.bench.meta import meta
-from fusuma.bench.mint_probe import (
-    GUEST_DISK,
-    GUEST_PROBE,
-    TESTS,
-    ProbeError,
-    ProbeParams,
-    parse_output,
-    probe_argv,
-)
 from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, HostError, ResourceError
 from fusuma.host.accel import probe_accel
@@ -63,6 +53,16 @@ from fusuma.state import VmRecord
 from fusuma.supervisor import rpc
 from fusuma.supervisor.client import SupervisorClient
 from fusuma.vm import VmManager
+from fusuma_bench.mint_probe import (
+    GUEST_DISK,
+    GUEST_PROBE,
+    TESTS,
+    ProbeError,
+    ProbeParams,
+    parse_output,
+    probe_argv,
+)
+from fusuma_bench.report import meta
 
 LOG = logging.getLogger(__name__)
 

@@ -7,32 +7,34 @@ a target without numbers is NOT MEASURED, never PASS.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from fusuma.errors import SpecError
+from fusuma_bench.report import (
+    FAIL,
+    PASS,
+    UNMEASURED,
+    dash,
+    figure,
+    load_result,
+    table,
+    write_report,
+)
 
 TARGET_IDLE_PCT = 40.0
 TARGET_APACHE_PCT = 50.0
 TARGET_RPS_PCT = 5.0
 ZERO_COPY_MODES = ("none", "segment")
-PASS, FAIL, UNMEASURED = "PASS", "FAIL", "NOT MEASURED"
 
 
-def load(path: Path) -> dict[str, Any]:
-    try:
-        data: dict[str, Any] = json.loads(path.read_text())
-        if not isinstance(data["results"], list) or not isinstance(data["summary"], list):
-            raise TypeError("results and summary must be lists")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SpecError(f"{path} is not a `fusuma bench dcss` result file ({exc}).") \
-            from exc
+def _parse(data: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(data["results"], list) or not isinstance(data["summary"], list):
+        raise TypeError("results and summary must be lists")
     return data
 
 
-def _fmt(x: Any, unit: str = "") -> str:
-    return "–" if x is None else f"{x}{unit}"
+def load(path: Path) -> dict[str, Any]:
+    return load_result(path, "dcss", _parse, unnamed_ok=True)
 
 
 def _best(summary: list[dict[str, Any]], load: str, modes: tuple[str, ...] | None = None,
@@ -72,12 +74,8 @@ def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 def render(result_file: Path, out_dir: Path) -> list[Path]:
     data = load(result_file)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    png = out_dir / "dcss.png"
-    _plot(data, png)
-    md = out_dir / "report.md"
-    md.write_text(_markdown(data, png.name))
-    return [md, png]
+    return write_report(out_dir, _markdown(data, "dcss.png"),
+                        {"dcss.png": lambda png: _plot(data, png)})
 
 
 def _markdown(data: dict[str, Any], png: str) -> str:
@@ -100,9 +98,7 @@ def _markdown(data: dict[str, Any], png: str) -> str:
         "",
         "## Targets",
         "",
-        "| target | measured | verdict |",
-        "|---|---|---|",
-        *[f"| {t} | {v} | {k} |" for t, v, k in targets(data)],
+        *table(["target", "measured", "verdict"], [list(t) for t in targets(data)]),
         "",
         "## Cost of each added VM (least-squares slope over the VM counts)",
         "",
@@ -111,28 +107,28 @@ def _markdown(data: dict[str, Any], png: str) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in data["summary"]:
-        lines.append(f"| {r['load']} | {r['mode']} | {_fmt(r['slope_pss_mib'])} | "
-                     f"{_fmt(r['saving_pss_pct'], '%')} | {_fmt(r['slope_guest_mib'])} | "
-                     f"{_fmt(r['saving_guest_pct'], '%')} | {_fmt(r['requests_per_s'])} | "
-                     f"{_fmt(r['requests_vs_none_pct'], '%')} |")
+        lines.append(f"| {r['load']} | {r['mode']} | {dash(r['slope_pss_mib'])} | "
+                     f"{dash(r['saving_pss_pct'], '%')} | {dash(r['slope_guest_mib'])} | "
+                     f"{dash(r['saving_guest_pct'], '%')} | {dash(r['requests_per_s'])} | "
+                     f"{dash(r['requests_vs_none_pct'], '%')} |")
     lines += ["", "## Every point", "",
               "| load | mode | VMs | total PSS MiB | per VM MiB | saving | guest MiB | "
               "segment PSS MiB | KSM saved MiB | requests/s |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["results"]:
         lines.append(f"| {r['load']} | {r['mode']} | {r['vms']} | {r['total_pss_mib']} | "
-                     f"{r['per_vm_mib']} | {_fmt(r['saving_pct'], '%')} | {r['guest_mib']} | "
-                     f"{r['segments_pss_mib']} | {_fmt(r['ksm_saved_mib'])} | "
-                     f"{_fmt(r['requests_per_s'])} |")
+                     f"{r['per_vm_mib']} | {dash(r['saving_pct'], '%')} | {r['guest_mib']} | "
+                     f"{r['segments_pss_mib']} | {dash(r['ksm_saved_mib'])} | "
+                     f"{dash(r['requests_per_s'])} |")
     lines += ["", f"![total memory vs VMs]({png})", "",
               "## Beside the paper (z/VM 5.2/5.4, System z, WSS per Linux guest)", "",
               "Table 1, per Linux guest:", "",
               "| method | WSS MB | saved |", "|---|---|---|"]
     for r in paper["table1"]:
-        lines.append(f"| {r['method']} | {r['wss_mb']} | {_fmt(r['saved_pct'], '%')} |")
+        lines.append(f"| {r['method']} | {r['wss_mb']} | {dash(r['saved_pct'], '%')} |")
     lines += ["", "Table 3, apache2:", "", "| method | apache2 MB | saved |", "|---|---|---|"]
     for r in paper["table3"]:
-        lines.append(f"| {r['method']} | {r['apache2_mb']} | {_fmt(r['saved_pct'], '%')} |")
+        lines.append(f"| {r['method']} | {r['apache2_mb']} | {dash(r['saved_pct'], '%')} |")
     lines += ["", "Fig. 3, memory per added VM:", "",
               "| application | without DCSS MB | with DCSS MB | saved |", "|---|---|---|---|"]
     for r in paper["fig3"]:
@@ -145,21 +141,20 @@ def _markdown(data: dict[str, Any], png: str) -> str:
         for mode in ("segment", "ksm", "segment+ksm"):
             r = ours.get((mode, load))
             if r:
-                lines.append(f"- {load}, {mode}: {_fmt(r['saving_pss_pct'], '%')} of the "
-                             f"VM's host memory, {_fmt(r['saving_guest_pct'], '%')} of its "
+                lines.append(f"- {load}, {mode}: {dash(r['saving_pss_pct'], '%')} of the "
+                             f"VM's host memory, {dash(r['saving_guest_pct'], '%')} of its "
                              "guest memory")
     return "\n".join(lines) + "\n"
 
 
 def _plot(data: dict[str, Any], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     loads = list(dict.fromkeys(r["load"] for r in data["results"]))
-    fig, axes = plt.subplots(1, max(1, len(loads)), figsize=(5.5 * max(1, len(loads)), 4),
-                             squeeze=False)
+    with figure(png, dpi=110, ncols=max(1, len(loads)),
+                figsize=(5.5 * max(1, len(loads)), 4), squeeze=False) as (fig, axes):
+        _draw(data, fig, axes, loads)
+
+
+def _draw(data: dict[str, Any], fig: Any, axes: Any, loads: list[str]) -> None:
     for ax, load in zip(axes[0], loads, strict=False):
         for mode in dict.fromkeys(r["mode"] for r in data["results"]):
             pts = sorted((r["vms"], r["total_pss_mib"]) for r in data["results"]
@@ -172,6 +167,3 @@ def _plot(data: dict[str, Any], png: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("fusuma bench dcss: host memory vs number of Debian VMs")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)

@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fusuma.bench.meta import meta
 from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, GuestAgentError, ResourceError
 from fusuma.host.accel import probe_accel
@@ -30,6 +29,7 @@ from fusuma.paths import Paths
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
+from fusuma_bench.report import meta
 
 LOG = logging.getLogger(__name__)
 

@@ -7,14 +7,14 @@ DIR`. A configuration's figure for a (test, size) is the mean of its probes' med
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fusuma.errors import SpecError
+from fusuma_bench.report import figure, load_result, table, write_report
 
 TESTS = ("register", "copy", "io")
 CONFIG_IDS = tuple(range(1, 10))
@@ -123,8 +123,6 @@ def _positive(value: Any, what: str) -> float:
 
 def parse(data: dict[str, Any]) -> Result:
     """A Result from a decoded result file; ValueError/KeyError/TypeError if malformed."""
-    if data["meta"].get("benchmark") != "mint":
-        raise ValueError("not a mint result file")
     rows = []
     for r in data["results"]:
         test = str(r["test"])
@@ -146,25 +144,14 @@ def parse(data: dict[str, Any]) -> Result:
 
 
 def load(path: Path) -> Result:
-    try:
-        return parse(json.loads(path.read_text()))
-    except OSError as exc:
-        raise SpecError(f"cannot read result file {path}: {exc.strerror}.") from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SpecError(f"{path} is not a mint result file ({exc}); make one with "
-                        "`fusuma bench mint --json FILE`.") from exc
+    return load_result(path, "mint", parse)
 
 
 def render(result_file: Path, out_dir: Path) -> list[Path]:
     """Write report.md and mint-<test>.png for ``result_file`` into ``out_dir``."""
     res = load(result_file)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md = out_dir / "report.md"
-    md.write_text(markdown(res, result_file))
-    pngs = [out_dir / f"mint-{t}.png" for t in TESTS if res.sizes(t)]
-    for png in pngs:
-        plot(res, png.stem.removeprefix("mint-"), png)
-    return [md, *pngs]
+    return write_report(out_dir, markdown(res, result_file),
+                        {f"mint-{t}.png": partial(plot, res, t) for t in TESTS if res.sizes(t)})
 
 
 # -- ratios -------------------------------------------------------------------------
@@ -205,11 +192,6 @@ def ms(ns: float | None) -> str:
     return f"{v:.3f}" if v < 10 else f"{v:.2f}" if v < 100 else f"{v:.1f}"
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
-            *("| " + " | ".join(r) + " |" for r in rows)]
-
-
 def _size(size: int | None) -> str:
     return "—" if size is None else f"{size} KiB"
 
@@ -242,7 +224,7 @@ def results_section(res: Result, test: str) -> list[str]:
                 cells.append(f"{ms(row.median_ns)} ({ms(row.min_ns)}–{ms(row.max_ns)})")
                 mcycles = f"{row.median_cycles / 1e6:.1f}"
             rows.append(cells + ([mcycles] if test == "register" else []))
-    return lines + _table(headers, rows) + [""]
+    return lines + table(headers, rows) + [""]
 
 
 def ratio_section(res: Result, test: str) -> list[str]:
@@ -257,7 +239,7 @@ def ratio_section(res: Result, test: str) -> list[str]:
         rows.append(cells)
     headers = ["comparison", "paper (KVM)",
                *(f"fusuma {_size(s)}" if s else "fusuma" for s in sizes)]
-    return [f"### {test}", "", *_table(headers, rows), ""]
+    return [f"### {test}", "", *table(headers, rows), ""]
 
 
 def markdown(res: Result, source: Path) -> str:
@@ -274,7 +256,7 @@ def markdown(res: Result, source: Path) -> str:
              f"and {m.get('guest_memory_mib')} MiB. Each figure is the median of the "
              "repetitions (time of one repetition: M increments, N copies or L reads).", "",
              "## Configurations", ""]
-    lines += _table(["config", "label", "what"],
+    lines += table(["config", "label", "what"],
                     [[str(c), res.label(c), res.description(c)] for c in CONFIG_IDS])
     lines += ["", "## Results", ""]
     for test in TESTS:
@@ -315,15 +297,9 @@ _COLOURS = {1: "#4c72b0", 2: "#4c72b0", 3: "#4c72b0", 4: "#dd8452", 5: "#dd8452"
 def plot(res: Result, test: str, png: Path) -> None:
     """One bar per configuration (its figure, whiskers: fastest and slowest repetition
     of its probes), one panel per size, like the paper's figures 5-10."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes = res.sizes(test)
-    fig, axes = plt.subplots(1, len(sizes), figsize=(max(6.5, 4.6 * len(sizes)), 4.4),
-                             squeeze=False)
-    try:
+    with figure(png, ncols=len(sizes), figsize=(max(6.5, 4.6 * len(sizes)), 4.4),
+                squeeze=False) as (fig, axes):
         for ax, size in zip(axes[0], sizes, strict=True):
             configs = [c for c in CONFIG_IDS if res.figure(c, test, size) is not None]
             ys = [(res.figure(c, test, size) or 0.0) / 1e6 for c in configs]
@@ -350,7 +326,3 @@ def plot(res: Result, test: str, png: Path) -> None:
         fig.suptitle(f"Mint evaluation on fusuma: {test} ({res.meta.get('accel')})\n"
                      "blue: host probe, orange: VMs, red: VM beside a CPU hog; whiskers: "
                      "fastest and slowest repetition", fontsize=8.5)
-        fig.tight_layout()
-        fig.savefig(png, dpi=120)
-    finally:
-        plt.close(fig)

@@ -7,39 +7,39 @@ a target without numbers is NOT MEASURED, never PASS.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from fusuma.errors import SpecError
+from fusuma_bench.report import (
+    FAIL,
+    PASS,
+    UNMEASURED,
+    dash,
+    figure,
+    load_result,
+    table,
+    write_report,
+)
 
 TARGET_SEGMENT_PCT = 25.0      # the DCSS paper's own figure
 TARGET_BEST_PCT = 75.0
 TARGET_FIT_RATIO = 3.0
 TARGET_CLONE_PRIVATE = 0.30
 TARGET_CLONE_AGENT_MS = 300.0
-PASS, FAIL, UNMEASURED = "PASS", "FAIL", "NOT MEASURED"
 # The paper's rows and the nearest fusuma mode: NSS shares the kernel's pages (here a
 # template's clones share them, with the rest of the booted guest).
 TABLE1_OURS = {"DASD": "none", "NSS (kernel shared)": "template",
                "DCSS (root fs shared)": "segment", "NSS+DCSS": "segment+ksm"}
 
 
-def load(path: Path) -> dict[str, Any]:
-    try:
-        data: dict[str, Any] = json.loads(path.read_text())
-        if data["meta"].get("benchmark") != "density":
-            raise ValueError(f"its benchmark is {data['meta'].get('benchmark')!r}")
-        if not isinstance(data["results"], list):
-            raise TypeError("results must be a list")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise SpecError(f"{path} is not a `fusuma bench density` result file ({exc}).") \
-            from exc
+def _parse(data: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(data["results"], list):
+        raise TypeError("results must be a list")
     return data
 
 
-def _fmt(x: Any, unit: str = "") -> str:
-    return "–" if x is None else f"{x}{unit}"
+def load(path: Path) -> dict[str, Any]:
+    return load_result(path, "density", _parse)
 
 
 def _row(data: dict[str, Any], mode: str) -> dict[str, Any] | None:
@@ -104,12 +104,8 @@ def targets(data: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 def render(result_file: Path, out_dir: Path) -> list[Path]:
     data = load(result_file)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    png = out_dir / "density.png"
-    _plot(data, png)
-    md = out_dir / "report.md"
-    md.write_text(markdown(data, png.name))
-    return [md, png]
+    return write_report(out_dir, markdown(data, "density.png"),
+                        {"density.png": lambda png: _plot(data, png)})
 
 
 def markdown(data: dict[str, Any], png: str) -> str:
@@ -136,14 +132,12 @@ def markdown(data: dict[str, Any], png: str) -> str:
         "started while the last VM's cost fits once more; one that lands above the "
         "budget is removed again. `per added VM` is (host(N) - host(1)) / (N - 1); "
         "`saving` compares it with mode none. Under TCG each QEMU holds a translation "
-        f"buffer of {_fmt(m.get('tcg_tb_mib'))} MiB that a KVM host does not: the "
+        f"buffer of {dash(m.get('tcg_tb_mib'))} MiB that a KVM host does not: the "
         "column without it shows the rest.",
         "",
         "## Targets",
         "",
-        "| target | measured | verdict |",
-        "|---|---|---|",
-        *[f"| {t} | {v} | {k} |" for t, v, k in targets(data)],
+        *table(["target", "measured", "verdict"], [list(t) for t in targets(data)]),
         "",
         "## Per mode",
         "",
@@ -154,12 +148,12 @@ def markdown(data: dict[str, Any], png: str) -> str:
     ]
     for r in data["results"]:
         lines.append(
-            f"| {r['mode']} | {r['vms']} | {r['stop']} | {_fmt(r['first_vm_mib'])} | "
-            f"{_fmt(r['per_vm_mib'])} | {_fmt(r['saving_pct'], '%')} | "
-            f"{_fmt(r['per_vm_without_tcg_buffer_mib'])} | {_fmt(r['start_ms_median'])} | "
-            f"{_fmt(r['requests_per_s'])} | {_fmt(r['private_mib_median'])} | "
-            f"{_fmt(r['ksm_saved_mib'])} | "
-            f"{_fmt(r['page_cache_mib'][-1] if r.get('page_cache_mib') else None)} |")
+            f"| {r['mode']} | {r['vms']} | {r['stop']} | {dash(r['first_vm_mib'])} | "
+            f"{dash(r['per_vm_mib'])} | {dash(r['saving_pct'], '%')} | "
+            f"{dash(r['per_vm_without_tcg_buffer_mib'])} | {dash(r['start_ms_median'])} | "
+            f"{dash(r['requests_per_s'])} | {dash(r['private_mib_median'])} | "
+            f"{dash(r['ksm_saved_mib'])} | "
+            f"{dash(r['page_cache_mib'][-1] if r.get('page_cache_mib') else None)} |")
     notes = [r for r in data["results"] if r.get("note")]
     if notes:
         lines += ["", *[f"- **{r['mode']}**: {r['note']}" for r in notes]]
@@ -184,21 +178,21 @@ def _paper(data: dict[str, Any]) -> list[str]:
         if r is None:
             return "–"
         if mode == "none":
-            return f"{r['mode']}: {_fmt(r['per_vm_mib'])} MiB per added VM"
-        return (f"{r['mode']}: {_fmt(r['per_vm_mib'])} MiB, saved "
-                f"{_fmt(r['saving_pct'], '%')}")
+            return f"{r['mode']}: {dash(r['per_vm_mib'])} MiB per added VM"
+        return (f"{r['mode']}: {dash(r['per_vm_mib'])} MiB, saved "
+                f"{dash(r['saving_pct'], '%')}")
 
     lines = ["", "## Beside the DCSS paper (z/VM 5.2/5.4, System z, WSS per Linux guest)",
              "", "Table 1, memory sharing efficiency of the Linux OS, per guest:", "",
              "| method | WSS MB | saved | nearest fusuma mode, this run |", "|---|---|---|---|"]
     for r in paper["table1"]:
-        lines.append(f"| {r['method']} | {r['wss_mb']} | {_fmt(r['saved_pct'], '%')} | "
+        lines.append(f"| {r['method']} | {r['wss_mb']} | {dash(r['saved_pct'], '%')} | "
                      f"{mine(TABLE1_OURS.get(r['method']))} |")
     lines += ["", "Table 3, apache2 (memory apache2 took per guest):", "",
               "| method | apache2 MB | saved | fusuma, this run (whole guest with apache2) |",
               "|---|---|---|---|"]
     for r, mode in zip(paper["table3"], ("none", "segment"), strict=False):
-        lines.append(f"| {r['method']} | {r['apache2_mb']} | {_fmt(r['saved_pct'], '%')} | "
+        lines.append(f"| {r['method']} | {r['apache2_mb']} | {dash(r['saved_pct'], '%')} | "
                      f"{mine(mode)} |")
     lines += ["", "Peers: " + "; ".join(f"{p['system']} {p['saved_pct']}%"
                                         for p in paper.get("peers", [])) + "."]
@@ -206,12 +200,11 @@ def _paper(data: dict[str, Any]) -> list[str]:
 
 
 def _plot(data: dict[str, Any], png: Path) -> None:
-    import matplotlib
+    with figure(png, dpi=110, ncols=2, figsize=(12, 4.5)) as (fig, (ax, bx)):
+        _draw(data, fig, ax, bx)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+def _draw(data: dict[str, Any], fig: Any, ax: Any, bx: Any) -> None:
     rows = [r for r in data["results"] if r["vms"]]
     for r in rows:
         ax.plot([p["vms"] for p in r["host_mib"]], [p["mib"] for p in r["host_mib"]],
@@ -235,6 +228,3 @@ def _plot(data: dict[str, Any], png: Path) -> None:
     bx.tick_params(axis="x", labelrotation=20)
     bx.legend(fontsize=8)
     fig.suptitle(f"fusuma bench density: budget {data['meta']['budget_mib']} MiB")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)

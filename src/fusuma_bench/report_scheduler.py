@@ -9,13 +9,23 @@ file has no numbers for is NOT MEASURED, never PASS.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fusuma.errors import SpecError
+from fusuma_bench.report import (
+    FAIL,
+    PASS,
+    UNMEASURED,
+    Check,
+    check_table,
+    figure,
+    load_result,
+    table,
+    write_report,
+)
 
 # The paper's figures (papers/README.md §2). Its text gives the values at 16 dummies
 # only, relative to the O(1) scheduler: CFS ~20%, CFS with nice -5 ~40%, O(1) flat.
@@ -29,16 +39,8 @@ TARGET_GOVERNOR = 95.0     # governor keeps >= this % of solo at 16 CPU-bound du
 TARGET_DEFAULT = 30.0      # ... while default falls below this
 TARGET_AT = 16
 
-PASS, FAIL, UNMEASURED = "PASS", "FAIL", "NOT MEASURED"
 STYLES = {"default": ("tab:red", "o"), "nice": ("tab:orange", "s"),
           "governor": ("tab:green", "^"), "partition": ("tab:blue", "D")}
-
-
-@dataclass(frozen=True)
-class Check:
-    target: str
-    measured: str
-    verdict: str
 
 
 @dataclass(frozen=True)
@@ -65,30 +67,22 @@ class Result:
                       if r["policy"] == policy and r["dummy_load"] == load)
 
 
+def parse(data: dict[str, Any]) -> Result:
+    rows = [dict(r) for r in data["results"]]
+    for r in rows:
+        float(r["index"]), int(r["dummies"]), str(r["policy"]), str(r["dummy_load"])
+    return Result(dict(data["meta"]), dict(data.get("solo") or {}), rows,
+                  list(data.get("dummy_progress") or []))
+
+
 def load(path: Path) -> Result:
-    try:
-        data = json.loads(path.read_text())
-        if data["meta"].get("benchmark") != "scheduler":
-            raise ValueError("not a scheduler result file")
-        rows = [dict(r) for r in data["results"]]
-        for r in rows:
-            float(r["index"]), int(r["dummies"]), str(r["policy"]), str(r["dummy_load"])
-        return Result(dict(data["meta"]), dict(data.get("solo") or {}), rows,
-                      list(data.get("dummy_progress") or []))
-    except OSError as exc:
-        raise SpecError(f"cannot read result file {path}: {exc.strerror}.") from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SpecError(f"{path} is not a scheduler result file ({exc}); make one with "
-                        "`fusuma bench scheduler --json FILE`.") from exc
+    return load_result(path, "scheduler", parse)
 
 
 def render(result_file: Path, out_dir: Path) -> list[Path]:
     res = load(result_file)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md, png = out_dir / "report.md", out_dir / "scheduler.png"
-    md.write_text(markdown(res, result_file))
-    plot(res, png)
-    return [md, png]
+    return write_report(out_dir, markdown(res, result_file),
+                        {"scheduler.png": partial(plot, res)})
 
 
 # -- checks -------------------------------------------------------------------------
@@ -183,11 +177,6 @@ def _f(x: float | None) -> str:
 
 
 # -- markdown -----------------------------------------------------------------------
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
-            *("| " + " | ".join(r) + " |" for r in rows)]
-
-
 def markdown(res: Result, source: Path) -> str:
     m = res.meta
     counts = sorted({int(r["dummies"]) for r in res.rows})
@@ -207,15 +196,14 @@ def markdown(res: Result, source: Path) -> str:
              " against their mean).", ""]
     for ld in loads:
         lines += [f"## Index with {'CPU-bound' if ld == 'cpu' else 'idle'} dummies", ""]
-        lines += _table(["policy", *[str(n) for n in counts]],
+        lines += table(["policy", *[str(n) for n in counts]],
                         [[p, *[_f(res.index(p, n, ld)) for n in counts]] for p in policies])
         lines.append("")
     lines += ["## Targets", ""]
-    lines += _table(["target", "measured", "verdict"],
-                    [[c.target, c.measured, f"**{c.verdict}**"] for c in checks(res)])
+    lines += check_table(checks(res))
     if res.progress:
         lines += ["", "## Dummy progress with the target idle", ""]
-        lines += _table(["policy", "dummies", "progressing (read)", "iterations/s (all)",
+        lines += table(["policy", "dummies", "progressing (read)", "iterations/s (all)",
                          "slowest dummy /s", "dummy CPU %"],
                         [[str(p["policy"]), str(p["dummies"]),
                           f"{p.get('progressing')}/{p['dummies']} "
@@ -224,7 +212,7 @@ def markdown(res: Result, source: Path) -> str:
                           str(p.get("dummy_cpu_pct"))] for p in res.progress])
     lines += ["", "## Per test (relative to solo)", ""]
     tests = list(m.get("tests", []))
-    lines += _table(["policy", "dummies", "load", *tests, "index", "run indexes",
+    lines += table(["policy", "dummies", "load", *tests, "index", "run indexes",
                      "target cpu %", "vCPU wait %", "other threads wait %", "steal %"],
                     [[str(r["policy"]), str(r["dummies"]), str(r["dummy_load"]),
                       *[_f(100 * (r["tests"].get(t, {}).get("relative") or math.nan))
@@ -261,13 +249,7 @@ def markdown(res: Result, source: Path) -> str:
 
 # -- plot ---------------------------------------------------------------------------
 def plot(res: Result, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    try:
+    with figure(png, figsize=(7.5, 4.8)) as (_, ax):
         for label, pts in PAPER_CURVES.items():
             ax.plot([p[0] for p in pts], [p[1] for p in pts], color="gray", alpha=0.6,
                     linestyle=":" if "O(1)" in label else "--", linewidth=1.2, label=label)
@@ -289,7 +271,3 @@ def plot(res: Result, png: Path) -> None:
                      f"{len(res.meta.get('cores', []))} cores)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        fig.savefig(png, dpi=120)
-    finally:
-        plt.close(fig)

@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fusuma.bench.meta import meta
 from fusuma.capacity import SUPERVISOR_MIB, vm_overhead
 from fusuma.errors import FusumaError, GuestAgentError, ResourceError
 from fusuma.host.accel import probe_accel
@@ -41,6 +40,7 @@ from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.supervisor import rpc
 from fusuma.vm import VmManager
+from fusuma_bench.report import meta
 
 LOG = logging.getLogger(__name__)
 

@@ -47,9 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fusuma.bench.meta import meta
 from fusuma.errors import FusumaError, NotFoundError, ResourceError, SpecError
 from fusuma.supervisor import rpc
+from fusuma_bench.report import meta
 
 if TYPE_CHECKING:
     from fusuma.partition.manager import PartitionManager

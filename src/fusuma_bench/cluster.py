@@ -33,9 +33,9 @@ from typing import Any
 
 import yaml
 
-from fusuma.bench.meta import meta
 from fusuma.cluster.lab import Lab, LabHost
 from fusuma.errors import FusumaError
+from fusuma_bench.report import meta
 
 TARGETS = {"in_host_downtime_ms_median": 10.0, "between_hosts_total_ms_median": 2000.0,
            "failover_after_expiry_s": 30.0}

@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from fusuma.bench.meta import meta
 from fusuma.errors import ConflictError, FusumaError, ResourceError
 from fusuma.supervisor import rpc
+from fusuma_bench.report import meta
 
 if TYPE_CHECKING:
     from fusuma.partition.manager import PartitionManager
@@ -272,8 +272,8 @@ def daemon(fusuma: list[str], env: dict[str, str], log: Path) -> Iterator[dict[s
 def run(parts: PartitionManager, vms_mgr: VmManager, n: int,
         progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     from fusuma.api.server import _in_use, api_socket
-    from fusuma.bench.cli import fusuma_argv
     from fusuma.host.accel import probe_accel
+    from fusuma_bench.clitime import fusuma_argv
 
     accel = probe_accel("auto").name
     sock = api_socket(parts.paths)

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fusuma.bench.meta import meta
 from fusuma.capacity import SUPERVISOR_MIB
 from fusuma.errors import FusumaError, ResourceError
 from fusuma.host.accel import probe_accel
@@ -23,6 +22,7 @@ from fusuma.qemu.cmdline import overhead_mib
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.supervisor import rpc
 from fusuma.vm import VmManager
+from fusuma_bench.report import meta
 
 PARTITION = "bench-boot"
 

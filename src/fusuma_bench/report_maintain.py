@@ -8,18 +8,29 @@ how much, and why.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fusuma.errors import SpecError
+from fusuma_bench.report import (
+    FAIL,
+    PASS,
+    UNMEASURED,
+    Check,
+    check_table,
+    figure,
+    fixed,
+    load_result,
+    opt_float,
+    table,
+    write_report,
+)
 
 TARGET_DOWNTIME_MS = 5.0     # every move's downtime, zero-copy and cpr-transfer
 TARGET_MAINTAIN_S = 2.0      # the whole maintain of TARGET_VMS VMs, by the faster method
 TARGET_VMS = 16
-PASS, FAIL, UNMEASURED = "PASS", "FAIL", "NOT MEASURED"
 LABELS = {"zero-copy": "--via, zero-copy (2 moves per VM + supervisor restart)",
           "cpr-transfer": "--in-place, cpr-transfer (1 move per VM)"}
 
@@ -40,13 +51,6 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Check:
-    target: str
-    measured: str
-    verdict: str
-
-
-@dataclass(frozen=True)
 class Result:
     meta: dict[str, Any]
     rows: list[Row]
@@ -62,39 +66,27 @@ class Result:
         return sorted({r.vms for r in self.rows})
 
 
-def _opt(value: Any) -> float | None:
-    return None if value is None else float(value)
+def parse(data: dict[str, Any]) -> Result:
+    rows = [Row(method=str(r["method"]), vms=int(r["vms"]),
+                from_qemu=str(r["from_qemu"]), to_qemu=str(r["to_qemu"]),
+                maintain_s=opt_float(r["maintain_s"]), moves=int(r["moves"]),
+                downtime_ms_max=opt_float(r["downtime_ms_max"]),
+                downtime_ms_median=opt_float(r["downtime_ms_median"]),
+                bytes_sent_median=opt_float(r["bytes_sent_median"]),
+                data_intact=bool(r["data_intact"]), error=r.get("error"))
+            for r in data["results"]]
+    return Result(meta=dict(data["meta"]), rows=rows, moves=list(data["moves"]))
 
 
 def load(path: Path) -> Result:
-    try:
-        data = json.loads(path.read_text())
-        if data["meta"].get("benchmark") != "maintain":
-            raise ValueError("not a maintain result file")
-        rows = [Row(method=str(r["method"]), vms=int(r["vms"]),
-                    from_qemu=str(r["from_qemu"]), to_qemu=str(r["to_qemu"]),
-                    maintain_s=_opt(r["maintain_s"]), moves=int(r["moves"]),
-                    downtime_ms_max=_opt(r["downtime_ms_max"]),
-                    downtime_ms_median=_opt(r["downtime_ms_median"]),
-                    bytes_sent_median=_opt(r["bytes_sent_median"]),
-                    data_intact=bool(r["data_intact"]), error=r.get("error"))
-                for r in data["results"]]
-        return Result(meta=dict(data["meta"]), rows=rows, moves=list(data["moves"]))
-    except OSError as exc:
-        raise SpecError(f"cannot read result file {path}: {exc.strerror}.") from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SpecError(f"{path} is not a maintain result file ({exc}); make one with "
-                        "`fusuma bench maintain --json FILE`.") from exc
+    return load_result(path, "maintain", parse)
 
 
 def render(result_file: Path, out_dir: Path) -> list[Path]:
     """Write report.md and maintain.png for ``result_file`` into ``out_dir``."""
     res = load(result_file)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md, png = out_dir / "report.md", out_dir / "maintain.png"
-    md.write_text(markdown(res, result_file))
-    plot(res, png)
-    return [md, png]
+    return write_report(out_dir, markdown(res, result_file),
+                        {"maintain.png": partial(plot, res)})
 
 
 # -- checks -------------------------------------------------------------------------
@@ -140,15 +132,6 @@ def checks(res: Result) -> list[Check]:
 
 
 # -- markdown -----------------------------------------------------------------------
-def _fmt(x: float | None, digits: int = 2) -> str:
-    return "unknown" if x is None else f"{x:.{digits}f}"
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
-            *("| " + " | ".join(r) + " |" for r in rows)]
-
-
 def verdict_text(res: Result) -> list[str]:
     """Which method wins, by how much, and why (from the numbers in the file)."""
     lines = []
@@ -161,8 +144,8 @@ def verdict_text(res: Result) -> list[str]:
         times = lose.maintain_s / max(win.maintain_s, 1e-9)
         lines.append(f"- {n} VM(s): **{win.method}** in {win.maintain_s:.2f} s against "
                      f"{lose.maintain_s:.2f} s ({times:.1f}x); "
-                     f"downtime max {_fmt(win.downtime_ms_max)} vs "
-                     f"{_fmt(lose.downtime_ms_max)} ms.")
+                     f"downtime max {fixed(win.downtime_ms_max)} vs "
+                     f"{fixed(lose.downtime_ms_max)} ms.")
     if not lines:
         return ["Only one method was measured (run with `--in-place` for both)."]
     return [*lines, "",
@@ -198,19 +181,18 @@ def markdown(res: Result, source: Path) -> str:
              "`maintain --in-place` moves the same VMs to new QEMU "
              f"{m.get('to_version')} processes by cpr-transfer.", "",
              "## Results", ""]
-    lines += _table(["method", "VMs", "QEMU", "maintain_s", "moves", "downtime_ms max",
+    lines += table(["method", "VMs", "QEMU", "maintain_s", "moves", "downtime_ms max",
                      "downtime_ms median", "bytes/move (median)", "data_intact"],
                     [[LABELS.get(r.method, r.method), str(r.vms),
-                      f"{r.from_qemu} -> {r.to_qemu}", _fmt(r.maintain_s), str(r.moves),
-                      _fmt(r.downtime_ms_max), _fmt(r.downtime_ms_median),
+                      f"{r.from_qemu} -> {r.to_qemu}", fixed(r.maintain_s), str(r.moves),
+                      fixed(r.downtime_ms_max), fixed(r.downtime_ms_median),
                       "unknown" if r.bytes_sent_median is None
                       else f"{r.bytes_sent_median / 1000:.0f} KB",
                       str(r.data_intact).lower()]
                      for r in sorted(res.rows, key=lambda r: (r.vms, r.method))])
     lines += ["", "## Which method wins", "", *verdict_text(res)]
     lines += ["", "## Targets", ""]
-    lines += _table(["target", "measured", "verdict"],
-                    [[c.target, c.measured, f"**{c.verdict}**"] for c in checks(res)])
+    lines += check_table(checks(res))
     problems = [f"- {r.method} x{r.vms}: {r.error}" for r in res.rows if r.error]
     if problems:
         lines += ["", "## Problems seen", "", *problems]
@@ -234,13 +216,7 @@ def markdown(res: Result, source: Path) -> str:
 
 # -- plot ---------------------------------------------------------------------------
 def plot(res: Result, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    try:
+    with figure(png, ncols=2, figsize=(11, 4.5)) as (_, (left, right)):
         styles = {"zero-copy": ("tab:blue", "o"), "cpr-transfer": ("tab:orange", "s")}
         counts = res.counts()
         for method in res.methods():
@@ -275,7 +251,3 @@ def plot(res: Result, png: Path) -> None:
                        f"{res.meta.get('to_version')} ({res.meta.get('accel')})")
         right.set_ylabel("downtime per move (ms)")
         right.set_title("guest downtime of each move")
-        fig.tight_layout()
-        fig.savefig(png, dpi=120)
-    finally:
-        plt.close(fig)

@@ -36,10 +36,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from fusuma.bench.meta import meta
 from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, HostError, ResourceError
 from fusuma.host.accel import probe_accel
@@ -52,6 +50,7 @@ from fusuma.partition.manager import PartitionManager
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
+from fusuma_bench.report import meta
 
 LOG = logging.getLogger(__name__)
 
@@ -430,10 +429,3 @@ def _cleanup(parts: PartitionManager, segs: SegmentManager, progress: Progress) 
             segs.delete(SEGMENT)
         except FusumaError as exc:
             progress(f"cleanup of segment {SEGMENT} failed: {exc}")
-
-
-def load_result(path: Path) -> dict[str, Any]:
-    import json
-
-    data: dict[str, Any] = json.loads(path.read_text())
-    return data

@@ -8,13 +8,25 @@ PASS.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fusuma.errors import SpecError
+from fusuma_bench.report import (
+    FAIL,
+    PASS,
+    UNMEASURED,
+    Check,
+    check_table,
+    figure,
+    fixed,
+    load_result,
+    opt_float,
+    table,
+    write_report,
+)
 
 # The paper's figures (papers/README.md §3): Xen P2M swap between two guest
 # hypervisors on a Xeon E5-2665.
@@ -32,9 +44,6 @@ TARGET_SPEEDUP = 50.0        # copy total / zero-copy total at TARGET_SPEEDUP_MI
 TARGET_SPEEDUP_MIB = 1024
 
 TICK_MS = 10.0               # /proc/<pid>/stat CPU time resolution (USER_HZ 100)
-
-PASS, FAIL, UNMEASURED = "PASS", "FAIL", "NOT MEASURED"
-
 
 @dataclass(frozen=True)
 class Row:
@@ -61,13 +70,6 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Check:
-    target: str
-    measured: str
-    verdict: str
-
-
-@dataclass(frozen=True)
 class Result:
     meta: dict[str, Any]
     rows: list[Row]
@@ -82,40 +84,28 @@ class Result:
                       if r.mode == mode and r.total_ms is not None)
 
 
-def _opt(value: Any) -> float | None:
-    return None if value is None else float(value)
+def parse(data: dict[str, Any]) -> Result:
+    planned = int(data["meta"]["moves"])
+    rows = [Row(mode=str(r["mode"]), memory_mib=int(r["memory_mib"]),
+                total_ms=opt_float(r["total_ms"]), downtime_ms=opt_float(r["downtime_ms"]),
+                bytes_sent=None if r["bytes_sent"] is None else int(r["bytes_sent"]),
+                cpu_s=opt_float(r["cpu_s"]), data_intact=bool(r["data_intact"]),
+                moves=int(r["moves"]), planned=planned,
+                kernel_errors=int(r.get("guest_kernel_errors", 0)),
+                error=r.get("error"))
+            for r in data["results"]]
+    return Result(meta=dict(data["meta"]), rows=rows, moves=list(data["moves"]))
 
 
 def load(path: Path) -> Result:
-    try:
-        data = json.loads(path.read_text())
-        if data["meta"].get("benchmark") != "vmbeam":
-            raise ValueError("not a vmbeam result file")
-        planned = int(data["meta"]["moves"])
-        rows = [Row(mode=str(r["mode"]), memory_mib=int(r["memory_mib"]),
-                    total_ms=_opt(r["total_ms"]), downtime_ms=_opt(r["downtime_ms"]),
-                    bytes_sent=None if r["bytes_sent"] is None else int(r["bytes_sent"]),
-                    cpu_s=_opt(r["cpu_s"]), data_intact=bool(r["data_intact"]),
-                    moves=int(r["moves"]), planned=planned,
-                    kernel_errors=int(r.get("guest_kernel_errors", 0)),
-                    error=r.get("error"))
-                for r in data["results"]]
-        return Result(meta=dict(data["meta"]), rows=rows, moves=list(data["moves"]))
-    except OSError as exc:
-        raise SpecError(f"cannot read result file {path}: {exc.strerror}.") from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SpecError(f"{path} is not a vmbeam result file ({exc}); make one with "
-                        "`fusuma bench vmbeam --json FILE`.") from exc
+    return load_result(path, "vmbeam", parse)
 
 
 def render(result_file: Path, out_dir: Path) -> list[Path]:
     """Write report.md and vmbeam.png for ``result_file`` into ``out_dir``."""
     res = load(result_file)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md, png = out_dir / "report.md", out_dir / "vmbeam.png"
-    md.write_text(markdown(res, result_file))
-    plot(res, png)
-    return [md, png]
+    return write_report(out_dir, markdown(res, result_file),
+                        {"vmbeam.png": partial(plot, res)})
 
 
 # -- checks -------------------------------------------------------------------------
@@ -180,15 +170,6 @@ def checks(res: Result) -> list[Check]:
 
 
 # -- markdown -----------------------------------------------------------------------
-def _fmt(x: float | None, digits: int = 2) -> str:
-    return "unknown" if x is None else f"{x:.{digits}f}"
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
-            *("| " + " | ".join(r) + " |" for r in rows)]
-
-
 def markdown(res: Result, source: Path) -> str:
     m = res.meta
     lines = ["# VMBeam on fusuma", "",
@@ -200,23 +181,22 @@ def markdown(res: Result, source: Path) -> str:
              "guest keeps dirtying memory; after every move the md5 of a random blob in the "
              "guest is compared with its value before the first move.", "",
              "## Results", ""]
-    lines += _table(["mode", "memory_mib", "total_ms", "downtime_ms", "bytes_sent", "cpu_s",
+    lines += table(["mode", "memory_mib", "total_ms", "downtime_ms", "bytes_sent", "cpu_s",
                      "data_intact"],
-                    [[r.mode, str(r.memory_mib), _fmt(r.total_ms), _fmt(r.downtime_ms),
+                    [[r.mode, str(r.memory_mib), fixed(r.total_ms), fixed(r.downtime_ms),
                       "unknown" if r.bytes_sent is None else str(r.bytes_sent),
-                      _fmt(r.cpu_s, 3), str(r.data_intact).lower()
+                      fixed(r.cpu_s, 3), str(r.data_intact).lower()
                       + ("" if r.moves == r.planned else f" ({r.moves}/{r.planned} moves)")]
                      for r in sorted(res.rows, key=lambda r: (r.mode != "zero-copy",
                                                               r.memory_mib))])
     lines += ["", "## copy / zero-copy", ""]
     sizes = sorted({r.memory_mib for r in res.rows})
-    lines += _table(["memory_mib", "zero-copy total_ms", "copy total_ms", "copy / zero-copy"],
-                    [[str(s), _fmt(_total(res, "zero-copy", s)), _fmt(_total(res, "copy", s)),
+    lines += table(["memory_mib", "zero-copy total_ms", "copy total_ms", "copy / zero-copy"],
+                    [[str(s), fixed(_total(res, "zero-copy", s)), fixed(_total(res, "copy", s)),
                       "n/a" if ratio(res, s) is None else f"{ratio(res, s):.1f}x"]
                      for s in sizes])
     lines += ["", "## Targets", ""]
-    lines += _table(["target", "measured", "verdict"],
-                    [[c.target, c.measured, f"**{c.verdict}**"] for c in checks(res)])
+    lines += check_table(checks(res))
     lines += ["", "## Beside the paper", "", *_paper_table(res)]
     problems = _problems(res)
     if problems:
@@ -284,18 +264,12 @@ def _paper_table(res: Result) -> list[str]:
              if r else nm, "-"],
             ["CPU during the move", f"{PAPER_CPU_SWAP_PCT}% (swap) vs {PAPER_CPU_NET_PCT}% "
              "(network)", _cpu(zrow), _cpu(crow)]]
-    return _table(["", "VMBeam (paper)", "fusuma zero-copy", "fusuma copy"], rows)
+    return table(["", "VMBeam (paper)", "fusuma zero-copy", "fusuma copy"], rows)
 
 
 # -- plot ---------------------------------------------------------------------------
 def plot(res: Result, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    try:
+    with figure(png, figsize=(7, 4.5)) as (_, ax):
         styles = {"zero-copy": ("tab:blue", "o"), "copy": ("tab:red", "s")}
         for mode, (color, marker) in styles.items():
             sizes = res.sizes(mode)
@@ -329,7 +303,3 @@ def plot(res: Result, png: Path) -> None:
                      f"{res.meta.get('moves')} moves each)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(png, dpi=120)
-    finally:
-        plt.close(fig)
