@@ -31,7 +31,7 @@ HEAVY = ("matplotlib", "fastapi", "uvicorn", "kubernetes", "kopf")
 # The supervisor's own modules (its client and protocol are light: commands that ask a
 # supervisor something import those).
 SUPERVISOR = ("fusuma.supervisor.daemon", "fusuma.supervisor.host", "fusuma.supervisor.vms",
-              "fusuma.qemu.instance", "fusuma.migration.dest", "fusuma.migration.source")
+              "fusuma.supervisor.moves", "fusuma.qemu.instance")
 READ_ONLY = (*HEAVY, "pydantic", "fusuma.spec", "fusuma_bench", "fusuma.images",
              "fusuma.supervisor", "fusuma.partition.manager", "qemu", "asyncio")
 # `fusuma --help` lists the commands packages add, from their own help: it imports

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from fusuma.migration import MigrationResult
-from fusuma.migration.cpr import in_place_side
 from fusuma.migration.inplace import has_cpr
 from fusuma.qemu.cmdline import VmConfig, build_argv, cpr_channel
 from fusuma.qemu.instance import Role
 from fusuma.qemu.versions import Qemu, features_for
 from fusuma.state import Job, JobOwner, VmRecord
+from fusuma.supervisor.moves.cpr import in_place_side
 from fusuma_bench import report_maintain
 
 

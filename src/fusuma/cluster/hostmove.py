@@ -22,7 +22,7 @@ runs twice, and never runs from an older state after it ran at the destination.
 
 A failure before "forward" (the stream fails, B's QEMU dies, B's Lease expires while A
 waits) is "back": A resumes its guest and B removes what it made. Each agent holds a job
-on its host's VM for its half (``fusuma.migration.remote``); an agent that restarts
+on its host's VM for its half (``fusuma.supervisor.moves.remote``); an agent that restarts
 mid-move finds ``status.move`` and finishes its half from the recorded decision, or
 records one: A records "back" (B cannot have run the guest without "forward"), B
 records "forward" only if its QEMU holds the whole stream.
@@ -43,8 +43,7 @@ from fusuma.cluster.kube import VM, Obj
 from fusuma.cluster.owners import Owner
 from fusuma.cluster.resources import MOVING, PLACED, RUNNING, VmView, now_iso, set_condition
 from fusuma.errors import FusumaError, MigrationError
-from fusuma.migration.remote import DEST_JOB, SOURCE_JOB
-from fusuma.state import VmState, vm_obj
+from fusuma.state import JobKind, VmState, vm_obj
 from fusuma.supervisor import rpc
 
 if TYPE_CHECKING:
@@ -179,7 +178,7 @@ def begin(a: Agent, r: VmReconciler, v: VmView, local: VmRecord) -> None:
         return       # this spec's move failed a moment ago: not again at once
     move_id = uuid.uuid4().hex[:12]
     record = {f: getattr(local, f) for f in CARRIED if getattr(local, f, None) is not None}
-    with recovery.job(c.parts, vm_obj(v.name), SOURCE_JOB, source=local.partition,
+    with recovery.job(c.parts, vm_obj(v.name), JobKind.HOST_MOVE, source=local.partition,
                       peer=f"{dest}/{part}") as jh:
         c.db.transition(v.name, VmState.MIGRATING, expect={VmState.RUNNING})
         jh.phase("prepare", move=move_id)
@@ -309,7 +308,7 @@ def _recover_source(a: Agent, v: VmView, m: dict[str, Any]) -> None:
     part = str(m.get("from", "/")).split("/", 1)[1]
     decision = m.get("decision") or decide(a, v, str(m.get("id")), "back")
     if c.db.find_vm(v.name) is not None:
-        with recovery.job(c.parts, vm_obj(v.name), SOURCE_JOB, source=part):
+        with recovery.job(c.parts, vm_obj(v.name), JobKind.HOST_MOVE, source=part):
             if decision != "forward":
                 _source_back(a, c, v, str(m.get("id")), part,
                              "the agent restarted mid-move")
@@ -343,14 +342,14 @@ def _destination(a: Agent, r: VmReconciler, v: VmView, m: dict[str, Any]) -> Non
     decision = m.get("decision")
     if decision == "back" or m.get("phase") == "Failed":
         if local is not None:
-            with recovery.job(c.parts, vm_obj(v.name), DEST_JOB, source=part):
+            with recovery.job(c.parts, vm_obj(v.name), JobKind.HOST_MOVE_IN, source=part):
                 _dest_abort(c, v.name, part)
             _dest_remove(a, c, v.name)
         return
     if local is None and m.get("phase") != "Preparing":
         return        # nothing here: the source will decide back
     failed: str | None = None
-    with recovery.job(c.parts, vm_obj(v.name), DEST_JOB, source=part) as jh:
+    with recovery.job(c.parts, vm_obj(v.name), JobKind.HOST_MOVE_IN, source=part) as jh:
         try:
             if local is None:
                 _dest_prepare(a, c, v, m, part)

@@ -60,7 +60,7 @@ FAULT_BEFORE_DECIDE = "FUSUMA_FAULT_SLEEP_BEFORE_DECIDE"
 FAULT_STREAM_BPS = "FUSUMA_FAULT_STREAM_BYTES_PER_S"
 FAULT_AFTER_RELEASE = "FUSUMA_FAULT_SLEEP_AFTER_RELEASE"
 # In-place moves: between the new QEMU's start on the guest's descriptors and its
-# migrate-incoming (fusuma.migration.cpr).
+# migrate-incoming (fusuma.supervisor.moves.cpr).
 FAULT_BEFORE_INCOMING = "FUSUMA_FAULT_SLEEP_BEFORE_INCOMING"
 
 
@@ -183,7 +183,7 @@ def _migrate(parts: PartitionManager, jh: recovery.JobHandle, vm: str, to: str, 
     rec = db.vm(vm)
     source = rec.partition
     src, dst = parts.client(source), parts.client(to)
-    # In place (cpr-transfer): one supervisor holds both QEMUs (fusuma.migration.cpr).
+    # In place (cpr-transfer): one supervisor holds both QEMUs (fusuma.supervisor.moves.cpr).
     in_place = mode == CPR_MODE
     db.transition(vm, VmState.MIGRATING, expect={VmState.RUNNING})
     jh.phase("prepare", mode=mode, source_pid=rec.pid)

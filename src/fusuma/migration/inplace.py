@@ -1,4 +1,4 @@
-"""What an in-place move (QEMU's cpr-transfer, ``fusuma.migration.cpr``) needs, checked
+"""What an in-place move (QEMU's cpr-transfer, ``fusuma.supervisor.moves.cpr``) needs, checked
 before anything starts.
 
 An in-place move is a move whose source and destination are the same partition
@@ -21,15 +21,10 @@ from fusuma.qemu import process, versions
 from fusuma.qemu.versions import Qemu, parse_version
 from fusuma.vm import VmView
 
-MODE = "cpr-transfer"
-# The first QEMU release with cpr-transfer and aux-ram-share (fusuma.qemu.versions).
-MIN_VERSION_TEXT = "10.0"
+MODE = versions.CPR_MODE
+MIN_VERSION_TEXT = versions.CPR_MIN_VERSION
 AUX_RAM_SHARE = "aux-ram-share=on"
-
-
-def has_cpr(q: Qemu) -> bool:
-    """True if this QEMU has cpr-transfer and ``-machine aux-ram-share``."""
-    return bool(q.features.get(MODE)) and bool(q.features.get("aux-ram-share"))
+has_cpr = versions.has_cpr
 
 
 def started_for_cpr(pid: int) -> bool:

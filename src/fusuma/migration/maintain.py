@@ -91,7 +91,7 @@ def _maintain(parts: PartitionManager, jh: recovery.JobHandle, partition: str, v
 def maintain_in_place(parts: PartitionManager, partition: str, qemu: str | None = None,
                       progress: Callable[[str], None] = lambda s: None) -> MaintainResult:
     """Move every running VM of ``partition`` to a new QEMU process in the partition
-    itself by cpr-transfer (``fusuma.migration.cpr``), with ``qemu`` (a version or
+    itself by cpr-transfer (``fusuma.supervisor.moves.cpr``), with ``qemu`` (a version or
     path) the partition's QEMU from now on. No second partition is needed. Refused,
     with nothing changed, where a QEMU lacks cpr-transfer (QEMU < 10.0)."""
     with host_lock(parts.paths.home), \

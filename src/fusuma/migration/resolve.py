@@ -65,7 +65,7 @@ def recover_move(parts: PartitionManager, job: Job) -> Outcome:
     source, dest = job.source or "", job.peer or ""
     src = _instances(parts, source, vm)
     if source == dest:
-        # An in-place move (fusuma.migration.cpr): one partition holds both QEMUs,
+        # An in-place move (fusuma.supervisor.moves.cpr): one partition holds both QEMUs,
         # told apart by the old one's pid.
         spid = job.detail.get("source_pid")
         s = next((i for i in src if i.pid == spid), None)

@@ -148,7 +148,7 @@ class VmConfig:
     cpu_off: tuple[str, ...] = ()
     # RAM QEMU allocates implicitly (ROMs, firmware) in memfds, so that a cpr-transfer
     # can hand every RAM block to a new QEMU process (QEMU >= 10.0; the guest cannot
-    # see it). fusuma.migration.cpr
+    # see it). fusuma.supervisor.moves.cpr
     aux_ram_share: bool = False
     # An in-place move's new QEMU: it reads the guest's RAM descriptors from this UNIX
     # socket (cpr channel) before it creates its devices; ``incoming`` is then "defer".

@@ -141,7 +141,7 @@ class QemuInstance:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     status: int | None = None        # exit status (a child's only)
-    # A move's destination side keeps its own state here (fusuma.migration.dest).
+    # A move's destination side keeps its own state here (fusuma.supervisor.moves.dest).
     move: Any = None
     _pidfd: int | None = None
     _runstate: asyncio.Task[None] | None = None

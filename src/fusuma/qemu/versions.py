@@ -594,3 +594,14 @@ def manifest_of(q: Qemu) -> dict[str, Any]:
     if q.root is None:
         return {}
     return _manifest(q.root.parent) or {}
+
+
+# An in-place move's migration mode, and the first QEMU release with it and
+# ``-machine aux-ram-share`` (fusuma.migration.inplace checks a move against them).
+CPR_MODE = "cpr-transfer"
+CPR_MIN_VERSION = "10.0"
+
+
+def has_cpr(q: Qemu) -> bool:
+    """True if this QEMU has cpr-transfer and ``-machine aux-ram-share``."""
+    return bool(q.features.get(CPR_MODE)) and bool(q.features.get("aux-ram-share"))

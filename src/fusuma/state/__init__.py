@@ -7,8 +7,19 @@ processes write safely; conditional updates make their races lose cleanly.
 """
 
 from fusuma.state.db import Database, DiskRecord, PartitionRecord, VmRecord
-from fusuma.state.jobs import Job, JobOwner, busy_sentence, partition_obj, vm_obj
+from fusuma.state.jobs import (
+    LOCAL_JOBS,
+    Decision,
+    Job,
+    JobKind,
+    JobOwner,
+    MovePhase,
+    busy_sentence,
+    partition_obj,
+    vm_obj,
+)
 from fusuma.state.machine import ALIVE, VmState
 
-__all__ = ["ALIVE", "Database", "DiskRecord", "Job", "JobOwner", "PartitionRecord",
-           "VmRecord", "VmState", "busy_sentence", "partition_obj", "vm_obj"]
+__all__ = ["ALIVE", "LOCAL_JOBS", "Database", "Decision", "DiskRecord", "Job", "JobKind",
+           "JobOwner", "MovePhase", "PartitionRecord", "VmRecord", "VmState",
+           "busy_sentence", "partition_obj", "vm_obj"]

@@ -11,6 +11,7 @@ alive is refused with :func:`busy_sentence`; one whose owner is dead runs recove
 
 from __future__ import annotations
 
+import enum
 import os
 import time
 from dataclasses import dataclass, field
@@ -52,11 +53,52 @@ class JobOwner:
         return start_time(self.pid) == self.start
 
 
+class JobKind(enum.StrEnum):
+    """What a job does. Stored as its value; equal to it as a string."""
+
+    START = "start"
+    STOP = "stop"
+    KILL = "kill"
+    TEMPLATE = "template"       # saving a running VM into a template
+    MIGRATE = "migrate"         # a move inside the host (between partitions, in place)
+    DELETE = "delete"
+    RESIZE = "resize"
+    MAINTAIN = "maintain"
+    RECOVER = "recover"
+    HOST_MOVE = "host-move"     # a move between hosts, the source's half
+    HOST_MOVE_IN = "host-move-in"   # ... and the destination's
+
+
+#: Jobs a partition's supervisor owns and recovers itself (the CLI, the API daemon and
+#: the agent own the others).
+LOCAL_JOBS = frozenset({JobKind.START, JobKind.STOP, JobKind.KILL, JobKind.TEMPLATE})
+
+
+class Decision(enum.StrEnum):
+    """A move's outcome, recorded once (``Database.decide``) before either QEMU acts
+    on it: the guest runs on at the destination, or at its source."""
+
+    FORWARD = "forward"
+    BACK = "back"
+
+
+class MovePhase(enum.StrEnum):
+    """A move's phases, each recorded before its step (``fusuma.migration``)."""
+
+    PREPARE = "prepare"         # the destination QEMU is being started
+    PREPARED = "prepared"       # ... and waits for the stream
+    STREAMING = "streaming"     # the source streams
+    STREAMED = "streamed"       # the stream completed: the guest is paused at both
+    SWITCHED = "switched"       # the guest runs at the destination
+    RELEASED = "released"       # the source QEMU has ended
+
+
 # What a job of each kind does, as the busy sentence says it.
-DOING = {
-    "start": "starting", "stop": "stopping", "kill": "being killed",
-    "delete": "being deleted", "resize": "being resized", "maintain": "under maintenance",
-    "recover": "being recovered", "template": "being made into a template",
+DOING: dict[str, str] = {
+    JobKind.START: "starting", JobKind.STOP: "stopping", JobKind.KILL: "being killed",
+    JobKind.DELETE: "being deleted", JobKind.RESIZE: "being resized",
+    JobKind.MAINTAIN: "under maintenance", JobKind.RECOVER: "being recovered",
+    JobKind.TEMPLATE: "being made into a template",
 }
 
 

@@ -13,7 +13,6 @@ import contextlib
 from pathlib import Path
 
 from fusuma.errors import FusumaError, QemuError
-from fusuma.migration import cpr, dest
 from fusuma.qemu import process
 from fusuma.qemu.instance import (
     INCOMING_PREFIX,
@@ -22,10 +21,11 @@ from fusuma.qemu.instance import (
     end_unmanaged,
     remove_run_files,
 )
-from fusuma.state import VmState, vm_obj
+from fusuma.state import LOCAL_JOBS, VmState, vm_obj
 from fusuma.state.machine import ALIVE
 from fusuma.supervisor import vms
-from fusuma.supervisor.host import LOCAL_JOBS, PartitionHost
+from fusuma.supervisor.host import PartitionHost
+from fusuma.supervisor.moves import cpr, dest
 
 
 async def adopt(h: PartitionHost) -> None:

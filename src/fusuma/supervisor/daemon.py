@@ -29,12 +29,12 @@ from typing import Any, TypeVar
 from fusuma.errors import FusumaError, SupervisorError
 from fusuma.governor.loop import Governor
 from fusuma.host import cgroups
-from fusuma.migration import cpr, dest, remote, source
 from fusuma.names import vm_leaf
 from fusuma.paths import Paths
-from fusuma.state import Database
+from fusuma.state import LOCAL_JOBS, Database
 from fusuma.supervisor import adopt, rpc, templates, vms
-from fusuma.supervisor.host import LOCAL_JOBS, PartitionHost
+from fusuma.supervisor.host import PartitionHost
+from fusuma.supervisor.moves import cpr, dest, remote, source
 
 LOG = logging.getLogger("fusuma.supervisor")
 

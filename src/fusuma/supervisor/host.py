@@ -1,7 +1,7 @@
 """What a supervisor's handlers get: one partition's QEMUs, state and cgroups.
 
 :class:`PartitionHost` is the narrow interface every handler receives (VM lifecycle in
-``fusuma.supervisor.vms``, the sides of a move in ``fusuma.migration.source`` /
+``fusuma.supervisor.vms``, the sides of a move in ``fusuma.supervisor.moves.source`` /
 ``dest`` / ``cpr`` / ``remote``, templates in ``fusuma.supervisor.templates``); none
 of them sees the daemon that serves the socket. It holds:
 
@@ -45,12 +45,18 @@ from fusuma.qemu.instance import (
     remove_run_files,
 )
 from fusuma.qemu.qga import GuestAgent
-from fusuma.state import Database, Job, JobOwner, VmRecord, VmState, busy_sentence, vm_obj
+from fusuma.state import (
+    LOCAL_JOBS,
+    Database,
+    Job,
+    JobOwner,
+    VmRecord,
+    VmState,
+    busy_sentence,
+    vm_obj,
+)
 from fusuma.state.machine import valid_transition
 from fusuma.supervisor import config
-
-# Jobs a supervisor owns and recovers itself (the CLI owns moves, deletes, resizes).
-LOCAL_JOBS = ("start", "stop", "kill", "template")
 
 
 class PartitionHost:

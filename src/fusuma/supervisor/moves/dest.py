@@ -31,7 +31,6 @@ from qemu.qmp import EventListener
 
 from fusuma.errors import MigrationError, NotFoundError, QemuError, StateError
 from fusuma.host.accel import probe_accel
-from fusuma.migration.source import MODES, capabilities
 from fusuma.qemu import privilege
 from fusuma.qemu.cmdline import NET_ID, hostfwd
 from fusuma.qemu.instance import INCOMING_PREFIX, QemuInstance, Role
@@ -39,6 +38,7 @@ from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_RESUME, event_time
 from fusuma.state import VmState, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
+from fusuma.supervisor.moves.source import MODES, capabilities
 
 
 @dataclass
@@ -186,7 +186,7 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
             inst.qmp.drop_listener(listener)
     old = h.instances.get(vm)
     if old is not None and old is not inst:
-        # An in-place move (fusuma.migration.cpr): the old QEMU of this partition is
+        # An in-place move (fusuma.supervisor.moves.cpr): the old QEMU of this partition is
         # the leaving side now, ended by ``release``.
         h.instances.change(old, Role.LEAVING)
         old.owns_ram = False

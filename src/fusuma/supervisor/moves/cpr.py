@@ -24,7 +24,7 @@ goes through the migration stream. The protocol, as QEMU 10.0 implements it
    channel (that hang-up is the old QEMU's signal).
 4. old QEMU connects the main channel, stops the guest (cpr always stops it before it
    saves anything: no dirty tracking), sends the device state and enters postmigrate.
-5. From here it is a zero-copy move's end (``fusuma.migration.dest`` and ``source``):
+5. From here it is a zero-copy move's end (``fusuma.supervisor.moves.dest`` and ``source``):
    the new QEMU stays paused (-S) until "forward" is recorded and only then runs
    (``dest.commit``); the old one quits only then (``source.release``), or runs on if
    "back" is recorded
@@ -52,14 +52,16 @@ from typing import Any
 
 from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
 from fusuma.host.accel import probe_accel
-from fusuma.migration.dest import MoveIn, incoming, incoming_run_dir, resume_when_complete
-from fusuma.migration.inplace import MIN_VERSION_TEXT, MODE, has_cpr
-from fusuma.migration.source import leaving, set_mode
 from fusuma.qemu.instance import QemuInstance, Role
 from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_STOP, event_time
+from fusuma.qemu.versions import CPR_MIN_VERSION as MIN_VERSION_TEXT
+from fusuma.qemu.versions import CPR_MODE as MODE
+from fusuma.qemu.versions import has_cpr
 from fusuma.state import Job, VmRecord, VmState, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
+from fusuma.supervisor.moves.dest import MoveIn, incoming, incoming_run_dir, resume_when_complete
+from fusuma.supervisor.moves.source import leaving, set_mode
 
 CPR_SOCKET = "cpr.sock"
 MAIN_SOCKET = "migrate.sock"

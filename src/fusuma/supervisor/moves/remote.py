@@ -25,19 +25,15 @@ from typing import Any
 
 from fusuma.errors import MigrationError, NotFoundError, StateError
 from fusuma.host.accel import probe_accel
-from fusuma.migration.dest import MoveIn, incoming, incoming_run_dir
-from fusuma.migration.source import capabilities
 from fusuma.paths import PRIVATE_DIR, ensure_dir
 from fusuma.qemu import privilege
 from fusuma.qemu.instance import Role
 from fusuma.qemu.qmp import EVENT_MIGRATION
-from fusuma.state import vm_obj
+from fusuma.state import JobKind, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
-
-# The agent's job kinds for the two halves (fusuma.recovery leaves them to the agent).
-SOURCE_JOB = "host-move"
-DEST_JOB = "host-move-in"
+from fusuma.supervisor.moves.dest import MoveIn, incoming, incoming_run_dir
+from fusuma.supervisor.moves.source import capabilities
 
 
 async def remote_incoming(h: PartitionHost, vm: str, listen: str) -> rpc.Prepared:
@@ -49,7 +45,7 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str) -> rpc.Prepare
     if h.instances.get(vm) or h.instances.get(vm, Role.INCOMING):
         raise StateError(f"partition {h.partition!r} already runs a QEMU for {vm!r}.")
     job = h.db.find_job(vm_obj(vm))
-    if job is None or job.kind != DEST_JOB:
+    if job is None or job.kind != JobKind.HOST_MOVE_IN:
         raise StateError(f"no move of {vm!r} from another host is under way.")
     ram: Path | None = (h.paths.shm / f"{vm}.{uuid.uuid4().hex[:8]}.ram"
                         if rec.shared_ram else None)
