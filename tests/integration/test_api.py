@@ -346,7 +346,7 @@ def test_bad_input(host: Host, daemons: Callable[..., Api]) -> None:
         assert timed_get(c) < 1.0
 
         # A body that never arrives: 408 after BODY_TIMEOUT_S; others are served meanwhile.
-        from fusuma.api.app import BODY_TIMEOUT_S
+        from fusuma.api.http import BODY_TIMEOUT_S
 
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as slow:
             slow.settimeout(BODY_TIMEOUT_S + 10)

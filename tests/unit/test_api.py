@@ -115,8 +115,8 @@ def test_listen_address_parsing() -> None:
 
 # -- the same shapes as the CLI ------------------------------------------------------------
 def test_cli_json_validates_against_the_api_models(paths: Paths) -> None:
-    from fusuma.cli.common import Ctx
-    from fusuma.cli.host import ps_data
+    from fusuma.ops.context import Ctx
+    from fusuma.views.ps import ps_data
 
     c = Ctx(paths)
     c.db.add_partition(PartitionRecord("p0", [0], 1024))
@@ -131,8 +131,8 @@ def test_cli_json_validates_against_the_api_models(paths: Paths) -> None:
 
 
 def test_api_lists_what_the_cli_lists(paths: Paths, client: TestClient) -> None:
-    from fusuma.cli.common import Ctx
-    from fusuma.cli.host import ps_data
+    from fusuma.ops.context import Ctx
+    from fusuma.views.ps import ps_data
 
     c = Ctx(paths)
     c.db.add_partition(PartitionRecord("p0", [0], 1024))
@@ -272,7 +272,7 @@ def test_tokens_store_only_a_hash(tmp_path: Path) -> None:
 
 
 def test_token_middleware(paths: Paths) -> None:
-    from fusuma.api.ui import COOKIE, Sessions
+    from fusuma.api.sessions import COOKIE, Sessions
 
     good = auth.new_token()
     sessions = Sessions()

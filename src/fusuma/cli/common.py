@@ -1,4 +1,5 @@
-"""What every command shares: the context (paths, DB, managers) and output helpers.
+"""What every command shares: the context (``fusuma.ops.context.Ctx``, made with the
+CLI's notices) and output helpers.
 
 Light on purpose (every command imports it): the DB and the managers are imported when
 a command first uses them."""
@@ -7,65 +8,21 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
+from fusuma.ops.context import Ctx as Ctx  # re-exported: every command (and bench) takes it
 from fusuma.paths import Paths
 
-if TYPE_CHECKING:
-    from fusuma.partition.manager import PartitionManager
-    from fusuma.state import Database
-    from fusuma.vm import VmManager
+
+def echo_err(text: str) -> None:
+    click.echo(text, err=True)
 
 
-@dataclass
-class Ctx:
-    paths: Paths
-    _db: Database | None = None
-    _parts: PartitionManager | None = None
-    _vms: VmManager | None = None
-    notices: set[str] = field(default_factory=set)
-
-    @property
-    def db(self) -> Database:
-        if self._db is None:
-            from fusuma.state import Database
-
-            self.paths.ensure_parents()
-            self._db = Database(self.paths.db)
-            from fusuma.capacity import take_over
-
-            for line in take_over(self._db):
-                click.echo(line, err=True)
-        return self._db
-
-    @property
-    def parts(self) -> PartitionManager:
-        if self._parts is None:
-            from fusuma.partition.manager import PartitionManager
-
-            self._parts = PartitionManager(self.paths, self.db)
-            self._parts.notice = lambda text: click.echo(text, err=True)
-        return self._parts
-
-    @property
-    def vms(self) -> VmManager:
-        if self._vms is None:
-            from fusuma.vm import VmManager
-
-            self._vms = VmManager(self.paths, self.db, self.parts)
-        return self._vms
-
-    def accel_notice(self, requested: str) -> None:
-        """Say once per command why a VM runs under TCG."""
-        from fusuma.host.accel import probe_accel
-
-        choice = probe_accel(requested)
-        if choice.notice and choice.notice not in self.notices:
-            self.notices.add(choice.notice)
-            click.echo(choice.notice, err=True)
+def make_ctx(paths: Paths) -> Ctx:
+    """The CLI's context: notices go through click to stderr."""
+    return Ctx(paths, notice=echo_err)
 
 
 pass_ctx = click.make_pass_decorator(Ctx)

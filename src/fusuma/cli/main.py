@@ -127,12 +127,12 @@ def cli(ctx: click.Context, verbose: int) -> None:
     memory limit and its own hypervisor supervisor, and runs QEMU VMs inside them.
 
     Must run as root (it creates cgroups and starts QEMU)."""
-    from fusuma.cli.common import Ctx
+    from fusuma.cli.common import make_ctx
     from fusuma.paths import Paths
 
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    ctx.obj = Ctx(Paths.from_env())
+    ctx.obj = make_ctx(Paths.from_env())
 
 
 def main() -> None:

@@ -1,0 +1,16 @@
+"""What each partition's CPU governor is doing, and why (asked of its supervisor)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fusuma.ops.context import Ctx
+
+
+def status_data(c: Ctx, partition: str | None, limit: int) -> dict[str, Any]:
+    """What `governor status --json` prints."""
+    names = [partition] if partition else [p.name for p in c.db.partitions()]
+    if partition:
+        c.db.partition(partition)      # an unknown name is one clear sentence
+    return {"partitions": [c.parts.client(n).call("governor-status", rpc_timeout=10.0,
+                                                  limit=limit) for n in names]}
