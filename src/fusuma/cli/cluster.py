@@ -44,7 +44,8 @@ def agent(c: Ctx, kubeconfig: Path, namespace: str | None, host_name: str | None
     """
     import logging
 
-    from fusuma.cluster.agent import Agent, AgentConfig
+    from fusuma.cluster.agent import Agent
+    from fusuma.cluster.context import AgentConfig
 
     # One line per request is too much even with -v; -vv shows them.
     if logging.getLogger().level > logging.DEBUG:
