@@ -231,7 +231,7 @@ def test_cli_changes_stream_as_events_and_metrics(host: Host,
 
 # -- 3 ----------------------------------------------------------------------------------
 def test_https_tokens(host: Host, daemons: Callable[..., Api]) -> None:
-    from fusuma.api.auth import digest
+    from fusuma.ops.tokens import digest
 
     api = daemons(listen=True)
     assert api.url and api.url.startswith("https://127.0.0.1:")

@@ -256,8 +256,9 @@ async def serve(paths: Paths, opts: ServeOptions,
     import uvicorn
 
     from fusuma.api import app as api_app
-    from fusuma.api.auth import digest, ensure_certificate
+    from fusuma.api.auth import ensure_certificate
     from fusuma.api.daemon import Daemon
+    from fusuma.ops.tokens import digest
 
     if opts.access_log:
         # The CLI's default level is WARNING, which would hide uvicorn's INFO lines.

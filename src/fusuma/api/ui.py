@@ -182,7 +182,7 @@ def router(d: Daemon) -> APIRouter:
 
     @r.post("/login")
     async def login(request: Request) -> Response:
-        from fusuma.api.auth import digest
+        from fusuma.ops.tokens import digest
 
         # Read the form by hand: the request limits (app.Limits) label every POST body
         # JSON, so FastAPI's Form() would not find the field.

@@ -5,6 +5,11 @@ one-line summary, so `fusuma ps` imports only what `ps` runs and `fusuma --help`
 every command without importing any of them (tests/unit/test_cli_imports.py checks that
 each summary still equals the command's own short help, and that no command pulls in
 the benchmarks, matplotlib or a server/cluster library it does not use).
+
+The table is the program's one place that names every front door's commands: most
+live in ``fusuma.cli``; the daemons' own (`serve`, `agent`, `cluster`) live with their
+daemon (``fusuma.api.command``, ``fusuma.cluster.command``), so the CLI never imports
+the API or the cluster package, nor they the CLI.
 """
 
 from __future__ import annotations
@@ -22,13 +27,13 @@ from fusuma.errors import FusumaError
 # name -> ("module:attribute", summary). The summary is the first sentence of the
 # command's help, as click would show it in the listing.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "agent": ("fusuma.cli.cluster:agent",
+    "agent": ("fusuma.cluster.command:agent",
               "Run this host's fusuma agent: register it, reconcile the cluster's objects "
               "here."),
     "bench": ("fusuma.cli.bench:bench",
               "Run benchmarks; each writes a JSON result file with a `meta` block (git "
               "revision, date, host, accelerator) and metric names that carry units."),
-    "cluster": ("fusuma.cli.cluster:cluster",
+    "cluster": ("fusuma.cluster.command:cluster",
                 "fusuma on Kubernetes: the CRDs and RBAC the agents need."),
     "disk": ("fusuma.cli.disk:disk",
              "Register disks (image files or block devices) to partitions and move them."),
@@ -49,14 +54,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "Install, list and remove QEMU versions that partitions can run."),
     "segment": ("fusuma.cli.segment:segment",
                 "Shared segments: read-only memory shared by many VMs (z/VM's DCSS)."),
-    "serve": ("fusuma.cli.serve:serve",
+    "serve": ("fusuma.api.command:serve",
               "Run the host's API daemon: REST under /1.0, live events, Prometheus "
               "metrics."),
     "share": ("fusuma.cli.share:share",
               "Memory shared between VMs, and exactly where every shared MiB comes from."),
     "template": ("fusuma.cli.template:template",
                  "Templates: a booted VM's RAM and device state, to start clones from."),
-    "token": ("fusuma.cli.serve:token",
+    "token": ("fusuma.cli.token:token",
               "API tokens for `fusuma serve --listen` (HTTPS): create, list, revoke."),
     "top": ("fusuma.cli.top:top",
             "Each running VM's CPU use and wait for a CPU, refreshed every second."),

@@ -1,4 +1,5 @@
-"""`fusuma agent` and `fusuma cluster ...`: fusuma on Kubernetes (fusuma.cluster).
+"""`fusuma agent` and `fusuma cluster ...`: the cluster's own commands (listed in the
+program's command table, ``fusuma.cli.main.COMMANDS``).
 
 Kept light: the agent's modules (and PyYAML) are imported when a command runs."""
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from fusuma.cli.common import Ctx, pass_ctx, progress
+from fusuma.console import pass_ctx, progress
+from fusuma.ops.context import Ctx
 
 
 @click.command()
