@@ -117,7 +117,7 @@ def test_listen_address_parsing() -> None:
 # -- the same shapes as the CLI ------------------------------------------------------------
 def test_cli_json_validates_against_the_api_models(paths: Paths) -> None:
     from fusuma.ops.context import Ctx
-    from fusuma.views.ps import ps_data
+    from fusuma.views.host import ps_data
 
     c = Ctx(paths)
     c.db.add_partition(PartitionRecord("p0", [0], 1024))
@@ -133,7 +133,7 @@ def test_cli_json_validates_against_the_api_models(paths: Paths) -> None:
 
 def test_api_lists_what_the_cli_lists(paths: Paths, client: TestClient) -> None:
     from fusuma.ops.context import Ctx
-    from fusuma.views.ps import ps_data
+    from fusuma.views.host import ps_data
 
     c = Ctx(paths)
     c.db.add_partition(PartitionRecord("p0", [0], 1024))

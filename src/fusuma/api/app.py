@@ -44,8 +44,8 @@ from fusuma.api.operations import Operation, http_code
 from fusuma.errors import FusumaError, SpecError
 from fusuma.paths import Paths
 from fusuma.views.governor import status_data
+from fusuma.views.host import ps_data
 from fusuma.views.images import image_json, images_data
-from fusuma.views.ps import ps_data
 
 LOG = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from fusuma.errors import SpecError, StateError
 from fusuma.ops.context import Ctx
 from fusuma.state import partition_obj
 from fusuma.views.disks import disks_data
-from fusuma.views.partitions import partitions_data
+from fusuma.views.host import partitions_data
 
 
 def router(d: Daemon) -> APIRouter:

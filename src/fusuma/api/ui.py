@@ -32,7 +32,7 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 from fusuma.api.daemon import Daemon
 from fusuma.api.sessions import COOKIE, SESSION_S
 from fusuma.errors import FusumaError, NotFoundError
-from fusuma.views.ps import ps_data
+from fusuma.views.host import ps_data
 from fusuma.views.share import host_ksm, report_data
 
 LOG = logging.getLogger(__name__)

@@ -14,8 +14,7 @@ from fusuma.api.operations import Operation
 from fusuma.errors import FusumaError, StateError
 from fusuma.ops.context import Ctx
 from fusuma.state import vm_obj
-from fusuma.views.jobs import job_json
-from fusuma.views.ps import ps_data
+from fusuma.views.host import job_json, ps_data
 
 
 def router(d: Daemon) -> APIRouter:

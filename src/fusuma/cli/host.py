@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress, table
-from fusuma.views.ps import ps_data
+from fusuma.views.host import ps_data
 
 if TYPE_CHECKING:
     from fusuma.spec import HostSpec

@@ -6,7 +6,7 @@ import click
 
 from fusuma.cli.common import Ctx, cpus_option, emit_json, pass_ctx, table
 from fusuma.host.topology import format_cpulist, parse_cpulist
-from fusuma.views.partitions import partitions_data
+from fusuma.views.host import partitions_data
 
 
 @click.group()
