@@ -13,6 +13,8 @@ from fusuma.api.daemon import Daemon
 from fusuma.api.http import valid_name
 from fusuma.api.operations import Operation
 from fusuma.errors import SpecError
+from fusuma.ops.segments import segment_manager
+from fusuma.ops.templates import template_manager
 from fusuma.views.segments import segments_data
 from fusuma.views.share import analyze_data, report_data
 
@@ -43,10 +45,8 @@ def router(d: Daemon) -> APIRouter:
             raise ConflictError(f"a segment named {body.name!r} already exists.")
 
         def work(op: Operation) -> Any:
-            from fusuma.memshare.segments import SegmentManager
-
             c = d.ctx()
-            SegmentManager(c.paths, c.db).create(
+            segment_manager(c).create(
                 body.name, from_dir=Path(body.from_dir) if body.from_dir else None,
                 from_image=body.from_image, progress=lambda s: d.ops.set_progress(op, s))
             return next(s for s in segments_data(c) if s["name"] == body.name)
@@ -55,27 +55,18 @@ def router(d: Daemon) -> APIRouter:
 
     @r.delete("/1.0/segments/{name}")
     def delete_segment(name: str) -> dict[str, Any]:
-        from fusuma.memshare.segments import SegmentManager
-
-        c = d.ctx()
-        SegmentManager(c.paths, c.db).delete(valid_name("segment", name))
+        segment_manager(d.ctx()).delete(valid_name("segment", name))
         return {"deleted": f"/1.0/segments/{name}"}
 
     # -- templates ---------------------------------------------------------------------
-    def _templates() -> Any:
-        from fusuma.memshare.template_manager import TemplateManager
-
-        c = d.ctx()
-        return TemplateManager(c.paths, c.db, c.parts)
-
     @r.get("/1.0/templates", summary="What `fusuma template list --json` shows")
     def list_templates() -> list[dict[str, Any]]:
-        mgr = _templates()
+        mgr = template_manager(d.ctx())
         return [mgr.as_json(t) for t in mgr.all()]
 
     @r.get("/1.0/templates/{name}", summary="What `fusuma template show --json` shows")
     def get_template(name: str) -> dict[str, Any]:
-        mgr = _templates()
+        mgr = template_manager(d.ctx())
         return dict(mgr.as_json(d.ctx().db.template(valid_name("template", name))))
 
     @r.post("/1.0/templates", status_code=202,
@@ -89,7 +80,7 @@ def router(d: Daemon) -> APIRouter:
             raise ConflictError(f"a template named {body.name!r} already exists.")
 
         def work(op: Operation) -> Any:
-            mgr = _templates()
+            mgr = template_manager(d.ctx())
             return mgr.as_json(mgr.create(body.name, body.from_vm))
         return d.submit("template-create", f"template {body.name} from VM {body.from_vm}",
                         {"templates": [f"/1.0/templates/{body.name}"],
@@ -97,7 +88,7 @@ def router(d: Daemon) -> APIRouter:
 
     @r.delete("/1.0/templates/{name}")
     def delete_template(name: str) -> dict[str, Any]:
-        _templates().delete(valid_name("template", name))
+        template_manager(d.ctx()).delete(valid_name("template", name))
         return {"deleted": f"/1.0/templates/{name}"}
 
     @r.get("/1.0/share/report", summary="What `fusuma share report --json` shows")

@@ -455,7 +455,7 @@ class SegmentReconciler:
 
     def reconcile(self, obj: Obj) -> None:
         from fusuma.cluster.kube import SEGMENT
-        from fusuma.memshare.segments import SegmentManager
+        from fusuma.ops.segments import segment_manager
 
         c = self.a.ctx()
         spec = obj.get("spec") or {}
@@ -463,7 +463,7 @@ class SegmentReconciler:
         uid = str(obj["metadata"]["uid"])
         owner = self.a.owners.get("segments", name)
         mine = owner is not None and owner.uid == uid
-        mgr = SegmentManager(c.paths, c.db)
+        mgr = segment_manager(c)
         local = c.db.find_segment(name)
         wanted = not spec.get("hosts") or self.a.host in spec["hosts"]
         if deleting(obj) or not wanted:
