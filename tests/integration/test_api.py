@@ -231,7 +231,7 @@ def test_cli_changes_stream_as_events_and_metrics(host: Host,
 
 # -- 3 ----------------------------------------------------------------------------------
 def test_https_tokens(host: Host, daemons: Callable[..., Api]) -> None:
-    from fusuma.api.auth import digest
+    from fusuma.ops.tokens import digest
 
     api = daemons(listen=True)
     assert api.url and api.url.startswith("https://127.0.0.1:")
@@ -346,7 +346,7 @@ def test_bad_input(host: Host, daemons: Callable[..., Api]) -> None:
         assert timed_get(c) < 1.0
 
         # A body that never arrives: 408 after BODY_TIMEOUT_S; others are served meanwhile.
-        from fusuma.api.app import BODY_TIMEOUT_S
+        from fusuma.api.http import BODY_TIMEOUT_S
 
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as slow:
             slow.settimeout(BODY_TIMEOUT_S + 10)

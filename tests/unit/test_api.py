@@ -19,6 +19,7 @@ from fusuma.api.models import PartitionInfo, VmInfo
 from fusuma.api.operations import CANCELLED, FAILURE, SUCCESS, Operation, Operations
 from fusuma.api.server import TokenAuth, parse_listen
 from fusuma.errors import NotFoundError, SpecError, StateError
+from fusuma.ops import tokens
 from fusuma.paths import Paths
 from fusuma.state import Database, PartitionRecord, VmRecord, VmState
 from fusuma.state.lock import host_lock
@@ -115,8 +116,8 @@ def test_listen_address_parsing() -> None:
 
 # -- the same shapes as the CLI ------------------------------------------------------------
 def test_cli_json_validates_against_the_api_models(paths: Paths) -> None:
-    from fusuma.cli.common import Ctx
-    from fusuma.cli.host import ps_data
+    from fusuma.ops.context import Ctx
+    from fusuma.views.host import ps_data
 
     c = Ctx(paths)
     c.db.add_partition(PartitionRecord("p0", [0], 1024))
@@ -131,8 +132,8 @@ def test_cli_json_validates_against_the_api_models(paths: Paths) -> None:
 
 
 def test_api_lists_what_the_cli_lists(paths: Paths, client: TestClient) -> None:
-    from fusuma.cli.common import Ctx
-    from fusuma.cli.host import ps_data
+    from fusuma.ops.context import Ctx
+    from fusuma.views.host import ps_data
 
     c = Ctx(paths)
     c.db.add_partition(PartitionRecord("p0", [0], 1024))
@@ -259,24 +260,24 @@ def test_event_hub_streams_live_and_replays(tmp_path: Path) -> None:
 # -- tokens -------------------------------------------------------------------------------
 def test_tokens_store_only_a_hash(tmp_path: Path) -> None:
     db = Database(tmp_path / "state.db")
-    tok = auth.new_token()
-    db.add_token("ci", auth.digest(tok))
-    assert db.token_by_hash(auth.digest(tok)) == "ci"
-    assert db.token_by_hash(auth.digest(tok + "x")) is None
+    tok = tokens.new_token()
+    db.add_token("ci", tokens.digest(tok))
+    assert db.token_by_hash(tokens.digest(tok)) == "ci"
+    assert db.token_by_hash(tokens.digest(tok + "x")) is None
     assert tok.encode() not in (tmp_path / "state.db").read_bytes()
     db.remove_token("ci")
-    assert db.token_by_hash(auth.digest(tok)) is None
+    assert db.token_by_hash(tokens.digest(tok)) is None
     with pytest.raises(NotFoundError):
         db.remove_token("ci")
     assert auth.bearer("Bearer abc") == "abc" and auth.bearer("Basic abc") is None
 
 
 def test_token_middleware(paths: Paths) -> None:
-    from fusuma.api.ui import COOKIE, Sessions
+    from fusuma.api.sessions import COOKIE, Sessions
 
-    good = auth.new_token()
+    good = tokens.new_token()
     sessions = Sessions()
-    valid = {auth.digest(good)}
+    valid = {tokens.digest(good)}
     app = TokenAuth(Limits(create_app(paths)), lambda t: "ci" if t == good else None,
                     sessions, lambda h: h in valid)
     c = TestClient(app, follow_redirects=False)
@@ -290,7 +291,7 @@ def test_token_middleware(paths: Paths) -> None:
     r = c.get("/")
     assert r.status_code == 303 and r.headers["location"] == "/login"
     # A session: reads pass; writes need its CSRF token; a revoked token ends it.
-    sid, sess = sessions.create("ci", auth.digest(good))
+    sid, sess = sessions.create("ci", tokens.digest(good))
     c.cookies.set(COOKIE, sid)
     assert c.get("/1.0/vms").status_code == 200
     r = c.put("/1.0/vms/x/state", json={"action": "start"})

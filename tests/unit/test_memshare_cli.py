@@ -11,11 +11,12 @@ import pytest
 from click.testing import CliRunner, Result
 
 from fusuma.cli import share as share_mod
-from fusuma.cli.common import Ctx
 from fusuma.errors import NotFoundError, SpecError, StateError
 from fusuma.memshare.ksm import KSM_RISK, ZERO_COPY_NOTE
+from fusuma.ops.context import Ctx
 from fusuma.paths import Paths
 from fusuma.state import PartitionRecord, VmRecord
+from fusuma.views import share as share_view
 from tests.unit.memshare_fake import make_ksm
 
 
@@ -153,8 +154,8 @@ def test_report_with_a_vm_and_a_segment(ctx: Ctx, ksm_root: Path,
     lib = next(f[5] for f in maps
                if len(f) == 6 and f[1] == "r-xp" and ".so" in Path(f[5]).name)
     (ctx.paths.segments_dir / "libx.erofs").symlink_to(lib)
-    assert share_mod.segment_files(ctx) == {"libx": ctx.paths.segments_dir / "libx.erofs"}
-    monkeypatch.setattr(share_mod, "running_vms", lambda c: [("vm1", os.getpid())])
+    assert share_view.segment_files(ctx) == {"libx": ctx.paths.segments_dir / "libx.erofs"}
+    monkeypatch.setattr(share_view, "running_vms", lambda c: [("vm1", os.getpid())])
     res = run(ctx, "report", "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
@@ -171,4 +172,4 @@ def test_report_with_a_vm_and_a_segment(ctx: Ctx, ksm_root: Path,
 def test_running_vms_skips_stopped(ctx: Ctx) -> None:
     ctx.db.add_partition(PartitionRecord("p0", [0], 1024))
     ctx.db.add_vm(VmRecord(name="idle", partition="p0", vcpus=1, memory_mib=256))
-    assert share_mod.running_vms(ctx) == []
+    assert share_view.running_vms(ctx) == []

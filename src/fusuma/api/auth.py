@@ -4,19 +4,18 @@
   ``fusuma``): the file system decides; root and members of that group may connect,
   nobody else can even reach the socket.
 - TCP (``fusuma serve --listen``): HTTPS only, and every request carries a bearer token
-  (``Authorization: Bearer fsm_...``) made by ``fusuma token create``. Only the token's
-  SHA-256 is stored; the token is printed once. Tokens are never accepted in the URL
-  (URLs end up in logs), and the daemon never logs a request's headers.
+  (``Authorization: Bearer fsm_...``) made by ``fusuma token create``
+  (``fusuma.ops.tokens``). Only the token's SHA-256 is stored; the token is printed
+  once. Tokens are never accepted in the URL (URLs end up in logs), and the daemon never
+  logs a request's headers.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import grp
-import hashlib
 import ipaddress
 import os
-import secrets
 import socket
 import subprocess
 from pathlib import Path
@@ -24,15 +23,6 @@ from pathlib import Path
 from fusuma.errors import HostError
 
 GROUP = "fusuma"
-PREFIX = "fsm_"
-
-
-def new_token() -> str:
-    return PREFIX + secrets.token_urlsafe(32)
-
-
-def digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def bearer(header: str | None) -> str | None:

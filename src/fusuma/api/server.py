@@ -131,8 +131,8 @@ class TokenAuth:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        from fusuma.api.app import _error
         from fusuma.api.auth import bearer
+        from fusuma.api.http import error_response
 
         path = scope.get("path", "")
         if path == "/login" or path.startswith("/static/"):
@@ -147,12 +147,12 @@ class TokenAuth:
             if who is not None:
                 await self.app(scope, receive, send)
                 return
-            resp = _error(401, "the token is not valid (unknown or revoked).")
+            resp = error_response(401, "the token is not valid (unknown or revoked).")
             resp.headers["WWW-Authenticate"] = 'Bearer realm="fusuma"'
             await resp(scope, receive, send)
             return
         if self.sessions is not None:
-            from fusuma.api.ui import cookie
+            from fusuma.api.sessions import cookie
 
             sess = self.sessions.get(cookie(headers))
             if sess is not None and self.still_valid is not None and not \
@@ -165,8 +165,8 @@ class TokenAuth:
                     import hmac
 
                     if not hmac.compare_digest(sent, sess.csrf):
-                        await _error(403, "this write needs the page's CSRF token in "
-                                     "X-CSRF-Token; reload the page.")(scope, receive, send)
+                        await error_response(403, "this write needs the page's CSRF token in "
+                                             "X-CSRF-Token; reload the page.")(scope, receive, send)
                         return
                 scope.setdefault("state", {})["session"] = sess
                 await self.app(scope, receive, send)
@@ -176,8 +176,8 @@ class TokenAuth:
 
             await RedirectResponse("/login", status_code=303)(scope, receive, send)
             return
-        resp = _error(401, "this API needs a token: send `Authorization: Bearer TOKEN` "
-                           "(make one with `fusuma token create NAME`).")
+        resp = error_response(401, "this API needs a token: send `Authorization: Bearer "
+                                   "TOKEN` (make one with `fusuma token create NAME`).")
         resp.headers["WWW-Authenticate"] = 'Bearer realm="fusuma"'
         await resp(scope, receive, send)
 
@@ -256,12 +256,14 @@ async def serve(paths: Paths, opts: ServeOptions,
     import uvicorn
 
     from fusuma.api import app as api_app
-    from fusuma.api.auth import digest, ensure_certificate
+    from fusuma.api.auth import ensure_certificate
+    from fusuma.api.daemon import Daemon
+    from fusuma.ops.tokens import digest
 
     if opts.access_log:
         # The CLI's default level is WARNING, which would hide uvicorn's INFO lines.
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
-    daemon = api_app.Daemon(paths)
+    daemon = Daemon(paths)
     app = api_app.create_app(paths, daemon)
     paths.ensure_parents()
     uds = unix_socket(paths, opts.group)

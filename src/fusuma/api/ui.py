@@ -1,4 +1,4 @@
-"""The web dashboard's server side: the page, its data, sessions, results.
+"""The web dashboard's server side: the page, its data, the login, results.
 
 - ``GET /`` is the dashboard (a Jinja2 template and a small plain-JavaScript file
   shipped in the package: no CDN, no build step). The page reads ``/1.0/ui/state`` and
@@ -7,48 +7,39 @@
 - On TCP the page needs a session: ``/login`` takes an API token and sets an HttpOnly,
   Secure, SameSite=Strict cookie; writes made with that cookie must carry the session's
   CSRF token in ``X-CSRF-Token`` (the page has it; another site cannot read it). On the
-  UNIX socket the file system already decided who may connect.
-- A sampler keeps each running VM's CPU %, vCPU wait % and host memory for the last
-  five minutes (every ``SAMPLE_S``), for the sparklines.
+  UNIX socket the file system already decided who may connect (the sessions:
+  ``fusuma.api.sessions``).
+- The daemon's sampler (``fusuma.api.sampler``) keeps each running VM's CPU %, vCPU
+  wait % and host memory for the last five minutes, for the sparklines.
 - ``/ui/results`` renders the benchmark reports in ``docs/results`` with their plots.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import html
 import logging
 import os
 import re
-import secrets
 import subprocess
-import threading
-import time
 import urllib.parse
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
+from fusuma.api.daemon import Daemon
+from fusuma.api.sessions import COOKIE, SESSION_S
 from fusuma.errors import FusumaError, NotFoundError
-
-if TYPE_CHECKING:
-    from fusuma.api.app import Daemon
+from fusuma.views.host import ps_data
+from fusuma.views.share import host_ksm, report_data
 
 LOG = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
 TEMPLATES = HERE / "templates"
-SAMPLE_S = 2.0
-MEMORY_MAX_AGE_S = 2.0 * SAMPLE_S
-HISTORY_S = 300.0
-SESSION_S = 12 * 3600
-COOKIE = "fusuma_session"
 
 
 def results_dir() -> Path:
@@ -58,155 +49,6 @@ def results_dir() -> Path:
     if env:
         return Path(env)
     return Path(__file__).resolve().parents[3] / "docs" / "results"
-
-
-# -- sessions -------------------------------------------------------------------------
-@dataclass
-class Session:
-    token_name: str
-    token_hash: str
-    csrf: str
-    expires: float
-
-
-class Sessions:
-    """Browser sessions of the TCP listener, in the daemon's memory (a restart logs
-    everyone out; the token stays valid)."""
-
-    def __init__(self) -> None:
-        self._s: dict[str, Session] = {}
-        self._lock = threading.Lock()
-
-    def create(self, token_name: str, token_hash: str) -> tuple[str, Session]:
-        sid = secrets.token_urlsafe(32)
-        s = Session(token_name, token_hash, secrets.token_urlsafe(24),
-                    time.time() + SESSION_S)
-        with self._lock:
-            now = time.time()
-            for k in [k for k, v in self._s.items() if v.expires < now]:
-                del self._s[k]
-            self._s[sid] = s
-        return sid, s
-
-    def get(self, sid: str | None) -> Session | None:
-        if not sid:
-            return None
-        with self._lock:
-            s = self._s.get(sid)
-        if s is None or s.expires < time.time():
-            return None
-        return s
-
-    def drop(self, sid: str | None) -> None:
-        with self._lock:
-            self._s.pop(sid or "", None)
-
-
-def cookie(headers: list[tuple[bytes, bytes]], name: str = COOKIE) -> str | None:
-    for k, v in headers:
-        if k == b"cookie":
-            for part in v.decode("latin-1").split(";"):
-                key, _, value = part.strip().partition("=")
-                if key == name:
-                    return value
-    return None
-
-
-# -- samples for the sparklines --------------------------------------------------------
-@dataclass
-class _VmSeries:
-    pid: int
-    prev: Any = None
-    points: collections.deque[dict[str, Any]] = field(
-        default_factory=lambda: collections.deque(maxlen=int(HISTORY_S / SAMPLE_S) + 1))
-
-
-class Sampler:
-    """Every SAMPLE_S: each running VM's CPU % and vCPU wait % (between two readings of
-    its threads' schedstat) and its PSS."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
-        self.series: dict[str, _VmSeries] = {}
-        # (name, pid) -> (monotonic time, host_memory JSON): what GET /1.0/vms shows.
-        self._memory: dict[tuple[str, int], tuple[float, dict[str, Any] | None]] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._lock = threading.Lock()
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="ui-sampler")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await asyncio.to_thread(self.sample)
-            except Exception:
-                LOG.exception("dashboard sampler failed")
-            await asyncio.sleep(SAMPLE_S)
-
-    def sample(self) -> None:
-        from fusuma.governor import measure
-        from fusuma.vm.view import VmView, read_memory
-
-        now = time.time()
-        live: set[str] = set()
-        for rec in self.d.db().vms():
-            if rec.pid is None or VmView(rec).state not in ("running", "paused",
-                                                             "migrating"):
-                continue
-            live.add(rec.name)
-            with self._lock:
-                s = self.series.get(rec.name)
-                if s is None or s.pid != rec.pid:
-                    # A new QEMU (a start, a move): same VM, history kept.
-                    old = s.points if s else None
-                    s = _VmSeries(rec.pid)
-                    if old:
-                        s.points.extend(old)
-                    self.series[rec.name] = s
-            cur = measure.read(rec.pid)
-            if not cur.threads:
-                continue
-            point: dict[str, Any] = {"t": round(now, 1)}
-            if s.prev is not None:
-                load = measure.load(s.prev, cur)
-                point["cpu_pct"] = round(load.cpu_pct, 1)
-                point["wait_pct"] = round(load.wait_pct, 1)
-            s.prev = cur
-            mem = read_memory(rec.pid, rec.segments, self.d.paths.segments_dir,
-                              clone=rec.template is not None)
-            if mem is not None:
-                point["pss_mib"] = mem["pss_mib"]
-            with self._lock:
-                self._memory[(rec.name, rec.pid)] = (time.monotonic(), mem)
-                s.points.append(point)
-        with self._lock:
-            for key in [k for k in self._memory if k[0] not in live]:
-                del self._memory[key]
-            for gone in set(self.series) - live:
-                # Keep a stopped VM's history until it is older than the window.
-                pts = self.series[gone].points
-                if not pts or pts[-1]["t"] < now - HISTORY_S:
-                    del self.series[gone]
-
-    def memory(self, name: str, pid: int) -> dict[str, Any] | None:
-        """The host memory of VM ``name``'s QEMU ``pid`` from the last sample, if that
-        is at most MEMORY_MAX_AGE_S old (else None: the caller reads /proc)."""
-        with self._lock:
-            got = self._memory.get((name, pid))
-        if got is None or time.monotonic() - got[0] > MEMORY_MAX_AGE_S:
-            return None
-        return got[1]
-
-    def history(self) -> dict[str, list[dict[str, Any]]]:
-        with self._lock:
-            return {k: list(v.points) for k, v in self.series.items()}
 
 
 # -- the state the page shows -----------------------------------------------------------
@@ -247,8 +89,6 @@ def vcpu_cores(pid: int) -> dict[int, int]:
 
 def ui_state(d: Daemon) -> dict[str, Any]:
     """Everything the dashboard shows, in one read."""
-    from fusuma.cli.host import ps_data
-    from fusuma.cli.share import report_data
     from fusuma.supervisor import rpc
 
     c = d.ctx()
@@ -344,7 +184,7 @@ def router(d: Daemon) -> APIRouter:
 
     @r.post("/login")
     async def login(request: Request) -> Response:
-        from fusuma.api.auth import digest
+        from fusuma.ops.tokens import digest
 
         # Read the form by hand: the request limits (app.Limits) label every POST body
         # JSON, so FastAPI's Form() would not find the field.
@@ -419,14 +259,12 @@ def router(d: Daemon) -> APIRouter:
 
     @r.put("/1.0/share/ksm")
     def ksm(body: dict[str, Any]) -> dict[str, Any]:
-        from fusuma.cli.share import _ksm
-
         run = body.get("run")
         if not isinstance(run, bool) or set(body) - {"run"}:
             from fusuma.errors import SpecError
 
             raise SpecError('give {"run": true} or {"run": false}.')
-        k = _ksm()
+        k = host_ksm()
         k.set_run(1 if run else 0)
         return {"run": run, **k.read_settings().as_json()}
 

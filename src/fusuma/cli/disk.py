@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
+from fusuma.views.disks import disks_data
 
 
 @click.group()
@@ -49,13 +50,6 @@ def remove(c: Ctx, name: str, delete_file: bool) -> None:
     """Unregister disk NAME (the file stays unless --delete-file)."""
     c.parts.remove_disk(name, delete_file=delete_file)
     click.echo(f"removed disk {name}")
-
-
-def disks_data(c: Ctx) -> list[dict[str, str | None]]:
-    """What `disk list --json` prints."""
-    users = {d: v.name for v in c.db.vms() for d in v.disks}
-    return [{"name": d.name, "path": d.path, "partition": d.partition,
-             "vm": users.get(d.name)} for d in c.db.disks()]
 
 
 @disk.command("list")

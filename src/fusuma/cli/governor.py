@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
+from fusuma.views.governor import status_data
 
 
 @click.group()
@@ -51,17 +52,6 @@ def _text(st: dict[str, Any]) -> str:
         lines.append(f"{stamp}  {d['vm']:<16} {d['action']:<13} {d['reason']}"
                      + (f"  [{nums}]" if nums else ""))
     return "\n".join(lines)
-
-
-def status_data(c: Ctx, partition: str | None, limit: int) -> dict[str, Any]:
-    """What `governor status --json` prints."""
-    names = [partition] if partition else [p.name for p in c.db.partitions()]
-    if partition:
-        c.db.partition(partition)      # an unknown name is one clear sentence
-    from fusuma.supervisor import rpc
-
-    return {"partitions": [c.parts.client(n).send(rpc.GovernorStatus(limit=limit),
-                                                  timeout=10.0).status for n in names]}
 
 
 @governor.command("status")

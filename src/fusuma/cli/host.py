@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress, table
+from fusuma.views.host import ps_data
 
 if TYPE_CHECKING:
     from fusuma.spec import HostSpec
-    from fusuma.state import Job, VmRecord
 
 
 @click.command()
@@ -90,126 +89,6 @@ def down(c: Ctx, as_json: bool) -> None:
         emit_json({"actions": done})
     else:
         click.echo("\n".join(done) if done else "nothing to do")
-
-
-def job_json(j: Job) -> dict[str, Any]:
-    """The operation holding an object: what it does, its phase, since when, by which
-    pid, and whether that pid still lives (a dead one is being recovered)."""
-    return {"kind": j.kind, "phase": j.phase, "peer": j.peer, "since": j.started_at,
-            "owner_pid": j.owner.pid, "owner_alive": j.owner.alive()}
-
-
-def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None
-                    ) -> list[dict[str, Any]]:
-    """What `partition list --json` prints (and `ps --json` under "partitions")."""
-    from fusuma.partition.liveness import supervisor_pid
-    from fusuma.qemu.versions import known_version
-
-    if jobs is None:
-        jobs = {j.obj: job_json(j) for j in c.db.jobs()}
-    parts = []
-    vms = c.db.vms()
-    for p in c.db.partitions():
-        pid = supervisor_pid(c.paths, p.name, p.supervisor_pid)
-        parts.append({"name": p.name, "cpus": p.cpus, "memory_mib": p.memory_mib,
-                      "supervisor_pid": pid,
-                      "state": "running" if pid is not None else "supervisor-down",
-                      "qemu": p.qemu, "qemu_version": known_version(c.paths, p.qemu),
-                      "io_weight": p.io_weight,
-                      "disks": [d.name for d in c.db.disks(p.name)],
-                      "memory_use": memory_use(c, p.name, [v for v in vms
-                                                           if v.partition == p.name]),
-                      "cores_held_by": cores_held_by(c, p.name),
-                      "job": jobs.get(f"partition:{p.name}")})
-    return parts
-
-
-def cores_held_by(c: Ctx, partition: str) -> str | None:
-    """What keeps the partition's cores to itself, read from the kernel: "cpuset
-    partition root" (or "isolated"), "exclusive cpuset" or "shared"; None when its
-    cgroup is not there (e.g. its systemd unit is stopped and it has no VM)."""
-    from fusuma.errors import FusumaError
-    from fusuma.host import cgroups
-
-    try:
-        return cgroups.for_paths(c.paths).cores_held_by(partition)
-    except FusumaError:
-        return None
-
-
-def memory_use(c: Ctx, partition: str, vms: list[VmRecord]) -> dict[str, Any]:
-    """What the kernel counts, in MiB: the guest RAM of the partition's VMs (the shmem
-    charged to each RAM file's own memory cgroup) and the partition's other use (its
-    cgroup: supervisor, QEMUs, private guest RAM; on cgroup v1 QEMUs sit in their RAM
-    file's group, and their part of it is counted here). None where the kernel has no
-    counter."""
-    from fusuma.errors import FusumaError
-    from fusuma.host import cgroups
-
-    try:
-        cg = cgroups.for_paths(c.paths)
-        other_b = cg.memory_current(partition)
-    except FusumaError:
-        return {"guest_ram_mib": None, "other_mib": None}
-    ram = 0
-    for v in vms:
-        if v.ram_path and v.shared_ram:
-            stem = Path(v.ram_path).name.removesuffix(".ram")
-            total = cg.ram_charged(stem) or 0
-            shmem = cg.ram_shmem(stem)
-            shmem = total if shmem is None else min(shmem, total)
-            ram += shmem
-            other_b += total - shmem
-    return {"guest_ram_mib": round(ram / 2**20, 1), "other_mib": round(other_b / 2**20, 1)}
-
-
-def ram_use(cg: Any, v: VmRecord) -> dict[str, Any]:
-    """A VM's guest RAM on the host, in MiB: resident (the RAM file's allocated blocks,
-    or QEMU's anonymous memory for private RAM) and, with page reporting, what it handed
-    back since its peak (its RAM group's high-water mark less its usage now)."""
-    from fusuma.memshare import reporting
-
-    # A clone carries its template's balloon (devices must match), driver unbound.
-    on = False if v.template is not None else (
-        reporting.recorded(v) if v.devices else bool(v.page_reporting))
-    out: dict[str, Any] = {"page_reporting": on,
-                           "resident_mib": None, "returned_mib": None}
-    if v.state.value not in ("running", "paused", "migrating", "stopping"):
-        return out
-    got = reporting.resident_bytes(v, v.pid)
-    out["resident_mib"] = None if got is None else round(got / 2**20, 1)
-    if out["page_reporting"] and v.ram_path and v.shared_ram and cg is not None:
-        stem = Path(v.ram_path).name.removesuffix(".ram")
-        peak, now = cg.ram_peak(stem), cg.ram_charged(stem)
-        if peak is not None and now is not None:
-            out["returned_mib"] = round(max(0, peak - now) / 2**20, 1)
-    return out
-
-
-def ps_data(c: Ctx, vms_only: bool = False,
-            memory: Callable[[str, int], dict[str, Any] | None] | None = None
-            ) -> dict[str, Any]:
-    """What `ps --json` prints, read fresh from the DB and /proc every time (no cache:
-    a QEMU killed a moment ago shows as crashed). ``memory``: a recent reading of each
-    QEMU's host memory (the API daemon's sampler) instead of reading it now."""
-    from fusuma.vm.view import views_json
-
-    jobs = {j.obj: job_json(j) for j in c.db.jobs()}
-    parts = [] if vms_only else partitions_data(c, jobs)
-    from fusuma.errors import FusumaError
-    from fusuma.host import cgroups
-
-    records = c.db.vms()
-    vms = views_json(records, c.paths.segments_dir, memory=memory)
-    try:
-        cg: Any = cgroups.for_paths(c.paths)
-    except FusumaError:
-        cg = None
-    by_name = {r.name: r for r in records}
-    for v in vms:
-        v["job"] = jobs.get(f"vm:{v['name']}")
-        v["ram"] = ram_use(cg, by_name[v["name"]])
-    return {"partitions": parts, "vms": vms}
 
 
 @click.command()

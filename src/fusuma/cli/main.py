@@ -10,6 +10,11 @@ Other installed packages add commands through the `fusuma.commands` entry point 
 (`fusuma bench` is the fusuma_bench package's). The entry points are read only for a
 name that is not built in and for the `--help` listing, so a built-in command never
 pays for the scan, and the runtime never imports those packages itself.
+
+The table is the program's one place that names every front door's commands: most
+live in ``fusuma.cli``; the daemons' own (`serve`, `agent`, `cluster`) live with their
+daemon (``fusuma.api.command``, ``fusuma.cluster.command``), so the CLI never imports
+the API or the cluster package, nor they the CLI.
 """
 
 from __future__ import annotations
@@ -32,10 +37,10 @@ from fusuma.errors import FusumaError
 # name -> ("module:attribute", summary). The summary is the first sentence of the
 # command's help, as click would show it in the listing.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "agent": ("fusuma.cli.cluster:agent",
+    "agent": ("fusuma.cluster.command:agent",
               "Run this host's fusuma agent: register it, reconcile the cluster's objects "
               "here."),
-    "cluster": ("fusuma.cli.cluster:cluster",
+    "cluster": ("fusuma.cluster.command:cluster",
                 "fusuma on Kubernetes: the CRDs and RBAC the agents need."),
     "disk": ("fusuma.cli.disk:disk",
              "Register disks (image files or block devices) to partitions and move them."),
@@ -56,14 +61,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "Install, list and remove QEMU versions that partitions can run."),
     "segment": ("fusuma.cli.segment:segment",
                 "Shared segments: read-only memory shared by many VMs (z/VM's DCSS)."),
-    "serve": ("fusuma.cli.serve:serve",
+    "serve": ("fusuma.api.command:serve",
               "Run the host's API daemon: REST under /1.0, live events, Prometheus "
               "metrics."),
     "share": ("fusuma.cli.share:share",
               "Memory shared between VMs, and exactly where every shared MiB comes from."),
     "template": ("fusuma.cli.template:template",
                  "Templates: a booted VM's RAM and device state, to start clones from."),
-    "token": ("fusuma.cli.serve:token",
+    "token": ("fusuma.cli.token:token",
               "API tokens for `fusuma serve --listen` (HTTPS): create, list, revoke."),
     "top": ("fusuma.cli.top:top",
             "Each running VM's CPU use and wait for a CPU, refreshed every second."),
@@ -167,12 +172,12 @@ def cli(ctx: click.Context, verbose: int) -> None:
     memory limit and its own hypervisor supervisor, and runs QEMU VMs inside them.
 
     Must run as root (it creates cgroups and starts QEMU)."""
-    from fusuma.cli.common import Ctx
+    from fusuma.cli.common import make_ctx
     from fusuma.paths import Paths
 
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    ctx.obj = Ctx(Paths.from_env())
+    ctx.obj = make_ctx(Paths.from_env())
 
 
 def main() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from fusuma.cli.common import Ctx, cpus_option, emit_json, pass_ctx, table
-from fusuma.cli.host import partitions_data
 from fusuma.host.topology import format_cpulist, parse_cpulist
+from fusuma.views.host import partitions_data
 
 
 @click.group()

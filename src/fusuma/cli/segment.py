@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress, table
-
-if TYPE_CHECKING:
-    from fusuma.memshare.segments import SegmentManager
-    from fusuma.state.db import SegmentRecord
+from fusuma.ops.segments import segment_manager
+from fusuma.views.segments import segment_json, segments_data
 
 
 @click.group()
@@ -32,25 +28,6 @@ def segment() -> None:
       fusuma vm create web0 -p p0 --image debian --segment debian-root:/"""
 
 
-def _mgr(c: Ctx) -> SegmentManager:
-    from fusuma.memshare.segments import SegmentManager
-
-    return SegmentManager(c.paths, c.db)
-
-
-def _row(c: Ctx, s: SegmentRecord) -> dict[str, Any]:
-    mgr = _mgr(c)
-    return {"name": s.name, "path": s.path, "size_mib": round(s.size_bytes / 2**20, 1),
-            "source": s.source, "used_by": mgr.users(s.name),
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z",
-                                        time.localtime(s.created_at))}
-
-
-def segments_data(c: Ctx) -> list[dict[str, Any]]:
-    """What `segment list --json` prints."""
-    return [_row(c, s) for s in _mgr(c).all()]
-
-
 @segment.command("create")
 @click.argument("name")
 @click.option("--from", "from_dir", type=click.Path(path_type=Path), metavar="DIR",
@@ -64,10 +41,10 @@ def segments_data(c: Ctx) -> list[dict[str, Any]]:
 def create(c: Ctx, name: str, from_dir: Path | None, from_image: str | None,
            as_json: bool) -> None:
     """Build segment NAME from a directory or an image's root filesystem."""
-    rec = _mgr(c).create(name, from_dir=from_dir, from_image=from_image,
+    rec = segment_manager(c).create(name, from_dir=from_dir, from_image=from_image,
                          progress=progress)
     if as_json:
-        emit_json(_row(c, rec))
+        emit_json(segment_json(c, rec))
     else:
         click.echo(f"segment {rec.name}: {rec.size_bytes / 2**20:.0f} MiB, {rec.path}")
 
@@ -91,5 +68,5 @@ def list_(c: Ctx, as_json: bool) -> None:
 @pass_ctx
 def delete(c: Ctx, name: str) -> None:
     """Delete segment NAME (refused while a VM definition attaches it)."""
-    _mgr(c).delete(name)
+    segment_manager(c).delete(name)
     click.echo(f"segment {name} deleted")

@@ -1,52 +1,20 @@
-"""`fusuma share ...`: memory shared between VMs (segments, KSM) and where it comes from.
-
-``FUSUMA_KSM_ROOT`` moves the KSM sysfs directory (default /sys/kernel/mm/ksm); it
-exists for tests, which point it at a fake tree instead of the host's real settings.
-"""
+"""`fusuma share ...`: memory shared between VMs (segments, KSM) and where it comes from
+(the data: ``fusuma.views.share``)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
-from fusuma.errors import SpecError, StateError
-from fusuma.memshare.ksm import DEFAULT_ROOT, KSM_RISK, ZERO_COPY_NOTE, Ksm
-from fusuma.memshare.report import HostReport, host_report
-from fusuma.memshare.smaps import ModeAnalysis, analyze
-from fusuma.vm import VmView
-
-# VM states in which its QEMU process exists.
-LIVE = ("running", "migrating", "stopping")
-
-
-def _ksm_root() -> Path:
-    return Path(os.environ.get("FUSUMA_KSM_ROOT", str(DEFAULT_ROOT)))
-
-
-def _ksm() -> Ksm:
-    return Ksm(_ksm_root())
+from fusuma.memshare.ksm import KSM_RISK, ZERO_COPY_NOTE, Ksm
+from fusuma.memshare.smaps import ModeAnalysis
+from fusuma.views.share import analysis, host_ksm, report_data
 
 
 def _mib(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
-
-
-def running_vms(c: Ctx) -> list[tuple[str, int]]:
-    """(name, QEMU pid) of every VM whose QEMU process is alive."""
-    out = []
-    for rec in c.db.vms():
-        if rec.pid is not None and VmView(rec).state in LIVE:
-            out.append((rec.name, rec.pid))
-    return out
-
-
-def segment_files(c: Ctx) -> dict[str, Path]:
-    d = c.paths.segments_dir
-    return {p.stem: p for p in sorted(d.glob("*.erofs"))} if d.is_dir() else {}
 
 
 @click.group()
@@ -92,12 +60,6 @@ def _report_text(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def report_data(c: Ctx) -> dict[str, Any]:
-    """What `share report --json` prints."""
-    rep: HostReport = host_report(running_vms(c), segment_files(c), ksm_root=_ksm_root())
-    return rep.as_json()
-
-
 @share.command("report", short_help="Each VM's host memory and the savings by mechanism.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @pass_ctx
@@ -129,27 +91,6 @@ def _analysis_text(a: ModeAnalysis) -> str:
         f"{100 * a.shareable_fraction:.1f}%"])
 
 
-def _analysis(c: Ctx, pid: int | None, vm_name: str | None) -> ModeAnalysis:
-    if (pid is None) == (vm_name is None):
-        raise SpecError("give either a PID or --vm VM (one of them), e.g. "
-                        "`fusuma share analyze --vm web1`.")
-    if vm_name is not None:
-        rec = c.db.vm(vm_name)
-        state = VmView(rec).state
-        if rec.pid is None or state not in LIVE:
-            raise StateError(f"VM {vm_name!r} is {state}, so it has no QEMU process to "
-                             f"analyze; start it with `fusuma vm start {vm_name}`.")
-        pid = rec.pid
-    assert pid is not None
-    result = analyze(pid)
-    return result
-
-
-def analyze_data(c: Ctx, pid: int | None, vm_name: str | None) -> dict[str, Any]:
-    """What `share analyze --json` prints."""
-    return _analysis(c, pid, vm_name).as_json()
-
-
 @share.command("analyze", short_help="Resident memory by mapping mode; shareable fraction.")
 @click.argument("pid", type=int, required=False)
 @click.option("--vm", "vm_name", help="Analyze this VM's QEMU process instead of PID.")
@@ -161,7 +102,7 @@ def analyze_cmd(c: Ctx, pid: int | None, vm_name: str | None, as_json: bool) -> 
     """A process's resident memory by mapping mode (r-xp, r--p, rw-p, ...) and the
     fraction that could be shared (resident in mappings that are not writable): the
     DCSS paper's Table 4, for PID or for the QEMU of VM."""
-    result = _analysis(c, pid, vm_name)
+    result = analysis(c, pid, vm_name)
     if as_json:
         emit_json(result.as_json())
     else:
@@ -207,7 +148,7 @@ def _show(ksm: Ksm, as_json: bool, note: str = "") -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the sysfs settings as JSON.")
 def ksm_status(as_json: bool) -> None:
     """KSM's settings and counters, and the memory it saves now."""
-    _show(_ksm(), as_json)
+    _show(host_ksm(), as_json)
 
 
 @ksm_group.command("on", help=f"""Run the KSM scanner (run=1).
@@ -222,7 +163,7 @@ Risk: {KSM_RISK}""")
               help="Milliseconds between batches (kernel default 20).")
 @click.option("--json", "as_json", is_flag=True, help="Print the new settings as JSON.")
 def ksm_on(pages_to_scan: int | None, sleep_ms: int | None, as_json: bool) -> None:
-    ksm = _ksm()
+    ksm = host_ksm()
     ksm.set_run(1, pages_to_scan=pages_to_scan, sleep_millisecs=sleep_ms)
     click.echo(f"note: {KSM_RISK}", err=True)
     _show(ksm, as_json)
@@ -238,7 +179,7 @@ def ksm_off(unmerge: bool, as_json: bool) -> None:
 
     Pages already merged stay merged (and keep saving memory) until they are written
     or until `fusuma share ksm off --unmerge` (run=2) splits them all."""
-    ksm = _ksm()
+    ksm = host_ksm()
     ksm.set_run(2 if unmerge else 0)
     note = ("" if unmerge else "merged pages stay merged until written; "
             "`fusuma share ksm off --unmerge` splits them now")

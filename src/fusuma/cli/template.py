@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
-
-if TYPE_CHECKING:
-    from fusuma.memshare.template_manager import TemplateManager
+from fusuma.ops.templates import template_manager
 
 
 @click.group()
@@ -42,12 +38,6 @@ def template() -> None:
       fusuma template delete web"""
 
 
-def _mgr(c: Ctx) -> TemplateManager:
-    from fusuma.memshare.template_manager import TemplateManager
-
-    return TemplateManager(c.paths, c.db, c.parts)
-
-
 @template.command("create")
 @click.argument("name")
 @click.option("--from", "from_vm", required=True, metavar="VM",
@@ -65,7 +55,7 @@ def create(c: Ctx, name: str, from_vm: str, as_json: bool) -> None:
     is left. Clones share the template's unwritten pages, start in milliseconds, move by
     copy only; page sharing lets a guest learn by timing whether a page equals the
     template's (the same side channel as KSM's)."""
-    mgr = _mgr(c)
+    mgr = template_manager(c)
     t = mgr.create(name, from_vm)
     if as_json:
         emit_json(mgr.as_json(t))
@@ -79,7 +69,7 @@ def create(c: Ctx, name: str, from_vm: str, as_json: bool) -> None:
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
     """List templates and their clones."""
-    mgr = _mgr(c)
+    mgr = template_manager(c)
     data = [mgr.as_json(t) for t in mgr.all()]
     if as_json:
         emit_json(data)
@@ -98,7 +88,7 @@ def list_(c: Ctx, as_json: bool) -> None:
 @pass_ctx
 def show(c: Ctx, name: str, as_json: bool) -> None:
     """Show template NAME: its guest, files (checked) and clones."""
-    mgr = _mgr(c)
+    mgr = template_manager(c)
     data = mgr.as_json(c.db.template(name))
     if as_json:
         emit_json(data)
@@ -113,5 +103,5 @@ def show(c: Ctx, name: str, as_json: bool) -> None:
 def delete(c: Ctx, name: str) -> None:
     """Delete template NAME and its files; refused while any VM (even a stopped one)
     was cloned from it."""
-    _mgr(c).delete(name)
+    template_manager(c).delete(name)
     click.echo(f"deleted template {name}")

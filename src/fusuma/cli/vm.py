@@ -185,7 +185,7 @@ def delete(c: Ctx, name: str, force: bool) -> None:
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
     """List VMs."""
-    from fusuma.cli.host import ps_data
+    from fusuma.views.host import ps_data
 
     data = ps_data(c, vms_only=True)["vms"]
     if as_json:

@@ -10,8 +10,9 @@ cluster's work; fusuma adds the partitions, moves, segments and the governor.
 Modules: ``kube`` (a small typed client over httpx), ``crds`` (the CRDs and RBAC that
 ``fusuma cluster install`` prints), ``resources`` (typed views of the objects and their
 conditions), ``placement`` (the capacity arithmetic across hosts), ``agent`` (the
-process), ``reconcile`` (one host's half), ``hostmove`` (live moves between hosts),
-``lease`` (heartbeats and leader election).
+process), ``context`` (what the rest needs from the agent, as protocols: the agent
+builds them, none of them imports it), ``reconcile`` (one host's half), ``hostmove``
+(live moves between hosts), ``lease`` (heartbeats and leader election).
 
 Errors::
 

@@ -18,12 +18,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
 from fusuma import __version__
-from fusuma.cli.common import Ctx
 from fusuma.cluster import (
     FINALIZER,
     SYSTEM_NAMESPACE,
@@ -31,6 +29,8 @@ from fusuma.cluster import (
     ConflictApiError,
     NotFoundApiError,
 )
+from fusuma.cluster.context import AgentConfig
+from fusuma.cluster.controller import Placement
 from fusuma.cluster.events import Recorder
 from fusuma.cluster.informer import Informer
 from fusuma.cluster.kube import (
@@ -46,8 +46,10 @@ from fusuma.cluster.kube import (
 )
 from fusuma.cluster.lease import Election, Observer, host_lease_name, renew_heartbeat
 from fusuma.cluster.owners import Owners
+from fusuma.cluster.reconcile import PartitionReconciler, SegmentReconciler, VmReconciler
 from fusuma.cluster.resources import VmView, key, now_iso, set_condition
 from fusuma.errors import FusumaError
+from fusuma.ops.context import Ctx, ThreadContexts
 from fusuma.paths import Paths
 
 LOG = logging.getLogger(__name__)
@@ -56,16 +58,9 @@ STATUS_EVERY_S = 10.0
 PLACEMENT_EVERY_S = 1.0
 
 
-@dataclass(frozen=True)
-class AgentConfig:
-    host: str
-    address: str | None = None
-    namespace: str | None = None
-    lease_seconds: int = 40
-    workers: int = 8
-
-
 class Agent:
+    """One host's agent (implements ``fusuma.cluster.context.AgentContext``)."""
+
     def __init__(self, paths: Paths, kubecfg: KubeConfig, cfg: AgentConfig) -> None:
         self.paths = paths
         self.cfg = cfg
@@ -76,7 +71,7 @@ class Agent:
         self.events = Recorder(self.kube, cfg.host)
         self.wake = threading.Event()
         self.stop = threading.Event()
-        self._local = threading.local()
+        self._contexts = ThreadContexts(paths)
         wake: Callable[[], None] = self.wake.set
         self.hosts_informer = Informer(self.kube, HOST, on_change=wake)
         self.parts_informer = Informer(self.kube, PARTITION, on_change=wake)
@@ -90,13 +85,6 @@ class Agent:
         self._lock = threading.Lock()
         self._qemu_versions: dict[str, str | None] = {}
         self.pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="reconcile")
-        from fusuma.cluster.controller import Placement
-        from fusuma.cluster.reconcile import (
-            PartitionReconciler,
-            SegmentReconciler,
-            VmReconciler,
-        )
-
         self.vm_rec = VmReconciler(self)
         self.part_rec = PartitionReconciler(self)
         self.seg_rec = SegmentReconciler(self)
@@ -107,11 +95,7 @@ class Agent:
 
     def ctx(self) -> Ctx:
         """This thread's context (a state-file connection is per thread)."""
-        c: Ctx | None = getattr(self._local, "ctx", None)
-        if c is None:
-            c = Ctx(self.paths)
-            self._local.ctx = c
-        return c
+        return self._contexts.get()
 
     # -- run ----------------------------------------------------------------------------
     def run(self) -> None:

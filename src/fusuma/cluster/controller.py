@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from fusuma.cluster import FINALIZER
+from fusuma.cluster.context import AgentContext
 from fusuma.cluster.events import WARNING
 from fusuma.cluster.kube import HOST, VM, Obj
 from fusuma.cluster.lease import Observer, host_lease_name
@@ -31,14 +31,11 @@ from fusuma.cluster.resources import (
     set_condition,
 )
 
-if TYPE_CHECKING:
-    from fusuma.cluster.agent import Agent
-
 LOG = logging.getLogger(__name__)
 
 
 class Placement:
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentContext) -> None:
         self.a = agent
         self.observer = Observer()
         self.first_seen: dict[str, float] = {}

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusuma import recovery
 from fusuma.cluster import ConflictApiError, NotFoundApiError
+from fusuma.cluster.context import AgentContext, VmMoves
 from fusuma.cluster.events import WARNING
 from fusuma.cluster.kube import VM, Obj
 from fusuma.cluster.owners import Owner
@@ -47,9 +48,7 @@ from fusuma.state import JobKind, VmState, vm_obj
 from fusuma.supervisor import rpc
 
 if TYPE_CHECKING:
-    from fusuma.cli.common import Ctx
-    from fusuma.cluster.agent import Agent
-    from fusuma.cluster.reconcile import VmReconciler
+    from fusuma.ops.context import Ctx
     from fusuma.state import VmRecord
 
 LOG = logging.getLogger(__name__)
@@ -68,17 +67,17 @@ class MoveAborted(MigrationError):
 
 
 # -- the move record in the cluster -----------------------------------------------------
-def fresh(a: Agent, v: VmView) -> VmView:
+def fresh(a: AgentContext, v: VmView) -> VmView:
     return VmView(a.kube.get(VM, v.name, v.namespace))
 
 
-def patch_move(a: Agent, v: VmView, fields: dict[str, Any], **status: Any) -> None:
+def patch_move(a: AgentContext, v: VmView, fields: dict[str, Any], **status: Any) -> None:
     """Start the move record (the source, once)."""
     new = a.kube.patch_status(VM, v.name, {"move": fields, **status}, v.namespace)
     a.vms_informer.put(new)
 
 
-def update_move(a: Agent, v: VmView, move_id: str, fields: dict[str, Any],
+def update_move(a: AgentContext, v: VmView, move_id: str, fields: dict[str, Any],
                 **status: Any) -> bool:
     """Add ``fields`` to move ``move_id``'s record (and ``status``) only while that
     move is still the one recorded: a late write never revives a finished move."""
@@ -100,7 +99,7 @@ def update_move(a: Agent, v: VmView, move_id: str, fields: dict[str, Any],
     raise MigrationError(f"could not update the move record of {v.name!r}.")
 
 
-def decide(a: Agent, v: VmView, move_id: str, decision: str,
+def decide(a: AgentContext, v: VmView, move_id: str, decision: str,
            why: str | None = None) -> str | None:
     """Record the move's outcome once; return the outcome in force (None: the move
     is no longer recorded)."""
@@ -125,7 +124,7 @@ def decide(a: Agent, v: VmView, move_id: str, decision: str,
     raise MigrationError(f"could not record the outcome of the move of {v.name!r}.")
 
 
-def wait_move(a: Agent, v: VmView, move_id: str, until: Any, timeout: float,
+def wait_move(a: AgentContext, v: VmView, move_id: str, until: Any, timeout: float,
               peer: str | None = None) -> Obj:
     """Poll the move record until ``until(move)``; raise MoveAborted if it is gone,
     failed or decided back, or ``peer``'s Lease expired meanwhile."""
@@ -149,7 +148,7 @@ def wait_move(a: Agent, v: VmView, move_id: str, until: Any, timeout: float,
 
 
 # -- source -----------------------------------------------------------------------------
-def begin(a: Agent, r: VmReconciler, v: VmView, local: VmRecord) -> None:
+def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
     """This host runs ``v`` and its spec now names another host: move it there."""
     from fusuma.vm.view import VmView as LocalView
 
@@ -226,7 +225,7 @@ def _release_source(c: Ctx, name: str, partition: str) -> None:
         c.parts.client(partition).send(rpc.Release(name))
 
 
-def _source_forward(a: Agent, c: Ctx, v: VmView, move_id: str, out: rpc.Streamed | None,
+def _source_forward(a: AgentContext, c: Ctx, v: VmView, move_id: str, out: rpc.Streamed | None,
                     started: str) -> None:
     """After the source's job: the destination runs the guest; forget it here (a
     record is removed only under a delete job of its own) and record the move."""
@@ -257,7 +256,7 @@ def _source_forward(a: Agent, c: Ctx, v: VmView, move_id: str, out: rpc.Streamed
                   f"{last['bytesSent']} bytes")
 
 
-def _source_back(a: Agent, c: Ctx, v: VmView, move_id: str, partition: str,
+def _source_back(a: AgentContext, c: Ctx, v: VmView, move_id: str, partition: str,
                  why: str) -> None:
     """The move is off: run the guest here again (or say it is lost)."""
     c.db.decide(vm_obj(v.name), "back")
@@ -290,7 +289,7 @@ def _source_back(a: Agent, c: Ctx, v: VmView, move_id: str, partition: str,
 
 
 # -- after a restart, or the destination's half -------------------------------------------
-def step(a: Agent, r: VmReconciler, v: VmView) -> None:
+def step(a: AgentContext, r: VmMoves, v: VmView) -> None:
     m = v.move or {}
     if m.get("fromHost") == a.host:
         _recover_source(a, v, m)
@@ -298,7 +297,7 @@ def step(a: Agent, r: VmReconciler, v: VmView) -> None:
         _destination(a, r, v, m)
 
 
-def _recover_source(a: Agent, v: VmView, m: dict[str, Any]) -> None:
+def _recover_source(a: AgentContext, v: VmView, m: dict[str, Any]) -> None:
     """The agent that began this move died: its job here may still be held by no one.
     "back" unless the destination already went forward."""
     c = a.ctx()
@@ -318,7 +317,7 @@ def _recover_source(a: Agent, v: VmView, m: dict[str, Any]) -> None:
         _source_forward(a, c, v, str(m.get("id")), None, str(m.get("startedAt")))
 
 
-def _destination(a: Agent, r: VmReconciler, v: VmView, m: dict[str, Any]) -> None:
+def _destination(a: AgentContext, r: VmMoves, v: VmView, m: dict[str, Any]) -> None:
     c = a.ctx()
     job = c.db.find_job(vm_obj(v.name))
     if job is not None and job.owner.alive():
@@ -370,12 +369,12 @@ def _destination(a: Agent, r: VmReconciler, v: VmView, m: dict[str, Any]) -> Non
             update_move(a, v, move_id, {"phase": "Failed", "message": failed})
 
 
-def _dest_refuse(a: Agent, v: VmView, move_id: str, why: str) -> None:
+def _dest_refuse(a: AgentContext, v: VmView, move_id: str, why: str) -> None:
     if decide(a, v, move_id, "back", why) == "back":
         update_move(a, v, move_id, {"phase": "Failed", "message": why})
 
 
-def _dest_prepare(a: Agent, c: Ctx, v: VmView, m: dict[str, Any], part: str) -> None:
+def _dest_prepare(a: AgentContext, c: Ctx, v: VmView, m: dict[str, Any], part: str) -> None:
     from fusuma.spec import VmSpec
 
     if c.db.find_partition(part) is None:
@@ -397,7 +396,7 @@ def _dest_prepare(a: Agent, c: Ctx, v: VmView, m: dict[str, Any], part: str) -> 
                                          "prepareMs": prep.prepare_ms})
 
 
-def _dest_receive(a: Agent, c: Ctx, v: VmView, move_id: str, part: str,
+def _dest_receive(a: AgentContext, c: Ctx, v: VmView, move_id: str, part: str,
                   m: dict[str, Any]) -> None:
     dst = c.parts.client(part)
     src_host = str(m.get("fromHost"))
@@ -442,7 +441,7 @@ def _dest_abort(c: Ctx, name: str, part: str) -> None:
         c.parts.client(part).send(rpc.IncomingAbort(name))
 
 
-def _dest_remove(a: Agent, c: Ctx, name: str) -> None:
+def _dest_remove(a: AgentContext, c: Ctx, name: str) -> None:
     """After the destination's job: remove the definition made for the move."""
     if c.db.find_vm(name) is not None:
         c.vms.delete(name, force=True)

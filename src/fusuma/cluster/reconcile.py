@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusuma.cluster import FINALIZER
+from fusuma.cluster.context import AgentContext
 from fusuma.cluster.events import WARNING
 from fusuma.cluster.kube import PARTITION, VM, Obj
 from fusuma.cluster.owners import Owner
@@ -44,8 +45,7 @@ from fusuma.errors import (
 )
 
 if TYPE_CHECKING:
-    from fusuma.cli.common import Ctx
-    from fusuma.cluster.agent import Agent
+    from fusuma.ops.context import Ctx
     from fusuma.state import VmRecord
 
 LOG = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def resident_mib(pid: int | None) -> int | None:
 
 
 class VmReconciler:
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentContext) -> None:
         self.a = agent
         self.failed_at: dict[str, float] = {}
         self.create_failed_at: dict[str, float] = {}
@@ -328,7 +328,7 @@ class VmReconciler:
 
 
 class PartitionReconciler:
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentContext) -> None:
         self.a = agent
 
     def write_status(self, obj: Obj, fields: dict[str, Any], ok: bool, reason: str,
@@ -425,7 +425,7 @@ class SegmentReconciler:
     (``fusuma segment create NAME --from-image KIND``), removed with its object when no
     VM here uses it. Each agent keeps its own entry of ``status.hosts``."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentContext) -> None:
         self.a = agent
 
     def _entry(self, obj: Obj, entry: dict[str, Any] | None) -> None:
@@ -455,7 +455,7 @@ class SegmentReconciler:
 
     def reconcile(self, obj: Obj) -> None:
         from fusuma.cluster.kube import SEGMENT
-        from fusuma.memshare.segments import SegmentManager
+        from fusuma.ops.segments import segment_manager
 
         c = self.a.ctx()
         spec = obj.get("spec") or {}
@@ -463,7 +463,7 @@ class SegmentReconciler:
         uid = str(obj["metadata"]["uid"])
         owner = self.a.owners.get("segments", name)
         mine = owner is not None and owner.uid == uid
-        mgr = SegmentManager(c.paths, c.db)
+        mgr = segment_manager(c)
         local = c.db.find_segment(name)
         wanted = not spec.get("hosts") or self.a.host in spec["hosts"]
         if deleting(obj) or not wanted:

@@ -1,4 +1,5 @@
-"""`fusuma agent` and `fusuma cluster ...`: fusuma on Kubernetes (fusuma.cluster).
+"""`fusuma agent` and `fusuma cluster ...`: the cluster's own commands (listed in the
+program's command table, ``fusuma.cli.main.COMMANDS``).
 
 Kept light: the agent's modules (and PyYAML) are imported when a command runs."""
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from fusuma.cli.common import Ctx, pass_ctx, progress
+from fusuma.console import pass_ctx, progress
+from fusuma.ops.context import Ctx
 
 
 @click.command()
@@ -44,7 +46,8 @@ def agent(c: Ctx, kubeconfig: Path, namespace: str | None, host_name: str | None
     """
     import logging
 
-    from fusuma.cluster.agent import Agent, AgentConfig
+    from fusuma.cluster.agent import Agent
+    from fusuma.cluster.context import AgentConfig
 
     # One line per request is too much even with -v; -vv shows them.
     if logging.getLogger().level > logging.DEBUG:

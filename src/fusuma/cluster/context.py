@@ -1,0 +1,89 @@
+"""What the reconcilers, the move between hosts and the placement controller need from
+the agent, as protocols: they depend on this narrow interface, the agent (``agent``)
+implements it and builds them, so none of them imports the agent.
+
+``AgentConfig`` lives here too: the reconcilers read it (the Lease duration)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from fusuma.cluster.events import Recorder
+from fusuma.cluster.informer import Informer
+from fusuma.cluster.kube import Kind, Kube, Obj
+from fusuma.cluster.owners import Owners
+from fusuma.cluster.resources import FAILED, VmView
+
+if TYPE_CHECKING:
+    from fusuma.ops.context import Ctx
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    host: str
+    address: str | None = None
+    namespace: str | None = None
+    lease_seconds: int = 40
+    workers: int = 8
+
+
+class VmMoves(Protocol):
+    """The VM reconciler, as a move between hosts uses it: its refusals and the
+    record of failed moves (spec generation, when)."""
+
+    @property
+    def move_failed(self) -> dict[str, tuple[int, float]]: ...
+
+    def fail(self, v: VmView, reason: str, message: str, *, event: bool = True,
+             state: str = FAILED) -> None: ...
+
+
+class AgentContext(Protocol):
+    """One host's agent: its names, its API client and caches, its owners, its
+    contexts on this host, and the helpers that change objects safely."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def cfg(self) -> AgentConfig: ...
+
+    @property
+    def kube(self) -> Kube: ...
+
+    @property
+    def events(self) -> Recorder: ...
+
+    @property
+    def owners(self) -> Owners: ...
+
+    @property
+    def hosts_informer(self) -> Informer: ...
+
+    @property
+    def parts_informer(self) -> Informer: ...
+
+    @property
+    def vms_informer(self) -> Informer: ...
+
+    @property
+    def leases_informer(self) -> Informer: ...
+
+    @property
+    def vm_rec(self) -> VmMoves: ...
+
+    def ctx(self) -> Ctx:
+        """This thread's context on this host."""
+        ...
+
+    def add_finalizer(self, kind: Kind, obj: Obj) -> None: ...
+
+    def remove_finalizer(self, kind: Kind, obj: Obj) -> None: ...
+
+    def host_lost(self, host: str) -> bool: ...
+
+    def qemu_version_of(self, binary: str | None) -> str | None: ...
