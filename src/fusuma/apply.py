@@ -204,7 +204,7 @@ def _down(db: Database, parts: PartitionManager, vms: VmManager,
         vms.delete(v.name, force=True)
         done.append(f"deleted vm {v.name}")
     if db.templates():
-        from fusuma.memshare.template_manager import TemplateManager
+        from fusuma.ops.template_manager import TemplateManager
 
         for t in db.templates():
             progress(f"deleting template {t.name}")

@@ -36,7 +36,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from fusuma import recovery
 from fusuma.cluster import ConflictApiError, NotFoundApiError
 from fusuma.cluster.context import AgentContext, VmMoves
 from fusuma.cluster.events import WARNING
@@ -44,7 +43,7 @@ from fusuma.cluster.kube import VM, Obj
 from fusuma.cluster.owners import Owner
 from fusuma.cluster.resources import MOVING, PLACED, RUNNING, VmView, now_iso, set_condition
 from fusuma.errors import FusumaError, MigrationError
-from fusuma.state import JobKind, VmState, vm_obj
+from fusuma.state import Decision, JobKind, VmState, vm_obj
 from fusuma.supervisor import rpc
 
 if TYPE_CHECKING:
@@ -136,7 +135,7 @@ def wait_move(a: AgentContext, v: VmView, move_id: str, until: Any, timeout: flo
             raise MoveAborted(f"the move of {v.name!r} is no longer recorded.")
         if until(move):
             return dict(move)
-        if move.get("decision") == "back" or move.get("phase") == "Failed":
+        if move.get("decision") == Decision.BACK or move.get("phase") == "Failed":
             raise MoveAborted(f"the move of {v.name!r} was called off "
                               f"({move.get('message') or 'decided back'})")
         if peer and a.host_lost(peer):
@@ -177,7 +176,7 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
         return       # this spec's move failed a moment ago: not again at once
     move_id = uuid.uuid4().hex[:12]
     record = {f: getattr(local, f) for f in CARRIED if getattr(local, f, None) is not None}
-    with recovery.job(c.parts, vm_obj(v.name), JobKind.HOST_MOVE, source=local.partition,
+    with c.parts.job(vm_obj(v.name), JobKind.HOST_MOVE, source=local.partition,
                       peer=f"{dest}/{part}") as jh:
         c.db.transition(v.name, VmState.MIGRATING, expect={VmState.RUNNING})
         jh.phase("prepare", move=move_id)
@@ -207,11 +206,11 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
                 peer=dest).get("decision")
         except FusumaError as exc:
             LOG.warning("move of %s to %s: %s", v.name, dest, exc)
-            decision = decide(a, v, move_id, "back", f"host {a.host}: {exc}")
-            if decision != "forward":
+            decision = decide(a, v, move_id, Decision.BACK, f"host {a.host}: {exc}")
+            if decision != Decision.FORWARD:
                 _source_back(a, c, v, move_id, local.partition, str(exc))
                 return
-        if decision != "forward":
+        if decision != Decision.FORWARD:
             _source_back(a, c, v, move_id, local.partition, "decided back")
             return
         _release_source(c, v.name, local.partition)
@@ -220,7 +219,7 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
 
 def _release_source(c: Ctx, name: str, partition: str) -> None:
     """Under the source's job: the outcome is "forward", so end the source QEMU."""
-    c.db.decide(vm_obj(name), "forward")
+    c.db.decide(vm_obj(name), Decision.FORWARD)
     with contextlib.suppress(FusumaError):
         c.parts.client(partition).send(rpc.Release(name))
 
@@ -259,7 +258,7 @@ def _source_forward(a: AgentContext, c: Ctx, v: VmView, move_id: str, out: rpc.S
 def _source_back(a: AgentContext, c: Ctx, v: VmView, move_id: str, partition: str,
                  why: str) -> None:
     """The move is off: run the guest here again (or say it is lost)."""
-    c.db.decide(vm_obj(v.name), "back")
+    c.db.decide(vm_obj(v.name), Decision.BACK)
     state = RUNNING
     try:
         res = c.parts.client(partition).send(rpc.ResumeSource(v.name))
@@ -305,15 +304,15 @@ def _recover_source(a: AgentContext, v: VmView, m: dict[str, Any]) -> None:
     if job is not None and job.owner.alive():
         return       # this agent's own worker still runs it (not a restart)
     part = str(m.get("from", "/")).split("/", 1)[1]
-    decision = m.get("decision") or decide(a, v, str(m.get("id")), "back")
+    decision = m.get("decision") or decide(a, v, str(m.get("id")), Decision.BACK)
     if c.db.find_vm(v.name) is not None:
-        with recovery.job(c.parts, vm_obj(v.name), JobKind.HOST_MOVE, source=part):
-            if decision != "forward":
+        with c.parts.job(vm_obj(v.name), JobKind.HOST_MOVE, source=part):
+            if decision != Decision.FORWARD:
                 _source_back(a, c, v, str(m.get("id")), part,
                              "the agent restarted mid-move")
                 return
             _release_source(c, v.name, part)
-    if decision == "forward":
+    if decision == Decision.FORWARD:
         _source_forward(a, c, v, str(m.get("id")), None, str(m.get("startedAt")))
 
 
@@ -333,22 +332,22 @@ def _destination(a: AgentContext, r: VmMoves, v: VmView, m: dict[str, Any]) -> N
     if local is not None and local.state in (VmState.RUNNING, VmState.PAUSED):
         # Committed here already (a pass after the switch): never undone; make sure
         # the record says so.
-        if m.get("decision") == "forward" and m.get("phase") != "Switched":
+        if m.get("decision") == Decision.FORWARD and m.get("phase") != "Switched":
             update_move(a, v, move_id, {"phase": "Switched", "destPid": local.pid},
                         host=a.host, partition=local.partition, pid=local.pid,
                         state=RUNNING)
         return
     decision = m.get("decision")
-    if decision == "back" or m.get("phase") == "Failed":
+    if decision == Decision.BACK or m.get("phase") == "Failed":
         if local is not None:
-            with recovery.job(c.parts, vm_obj(v.name), JobKind.HOST_MOVE_IN, source=part):
+            with c.parts.job(vm_obj(v.name), JobKind.HOST_MOVE_IN, source=part):
                 _dest_abort(c, v.name, part)
             _dest_remove(a, c, v.name)
         return
     if local is None and m.get("phase") != "Preparing":
         return        # nothing here: the source will decide back
     failed: str | None = None
-    with recovery.job(c.parts, vm_obj(v.name), JobKind.HOST_MOVE_IN, source=part) as jh:
+    with c.parts.job(vm_obj(v.name), JobKind.HOST_MOVE_IN, source=part) as jh:
         try:
             if local is None:
                 _dest_prepare(a, c, v, m, part)
@@ -356,7 +355,7 @@ def _destination(a: AgentContext, r: VmMoves, v: VmView, m: dict[str, Any]) -> N
             _dest_receive(a, c, v, move_id, part, m)
         except FusumaError as exc:
             LOG.warning("incoming move of %s: %s", v.name, exc)
-            if decide(a, v, move_id, "back", f"host {a.host}: {exc}") == "forward":
+            if decide(a, v, move_id, Decision.BACK, f"host {a.host}: {exc}") == Decision.FORWARD:
                 raise      # the guest is here: the next pass commits it
             rec = c.db.find_vm(v.name)
             if rec is not None and rec.state in (VmState.RUNNING, VmState.PAUSED):
@@ -370,7 +369,7 @@ def _destination(a: AgentContext, r: VmMoves, v: VmView, m: dict[str, Any]) -> N
 
 
 def _dest_refuse(a: AgentContext, v: VmView, move_id: str, why: str) -> None:
-    if decide(a, v, move_id, "back", why) == "back":
+    if decide(a, v, move_id, Decision.BACK, why) == Decision.BACK:
         update_move(a, v, move_id, {"phase": "Failed", "message": why})
 
 
@@ -409,15 +408,15 @@ def _dest_receive(a: AgentContext, c: Ctx, v: VmView, move_id: str, part: str,
             raise MigrationError(f"the stream of {v.name!r} into host {a.host} {status}")
         cur = a.vms_informer.get(v.namespace, v.name) or {}
         cm = (cur.get("status") or {}).get("move") or {}
-        if cm.get("id") != move_id or cm.get("decision") == "back":
+        if cm.get("id") != move_id or cm.get("decision") == Decision.BACK:
             raise MoveAborted(f"the move of {v.name!r} was called off by {src_host}")
         if a.host_lost(src_host):
             raise MoveAborted(f"host {src_host}'s Lease expired during the move")
         if time.monotonic() > deadline:
             raise MigrationError(f"the stream of {v.name!r} did not complete in time")
-    if decide(a, v, move_id, "forward") != "forward":
+    if decide(a, v, move_id, Decision.FORWARD) != Decision.FORWARD:
         raise MoveAborted(f"the move of {v.name!r} was decided back")
-    c.db.decide(vm_obj(v.name), "forward")
+    c.db.decide(vm_obj(v.name), Decision.FORWARD)
     fin = dst.send(rpc.IncomingCommit(v.name))
     with contextlib.suppress(FusumaError):
         dst.send(rpc.Settle(v.name))
@@ -436,7 +435,7 @@ def _dest_receive(a: AgentContext, c: Ctx, v: VmView, move_id: str, part: str,
 
 def _dest_abort(c: Ctx, name: str, part: str) -> None:
     """Under the destination's job: the move went back; end the incoming QEMU."""
-    c.db.decide(vm_obj(name), "back")
+    c.db.decide(vm_obj(name), Decision.BACK)
     with contextlib.suppress(FusumaError, NotFoundApiError):
         c.parts.client(part).send(rpc.IncomingAbort(name))
 

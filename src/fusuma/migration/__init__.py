@@ -35,14 +35,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fusuma import capacity, recovery
+from fusuma import capacity
 from fusuma.errors import FusumaError, MigrationError, ResourceError, StateError
 from fusuma.governor.qos import check_admission
 from fusuma.migration import compat, inplace
 from fusuma.migration.inplace import MODE as CPR_MODE
 from fusuma.migration.resolve import recover_move
 from fusuma.partition.manager import PartitionManager
-from fusuma.state import VmState, vm_obj
+from fusuma.state import Decision, JobKind, MovePhase, VmState, vm_obj
+from fusuma.state.joblock import JobLock
 from fusuma.state.lock import host_lock
 from fusuma.supervisor import rpc
 from fusuma.vm import VmView
@@ -154,9 +155,9 @@ def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
     last point where stopping leaves everything as it was (before the stream starts);
     a FusumaError it raises ends the move there, the VM staying where it ran."""
     with host_lock(parts.paths.home):
-        recovery.ensure_recovered(parts, vm_obj(vm))
+        parts.ensure_recovered(vm_obj(vm))
         source = parts.db.vm(vm).partition
-        with recovery.job(parts, vm_obj(vm), "migrate", source=source, peer=to) as jh:
+        with parts.job(vm_obj(vm), JobKind.MIGRATE, source=source, peer=to) as jh:
             check(parts, vm, to, mode)
             try:
                 res = _migrate(parts, jh, vm, to, mode, progress, checkpoint)
@@ -173,92 +174,143 @@ def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
             return res
 
 
-def _migrate(parts: PartitionManager, jh: recovery.JobHandle, vm: str, to: str, mode: str,
+class MovedNotRunning(MigrationError):
+    """The guest reached its destination, whose QEMU then did not run it."""
+
+
+@dataclass(frozen=True)
+class LocalMove:
+    """The two sides of a move inside this host, each a partition's supervisor asked
+    by typed request (``fusuma.supervisor.moves``): between two partitions (zero-copy
+    or copy), or in place (cpr-transfer: one supervisor holds both QEMUs). The steps
+    pair the way libvirt's do: destination prepare and finish, source perform and
+    confirm."""
+
+    parts: PartitionManager
+    vm: str
+    source: str
+    to: str
+    mode: str
+
+    @property
+    def in_place(self) -> bool:
+        return self.mode == CPR_MODE
+
+    def dest_prepare(self) -> rpc.Prepared:
+        delay = float(os.environ.get(FAULT_BEFORE_DECIDE, 0))
+        req: rpc.Request[rpc.Prepared] = (
+            rpc.CprPrepare(self.vm, fault_decide_delay=delay) if self.in_place
+            else rpc.IncomingPrepare(self.vm, self.mode, fault_decide_delay=delay))
+        return self.parts.client(self.to).send(req)
+
+    def source_perform(self, prep: rpc.Prepared) -> rpc.Streamed:
+        req: rpc.Request[rpc.Streamed] = (
+            rpc.CprTransfer(self.vm, fault_incoming_delay=float(
+                os.environ.get(FAULT_BEFORE_INCOMING, 0))) if self.in_place
+            else rpc.MigrateOut(self.vm, str(prep.uri), self.mode, max_bandwidth=int(
+                os.environ.get(FAULT_STREAM_BPS, 0))))
+        return self.parts.client(self.source).send(req, timeout=700)
+
+    def dest_finish(self) -> rpc.Resumed:
+        return self.parts.client(self.to).send(rpc.IncomingFinish(self.vm))
+
+    def source_confirm(self) -> None:
+        self.parts.client(self.source).send(rpc.Release(self.vm))
+
+    def dest_settle(self, progress: Callable[[str], None]) -> None:
+        dst = self.parts.client(self.to)
+        try:
+            dst.send(rpc.Settle(self.vm))
+        except FusumaError as exc:
+            # The guest runs there; a new supervisor adopts it and settles its sockets.
+            progress(f"could not settle {self.vm} in {self.to} ({exc}); restarting its "
+                     "supervisor")
+            if self.parts.supervisor_pid(self.to) is None:
+                self.parts.start_supervisor(self.to)
+                dst.send(rpc.Settle(self.vm))
+
+
+def _migrate(parts: PartitionManager, jh: JobLock, vm: str, to: str, mode: str,
              progress: Callable[[str], None],
              checkpoint: Callable[[], None] = lambda: None) -> MigrationResult:
-    """The move's steps, each phase recorded before it is taken (see the module
-    docstring). Any failure after the VM became ``migrating`` is resolved by the same
-    procedure that recovers a move whose owner died (``migration.resolve``)."""
+    """The move's steps, each phase (``MovePhase``) recorded before it is taken (see
+    the module docstring). Any failure after the VM became ``migrating`` is resolved by
+    the same procedure that recovers a move whose owner died (``migration.resolve``)."""
     db = parts.db
     rec = db.vm(vm)
-    source = rec.partition
-    src, dst = parts.client(source), parts.client(to)
-    # In place (cpr-transfer): one supervisor holds both QEMUs (fusuma.supervisor.moves.cpr).
-    in_place = mode == CPR_MODE
+    move = LocalMove(parts, vm, rec.partition, to, mode)
     db.transition(vm, VmState.MIGRATING, expect={VmState.RUNNING})
-    jh.phase("prepare", mode=mode, source_pid=rec.pid)
+    jh.phase(MovePhase.PREPARE, mode=mode, source_pid=rec.pid)
     progress(f"preparing {vm} in {to} ({mode})")
+    switched = False     # the destination took the guest: a later failure is no undo
     try:
-        delay = float(os.environ.get(FAULT_BEFORE_DECIDE, 0))
-        prep = dst.send(rpc.CprPrepare(vm, fault_decide_delay=delay) if in_place
-                        else rpc.IncomingPrepare(vm, mode, fault_decide_delay=delay))
-        jh.phase("prepared", dest_pid=prep.pid, dest_run=prep.run_dir,
+        prep = move.dest_prepare()
+        jh.phase(MovePhase.PREPARED, dest_pid=prep.pid, dest_run=prep.run_dir,
                  dest_ram=prep.dest_ram)
         src_pid, dst_pid = int(rec.pid or 0), prep.pid
         cpu0 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
         _fault_sleep(FAULT_BEFORE_STREAM)
         checkpoint()
-        progress(f"moving {vm} {source} -> {to}")
-        jh.phase("streaming")
-        if in_place:
-            out = src.send(rpc.CprTransfer(vm, fault_incoming_delay=float(
-                os.environ.get(FAULT_BEFORE_INCOMING, 0))), timeout=700)
-        else:
-            out = src.send(rpc.MigrateOut(vm, str(prep.uri), mode, max_bandwidth=int(
-                os.environ.get(FAULT_STREAM_BPS, 0))), timeout=700)
-        jh.phase("streamed", bytes_sent=out.bytes_sent)
+        progress(f"moving {vm} {move.source} -> {to}")
+        jh.phase(MovePhase.STREAMING)
+        out = move.source_perform(prep)
+        jh.phase(MovePhase.STREAMED, bytes_sent=out.bytes_sent)
         cpu1 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
         _fault_sleep(FAULT_AFTER_COMPLETE)
-        fin = dst.send(rpc.IncomingFinish(vm))
-        jh.phase("switched")
+        fin = move.dest_finish()
+        switched = True
+        jh.phase(MovePhase.SWITCHED)
         _fault_sleep(FAULT_AFTER_SWITCH)
-        src.send(rpc.Release(vm))
-        jh.phase("released")
+        move.source_confirm()
+        jh.phase(MovePhase.RELEASED)
         _fault_sleep(FAULT_AFTER_RELEASE)
-        try:
-            dst.send(rpc.Settle(vm))
-        except FusumaError as exc:
-            # The guest runs there; a new supervisor adopts it and settles its sockets.
-            progress(f"could not settle {vm} in {to} ({exc}); restarting its supervisor")
-            if parts.supervisor_pid(to) is None:
-                parts.start_supervisor(to)
-                dst.send(rpc.Settle(vm))
+        move.dest_settle(progress)
         after = db.vm(vm)
         if after.partition != to or after.state not in (VmState.RUNNING, VmState.PAUSED):
-            raise MigrationError(f"{vm!r} moved to partition {to!r}, but is "
-                                 f"{after.state.value} there: {after.error or 'see ps'}; "
-                                 f"start it again with `fusuma vm start {vm}`.")
+            raise MovedNotRunning(f"{vm!r} moved to partition {to!r}, but is "
+                                  f"{after.state.value} there: {after.error or 'see ps'}; "
+                                  f"start it again with `fusuma vm start {vm}`.")
+    except MovedNotRunning:
+        raise
     except FusumaError as exc:
-        cur = db.find_job(vm_obj(vm))
-        if cur is None or (isinstance(exc, MigrationError) and "moved to partition" in str(exc)):
-            raise
-        try:
-            outcome = recover_move(parts, cur)
-        except FusumaError as exc2:
-            raise MigrationError(f"migration of {vm!r} failed ({exc}) and could not be "
-                                 f"resolved ({exc2}); see `fusuma ps`.") from exc
-        if outcome.decision == "forward" and outcome.running and "fin" in locals():
-            progress(f"a step after the switch failed ({exc}); {outcome.sentence()}")
-        elif outcome.decision == "forward":
-            raise MigrationError(f"migration of {vm!r} hit a fault after the guest "
-                                 f"moved ({exc}); {outcome.sentence()}.") from exc
-        elif outcome.running:
-            raise MigrationError(f"migration of {vm!r} failed ({exc}); it stays in "
-                                 f"partition {source!r}.") from exc
-        else:
-            raise MigrationError(f"migration of {vm!r} failed ({exc}); "
-                                 f"{outcome.sentence()}.") from exc
+        _resolve_failed(parts, vm, move.source, exc, switched=switched, progress=progress)
     # An in-place transfer answers once the guest runs again, with that moment.
     resume_ts = out.resume_ts or fin.resume_ts
     stop_ts = out.stop_ts
     return MigrationResult(
-        vm=vm, source=source, to=to, mode=mode,
+        vm=vm, source=move.source, to=to, mode=mode,
         total_ms=round((resume_ts - out.t0) * 1000, 2),
         downtime_ms=round((resume_ts - stop_ts) * 1000, 2) if stop_ts else None,
         bytes_sent=out.bytes_sent, prepare_ms=prep.prepare_ms,
         cpu_s=round(cpu1 - cpu0, 3), qemu_total_ms=out.qemu_total_ms,
         qemu_downtime_ms=out.qemu_downtime_ms, paused=out.paused,
         qemu_mode=out.source_mode, source_pid=src_pid, dest_pid=dst_pid)
+
+
+def _resolve_failed(parts: PartitionManager, vm: str, source: str, exc: FusumaError, *,
+                    switched: bool, progress: Callable[[str], None]) -> None:
+    """A step failed: resolve the move as a recovery would, then say where the guest is
+    (one sentence). Returns only when the guest runs at the destination after a step
+    past the switch failed (the move is then done)."""
+    cur = parts.db.find_job(vm_obj(vm))
+    if cur is None:
+        raise exc
+    try:
+        outcome = recover_move(parts, cur)
+    except FusumaError as exc2:
+        raise MigrationError(f"migration of {vm!r} failed ({exc}) and could not be "
+                             f"resolved ({exc2}); see `fusuma ps`.") from exc
+    if outcome.decision == Decision.FORWARD and outcome.running and switched:
+        progress(f"a step after the switch failed ({exc}); {outcome.sentence()}")
+        return
+    if outcome.decision == Decision.FORWARD:
+        raise MigrationError(f"migration of {vm!r} hit a fault after the guest "
+                             f"moved ({exc}); {outcome.sentence()}.") from exc
+    if outcome.running:
+        raise MigrationError(f"migration of {vm!r} failed ({exc}); it stays in "
+                             f"partition {source!r}.") from exc
+    raise MigrationError(f"migration of {vm!r} failed ({exc}); "
+                         f"{outcome.sentence()}.") from exc
 
 
 def _fault_sleep(var: str) -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fusuma import capacity, recovery
+from fusuma import capacity
 from fusuma.errors import FusumaError, MigrationError, StateError
 from fusuma.migration import MigrationResult, check, compat, inplace, migrate
 from fusuma.migration.inplace import MODE as CPR_MODE
 from fusuma.partition.manager import PartitionManager
 from fusuma.qemu import versions
-from fusuma.state import partition_obj
+from fusuma.state import JobKind, partition_obj
+from fusuma.state.joblock import JobLock
 from fusuma.state.lock import host_lock
 from fusuma.vm import VmView
 
@@ -34,11 +35,11 @@ def maintain(parts: PartitionManager, partition: str, via: str, qemu: str | None
     """Every step under the host lock and a job on the partition, so no other change
     (a restart, a resize, another maintain) slips in between the moves."""
     with host_lock(parts.paths.home), \
-            recovery.job(parts, partition_obj(partition), "maintain", peer=via) as jh:
+            parts.job(partition_obj(partition), JobKind.MAINTAIN, peer=via) as jh:
         return _maintain(parts, jh, partition, via, qemu, progress)
 
 
-def _maintain(parts: PartitionManager, jh: recovery.JobHandle, partition: str, via: str,
+def _maintain(parts: PartitionManager, jh: JobLock, partition: str, via: str,
               qemu: str | None, progress: Callable[[str], None]) -> MaintainResult:
     db = parts.db
     rec = db.partition(partition)
@@ -95,7 +96,7 @@ def maintain_in_place(parts: PartitionManager, partition: str, qemu: str | None 
     path) the partition's QEMU from now on. No second partition is needed. Refused,
     with nothing changed, where a QEMU lacks cpr-transfer (QEMU < 10.0)."""
     with host_lock(parts.paths.home), \
-            recovery.job(parts, partition_obj(partition), "maintain",
+            parts.job(partition_obj(partition), JobKind.MAINTAIN,
                          peer=partition) as jh:
         db = parts.db
         rec = db.partition(partition)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from fusuma.errors import FusumaError
 from fusuma.partition.manager import PartitionManager
-from fusuma.state import Job, VmState, vm_obj
+from fusuma.state import Decision, Job, VmState, vm_obj
 from fusuma.supervisor import rpc
 
 LOG = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ LOG = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Outcome:
     vm: str
-    decision: str           # "forward" | "back" | "lost"
+    decision: str           # a Decision, or "lost"
     partition: str          # where the VM is now (or crashed)
     running: bool
     how: str                # one clause for the user
@@ -79,10 +79,11 @@ def recover_move(parts: PartitionManager, job: Job) -> Outcome:
     if decision is None:
         ready = d is not None and (d.role == "vm" or (
             d.migration == "completed" and d.status in ("paused", "running")))
-        decision = db.decide(vm_obj(vm), "forward" if ready else "back") or "back"
+        decision = db.decide(vm_obj(vm), Decision.FORWARD if ready
+                             else Decision.BACK) or Decision.BACK
     LOG.info("recovering the move of %s: outcome %s (source %s, destination %s)", vm,
              decision, s, d)
-    if decision == "forward":
+    if decision == Decision.FORWARD:
         if d is not None:
             parts.client(dest).send(rpc.IncomingCommit(vm))
             with contextlib.suppress(FusumaError):

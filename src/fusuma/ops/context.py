@@ -53,8 +53,9 @@ class Ctx:
     def parts(self) -> PartitionManager:
         if self._parts is None:
             from fusuma.partition.manager import PartitionManager
+            from fusuma.recovery import in_process
 
-            self._parts = PartitionManager(self.paths, self.db)
+            self._parts = in_process(PartitionManager(self.paths, self.db))
             self._parts.notice = self.notice
         return self._parts
 

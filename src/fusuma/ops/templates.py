@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 from fusuma.ops.context import Ctx
 
 if TYPE_CHECKING:
-    from fusuma.memshare.template_manager import TemplateManager
+    from fusuma.ops.template_manager import TemplateManager
 
 
 def template_manager(c: Ctx) -> TemplateManager:
-    from fusuma.memshare.template_manager import TemplateManager
+    from fusuma.ops.template_manager import TemplateManager
 
     return TemplateManager(c.paths, c.db, c.parts)

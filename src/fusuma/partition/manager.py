@@ -38,7 +38,8 @@ from fusuma.partition import liveness
 from fusuma.partition.liveness import SUPERVISOR_MODULE
 from fusuma.paths import PRIVATE_DIR, Paths, ensure_dir
 from fusuma.qemu import process
-from fusuma.state import Database, DiskRecord, PartitionRecord
+from fusuma.state import Database, DiskRecord, Job, JobKind, PartitionRecord
+from fusuma.state.joblock import JobLock, Recover, ensure_recovered
 from fusuma.state.jobs import partition_obj
 from fusuma.state.lock import locked
 from fusuma.supervisor import rpc
@@ -74,6 +75,8 @@ class PartitionManager:
         self._cg: cgroups.CgroupDriver | None = None
         # Where notices for the user go (the CLI prints them on stderr).
         self.notice: Callable[[str], None] = lambda text: LOG.warning("%s", text)
+        # How a job whose owner died is recovered before an operation takes its object.
+        self.recover: Recover = self._recover_by_process
 
     @property
     def cg(self) -> cgroups.CgroupDriver:
@@ -84,6 +87,26 @@ class PartitionManager:
 
     def client(self, name: str) -> SupervisorClient:
         return SupervisorClient(self.paths, name)
+
+    # -- jobs -------------------------------------------------------------------------
+    def job(self, obj: str, kind: str, *, source: str | None = None,
+            peer: str | None = None) -> JobLock:
+        """Hold ``obj`` for one operation (``fusuma.state.joblock``), recovering a job
+        whose owner died first."""
+        return JobLock(self.db, obj, kind, source=source, peer=peer).take(self.recover)
+
+    def ensure_recovered(self, obj: str) -> None:
+        """Before an operation touches ``obj``: recover a job whose owner died."""
+        ensure_recovered(self.db, obj, self.recover)
+
+    def _recover_by_process(self, held: Job) -> None:
+        """Recover ``held`` in a process of its own (``python -m fusuma.recovery``), the
+        way a supervisor's sweep does: the recovery used where no in-process one was
+        given (``fusuma.ops.context`` gives ``fusuma.recovery.recover``)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run([sys.executable, "-m", "fusuma.recovery", held.obj],
+                           env={**os.environ, **self.paths.as_env()},
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
 
     @property
     def units(self) -> Units | None:
@@ -186,7 +209,7 @@ class PartitionManager:
             if self.cg.exists(spec.name):
                 raise ConflictError(f"cgroup of partition {spec.name!r} already exists "
                                     "(left by an earlier run?); remove it or pick another name.")
-            self.cg.create(spec.name, self._limits(rec))
+            self.cg.create(spec.name, self.limits(rec))
             rev.add(lambda: self.cg.delete(spec.name), "cgroup")
             self.db.add_partition(rec)
             rev.add(lambda: self.db.remove_partition(spec.name), "db row")
@@ -255,14 +278,12 @@ class PartitionManager:
         check_emulators(name, sorted(new_cpus), self.db.vms(name))
         new = PartitionRecord(**{**rec.__dict__, "cpus": sorted(new_cpus),
                                  "memory_mib": new_mem})
-        from fusuma import recovery  # imports this module
-
         # A resize killed half-way is finished from the record by recovery (the record
         # is written last, so the kernel gets the limits the record names).
-        with recovery.job(self, partition_obj(name), "resize") as jh, Reverter() as rev:
+        with self.job(partition_obj(name), JobKind.RESIZE) as jh, Reverter() as rev:
             jh.phase("cgroup", cpus=new.cpus, memory_mib=new.memory_mib)
-            rev.add(lambda: self.cg.update(name, self._limits(rec)), "cgroup limits")
-            self.cg.update(name, self._limits(new))
+            rev.add(lambda: self.cg.update(name, self.limits(rec)), "cgroup limits")
+            self.cg.update(name, self.limits(new))
             jh.phase("record")
             self.db.update_partition(new)
             rev.add(lambda: self.db.update_partition(rec), "db row")
@@ -278,7 +299,7 @@ class PartitionManager:
         self._repin_disturbed(name)
         return new
 
-    def _limits(self, rec: PartitionRecord) -> cgroups.Limits:
+    def limits(self, rec: PartitionRecord) -> cgroups.Limits:
         return cgroups.Limits(cpus=rec.cpus, mems=self.host.mems,
                               memory_bytes=rec.memory_mib * 1024 * 1024,
                               io_weight=rec.io_weight)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fusuma.errors import ConflictError, HostError, NotFoundError, StateError
-from fusuma.state.jobs import Job, JobOwner, busy_sentence
+from fusuma.state.jobs import Job, JobKind, JobOwner, busy_sentence
 from fusuma.state.machine import DELETABLE, VmState, check_transition, lifecycle_action
 
 SCHEMA_VERSION = 1
@@ -512,7 +512,7 @@ class Database:
         if cur.rowcount == 0 and self.find_vm(name) is not None:
             rec = self.vm(name)
             job = self.find_job(f"vm:{name}")
-            if job is not None and job.kind != "delete":
+            if job is not None and job.kind != JobKind.DELETE:
                 raise StateError(busy_sentence(job))
             raise StateError(f"VM {name!r} is {rec.state.value}; stop it before deleting it.")
 

@@ -123,9 +123,9 @@ class Job:
         return "VM" if self.obj.startswith("vm:") else "partition"
 
     def doing(self) -> str:
-        if self.kind == "migrate" and self.source == self.peer:
+        if self.kind == JobKind.MIGRATE and self.source == self.peer:
             return f"moving to a new QEMU in {self.peer}"     # in place (cpr-transfer)
-        if self.kind == "migrate":
+        if self.kind == JobKind.MIGRATE:
             return f"moving to {self.peer}"
         return DOING.get(self.kind, self.kind)
 

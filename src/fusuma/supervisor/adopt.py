@@ -21,7 +21,7 @@ from fusuma.qemu.instance import (
     end_unmanaged,
     remove_run_files,
 )
-from fusuma.state import LOCAL_JOBS, VmState, vm_obj
+from fusuma.state import LOCAL_JOBS, JobKind, VmState, vm_obj
 from fusuma.state.machine import ALIVE
 from fusuma.supervisor import vms
 from fusuma.supervisor.host import PartitionHost
@@ -43,7 +43,7 @@ async def adopt(h: PartitionHost) -> None:
     for vm in h.db.vms(h.partition):
         job = h.db.find_job(vm_obj(vm.name))
         if vm.state in ALIVE and h.instances.get(vm.name) is None and (
-                job is None or job.kind != "migrate"):
+                job is None or job.kind != JobKind.MIGRATE):
             if vm.pid and process.pid_alive(vm.pid) and process.is_vm_process(
                     vm.pid, vm.name, h.paths.vm_run_dir(vm.name)):
                 h.log.error("%s (pid %d) runs but could not be adopted; left alone (see "
@@ -105,7 +105,7 @@ async def _adopt_one(h: PartitionHost, name: str, pid: int) -> None:
         h.log.warning("cannot adopt %s (pid %d): %s", name, pid, exc)
         return
     mode = str(job.detail.get("mode", "zero-copy")) if job else "zero-copy"
-    if job is not None and job.kind == "migrate" and job.peer == h.partition \
+    if job is not None and job.kind == JobKind.MIGRATE and job.peer == h.partition \
             and not mine and side != Role.LEAVING:
         # A move's destination, not yet the VM's QEMU: recovery decides its fate.
         inst.role = Role.INCOMING
@@ -118,7 +118,7 @@ async def _adopt_one(h: PartitionHost, name: str, pid: int) -> None:
         h.watch(inst)
         h.log.info("adopted %s (pid %d) as the incoming side of a move", name, pid)
         return
-    if job is not None and job.kind == "migrate" and job.source == h.partition \
+    if job is not None and job.kind == JobKind.MIGRATE and job.source == h.partition \
             and not mine:
         # The source of a move whose record has gone on to the destination.
         inst.role = Role.LEAVING

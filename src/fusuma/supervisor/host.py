@@ -48,13 +48,16 @@ from fusuma.qemu.qga import GuestAgent
 from fusuma.state import (
     LOCAL_JOBS,
     Database,
+    Decision,
     Job,
+    JobKind,
     JobOwner,
     VmRecord,
     VmState,
     busy_sentence,
     vm_obj,
 )
+from fusuma.state.joblock import JobLock
 from fusuma.state.machine import valid_transition
 from fusuma.supervisor import config
 
@@ -131,28 +134,21 @@ class PartitionHost:
         return GuestAgent(inst.vm, inst.run_dir / "qga.sock", self.vm_logger(inst.vm))
 
     @contextlib.asynccontextmanager
-    async def job(self, vm: str, kind: str) -> AsyncIterator[None]:
-        """Hold VM ``vm`` for a local job (start, stop, kill, template)."""
-        job = Job(vm_obj(vm), kind, "begin", self.owner, source=self.partition)
-        for _ in range(2):
-            held = self.db.begin_job(job)
-            if held is None:
-                break
-            if held.owner.alive():
-                raise StateError(busy_sentence(held))
+    async def job(self, vm: str, kind: str) -> AsyncIterator[JobLock]:
+        """Hold VM ``vm`` for a local job (start, stop, kill, template save): the one
+        job lock (``fusuma.state.joblock``); a local job of this partition whose owner
+        died is recovered here first, any other is left to its recovery."""
+        async def recover(held: Job) -> None:
             if held.kind in LOCAL_JOBS and held.source == self.partition \
                     and self.recover_local is not None:
                 await self.recover_local(held)
-                continue
+                return
             raise StateError(f"VM {vm!r} is being recovered: the owner (pid "
                              f"{held.owner.pid}) of its {held.kind} job died; try again "
                              "in a few seconds.")
-        else:
-            raise StateError(f"VM {vm!r} is busy; try again.")
-        try:
-            yield
-        finally:
-            self.db.end_job(job.obj, self.owner)
+        async with await JobLock(self.db, vm_obj(vm), kind, source=self.partition,
+                                 owner=self.owner, tries=2).take_async(recover) as lock:
+            yield lock
 
     def phase(self, vm: str, phase: str, **detail: object) -> None:
         with contextlib.suppress(StateError):
@@ -325,8 +321,8 @@ class PartitionHost:
                 # The last QEMU of a guest that is gone: its RAM goes too.
                 self.remove_ram(inst.ram_file)
             return
-        if job is not None and job.kind == "migrate" and not (
-                job.detail.get("decision") == "forward" and job.peer == self.partition):
+        if job is not None and job.kind == JobKind.MIGRATE and not (
+                job.detail.get("decision") == Decision.FORWARD and job.peer == self.partition):
             # A move is under way: its owner (or recovery) decides what this means.
             self.log.warning("%s (pid %d) exited during a move", inst.vm, inst.pid)
             return

@@ -43,7 +43,7 @@ from fusuma.qemu.cmdline import TEMPLATE_STATE_FDSET, DeviceSet
 from fusuma.qemu.instance import QemuInstance
 from fusuma.qemu.process import tail
 from fusuma.qemu.qmp import EVENT_MIGRATION
-from fusuma.state import Job, VmRecord, VmState
+from fusuma.state import Job, JobKind, VmRecord, VmState
 from fusuma.state.db import TemplateRecord
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
@@ -89,7 +89,7 @@ async def save(h: PartitionHost, vm: str, template: str, fault: str = "") -> rpc
         if not rec.devices:
             raise TemplateError(f"VM {vm!r} has no recorded device set (booted by an older "
                                 "fusuma); stop and start it, then try again.")
-        async with h.job(vm, "template"):
+        async with h.job(vm, JobKind.TEMPLATE):
             return await _save(h, rec, inst, template, fault)
 
 

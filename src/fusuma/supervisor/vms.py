@@ -17,7 +17,7 @@ from fusuma.errors import FusumaError, GuestAgentError, QemuError, StateError
 from fusuma.host.accel import probe_accel
 from fusuma.memshare import reporting
 from fusuma.qemu.instance import QemuInstance, remove_run_files
-from fusuma.state import ALIVE, Job, VmRecord, VmState
+from fusuma.state import ALIVE, Job, JobKind, VmRecord, VmState
 from fusuma.supervisor import rpc
 from fusuma.supervisor import templates as template_ops
 from fusuma.supervisor.host import PartitionHost
@@ -26,7 +26,7 @@ from fusuma.supervisor.host import PartitionHost
 async def start(h: PartitionHost, req: rpc.Start) -> rpc.VmPid:
     vm = req.vm
     requested = time.time()
-    async with h.lock(vm), h.job(vm, "start"):
+    async with h.lock(vm), h.job(vm, JobKind.START):
         inst = await _start(h, h.vm(vm), requested)
     if req.wait_agent > 0:
         await wait_agent(h, rpc.WaitAgent(vm, timeout=req.wait_agent))
@@ -99,7 +99,7 @@ async def stop(h: PartitionHost, req: rpc.Stop) -> rpc.Ended:
             h.no_job(vm)
             h.end_unmanaged(rec)
             return rpc.Ended(vm, was="killed", pid=rec.pid)
-        async with h.job(vm, "stop"):
+        async with h.job(vm, JobKind.STOP):
             h.db.transition(vm, VmState.STOPPING, expect={VmState.RUNNING, VmState.PAUSED})
             inst.stopping = True
             # Flush guest filesystems first, so stopping a VM with disks loses no
@@ -128,7 +128,7 @@ async def kill(h: PartitionHost, req: rpc.Kill) -> rpc.Ended:
         h.no_job(vm)
         h.end_unmanaged(rec)
         return rpc.Ended(vm, was="killed", pid=rec.pid)
-    async with h.job(vm, "kill"):
+    async with h.job(vm, JobKind.KILL):
         h.db.transition(vm, VmState.STOPPING, expect={VmState.RUNNING, VmState.PAUSED})
         await inst.kill()
     return rpc.Ended(vm, was="killed", pid=inst.pid)
@@ -203,9 +203,9 @@ async def recover_local(h: PartitionHost, job: Job) -> None:
                 h.end_unmanaged(rec)
             with contextlib.suppress(FusumaError):
                 h.settle_state(name, VmState.STOPPED, pid=None)
-        elif job.kind == "template":
+        elif job.kind == JobKind.TEMPLATE:
             await template_ops.recover(h, job)
-        elif job.kind == "start":
+        elif job.kind == JobKind.START:
             status = None if inst is None else await inst.qmp.query_status()
             if inst is not None and status in ("inmigrate", "prelaunch"):
                 # A clone that never loaded its template's state: it cannot run.

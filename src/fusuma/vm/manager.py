@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fusuma import capacity, recovery
+from fusuma import capacity
 from fusuma.errors import ConflictError, NotFoundError, SpecError, StateError
 from fusuma.names import check_name
 from fusuma.paths import Paths
 from fusuma.qemu import process
-from fusuma.state import ALIVE, Database, VmRecord, VmState, busy_sentence, vm_obj
+from fusuma.state import ALIVE, Database, JobKind, VmRecord, VmState, busy_sentence, vm_obj
 from fusuma.state.lock import locked
 from fusuma.supervisor import rpc
 from fusuma.vm.view import VmView
@@ -152,7 +152,7 @@ class VmManager:
     def _send(self, name: str, req: rpc.Request[R], timeout: float = 60.0) -> R:
         """Ask the supervisor that runs VM ``name`` (recovering a dead job first; if
         the VM moved meanwhile, ask its new partition)."""
-        recovery.ensure_recovered(self.parts, vm_obj(name))
+        self.parts.ensure_recovered(vm_obj(name))
         for attempt in range(2):
             vm = self.db.vm(name)
             try:
@@ -188,12 +188,12 @@ class VmManager:
 
     @locked
     def delete(self, name: str, force: bool = False) -> None:
-        recovery.ensure_recovered(self.parts, vm_obj(name))
+        self.parts.ensure_recovered(vm_obj(name))
         vm = self.db.vm(name)
         view = VmView(vm)
         if view.state not in ("stopped", "crashed") and not force:
             raise StateError(f"VM {name!r} is {view.state}; stop it first or use --force.")
-        with recovery.job(self.parts, vm_obj(name), "delete", source=vm.partition) as jh:
+        with self.parts.job(vm_obj(name), JobKind.DELETE, source=vm.partition) as jh:
             jh.phase("kill")
             self.finish_delete(name)
 
@@ -273,7 +273,7 @@ class VmManager:
         return self.db.vm(name)
 
     def _stopped(self, name: str, what: str) -> VmRecord:
-        recovery.ensure_recovered(self.parts, vm_obj(name))
+        self.parts.ensure_recovered(vm_obj(name))
         vm = self.db.vm(name)
         job = self.db.find_job(vm_obj(name))
         if job is not None:

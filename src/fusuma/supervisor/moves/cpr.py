@@ -57,7 +57,7 @@ from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_STOP, event_time
 from fusuma.qemu.versions import CPR_MIN_VERSION as MIN_VERSION_TEXT
 from fusuma.qemu.versions import CPR_MODE as MODE
 from fusuma.qemu.versions import has_cpr
-from fusuma.state import Job, VmRecord, VmState, vm_obj
+from fusuma.state import Job, JobKind, VmRecord, VmState, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
 from fusuma.supervisor.moves.dest import MoveIn, incoming, incoming_run_dir, resume_when_complete
@@ -79,7 +79,7 @@ def in_place_side(job: Job | None, partition: str, rec: VmRecord | None,
     supervisor adopting it: INCOMING (the new QEMU, while the record still names the
     old one), LEAVING (the old one, once the record names the new one), or None (no
     in-place move, or the QEMU the record names)."""
-    if job is None or job.kind != "migrate" or not job.source == job.peer == partition:
+    if job is None or job.kind != JobKind.MIGRATE or not job.source == job.peer == partition:
         return None
     if rec is not None and rec.partition == partition and rec.pid == pid:
         return None
@@ -99,7 +99,7 @@ async def prepare(h: PartitionHost, vm: str, fault_decide_delay: float = 0.0) ->
         raise StateError(f"partition {h.partition!r} already runs a second QEMU for "
                          f"{vm!r}.")
     job = h.db.find_job(vm_obj(vm))
-    if job is None or job.kind != "migrate" or job.peer != h.partition \
+    if job is None or job.kind != JobKind.MIGRATE or job.peer != h.partition \
             or job.source != h.partition:
         raise StateError(f"no in-place move of {vm!r} is under way.")
     if not (rec.shared_ram and rec.ram_path):

@@ -35,7 +35,7 @@ from fusuma.qemu import privilege
 from fusuma.qemu.cmdline import NET_ID, hostfwd
 from fusuma.qemu.instance import INCOMING_PREFIX, QemuInstance, Role
 from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_RESUME, event_time
-from fusuma.state import VmState, vm_obj
+from fusuma.state import Decision, JobKind, VmState, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
 from fusuma.supervisor.moves.source import MODES, capabilities
@@ -78,7 +78,7 @@ async def prepare(h: PartitionHost, vm: str, mode: str,
     if h.instances.get(vm) or h.instances.get(vm, Role.INCOMING):
         raise StateError(f"partition {h.partition!r} already runs a QEMU for {vm!r}.")
     job = h.db.find_job(vm_obj(vm))
-    if job is None or job.kind != "migrate" or job.peer != h.partition:
+    if job is None or job.kind != JobKind.MIGRATE or job.peer != h.partition:
         raise StateError(f"no move of {vm!r} to partition {h.partition!r} is under way.")
     if mode == "zero-copy" and not (rec.shared_ram and rec.ram_path):
         raise StateError(f"VM {vm!r} has private RAM; zero-copy migration needs RAM in a "
@@ -170,8 +170,8 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
             return rpc.Resumed(pid=running.pid, resume_ts=time.time(), already=True)
         raise NotFoundError(f"no incoming QEMU of {vm!r} in partition {h.partition!r}.")
     inst, _ = found
-    decision = h.db.decide(vm_obj(vm), "forward")
-    if decision != "forward":
+    decision = h.db.decide(vm_obj(vm), Decision.FORWARD)
+    if decision != Decision.FORWARD:
         raise MigrationError(f"the move of {vm!r} was decided {decision!r}: the guest "
                              f"stays at its source.")
     status = "paused" if paused else await inst.qmp.query_status()
@@ -259,7 +259,7 @@ async def abort(h: PartitionHost, vm: str) -> rpc.Ended:
     if found is None:
         return rpc.Ended(vm, was="gone")
     job = h.db.find_job(vm_obj(vm))
-    if job is not None and job.detail.get("decision") == "forward":
+    if job is not None and job.detail.get("decision") == Decision.FORWARD:
         raise MigrationError(f"the incoming QEMU of {vm!r} is kept: the guest has moved "
                              "to it.")
     inst, move = found

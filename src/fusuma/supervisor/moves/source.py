@@ -16,7 +16,7 @@ from typing import Any
 from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
 from fusuma.qemu.instance import QemuInstance, Role
 from fusuma.qemu.qmp import EVENT_STOP, event_time
-from fusuma.state import VmState, vm_obj
+from fusuma.state import Decision, VmState, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
 
@@ -101,7 +101,7 @@ async def release(h: PartitionHost, vm: str, timeout: float = 10.0) -> rpc.Ended
         inst = cand     # a source the record no longer names (adopted after a crash)
     job = h.db.find_job(vm_obj(vm))
     decision = job.detail.get("decision") if job else None
-    if job is not None and decision != "forward":
+    if job is not None and decision != Decision.FORWARD:
         raise MigrationError(f"the source QEMU of {vm!r} is kept: the move's outcome is "
                              f"{decision or 'not decided'}.")
     if inst.role == Role.RUNNING:
@@ -116,8 +116,8 @@ async def resume(h: PartitionHost, vm: str) -> rpc.Resumed:
     inst = h.instances.get(vm, Role.LEAVING) or h.instances.get(vm)
     if inst is None or inst.exited.is_set():
         raise MigrationError(f"the source QEMU of {vm!r} is gone.")
-    decision = h.db.decide(vm_obj(vm), "back")
-    if decision not in ("back", None):
+    decision = h.db.decide(vm_obj(vm), Decision.BACK)
+    if decision not in (Decision.BACK, None):
         raise MigrationError(f"the source of {vm!r} must not run again: its destination "
                              "may already have run the guest.")
     if await inst.qmp.query_status() != "running":

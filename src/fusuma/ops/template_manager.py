@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fusuma import capacity, recovery
+from fusuma import capacity
 from fusuma.errors import ConflictError, StateError, TemplateError
 from fusuma.memshare import templates
 from fusuma.names import check_name
@@ -43,7 +43,7 @@ class TemplateManager:
         if self.db.find_template(name) is not None:
             raise ConflictError(f"a template named {name!r} already exists; delete it or "
                                 "pick another name.")
-        recovery.ensure_recovered(self.parts, vm_obj(vm))
+        self.parts.ensure_recovered(vm_obj(vm))
         rec = self.db.vm(vm)
         state = VmView(rec).state
         if state != "running":
