@@ -136,8 +136,9 @@ test-cgroup2: image-cgroup2
 	$(VENV)/bin/pytest -q tests/cgroup2 tests/unit/test_cgroups.py \
 	  tests/unit/test_cgroups_partition.py tests/unit/test_systemd.py
 
+# The 20 slowest tests close every run, so the suite's budget shows in every CI log.
 test: image kube lint test-cgroup2
-	$(VENV)/bin/pytest -q tests --ignore=tests/cgroup2
+	$(VENV)/bin/pytest -q tests --ignore=tests/cgroup2 --durations=20
 
 bench-boot: image
 	$(FUSUMA) bench boot --vms 2 --runs 5 --json results/boot.json

@@ -169,6 +169,21 @@ def test_template_faults(host: Host) -> None:
     assert host.run("vm", "exec", "k1", "--", "hostname").out.strip() == "k1"
     assert sha256(ram) == good
 
+    # The supervisor killed between a clone's `cont` and its identity step: the next
+    # supervisor finds the step's job and gives the clone its own identity (before,
+    # it kept its template's hostname).
+    assert run_env(host, {"FUSUMA_FAULT_CLONE_IDENTITY_DELAY": "30"}, "partition",
+                   "restart", "slow").code == 0
+    host.run("vm", "create", "k2", "-p", "slow", "--template", "t", "--start")
+    assert job_phase(host, "identity:k2") == "identity"
+    sup = next(p["supervisor_pid"] for p in host.ps()["partitions"] if p["name"] == "slow")
+    os.kill(sup, signal.SIGKILL)
+    host.run("partition", "restart", "slow")
+    assert host.run("vm", "exec", "k2", "--", "hostname").out.strip() == "k2"
+    assert job_phase(host, "identity:k2") is None
+    assert len(qemu_pids(host, "k2")) == 1
+    host.run("vm", "delete", "k2", "--force")
+
     # In use, then free: deletion refused naming the clones, then allowed.
     res = host.fail("template", "delete", "t")
     assert_one_sentence(res.err)

@@ -15,6 +15,7 @@ from fusuma.state.jobs import (
     JobOwner,
     MovePhase,
     busy_sentence,
+    identity_obj,
     partition_obj,
     vm_obj,
 )
@@ -22,4 +23,4 @@ from fusuma.state.machine import ALIVE, VmState
 
 __all__ = ["ALIVE", "LOCAL_JOBS", "Database", "Decision", "DiskRecord", "Job", "JobKind",
            "JobOwner", "MovePhase", "PartitionRecord", "VmRecord", "VmState",
-           "busy_sentence", "partition_obj", "vm_obj"]
+           "busy_sentence", "identity_obj", "partition_obj", "vm_obj"]

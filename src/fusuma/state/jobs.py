@@ -27,6 +27,13 @@ def partition_obj(name: str) -> str:
     return f"partition:{name}"
 
 
+def identity_obj(name: str) -> str:
+    """The object of a clone's identity step, apart from the VM's own: the VM stays
+    usable (its agent's lock orders the two) while a supervisor still owes it its own
+    hostname, machine-id and MAC."""
+    return f"identity:{name}"
+
+
 def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (field 22 of stat)."""
     try:
@@ -67,11 +74,13 @@ class JobKind(enum.StrEnum):
     RECOVER = "recover"
     HOST_MOVE = "host-move"     # a move between hosts, the source's half
     HOST_MOVE_IN = "host-move-in"   # ... and the destination's
+    IDENTITY = "identity"       # a clone's own identity, given once it runs
 
 
 #: Jobs a partition's supervisor owns and recovers itself (the CLI, the API daemon and
 #: the agent own the others).
-LOCAL_JOBS = frozenset({JobKind.START, JobKind.STOP, JobKind.KILL, JobKind.TEMPLATE})
+LOCAL_JOBS = frozenset({JobKind.START, JobKind.STOP, JobKind.KILL, JobKind.TEMPLATE,
+                        JobKind.IDENTITY})
 
 
 class Decision(enum.StrEnum):
@@ -120,7 +129,7 @@ class Job:
 
     @property
     def what(self) -> str:
-        return "VM" if self.obj.startswith("vm:") else "partition"
+        return "partition" if self.obj.startswith("partition:") else "VM"
 
     def doing(self) -> str:
         if self.kind == JobKind.MIGRATE and self.source == self.peer:

@@ -43,7 +43,7 @@ from fusuma.qemu.cmdline import TEMPLATE_STATE_FDSET, DeviceSet
 from fusuma.qemu.instance import QemuInstance
 from fusuma.qemu.process import tail
 from fusuma.qemu.qmp import EVENT_MIGRATION
-from fusuma.state import Job, JobKind, VmRecord, VmState
+from fusuma.state import Job, JobKind, VmRecord, VmState, identity_obj
 from fusuma.state.db import TemplateRecord
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
@@ -64,6 +64,8 @@ FAULT_PHASES = ("guest", "stop", "save")
 # Fault injection (tests), read from the supervisor's environment: seconds a clone's
 # QEMU waits before loading the template's state, so a test can kill it there.
 FAULT_RESTORE_DELAY = "FUSUMA_FAULT_CLONE_RESTORE_DELAY"
+# ... and seconds a clone that runs waits before its identity step.
+FAULT_IDENTITY_DELAY = "FUSUMA_FAULT_CLONE_IDENTITY_DELAY"
 
 # Identity tasks under way (a reference, so they are not collected mid-flight).
 _TASKS: set[asyncio.Task[None]] = set()
@@ -378,9 +380,18 @@ async def restore(h: PartitionHost, vm: VmRecord, inst: QemuInstance,
 
 
 def begin_identity(h: PartitionHost, vm: str, inst: QemuInstance, requested: float,
-                   restore_ms: float) -> None:
+                   restore_ms: float, job: Job | None = None) -> None:
     """Give a clone that runs now its own identity, in the background (holding the
-    guest agent's lock from the next loop iteration on)."""
+    guest agent's lock from the next loop iteration on). The step holds the VM's
+    identity job (``identity_obj``) until it is done, so a supervisor that dies before
+    leaves it to the next one (:func:`fusuma.supervisor.vms.recover_local`), which gives
+    the identity again: a clone never keeps its template's."""
+    if job is None:
+        job = Job(identity_obj(vm), JobKind.IDENTITY, "identity", h.owner,
+                  source=h.partition)
+        held = h.db.begin_job(job)
+        if held is not None and not held.owner.alive():
+            h.db.take_over(held.obj, held.owner, h.owner)
     task = asyncio.ensure_future(_identity(h, vm, inst, requested, restore_ms))
     _TASKS.add(task)
     task.add_done_callback(_TASKS.discard)
@@ -388,6 +399,17 @@ def begin_identity(h: PartitionHost, vm: str, inst: QemuInstance, requested: flo
 
 async def _identity(h: PartitionHost, vm: str, inst: QemuInstance, requested: float,
                     restore_ms: float) -> None:
+    try:
+        delay = float(os.environ.get(FAULT_IDENTITY_DELAY) or 0)
+        if delay > 0:     # fault injection (tests): a supervisor killed before it
+            await asyncio.sleep(delay)
+        await _give_identity(h, vm, inst, requested, restore_ms)
+    finally:
+        h.db.end_job(identity_obj(vm), h.owner)
+
+
+async def _give_identity(h: PartitionHost, vm: str, inst: QemuInstance, requested: float,
+                         restore_ms: float) -> None:
     rec = h.db.find_vm(vm)
     if rec is None:
         return
@@ -415,10 +437,10 @@ async def _identity(h: PartitionHost, vm: str, inst: QemuInstance, requested: fl
         h.log.warning("%s: its identity as a clone is incomplete: %s", vm, error)
     else:
         h.log.info("%s: clone of %s restored in %.0f ms, agent after %.0f ms, identity "
-                     "after %.0f ms", vm, rec.template, restore_ms, agent_ms or -1,
-                     identity_ms or -1)
+                   "after %.0f ms", vm, rec.template, restore_ms, agent_ms or -1,
+                   identity_ms or -1)
     h.db.emit("lifecycle", "vm-clone-ready", f"/1.0/vms/{vm}", template=rec.template,
-                restore_ms=round(restore_ms, 1),
-                agent_ms=None if agent_ms is None else round(agent_ms, 1),
-                identity_ms=None if identity_ms is None else round(identity_ms, 1),
-                machine_id=machine_id if error is None else None, error=error)
+              restore_ms=round(restore_ms, 1),
+              agent_ms=None if agent_ms is None else round(agent_ms, 1),
+              identity_ms=None if identity_ms is None else round(identity_ms, 1),
+              machine_id=machine_id if error is None else None, error=error)

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import contextlib
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,15 @@ async def recover_local(h: PartitionHost, job: Job) -> None:
     if h.db.take_over(job.obj, job.owner, h.owner) is None:
         return
     name = job.name
+    inst = h.instances.get(name)
+    if job.kind == JobKind.IDENTITY and inst is not None:
+        # A clone that runs and was never given its own identity: give it now (the
+        # step ends the job).
+        template_ops.begin_identity(h, name, inst, time.time(), 0.0,
+                                    job=replace(job, owner=h.owner))
+        h.log.info("giving %s its identity as a clone (owner pid %d died first)", name,
+                   job.owner.pid)
+        return
     try:
         rec = h.db.find_vm(name)
         inst = h.instances.get(name)
