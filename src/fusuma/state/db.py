@@ -7,232 +7,24 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import ConflictError, HostError, NotFoundError, StateError
 from fusuma.state.jobs import Job, JobKind, JobOwner, busy_sentence
 from fusuma.state.machine import DELETABLE, VmState, check_transition, lifecycle_action
-
-SCHEMA_VERSION = 1
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS partitions (
-    name TEXT PRIMARY KEY,
-    cpus TEXT NOT NULL,
-    memory_mib INTEGER NOT NULL,
-    io_weight INTEGER,
-    qemu TEXT,
-    supervisor_pid INTEGER,
-    created_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS disks (
-    name TEXT PRIMARY KEY,
-    path TEXT NOT NULL UNIQUE,
-    partition TEXT NOT NULL REFERENCES partitions(name),
-    created_file INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS vms (
-    name TEXT PRIMARY KEY,
-    partition TEXT NOT NULL REFERENCES partitions(name),
-    vcpus INTEGER NOT NULL,
-    memory_mib INTEGER NOT NULL,
-    image TEXT NOT NULL,
-    disks TEXT NOT NULL,
-    accel TEXT NOT NULL,
-    autostart INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    pid INTEGER,
-    accel_used TEXT,
-    qemu_binary TEXT,
-    started_at REAL,
-    error TEXT,
-    created_at REAL NOT NULL,
-    shared_ram INTEGER NOT NULL DEFAULT 1,
-    ram_path TEXT,
-    qos TEXT NOT NULL DEFAULT 'burstable',
-    segments TEXT NOT NULL DEFAULT '[]',
-    mergeable INTEGER NOT NULL DEFAULT 0,
-    ports TEXT NOT NULL DEFAULT '[]',
-    overhead_mib INTEGER,
-    page_reporting INTEGER,
-    template TEXT
-);
-CREATE TABLE IF NOT EXISTS jobs (
-    obj TEXT PRIMARY KEY,            -- "vm:NAME" or "partition:NAME"
-    kind TEXT NOT NULL,
-    phase TEXT NOT NULL,
-    source TEXT,
-    peer TEXT,
-    owner_pid INTEGER NOT NULL,
-    owner_start INTEGER NOT NULL,    -- the owner's start time (clock ticks): pid reuse
-    started_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    detail TEXT NOT NULL DEFAULT '{}'
-);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    ts REAL NOT NULL,
-    type TEXT NOT NULL,              -- lifecycle | operation | governor
-    action TEXT NOT NULL,            -- vm-started, vm-moved, partition-resized, ...
-    source TEXT NOT NULL,            -- the API path of the object: /1.0/vms/NAME
-    context TEXT NOT NULL DEFAULT '{}'
-);
-CREATE TABLE IF NOT EXISTS tokens (
-    name TEXT PRIMARY KEY,
-    hash TEXT NOT NULL UNIQUE,       -- sha256 of the token; the token itself is never kept
-    created_at REAL NOT NULL,
-    last_used_at REAL
-);
-CREATE TABLE IF NOT EXISTS segments (
-    name TEXT PRIMARY KEY,
-    path TEXT NOT NULL UNIQUE,
-    size_bytes INTEGER NOT NULL,
-    source TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS templates (
-    name TEXT PRIMARY KEY,
-    ram_path TEXT NOT NULL UNIQUE,   -- the guest RAM file (shm dir), read-only for clones
-    state_path TEXT NOT NULL UNIQUE, -- device state (migration stream without shared RAM)
-    size_bytes INTEGER NOT NULL,     -- of the RAM file
-    memory_mib INTEGER NOT NULL,
-    vcpus INTEGER NOT NULL,
-    machine TEXT NOT NULL,
-    qemu_version TEXT NOT NULL,
-    devices TEXT NOT NULL,           -- the guest's DeviceSet as JSON
-    image TEXT NOT NULL,
-    segments TEXT NOT NULL DEFAULT '[]',
-    accel TEXT NOT NULL,
-    state_sha256 TEXT NOT NULL,
-    source_vm TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
-"""
-
-# Columns added after a table's first version: (table, column, definition). A state
-# file from an older fusuma gets them on open.
-ADDED_COLUMNS = (
-    ("vms", "shared_ram", "INTEGER NOT NULL DEFAULT 1"),
-    ("vms", "ram_path", "TEXT"),
-    ("vms", "qos", "TEXT NOT NULL DEFAULT 'burstable'"),
-    ("vms", "segments", "TEXT NOT NULL DEFAULT '[]'"),
-    ("vms", "mergeable", "INTEGER NOT NULL DEFAULT 0"),
-    ("vms", "ports", "TEXT NOT NULL DEFAULT '[]'"),
-    ("vms", "overhead_mib", "INTEGER"),
-    ("partitions", "smt", "TEXT NOT NULL DEFAULT 'cores'"),
-    ("vms", "emulator", "TEXT NOT NULL DEFAULT 'shared'"),
-    ("vms", "machine", "TEXT"),
-    ("vms", "devices", "TEXT"),
-    ("vms", "qemu_version", "TEXT"),
-    ("vms", "page_reporting", "INTEGER"),
-    ("vms", "template", "TEXT"),
+from fusuma.state.records import (
+    DiskRecord,
+    PartitionRecord,
+    SegmentRecord,
+    TemplateRecord,
+    VmRecord,
 )
+from fusuma.state.schema import ADDED_COLUMNS, SCHEMA, SCHEMA_VERSION
 
-
-@dataclass(frozen=True)
-class PartitionRecord:
-    name: str
-    cpus: list[int]
-    memory_mib: int
-    io_weight: int | None = None
-    qemu: str | None = None
-    supervisor_pid: int | None = None
-    created_at: float = field(default_factory=time.time)
-    # "cores": whole physical cores (every SMT sibling); "threads": single threads.
-    smt: str = "cores"
-
-
-@dataclass(frozen=True)
-class DiskRecord:
-    name: str
-    path: str
-    partition: str
-    created_file: bool = False
-
-
-@dataclass(frozen=True)
-class VmRecord:
-    name: str
-    partition: str
-    vcpus: int
-    memory_mib: int
-    image: str = "minimal"
-    disks: list[str] = field(default_factory=list)
-    accel: str = "auto"
-    autostart: bool = True
-    state: VmState = VmState.STOPPED
-    pid: int | None = None
-    accel_used: str | None = None
-    qemu_binary: str | None = None
-    started_at: float | None = None
-    error: str | None = None
-    created_at: float = field(default_factory=time.time)
-    shared_ram: bool = True          # RAM in a named shared file (zero-copy migration)
-    ram_path: str | None = None      # that file, once the VM has run
-    qos: str = "burstable"           # guaranteed | burstable | best-effort (governor)
-    segments: list[str] = field(default_factory=list)   # "NAME:/mount/point"
-    mergeable: bool = False          # private RAM marked for KSM
-    ports: list[str] = field(default_factory=list)      # "HOSTPORT:GUESTPORT" (tcp)
-    # Host memory the VM's QEMU needs beyond guest RAM, fixed when the VM is defined
-    # (None in state files from before it was recorded: fusuma.capacity computes it).
-    overhead_mib: int | None = None
-    # The versioned machine type pinned when the VM was defined ("pc-q35-7.2"; None in
-    # state files from before it was: the machine it was started with applies).
-    machine: str | None = None
-    # The guest-visible device set recorded when it booted (fusuma.qemu.cmdline
-    # DeviceSet as JSON): every move's destination rebuilds exactly that.
-    devices: str | None = None
-    qemu_version: str | None = None  # of the QEMU running it ("10.0.2")
-    # SQLite rowid: unique among defined VMs, the basis of the VM's own QEMU uid
-    # (fusuma.qemu.privilege). 0 until the record has been stored.
-    # Where QEMU's threads other than the vCPUs run: "shared" (the partition's cores),
-    # "isolated" (cores of the partition that hold no guaranteed vCPU) or a core list.
-    emulator: str = "shared"
-    # Free page reporting (virtio-balloon): pages the guest frees go back to the host.
-    # None: the host's default (on where guest RAM has a memory cgroup of its own).
-    page_reporting: bool | None = None
-    template: str | None = None      # the template a clone was started from
-    slot: int = field(default=0, compare=False)
-
-    def with_(self, **changes: object) -> VmRecord:
-        return replace(self, **changes)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class SegmentRecord:
-    name: str
-    path: str
-    size_bytes: int
-    source: str                      # the directory or image it was built from
-    created_at: float = field(default_factory=time.time)
-
-
-@dataclass(frozen=True)
-class TemplateRecord:
-    """A booted guest kept as a RAM file and a device state file, for clones to start
-    from (fusuma.memshare.templates)."""
-
-    name: str
-    ram_path: str
-    state_path: str
-    size_bytes: int
-    memory_mib: int
-    vcpus: int
-    machine: str
-    qemu_version: str
-    devices: str
-    image: str
-    state_sha256: str
-    source_vm: str
-    accel: str = "tcg"
-    segments: list[str] = field(default_factory=list)
-    created_at: float = field(default_factory=time.time)
-    # SQLite rowid: the basis of the group that may read its files (fusuma.memshare.
-    # templates.template_gid). 0 until stored.
-    slot: int = field(default=0, compare=False)
+__all__ = ["Database", "DiskRecord", "PartitionRecord", "SegmentRecord", "TemplateRecord",
+           "VmRecord"]
 
 
 class Database:

@@ -1,0 +1,111 @@
+"""The rows of the state file, as typed records."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from fusuma.state.machine import VmState
+
+
+@dataclass(frozen=True)
+class PartitionRecord:
+    name: str
+    cpus: list[int]
+    memory_mib: int
+    io_weight: int | None = None
+    qemu: str | None = None
+    supervisor_pid: int | None = None
+    created_at: float = field(default_factory=time.time)
+    # "cores": whole physical cores (every SMT sibling); "threads": single threads.
+    smt: str = "cores"
+
+
+@dataclass(frozen=True)
+class DiskRecord:
+    name: str
+    path: str
+    partition: str
+    created_file: bool = False
+
+
+@dataclass(frozen=True)
+class VmRecord:
+    name: str
+    partition: str
+    vcpus: int
+    memory_mib: int
+    image: str = "minimal"
+    disks: list[str] = field(default_factory=list)
+    accel: str = "auto"
+    autostart: bool = True
+    state: VmState = VmState.STOPPED
+    pid: int | None = None
+    accel_used: str | None = None
+    qemu_binary: str | None = None
+    started_at: float | None = None
+    error: str | None = None
+    created_at: float = field(default_factory=time.time)
+    shared_ram: bool = True          # RAM in a named shared file (zero-copy migration)
+    ram_path: str | None = None      # that file, once the VM has run
+    qos: str = "burstable"           # guaranteed | burstable | best-effort (governor)
+    segments: list[str] = field(default_factory=list)   # "NAME:/mount/point"
+    mergeable: bool = False          # private RAM marked for KSM
+    ports: list[str] = field(default_factory=list)      # "HOSTPORT:GUESTPORT" (tcp)
+    # Host memory the VM's QEMU needs beyond guest RAM, fixed when the VM is defined
+    # (None in state files from before it was recorded: fusuma.capacity computes it).
+    overhead_mib: int | None = None
+    # The versioned machine type pinned when the VM was defined ("pc-q35-7.2"; None in
+    # state files from before it was: the machine it was started with applies).
+    machine: str | None = None
+    # The guest-visible device set recorded when it booted (fusuma.qemu.cmdline
+    # DeviceSet as JSON): every move's destination rebuilds exactly that.
+    devices: str | None = None
+    qemu_version: str | None = None  # of the QEMU running it ("10.0.2")
+    # SQLite rowid: unique among defined VMs, the basis of the VM's own QEMU uid
+    # (fusuma.qemu.privilege). 0 until the record has been stored.
+    # Where QEMU's threads other than the vCPUs run: "shared" (the partition's cores),
+    # "isolated" (cores of the partition that hold no guaranteed vCPU) or a core list.
+    emulator: str = "shared"
+    # Free page reporting (virtio-balloon): pages the guest frees go back to the host.
+    # None: the host's default (on where guest RAM has a memory cgroup of its own).
+    page_reporting: bool | None = None
+    template: str | None = None      # the template a clone was started from
+    slot: int = field(default=0, compare=False)
+
+    def with_(self, **changes: object) -> VmRecord:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class SegmentRecord:
+    name: str
+    path: str
+    size_bytes: int
+    source: str                      # the directory or image it was built from
+    created_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class TemplateRecord:
+    """A booted guest kept as a RAM file and a device state file, for clones to start
+    from (fusuma.memshare.templates)."""
+
+    name: str
+    ram_path: str
+    state_path: str
+    size_bytes: int
+    memory_mib: int
+    vcpus: int
+    machine: str
+    qemu_version: str
+    devices: str
+    image: str
+    state_sha256: str
+    source_vm: str
+    accel: str = "tcg"
+    segments: list[str] = field(default_factory=list)
+    created_at: float = field(default_factory=time.time)
+    # SQLite rowid: the basis of the group that may read its files (fusuma.memshare.
+    # templates.template_gid). 0 until stored.
+    slot: int = field(default=0, compare=False)

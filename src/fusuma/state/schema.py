@@ -1,0 +1,117 @@
+"""The state file's tables, and the columns added to them since their first version."""
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS partitions (
+    name TEXT PRIMARY KEY,
+    cpus TEXT NOT NULL,
+    memory_mib INTEGER NOT NULL,
+    io_weight INTEGER,
+    qemu TEXT,
+    supervisor_pid INTEGER,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS disks (
+    name TEXT PRIMARY KEY,
+    path TEXT NOT NULL UNIQUE,
+    partition TEXT NOT NULL REFERENCES partitions(name),
+    created_file INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS vms (
+    name TEXT PRIMARY KEY,
+    partition TEXT NOT NULL REFERENCES partitions(name),
+    vcpus INTEGER NOT NULL,
+    memory_mib INTEGER NOT NULL,
+    image TEXT NOT NULL,
+    disks TEXT NOT NULL,
+    accel TEXT NOT NULL,
+    autostart INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    pid INTEGER,
+    accel_used TEXT,
+    qemu_binary TEXT,
+    started_at REAL,
+    error TEXT,
+    created_at REAL NOT NULL,
+    shared_ram INTEGER NOT NULL DEFAULT 1,
+    ram_path TEXT,
+    qos TEXT NOT NULL DEFAULT 'burstable',
+    segments TEXT NOT NULL DEFAULT '[]',
+    mergeable INTEGER NOT NULL DEFAULT 0,
+    ports TEXT NOT NULL DEFAULT '[]',
+    overhead_mib INTEGER,
+    page_reporting INTEGER,
+    template TEXT
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    obj TEXT PRIMARY KEY,            -- "vm:NAME" or "partition:NAME"
+    kind TEXT NOT NULL,
+    phase TEXT NOT NULL,
+    source TEXT,
+    peer TEXT,
+    owner_pid INTEGER NOT NULL,
+    owner_start INTEGER NOT NULL,    -- the owner's start time (clock ticks): pid reuse
+    started_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    detail TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts REAL NOT NULL,
+    type TEXT NOT NULL,              -- lifecycle | operation | governor
+    action TEXT NOT NULL,            -- vm-started, vm-moved, partition-resized, ...
+    source TEXT NOT NULL,            -- the API path of the object: /1.0/vms/NAME
+    context TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS tokens (
+    name TEXT PRIMARY KEY,
+    hash TEXT NOT NULL UNIQUE,       -- sha256 of the token; the token itself is never kept
+    created_at REAL NOT NULL,
+    last_used_at REAL
+);
+CREATE TABLE IF NOT EXISTS segments (
+    name TEXT PRIMARY KEY,
+    path TEXT NOT NULL UNIQUE,
+    size_bytes INTEGER NOT NULL,
+    source TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS templates (
+    name TEXT PRIMARY KEY,
+    ram_path TEXT NOT NULL UNIQUE,   -- the guest RAM file (shm dir), read-only for clones
+    state_path TEXT NOT NULL UNIQUE, -- device state (migration stream without shared RAM)
+    size_bytes INTEGER NOT NULL,     -- of the RAM file
+    memory_mib INTEGER NOT NULL,
+    vcpus INTEGER NOT NULL,
+    machine TEXT NOT NULL,
+    qemu_version TEXT NOT NULL,
+    devices TEXT NOT NULL,           -- the guest's DeviceSet as JSON
+    image TEXT NOT NULL,
+    segments TEXT NOT NULL DEFAULT '[]',
+    accel TEXT NOT NULL,
+    state_sha256 TEXT NOT NULL,
+    source_vm TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+"""
+
+# Columns added after a table's first version: (table, column, definition). A state
+# file from an older fusuma gets them on open.
+ADDED_COLUMNS = (
+    ("vms", "shared_ram", "INTEGER NOT NULL DEFAULT 1"),
+    ("vms", "ram_path", "TEXT"),
+    ("vms", "qos", "TEXT NOT NULL DEFAULT 'burstable'"),
+    ("vms", "segments", "TEXT NOT NULL DEFAULT '[]'"),
+    ("vms", "mergeable", "INTEGER NOT NULL DEFAULT 0"),
+    ("vms", "ports", "TEXT NOT NULL DEFAULT '[]'"),
+    ("vms", "overhead_mib", "INTEGER"),
+    ("partitions", "smt", "TEXT NOT NULL DEFAULT 'cores'"),
+    ("vms", "emulator", "TEXT NOT NULL DEFAULT 'shared'"),
+    ("vms", "machine", "TEXT"),
+    ("vms", "devices", "TEXT"),
+    ("vms", "qemu_version", "TEXT"),
+    ("vms", "page_reporting", "INTEGER"),
+    ("vms", "template", "TEXT"),
+)
