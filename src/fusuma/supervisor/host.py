@@ -60,6 +60,7 @@ from fusuma.state import (
 from fusuma.state.joblock import JobLock
 from fusuma.state.machine import valid_transition
 from fusuma.supervisor import config
+from fusuma.undo import Reverter
 
 
 class PartitionHost:
@@ -181,15 +182,15 @@ class PartitionHost:
         return versions.resolve(self.paths, self.db.partition(self.partition).qemu)
 
     async def launch(self, vm: VmRecord, accel: str, run: Path, ram: Path | None,
-                     incoming: str | None, undo: list[Callable[[], Any]], *,
+                     incoming: str | None, rev: Reverter, *,
                      role: Role = Role.RUNNING, owns_ram: bool = True,
                      disk_owner: str | None = None,
                      cpr_socket: Path | None = None) -> QemuInstance:
         """Start one QEMU for ``vm`` in this partition's cgroup, as the VM's own uid,
         and connect QMP (``cpr_socket``: an in-place move's new QEMU, which opens QMP
         only once the old one has sent the guest's descriptors: wait until it listens
-        there instead). Every step appends its undo to ``undo``; the caller runs them
-        on failure. The instance is registered and watched."""
+        there instead). Every step registers its undo with ``rev`` (the caller's
+        transaction). The instance is registered and watched."""
         q = self.qemu()
         uid = privilege.uid_for(self.paths, vm)
         groups = privilege.groups_for(accel)
@@ -210,13 +211,13 @@ class PartitionHost:
             ensure_dir(d, PRIVATE_DIR, owner=uid)
         for d in (self.paths.vm_dir(vm.name), self.paths.shm):
             ensure_dir(d, PRIVATE_DIR)
-        undo.append(lambda: remove_run_files(run))
+        rev.add(lambda: remove_run_files(run))
         if ram is not None and incoming is None:
             self.remove_ram(ram)
-            undo.append(lambda: self.remove_ram(ram))
+            rev.add(lambda: self.remove_ram(ram))
         leaf = vm_leaf(vm.name)
         self.cg.create_leaf(self.partition, leaf)
-        undo.append(lambda: self.delete_leaf(vm.name))
+        rev.add(lambda: self.delete_leaf(vm.name))
         cg, part, mergeable = self.cg, self.partition, vm.mergeable
         # Where the memory hierarchy is separate (cgroup v1), QEMU's memory membership is
         # its RAM file's group: guest RAM is faulted lazily and charged there, wherever
@@ -271,10 +272,10 @@ class PartitionHost:
             inst = await QemuInstance.launch(vm.name, plan, run_dir=run, ram_file=ram,
                                              logger=self.vm_logger(vm.name), role=role,
                                              version=q.version, on_spawn=spawned)
-        undo.append(inst.reap)
+        rev.add(inst.reap)
         inst.owns_ram = owns_ram
         self.instances.add(inst)
-        undo.append(lambda: self.instances.remove(inst))
+        rev.add(lambda: self.instances.remove(inst))
         self.watch(inst)
         return inst
 

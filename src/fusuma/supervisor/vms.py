@@ -12,7 +12,6 @@ import contextlib
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from fusuma.errors import FusumaError, GuestAgentError, QemuError, StateError
 from fusuma.host.accel import probe_accel
@@ -22,6 +21,7 @@ from fusuma.state import ALIVE, Job, JobKind, VmRecord, VmState
 from fusuma.supervisor import rpc
 from fusuma.supervisor import templates as template_ops
 from fusuma.supervisor.host import PartitionHost
+from fusuma.undo import Reverter
 
 
 async def start(h: PartitionHost, req: rpc.Start) -> rpc.VmPid:
@@ -46,38 +46,33 @@ async def _start(h: PartitionHost, vm: VmRecord, requested: float) -> QemuInstan
         h.log.info("%s", accel.notice)
     run = h.paths.vm_run_dir(vm.name)
     ram = h.paths.ram_file(vm.name) if vm.shared_ram else None
-    undo: list[Any] = []
     try:
-        h.db.transition(vm.name, VmState.STARTING,
-                        expect={VmState.STOPPED, VmState.CRASHED}, error=None)
-        undo.append(lambda: h.settle_state(vm.name, VmState.STOPPED, pid=None))
-        started = time.time()
-        h.phase(vm.name, "launch")
-        inst = await h.launch(vm, accel.name, run, ram, None, undo)
-        restore_ms = None
-        if vm.template is not None:
-            h.phase(vm.name, "restore", pid=inst.pid)
-            restore_ms = await template_ops.restore(h, vm, inst)
-        h.phase(vm.name, "pin", pid=inst.pid)
-        await h.repin_all()
-        h.db.transition(
-            vm.name, VmState.RUNNING, expect={VmState.STARTING}, pid=inst.pid,
-            accel_used=accel.name, qemu_binary=str(h.qemu().binary), started_at=started,
-            qemu_version=inst.version, error=None, ram_path=str(ram) if ram else None)
-        h.log.info("started %s: pid %d, %s", vm.name, inst.pid, accel.name)
-        if restore_ms is not None:
-            template_ops.begin_identity(h, vm.name, inst, requested, restore_ms)
-        return inst
-    except BaseException as exc:
-        for fn in reversed(undo):
-            try:
-                fn()
-            except Exception:
-                h.log.exception("undo step failed")
-        if isinstance(exc, FusumaError):
-            with contextlib.suppress(Exception):
-                h.db.set_vm(vm.name, error=str(exc))
+        with Reverter() as rev:
+            h.db.transition(vm.name, VmState.STARTING,
+                            expect={VmState.STOPPED, VmState.CRASHED}, error=None)
+            rev.add(lambda: h.settle_state(vm.name, VmState.STOPPED, pid=None))
+            started = time.time()
+            h.phase(vm.name, "launch")
+            inst = await h.launch(vm, accel.name, run, ram, None, rev)
+            restore_ms = None
+            if vm.template is not None:
+                h.phase(vm.name, "restore", pid=inst.pid)
+                restore_ms = await template_ops.restore(h, vm, inst)
+            h.phase(vm.name, "pin", pid=inst.pid)
+            await h.repin_all()
+            h.db.transition(
+                vm.name, VmState.RUNNING, expect={VmState.STARTING}, pid=inst.pid,
+                accel_used=accel.name, qemu_binary=str(h.qemu().binary), started_at=started,
+                qemu_version=inst.version, error=None, ram_path=str(ram) if ram else None)
+            rev.commit()
+    except FusumaError as exc:
+        with contextlib.suppress(Exception):
+            h.db.set_vm(vm.name, error=str(exc))
         raise
+    h.log.info("started %s: pid %d, %s", vm.name, inst.pid, accel.name)
+    if restore_ms is not None:
+        template_ops.begin_identity(h, vm.name, inst, requested, restore_ms)
+    return inst
 
 
 async def wait_agent(h: PartitionHost, req: rpc.WaitAgent) -> rpc.Seconds:

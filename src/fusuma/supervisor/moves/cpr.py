@@ -62,6 +62,7 @@ from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
 from fusuma.supervisor.moves.dest import MoveIn, incoming, incoming_run_dir, resume_when_complete
 from fusuma.supervisor.moves.source import leaving, set_mode
+from fusuma.undo import Reverter
 
 CPR_SOCKET = "cpr.sock"
 MAIN_SOCKET = "migrate.sock"
@@ -112,17 +113,10 @@ async def prepare(h: PartitionHost, vm: str, fault_decide_delay: float = 0.0) ->
     run = incoming_run_dir(h, vm)
     accel = probe_accel(rec.accel_used or rec.accel).name
     t0 = time.monotonic()
-    undo: list[Any] = []
-    try:
-        new = await h.launch(rec, accel, run, Path(str(rec.ram_path)), "defer", undo,
+    with Reverter() as rev:
+        new = await h.launch(rec, accel, run, Path(str(rec.ram_path)), "defer", rev,
                              role=Role.INCOMING, owns_ram=False, cpr_socket=run / CPR_SOCKET)
-    except BaseException:
-        for fn in reversed(undo):
-            try:
-                fn()
-            except Exception:
-                h.log.exception("undo step failed")
-        raise
+        rev.commit()
     new.move = MoveIn(None, MODE, h.partition,
                       done=asyncio.get_running_loop().create_future(),
                       fault_decide_delay=fault_decide_delay, cpr_socket=run / CPR_SOCKET)

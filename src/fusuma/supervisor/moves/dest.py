@@ -39,6 +39,7 @@ from fusuma.state import Decision, JobKind, VmState, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
 from fusuma.supervisor.moves.source import MODES, capabilities
+from fusuma.undo import Reverter
 
 
 @dataclass
@@ -92,26 +93,19 @@ async def prepare(h: PartitionHost, vm: str, mode: str,
     run = incoming_run_dir(h, vm)
     accel = probe_accel(rec.accel_used or rec.accel).name
     t0 = time.monotonic()
-    undo: list[Any] = []
-    try:
+    with Reverter() as rev:
         if mode == "copy" and ram is not None:
-            undo.append(lambda: h.remove_ram(ram))
+            rev.add(lambda: h.remove_ram(ram))
             # The destination's own RAM file, made like a new VM's (0600, the VM's uid).
             privilege.create_ram_file(ram, privilege.uid_for(h.paths, rec))
             h.charge_ram(ram, rec.memory_mib)
-        inst = await h.launch(rec, accel, run, ram, "defer", undo, role=Role.INCOMING,
+        inst = await h.launch(rec, accel, run, ram, "defer", rev, role=Role.INCOMING,
                               owns_ram=mode == "copy", disk_owner=rec.partition)
         await inst.qmp.migrate_set_capabilities(capabilities(mode))
         listener = inst.qmp.listener(EVENT_MIGRATION)
         uri = f"unix:{run}/migrate.sock"
         await inst.qmp.migrate_incoming(uri)
-    except BaseException:
-        for fn in reversed(undo):
-            try:
-                fn()
-            except Exception:
-                h.log.exception("undo step failed")
-        raise
+        rev.commit()
     move = MoveIn(listener, mode, rec.partition,
                   done=asyncio.get_running_loop().create_future(),
                   fault_decide_delay=fault_decide_delay)

@@ -21,7 +21,6 @@ import asyncio
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 from fusuma.errors import MigrationError, NotFoundError, StateError
 from fusuma.host.accel import probe_accel
@@ -34,6 +33,7 @@ from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
 from fusuma.supervisor.moves.dest import MoveIn, incoming, incoming_run_dir
 from fusuma.supervisor.moves.source import capabilities
+from fusuma.undo import Reverter
 
 
 async def remote_incoming(h: PartitionHost, vm: str, listen: str) -> rpc.Prepared:
@@ -52,14 +52,13 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str) -> rpc.Prepare
     run = incoming_run_dir(h, vm)
     accel = probe_accel(rec.accel_used or rec.accel).name
     t0 = time.monotonic()
-    undo: list[Any] = []
-    try:
+    with Reverter() as rev:
         if ram is not None:
             ensure_dir(h.paths.shm, PRIVATE_DIR)
-            undo.append(lambda: h.remove_ram(ram))
+            rev.add(lambda: h.remove_ram(ram))
             privilege.create_ram_file(ram, privilege.uid_for(h.paths, rec))
             h.charge_ram(ram, rec.memory_mib)
-        inst = await h.launch(rec, accel, run, ram, "defer", undo, role=Role.INCOMING,
+        inst = await h.launch(rec, accel, run, ram, "defer", rev, role=Role.INCOMING,
                               disk_owner=rec.partition)
         await inst.qmp.migrate_set_capabilities(capabilities("copy"))
         listener = inst.qmp.listener(EVENT_MIGRATION)
@@ -70,13 +69,7 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str) -> rpc.Prepare
         if not port:
             raise MigrationError(f"the incoming QEMU of {vm!r} did not say which port it "
                                  f"listens on ({info}).")
-    except BaseException:
-        for fn in reversed(undo):
-            try:
-                fn()
-            except Exception:
-                h.log.exception("undo step failed")
-        raise
+        rev.commit()
     inst.move = MoveIn(listener, "copy", "remote")
     uri = f"tcp:{listen}:{port}"
     h.log.info("waiting for %s from another host on %s", vm, uri)
