@@ -202,13 +202,10 @@ class VmManager:
         Run under the VM's delete job, or by recovery of one."""
         vm = self.db.vm(name)
         run = self.paths.vm_run_dir(name)
-        pids = {p for p in [vm.pid] if p and process.is_vm_process(p, name, run)}
-        pids |= set(process.vm_pids(name, run))
-        for pid in pids:
-            process.kill(pid)
-        deadline = time.monotonic() + 10
-        while any(process.pid_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        from fusuma.qemu.instance import end_unmanaged  # asyncio: not for `ps`
+
+        for pid in sorted({*([vm.pid] if vm.pid else []), *process.vm_pids(name, run)}):
+            end_unmanaged(pid, name, run)     # checked against its command line
         # The supervisor records the exit; without one (or if it is slow) say it here.
         deadline = time.monotonic() + 3
         while self.db.vm(name).state in ALIVE and time.monotonic() < deadline:
