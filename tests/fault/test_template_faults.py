@@ -169,6 +169,12 @@ def test_template_faults(host: Host) -> None:
     assert host.run("vm", "exec", "k1", "--", "hostname").out.strip() == "k1"
     assert sha256(ram) == good
 
+    # In use, then free: deletion refused naming the clones, then allowed.
+    res = host.fail("template", "delete", "t")
+    assert_one_sentence(res.err)
+    assert "c1, k1" in res.err
+    host.run("vm", "delete", "k1", "--force")
+
     # The supervisor killed between a clone's `cont` and its identity step: the next
     # supervisor finds the step's job and gives the clone its own identity (before,
     # it kept its template's hostname).
@@ -183,12 +189,6 @@ def test_template_faults(host: Host) -> None:
     assert job_phase(host, "identity:k2") is None
     assert len(qemu_pids(host, "k2")) == 1
     host.run("vm", "delete", "k2", "--force")
-
-    # In use, then free: deletion refused naming the clones, then allowed.
-    res = host.fail("template", "delete", "t")
-    assert_one_sentence(res.err)
-    assert "c1, k1" in res.err
-    host.run("vm", "delete", "k1", "--force")
     host.run("vm", "delete", "c1")
     host.run("template", "delete", "t")
     assert not ram.exists() and not state.exists()
