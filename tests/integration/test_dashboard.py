@@ -306,6 +306,9 @@ def test_dashboard_login(host: Host, tmp_path: Path) -> None:
             expect(img).to_have_js_property("naturalWidth", 4)      # the plot loaded
 
             page.goto(api.url + "/")
+            # Log out once the page's event stream is open: a stream still connecting
+            # when the session ends is refused (401), rightly.
+            expect(page.locator("#live")).to_have_attribute("data-live", "live")
             page.click("#logout")
             expect(page).to_have_url(api.url + "/login")
             page.goto(api.url + "/")
