@@ -96,3 +96,19 @@ def test_a_malformed_reply_is_one_sentence() -> None:
     with pytest.raises(SupervisorError, match="field pid"):
         rpc.decode_reply(rpc.Ping(), _line({"v": 2, "ok": True, "result": {
             "pid": "many", "partition": "p0", "vms": []}}), "p0")
+
+
+def test_decoding_needs_no_validation_library() -> None:
+    """Replies are decoded in a move's downtime on the cores its QEMUs share: by
+    hand, with no library to import or warm up there."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from fusuma.supervisor import rpc; "
+            "r = rpc.Streamed(t0=1.0, stop_ts=2.0, qemu_total_ms=None, "
+            "qemu_downtime_ms=1.5, bytes_sent=3, source_pid=4, paused=False); "
+            "rpc.decode_reply(rpc.MigrateOut('v', 'u', 'copy'), rpc.encode_reply(r), 'p'); "
+            "print('pydantic' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
@@ -390,35 +391,87 @@ class ProtocolError(errors.SupervisorError):
     """A message that is not of this protocol (version, name, fields, JSON)."""
 
 
-_ADAPTERS: dict[type[Any], Any] = {}
+class _Invalid(Exception):
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(f"field {where}: {why}")
 
 
-def _adapter(cls: type[Any]) -> Any:
-    """pydantic's validator of one dataclass, made once (pydantic is imported only
-    where a supervisor is talked to)."""
-    if cls not in _ADAPTERS:
-        from pydantic import TypeAdapter
+_HINTS: dict[type[Any], dict[str, Any]] = {}
 
-        _ADAPTERS[cls] = TypeAdapter(cls)
-    return _ADAPTERS[cls]
+
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    if cls not in _HINTS:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return _HINTS[cls]
+
+
+def _value(value: Any, kind: Any, where: str) -> Any:
+    """``value`` as ``kind`` (a field's annotation: str, int, float, bool, None, unions
+    of them, list[X], dict[str, X], Any, or a dataclass of this module), or _Invalid.
+    Checked by hand, not by a validation library: a move's replies are decoded in its
+    downtime, on the cores its QEMUs share."""
+    origin = typing.get_origin(kind)
+    if kind is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(kind):
+            try:
+                return _value(value, option, where)
+            except _Invalid:
+                continue
+        raise _Invalid(where, f"{value!r} is none of {kind}")
+    if kind is type(None):
+        if value is None:
+            return None
+        raise _Invalid(where, "expected null")
+    if origin is list:
+        if not isinstance(value, list):
+            raise _Invalid(where, "expected a list")
+        (item,) = typing.get_args(kind)
+        return [_value(v, item, f"{where}.{i}") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise _Invalid(where, "expected an object")
+        _, item = typing.get_args(kind)
+        return {k: _value(v, item, f"{where}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(kind):
+        return _fields(typing.cast(type[Any], kind), value, where)
+    if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if kind in (str, int, bool) and type(value) is kind:
+        return value
+    raise _Invalid(where, f"expected {getattr(kind, '__name__', kind)}, got "
+                          f"{type(value).__name__}")
+
+
+def _fields(cls: type[Any], data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise _Invalid(where or "(top)", "not an object")
+    hints = _hints(cls)
+    unknown = sorted(set(data) - set(hints))
+    if unknown:
+        raise ProtocolError(f"fields this fusuma does not know: {', '.join(unknown)}")
+    args = {}
+    for f in dataclasses.fields(cls):
+        at = f"{where}.{f.name}" if where else f.name
+        if f.name in data:
+            args[f.name] = _value(data[f.name], hints[f.name], at)
+        elif f.default is dataclasses.MISSING and \
+                f.default_factory is dataclasses.MISSING:
+            raise _Invalid(at, "Field required")
+    return cls(**args)
 
 
 def _load(cls: type[R], data: Any, what: str) -> R:
-    from pydantic import ValidationError
-
     if not isinstance(data, dict):
         raise ProtocolError(f"{what} is not an object.")
-    names = {f.name for f in dataclasses.fields(typing.cast(Any, cls))}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ProtocolError(f"{what} has fields this fusuma does not know: "
-                            f"{', '.join(unknown)}.")
     try:
-        return typing.cast(R, _adapter(cls).validate_python(data))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ())) or "(top)"
-        raise ProtocolError(f"{what}: field {where}: {first.get('msg')}.") from exc
+        return typing.cast(R, _fields(typing.cast(type[Any], cls), data, ""))
+    except ProtocolError as exc:
+        raise ProtocolError(f"{what} has {exc}.") from exc
+    except _Invalid as exc:
+        raise ProtocolError(f"{what}: {exc}.") from exc
 
 
 def encode_request(req: Request[Any]) -> bytes:
