@@ -118,7 +118,7 @@ def probes(vms: int) -> list[Probe]:
 def revision_src(revision: str, dest: Path) -> tuple[str, Path]:
     """Extract ``src/`` of git ``revision`` of this checkout into ``dest``; returns the
     full commit id and the directory to put first on PYTHONPATH."""
-    repo = Path(__file__).resolve().parents[3]
+    repo = Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify",
                               f"{revision}^{{commit}}"], capture_output=True, text=True,
