@@ -249,14 +249,16 @@ class QemuInstance:
         return inst, status
 
     # -- watching ----------------------------------------------------------------------
-    def watch(self, on_exit: Callable[[QemuInstance], Awaitable[None]]) -> None:
+    def watch(self, on_exit: Callable[[QemuInstance], Awaitable[None]],
+              on_gone: Callable[[QemuInstance], None] = lambda inst: None) -> None:
         """Learn of the process's end through a pidfd (works for adopted, non-child
-        pids): its own cleanup runs, then ``on_exit`` (the caller's records), and only
-        then is ``exited`` set."""
+        pids): ``on_gone`` runs first, before anything waits (the caller forgets the
+        instance at once), then its own cleanup, then ``on_exit`` (the caller's
+        records), and only then is ``exited`` set."""
         loop = asyncio.get_running_loop()
 
         def fire() -> None:
-            self._exit_task = asyncio.ensure_future(self._exited(on_exit))
+            self._exit_task = asyncio.ensure_future(self._exited(on_exit, on_gone))
         try:
             fd = os.pidfd_open(self.pid)
         except ProcessLookupError:
@@ -282,10 +284,12 @@ class QemuInstance:
                 self.qmp.drop_listener(listener)
         self._runstate = asyncio.ensure_future(follow())
 
-    async def _exited(self, on_exit: Callable[[QemuInstance], Awaitable[None]]) -> None:
+    async def _exited(self, on_exit: Callable[[QemuInstance], Awaitable[None]],
+                      on_gone: Callable[[QemuInstance], None]) -> None:
         if self.exited.is_set():
             return
         try:
+            on_gone(self)
             if self._pidfd is not None:
                 asyncio.get_running_loop().remove_reader(self._pidfd)
                 os.close(self._pidfd)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from fusuma.errors import FusumaError, QemuError
+from fusuma.errors import FusumaError, QemuError, StateError
 from fusuma.qemu import process
 from fusuma.qemu.instance import (
     INCOMING_PREFIX,
@@ -67,6 +67,20 @@ def _qemus_in_cgroup(h: PartitionHost) -> dict[str, list[int]]:
     return out
 
 
+async def _register(h: PartitionHost, inst: QemuInstance) -> bool:
+    """Hold and watch an adopted QEMU; one a QEMU of the same VM already holds the
+    same role for (two strays of one move) is ended, so that adoption goes on."""
+    try:
+        h.instances.add(inst)
+    except StateError as exc:
+        h.log.warning("ending QEMU pid %d of %s: %s", inst.pid, inst.vm, exc)
+        await inst.qmp.disconnect()
+        end_unmanaged(inst.pid, inst.vm, h.paths.vm_run_dir(inst.vm), timeout=0)
+        return False
+    h.watch(inst)
+    return True
+
+
 def _run_dir_of(h: PartitionHost, name: str, pid: int) -> Path:
     """Where this QEMU's sockets are now: where its argv put them, unless a move's
     ``settle`` has since renamed them into the VM's usual run dir. (An in-place move's
@@ -114,8 +128,8 @@ async def _adopt_one(h: PartitionHost, name: str, pid: int) -> None:
             inst.ram_file = Path(str(job.detail.get("dest_ram"))) \
                 if job.detail.get("dest_ram") else None
         inst.move = dest.MoveIn(None, mode, job.source or "")
-        h.instances.add(inst)
-        h.watch(inst)
+        if not await _register(h, inst):
+            return
         h.log.info("adopted %s (pid %d) as the incoming side of a move", name, pid)
         return
     if job is not None and job.kind == JobKind.MIGRATE and job.source == h.partition \
@@ -123,13 +137,13 @@ async def _adopt_one(h: PartitionHost, name: str, pid: int) -> None:
         # The source of a move whose record has gone on to the destination.
         inst.role = Role.LEAVING
         inst.owns_ram = mode == "copy"
-        h.instances.add(inst)
-        h.watch(inst)
+        if not await _register(h, inst):
+            return
         h.log.info("adopted %s (pid %d) as the leaving side of a move", name, pid)
         return
     if mine and rec is not None:
-        h.instances.add(inst)
-        h.watch(inst)
+        if not await _register(h, inst):
+            return
         if job is None:
             with contextlib.suppress(FusumaError):
                 h.settle_state(name, VmState.RUNNING if status == "running"

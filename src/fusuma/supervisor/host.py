@@ -269,9 +269,14 @@ class PartitionHost:
                                    devices=devices.dumps())
                 self.apply_class(vm, pid)
 
+            held = self.instances.get(vm.name, role)
+            if held is not None:
+                raise StateError(f"VM {vm.name!r} already has a {role.value} QEMU (pid "
+                                 f"{held.pid}) in partition {self.partition!r}.")
             inst = await QemuInstance.launch(vm.name, plan, run_dir=run, ram_file=ram,
                                              logger=self.vm_logger(vm.name), role=role,
                                              version=q.version, on_spawn=spawned)
+        rev.add(lambda: asyncio.ensure_future(inst.qmp.disconnect()))
         rev.add(inst.reap)
         inst.owns_ram = owns_ram
         self.instances.add(inst)
@@ -281,7 +286,7 @@ class PartitionHost:
 
     # -- watching ---------------------------------------------------------------------
     def watch(self, inst: QemuInstance) -> None:
-        inst.watch(self._record_exit)
+        inst.watch(self._record_exit, self._forget)
         if inst.role == Role.RUNNING:
             self.follow_runstate(inst)
 
@@ -300,13 +305,18 @@ class PartitionHost:
         with contextlib.suppress(FusumaError):
             self.db.transition(inst.vm, want, expect={was})
 
-    async def _record_exit(self, inst: QemuInstance) -> None:
-        """A QEMU ended (its own cleanup is done): the registry, its RAM, its cgroup
-        and, if it was the VM's own, the VM's record."""
-        was = inst.role
+    def _forget(self, inst: QemuInstance) -> None:
+        """A QEMU ended: out of the registry before anything waits, so that nothing
+        takes it for a live one meanwhile."""
         self.instances.remove(inst)
         if inst.move is not None and inst.move.task is not None:
             inst.move.task.cancel()      # whoever waits for it learns at once
+
+    async def _record_exit(self, inst: QemuInstance) -> None:
+        """A QEMU ended (forgotten, its own cleanup done): its RAM, its cgroup and, if
+        it was the VM's own, the VM's record."""
+        was = inst.role
+        self._forget(inst)
         if inst.ram_file is not None and inst.owns_ram:
             self.remove_ram(inst.ram_file)
         self.delete_leaf(inst.vm)

@@ -385,27 +385,37 @@ def begin_identity(h: PartitionHost, vm: str, inst: QemuInstance, requested: flo
     guest agent's lock from the next loop iteration on). The step holds the VM's
     identity job (``identity_obj``) until it is done, so a supervisor that dies before
     leaves it to the next one (:func:`fusuma.supervisor.vms.recover_local`), which gives
-    the identity again: a clone never keeps its template's."""
-    if job is None:
-        job = Job(identity_obj(vm), JobKind.IDENTITY, "identity", h.owner,
-                  source=h.partition)
-        held = h.db.begin_job(job)
-        if held is not None and not held.owner.alive():
-            h.db.take_over(held.obj, held.owner, h.owner)
-    task = asyncio.ensure_future(_identity(h, vm, inst, requested, restore_ms))
+    the identity again: a clone never keeps its template's. ``job``: such a job, taken
+    over."""
+    token = uuid.uuid4().hex[:12]     # this step's: an older one of the VM ends not it
+    try:
+        obj = identity_obj(vm)
+        if job is None:
+            held = h.db.find_job(obj)
+            if held is not None and (held.owner == h.owner or not held.owner.alive()):
+                h.db.take_over(obj, held.owner, h.owner)
+            else:
+                h.db.begin_job(Job(obj, JobKind.IDENTITY, "identity", h.owner,
+                                   source=h.partition))
+        h.db.set_phase(obj, h.owner, "identity", token=token)
+    except Exception:     # the clone runs: give it its identity all the same
+        h.log.exception("%s: its identity step could not be recorded", vm)
+    task = asyncio.ensure_future(_identity(h, vm, inst, requested, restore_ms, token))
     _TASKS.add(task)
     task.add_done_callback(_TASKS.discard)
 
 
 async def _identity(h: PartitionHost, vm: str, inst: QemuInstance, requested: float,
-                    restore_ms: float) -> None:
+                    restore_ms: float, token: str) -> None:
     try:
         delay = float(os.environ.get(FAULT_IDENTITY_DELAY) or 0)
         if delay > 0:     # fault injection (tests): a supervisor killed before it
             await asyncio.sleep(delay)
         await _give_identity(h, vm, inst, requested, restore_ms)
     finally:
-        h.db.end_job(identity_obj(vm), h.owner)
+        cur = h.db.find_job(identity_obj(vm))
+        if cur is not None and cur.detail.get("token") == token:
+            h.db.end_job(cur.obj, h.owner)
 
 
 async def _give_identity(h: PartitionHost, vm: str, inst: QemuInstance, requested: float,
