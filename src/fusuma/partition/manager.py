@@ -227,7 +227,7 @@ class PartitionManager:
                              f"{', '.join(v.name for v in vms)}; delete them first or use "
                              "--force to stop and delete them.")
         if vms:
-            from fusuma.vm import VmManager  # circular at import time
+            from fusuma.vm import VmManager
 
             vmm = VmManager(self.paths, self.db, self)
             for v in vms:

@@ -10,7 +10,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fusuma import capacity
 from fusuma.errors import ConflictError, NotFoundError, SpecError, StateError
@@ -25,8 +25,28 @@ from fusuma.vm.view import VmView
 R = TypeVar("R")
 
 if TYPE_CHECKING:   # not imported at run time: `fusuma ps` needs only VmView (issue 17)
-    from fusuma.partition.manager import PartitionManager
+    from fusuma.host.cgroups import CgroupDriver
+    from fusuma.host.topology import HostInfo
     from fusuma.spec import VmSpec
+    from fusuma.state.joblock import JobLock
+    from fusuma.supervisor.client import SupervisorClient
+
+
+class Partitions(Protocol):
+    """What VM operations need of the partitions (``PartitionManager`` is it): the
+    partitions' layer sits above the VMs', so this one names no class of it."""
+
+    host: HostInfo
+
+    @property
+    def cg(self) -> CgroupDriver: ...
+
+    def client(self, name: str) -> SupervisorClient: ...
+
+    def ensure_recovered(self, obj: str) -> None: ...
+
+    def job(self, obj: str, kind: str, *, source: str | None = None,
+            peer: str | None = None) -> JobLock: ...
 
 
 
@@ -39,7 +59,7 @@ class ExecOutput:
 
 
 class VmManager:
-    def __init__(self, paths: Paths, db: Database, parts: PartitionManager) -> None:
+    def __init__(self, paths: Paths, db: Database, parts: Partitions) -> None:
         self.paths = paths
         self.db = db
         self.parts = parts
