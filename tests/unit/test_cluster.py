@@ -12,10 +12,12 @@ import yaml
 
 from fusuma.cluster import ClusterError
 from fusuma.cluster.crds import crds, manifests, render_yaml
+from fusuma.cluster.hostmove import RECORD_FAILED, RECORD_PHASE, at, called_off
 from fusuma.cluster.kube import VM, KubeConfig
 from fusuma.cluster.owners import Owner, Owners
 from fusuma.cluster.placement import Choice, HostView, choose, load
 from fusuma.cluster.resources import VmView, same_conditions, set_condition
+from fusuma.state import Decision, MovePhase
 
 
 def walk(schema: dict[str, Any], path: str = "") -> list[str]:
@@ -48,6 +50,20 @@ def test_every_crd_has_status_columns_and_described_fields() -> None:
     move = props["status"]["properties"]["move"]["properties"]
     for f in ("id", "fromHost", "toHost", "decision", "uri", "resumeTs", "record"):
         assert f in move, f
+
+
+def test_a_move_between_hosts_shows_every_phase_by_its_users_name() -> None:
+    # status.move.phase is read by users and scripts: the names never change, and every
+    # phase a move records in its job has one.
+    assert RECORD_PHASE == {
+        MovePhase.PREPARE: "Preparing", MovePhase.PREPARED: "Prepared",
+        MovePhase.STREAMING: "Streaming", MovePhase.STREAMED: "Streamed",
+        MovePhase.SWITCHED: "Switched", MovePhase.RELEASED: "Done"}
+    assert set(RECORD_PHASE) == set(MovePhase) and RECORD_FAILED == "Failed"
+    assert at({"phase": "Prepared"}, MovePhase.PREPARED)
+    assert not at({"phase": "Prepared"}, MovePhase.PREPARE) and not at({}, MovePhase.PREPARE)
+    assert called_off({"phase": "Failed"}) and called_off({"decision": Decision.BACK})
+    assert not called_off({"phase": "Streamed", "decision": "forward"})
 
 
 def test_install_yaml_is_one_document_per_object() -> None:

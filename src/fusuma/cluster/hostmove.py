@@ -1,31 +1,46 @@
 """Live moves between hosts: changing a running FusumaVM's ``spec.host``.
 
-The two agents share no state file, so the FusumaVM's ``status.move`` is the move's
-record, and its outcome is written there once: ``decision`` is set with a
-resourceVersion precondition (``decide``), so of the two agents (or a restarted one)
-only the first writer wins and the other follows. The same rules as a move inside a
-host (``fusuma.migration.resolve``) hold: the destination runs the guest only after
-"forward" is recorded, the source resumes only after "back" is; so one guest never
-runs twice, and never runs from an older state after it ran at the destination.
+The same move machine as a move inside a host (``fusuma.migration.LocalMove``), with the
+cluster as its transport: the phases are ``MovePhase`` members, each recorded in the
+host's job before its step, and the steps are paired per side as libvirt's are
+(``qemu_migration.h``): ``HostMoveSource`` prepare, perform and confirm on the host that
+runs the guest, ``HostMoveDest`` prepare and finish (or abort and remove) on the host it
+goes to. Each agent holds a job on its host's VM for its half
+(``fusuma.supervisor.moves.remote``).
 
-    source agent (A)                         destination agent (B)
-    job host-move; VM migrating
-    move: phase Preparing  ─────────────▶    job host-move-in; define the VM here;
-                                             QEMU -incoming on tcp:B:port
-                          ◀─────────────     move: phase Prepared, uri
-    migrate-out to the uri (copy mode;
-    live with QEMU >= 9.0 under TCG)
-    move: phase Streamed                     stream completed: decide "forward";
-                                             cont; move: phase Switched, resumeTs
-    decision forward: quit the source,
-    remove it here; lastMove; move cleared
+The two agents share no state file, so the FusumaVM's ``status.move`` is the move's
+record: its ``phase`` is the MovePhase's name for users (``RECORD_PHASE``, or
+``RECORD_FAILED``), and its outcome is written there once: ``decide`` sets ``decision``
+with a resourceVersion precondition, so of the two agents (or a restarted one) only the
+first writer wins and the other follows; each then mirrors it into its host's job
+(``mirror``), which its supervisor's QEMU steps check. The same rules as a move inside a
+host (``fusuma.migration.resolve``) hold: the destination runs the guest only after
+"forward" is recorded, the source resumes only after "back" is; so one guest never runs
+twice, and never runs from an older state after it ran at the destination.
+
+    source agent (A): HostMoveSource          destination agent (B): HostMoveDest
+    job host-move
+    prepare: VM migrating;
+      move: phase Preparing  ─────────────▶   job host-move-in
+                                              prepare: define the VM here; QEMU
+                                                -incoming on tcp:B:port;
+                          ◀─────────────        move: phase Prepared, uri
+    perform: migrate-out to the uri (copy
+      mode; live with QEMU >= 9.0 under TCG);
+      move: phase Streaming, then Streamed    finish: the stream completed: decide
+                                                "forward"; commit, settle;
+                                                move: phase Switched, resumeTs
+    confirm: decision forward: quit the
+      source QEMU; the job ends
+    forget: remove the VM here; lastMove
+      (phase Done); move cleared
 
 A failure before "forward" (the stream fails, B's QEMU dies, B's Lease expires while A
-waits) is "back": A resumes its guest and B removes what it made. Each agent holds a job
-on its host's VM for its half (``fusuma.supervisor.moves.remote``); an agent that restarts
-mid-move finds ``status.move`` and finishes its half from the recorded decision, or
-records one: A records "back" (B cannot have run the guest without "forward"), B
-records "forward" only if its QEMU holds the whole stream.
+waits) is "back": A's confirm resumes its guest, B's abort ends its QEMU and remove
+removes what it made. An agent that restarts mid-move finds ``status.move`` (``step``)
+and finishes its half with the same steps from the recorded decision, or records one: A
+records "back" (B cannot have run the guest without "forward"), B records "forward" only
+if its QEMU holds the whole stream.
 """
 
 from __future__ import annotations
@@ -34,6 +49,8 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fusuma.cluster import ConflictApiError, NotFoundApiError
@@ -41,14 +58,23 @@ from fusuma.cluster.context import AgentContext, VmMoves
 from fusuma.cluster.events import WARNING
 from fusuma.cluster.kube import VM, Obj
 from fusuma.cluster.owners import Owner
-from fusuma.cluster.resources import MOVING, PLACED, RUNNING, VmView, now_iso, set_condition
+from fusuma.cluster.resources import (
+    FAILED,
+    MOVING,
+    PLACED,
+    RUNNING,
+    VmView,
+    now_iso,
+    set_condition,
+)
 from fusuma.errors import FusumaError, MigrationError
-from fusuma.state import Decision, JobKind, VmState, vm_obj
+from fusuma.state import Decision, JobKind, MovePhase, VmState, vm_obj
 from fusuma.supervisor import rpc
 
 if TYPE_CHECKING:
     from fusuma.ops.context import Ctx
     from fusuma.state import VmRecord
+    from fusuma.state.joblock import JobLock
 
 LOG = logging.getLogger(__name__)
 PREPARE_TIMEOUT_S = 60.0
@@ -59,6 +85,13 @@ MOVE_RETRY_S = 60.0
 # Fields of the source's record the destination's must carry: the guest-visible machine
 # and devices it booted with (the incoming QEMU must match them exactly).
 CARRIED = ("machine", "devices", "accel_used")
+# The phase the move's record shows (status.move, then lastMove): each MovePhase's name
+# for users, as the CRD and kubectl show it, and the phase of a move that failed.
+RECORD_PHASE: dict[MovePhase, str] = {
+    MovePhase.PREPARE: "Preparing", MovePhase.PREPARED: "Prepared",
+    MovePhase.STREAMING: "Streaming", MovePhase.STREAMED: "Streamed",
+    MovePhase.SWITCHED: "Switched", MovePhase.RELEASED: "Done"}
+RECORD_FAILED = "Failed"
 
 
 class MoveAborted(MigrationError):
@@ -66,6 +99,16 @@ class MoveAborted(MigrationError):
 
 
 # -- the move record in the cluster -----------------------------------------------------
+def at(move: Obj, phase: MovePhase) -> bool:
+    """Whether the move record ``move`` shows ``phase``."""
+    return move.get("phase") == RECORD_PHASE[phase]
+
+
+def called_off(move: Obj) -> bool:
+    """Whether the move record says the move goes back (decided, or failed)."""
+    return move.get("decision") == Decision.BACK or move.get("phase") == RECORD_FAILED
+
+
 def fresh(a: AgentContext, v: VmView) -> VmView:
     return VmView(a.kube.get(VM, v.name, v.namespace))
 
@@ -123,8 +166,8 @@ def decide(a: AgentContext, v: VmView, move_id: str, decision: str,
     raise MigrationError(f"could not record the outcome of the move of {v.name!r}.")
 
 
-def wait_move(a: AgentContext, v: VmView, move_id: str, until: Any, timeout: float,
-              peer: str | None = None) -> Obj:
+def wait_move(a: AgentContext, v: VmView, move_id: str, until: Callable[[Obj], object],
+              timeout: float, peer: str | None = None) -> Obj:
     """Poll the move record until ``until(move)``; raise MoveAborted if it is gone,
     failed or decided back, or ``peer``'s Lease expired meanwhile."""
     deadline = time.monotonic() + timeout
@@ -135,7 +178,7 @@ def wait_move(a: AgentContext, v: VmView, move_id: str, until: Any, timeout: flo
             raise MoveAborted(f"the move of {v.name!r} is no longer recorded.")
         if until(move):
             return dict(move)
-        if move.get("decision") == Decision.BACK or move.get("phase") == "Failed":
+        if called_off(move):
             raise MoveAborted(f"the move of {v.name!r} was called off "
                               f"({move.get('message') or 'decided back'})")
         if peer and a.host_lost(peer):
@@ -146,7 +189,252 @@ def wait_move(a: AgentContext, v: VmView, move_id: str, until: Any, timeout: flo
         time.sleep(0.01)
 
 
-# -- source -----------------------------------------------------------------------------
+# -- the two sides ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Side:
+    """What either half of one move holds: this host's agent and context, the VM, the
+    move's id and the VM's partition on this host."""
+
+    a: AgentContext
+    c: Ctx
+    v: VmView
+    move_id: str
+    partition: str
+
+    def record(self, phase: MovePhase, fields: dict[str, Any] | None = None,
+               **status: Any) -> bool:
+        """Show ``phase`` (with ``fields``, and ``status``) in the move's record."""
+        return update_move(self.a, self.v, self.move_id,
+                           {"phase": RECORD_PHASE[phase], **(fields or {})}, **status)
+
+    def record_failed(self, why: str) -> bool:
+        return update_move(self.a, self.v, self.move_id,
+                           {"phase": RECORD_FAILED, "message": why})
+
+    def decide(self, decision: Decision, why: str | None = None) -> str | None:
+        """Record the outcome in the cluster (``decide``); the outcome in force."""
+        return decide(self.a, self.v, self.move_id, decision, why)
+
+    def mirror(self, decision: Decision) -> None:
+        """Follow the cluster's decision in this host's job, which gates what its
+        supervisor does with the guest's QEMU (release, resume, commit)."""
+        self.c.db.decide(vm_obj(self.v.name), decision)
+
+    def remove(self) -> None:
+        """After this host's job (a delete takes its own): the VM is no longer here."""
+        if self.c.db.find_vm(self.v.name) is not None:
+            self.c.vms.delete(self.v.name, force=True)
+        self.a.owners.remove("vms", self.v.name)
+
+
+@dataclass(frozen=True)
+class HostMoveSource(_Side):
+    """The source host's half (libvirt's ``qemuMigrationSrc*``), under its host-move
+    job (``job``): ``prepare`` begins the move, ``perform`` streams the guest once the
+    destination is prepared, ``confirm`` follows the recorded outcome; ``forget``
+    finishes a move that went forward, after the job."""
+
+    dest: str        # the destination host
+
+    def job(self, peer: str | None = None) -> JobLock:
+        return self.c.parts.job(vm_obj(self.v.name), JobKind.HOST_MOVE,
+                                source=self.partition, peer=peer)
+
+    def prepare(self, jh: JobLock, to: str, record: dict[str, Any]) -> str:
+        """The VM is migrating; begin the move's record, which the destination prepares
+        from (into its partition ``to``, carrying ``record``). Returns the start time."""
+        a, v = self.a, self.v
+        self.c.db.transition(v.name, VmState.MIGRATING, expect={VmState.RUNNING})
+        jh.phase(MovePhase.PREPARE, move=self.move_id)
+        started = now_iso()
+        patch_move(a, v, {"id": self.move_id, "kind": "between-hosts", "mode": "copy",
+                          "fromHost": a.host, "toHost": self.dest,
+                          "from": f"{a.host}/{self.partition}", "to": f"{self.dest}/{to}",
+                          "phase": RECORD_PHASE[MovePhase.PREPARE], "startedAt": started,
+                          "record": record}, state=MOVING)
+        a.events.emit(v.obj, "MoveStarted", f"moving live from {a.host} to {self.dest}/{to}")
+        return started
+
+    def perform(self, jh: JobLock) -> rpc.Streamed:
+        """Once the destination says it is prepared, stream the guest to its URI."""
+        prep = wait_move(self.a, self.v, self.move_id, lambda m: at(m, MovePhase.PREPARED),
+                         PREPARE_TIMEOUT_S, peer=self.dest)
+        jh.phase(MovePhase.STREAMING, uri=prep["uri"])
+        self.record(MovePhase.STREAMING)
+        out = self.c.parts.client(self.partition).send(
+            rpc.MigrateOut(self.v.name, str(prep["uri"]), "copy"),
+            timeout=STREAM_TIMEOUT_S + 60)
+        jh.phase(MovePhase.STREAMED, bytes_sent=out.bytes_sent)
+        self.record(MovePhase.STREAMED, {"bytesSent": out.bytes_sent, "paused": out.paused,
+                                         "qemuDowntimeMs": out.qemu_downtime_ms})
+        return out
+
+    def outcome(self) -> str | None:
+        """Wait for the destination to record the outcome (once its QEMU holds the
+        whole stream)."""
+        move = wait_move(self.a, self.v, self.move_id, lambda m: m.get("decision"),
+                         DECIDE_TIMEOUT_S, peer=self.dest)
+        return move.get("decision")
+
+    def confirm(self, decision: str | None, why: str) -> bool:
+        """Under the job, follow the recorded outcome: "forward" ends the source QEMU
+        (``forget`` then removes the VM here); anything else runs the guest here again
+        (or says it is lost) and records the failed move, ``why``. Returns whether the
+        move went forward."""
+        if decision == Decision.FORWARD:
+            self.mirror(Decision.FORWARD)
+            with contextlib.suppress(FusumaError):
+                self.c.parts.client(self.partition).send(rpc.Release(self.v.name))
+            return True
+        self._back(why)
+        return False
+
+    def _back(self, why: str) -> None:
+        a, c, v = self.a, self.c, self.v
+        self.mirror(Decision.BACK)
+        state = RUNNING
+        try:
+            res = c.parts.client(self.partition).send(rpc.ResumeSource(v.name))
+            if c.db.vm(v.name).state == VmState.MIGRATING:
+                c.db.transition(v.name, VmState.RUNNING, expect={VmState.MIGRATING},
+                                partition=self.partition, pid=res.pid)
+        except FusumaError as exc:
+            why = f"{why}; the source QEMU is gone too ({exc})"
+            if c.db.vm(v.name).state != VmState.CRASHED:
+                c.db.transition(v.name, VmState.CRASHED, pid=None, error=why)
+            state = FAILED
+        msg = f"move to {self.dest} failed ({why}); the VM stays on {a.host}."
+        cur = fresh(a, v)
+        last = {**(cur.move or {}), "result": "failed", "message": msg,
+                "finishedAt": now_iso(), "phase": RECORD_FAILED}
+        last.pop("record", None)
+        conds = set_condition(list(cur.status.get("conditions") or []), "Moved", False,
+                              "MoveFailed", msg, cur.generation)
+        new = a.kube.patch_status(VM, v.name, {"move": None, "lastMove": last,
+                                               "state": state, "message": msg,
+                                               "conditions": conds}, v.namespace)
+        a.vms_informer.put(new)
+        a.events.emit(v.obj, "MoveFailed", msg, WARNING)
+        a.vm_rec.move_failed[f"{v.namespace}/{v.name}"] = (cur.generation, time.monotonic())
+
+    def forget(self, out: rpc.Streamed | None, started: str | None) -> None:
+        """After the job, once the move went forward: the destination runs the guest;
+        remove it here and record the move (``lastMove``)."""
+        a, v = self.a, self.v
+        self.remove()
+        # The record is cleared only once the destination said the guest runs there (or
+        # its host is lost): until then it may still need the decision recorded in it.
+        try:
+            move = wait_move(a, v, self.move_id, lambda m: at(m, MovePhase.SWITCHED),
+                             STREAM_TIMEOUT_S, peer=self.dest)
+        except FusumaError:
+            move = (fresh(a, v).move or {})
+        resume = move.get("resumeTs")
+        stop = out.stop_ts if out is not None else None
+        t0 = out.t0 if out is not None else None
+        last = {k: move.get(k) for k in ("id", "kind", "mode", "from", "to", "bytesSent",
+                                         "paused", "decision", "decidedBy")}
+        last.update({"result": "ok", "startedAt": started, "finishedAt": now_iso(),
+                     "downtimeMs": round((float(resume) - float(stop)) * 1000, 2)
+                     if resume and stop else move.get("qemuDowntimeMs"),
+                     "totalMs": round((float(resume) - float(t0)) * 1000, 2)
+                     if resume and t0 else None,
+                     "phase": RECORD_PHASE[MovePhase.RELEASED]})
+        new = a.kube.patch_status(VM, v.name, {"move": None, "lastMove": last}, v.namespace)
+        a.vms_informer.put(new)
+        a.events.emit(v.obj, "Moved", f"moved live {last['from']} -> {last['to']}: "
+                      f"{last['downtimeMs']} ms downtime, {last['totalMs']} ms total, "
+                      f"{last['bytesSent']} bytes")
+
+
+@dataclass(frozen=True)
+class HostMoveDest(_Side):
+    """The destination host's half (libvirt's ``qemuMigrationDst*``), under its
+    host-move-in job (``job``): ``prepare`` defines the VM here and starts its incoming
+    QEMU, ``finish`` runs the guest once the whole stream arrived and "forward" is
+    recorded; ``abort`` (under the job) and ``remove`` (after it) undo ``prepare``."""
+
+    source: str      # the source host
+
+    def job(self) -> JobLock:
+        return self.c.parts.job(vm_obj(self.v.name), JobKind.HOST_MOVE_IN,
+                                source=self.partition)
+
+    def prepare(self, jh: JobLock, record: dict[str, Any]) -> None:
+        """Define the VM here from its spec, carrying the source's ``record``, and
+        start a QEMU waiting for the stream; tell the source where."""
+        from fusuma.spec import VmSpec
+
+        a, c, v, part = self.a, self.c, self.v, self.partition
+        jh.phase(MovePhase.PREPARE)
+        if c.db.find_partition(part) is None:
+            raise MigrationError(f"partition {part!r} does not exist on host {a.host}")
+        a.owners.set("vms", v.name, Owner(v.uid, v.namespace, v.name))
+        try:
+            c.vms.create(VmSpec.model_validate(v.vm_spec_fields(part)))
+        except FusumaError:
+            a.owners.remove("vms", v.name)
+            raise
+        carried = {k: val for k, val in record.items()
+                   if k in CARRIED and k in c.db.VM_FIELDS}
+        if carried:
+            c.db.set_vm(v.name, **carried)
+        c.db.transition(v.name, VmState.STARTING, expect={VmState.STOPPED})
+        prep = c.parts.client(part).send(rpc.RemoteIncoming(v.name, a.address), timeout=120)
+        jh.phase(MovePhase.PREPARED, uri=prep.uri)
+        self.record(MovePhase.PREPARED, {"uri": prep.uri, "destPid": prep.pid,
+                                         "prepareMs": prep.prepare_ms})
+
+    def finish(self, jh: JobLock) -> None:
+        """Wait until the incoming QEMU holds the whole stream; record "forward" (in the
+        cluster, then in the job), run the guest here and record the switch."""
+        a, c, v = self.a, self.c, self.v
+        dst = c.parts.client(self.partition)
+        deadline = time.monotonic() + STREAM_TIMEOUT_S
+        while True:
+            status = dst.send(rpc.RemoteIncomingWait(v.name, timeout=1.0), timeout=30).status
+            if status in ("completed", "running"):
+                break
+            if status in ("failed", "cancelled", "gone"):
+                raise MigrationError(f"the stream of {v.name!r} into host {a.host} {status}")
+            cur = a.vms_informer.get(v.namespace, v.name) or {}
+            cm = (cur.get("status") or {}).get("move") or {}
+            if cm.get("id") != self.move_id or cm.get("decision") == Decision.BACK:
+                raise MoveAborted(f"the move of {v.name!r} was called off by {self.source}")
+            if a.host_lost(self.source):
+                raise MoveAborted(f"host {self.source}'s Lease expired during the move")
+            if time.monotonic() > deadline:
+                raise MigrationError(f"the stream of {v.name!r} did not complete in time")
+        if self.decide(Decision.FORWARD) != Decision.FORWARD:
+            raise MoveAborted(f"the move of {v.name!r} was decided back")
+        self.mirror(Decision.FORWARD)
+        fin = dst.send(rpc.IncomingCommit(v.name))
+        jh.phase(MovePhase.SWITCHED)
+        with contextlib.suppress(FusumaError):
+            dst.send(rpc.Settle(v.name))
+        if c.db.vm(v.name).state == VmState.STARTING:
+            c.db.transition(v.name, VmState.RUNNING, expect={VmState.STARTING})
+        rec = c.db.vm(v.name)
+        a.add_finalizer(VM, a.vms_informer.get(v.namespace, v.name) or v.obj)
+        self.record(MovePhase.SWITCHED, {"resumeTs": fin.resume_ts, "destPid": rec.pid},
+                    host=a.host, partition=self.partition, pid=rec.pid, state=RUNNING,
+                    message=None, ownerUID=v.uid)
+        a.events.emit(v.obj, "MovedIn", f"running on host {a.host} in partition "
+                      f"{self.partition} (pid {rec.pid})")
+
+    def abort(self) -> None:
+        """Under the job: the move went back; end the incoming QEMU."""
+        self.mirror(Decision.BACK)
+        with contextlib.suppress(FusumaError, NotFoundApiError):
+            self.c.parts.client(self.partition).send(rpc.IncomingAbort(self.v.name))
+
+    def refuse(self, why: str) -> None:
+        """Call the move off before preparing anything here."""
+        if self.decide(Decision.BACK, why) == Decision.BACK:
+            self.record_failed(why)
+
+
+# -- the agent's entry points -------------------------------------------------------------
 def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
     """This host runs ``v`` and its spec now names another host: move it there."""
     from fusuma.vm.view import VmView as LocalView
@@ -174,274 +462,107 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
     gen, when = r.move_failed.get(key, (-1, 0.0))
     if gen == v.generation and time.monotonic() - when < MOVE_RETRY_S:
         return       # this spec's move failed a moment ago: not again at once
-    move_id = uuid.uuid4().hex[:12]
     record = {f: getattr(local, f) for f in CARRIED if getattr(local, f, None) is not None}
-    with c.parts.job(vm_obj(v.name), JobKind.HOST_MOVE, source=local.partition,
-                      peer=f"{dest}/{part}") as jh:
-        c.db.transition(v.name, VmState.MIGRATING, expect={VmState.RUNNING})
-        jh.phase("prepare", move=move_id)
-        started = now_iso()
-        patch_move(a, v, {"id": move_id, "kind": "between-hosts", "mode": "copy",
-                          "fromHost": a.host, "toHost": dest,
-                          "from": f"{a.host}/{local.partition}", "to": f"{dest}/{part}",
-                          "phase": "Preparing", "startedAt": started,
-                          "record": record}, state=MOVING)
-        a.events.emit(v.obj, "MoveStarted", f"moving live from {a.host} to {dest}/{part}")
-        src = c.parts.client(local.partition)
+    src = HostMoveSource(a, c, v, uuid.uuid4().hex[:12], local.partition, dest)
+    with src.job(peer=f"{dest}/{part}") as jh:
+        started = src.prepare(jh, part, record)
         out: rpc.Streamed | None = None
+        why = "decided back"
         try:
-            prep = wait_move(a, v, move_id, lambda m: m.get("phase") == "Prepared",
-                             PREPARE_TIMEOUT_S, peer=dest)
-            jh.phase("streaming", uri=prep["uri"])
-            update_move(a, v, move_id, {"phase": "Streaming"})
-            out = src.send(rpc.MigrateOut(v.name, str(prep["uri"]), "copy"),
-                           timeout=STREAM_TIMEOUT_S + 60)
-            jh.phase("streamed", bytes_sent=out.bytes_sent)
-            update_move(a, v, move_id, {"phase": "Streamed",
-                                        "bytesSent": out.bytes_sent,
-                                        "paused": out.paused,
-                                        "qemuDowntimeMs": out.qemu_downtime_ms})
-            decision: str | None = wait_move(
-                a, v, move_id, lambda m: m.get("decision"), DECIDE_TIMEOUT_S,
-                peer=dest).get("decision")
+            out = src.perform(jh)
+            decision = src.outcome()
         except FusumaError as exc:
             LOG.warning("move of %s to %s: %s", v.name, dest, exc)
-            decision = decide(a, v, move_id, Decision.BACK, f"host {a.host}: {exc}")
-            if decision != Decision.FORWARD:
-                _source_back(a, c, v, move_id, local.partition, str(exc))
-                return
-        if decision != Decision.FORWARD:
-            _source_back(a, c, v, move_id, local.partition, "decided back")
+            why = str(exc)
+            decision = src.decide(Decision.BACK, f"host {a.host}: {exc}")
+        if not src.confirm(decision, why):
             return
-        _release_source(c, v.name, local.partition)
-    _source_forward(a, c, v, move_id, out, started)
+    src.forget(out, started)
 
 
-def _release_source(c: Ctx, name: str, partition: str) -> None:
-    """Under the source's job: the outcome is "forward", so end the source QEMU."""
-    c.db.decide(vm_obj(name), Decision.FORWARD)
-    with contextlib.suppress(FusumaError):
-        c.parts.client(partition).send(rpc.Release(name))
-
-
-def _source_forward(a: AgentContext, c: Ctx, v: VmView, move_id: str, out: rpc.Streamed | None,
-                    started: str) -> None:
-    """After the source's job: the destination runs the guest; forget it here (a
-    record is removed only under a delete job of its own) and record the move."""
-    if c.db.find_vm(v.name) is not None:
-        c.vms.delete(v.name, force=True)
-    a.owners.remove("vms", v.name)
-    # The record is cleared only once the destination said the guest runs there (or
-    # its host is lost): until then it may still need the decision recorded in it.
-    try:
-        move = wait_move(a, v, move_id, lambda m: m.get("phase") == "Switched",
-                         STREAM_TIMEOUT_S, peer=str(v.want_host))
-    except FusumaError:
-        move = (fresh(a, v).move or {})
-    resume = move.get("resumeTs")
-    stop = out.stop_ts if out is not None else None
-    t0 = out.t0 if out is not None else None
-    last = {k: move.get(k) for k in ("id", "kind", "mode", "from", "to", "bytesSent",
-                                     "paused", "decision", "decidedBy")}
-    last.update({"result": "ok", "startedAt": started, "finishedAt": now_iso(),
-                 "downtimeMs": round((float(resume) - float(stop)) * 1000, 2)
-                 if resume and stop else move.get("qemuDowntimeMs"),
-                 "totalMs": round((float(resume) - float(t0)) * 1000, 2)
-                 if resume and t0 else None, "phase": "Done"})
-    new = a.kube.patch_status(VM, v.name, {"move": None, "lastMove": last}, v.namespace)
-    a.vms_informer.put(new)
-    a.events.emit(v.obj, "Moved", f"moved live {last['from']} -> {last['to']}: "
-                  f"{last['downtimeMs']} ms downtime, {last['totalMs']} ms total, "
-                  f"{last['bytesSent']} bytes")
-
-
-def _source_back(a: AgentContext, c: Ctx, v: VmView, move_id: str, partition: str,
-                 why: str) -> None:
-    """The move is off: run the guest here again (or say it is lost)."""
-    c.db.decide(vm_obj(v.name), Decision.BACK)
-    state = RUNNING
-    try:
-        res = c.parts.client(partition).send(rpc.ResumeSource(v.name))
-        rec = c.db.vm(v.name)
-        if rec.state == VmState.MIGRATING:
-            c.db.transition(v.name, VmState.RUNNING, expect={VmState.MIGRATING},
-                            partition=partition, pid=res.pid)
-    except FusumaError as exc:
-        why = f"{why}; the source QEMU is gone too ({exc})"
-        rec = c.db.vm(v.name)
-        if rec.state != VmState.CRASHED:
-            c.db.transition(v.name, VmState.CRASHED, pid=None, error=why)
-        state = "Failed"
-    msg = f"move to {v.want_host} failed ({why}); the VM stays on {a.host}."
-    cur = fresh(a, v)
-    last = {**(cur.move or {}), "result": "failed", "message": msg,
-            "finishedAt": now_iso(), "phase": "Failed"}
-    last.pop("record", None)
-    conds = set_condition(list(cur.status.get("conditions") or []), "Moved", False,
-                          "MoveFailed", msg, cur.generation)
-    new = a.kube.patch_status(VM, v.name, {"move": None, "lastMove": last, "state": state,
-                                           "message": msg, "conditions": conds},
-                              v.namespace)
-    a.vms_informer.put(new)
-    a.events.emit(v.obj, "MoveFailed", msg, WARNING)
-    a.vm_rec.move_failed[f"{v.namespace}/{v.name}"] = (cur.generation, time.monotonic())
-
-
-# -- after a restart, or the destination's half -------------------------------------------
 def step(a: AgentContext, r: VmMoves, v: VmView) -> None:
+    """``v`` has a move record naming this host: take this side's next steps (the
+    destination's whole half; the source's after a restart)."""
     m = v.move or {}
     if m.get("fromHost") == a.host:
         _recover_source(a, v, m)
     elif m.get("toHost") == a.host:
-        _destination(a, r, v, m)
+        _destination(a, v, m)
 
 
-def _recover_source(a: AgentContext, v: VmView, m: dict[str, Any]) -> None:
+def _held_here(c: Ctx, name: str) -> bool:
+    """Whether a live process of this host (this agent's own worker) holds the VM's job."""
+    job = c.db.find_job(vm_obj(name))
+    return job is not None and job.owner.alive()
+
+
+def _partition(m: Obj, side: str) -> str:
+    """The partition in the record's ``from`` or ``to`` (HOST/PARTITION)."""
+    return str(m.get(side, "/")).split("/", 1)[1]
+
+
+def _recover_source(a: AgentContext, v: VmView, m: Obj) -> None:
     """The agent that began this move died: its job here may still be held by no one.
     "back" unless the destination already went forward."""
     c = a.ctx()
-    job = c.db.find_job(vm_obj(v.name))
-    if job is not None and job.owner.alive():
+    if _held_here(c, v.name):
         return       # this agent's own worker still runs it (not a restart)
-    part = str(m.get("from", "/")).split("/", 1)[1]
-    decision = m.get("decision") or decide(a, v, str(m.get("id")), Decision.BACK)
+    src = HostMoveSource(a, c, v, str(m.get("id")), _partition(m, "from"),
+                         str(m.get("toHost")))
+    decision = m.get("decision") or src.decide(Decision.BACK)
     if c.db.find_vm(v.name) is not None:
-        with c.parts.job(vm_obj(v.name), JobKind.HOST_MOVE, source=part):
-            if decision != Decision.FORWARD:
-                _source_back(a, c, v, str(m.get("id")), part,
-                             "the agent restarted mid-move")
+        with src.job():
+            if not src.confirm(decision, "the agent restarted mid-move"):
                 return
-            _release_source(c, v.name, part)
     if decision == Decision.FORWARD:
-        _source_forward(a, c, v, str(m.get("id")), None, str(m.get("startedAt")))
+        src.forget(None, str(m.get("startedAt")))
 
 
-def _destination(a: AgentContext, r: VmMoves, v: VmView, m: dict[str, Any]) -> None:
+def _destination(a: AgentContext, v: VmView, m: Obj) -> None:
+    """This host is the move's destination: prepare and finish, or undo, as the record
+    asks (the first pass and any pass after a restart alike)."""
     c = a.ctx()
-    job = c.db.find_job(vm_obj(v.name))
-    if job is not None and job.owner.alive():
+    if _held_here(c, v.name):
         return
-    move_id = str(m.get("id"))
-    part = str(m.get("to", "/")).split("/", 1)[1]
+    dst = HostMoveDest(a, c, v, str(m.get("id")), _partition(m, "to"),
+                       str(m.get("fromHost")))
     local = c.db.find_vm(v.name)
     owner = a.owners.get("vms", v.name)
     if local is not None and (owner is None or owner.uid != v.uid):
-        _dest_refuse(a, v, move_id, f"host {a.host} already has a VM named {v.name!r} "
-                     f"(made by {owner.label if owner else 'the CLI'})")
+        dst.refuse(f"host {a.host} already has a VM named {v.name!r} "
+                   f"(made by {owner.label if owner else 'the CLI'})")
         return
     if local is not None and local.state in (VmState.RUNNING, VmState.PAUSED):
         # Committed here already (a pass after the switch): never undone; make sure
         # the record says so.
-        if m.get("decision") == Decision.FORWARD and m.get("phase") != "Switched":
-            update_move(a, v, move_id, {"phase": "Switched", "destPid": local.pid},
-                        host=a.host, partition=local.partition, pid=local.pid,
-                        state=RUNNING)
+        if m.get("decision") == Decision.FORWARD and not at(m, MovePhase.SWITCHED):
+            dst.record(MovePhase.SWITCHED, {"destPid": local.pid}, host=a.host,
+                       partition=local.partition, pid=local.pid, state=RUNNING)
         return
-    decision = m.get("decision")
-    if decision == Decision.BACK or m.get("phase") == "Failed":
+    if called_off(m):
         if local is not None:
-            with c.parts.job(vm_obj(v.name), JobKind.HOST_MOVE_IN, source=part):
-                _dest_abort(c, v.name, part)
-            _dest_remove(a, c, v.name)
+            with dst.job():
+                dst.abort()
+            dst.remove()
         return
-    if local is None and m.get("phase") != "Preparing":
+    if local is None and not at(m, MovePhase.PREPARE):
         return        # nothing here: the source will decide back
     failed: str | None = None
-    with c.parts.job(vm_obj(v.name), JobKind.HOST_MOVE_IN, source=part) as jh:
+    with dst.job() as jh:
         try:
             if local is None:
-                _dest_prepare(a, c, v, m, part)
-                jh.phase("prepared")
-            _dest_receive(a, c, v, move_id, part, m)
+                dst.prepare(jh, m.get("record") or {})
+            dst.finish(jh)
         except FusumaError as exc:
             LOG.warning("incoming move of %s: %s", v.name, exc)
-            if decide(a, v, move_id, Decision.BACK, f"host {a.host}: {exc}") == Decision.FORWARD:
+            if dst.decide(Decision.BACK, f"host {a.host}: {exc}") == Decision.FORWARD:
                 raise      # the guest is here: the next pass commits it
             rec = c.db.find_vm(v.name)
             if rec is not None and rec.state in (VmState.RUNNING, VmState.PAUSED):
                 raise      # committed here: never undone
-            _dest_abort(c, v.name, part)
+            dst.abort()
             failed = str(exc)
     if failed is not None:
-        _dest_remove(a, c, v.name)
+        dst.remove()
         with contextlib.suppress(FusumaError):
-            update_move(a, v, move_id, {"phase": "Failed", "message": failed})
-
-
-def _dest_refuse(a: AgentContext, v: VmView, move_id: str, why: str) -> None:
-    if decide(a, v, move_id, Decision.BACK, why) == Decision.BACK:
-        update_move(a, v, move_id, {"phase": "Failed", "message": why})
-
-
-def _dest_prepare(a: AgentContext, c: Ctx, v: VmView, m: dict[str, Any], part: str) -> None:
-    from fusuma.spec import VmSpec
-
-    if c.db.find_partition(part) is None:
-        raise MigrationError(f"partition {part!r} does not exist on host {a.host}")
-    a.owners.set("vms", v.name, Owner(v.uid, v.namespace, v.name))
-    try:
-        c.vms.create(VmSpec.model_validate(v.vm_spec_fields(part)))
-    except FusumaError:
-        a.owners.remove("vms", v.name)
-        raise
-    carried = {k: val for k, val in (m.get("record") or {}).items()
-               if k in CARRIED and k in c.db.VM_FIELDS}
-    if carried:
-        c.db.set_vm(v.name, **carried)
-    c.db.transition(v.name, VmState.STARTING, expect={VmState.STOPPED})
-    prep = c.parts.client(part).send(rpc.RemoteIncoming(v.name, a.address), timeout=120)
-    update_move(a, v, str(m.get("id")), {"phase": "Prepared", "uri": prep.uri,
-                                         "destPid": prep.pid,
-                                         "prepareMs": prep.prepare_ms})
-
-
-def _dest_receive(a: AgentContext, c: Ctx, v: VmView, move_id: str, part: str,
-                  m: dict[str, Any]) -> None:
-    dst = c.parts.client(part)
-    src_host = str(m.get("fromHost"))
-    deadline = time.monotonic() + STREAM_TIMEOUT_S
-    while True:
-        status = dst.send(rpc.RemoteIncomingWait(v.name, timeout=1.0), timeout=30).status
-        if status in ("completed", "running"):
-            break
-        if status in ("failed", "cancelled", "gone"):
-            raise MigrationError(f"the stream of {v.name!r} into host {a.host} {status}")
-        cur = a.vms_informer.get(v.namespace, v.name) or {}
-        cm = (cur.get("status") or {}).get("move") or {}
-        if cm.get("id") != move_id or cm.get("decision") == Decision.BACK:
-            raise MoveAborted(f"the move of {v.name!r} was called off by {src_host}")
-        if a.host_lost(src_host):
-            raise MoveAborted(f"host {src_host}'s Lease expired during the move")
-        if time.monotonic() > deadline:
-            raise MigrationError(f"the stream of {v.name!r} did not complete in time")
-    if decide(a, v, move_id, Decision.FORWARD) != Decision.FORWARD:
-        raise MoveAborted(f"the move of {v.name!r} was decided back")
-    c.db.decide(vm_obj(v.name), Decision.FORWARD)
-    fin = dst.send(rpc.IncomingCommit(v.name))
-    with contextlib.suppress(FusumaError):
-        dst.send(rpc.Settle(v.name))
-    rec = c.db.vm(v.name)
-    if rec.state == VmState.STARTING:
-        c.db.transition(v.name, VmState.RUNNING, expect={VmState.STARTING})
-    rec = c.db.vm(v.name)
-    a.add_finalizer(VM, a.vms_informer.get(v.namespace, v.name) or v.obj)
-    update_move(a, v, move_id, {"phase": "Switched", "resumeTs": fin.resume_ts,
-                                "destPid": rec.pid},
-                host=a.host, partition=part, pid=rec.pid, state=RUNNING, message=None,
-                ownerUID=v.uid)
-    a.events.emit(v.obj, "MovedIn", f"running on host {a.host} in partition {part} "
-                  f"(pid {rec.pid})")
-
-
-def _dest_abort(c: Ctx, name: str, part: str) -> None:
-    """Under the destination's job: the move went back; end the incoming QEMU."""
-    c.db.decide(vm_obj(name), Decision.BACK)
-    with contextlib.suppress(FusumaError, NotFoundApiError):
-        c.parts.client(part).send(rpc.IncomingAbort(name))
-
-
-def _dest_remove(a: AgentContext, c: Ctx, name: str) -> None:
-    """After the destination's job: remove the definition made for the move."""
-    if c.db.find_vm(name) is not None:
-        c.vms.delete(name, force=True)
-    a.owners.remove("vms", name)
+            dst.record_failed(failed)
