@@ -1,0 +1,283 @@
+"""fusuma.cluster.hostmove's steps against a fake API server and a fake host: the
+source's whole half, and what a restarted agent does with a move it finds recorded."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+
+from fusuma.cluster import hostmove
+from fusuma.cluster.owners import Owner
+from fusuma.cluster.resources import VmView
+from fusuma.state import Decision, JobKind, MovePhase, VmState
+from fusuma.supervisor import rpc
+
+Obj = dict[str, Any]
+UID = "uid-1"
+
+
+def merge(into: Obj, patch: Obj) -> None:
+    """A JSON merge patch, as the API server applies it."""
+    for k, val in patch.items():
+        if val is None:
+            into.pop(k, None)
+        elif isinstance(val, dict) and isinstance(into.get(k), dict):
+            merge(into[k], val)
+        else:
+            into[k] = copy.deepcopy(val)
+
+
+class FakeKube:
+    """One FusumaVM; ``on_write`` plays the other agent after each write."""
+
+    def __init__(self, obj: Obj) -> None:
+        self.obj = obj
+        self.on_write: Any = lambda obj: None
+
+    def get(self, kind: Any, name: str, ns: str | None = None) -> Obj:
+        return copy.deepcopy(self.obj)
+
+    def patch_status(self, kind: Any, name: str, status: Obj, ns: str | None = None) -> Obj:
+        merge(self.obj.setdefault("status", {}), status)
+        self.on_write(self.obj)
+        return copy.deepcopy(self.obj)
+
+    def replace(self, kind: Any, obj: Obj, sub: str | None = None) -> Obj:
+        self.obj = copy.deepcopy(obj)
+        self.on_write(self.obj)
+        return copy.deepcopy(self.obj)
+
+
+@dataclass
+class FakeJob:
+    db: FakeDb
+    kind: str
+    phases: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def phase(self, phase: str, **detail: Any) -> None:
+        self.phases.append((phase, detail))
+
+    def __enter__(self) -> FakeJob:
+        self.db.held = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.db.held = None
+
+
+@dataclass
+class FakeDb:
+    vms: dict[str, Any] = field(default_factory=dict)
+    decisions: list[str] = field(default_factory=list)
+    jobs: list[FakeJob] = field(default_factory=list)
+    held: FakeJob | None = None
+
+    def find_job(self, obj: str) -> None:
+        return None
+
+    def find_vm(self, name: str) -> Any:
+        return self.vms.get(name)
+
+    def vm(self, name: str) -> Any:
+        return self.vms[name]
+
+    def decide(self, obj: str, decision: str) -> str:
+        assert self.held is not None, "a decision is mirrored only under the host's job"
+        self.decisions.append(decision)
+        return decision
+
+    def transition(self, name: str, state: VmState, expect: Any = None, **kw: Any) -> None:
+        self.vms[name] = replace(self.vms[name], state=state, **kw)
+
+
+@dataclass(frozen=True)
+class Rec:
+    name: str
+    partition: str
+    state: VmState
+    pid: int | None = 100
+    error: str | None = None
+
+
+class FakeHost:
+    """A host's Ctx: its DB, its supervisors (answers by request type), its VMs."""
+
+    def __init__(self) -> None:
+        self.db = FakeDb()
+        self.sent: list[Any] = []
+        self.deleted: list[str] = []
+        self.parts = self
+        self.vms = self
+        self.answers: dict[type, Any] = {
+            rpc.ResumeSource: rpc.Resumed(pid=100, resume_ts=1.0),
+            rpc.MigrateOut: rpc.Streamed(t0=10.0, stop_ts=10.5, qemu_total_ms=600.0,
+                                         qemu_downtime_ms=40.0, bytes_sent=2**25,
+                                         source_pid=100, paused=False)}
+
+    def job(self, obj: str, kind: str, **kw: Any) -> FakeJob:
+        j = FakeJob(self.db, kind)
+        self.db.jobs.append(j)
+        return j
+
+    def client(self, part: str) -> FakeHost:
+        return self
+
+    def send(self, req: Any, timeout: float | None = None) -> Any:
+        self.sent.append(req)
+        return self.answers.get(type(req))
+
+    def delete(self, name: str, force: bool = False) -> None:
+        assert self.db.held is None, "a delete takes a job of its own"
+        self.deleted.append(name)
+        self.db.vms.pop(name, None)
+
+
+class FakeOwners:
+    def __init__(self) -> None:
+        self.owned: dict[str, Owner] = {"vm0": Owner(UID, "default", "vm0")}
+
+    def get(self, kind: str, name: str) -> Owner | None:
+        return self.owned.get(name)
+
+    def set(self, kind: str, name: str, owner: Owner) -> None:
+        self.owned[name] = owner
+
+    def remove(self, kind: str, name: str) -> None:
+        self.owned.pop(name, None)
+
+
+class FakeAgent:
+    def __init__(self, host: str, kube: FakeKube, here: FakeHost) -> None:
+        self.host = host
+        self.address = "10.0.0.1"
+        self.kube = kube
+        self.here = here
+        self.events = self       # its own event recorder
+        self.emitted: list[tuple[str, str]] = []
+        self.owners = FakeOwners()
+        self.vm_rec = self
+        self.move_failed: dict[str, tuple[int, float]] = {}
+        self.vms_informer = self
+        self.hosts_informer = self
+
+    def ctx(self) -> FakeHost:
+        return self.here
+
+    def emit(self, obj: Obj, reason: str, message: str, type_: str | None = None) -> None:
+        self.emitted.append((reason, message))
+
+    def get(self, ns: str, name: str) -> Obj | None:
+        return self.kube.get(None, name) if name == "vm0" else {"kind": "FusumaHost"}
+
+    def put(self, obj: Obj) -> None:
+        pass
+
+    def host_lost(self, host: str) -> bool:
+        return False
+
+    def fail(self, *a: Any, **kw: Any) -> None:
+        raise AssertionError(f"refused: {a}")
+
+    def add_finalizer(self, kind: Any, obj: Obj) -> None:
+        pass
+
+
+def world(host: str, move: Obj | None, state: VmState | None) -> tuple[FakeAgent, FakeHost]:
+    obj: Obj = {"metadata": {"name": "vm0", "namespace": "default", "uid": UID,
+                             "generation": 2},
+                "spec": {"host": "h1", "partition": "p0"},
+                "status": {"host": "h0", "state": "Running",
+                           **({"move": move} if move else {})}}
+    here = FakeHost()
+    if state is not None:
+        here.db.vms["vm0"] = Rec("vm0", "p0", state)
+    return FakeAgent(host, FakeKube(obj), here), here
+
+
+def recorded(a: FakeAgent, what: str = "move") -> Obj:
+    return dict(a.kube.obj["status"].get(what) or {})
+
+
+def test_the_source_half_runs_its_steps_and_records_each_phase(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusuma.vm import view
+
+    # The local view asks the process whether the guest runs: say it does.
+    monkeypatch.setattr(view.process, "pid_alive", lambda pid: True)
+    monkeypatch.setattr(view.process, "cmdline", lambda pid: "guest=vm0,debug-threads=on")
+    a, here = world("h0", None, VmState.RUNNING)
+    phases: list[str] = []
+
+    def destination(obj: Obj) -> None:
+        """The other agent: prepared once asked, forward and switched once streamed."""
+        m = obj["status"].get("move") or {}
+        phases.append(m.get("phase"))
+        if m.get("phase") == "Preparing":
+            m.update(phase="Prepared", uri="tcp:10.0.0.2:4444")
+        elif m.get("phase") == "Streamed":
+            m.update(phase="Switched", decision="forward", decidedBy="h1", resumeTs=10.6)
+
+    a.kube.on_write = destination
+    hostmove.begin(a, a, VmView(a.kube.get(None, "vm0")), here.db.vms["vm0"])
+    [job] = here.db.jobs
+    assert job.kind == JobKind.HOST_MOVE
+    assert [p for p, _ in job.phases] == [MovePhase.PREPARE, MovePhase.STREAMING,
+                                          MovePhase.STREAMED]
+    assert all(isinstance(p, MovePhase) for p, _ in job.phases)
+    assert phases[:3] == ["Preparing", "Streaming", "Streamed"]
+    assert here.db.decisions == [Decision.FORWARD]
+    assert [type(r) for r in here.sent] == [rpc.MigrateOut, rpc.Release]
+    assert here.sent[0].uri == "tcp:10.0.0.2:4444"
+    assert here.deleted == ["vm0"] and "vm0" not in a.owners.owned
+    last = recorded(a, "lastMove")
+    assert not recorded(a)
+    assert (last["result"], last["phase"], last["decision"], last["from"], last["to"]) == \
+        ("ok", "Done", "forward", "h0/p0", "h1/p0")
+    assert last["downtimeMs"] == 100.0 and last["totalMs"] == 600.0
+    assert [r for r, _ in a.emitted] == ["MoveStarted", "Moved"]
+
+
+MID_MOVE = {"id": "m1", "kind": "between-hosts", "mode": "copy", "fromHost": "h0",
+            "toHost": "h1", "from": "h0/p0", "to": "h1/p0", "phase": "Streaming",
+            "startedAt": "2024-01-01T00:00:00Z"}
+
+
+def test_a_restarted_source_decides_back_and_resumes_its_guest() -> None:
+    a, here = world("h0", dict(MID_MOVE), VmState.MIGRATING)
+    hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))
+    [job] = here.db.jobs
+    assert job.kind == JobKind.HOST_MOVE
+    assert here.db.decisions == [Decision.BACK]
+    assert [type(r) for r in here.sent] == [rpc.ResumeSource]
+    assert here.db.vms["vm0"].state == VmState.RUNNING and not here.deleted
+    last = recorded(a, "lastMove")
+    assert (last["result"], last["phase"], last["decision"]) == ("failed", "Failed", "back")
+    assert "the agent restarted mid-move" in last["message"]
+    assert a.kube.obj["status"]["state"] == "Running" and not recorded(a)
+    assert [r for r, _ in a.emitted] == ["MoveFailed"]
+    assert "default/vm0" in a.move_failed
+
+
+def test_a_restarted_source_follows_forward_and_forgets_the_guest() -> None:
+    a, here = world("h0", {**MID_MOVE, "phase": "Switched", "decision": "forward",
+                           "resumeTs": 5.0}, VmState.MIGRATING)
+    hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))
+    assert here.db.decisions == [Decision.FORWARD]
+    assert [type(r) for r in here.sent] == [rpc.Release]
+    assert here.deleted == ["vm0"]
+    last = recorded(a, "lastMove")
+    assert (last["result"], last["phase"], last["decision"]) == ("ok", "Done", "forward")
+    assert not recorded(a)
+
+
+def test_a_destination_finding_the_move_called_off_undoes_its_prepare() -> None:
+    a, here = world("h1", {**MID_MOVE, "decision": "back"}, VmState.STARTING)
+    hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))
+    [job] = here.db.jobs
+    assert job.kind == JobKind.HOST_MOVE_IN
+    assert here.db.decisions == [Decision.BACK]
+    assert [type(r) for r in here.sent] == [rpc.IncomingAbort]
+    assert here.deleted == ["vm0"] and "vm0" not in a.owners.owned
