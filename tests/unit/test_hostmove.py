@@ -281,3 +281,21 @@ def test_a_destination_finding_the_move_called_off_undoes_its_prepare() -> None:
     assert here.db.decisions == [Decision.BACK]
     assert [type(r) for r in here.sent] == [rpc.IncomingAbort]
     assert here.deleted == ["vm0"] and "vm0" not in a.owners.owned
+
+
+def test_a_source_that_cannot_write_the_first_record_keeps_its_guest_running(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusuma.vm import view
+
+    monkeypatch.setattr(view.process, "pid_alive", lambda pid: True)
+    monkeypatch.setattr(view.process, "cmdline", lambda pid: "guest=vm0,debug-threads=on")
+    a, here = world("h0", None, VmState.RUNNING)
+
+    def refuse(kind: Any, name: str, status: Obj, ns: str | None = None) -> Obj:
+        raise RuntimeError("the API server is gone")
+
+    a.kube.patch_status = refuse  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        hostmove.begin(a, a, VmView(a.kube.get(None, "vm0")), here.db.vms["vm0"])
+    assert here.db.vms["vm0"].state == VmState.RUNNING
+    assert not recorded(a) and here.sent == []

@@ -247,11 +247,18 @@ class HostMoveSource(_Side):
         self.c.db.transition(v.name, VmState.MIGRATING, expect={VmState.RUNNING})
         jh.phase(MovePhase.PREPARE, move=self.move_id)
         started = now_iso()
-        patch_move(a, v, {"id": self.move_id, "kind": "between-hosts", "mode": "copy",
-                          "fromHost": a.host, "toHost": self.dest,
-                          "from": f"{a.host}/{self.partition}", "to": f"{self.dest}/{to}",
-                          "phase": RECORD_PHASE[MovePhase.PREPARE], "startedAt": started,
-                          "record": record}, state=MOVING)
+        try:
+            patch_move(a, v, {"id": self.move_id, "kind": "between-hosts", "mode": "copy",
+                              "fromHost": a.host, "toHost": self.dest,
+                              "from": f"{a.host}/{self.partition}",
+                              "to": f"{self.dest}/{to}",
+                              "phase": RECORD_PHASE[MovePhase.PREPARE],
+                              "startedAt": started, "record": record}, state=MOVING)
+        except Exception:
+            # No record, so no destination can have begun: the guest never stopped
+            # running here; say so, or no later pass would take it up again.
+            self.c.db.transition(v.name, VmState.RUNNING, expect={VmState.MIGRATING})
+            raise
         a.events.emit(v.obj, "MoveStarted", f"moving live from {a.host} to {self.dest}/{to}")
         return started
 
