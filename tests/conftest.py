@@ -158,6 +158,11 @@ def _host(tmp_path: Path, request: pytest.FixtureRequest, exclusive: bool) -> It
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
         h.save_logs(REPO / "test-output" / request.node.name)
+    _tear_down(h)
+
+
+def _tear_down(h: Host) -> None:
+    """`fusuma down`, then prove nothing of the namespace is left (and remove it)."""
     h.run("down", check=False, timeout=120)
     left = h.leftovers()
     h.force_clean()
@@ -176,3 +181,24 @@ def host(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Host]:
 def exclusive_host(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Host]:
     """A namespace with kernel-exclusive cpusets (the production default)."""
     yield from _host(tmp_path, request, exclusive=True)
+
+
+@pytest.fixture(scope="module")
+def module_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    """One namespace shared by the tests of a module that each leave it as the next
+    expects (a kill matrix whose guest survives its cases): what a case breaks, the next
+    case's set-up makes again, so a guest is booted once per module, not once per case.
+    The leftover check runs once, when the module is done. Use it through a function
+    fixture of the module that saves the logs of a failed case (``shared_logs``)."""
+    h = Host(tmp_path_factory.mktemp("shared"))
+    yield h
+    _tear_down(h)
+
+
+@pytest.fixture
+def shared_logs(module_host: Host, request: pytest.FixtureRequest) -> Iterator[Host]:
+    """``module_host`` for one test, whose logs are saved if it fails."""
+    yield module_host
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        module_host.save_logs(REPO / "test-output" / request.node.name)

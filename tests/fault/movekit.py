@@ -18,16 +18,19 @@ from tests.conftest import FUSUMA, Host
 WRITE = ("dd if=/dev/urandom of=/tmp/blob bs=1M count=8 2>/dev/null && "
          "md5sum /tmp/blob > /tmp/blob.md5 && cat /tmp/blob.md5")
 
+# How long a move is held at a phase: long enough for a handful of CLIs to start and
+# find it there. A kill matrix, which only kills, holds it shorter (``hold_move``).
+HOLD_S = "4"
 # Phase of a move -> (the environment that holds the move there, the job phase that
 # says it is there, the mode used).
 PHASES: dict[str, tuple[dict[str, str], str, str]] = {
-    "prepared": ({"FUSUMA_FAULT_SLEEP_BEFORE_STREAM": "4"}, "prepared", "zero-copy"),
+    "prepared": ({"FUSUMA_FAULT_SLEEP_BEFORE_STREAM": HOLD_S}, "prepared", "zero-copy"),
     # Copy mode, throttled: a stream that lasts seconds (zero-copy's lasts ms).
     "mid-stream": ({"FUSUMA_FAULT_STREAM_BYTES_PER_S": str(8 * 2**20)}, "streaming",
                    "copy"),
-    "streamed": ({"FUSUMA_FAULT_SLEEP_BEFORE_DECIDE": "4"}, "streamed", "zero-copy"),
-    "resumed": ({"FUSUMA_FAULT_SLEEP_AFTER_SWITCH": "4"}, "switched", "zero-copy"),
-    "released": ({"FUSUMA_FAULT_SLEEP_AFTER_RELEASE": "4"}, "released", "zero-copy"),
+    "streamed": ({"FUSUMA_FAULT_SLEEP_BEFORE_DECIDE": HOLD_S}, "streamed", "zero-copy"),
+    "resumed": ({"FUSUMA_FAULT_SLEEP_AFTER_SWITCH": HOLD_S}, "switched", "zero-copy"),
+    "released": ({"FUSUMA_FAULT_SLEEP_AFTER_RELEASE": HOLD_S}, "released", "zero-copy"),
 }
 TARGETS = ("cli", "source-supervisor", "destination-supervisor", "source-qemu",
            "destination-qemu")
@@ -71,6 +74,30 @@ def two_partitions(host: Host, vm: str = "vm0") -> str:
     return host.run("vm", "exec", vm, "--", "/bin/sh", "-c", WRITE).out.strip()
 
 
+def ready(host: Host, vm: str = "vm0") -> str:
+    """The start of a case on a host shared by a module's cases (``module_host``): p0
+    and p1 running, ``vm`` running in p0 with its known data. Only what the previous
+    case changed is made again (a move back, the data after a guest was lost); a host
+    in any other state is taken down and built anew. Returns the data's md5 line."""
+    try:
+        ps = host.ps()
+        parts = {p["name"]: p["state"] for p in ps["partitions"]}
+        v = next((v for v in ps["vms"] if v["name"] == vm), None)
+    except (AssertionError, ValueError):
+        parts, v = {}, None
+    if parts != {"p0": "running", "p1": "running"} or v is None \
+            or v["state"] != "running" or len(qemu_pids(host, vm)) != 1:
+        host.run("down", check=False, timeout=120)
+        return two_partitions(host, vm)
+    if v["partition"] != "p0":
+        host.run("migrate", vm, "--to", "p0")
+    res = host.run("vm", "exec", vm, "--", "/bin/sh", "-c", "cat /tmp/blob.md5 && "
+                   "md5sum -c /tmp/blob.md5 >/dev/null", check=False)
+    if res.code == 0:
+        return res.out.strip()
+    return host.run("vm", "exec", vm, "--", "/bin/sh", "-c", WRITE).out.strip()
+
+
 def intact(host: Host, vm: str) -> bool:
     res = host.run("vm", "exec", vm, "--", "/bin/sh", "-c", "md5sum -c /tmp/blob.md5",
                    check=False)
@@ -84,8 +111,13 @@ class Held:
     pids: dict[str, int | None]
 
 
-def hold_move(host: Host, phase: str, vm: str = "vm0", to: str = "p1") -> Held:
+def hold_move(host: Host, phase: str, vm: str = "vm0", to: str = "p1",
+              hold: str | None = None) -> Held:
+    """Start moving ``vm`` to ``to`` and return once it is held at ``phase`` (for
+    ``hold`` seconds instead of HOLD_S, if given)."""
     env_extra, job_phase, mode = PHASES[phase]
+    if hold is not None:
+        env_extra = {k: hold if v == HOLD_S else v for k, v in env_extra.items()}
     ps = host.ps()
     sup = {p["name"]: p["supervisor_pid"] for p in ps["partitions"]}
     src_qemu = next(v["pid"] for v in ps["vms"] if v["name"] == vm)
@@ -105,7 +137,9 @@ def hold_move(host: Host, phase: str, vm: str = "vm0", to: str = "p1") -> Held:
         raise AssertionError(f"the move never reached phase {job_phase}")
     if phase == "mid-stream":
         time.sleep(0.5)
-    dest = qemu_pids(host, vm, "/in-")
+    # The destination's QEMU runs in an in-* dir; the source's may too, if the guest
+    # came to it by an earlier move (its command line keeps the paths it started with).
+    dest = [p for p in qemu_pids(host, vm, "/in-") if p != src_qemu]
     return Held(proc, mode, {
         "cli": proc.pid, "source-supervisor": sup["p0"], "destination-supervisor": sup["p1"],
         "source-qemu": src_qemu if src_qemu in qemu_pids(host, vm) else None,
