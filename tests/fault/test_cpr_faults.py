@@ -5,7 +5,8 @@ at three phases of the move (the new QEMU waiting on its cpr channel; holding th
 guest's RAM descriptors while the guest still runs on the old one; holding the whole
 device state, nothing decided). After each: at most one QEMU runs the guest; if it runs,
 data written before the move is intact; `ps` is true; the next in-place move works.
-A new QEMU that dies always leaves the guest running on the old one. Each case's
+A new QEMU that dies always leaves the guest running on the old one. The cases share one
+host and guest (``module_host``), booted again only after a case lost it. Each case's
 outcome goes to test-output/cpr-matrix.jsonl.
 
 And: an in-place move asked of QEMU 7.2 is refused with one sentence naming --via,
@@ -21,21 +22,32 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FUSUMA, REPO, Host
-from tests.fault.movekit import WRITE, Held, check_truth, job, kill, qemu_pids, wait_resolved
+from tests.fault.movekit import (
+    WRITE,
+    Held,
+    check_truth,
+    intact,
+    job,
+    kill,
+    qemu_pids,
+    wait_resolved,
+)
 from tests.fault.test_bad_input import assert_one_sentence
 from tests.integration.test_cpr import need_qemu_10
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
 
+# Seconds the move is held at a phase: seen there within tens of ms and killed.
+HOLD_S = "2"
 # Phase -> (the environment that holds the in-place move there, the job phase then).
 PHASES: dict[str, tuple[dict[str, str], str]] = {
     # The new QEMU listens on its cpr channel; it has nothing of the guest yet.
-    "waiting": ({"FUSUMA_FAULT_SLEEP_BEFORE_STREAM": "4"}, "prepared"),
+    "waiting": ({"FUSUMA_FAULT_SLEEP_BEFORE_STREAM": HOLD_S}, "prepared"),
     # The old QEMU handed over the RAM descriptors; the new one is built on them and
     # has not asked for the device state; the guest still runs on the old one.
-    "handed": ({"FUSUMA_FAULT_SLEEP_BEFORE_INCOMING": "4"}, "streaming"),
+    "handed": ({"FUSUMA_FAULT_SLEEP_BEFORE_INCOMING": HOLD_S}, "streaming"),
     # The device state arrived; the new QEMU is paused, nothing is decided.
-    "streamed": ({"FUSUMA_FAULT_SLEEP_BEFORE_DECIDE": "4"}, "streamed"),
+    "streamed": ({"FUSUMA_FAULT_SLEEP_BEFORE_DECIDE": HOLD_S}, "streamed"),
 }
 TARGETS = ("cli", "supervisor", "old-qemu", "new-qemu")
 
@@ -46,6 +58,20 @@ def one_partition(host: Host, vm: str = "vm0") -> None:
              "--qemu", "10.0")
     host.run("vm", "create", vm, "-p", "p0", "--start")
     host.run("vm", "exec", vm, "--", "/bin/sh", "-c", WRITE)
+
+
+def ready(host: Host, vm: str = "vm0") -> None:
+    """A case's start on the module's shared host: p0 on QEMU 10.0 running ``vm`` with
+    its data; a host in any other state is taken down and built anew."""
+    ps = host.ps()
+    parts = [(p["name"], p["state"], p["qemu"]) for p in ps["partitions"]]
+    vms = [(v["name"], v["state"]) for v in ps["vms"]]
+    if parts != [("p0", "running", "10.0")] or vms != [(vm, "running")] \
+            or len(qemu_pids(host, vm)) != 1:
+        host.run("down", check=False, timeout=120)
+        one_partition(host, vm)
+    elif not intact(host, vm):
+        host.run("vm", "exec", vm, "--", "/bin/sh", "-c", WRITE)
 
 
 def hold_in_place(host: Host, phase: str, vm: str = "vm0") -> Held:
@@ -87,8 +113,9 @@ def next_in_place_works(host: Host, vm: str = "vm0") -> None:
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("phase", list(PHASES))
-def test_kill_during_in_place_move(host: Host, phase: str, target: str) -> None:
-    one_partition(host)
+def test_kill_during_in_place_move(shared_logs: Host, phase: str, target: str) -> None:
+    host = shared_logs
+    ready(host)
     old_pid = host.vm("vm0")["pid"]
     held = hold_in_place(host, phase)
     assert held.pids["new-qemu"] in qemu_pids(host, "vm0")
