@@ -37,7 +37,7 @@ from tests.conftest import REPO, Host
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-RUN_S = 60.0
+RUN_S = 20.0
 CLIENTS = 100
 # Transport errors (a refused or reset connection, a timeout) tolerated among the
 # clients' requests: none.
