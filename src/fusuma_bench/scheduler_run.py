@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import statistics
-import threading
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ from fusuma.qemu import process
 from fusuma.spec import VmSpec
 from fusuma.supervisor import rpc
 from fusuma.vm import VmManager
+from fusuma_bench.agents import wait_agents
 from fusuma_bench.report import meta
 from fusuma_bench.scheduler import (
     BOOT_TIMEOUT_S,
@@ -199,31 +199,12 @@ class Bench:
                                        memory_mib=DUMMY_MIB,
                                        qos=self.layout.dummy_qos))
             self.vms.start(name)
-        self.wait_agents(new)
+        wait_agents(self.parts, [(name, self.layout.dummy_partition) for name in new],
+                    BOOT_TIMEOUT_S)
         self.running += new
         time.sleep(SETTLE_S)     # the guests' last boot steps are not the dummies' load
         if self.layout.nice:
             self.renice()
-
-    def wait_agents(self, names: list[str]) -> None:
-        assert self.layout is not None
-        client = self.parts.client(self.layout.dummy_partition)
-        errors: list[BaseException] = []
-
-        def wait(name: str) -> None:
-            try:
-                client.send(rpc.WaitAgent(name, timeout=BOOT_TIMEOUT_S),
-                            timeout=BOOT_TIMEOUT_S + 10)
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=wait, args=(n,)) for n in names]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
 
     def start_busy(self) -> None:
         self.say(f"starting a busy loop in {len(self.running)} dummy VM(s)")
