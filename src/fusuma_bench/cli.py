@@ -301,7 +301,7 @@ def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
 
 @bench.command("mint")
 @click.option("--quick", is_flag=True, help="Smaller loop counts and 256 MiB guests "
-              "(a few minutes).")
+              "(about a minute under TCG).")
 @_json_option("mint")
 @_report_option("mint-*.png")
 @click.option("--disk-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
