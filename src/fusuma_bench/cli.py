@@ -332,7 +332,7 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
                    "default,governor].")
 @click.option("--loads", default=None,
               help="Dummy load: idle,cpu  [default: both; with --quick cpu].")
-@click.option("--test-seconds", type=click.FloatRange(1, 120), default=None,
+@click.option("--test-seconds", type=click.FloatRange(0.5, 120), default=None,
               help="Seconds per workload test, and between the two readings of the "
                    "dummies' progress  [default: 5; with --quick 3].")
 @click.option("--runs", type=click.IntRange(1, 20), default=None,

@@ -17,12 +17,12 @@ def test_bench_scheduler_quick(host: Host, tmp_path: Path) -> None:
     out, rep = tmp_path / "scheduler.json", tmp_path / "report"
     # --quick's policies and load, with fewer dummies and shorter tests (the benchmark's
     # own options): every step of a run, in a smoke test's time.
-    host.run("bench", "scheduler", "--quick", "--dummies", "0,2", "--test-seconds", "1",
+    host.run("bench", "scheduler", "--quick", "--dummies", "0,2", "--test-seconds", "0.5",
              "--json", str(out), "--report", str(rep), timeout=880)
     data = json.loads(out.read_text())
     meta = data["meta"]
     assert meta["benchmark"] == "scheduler" and meta["dummies"] == [0, 2]
-    assert meta["test_s"] == meta["progress_s"] == 1
+    assert meta["test_s"] == meta["progress_s"] == 0.5
     assert meta["policies"] == ["default", "governor"] and meta["loads"] == ["cpu"]
     for key in ("git_revision", "date", "host", "accel", "qemu", "cpu_test"):
         assert meta[key], key
