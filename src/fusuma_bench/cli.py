@@ -301,7 +301,7 @@ def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
 
 @bench.command("mint")
 @click.option("--quick", is_flag=True, help="Smaller loop counts and 256 MiB guests "
-              "(a few minutes).")
+              "(about a minute under TCG).")
 @_json_option("mint")
 @_report_option("mint-*.png")
 @click.option("--disk-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
@@ -332,8 +332,9 @@ def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | Non
                    "default,governor].")
 @click.option("--loads", default=None,
               help="Dummy load: idle,cpu  [default: both; with --quick cpu].")
-@click.option("--test-seconds", type=click.FloatRange(1, 120), default=None,
-              help="Seconds per workload test  [default: 5; with --quick 3].")
+@click.option("--test-seconds", type=click.FloatRange(0.5, 120), default=None,
+              help="Seconds per workload test, and between the two readings of the "
+                   "dummies' progress  [default: 5; with --quick 3].")
 @click.option("--runs", type=click.IntRange(1, 20), default=None,
               help="Workload runs per point; each test's rate is the median over them  "
                    "[default: 3; with --quick 1].")
@@ -358,6 +359,7 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
     exist."""
     from fusuma_bench import scheduler, scheduler_run
 
+    test_s = test_seconds or (scheduler.QUICK_TEST_S if quick else scheduler.TEST_S)
     cfg = scheduler.Config(
         dummies=scheduler.parse_counts(dummies) if dummies else list(
             scheduler.QUICK_DUMMIES if quick else scheduler.DEFAULT_DUMMIES),
@@ -365,8 +367,7 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
         if policies else list(scheduler.QUICK_POLICIES if quick else scheduler.POLICIES),
         loads=scheduler.parse_choice(loads, scheduler.LOADS, "loads") if loads else list(
             scheduler.QUICK_LOADS if quick else scheduler.LOADS),
-        test_s=test_seconds or (scheduler.QUICK_TEST_S if quick else scheduler.TEST_S),
-        progress_s=scheduler.QUICK_TEST_S if quick else scheduler.PROGRESS_S,
+        test_s=test_s, progress_s=test_s,
         runs=runs or (scheduler.QUICK_RUNS if quick else scheduler.RUNS),
         target_emulator=target_emulator)
     run = scheduler_run.Bench(c.parts, c.vms, cfg, progress)

@@ -19,9 +19,10 @@ after one warm-up round that is not counted.
   that many VMs running (their PSS is read from /proc/PID/smaps_rollup by every `ps`),
   and the click floor again while they run (idle guests still take CPU, under TCG a
   lot). The VMs (256 MiB, the minimal image) run in up to two scratch partitions on the
-  cores no partition holds, each booted to its guest agent, then left to settle for
-  SETTLE_S seconds before the measurement; everything is removed afterwards, also when
-  the benchmark fails.
+  cores no partition holds, each booted to its guest agent (one at a time per
+  partition, the partitions side by side), then left to settle until their QEMUs use
+  less than QUIET_CORES_PER_VM each (at most SETTLE_MAX_S) before the measurement;
+  everything is removed afterwards, also when the benchmark fails.
 - for scale: a bare interpreter (``python -c pass``) and one that imports click, the
   floor of any click CLI on this host.
 
@@ -48,15 +49,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusuma.errors import FusumaError, NotFoundError, ResourceError, SpecError
-from fusuma.supervisor import rpc
+from fusuma_bench.agents import wait_agents
 from fusuma_bench.report import meta
+from fusuma_bench.steady import qemu_cpu_s, wait_quiet
 
 if TYPE_CHECKING:
     from fusuma.partition.manager import PartitionManager
     from fusuma.vm.manager import VmManager
 
 DEFAULT_RUNS = 10
-SETTLE_S = 20.0
+# The running VMs are measured once they are idle: a window of SETTLE_WINDOW_S in which
+# their QEMUs used less than QUIET_CORES_PER_VM cores each (an idle guest of the
+# minimal image uses about 0.02 under TCG), waiting at most SETTLE_MAX_S.
+QUIET_CORES_PER_VM = 0.1
+SETTLE_WINDOW_S = 1.0
+SETTLE_MAX_S = 20.0
 PARTITION = "bench-cli"
 # Targets of issue 17, in ms (medians).
 TARGETS = {"ps_json_empty_ms": 100.0, "vm_list_json_empty_ms": 100.0, "help_ms": 100.0,
@@ -234,6 +241,7 @@ def run(parts: PartitionManager, vms_mgr: VmManager, runs: int = DEFAULT_RUNS, v
     before = [p for p in plan if not p.metric.endswith("vms_ms")]
     during = [p for p in plan if p.metric.endswith("vms_ms")]
     loads: dict[str, float] = {}
+    settled: dict[str, Any] = {"settle_s": None}
     scratch = Path(tempfile.mkdtemp(prefix="fusuma-bench-cli-"))
     try:
         sha, src = revision_src(revision, scratch / "rev") if revision else (None, None)
@@ -248,8 +256,15 @@ def run(parts: PartitionManager, vms_mgr: VmManager, runs: int = DEFAULT_RUNS, v
             made, cores = _start_vms(parts, vms_mgr, vms, memory_mib, accel, progress)
             # A guest keeps busy for a while after its agent first answers (under TCG
             # that is host CPU): measure the steady state of N running VMs.
-            progress(f"letting the guests settle for {SETTLE_S:.0f} s")
-            time.sleep(SETTLE_S)
+            pids = [v.pid for v in parts.db.vms() if v.partition in made and v.pid]
+            busy, waited, quiet = wait_quiet(lambda: qemu_cpu_s(pids),
+                                             QUIET_CORES_PER_VM * vms, SETTLE_MAX_S,
+                                             SETTLE_WINDOW_S)
+            settled = {"settle_s": waited, "settle_busy_cores": round(busy, 3),
+                       "settle_quiet": quiet}
+            progress(f"the guests use {busy:.2f} core(s) after {waited:.1f} s of settling"
+                     + ("" if quiet else f" (not below {QUIET_CORES_PER_VM * vms:g} in "
+                        f"{SETTLE_MAX_S:g} s)"))
             progress(f"timing {len(during)} commands x {runs} runs with {vms} VMs running")
             loads["loadavg_1m_before_vms_timing"] = os.getloadavg()[0]
             times.update(measure(during, envs, runs, check, progress))
@@ -270,7 +285,9 @@ def run(parts: PartitionManager, vms_mgr: VmManager, runs: int = DEFAULT_RUNS, v
     return {"meta": meta(accel, benchmark="cli", runs=runs, vms=vms,
                          guest_memory_mib=memory_mib if vms else None,
                          vm_partition_cores=cores or None,
-                         settle_s=SETTLE_S if vms else None,
+                         settle_quiet_cores_per_vm=QUIET_CORES_PER_VM if vms else None,
+                         settle_max_s=SETTLE_MAX_S if vms else None,
+                         **settled,
                          fusuma_command=" ".join(fusuma_argv()),
                          python=sys.version.split()[0],
                          bytecode_cache="on (PYTHONPYCACHEPREFIX in a scratch dir, "
@@ -314,12 +331,10 @@ def _start_vms(parts: PartitionManager, vms_mgr: VmManager, n: int, memory_mib: 
                 vname = f"{PARTITION}-{i}-{j}"
                 vms_mgr.create(VmSpec(name=vname, partition=pname, memory_mib=memory_mib))
                 names.append((vname, pname))
-        # One at a time, each booted to its guest agent before the next starts: a
-        # gentler load on the host than booting them all at once (TCG boots are CPU-bound).
-        for i, (vname, pname) in enumerate(names):
-            progress(f"starting {vname} ({i + 1}/{len(names)})")
-            vms_mgr.start(vname)
-            parts.client(pname).send(rpc.WaitAgent(vname, timeout=300), timeout=310)
+        # One at a time per partition, each booted to its guest agent before the next
+        # starts: a gentler load on its core than booting them all at once (TCG boots
+        # are CPU-bound). The partitions hold different cores, so they boot side by side.
+        _boot_side_by_side(parts, vms_mgr, names, progress)
     except BaseException:
         for pname in made:
             try:
@@ -328,3 +343,19 @@ def _start_vms(parts: PartitionManager, vms_mgr: VmManager, n: int, memory_mib: 
                 progress(f"cleanup of {pname} failed: {exc}")
         raise
     return made, groups
+
+
+def _boot_side_by_side(parts: PartitionManager, vms_mgr: VmManager,
+                       names: list[tuple[str, str]], progress: Callable[[str], None]) -> None:
+    """Start the (VM, partition) pairs and wait for their guest agents in rounds: each
+    round starts the next VM of every partition and waits for them side by side."""
+    by_part: dict[str, list[str]] = {}
+    for vname, pname in names:
+        by_part.setdefault(pname, []).append(vname)
+    rounds = max(len(v) for v in by_part.values())
+    for r in range(rounds):
+        batch = [(mine[r], pname) for pname, mine in by_part.items() if r < len(mine)]
+        progress(f"starting {', '.join(v for v, _ in batch)} (round {r + 1}/{rounds})")
+        for vname, _ in batch:
+            vms_mgr.start(vname)
+        wait_agents(parts, batch, timeout=300)

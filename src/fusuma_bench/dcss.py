@@ -14,9 +14,10 @@ and two loads: ``idle`` (measured after boot) and ``apache2`` (every VM has serv
 At each VM count the memory of the VMs' QEMU processes is read from smaps: the total
 PSS (shared pages split among the processes mapping them, so a segment's one copy
 counts once) and the part of it that is the guest's own memory (guest RAM and segment
-mappings), which is what the paper's WSS measures. Before measuring, the guests get
-``SETTLE_S`` to go quiet and, in the KSM modes, KSM scans until its count of shared
-pages stops changing.
+mappings), which is what the paper's WSS measures. It is read once it holds still
+(fusuma_bench.steady.settle: the guests report freed pages for a while after boot and
+after a load) and, in the KSM modes, once KSM's count of shared pages stopped changing
+first.
 
 The cost of each added VM is the least-squares slope of total PSS over the VM counts;
 the saving of a mode is how much smaller its slope is than mode none's. The host's
@@ -32,8 +33,6 @@ import shutil
 import statistics
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +49,9 @@ from fusuma.partition.manager import PartitionManager
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
+from fusuma_bench import httpload
 from fusuma_bench.report import meta
+from fusuma_bench.steady import SETTLE_MIN_S, settle, settle_params
 
 LOG = logging.getLogger(__name__)
 
@@ -68,7 +69,6 @@ AB_RUNS = 3              # per VM; its requests/s is the median
 QUICK_AB_RUNS = 1
 BASE_PORT = 18600
 MARGIN_MIB = 128
-SETTLE_S = 10.0
 BOOT_TIMEOUT_S = 300.0
 HTTP_TIMEOUT_S = 120.0
 KSM_SETTLE_TIMEOUT_S = 300.0
@@ -150,6 +150,8 @@ class Point:
     requests_per_s: float | None
     failed_requests: int
     boot_s: float
+    settle_s: float = 0.0        # waited for the memory to hold still
+    settled: bool = True         # ... and it did, before the settle's limit
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -198,7 +200,7 @@ def _params(counts: Sequence[int], modes: Sequence[str], loads: Sequence[str],
             "ab_concurrency": AB_CONCURRENCY, "ab_runs": ab_runs,
             "ksm_pages_to_scan": KSM_PAGES_TO_SCAN, "ksm_sleep_ms": KSM_SLEEP_MS,
             "ksm_load_pages_to_scan": KSM_LOAD_PAGES_TO_SCAN, "cores": cores,
-            "settle_s": SETTLE_S,
+            "settle": settle_params(),
             "image": find_image(parts.paths.cache, kind="debian").digest[:16]}
 
 
@@ -328,7 +330,7 @@ def _one_case(parts: PartitionManager, vms: VmManager, cores: list[int], mode: s
                 progress(f"{tag}: booting VM {running + 1} of {n}")
                 vms.create(_spec(running, mode, memory_mib))
                 vms.start(vm_name(running), wait_agent=BOOT_TIMEOUT_S)
-                _wait_http(BASE_PORT + running)
+                httpload.wait_http(BASE_PORT + running, time.monotonic(), HTTP_TIMEOUT_S)
                 running += 1
             boot_s = time.monotonic() - started
             rps: list[float] = []
@@ -350,12 +352,11 @@ def _one_case(parts: PartitionManager, vms: VmManager, cores: list[int], mode: s
                 progress(f"{tag}, {n} VM(s): apache2 {statistics.median(rps):.0f} "
                          f"requests/s (median over {n} VM(s) of each one's median of "
                          f"{ab_runs} runs), {failed} failed")
-            time.sleep(SETTLE_S)
             settled: KsmSettings | None = None
             if "ksm" in mode:
                 progress(f"{tag}, {n} VM(s): waiting for KSM to settle")
                 settled = ksm.wait_settled(KSM_SETTLE_TIMEOUT_S)
-            point = _measure(parts, vms, mode, load, n, memory_mib, settled)
+            point = _settled_point(parts, vms, mode, load, n, memory_mib, settled)
             point.requests_per_s = round(statistics.median(rps), 1) if rps else None
             point.failed_requests = failed
             point.boot_s = round(boot_s, 1)
@@ -367,6 +368,22 @@ def _one_case(parts: PartitionManager, vms: VmManager, cores: list[int], mode: s
         with contextlib.suppress(FusumaError):
             if parts.db.find_partition(PARTITION) is not None:
                 parts.delete(PARTITION, force=True)
+
+
+def _settled_point(parts: PartitionManager, vms: VmManager, mode: str, load: str, n: int,
+                   memory_mib: int, settled: KsmSettings | None) -> Point:
+    """The point of the last reading once the total PSS holds still (KSM, when it runs,
+    has settled already: no minimum wait then)."""
+    readings: list[Point] = []
+
+    def total() -> float:
+        readings.append(_measure(parts, vms, mode, load, n, memory_mib, settled))
+        return readings[-1].total_pss_mib
+
+    _, waited, ok = settle(total, min_s=0.0 if settled is not None else SETTLE_MIN_S)
+    point = readings[-1]
+    point.settle_s, point.settled = waited, ok
+    return point
 
 
 def _measure(parts: PartitionManager, vms: VmManager, mode: str, load: str, n: int,
@@ -389,21 +406,6 @@ def _measure(parts: PartitionManager, vms: VmManager, mode: str, load: str, n: i
                  segments_pss_mib=round(seg / 1024, 1),
                  ksm_saved_mib=round(settled.saved_bytes / 2**20, 1) if settled else None,
                  requests_per_s=None, failed_requests=0, boot_s=0.0)
-
-
-def _wait_http(port: int) -> None:
-    deadline = time.monotonic() + HTTP_TIMEOUT_S
-    last = ""
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as r:
-                if r.status == 200:
-                    return
-        except (OSError, urllib.error.URLError) as exc:
-            last = str(exc)
-        time.sleep(1)
-    raise FusumaError(f"apache2 in the guest behind port {port} did not answer within "
-                      f"{HTTP_TIMEOUT_S:.0f} s ({last}).")
 
 
 def _ab(port: int, requests: int) -> tuple[float, int]:

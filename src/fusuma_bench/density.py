@@ -42,7 +42,6 @@ this module holds the modes, the decisions and the arithmetic, testable without 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +49,7 @@ from typing import Any
 from fusuma.capacity import SUPERVISOR_MIB
 from fusuma.errors import FusumaError, ResourceError
 from fusuma_bench.dcss import PAPER as DCSS_PAPER
+from fusuma_bench.steady import settle as settle
 
 PARTITION = "bench-density"
 SEGMENT = "bench-density-root"
@@ -75,18 +75,8 @@ CLI_TIMEOUT_S = 300.0
 # While the room left is at least STEP_FAR times the last VM's cost, two VMs start
 # before the next reading (the budget is far; each reading costs a settle).
 STEP_FAR = 4.0
-# Settling after each step (measured here, TCG, 2 cores, 256 MiB Debian guests: the
-# host memory held still within 3 MiB at the first window in every step of a --quick
-# run; page reporting starts 2 s after free memory crosses its threshold): wait
-# SETTLE_MIN_S, then read every SETTLE_EVERY_S until SETTLE_WINDOW readings lie within
-# max(SETTLE_TOL_MIB, SETTLE_TOL_FRAC of the total), at most SETTLE_MAX_S. In the KSM
-# modes KSM settles first (its wait takes more than SETTLE_MIN_S).
-SETTLE_MIN_S = 2.0
-SETTLE_EVERY_S = 1.0
-SETTLE_WINDOW = 3
-SETTLE_TOL_MIB = 3.0
-SETTLE_TOL_FRAC = 0.005
-SETTLE_MAX_S = 30.0
+# Settling after each step: fusuma_bench.steady.settle with its defaults (in the KSM
+# modes KSM settles first: its wait takes longer than the settle's minimum).
 # KSM scans fast while VMs are added (4000 pages every 20 ms, as bench dcss), and the
 # memory is read once it has settled (two full scans changing pages_sharing < 1%).
 KSM_PAGES_TO_SCAN = 4000
@@ -158,27 +148,6 @@ def saving_pct(per_vm: float | None, base: float | None) -> float | None:
     if per_vm is None or not base:
         return None
     return round(100 * (1 - per_vm / base), 1)
-
-
-def settle(sample: Callable[[], float], clock: Callable[[], float] = time.monotonic,
-           sleep: Callable[[float], None] = time.sleep, min_s: float = SETTLE_MIN_S,
-           every_s: float = SETTLE_EVERY_S, window: int = SETTLE_WINDOW,
-           tol_mib: float = SETTLE_TOL_MIB, tol_frac: float = SETTLE_TOL_FRAC,
-           max_s: float = SETTLE_MAX_S) -> tuple[float, float, bool]:
-    """Read ``sample`` until ``window`` readings in a row lie within the tolerance;
-    returns (the last reading, seconds waited, whether it settled before ``max_s``)."""
-    start = clock()
-    sleep(min_s)
-    seen: list[float] = []
-    while True:
-        seen.append(sample())
-        last = seen[-window:]
-        if len(last) == window and max(last) - min(last) <= max(tol_mib,
-                                                                 tol_frac * last[-1]):
-            return last[-1], round(clock() - start, 1), True
-        if clock() - start >= max_s:
-            return seen[-1], round(clock() - start, 1), False
-        sleep(every_s)
 
 
 def below_one_vm(budget_mib: int, one_mib: float, mode: str, memory_mib: int) -> str:

@@ -37,12 +37,6 @@ from fusuma_bench.density import (
     READY_TIMEOUT_S,
     ROOT_MOUNT,
     SEGMENT,
-    SETTLE_EVERY_S,
-    SETTLE_MAX_S,
-    SETTLE_MIN_S,
-    SETTLE_TOL_FRAC,
-    SETTLE_TOL_MIB,
-    SETTLE_WINDOW,
     SOURCE_VM,
     STEP_FAR,
     TEMPLATE,
@@ -56,9 +50,9 @@ from fusuma_bench.density import (
     capacity,
     derive,
     next_step,
-    settle,
 )
 from fusuma_bench.report import meta
+from fusuma_bench.steady import settle, settle_params
 
 
 class Bench:
@@ -156,9 +150,7 @@ class Bench:
                          "cores": list(self.parts.host.cpus),
                          "image": image.digest[:16], "root_mount": ROOT_MOUNT,
                          "tcg_tb_mib": tcg_tb_mib() if accel == "tcg" else None,
-                         "settle": {"min_s": SETTLE_MIN_S, "every_s": SETTLE_EVERY_S,
-                                    "window": SETTLE_WINDOW, "tol_mib": SETTLE_TOL_MIB,
-                                    "tol_frac": SETTLE_TOL_FRAC, "max_s": SETTLE_MAX_S},
+                         "settle": settle_params(),
                          "ksm_pages_to_scan": KSM_PAGES_TO_SCAN,
                          "ksm_load_pages_to_scan": KSM_LOAD_PAGES_TO_SCAN,
                          "ksm_sleep_ms": KSM_SLEEP_MS},

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,15 +31,15 @@ from typing import Any
 from fusuma.capacity import SUPERVISOR_MIB, vm_overhead
 from fusuma.errors import FusumaError, GuestAgentError, ResourceError
 from fusuma.host.accel import probe_accel
-from fusuma.migration import cpu_seconds
 from fusuma.migration.maintain import MaintainResult, maintain, maintain_in_place
 from fusuma.partition.manager import PartitionManager
 from fusuma.qemu import versions
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
-from fusuma.supervisor import rpc
 from fusuma.vm import VmManager
+from fusuma_bench.agents import wait_agents
 from fusuma_bench.report import meta
+from fusuma_bench.steady import qemu_cpu_s, wait_quiet
 
 LOG = logging.getLogger(__name__)
 
@@ -194,25 +193,16 @@ def _one_count(parts: PartitionManager, vms: VmManager, cores: list[int], n: int
                 LOG.warning("cleanup of partition %s failed: %s", name, exc)
 
 
-def _busy_cores(vms: VmManager, names: list[str], window: float = 0.5) -> float:
-    """CPU the VMs' QEMUs use together over ``window`` seconds, in cores."""
-    pids = [p for p in (vms.db.vm(n).pid for n in names) if p]
-    before = sum(cpu_seconds(p) for p in pids)
-    time.sleep(window)
-    return (sum(cpu_seconds(p) for p in pids) - before) / window
-
-
 def _quiesce(case: Case, vms: VmManager, names: list[str], progress: Progress) -> None:
     """Wait until the guests are idle again (under TCG a guest on a new QEMU process
     translates its code anew for a while), so each method starts from the same quiet
     partition; at most QUIESCE_S."""
-    t0 = time.monotonic()
-    busy = _busy_cores(vms, names)
-    while busy > QUIET_CORES and time.monotonic() - t0 < QUIESCE_S:
-        busy = _busy_cores(vms, names)
+    busy, waited, _ = wait_quiet(
+        lambda: qemu_cpu_s(p for p in (vms.db.vm(n).pid for n in names) if p),
+        QUIET_CORES, QUIESCE_S)
     case.busy_cores_before = round(busy, 3)
-    progress(f"{case.method}: guests use {busy:.2f} core(s) after "
-             f"{time.monotonic() - t0:.1f} s of waiting")
+    progress(f"{case.method}: guests use {busy:.2f} core(s) after {waited:.1f} s of "
+             "waiting")
 
 
 def _measure(case: Case, names: list[str], digests: dict[str, str], vms: VmManager,
@@ -240,27 +230,12 @@ def _measure(case: Case, names: list[str], digests: dict[str, str], vms: VmManag
 def _boot(parts: PartitionManager, vms: VmManager, names: list[str],
           progress: Progress) -> None:
     """Start the VMs BOOT_BATCH at a time, each batch to its guest agents."""
-    errors: list[BaseException] = []
-
-    def wait(vname: str) -> None:
-        try:
-            parts.client(PARTITION).send(rpc.WaitAgent(vname, timeout=300), timeout=310)
-        except BaseException as exc:
-            errors.append(exc)
-
     for first in range(0, len(names), BOOT_BATCH):
         batch = names[first:first + BOOT_BATCH]
         progress(f"booting {', '.join(batch)} ({first + len(batch)}/{len(names)})")
-        threads = []
         for vname in batch:
             vms.start(vname)
-            th = threading.Thread(target=wait, args=(vname,))
-            th.start()
-            threads.append(th)
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
+        wait_agents(parts, [(vname, PARTITION) for vname in batch], timeout=300)
 
 
 def _sh(vms: VmManager, vm: str, script: str) -> str:

@@ -39,9 +39,12 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import GuestAgentError, SpecError
+from fusuma.governor.policy import Thresholds
+from fusuma.governor.qos import CLASSES, QOS_NAMES, QosClass
 from fusuma.spec import PartitionSpec, Qos
 from fusuma.state import VmRecord
 
@@ -56,7 +59,6 @@ QUICK_TEST_S = 3.0
 RUNS = 3
 QUICK_RUNS = 1
 COUNTER_READS = 3        # tries per dummy counter read before it counts as unread
-PROGRESS_S = 5.0
 TARGET_MIB = 256
 DUMMY_MIB = 128
 NICE = -5
@@ -64,7 +66,15 @@ MARGIN_MIB = 64
 BOOT_TIMEOUT_S = 600.0
 TESTS = ("cpu", "syscall", "pipe", "spawn", "copy")
 PROBE_REPS = 5
-SETTLE_S = 3.0
+# Newly booted dummies count as settled once their QEMUs use less than QUIET_CORES each
+# (an idle guest uses about 0.02 under TCG), waiting at most QUIET_MAX_S.
+QUIET_CORES = 0.1
+QUIET_MAX_S = 10.0
+# Before the dummies' progress is read, the governor gives back what it took for the
+# target: polled every RELEASE_POLL_S, at most RELEASE_MAX_S (its longest relax, with
+# back-off, and a tick to spare).
+RELEASE_POLL_S = 0.5
+RELEASE_MAX_S = Thresholds().relax_max_ticks + 2.0
 
 SHARED = "bench-sched"
 PART_A, PART_B = "bench-sched-a", "bench-sched-b"
@@ -125,7 +135,7 @@ class Config:
     policies: list[str]
     loads: list[str]
     test_s: float
-    progress_s: float = PROGRESS_S
+    progress_s: float = TEST_S      # between the two readings of the dummies' progress
     runs: int = 1           # workload runs per point; the rates are their medians
     target_emulator: str = "shared"   # the target's emulator threads (VmSpec.emulator)
 
@@ -177,6 +187,25 @@ def combine(scores: Sequence[Score]) -> Score:
         other_wait_pct=statistics.fmean(s.other_wait_pct for s in scores),
         steal_pct=statistics.fmean(steal) if steal else None,
         run_rates=tuple(s.rates for s in scores))
+
+
+def governor_holds(status: dict[str, Any]) -> list[str]:
+    """What the governor still holds, from its status (rpc.GovernorStatus): a VM's
+    cores of its own, a raised weight, caps it asked for or put on a VM. Empty once it
+    has given everything back."""
+    held = []
+    for v in status.get("vms", []):
+        name = v.get("name", "?")
+        if v.get("dedicated_cores"):
+            held.append(f"{name}: cores {v['dedicated_cores']}")
+        if v.get("capping_others"):
+            held.append(f"{name}: caps on others")
+        if v.get("cap_cpus") is not None:
+            held.append(f"{name}: capped at {v['cap_cpus']} CPU")
+        qos = v.get("qos")
+        if qos in QOS_NAMES and v.get("weight") != CLASSES[QosClass(qos)].base.weight:
+            held.append(f"{name}: weight {v.get('weight')}")
+    return held
 
 
 def partition_mib(accel: str, n: int, with_target: bool) -> int:

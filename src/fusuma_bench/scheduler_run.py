@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import statistics
-import threading
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ from fusuma.qemu import process
 from fusuma.spec import VmSpec
 from fusuma.supervisor import rpc
 from fusuma.vm import VmManager
+from fusuma_bench.agents import wait_agents
 from fusuma_bench.report import meta
 from fusuma_bench.scheduler import (
     BOOT_TIMEOUT_S,
@@ -31,7 +31,10 @@ from fusuma_bench.scheduler import (
     PART_A,
     PART_B,
     PROBE_REPS,
-    SETTLE_S,
+    QUIET_CORES,
+    QUIET_MAX_S,
+    RELEASE_MAX_S,
+    RELEASE_POLL_S,
     SHARED,
     TARGET,
     TARGET_MIB,
@@ -43,11 +46,13 @@ from fusuma_bench.scheduler import (
     Score,
     combine,
     dummy,
+    governor_holds,
     index,
     layout,
     parse_workload,
     partition_mib,
 )
+from fusuma_bench.steady import qemu_cpu_s, wait_quiet
 
 LOG = logging.getLogger(__name__)
 
@@ -99,19 +104,25 @@ class Bench:
     def run(self) -> dict[str, Any]:
         self.check_host()
         started = time.monotonic()
+        # The solo run is policy default's layout with no dummy yet: when default runs
+        # first, its partition and target go on into the policy (booted once for both).
+        keep = self.cfg.policies[:1] == ["default"]
         self.say(f"solo: the target alone on cores {self.cores}")
-        with_layout = layout("default", self.cores, 0, self.accel)
-        self.setup(with_layout, "default")
         try:
+            self.setup(layout("default", self.cores, max(self.cfg.dummies) if keep else 0,
+                              self.accel), "default")
             self.calibrate()
             self.solo = self.measure_target()
             self.alone.append(self.solo)
             self.say(f"solo rates: {_rates_text(self.solo.rates)}")
-        finally:
+        except BaseException:
+            self.teardown()
+            raise
+        if not keep:
             self.teardown()
         for policy in self.cfg.policies:
             try:
-                self.one_policy(policy)
+                self.one_policy(policy, booted=keep and policy == "default")
             except ResourceError as exc:
                 if self.cfg.target_emulator == "shared":
                     raise
@@ -119,12 +130,15 @@ class Bench:
                 self.say(f"policy {policy} skipped: {exc}")
         return self.result(time.monotonic() - started)
 
-    def one_policy(self, policy: str) -> None:
+    def one_policy(self, policy: str, booted: bool = False) -> None:
+        """Every dummy count and load of one policy; ``booted``: its layout and target
+        are up already (from the solo run)."""
         lay = layout(policy, self.cores, max(self.cfg.dummies), self.accel)
         self.say(f"policy {policy}: partitions "
                  + ", ".join(f"{p.name} (cores {p.cpus})" for p in lay.partitions))
         try:
-            self.setup(lay, policy)
+            if not booted:
+                self.setup(lay, policy)
             counts = sorted(set(self.cfg.dummies))
             if 0 in counts:
                 score = self.measure_target()
@@ -145,7 +159,7 @@ class Bench:
                     self.keep_dummies(n)
                     self.record(policy, n, "cpu", self.measure_target())
                     if i == 0:
-                        self.measure_progress(policy, n)
+                        self.measure_progress(policy, n, self.governor_released(policy))
         finally:
             self.teardown()
 
@@ -199,31 +213,16 @@ class Bench:
                                        memory_mib=DUMMY_MIB,
                                        qos=self.layout.dummy_qos))
             self.vms.start(name)
-        self.wait_agents(new)
+        wait_agents(self.parts, [(name, self.layout.dummy_partition) for name in new],
+                    BOOT_TIMEOUT_S)
         self.running += new
-        time.sleep(SETTLE_S)     # the guests' last boot steps are not the dummies' load
+        # The guests' last boot steps are not the dummies' load.
+        pids = [v.pid for v in self.vms.db.vms() if v.name in new and v.pid]
+        busy, waited, _ = wait_quiet(lambda: qemu_cpu_s(pids), QUIET_CORES * len(new),
+                                     QUIET_MAX_S)
+        self.say(f"{len(new)} new dummy VM(s) use {busy:.2f} core(s) after {waited:g} s")
         if self.layout.nice:
             self.renice()
-
-    def wait_agents(self, names: list[str]) -> None:
-        assert self.layout is not None
-        client = self.parts.client(self.layout.dummy_partition)
-        errors: list[BaseException] = []
-
-        def wait(name: str) -> None:
-            try:
-                client.send(rpc.WaitAgent(name, timeout=BOOT_TIMEOUT_S),
-                            timeout=BOOT_TIMEOUT_S + 10)
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=wait, args=(n,)) for n in names]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
 
     def start_busy(self) -> None:
         self.say(f"starting a busy loop in {len(self.running)} dummy VM(s)")
@@ -360,12 +359,37 @@ class Bench:
                 LOG.warning("dummy %s: busy-loop counter unreadable: %s", name, why)
         return out, unread
 
-    def measure_progress(self, policy: str, n: int) -> None:
-        """The dummies' own progress while the target is idle (after the governor has
-        had time to give back what it took for the target)."""
-        settle = Thresholds().relax_ticks + 2.0
-        self.say(f"{policy}: dummy progress with the target idle ({settle:g} s to settle)")
-        time.sleep(settle)
+    def governor_released(self, policy: str) -> tuple[float, list[str] | None]:
+        """With a guaranteed VM in the layout, wait until the governor has given back
+        what it took for it (weight, cores, caps on others), at most RELEASE_MAX_S;
+        (seconds waited, what it still holds: empty once released). The governor acts
+        for guaranteed VMs only: without one there is nothing to wait for (None)."""
+        assert self.layout is not None
+        if "guaranteed" not in (self.layout.target_qos, self.layout.dummy_qos):
+            return 0.0, None
+        self.say(f"{policy}: waiting for the governor to give back what it took for "
+                 "the target")
+        client = self.parts.client(self.layout.target_partition)
+        t0 = time.monotonic()
+        while True:
+            try:
+                held = governor_holds(client.send(rpc.GovernorStatus(limit=0),
+                                                  timeout=10).status)
+            except FusumaError as exc:
+                return round(time.monotonic() - t0, 1), [f"no governor status: {exc}"]
+            waited = round(time.monotonic() - t0, 1)
+            if not held or waited >= RELEASE_MAX_S:
+                return waited, held
+            time.sleep(RELEASE_POLL_S)
+
+    def measure_progress(self, policy: str, n: int,
+                         released: tuple[float, list[str] | None] = (0.0, None)) -> None:
+        """The dummies' own progress while the target is idle, once the governor has
+        given back what it took for the target (``released``, from
+        :meth:`governor_released`)."""
+        settle, held = released
+        self.say(f"{policy}: dummy progress with the target idle (settled in {settle:g} s"
+                 + (f"; the governor still holds {', '.join(held)}" if held else "") + ")")
         pids = {v.name: v.pid for v in self.vms.db.vms() if v.name in self.running and v.pid}
         before = {name: measure.read(pid) for name, pid in pids.items()}
         first, unread = self.read_counters()
@@ -392,7 +416,8 @@ class Bench:
                                           "cpu_pct": round(cpus.get(name, 0.0), 1)}
                                    for name, r in per_name.items()},
                "unread": unread,
-               "dummy_cpu_pct": round(sum(cpus.values()), 1), "settle_s": settle}
+               "dummy_cpu_pct": round(sum(cpus.values()), 1), "settle_s": settle,
+               "governor_holds": held}
         self.dummy_progress.append(row)
         self.say(f"{policy}: {row['progressing']}/{n} dummies progressing "
                  f"({len(rates)} read), {row['iterations_per_s']} iterations/s in all, "

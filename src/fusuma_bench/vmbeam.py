@@ -1,11 +1,13 @@
 """`fusuma bench vmbeam`: the VMBeam experiment (papers README §3) on fusuma.
 
-For each guest memory size and each migration mode (zero-copy, copy) two scratch
-partitions take one core each; a VM of that size boots in the first, writes a random
-blob into its tmpfs, starts a background writer that keeps dirtying memory, and is
-moved back and forth between the two partitions N times. After every move the blob's
-md5 inside the guest is compared with the one taken before the first move. Per
-(mode, size) the result is the median over the moves; every move is kept as well.
+For each guest memory size two scratch partitions take one core each; a VM of that
+size boots in the first, writes a random blob into its tmpfs, starts a background
+writer that keeps dirtying memory, and is moved back and forth between the two
+partitions N times in each migration mode: zero-copy, then copy. After every move the
+blob's md5 inside the guest is compared with the one taken before the first move. The
+two modes share the VM (one boot per size); a mode whose moves stopped on an error may
+have left the guest broken, so the next mode then boots a VM of its own. Per (mode,
+size) the result is the median over the moves; every move is kept as well.
 
 It needs every core of the host, so it refuses to run beside any partition, and it
 removes everything it made afterwards, also on failure or Ctrl-C.
@@ -114,17 +116,18 @@ def run(parts: PartitionManager, vms: VmManager, sizes: Sequence[int],
     results: list[dict[str, Any]] = []
     all_moves: list[dict[str, Any]] = []
     for size in sizes:
-        for mode in MODES:
-            case = _one_case(parts, vms, cores, size, mode, moves, accel, progress)
+        for case in _one_size(parts, vms, cores, size, moves, accel, progress):
             all_moves += [m.as_json() for m in case.moves]
             results.append(_summary(case))
             r = results[-1]
-            progress(f"{mode} {size} MiB: median total {r['total_ms']} ms, downtime "
+            progress(f"{case.mode} {size} MiB: median total {r['total_ms']} ms, downtime "
                      f"{r['downtime_ms']} ms, {r['bytes_sent']} bytes, data intact "
                      f"{r['data_intact']}" + (f"; {r['error']}" if r["error"] else ""))
     return {"meta": meta(accel, benchmark="vmbeam", sizes=list(sizes), moves=moves,
                          modes=list(MODES), cores=cores,
                          blob_mib={str(s): blob_mib(s) for s in sizes},
+                         vm_per_size="one VM per size, moved in each mode in turn (a new "
+                                     "one after a mode that stopped on an error)",
                          writer="dd 16 MiB of zeros to guest tmpfs in a loop"),
             "results": results, "moves": all_moves}
 
@@ -148,43 +151,68 @@ def _check_host(parts: PartitionManager, sizes: Sequence[int], accel: str) -> li
     return list(parts.host.cpus[:2])
 
 
-def _one_case(parts: PartitionManager, vms: VmManager, cores: list[int], size: int,
-              mode: str, moves: int, accel: str, progress: Progress) -> Case:
-    """Boot, start the workload and move N times. A failed setup raises; a failed move
-    or a guest that no longer answers ends this case's moves (recorded in ``error``)."""
-    mem = partition_mib(size, accel)
-    case = Case(mode, size, moves, [])
+def _one_size(parts: PartitionManager, vms: VmManager, cores: list[int], size: int,
+              moves: int, accel: str, progress: Progress) -> list[Case]:
+    """Every mode's moves of one size. A failed setup raises; a failed move or a guest
+    that no longer answers ends that mode's moves (recorded in its ``error``), and the
+    next mode starts on a new VM."""
+    cases: list[Case] = []
+    guest: tuple[str, Console] | None = None
     try:
-        for name, core in zip(PARTITIONS, cores, strict=True):
-            parts.create(PartitionSpec(name=name, cpus=[core], memory_mib=mem))
-        vms.create(VmSpec(name=VM, partition=PARTITIONS[0], memory_mib=size))
-        progress(f"{mode} {size} MiB: booting {VM} in {PARTITIONS[0]}")
-        vms.start(VM, wait_agent=120)
-        digest = _start_workload(vms, size, progress)
-        console = Console(parts.paths)
-        console.new_errors()    # anything from boot is not the moves' doing
-        for i in range(moves):
-            to = PARTITIONS[(i + 1) % 2]
-            try:
-                res = migrate(parts, VM, to, mode)
-            except FusumaError as exc:
-                case.error = f"move {i + 1} failed: {exc}"
-                break
-            check = _check_guest(vms, digest, console)
-            case.moves.append(Move(size, res, check))
-            down = f"{res.downtime_ms} ms" if res.downtime_ms is not None else "unknown"
-            progress(f"{mode} {size} MiB move {i + 1}/{moves} -> {to}: {res.total_ms} ms, "
-                     f"downtime {down}, {res.bytes_sent} bytes, data intact "
-                     f"{check.data_intact}"
-                     + (f", guest kernel: {check.kernel_errors[0]}" if check.kernel_errors
-                        else "") + (f", {check.error}" if check.error else ""))
-            if check.error:
-                case.error = f"after move {i + 1}: {check.error}"
-                break
-        return case
+        for mode in MODES:
+            if guest is None:
+                guest = _setup(parts, vms, cores, size, mode, accel, progress)
+            case = Case(mode, size, moves, [])
+            cases.append(case)
+            _moves(case, parts, vms, *guest, progress)
+            if case.error:
+                _cleanup(parts, progress)
+                guest = None
+        return cases
     finally:
         progress("removing the scratch partitions")
         _cleanup(parts, progress)
+
+
+def _setup(parts: PartitionManager, vms: VmManager, cores: list[int], size: int, mode: str,
+           accel: str, progress: Progress) -> tuple[str, Console]:
+    """Partitions, the VM booted in the first, its workload; (the blob's md5, the
+    console from here on)."""
+    mem = partition_mib(size, accel)
+    for name, core in zip(PARTITIONS, cores, strict=True):
+        parts.create(PartitionSpec(name=name, cpus=[core], memory_mib=mem))
+    vms.create(VmSpec(name=VM, partition=PARTITIONS[0], memory_mib=size))
+    progress(f"{mode} {size} MiB: booting {VM} in {PARTITIONS[0]}")
+    vms.start(VM, wait_agent=120)
+    digest = _start_workload(vms, size, progress)
+    console = Console(parts.paths)
+    console.new_errors()    # anything from boot is not the moves' doing
+    return digest, console
+
+
+def _moves(case: Case, parts: PartitionManager, vms: VmManager, digest: str,
+           console: Console, progress: Progress) -> None:
+    """Move the VM to the other partition ``case.planned`` times in ``case.mode``,
+    checking the guest after each move."""
+    mode, size, moves = case.mode, case.memory_mib, case.planned
+    for i in range(moves):
+        to = next(p for p in PARTITIONS if p != vms.db.vm(VM).partition)
+        try:
+            res = migrate(parts, VM, to, mode)
+        except FusumaError as exc:
+            case.error = f"move {i + 1} failed: {exc}"
+            return
+        check = _check_guest(vms, digest, console)
+        case.moves.append(Move(size, res, check))
+        down = f"{res.downtime_ms} ms" if res.downtime_ms is not None else "unknown"
+        progress(f"{mode} {size} MiB move {i + 1}/{moves} -> {to}: {res.total_ms} ms, "
+                 f"downtime {down}, {res.bytes_sent} bytes, data intact "
+                 f"{check.data_intact}"
+                 + (f", guest kernel: {check.kernel_errors[0]}" if check.kernel_errors
+                    else "") + (f", {check.error}" if check.error else ""))
+        if check.error:
+            case.error = f"after move {i + 1}: {check.error}"
+            return
 
 
 def _sh(vms: VmManager, script: str) -> str:

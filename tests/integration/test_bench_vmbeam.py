@@ -17,17 +17,17 @@ FIGURES = ("prepare_ms", "total_ms", "downtime_ms", "bytes_sent", "cpu_s")
 
 def test_bench_vmbeam_quick(host: Host, tmp_path: Path) -> None:
     out, rep = tmp_path / "vmbeam.json", tmp_path / "report"
-    host.run("bench", "vmbeam", "--quick", "--sizes", "256", "--moves", "2",
+    host.run("bench", "vmbeam", "--quick", "--sizes", "128", "--moves", "2",
              "--json", str(out), "--report", str(rep), timeout=380)
     data = json.loads(out.read_text())
     meta = data["meta"]
-    assert meta["benchmark"] == "vmbeam" and meta["sizes"] == [256] and meta["moves"] == 2
+    assert meta["benchmark"] == "vmbeam" and meta["sizes"] == [128] and meta["moves"] == 2
     for key in ("git_revision", "date", "host", "accel", "qemu"):
         assert meta[key], key
     rows = {r["mode"]: r for r in data["results"]}
     assert sorted(rows) == ["copy", "zero-copy"]
     for r in rows.values():
-        assert r["memory_mib"] == 256 and r["moves"] == 2, r
+        assert r["memory_mib"] == 128 and r["moves"] == 2, r
         # A failure here is real guest memory damage: see the moves' kernel_errors.
         assert r["data_intact"] is True, [
             (m["mode"], m["to"], m["data_intact"], m["kernel_errors"][:1], m["error"])
@@ -48,7 +48,7 @@ def test_bench_vmbeam_quick(host: Host, tmp_path: Path) -> None:
     assert host.ps() == {"partitions": [], "vms": []}
 
     text = (rep / "report.md").read_text()
-    assert "| zero-copy | 256 |" in text and "## Targets" in text
+    assert "| zero-copy | 128 |" in text and "## Targets" in text
     assert (rep / "vmbeam.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # The report judges from the numbers: a corrupted move must turn into FAIL.

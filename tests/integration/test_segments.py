@@ -239,8 +239,8 @@ def test_bench_dcss_small_run_writes_a_result_and_report(host: Host, tmp_path: P
                                                          ksm_restored: None) -> None:
     out = tmp_path / "dcss"
     res = host.run("bench", "dcss", "--vms", "1", "--modes", "none,segment",
-                   "--loads", "apache2", "--requests", "50", "--report", str(out),
-                   timeout=900)
+                   "--loads", "apache2", "--requests", "50", "--ab-runs", "1",
+                   "--report", str(out), timeout=900)
     data = json.loads((out / "dcss.json").read_text())
     assert data["meta"]["benchmark"] == "dcss" and data["meta"]["git_revision"]
     assert [(r["mode"], r["vms"]) for r in data["results"]] == [("none", 1), ("segment", 1)]

@@ -61,34 +61,6 @@ def test_capacity_stays_within_what_the_host_admits(mode: str, part: int,
     assert density.capacity(mode, 21695, 256, 128, 8)[1] == 8
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def sleep(self, s: float) -> None:
-        self.t += s
-
-
-def test_settle_waits_for_readings_that_hold_still() -> None:
-    clock = FakeClock()
-    readings = iter([300.0, 250.0, 230.0, 229.0, 230.5, 231.0, 500.0])
-    value, waited, ok = density.settle(lambda: next(readings), clock, clock.sleep,
-                                       min_s=3, every_s=1, window=3, tol_mib=3,
-                                       tol_frac=0.0, max_s=30)
-    assert ok and value == 230.5 and waited == 7.0   # 3 s, then 230, 229, 230.5
-
-
-def test_settle_gives_up_at_its_limit_and_says_so() -> None:
-    clock = FakeClock()
-    ramp = iter(range(100, 10_000, 50))
-    value, waited, ok = density.settle(lambda: float(next(ramp)), clock, clock.sleep,
-                                       min_s=3, every_s=1, max_s=10)
-    assert not ok and waited == 10.0 and value == 100 + 7 * 50
-
-
 def test_a_budget_below_one_vm_is_one_sentence() -> None:
     msg = density.below_one_vm(100, 181.4, "none", 256)
     assert msg == ("a budget of 100 MiB is smaller than one VM: one Debian VM of 256 MiB "

@@ -214,3 +214,16 @@ def test_dummy_progress_retries_and_names_unread_counters(
     assert all("stdout ''" in why for why in row["unread"].values())
     assert [n for n, v in row["per_dummy_named"].items()
             if v["iterations_per_s"] is None] == unread
+
+
+def test_what_the_governor_still_holds_comes_from_its_status() -> None:
+    base = {"name": "d0", "qos": "best-effort", "weight": 1, "cap_cpus": None,
+            "dedicated_cores": [], "capping_others": False}
+    target = {**base, "name": "t", "qos": "guaranteed", "weight": 1000}
+    assert scheduler.governor_holds({"vms": [target, base]}) == []
+    assert scheduler.governor_holds({}) == []
+    held = scheduler.governor_holds({"vms": [
+        {**target, "weight": 10000, "dedicated_cores": [1], "capping_others": True},
+        {**base, "name": "b", "qos": "burstable", "weight": 100, "cap_cpus": 0.25}]})
+    assert held == ["t: cores [1]", "t: caps on others", "t: weight 10000",
+                    "b: capped at 0.25 CPU"]
