@@ -233,6 +233,17 @@ def test_operator_cannot_name_a_qemu_binary(app: FastAPI, paths: Paths,
     assert r.status_code != 403, r.text
 
 
+def test_a_host_process_is_analyzed_by_admin_only(app: FastAPI) -> None:
+    import os
+
+    r = client_as(app, Role.OPERATOR).get("/1.0/share/analyze", params={"pid": os.getpid()})
+    assert r.status_code == 403 and r.json()["error"] == (
+        "analyzing a host process by pid (not ?vm=) needs the admin role; token "
+        "'as-operator' has the operator role."), r.text
+    r = client_as(app, Role.ADMIN).get("/1.0/share/analyze", params={"pid": os.getpid()})
+    assert r.status_code == 200 and r.json()["pid"] == os.getpid(), r.text
+
+
 def test_host_info_names_the_identity(app: FastAPI) -> None:
     got = client_as(app, Role.VIEWER).get("/1.0").json()
     assert (got["auth_user_name"], got["auth_role"]) == ("token 'as-viewer'", "viewer")

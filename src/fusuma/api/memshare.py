@@ -5,17 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from fusuma.api import models as m
 from fusuma.api.daemon import Daemon
 from fusuma.api.http import valid_name
 from fusuma.api.operations import Operation
-from fusuma.api.roles import ADMIN, OPERATOR, VIEWER, RoleRoute
+from fusuma.api.roles import ADMIN, OPERATOR, VIEWER, RoleRoute, require
 from fusuma.errors import SpecError
 from fusuma.ops.segments import segment_manager
 from fusuma.ops.templates import template_manager
+from fusuma.state.roles import Role
 from fusuma.views.segments import segments_data
 from fusuma.views.share import analyze_data, report_data
 
@@ -101,7 +102,10 @@ def router(d: Daemon) -> APIRouter:
 
     @r.get("/1.0/share/analyze", dependencies=[VIEWER],
            summary="What `fusuma share analyze --json` shows, for ?vm= or ?pid=")
-    def share_analyze(vm: str | None = None, pid: int | None = None) -> dict[str, Any]:
+    def share_analyze(request: Request, vm: str | None = None,
+                      pid: int | None = None) -> dict[str, Any]:
+        if pid is not None:      # any process of the host, not one of fusuma's VMs
+            require(request, Role.ADMIN, "analyzing a host process by pid (not ?vm=)")
         return analyze_data(d.ctx(), pid, valid_name("VM", vm) if vm else None)
 
     return r

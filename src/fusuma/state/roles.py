@@ -25,7 +25,7 @@ ROLES: tuple[Role, ...] = tuple(Role)          # least first
 MAY = {
     Role.METRICS: "GET /metrics only (a Prometheus scrape)",
     Role.VIEWER: "read everything: the API's GETs, the event stream, /metrics, "
-                 "the dashboard",
+                 "the dashboard (a host process by pid is admin's)",
     Role.OPERATOR: "a viewer's reads, and the VMs' lifecycle (create, change, start, "
                    "stop, kill, delete), moves, exec, trim, templates, partition "
                    "restart and maintain (with an installed QEMU version), cancelling "
