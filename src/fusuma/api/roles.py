@@ -4,7 +4,7 @@ page and its static files). The declaration is a FastAPI dependency that refuses
 lower role with 403 and one sentence naming the role needed and the role held.
 
 Who holds which role is decided before the app, by the server the request came in on
-(``fusuma.api.server``): the UNIX socket's group is admin (``Local``); on TCP a bearer
+(``fusuma.api.server``): the UNIX socket's group is admin (``LocalAuth``); on TCP a bearer
 token, or the dashboard session made from one, carries that token's role
 (``TokenAuth``). A request that reaches a declared route without an identity is
 refused (401): a door that forgot to say who came in opens nothing.
@@ -62,12 +62,20 @@ def refuse(what: str, needed: Role, who: Identity) -> HTTPException:
                               f"{who.role} role.")
 
 
+def _who(request: Request) -> Identity:
+    who = identity_of(request)
+    if who is None:
+        raise HTTPException(401, "this request carries no identity (neither the UNIX "
+                                 "socket nor a token); it is refused.")
+    return who
+
+
 def require(request: Request, needed: Role, what: str) -> None:
     """Inside a route: refuse one part of a request (a field) that needs more than the
     route declares, with the route's own 403 sentence."""
-    who = identity_of(request)
-    if who is None or not who.role.includes(needed):
-        raise refuse(what, needed, who or Identity("this request", Role.METRICS))
+    who = _who(request)
+    if not who.role.includes(needed):
+        raise refuse(what, needed, who)
 
 
 class Needs:
@@ -78,14 +86,8 @@ class Needs:
         self.role = role
 
     def __call__(self, request: Request) -> None:
-        if self.role is None:
-            return
-        who = identity_of(request)
-        if who is None:
-            raise HTTPException(401, "this request carries no identity (neither the UNIX "
-                                     "socket nor a token); it is refused.")
-        if not who.role.includes(self.role):
-            raise refuse(f"{request.method} {request.url.path}", self.role, who)
+        if self.role is not None:
+            require(request, self.role, f"{request.method} {request.url.path}")
 
     @property
     def label(self) -> str:
@@ -125,10 +127,10 @@ class RoleRoute(APIRoute):
         super().__init__(path, endpoint, **kwargs)
         need = declared(self)
         self.openapi_extra = {**(self.openapi_extra or {}), OPENAPI_KEY: need.label}
-        who = ("anyone, without a token" if need.role is None
-               else "the admin role" if need.role is Role.ADMIN
-               else f"the {need.label} role or above")
-        self.description = f"Needs {who}.\n\n{self.description or ''}".strip()
+        says = ("Open to anyone, without a token." if need.role is None
+                else "Needs the admin role." if need.role is Role.ADMIN
+                else f"Needs the {need.label} role or above.")
+        self.description = f"{says}\n\n{self.description or ''}".strip()
 
 
 def check_roles(app: FastAPI) -> None:
