@@ -235,9 +235,9 @@ def test_https_tokens(host: Host, daemons: Callable[..., Api]) -> None:
 
     api = daemons(listen=True)
     assert api.url and api.url.startswith("https://127.0.0.1:")
-    tok = host.run("token", "create", "t1", "--json").json()
+    tok = host.run("token", "create", "t1", "--role", "viewer", "--json").json()
     token = tok["token"]
-    assert tok["name"] == "t1" and token.startswith("fsm_")
+    assert (tok["name"], tok["role"]) == ("t1", "viewer") and token.startswith("fsm_")
 
     def state_bytes() -> bytes:
         return b"".join(p.read_bytes() for p in sorted(host.home.parent.rglob("*"))

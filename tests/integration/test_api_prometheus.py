@@ -1,8 +1,8 @@
 """A real Prometheus server scrapes a real `fusuma serve` the way an operator sets it up:
-over HTTPS on a loopback port, with a bearer token from `fusuma token create` and the
-daemon's self-signed certificate as the CA. After a VM boots and moves, Prometheus'
-own HTTP API must hold the VM's CPU counters (with their labels) and the move's
-downtime histogram."""
+over HTTPS on a loopback port, with a bearer token of the metrics role (`fusuma token
+create prom --role metrics`) and the daemon's self-signed certificate as the CA. After a
+VM boots and moves, Prometheus' own HTTP API must hold the VM's CPU counters (with their
+labels) and the move's downtime histogram."""
 
 from __future__ import annotations
 
@@ -112,11 +112,13 @@ def poll(url: str, promql: str, ready: Any, what: str) -> list[dict[str, Any]]:
 def test_prometheus_scrapes_vm_cpu_and_move_downtime(host: Host, tmp_path: Path) -> None:
     host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
     host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
-    token = host.run("token", "create", "prom", "--json").json()["token"]
+    # Prometheus scrapes with a metrics token; the VM is made and moved by an operator.
+    token = host.run("token", "create", "prom", "--role", "metrics", "--json").json()["token"]
+    ops = host.run("token", "create", "ops", "--role", "operator", "--json").json()["token"]
     api = Api(host, listen=True)
     try:
         assert api.url is not None and api.cert is not None
-        with api.tcp(token) as c:
+        with api.tcp(ops) as c:
             Api.ok(c, c.post("/1.0/vms", json={"name": "vm0", "partition": "p0",
                                                 "memory_mib": 128, "start": True}))
             target = api.url.removeprefix("https://")
@@ -165,4 +167,5 @@ def test_prometheus_scrapes_vm_cpu_and_move_downtime(host: Host, tmp_path: Path)
             Api.ok(c, c.delete("/1.0/vms/vm0", params={"force": "true"}))
     finally:
         api.stop()
-    assert token not in api.log_text(), "the token appeared in the daemon's log"
+    assert token not in api.log_text() and ops not in api.log_text(), \
+        "a token appeared in the daemon's log"

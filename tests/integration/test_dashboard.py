@@ -115,7 +115,8 @@ def test_dashboard_live(host: Host) -> None:
     # v1 is guaranteed, so the governor has something to decide and show.
     host.run("vm", "create", "v1", "-p", "p1", "--memory", "128", "--qos", "guaranteed",
              "--start")
-    token = host.run("token", "create", "ui", "--json").json()["token"]
+    # Admin: the page's every action is offered (resize is admin's).
+    token = host.run("token", "create", "ui", "--role", "admin", "--json").json()["token"]
     api = Api(host, listen=True)
     try:
         assert api.url
@@ -266,7 +267,7 @@ def test_dashboard_login(host: Host, tmp_path: Path) -> None:
     (report / "report.md").write_text("# Demo report\n\n| vms | pss_mib |\n|---|---|\n"
                                       "| 1 | 180 |\n\n![memory](demo.png)\n")
     png(report / "demo.png")
-    token = host.run("token", "create", "ui", "--json").json()["token"]
+    token = host.run("token", "create", "ui", "--role", "viewer", "--json").json()["token"]
     api = Api(host, listen=True, env={"FUSUMA_RESULTS_DIR": str(tmp_path / "results")})
     try:
         assert api.url
@@ -294,6 +295,7 @@ def test_dashboard_login(host: Host, tmp_path: Path) -> None:
 
             login(page, api.url, token)
             expect(page.locator("#partitions tbody")).to_contain_text("No partitions yet")
+            expect(page.locator("#role")).to_have_text("viewer")
             assert page.request.get(api.url + "/1.0/ui/state").status == 200
 
             page.click("text=Results")

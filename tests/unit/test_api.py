@@ -17,12 +17,14 @@ from fusuma.api.app import Limits, create_app
 from fusuma.api.events import EventHub, api_event
 from fusuma.api.models import PartitionInfo, VmInfo
 from fusuma.api.operations import CANCELLED, FAILURE, SUCCESS, Operation, Operations
-from fusuma.api.server import TokenAuth, parse_listen
+from fusuma.api.roles import Identity
+from fusuma.api.server import LocalAuth, TokenAuth, parse_listen
 from fusuma.errors import NotFoundError, SpecError, StateError
 from fusuma.ops import tokens
 from fusuma.paths import Paths
 from fusuma.state import Database, PartitionRecord, VmRecord, VmState
 from fusuma.state.lock import host_lock
+from fusuma.state.roles import Role
 
 
 @pytest.fixture
@@ -33,7 +35,8 @@ def paths(tmp_path: Path) -> Paths:
 
 @pytest.fixture
 def client(paths: Paths) -> TestClient:
-    return TestClient(Limits(create_app(paths)), raise_server_exceptions=False)
+    return TestClient(LocalAuth(Limits(create_app(paths)), "fusuma"),
+                      raise_server_exceptions=False)
 
 
 def _error(r: Any, code: int) -> str:
@@ -261,8 +264,10 @@ def test_event_hub_streams_live_and_replays(tmp_path: Path) -> None:
 def test_tokens_store_only_a_hash(tmp_path: Path) -> None:
     db = Database(tmp_path / "state.db")
     tok = tokens.new_token()
-    db.add_token("ci", tokens.digest(tok))
-    assert db.token_by_hash(tokens.digest(tok)) == "ci"
+    db.add_token("ci", tokens.digest(tok), Role.OPERATOR)
+    got = db.token_by_hash(tokens.digest(tok))
+    assert got is not None and (got.name, got.role, got.before_roles) == (
+        "ci", Role.OPERATOR, False)
     assert db.token_by_hash(tokens.digest(tok + "x")) is None
     assert tok.encode() not in (tmp_path / "state.db").read_bytes()
     db.remove_token("ci")
@@ -278,8 +283,9 @@ def test_token_middleware(paths: Paths) -> None:
     good = tokens.new_token()
     sessions = Sessions()
     valid = {tokens.digest(good)}
-    app = TokenAuth(Limits(create_app(paths)), lambda t: "ci" if t == good else None,
-                    sessions, lambda h: h in valid)
+    ci = Identity("token 'ci'", Role.ADMIN, "ci")
+    app = TokenAuth(Limits(create_app(paths)), lambda t: ci if t == good else None,
+                    sessions, lambda h: ci if h in valid else None)
     c = TestClient(app, follow_redirects=False)
     r = c.get("/1.0/vms")
     assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")

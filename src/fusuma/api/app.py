@@ -41,6 +41,7 @@ from fusuma.api.daemon import Daemon
 from fusuma.api.events import TYPES
 from fusuma.api.http import BodyError, Limits, error_response, valid_name, validation_sentence
 from fusuma.api.operations import Operation, http_code
+from fusuma.api.roles import ADMIN, METRICS, OPERATOR, VIEWER, RoleRoute, check_roles, identity_of
 from fusuma.errors import FusumaError, SpecError
 from fusuma.paths import Paths
 from fusuma.views.governor import status_data
@@ -56,11 +57,14 @@ API_EXTENSIONS = ["operations", "events_sse", "metrics_prometheus", "vm_move",
 
 def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     d = daemon or Daemon(paths)
+    # The OpenAPI document is served by a route of our own, which declares its role.
     app = FastAPI(title="fusuma", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None,
                   description="The host API of fusuma: partitions, VMs, zero-copy moves, "
                               "shared segments, the CPU governor. Long work returns 202 "
                               "with an operation; `GET /1.0/events` streams what happens "
                               "(server-sent events); `GET /metrics` is for Prometheus.")
+    app.router.route_class = RoleRoute
     app.state.daemon = d
     app.include_router(ui.router(d))
 
@@ -92,15 +96,18 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
         return error_response(500, f"internal error: {exc!r}; see the daemon's log.")
 
     # -- host -------------------------------------------------------------------------
-    @app.get("/1.0", summary="The host and the API")
-    def host_info() -> dict[str, Any]:
+    @app.get("/1.0", dependencies=[VIEWER], summary="The host and the API")
+    def host_info(request: Request) -> dict[str, Any]:
         c = d.ctx()
+        who = identity_of(request)
         h = c.parts.host
         from fusuma.host.accel import probe_accel
 
         accel = probe_accel("auto")
         return {"api_version": "1.0", "api_extensions": API_EXTENSIONS,
                 "api_status": "stable", "auth": "trusted",
+                "auth_user_name": who.name if who else None,
+                "auth_role": who.role.value if who else None,
                 "environment": {
                     "server": "fusuma", "server_version": __version__,
                     "server_pid": os.getpid(), "hostname": socket.gethostname(),
@@ -115,7 +122,8 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
                                1 for o in d.ops.all() if not o.done.is_set()),
                            "event_subscribers": d.hub.subscribers}}
 
-    @app.get("/1.0/ps", response_model=m.PsInfo, summary="What `fusuma ps --json` shows")
+    @app.get("/1.0/ps", dependencies=[VIEWER],
+             response_model=m.PsInfo, summary="What `fusuma ps --json` shows")
     def ps() -> dict[str, Any]:
         return ps_data(d.ctx(), memory=d.sampler.memory)
 
@@ -123,17 +131,19 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     app.include_router(vms.router(d))
     app.include_router(memshare.router(d))
 
-    @app.get("/1.0/governor", summary="What `fusuma governor status --json` shows")
+    @app.get("/1.0/governor", dependencies=[VIEWER],
+             summary="What `fusuma governor status --json` shows")
     def governor(partition: str | None = None,
                  limit: int = Query(20, ge=0, le=256)) -> dict[str, Any]:
         return status_data(d.ctx(), valid_name("partition", partition) if partition else None,
                            limit)
 
-    @app.get("/1.0/images", summary="Guest images in the cache")
+    @app.get("/1.0/images", dependencies=[VIEWER], summary="Guest images in the cache")
     def list_images() -> list[dict[str, Any]]:
         return images_data(d.ctx())
 
-    @app.post("/1.0/images", status_code=202, summary="Build a guest image (operation)")
+    @app.post("/1.0/images", dependencies=[ADMIN],
+              status_code=202, summary="Build a guest image (operation)")
     def build_image(body: m.ImageBuild) -> JSONResponse:
         def work(op: Operation) -> Any:
             from fusuma.images import build_image
@@ -146,15 +156,15 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
                         {"images": [f"/1.0/images/{body.kind}"]}, work)
 
     # -- operations -------------------------------------------------------------------
-    @app.get("/1.0/operations", response_model=list[m.OperationInfo])
+    @app.get("/1.0/operations", dependencies=[VIEWER], response_model=list[m.OperationInfo])
     def list_operations(status: str | None = None) -> list[dict[str, Any]]:
         return [o.as_json() for o in d.ops.all() if status is None or o.status == status]
 
-    @app.get("/1.0/operations/{op_id}", response_model=m.OperationInfo)
+    @app.get("/1.0/operations/{op_id}", dependencies=[VIEWER], response_model=m.OperationInfo)
     def get_operation(op_id: str) -> dict[str, Any]:
         return d.ops.get(op_id).as_json()
 
-    @app.get("/1.0/operations/{op_id}/wait", response_model=m.OperationInfo,
+    @app.get("/1.0/operations/{op_id}/wait", dependencies=[VIEWER], response_model=m.OperationInfo,
              summary="Wait for an operation to end (at most ?timeout= seconds)")
     async def wait_operation(op_id: str,
                              timeout: float = Query(-1, ge=-1, le=86400)) -> dict[str, Any]:
@@ -163,12 +173,16 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
         await asyncio.to_thread(op.done.wait, limit)
         return op.as_json()
 
-    @app.delete("/1.0/operations/{op_id}", response_model=m.OperationInfo,
+    @app.delete("/1.0/operations/{op_id}", dependencies=[OPERATOR], response_model=m.OperationInfo,
                 summary="Cancel an operation where it can stop safely")
     def cancel_operation(op_id: str) -> dict[str, Any]:
         return d.ops.cancel(op_id).as_json()
 
-    @app.get("/docs", include_in_schema=False)
+    @app.get("/openapi.json", dependencies=[VIEWER], include_in_schema=False)
+    def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=[VIEWER], include_in_schema=False)
     def docs() -> Response:
         """Swagger UI from the package (vendored swagger-ui-dist): no CDN."""
         from fastapi.openapi.docs import get_swagger_ui_html
@@ -179,7 +193,8 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
                                    swagger_favicon_url="/static/favicon.svg")
 
     # -- events and metrics -----------------------------------------------------------
-    @app.get("/1.0/events", summary="Server-sent events: lifecycle, operation, governor",
+    @app.get("/1.0/events", dependencies=[VIEWER],
+             summary="Server-sent events: lifecycle, operation, governor",
              response_class=StreamingResponse)
     async def events(request: Request, type: str | None = None,
                      since: int | None = Query(None, ge=0)) -> StreamingResponse:
@@ -195,13 +210,15 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
                                  headers={"Cache-Control": "no-store",
                                           "X-Accel-Buffering": "no"})
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    @app.get("/metrics", dependencies=[METRICS],
+             summary="Prometheus metrics", response_class=Response)
     def metrics() -> Response:
         from fusuma.api.metrics import render
 
         body, ctype = render(d.registry)
         return Response(body, media_type=ctype)
 
+    check_roles(app)
     return app
 
 

@@ -23,7 +23,8 @@ from fusuma.ops.context import Ctx
 @click.option("--key", type=click.Path(path_type=Path, dir_okay=False),
               help="The certificate's private key (PEM), with --cert.")
 @click.option("--group", default="fusuma", show_default=True,
-              help="Group that may use the UNIX socket (created when missing).")
+              help="Group that may use the UNIX socket (created when missing); its "
+                   "members are admin, which is root-equivalent.")
 @click.option("--no-access-log", is_flag=True, help="Do not log each request.")
 @pass_ctx
 def serve(c: Ctx, listen: str | None, cert: Path | None, key: Path | None, group: str,
@@ -33,7 +34,9 @@ def serve(c: Ctx, listen: str | None, cert: Path | None, key: Path | None, group
     \b
     It listens on the UNIX socket FUSUMA_RUNTIME_DIR/api/fusuma.sock (directory 0750,
     socket 0660, group fusuma): root and members of that group may use it, nobody
-    else. --listen adds HTTPS on TCP with bearer tokens (`fusuma token create`).
+    else, and they are admin: root-equivalent, so add only those you would give root.
+    --listen adds HTTPS on TCP with bearer tokens (`fusuma token create NAME --role
+    ROLE`), each with its role: metrics, viewer, operator or admin.
 
     \b
     Resources (OpenAPI at /openapi.json, a docs page at /docs):
@@ -66,6 +69,7 @@ def serve(c: Ctx, listen: str | None, cert: Path | None, key: Path | None, group
 
     from fusuma.api.server import ServeOptions, parse_listen
     from fusuma.api.server import serve as run
+    from fusuma.ops.tokens import before_roles_notice
 
     opts = ServeOptions(listen=parse_listen(listen) if listen else None, cert=cert,
                         key=key, group=group, access_log=not no_access_log)
@@ -76,5 +80,8 @@ def serve(c: Ctx, listen: str | None, cert: Path | None, key: Path | None, group
         if "certificate_made" in info:
             click.echo(f"fusuma serve: made a self-signed certificate "
                        f"{info['certificate_made']}", err=True)
+        older = info.get("tokens_before_roles")
+        if isinstance(older, list) and older:
+            click.echo(f"fusuma serve: {before_roles_notice(older)}", err=True)
         click.echo(json.dumps({"ready": info}), err=True)
     asyncio.run(run(c.paths, opts, ready))

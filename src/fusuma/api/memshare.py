@@ -5,35 +5,37 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from fusuma.api import models as m
 from fusuma.api.daemon import Daemon
 from fusuma.api.http import valid_name
 from fusuma.api.operations import Operation
+from fusuma.api.roles import ADMIN, OPERATOR, VIEWER, RoleRoute, require
 from fusuma.errors import SpecError
 from fusuma.ops.segments import segment_manager
 from fusuma.ops.templates import template_manager
+from fusuma.state.roles import Role
 from fusuma.views.segments import segments_data
 from fusuma.views.share import analyze_data, report_data
 
 
 def router(d: Daemon) -> APIRouter:
-    r = APIRouter()
+    r = APIRouter(route_class=RoleRoute)
 
     # -- segments ---------------------------------------------------------------------
-    @r.get("/1.0/segments", response_model=list[m.SegmentInfo])
+    @r.get("/1.0/segments", dependencies=[VIEWER], response_model=list[m.SegmentInfo])
     def list_segments() -> list[dict[str, Any]]:
         return segments_data(d.ctx())
 
-    @r.get("/1.0/segments/{name}", response_model=m.SegmentInfo)
+    @r.get("/1.0/segments/{name}", dependencies=[VIEWER], response_model=m.SegmentInfo)
     def get_segment(name: str) -> dict[str, Any]:
         c = d.ctx()
         c.db.segment(valid_name("segment", name))
         return next(s for s in segments_data(c) if s["name"] == name)
 
-    @r.post("/1.0/segments", status_code=202,
+    @r.post("/1.0/segments", dependencies=[ADMIN], status_code=202,
             summary="Build a segment from a directory or an image's root (operation)")
     def create_segment(body: m.SegmentCreate) -> JSONResponse:
         if (body.from_dir is None) == (body.from_image is None):
@@ -53,23 +55,25 @@ def router(d: Daemon) -> APIRouter:
         return d.submit("segment-create", f"create segment {body.name}",
                         {"segments": [f"/1.0/segments/{body.name}"]}, work)
 
-    @r.delete("/1.0/segments/{name}")
+    @r.delete("/1.0/segments/{name}", dependencies=[ADMIN])
     def delete_segment(name: str) -> dict[str, Any]:
         segment_manager(d.ctx()).delete(valid_name("segment", name))
         return {"deleted": f"/1.0/segments/{name}"}
 
     # -- templates ---------------------------------------------------------------------
-    @r.get("/1.0/templates", summary="What `fusuma template list --json` shows")
+    @r.get("/1.0/templates", dependencies=[VIEWER],
+           summary="What `fusuma template list --json` shows")
     def list_templates() -> list[dict[str, Any]]:
         mgr = template_manager(d.ctx())
         return [mgr.as_json(t) for t in mgr.all()]
 
-    @r.get("/1.0/templates/{name}", summary="What `fusuma template show --json` shows")
+    @r.get("/1.0/templates/{name}", dependencies=[VIEWER],
+           summary="What `fusuma template show --json` shows")
     def get_template(name: str) -> dict[str, Any]:
         mgr = template_manager(d.ctx())
         return dict(mgr.as_json(d.ctx().db.template(valid_name("template", name))))
 
-    @r.post("/1.0/templates", status_code=202,
+    @r.post("/1.0/templates", dependencies=[OPERATOR], status_code=202,
             summary="Stop a running VM into a template (operation)")
     def create_template(body: m.TemplateCreate) -> JSONResponse:
         c = d.ctx()
@@ -86,18 +90,22 @@ def router(d: Daemon) -> APIRouter:
                         {"templates": [f"/1.0/templates/{body.name}"],
                          "vms": [f"/1.0/vms/{body.from_vm}"]}, work)
 
-    @r.delete("/1.0/templates/{name}")
+    @r.delete("/1.0/templates/{name}", dependencies=[OPERATOR])
     def delete_template(name: str) -> dict[str, Any]:
         template_manager(d.ctx()).delete(valid_name("template", name))
         return {"deleted": f"/1.0/templates/{name}"}
 
-    @r.get("/1.0/share/report", summary="What `fusuma share report --json` shows")
+    @r.get("/1.0/share/report", dependencies=[VIEWER],
+           summary="What `fusuma share report --json` shows")
     def share_report() -> dict[str, Any]:
         return report_data(d.ctx())
 
-    @r.get("/1.0/share/analyze",
+    @r.get("/1.0/share/analyze", dependencies=[VIEWER],
            summary="What `fusuma share analyze --json` shows, for ?vm= or ?pid=")
-    def share_analyze(vm: str | None = None, pid: int | None = None) -> dict[str, Any]:
+    def share_analyze(request: Request, vm: str | None = None,
+                      pid: int | None = None) -> dict[str, Any]:
+        if pid is not None:      # any process of the host, not one of fusuma's VMs
+            require(request, Role.ADMIN, "analyzing a host process by pid (not ?vm=)")
         return analyze_data(d.ctx(), pid, valid_name("VM", vm) if vm else None)
 
     return r

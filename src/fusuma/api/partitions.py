@@ -4,35 +4,39 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from fusuma.api import models as m
 from fusuma.api.daemon import Daemon, not_busy
 from fusuma.api.http import valid_name
 from fusuma.api.operations import Operation
+from fusuma.api.roles import ADMIN, OPERATOR, VIEWER, RoleRoute, require
 from fusuma.errors import SpecError, StateError
 from fusuma.ops.context import Ctx
+from fusuma.qemu.versions import SERIES_RE
 from fusuma.state import partition_obj
+from fusuma.state.roles import Role
 from fusuma.views.disks import disks_data
 from fusuma.views.host import partitions_data
 
 
 def router(d: Daemon) -> APIRouter:
-    r = APIRouter()
+    r = APIRouter(route_class=RoleRoute)
 
     # -- partitions -------------------------------------------------------------------
-    @r.get("/1.0/partitions", response_model=list[m.PartitionInfo])
+    @r.get("/1.0/partitions", dependencies=[VIEWER], response_model=list[m.PartitionInfo])
     def list_partitions() -> list[dict[str, Any]]:
         return partitions_data(d.ctx())
 
-    @r.get("/1.0/partitions/{name}", response_model=m.PartitionInfo)
+    @r.get("/1.0/partitions/{name}", dependencies=[VIEWER], response_model=m.PartitionInfo)
     def get_partition(name: str) -> dict[str, Any]:
         c = d.ctx()
         c.db.partition(valid_name("partition", name))
         return next(p for p in partitions_data(c) if p["name"] == name)
 
-    @r.post("/1.0/partitions", status_code=202, summary="Create a partition (operation)")
+    @r.post("/1.0/partitions", dependencies=[ADMIN],
+            status_code=202, summary="Create a partition (operation)")
     def create_partition(spec: m.PartitionCreate) -> JSONResponse:
         c = d.ctx()
         if c.db.find_partition(spec.name) is not None:
@@ -53,7 +57,7 @@ def router(d: Daemon) -> APIRouter:
     def _get_partition(c: Ctx, name: str) -> dict[str, Any]:
         return next(p for p in partitions_data(c) if p["name"] == name)
 
-    @r.patch("/1.0/partitions/{name}", status_code=202,
+    @r.patch("/1.0/partitions/{name}", dependencies=[ADMIN], status_code=202,
              summary="Resize a partition: cores and/or memory (operation)")
     def resize_partition(name: str, body: m.PartitionPatch) -> JSONResponse:
         c = d.ctx()
@@ -72,7 +76,7 @@ def router(d: Daemon) -> APIRouter:
         return d.submit("partition-resize", f"resize partition {name}",
                         {"partitions": [f"/1.0/partitions/{name}"]}, work)
 
-    @r.post("/1.0/partitions/{name}/restart", status_code=202,
+    @r.post("/1.0/partitions/{name}/restart", dependencies=[OPERATOR], status_code=202,
             summary="Start a new supervisor; it re-adopts the running VMs (operation)")
     def restart_partition(name: str) -> JSONResponse:
         c = d.ctx()
@@ -88,7 +92,7 @@ def router(d: Daemon) -> APIRouter:
         return d.submit("partition-restart", f"restart partition {name}",
                         {"partitions": [f"/1.0/partitions/{name}"]}, work)
 
-    @r.delete("/1.0/partitions/{name}", status_code=202,
+    @r.delete("/1.0/partitions/{name}", dependencies=[ADMIN], status_code=202,
               summary="Delete a partition (operation); force=true also deletes its VMs")
     def delete_partition(name: str, force: bool = False) -> JSONResponse:
         c = d.ctx()
@@ -106,12 +110,16 @@ def router(d: Daemon) -> APIRouter:
         return d.submit("partition-delete", f"delete partition {name}",
                         {"partitions": [f"/1.0/partitions/{name}"]}, work)
 
-    @r.post("/1.0/partitions/{name}/maintain", status_code=202,
+    @r.post("/1.0/partitions/{name}/maintain", dependencies=[OPERATOR], status_code=202,
             summary="Restart the partition's hypervisor under its running VMs "
                     "(operation)")
-    def maintain(name: str, body: m.Maintain) -> JSONResponse:
+    def maintain(name: str, body: m.Maintain, request: Request) -> JSONResponse:
         c = d.ctx()
         c.db.partition(valid_name("partition", name))
+        if body.qemu is not None and not SERIES_RE.match(body.qemu):
+            # A path names a binary that root runs: an operator names versions only.
+            require(request, Role.ADMIN, "naming a QEMU binary by path (not a version "
+                                         "from `fusuma qemu list`)")
         via = body.via
         if via is not None:
             c.db.partition(via)
@@ -149,17 +157,17 @@ def router(d: Daemon) -> APIRouter:
                          "vms": [f"/1.0/vms/{v}" for v in vms]}, work)
 
     # -- disks ------------------------------------------------------------------------
-    @r.get("/1.0/disks", response_model=list[m.DiskInfo])
+    @r.get("/1.0/disks", dependencies=[VIEWER], response_model=list[m.DiskInfo])
     def list_disks() -> list[dict[str, Any]]:
         return disks_data(d.ctx())
 
-    @r.get("/1.0/disks/{name}", response_model=m.DiskInfo)
+    @r.get("/1.0/disks/{name}", dependencies=[VIEWER], response_model=m.DiskInfo)
     def get_disk(name: str) -> dict[str, Any]:
         c = d.ctx()
         c.db.disk(valid_name("disk", name))
         return next(x for x in disks_data(c) if x["name"] == name)
 
-    @r.post("/1.0/disks", status_code=201, response_model=m.DiskInfo)
+    @r.post("/1.0/disks", dependencies=[ADMIN], status_code=201, response_model=m.DiskInfo)
     def add_disk(spec: m.DiskCreate, response: Response) -> dict[str, Any]:
         from fusuma.spec import DiskSpec
 
@@ -168,14 +176,14 @@ def router(d: Daemon) -> APIRouter:
         response.headers["Location"] = f"/1.0/disks/{spec.name}"
         return next(x for x in disks_data(c) if x["name"] == spec.name)
 
-    @r.patch("/1.0/disks/{name}", response_model=m.DiskInfo,
+    @r.patch("/1.0/disks/{name}", dependencies=[ADMIN], response_model=m.DiskInfo,
              summary="Move a disk to another partition")
     def move_disk(name: str, body: m.DiskPatch) -> dict[str, Any]:
         c = d.ctx()
         c.parts.move_disk(valid_name("disk", name), body.partition)
         return next(x for x in disks_data(c) if x["name"] == name)
 
-    @r.delete("/1.0/disks/{name}")
+    @r.delete("/1.0/disks/{name}", dependencies=[ADMIN])
     def remove_disk(name: str, delete_file: bool = False) -> dict[str, Any]:
         d.ctx().parts.remove_disk(valid_name("disk", name), delete_file=delete_file)
         return {"deleted": f"/1.0/disks/{name}"}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fusuma.errors import ConflictError, HostError, SpecError
+from fusuma.errors import ConflictError, HostError, SpecError, StateError
 from fusuma.paths import Paths
 
 LOG = logging.getLogger(__name__)
@@ -111,21 +111,44 @@ def tcp_socket(host: str, port: int) -> socket.socket:
     return s
 
 
+def with_identity(scope: Any, who: Any, **more: Any) -> Any:
+    """A copy of ``scope`` whose request state names ``who`` (fusuma.api.roles.Identity):
+    a copy, so that no server's shared state dict can carry it to another request."""
+    return {**scope, "state": {**scope.get("state", {}), "identity": who, **more}}
+
+
+class LocalAuth:
+    """ASGI middleware for the UNIX socket: the file system already decided who may
+    connect (root and the socket's group), and they are admin."""
+
+    def __init__(self, app: Any, group: str) -> None:
+        from fusuma.api.roles import local
+
+        self.app = app
+        self.who = local(group)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = with_identity(scope, self.who)
+        await self.app(scope, receive, send)
+
+
 class TokenAuth:
     """ASGI middleware for the TCP server: a request needs a valid bearer token, or the
     dashboard's session cookie (made by /login from a token) and, for a write, that
-    session's CSRF token in ``X-CSRF-Token``. The login page and its static files are
-    open; a browser asking for the page without a session is sent to /login."""
+    session's CSRF token in ``X-CSRF-Token``. Either way the request carries the token's
+    role (``check`` and ``lookup`` give the Identity of a token, and of a token's hash,
+    read anew on every request: a revoked token ends its sessions). The login page and
+    its static files are open; a browser asking for the page without a session is sent
+    to /login."""
 
-    PUBLIC = ("/login", "/static/")
-
-    def __init__(self, app: Any, check: Callable[[str], str | None],
-                 sessions: Any = None, still_valid: Callable[[str], bool] | None = None
+    def __init__(self, app: Any, check: Callable[[str], Any],
+                 sessions: Any = None, lookup: Callable[[str], Any] | None = None
                  ) -> None:
         self.app = app
         self.check = check
         self.sessions = sessions
-        self.still_valid = still_valid
+        self.lookup = lookup
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -145,20 +168,19 @@ class TokenAuth:
         if token:
             who = await asyncio.to_thread(self.check, token)
             if who is not None:
-                await self.app(scope, receive, send)
+                await self.app(with_identity(scope, who), receive, send)
                 return
             resp = error_response(401, "the token is not valid (unknown or revoked).")
             resp.headers["WWW-Authenticate"] = 'Bearer realm="fusuma"'
             await resp(scope, receive, send)
             return
-        if self.sessions is not None:
+        if self.sessions is not None and self.lookup is not None:
             from fusuma.api.sessions import cookie
 
             sess = self.sessions.get(cookie(headers))
-            if sess is not None and self.still_valid is not None and not \
-                    await asyncio.to_thread(self.still_valid, sess.token_hash):
-                sess = None
-            if sess is not None:
+            who = None if sess is None else \
+                await asyncio.to_thread(self.lookup, sess.token_hash)
+            if sess is not None and who is not None:
                 if scope.get("method") not in ("GET", "HEAD", "OPTIONS"):
                     sent = next((v.decode("latin-1") for k, v in headers
                                  if k == b"x-csrf-token"), "")
@@ -168,8 +190,7 @@ class TokenAuth:
                         await error_response(403, "this write needs the page's CSRF token in "
                                              "X-CSRF-Token; reload the page.")(scope, receive, send)
                         return
-                scope.setdefault("state", {})["session"] = sess
-                await self.app(scope, receive, send)
+                await self.app(with_identity(scope, who, session=sess), receive, send)
                 return
         if scope.get("method") == "GET" and (path == "/" or path.startswith("/ui/")):
             from starlette.responses import RedirectResponse
@@ -177,7 +198,8 @@ class TokenAuth:
             await RedirectResponse("/login", status_code=303)(scope, receive, send)
             return
         resp = error_response(401, "this API needs a token: send `Authorization: Bearer "
-                                   "TOKEN` (make one with `fusuma token create NAME`).")
+                                   "TOKEN` (make one with `fusuma token create NAME "
+                                   "--role ROLE`).")
         resp.headers["WWW-Authenticate"] = 'Bearer realm="fusuma"'
         await resp(scope, receive, send)
 
@@ -258,6 +280,7 @@ async def serve(paths: Paths, opts: ServeOptions,
     from fusuma.api import app as api_app
     from fusuma.api.auth import ensure_certificate
     from fusuma.api.daemon import Daemon
+    from fusuma.api.roles import Identity, token_identity
     from fusuma.ops.tokens import digest
 
     if opts.access_log:
@@ -271,8 +294,16 @@ async def serve(paths: Paths, opts: ServeOptions,
     common: dict[str, Any] = {"lifespan": "off", "log_config": None, "http": guarded_h11(),
                               "access_log": opts.access_log, "timeout_keep_alive": 5,
                               "timeout_graceful_shutdown": 3, "server_header": False}
-    servers.append((_quiet_server(uvicorn.Config(api_app.wrap(app), **common)), uds))
+    servers.append((_quiet_server(uvicorn.Config(LocalAuth(api_app.wrap(app), opts.group),
+                                                 **common)), uds))
     info: dict[str, Any] = {"socket": str(api_socket(paths)), "pid": os.getpid()}
+    try:
+        older = [t.name for t in daemon.db().tokens() if t.before_roles]
+    except StateError as exc:       # a token of an unknown role: refused when used
+        LOG.warning("%s", exc)
+        older = []
+    if older:
+        info["tokens_before_roles"] = older
     if opts.listen is not None:
         cert = opts.cert or paths.home / "api" / "server.crt"
         key = opts.key or paths.home / "api" / "server.key"
@@ -285,18 +316,20 @@ async def serve(paths: Paths, opts: ServeOptions,
             if not f.is_file():
                 raise SpecError(f"{f} does not exist.")
 
-        def check(token: str | None) -> str | None:
-            if not token:
+        def lookup(token_hash: str) -> Identity | None:
+            try:
+                rec = daemon.db().token_by_hash(token_hash)
+            except StateError:      # a role this fusuma does not know: no access
                 return None
-            db = daemon.db()
-            who = db.token_by_hash(digest(token))
-            if who is not None:
-                db.token_used(who)
+            return None if rec is None else token_identity(rec)
+
+        def check(token: str) -> Identity | None:
+            who = lookup(digest(token))
+            if who is not None and who.token is not None:
+                daemon.db().token_used(who.token)
             return who
         tcp = tcp_socket(*opts.listen)
-        def still_valid(token_hash: str) -> bool:
-            return daemon.db().token_by_hash(token_hash) is not None
-        tls = uvicorn.Config(TokenAuth(api_app.wrap(app), check, daemon.sessions, still_valid),
+        tls = uvicorn.Config(TokenAuth(api_app.wrap(app), check, daemon.sessions, lookup),
                              ssl_certfile=str(cert),
                              ssl_keyfile=str(key), **common)
         servers.append((_quiet_server(tls), tcp))

@@ -30,8 +30,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
 from fusuma.api.daemon import Daemon
+from fusuma.api.roles import ADMIN, PUBLIC, VIEWER, RoleRoute, identity_of
 from fusuma.api.sessions import COOKIE, SESSION_S
 from fusuma.errors import FusumaError, NotFoundError
+from fusuma.state.roles import Role
 from fusuma.views.host import ps_data
 from fusuma.views.share import host_ksm, report_data
 
@@ -161,7 +163,7 @@ def router(d: Daemon) -> APIRouter:
 
     env = Environment(loader=FileSystemLoader(str(TEMPLATES)),
                       autoescape=select_autoescape(["html"]))
-    r = APIRouter(include_in_schema=False)
+    r = APIRouter(include_in_schema=False, route_class=RoleRoute)
 
     def page(template: str, **ctx: Any) -> HTMLResponse:
         return HTMLResponse(env.get_template(template).render(**ctx),
@@ -172,17 +174,19 @@ def router(d: Daemon) -> APIRouter:
                                          "frame-ancestors 'none'",
                                      "X-Content-Type-Options": "nosniff"})
 
-    @r.get("/")
+    @r.get("/", dependencies=[VIEWER])
     def index(request: Request) -> HTMLResponse:
         sess = request.scope.get("state", {}).get("session")
+        who = identity_of(request)
         return page("index.html", csrf=sess.csrf if sess else "",
-                    tcp=sess is not None, hostname=os.uname().nodename)
+                    tcp=sess is not None, hostname=os.uname().nodename,
+                    role=who.role.value if who else "", who=who.name if who else "")
 
-    @r.get("/login")
+    @r.get("/login", dependencies=[PUBLIC])
     def login_page(request: Request, error: str = "") -> HTMLResponse:
         return page("login.html", error=error)
 
-    @r.post("/login")
+    @r.post("/login", dependencies=[PUBLIC])
     async def login(request: Request) -> Response:
         from fusuma.ops.tokens import digest
 
@@ -197,42 +201,47 @@ def router(d: Daemon) -> APIRouter:
         if not token or len(token) > 200:
             return RedirectResponse("/login?error=give+an+API+token", status_code=303)
         h = digest(token)
-        who = await asyncio.to_thread(lambda: d.db().token_by_hash(h))
-        if who is None:
+        rec = await asyncio.to_thread(lambda: d.db().token_by_hash(h))
+        if rec is None:
             return RedirectResponse("/login?error=that+token+is+not+valid+(unknown+or+"
                                     "revoked)", status_code=303)
-        sid, _ = d.sessions.create(who, h)
+        if not rec.role.includes(Role.VIEWER):
+            why = (f"token {rec.name!r} has the {rec.role} role, which reads only "
+                   "/metrics; the dashboard needs the viewer role or above")
+            return RedirectResponse("/login?" + urllib.parse.urlencode({"error": why}),
+                                    status_code=303)
+        sid, _ = d.sessions.create(rec.name, h)
         resp = RedirectResponse("/", status_code=303)
         resp.set_cookie(COOKIE, sid, max_age=SESSION_S, httponly=True, secure=True,
                         samesite="strict", path="/")
         return resp
 
-    @r.post("/logout")
+    @r.post("/logout", dependencies=[PUBLIC])
     def logout(request: Request) -> Response:
         d.sessions.drop(request.cookies.get(COOKIE))
         resp = RedirectResponse("/login", status_code=303)
         resp.delete_cookie(COOKIE, path="/")
         return resp
 
-    @r.get("/static/{name}")
+    @r.get("/static/{name}", dependencies=[PUBLIC])
     def static(name: str) -> FileResponse:
         path = STATIC / name
         if "/" in name or name.startswith(".") or not path.is_file():
             raise NotFoundError(f"no static file {name!r}.")
         return FileResponse(path, headers={"Cache-Control": "no-cache"})
 
-    @r.get("/1.0/ui/state")
+    @r.get("/1.0/ui/state", dependencies=[VIEWER])
     def state() -> dict[str, Any]:
         return ui_state(d)
 
-    @r.get("/ui/results")
+    @r.get("/ui/results", dependencies=[VIEWER])
     def results() -> HTMLResponse:
         base = results_dir()
         reports = sorted(p.parent.name for p in base.glob("*/report.md")) \
             if base.is_dir() else []
         return page("results.html", reports=reports, body=None, name=None, base=str(base))
 
-    @r.get("/ui/results/{name}")
+    @r.get("/ui/results/{name}", dependencies=[VIEWER])
     def result(name: str) -> HTMLResponse:
         base = results_dir()
         path = base / name / "report.md"
@@ -247,7 +256,7 @@ def router(d: Daemon) -> APIRouter:
         return page("results.html", reports=None, body=body, name=name, plots=plots,
                     base=str(base))
 
-    @r.get("/ui/results/{name}/{plot}")
+    @r.get("/ui/results/{name}/{plot}", dependencies=[VIEWER])
     def plot(name: str, plot: str) -> FileResponse:
         base = results_dir()
         ok = re.fullmatch(r"[A-Za-z0-9._-]+", name) and re.fullmatch(
@@ -257,7 +266,7 @@ def router(d: Daemon) -> APIRouter:
             raise NotFoundError(f"no plot {plot!r} in report {name!r}.")
         return FileResponse(path)
 
-    @r.put("/1.0/share/ksm")
+    @r.put("/1.0/share/ksm", dependencies=[ADMIN])
     def ksm(body: dict[str, Any]) -> dict[str, Any]:
         run = body.get("run")
         if not isinstance(run, bool) or set(body) - {"run"}:

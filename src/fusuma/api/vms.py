@@ -11,6 +11,7 @@ from fusuma.api import models as m
 from fusuma.api.daemon import Daemon, not_busy
 from fusuma.api.http import valid_name
 from fusuma.api.operations import Operation
+from fusuma.api.roles import OPERATOR, VIEWER, RoleRoute
 from fusuma.errors import FusumaError, StateError
 from fusuma.ops.context import Ctx
 from fusuma.state import vm_obj
@@ -18,7 +19,7 @@ from fusuma.views.host import job_json, ps_data
 
 
 def router(d: Daemon) -> APIRouter:
-    r = APIRouter()
+    r = APIRouter(route_class=RoleRoute)
 
     # -- VMs --------------------------------------------------------------------------
     def _vm_json(c: Ctx, name: str) -> dict[str, Any]:
@@ -30,7 +31,7 @@ def router(d: Daemon) -> APIRouter:
         data["job"] = job_json(job) if job else None
         return data
 
-    @r.get("/1.0/vms", response_model=list[m.VmInfo],
+    @r.get("/1.0/vms", dependencies=[VIEWER], response_model=list[m.VmInfo],
            summary="VMs (of one partition with ?partition=); recursion=0 gives URLs")
     def list_vms(partition: str | None = None,
                  recursion: int = Query(1, ge=0, le=1)) -> Any:
@@ -44,11 +45,11 @@ def router(d: Daemon) -> APIRouter:
                                             memory=d.sampler.memory)["vms"]
         return [v for v in vms if partition is None or v["partition"] == partition]
 
-    @r.get("/1.0/vms/{name}", response_model=m.VmInfo)
+    @r.get("/1.0/vms/{name}", dependencies=[VIEWER], response_model=m.VmInfo)
     def get_vm(name: str) -> dict[str, Any]:
         return _vm_json(d.ctx(), valid_name("VM", name))
 
-    @r.post("/1.0/vms", status_code=202,
+    @r.post("/1.0/vms", dependencies=[OPERATOR], status_code=202,
             summary="Define a VM, and start it with start=true (operation)")
     def create_vm(body: m.VmCreate) -> JSONResponse:
         from fusuma.spec import VmSpec
@@ -71,7 +72,7 @@ def router(d: Daemon) -> APIRouter:
                         + (" and start it" if body.start else ""),
                         {"vms": [f"/1.0/vms/{spec.name}"]}, work)
 
-    @r.patch("/1.0/vms/{name}", response_model=m.VmInfo,
+    @r.patch("/1.0/vms/{name}", dependencies=[OPERATOR], response_model=m.VmInfo,
              summary="Change a stopped VM: its QoS class, its disks")
     def change_vm(name: str, body: m.VmPatch) -> dict[str, Any]:
         c = d.ctx()
@@ -85,7 +86,7 @@ def router(d: Daemon) -> APIRouter:
                 c.vms.attach_disk(name, disk)
         return _vm_json(c, name)
 
-    @r.delete("/1.0/vms/{name}", status_code=202,
+    @r.delete("/1.0/vms/{name}", dependencies=[OPERATOR], status_code=202,
               summary="Delete a VM (operation); force=true kills it first")
     def delete_vm(name: str, force: bool = False) -> JSONResponse:
         from fusuma.vm.view import VmView
@@ -103,13 +104,13 @@ def router(d: Daemon) -> APIRouter:
         return d.submit("vm-delete", f"delete VM {name}", {"vms": [f"/1.0/vms/{name}"]},
                         work)
 
-    @r.get("/1.0/vms/{name}/state")
+    @r.get("/1.0/vms/{name}/state", dependencies=[VIEWER])
     def get_vm_state(name: str) -> dict[str, Any]:
         v = _vm_json(d.ctx(), valid_name("VM", name))
         return {"state": v["state"], "pid": v["pid"], "partition": v["partition"],
                 "job": v["job"], "error": v["error"]}
 
-    @r.put("/1.0/vms/{name}/state", status_code=202,
+    @r.put("/1.0/vms/{name}/state", dependencies=[OPERATOR], status_code=202,
            summary="start, stop (guest sync, then quit) or kill a VM (operation)")
     def change_vm_state(name: str, body: m.VmStateChange) -> JSONResponse:
         from fusuma.vm.view import VmView
@@ -144,7 +145,7 @@ def router(d: Daemon) -> APIRouter:
         return d.submit(f"vm-{body.action}", f"{body.action} VM {name}",
                         {"vms": [f"/1.0/vms/{name}"]}, work)
 
-    @r.post("/1.0/vms/{name}/move", status_code=202,
+    @r.post("/1.0/vms/{name}/move", dependencies=[OPERATOR], status_code=202,
             summary="Move a running VM to another partition (operation); cancellable "
                     "until its stream starts")
     def move_vm(name: str, body: m.VmMove) -> JSONResponse:
@@ -177,7 +178,7 @@ def router(d: Daemon) -> APIRouter:
         if state != "running":
             raise StateError(f"VM {name!r} is {state}; start it first.")
 
-    @r.post("/1.0/vms/{name}/exec", status_code=202,
+    @r.post("/1.0/vms/{name}/exec", dependencies=[OPERATOR], status_code=202,
             summary="Run a command in the guest through its agent (operation)")
     def exec_vm(name: str, body: m.VmExec) -> JSONResponse:
         _running(name)
@@ -192,7 +193,7 @@ def router(d: Daemon) -> APIRouter:
         return d.submit("vm-exec", f"exec in VM {name}: {' '.join(body.command)[:80]}",
                         {"vms": [f"/1.0/vms/{name}"]}, work)
 
-    @r.post("/1.0/vms/{name}/trim", status_code=202,
+    @r.post("/1.0/vms/{name}/trim", dependencies=[OPERATOR], status_code=202,
             summary="Drop the guest's caches and hand its free memory back (operation)")
     def trim_vm(name: str) -> JSONResponse:
         _running(name)

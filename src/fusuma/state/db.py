@@ -19,12 +19,14 @@ from fusuma.state.records import (
     PartitionRecord,
     SegmentRecord,
     TemplateRecord,
+    TokenRecord,
     VmRecord,
 )
+from fusuma.state.roles import Role
 from fusuma.state.schema import ADDED_COLUMNS, SCHEMA, SCHEMA_VERSION
 
 __all__ = ["Database", "DiskRecord", "PartitionRecord", "SegmentRecord", "TemplateRecord",
-           "VmRecord"]
+           "TokenRecord", "VmRecord"]
 
 
 class Database:
@@ -420,22 +422,34 @@ class Database:
         return int(row[0] or 0)
 
     # -- API tokens ---------------------------------------------------------------
-    def add_token(self, name: str, digest: str) -> None:
+    def add_token(self, name: str, digest: str, role: Role) -> None:
         try:
-            self._conn.execute("INSERT INTO tokens (name, hash, created_at) VALUES (?,?,?)",
-                               (name, digest, time.time()))
+            self._conn.execute("INSERT INTO tokens (name, hash, created_at, role) "
+                               "VALUES (?,?,?,?)", (name, digest, time.time(), role.value))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a token named {name!r} already exists; revoke it first "
                                 "or pick another name.") from exc
 
-    def tokens(self) -> list[dict[str, Any]]:
-        rows = self._conn.execute(
-            "SELECT name, created_at, last_used_at FROM tokens ORDER BY name").fetchall()
-        return [dict(r) for r in rows]
+    @staticmethod
+    def _token(row: sqlite3.Row) -> TokenRecord:
+        if row["role"] is None:      # made before roles: what it could do then
+            return TokenRecord(row["name"], Role.ADMIN, row["created_at"],
+                               row["last_used_at"], before_roles=True)
+        try:
+            role = Role(row["role"])
+        except ValueError:
+            raise StateError(f"token {row['name']!r} has the role {row['role']!r}, which "
+                             "this fusuma does not know (a newer fusuma made it?); revoke "
+                             "it with `fusuma token revoke`.") from None
+        return TokenRecord(row["name"], role, row["created_at"], row["last_used_at"])
 
-    def token_by_hash(self, digest: str) -> str | None:
-        row = self._conn.execute("SELECT name FROM tokens WHERE hash=?", (digest,)).fetchone()
-        return str(row["name"]) if row else None
+    def tokens(self) -> list[TokenRecord]:
+        rows = self._conn.execute("SELECT * FROM tokens ORDER BY name").fetchall()
+        return [self._token(r) for r in rows]
+
+    def token_by_hash(self, digest: str) -> TokenRecord | None:
+        row = self._conn.execute("SELECT * FROM tokens WHERE hash=?", (digest,)).fetchone()
+        return self._token(row) if row else None
 
     def token_used(self, name: str) -> None:
         self._conn.execute("UPDATE tokens SET last_used_at=? WHERE name=?",

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from fusuma.state.machine import VmState
+from fusuma.state.roles import Role
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,15 @@ class TemplateRecord:
     # SQLite rowid: the basis of the group that may read its files (fusuma.memshare.
     # templates.template_gid). 0 until stored.
     slot: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """An API token (its SHA-256 only, which this record does not carry) and its role."""
+
+    name: str
+    role: Role
+    created_at: float = field(default_factory=time.time)
+    last_used_at: float | None = None
+    # Made by a fusuma from before roles: it keeps the admin role it had then.
+    before_roles: bool = False

@@ -69,7 +69,8 @@ CREATE TABLE IF NOT EXISTS tokens (
     name TEXT PRIMARY KEY,
     hash TEXT NOT NULL UNIQUE,       -- sha256 of the token; the token itself is never kept
     created_at REAL NOT NULL,
-    last_used_at REAL
+    last_used_at REAL,
+    role TEXT                        -- fusuma.state.roles.Role; NULL: made before roles
 );
 CREATE TABLE IF NOT EXISTS segments (
     name TEXT PRIMARY KEY,
@@ -114,4 +115,5 @@ ADDED_COLUMNS = (
     ("vms", "qemu_version", "TEXT"),
     ("vms", "page_reporting", "INTEGER"),
     ("vms", "template", "TEXT"),
+    ("tokens", "role", "TEXT"),
 )
