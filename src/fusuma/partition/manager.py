@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,7 @@ from fusuma.errors import (
     SupervisorError,
 )
 from fusuma.governor.qos import check_cores
-from fusuma.host import cgroups
+from fusuma.host import cgroups, storage
 from fusuma.host.topology import HostInfo, format_cpulist, host_info, siblings_text
 from fusuma.names import check_name
 from fusuma.partition import liveness
@@ -242,7 +242,7 @@ class PartitionManager:
             LOG.warning("killing leftover pid %d in partition %s", pid, name)
             process.kill(pid)
         for d in self.db.disks(name):
-            self.remove_disk(d.name, delete_file=d.created_file)
+            self.drop_disk(d.name)
         self._wait_empty(name)
         self.cg.delete(name)
         self.db.remove_partition(name)
@@ -414,30 +414,55 @@ class PartitionManager:
                      supervisor_pid=pid, was_running=old)
         return pid
 
+    # -- storage directories ----------------------------------------------------------
+    @locked
+    def add_storage(self, path: str) -> Path:
+        """Declare a directory for disk files (root's CLI and spec only)."""
+        return storage.add(self.paths, self.db, path)
+
+    @locked
+    def remove_storage(self, path: str) -> Path:
+        return storage.remove(self.paths, self.db, path)
+
+    def storage_dirs(self) -> list[Path]:
+        return storage.declared(self.paths, self.db)
+
     # -- disks ------------------------------------------------------------------------
     @locked
     def add_disk(self, spec: DiskSpec) -> DiskRecord:
+        """Register (or, with ``size_mib`` and no file there, create) a disk file inside
+        a storage directory (``fusuma.host.storage``), with its device and inode."""
         check_name("disk", spec.name)
         self.db.partition(spec.partition)
         if self.db.find_disk(spec.name) is not None:
             raise ConflictError(f"a disk named {spec.name!r} already exists.")
-        path = Path(spec.path)
+        path = storage.locate(self.paths, self.db, spec.path)
         created = False
-        if not path.exists():
+        try:
+            fd, st = storage.pin(path)
+        except FileNotFoundError:
             if spec.size_mib is None:
                 raise NotFoundError(f"disk file {path} does not exist; give --size-mib to "
-                                    "create it.")
+                                    "create it.") from None
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(path, "xb") as f:
-                    f.truncate(spec.size_mib * 1024 * 1024)
+                ident = storage.create_file(path, spec.size_mib)
             except OSError as exc:
-                with contextlib.suppress(OSError):
-                    path.unlink()
                 raise HostError(f"cannot create disk file {path}: {exc.strerror}.") from exc
             created = True
-        rec = DiskRecord(spec.name, str(path), spec.partition, created)
+        except OSError as exc:
+            raise HostError(f"cannot open disk file {path}: {exc.strerror}.") from exc
+        else:
+            os.close(fd)
+            why = storage.unfit(st)
+            if why is not None:
+                raise SpecError(f"disk file {path} {why}.")
+            ident = storage.identity_of(st)
+        rec = DiskRecord(spec.name, str(path), spec.partition, created, ident.dev, ident.ino)
         try:
+            same = self.db.disk_with_identity(ident.dev, ident.ino)
+            if same is not None:
+                raise ConflictError(f"{path} is the file of disk {same.name!r} already "
+                                    f"({same.path}).")
             self.db.add_disk(rec)
         except ConflictError:
             if created:
@@ -455,16 +480,35 @@ class PartitionManager:
             raise StateError(f"disk {name!r} is attached to VM {v.name!r} ({v.state.value}); "
                              f"detach it first with `fusuma vm detach {v.name} {name}`.")
         self.db.move_disk(name, to)
-        return DiskRecord(disk.name, disk.path, to, disk.created_file)
+        return replace(disk, partition=to)
 
     @locked
     def remove_disk(self, name: str, delete_file: bool = False) -> None:
+        """Unregister disk ``name``; ``delete_file``: also delete its file, which is
+        refused (nothing changes) unless fusuma created it and it is still that file."""
         disk = self.db.disk(name)
         users = [v.name for v in self.db.vms() if name in v.disks]
         if users:
             raise StateError(f"disk {name!r} is attached to VM {users[0]!r}; detach it first.")
+        if delete_file:
+            why = storage.deletable(disk)
+            if why is not None:
+                raise StateError(f"disk {name!r}: {why}; remove the disk without deleting "
+                                 "its file, and delete the file yourself if you mean to.")
         self.db.remove_disk(name)
         if delete_file:
-            with contextlib.suppress(FileNotFoundError):
-                Path(disk.path).unlink()
+            why = storage.delete_file(disk)
+            if why is not None:
+                self.notice(f"fusuma: notice: disk {name!r} removed, its file kept: {why}.")
 
+    @locked
+    def drop_disk(self, name: str) -> None:
+        """Unregister disk ``name`` as part of removing more (a partition, the host):
+        its file goes if fusuma created it and it is still that file, else it stays
+        with a notice when fusuma created it."""
+        disk = self.db.disk(name)
+        self.db.remove_disk(name)
+        if disk.created_file:
+            why = storage.delete_file(disk)
+            if why is not None:
+                self.notice(f"fusuma: notice: disk {name!r} removed, its file kept: {why}.")
