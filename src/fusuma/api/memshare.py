@@ -13,6 +13,7 @@ from fusuma.api.daemon import Daemon
 from fusuma.api.http import valid_name
 from fusuma.api.operations import Operation
 from fusuma.errors import SpecError
+from fusuma.ops import segments
 from fusuma.ops.segments import segment_manager
 from fusuma.ops.templates import template_manager
 from fusuma.views.segments import segments_data
@@ -36,9 +37,11 @@ def router(d: Daemon) -> APIRouter:
     @r.post("/1.0/segments", status_code=202,
             summary="Build a segment from a directory or an image's root (operation)")
     def create_segment(body: m.SegmentCreate) -> JSONResponse:
+        c = d.ctx()
+        from_dir = Path(body.from_dir) if body.from_dir is not None else None
+        segments.check_source(c, from_dir)        # a host directory: root's CLI only
         if (body.from_dir is None) == (body.from_image is None):
             raise SpecError("give either from_dir or from_image (one of them).")
-        c = d.ctx()
         if c.db.find_segment(body.name) is not None:
             from fusuma.errors import ConflictError
 
@@ -46,9 +49,8 @@ def router(d: Daemon) -> APIRouter:
 
         def work(op: Operation) -> Any:
             c = d.ctx()
-            segment_manager(c).create(
-                body.name, from_dir=Path(body.from_dir) if body.from_dir else None,
-                from_image=body.from_image, progress=lambda s: d.ops.set_progress(op, s))
+            segments.create(c, body.name, from_dir=from_dir, from_image=body.from_image,
+                            progress=lambda s: d.ops.set_progress(op, s))
             return next(s for s in segments_data(c) if s["name"] == body.name)
         return d.submit("segment-create", f"create segment {body.name}",
                         {"segments": [f"/1.0/segments/{body.name}"]}, work)

@@ -77,6 +77,9 @@ class PartitionManager:
         self.notice: Callable[[str], None] = lambda text: LOG.warning("%s", text)
         # How a job whose owner died is recovered before an operation takes its object.
         self.recover: Recover = self._recover_by_process
+        # Whether the caller may name a host binary as a partition's QEMU: root's CLI
+        # (and spec) only; the API's and the cluster's callers name versions.
+        self.host_paths = False
 
     @property
     def cg(self) -> cgroups.CgroupDriver:
@@ -178,13 +181,17 @@ class PartitionManager:
             capacity.check_resize(self.db, name, memory_mib)
 
     def check_qemu(self, qemu: str | None) -> None:
-        """A partition's QEMU: a version `fusuma qemu list` shows, or a binary's path
+        """A partition's QEMU: a version `fusuma qemu list` shows, or, where the caller
+        may name host paths (``host_paths``: root's CLI), a binary's path
         (fusuma.qemu.versions raises the sentence that says how to get it)."""
         if qemu is None:
             return
         from fusuma.qemu import versions
 
-        versions.resolve(self.paths, qemu)
+        if self.host_paths:
+            versions.resolve(self.paths, qemu)
+        else:
+            versions.check_version_name(self.paths, qemu)
 
     # -- create / delete --------------------------------------------------------------
     @locked
