@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from fusuma.api.app import Limits, create_app
+from fusuma.api.app import create_app
+from fusuma.api.http import Limits
 from fusuma.errors import SpecError
 from fusuma.ops import segments
 from fusuma.ops.context import Ctx

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fusuma.apply import plan
-from fusuma.errors import ConflictError, NotFoundError, SpecError, StateError
+from fusuma.errors import ConflictError, HostError, NotFoundError, SpecError, StateError
 from fusuma.host import storage
 from fusuma.partition.manager import PartitionManager
 from fusuma.paths import Paths
@@ -99,6 +99,25 @@ def test_a_disk_outside_the_storage_directories_is_refused(parts: PartitionManag
         said = one_sentence(str(err.value))
         assert f"({storage.default_dir(parts.paths)}, {srv})" in said, said
     assert parts.db.disks() == [] and not (outside / "new.img").exists()
+
+
+def test_a_directory_swapped_after_the_check_leads_nowhere(parts: PartitionManager,
+                                                          tmp_path: Path) -> None:
+    """Between locate (the check) and the file's creation or pinning, a directory in
+    the storage directory becomes a symlink out of it: nothing is made or taken there."""
+    srv = parts.add_storage(str(tmp_path / "srv"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x.img").write_bytes(b"x" * 4096)
+    place = storage.locate(parts.paths, parts.db, str(srv / "sub" / "x.img"))
+    assert place == storage.Place(srv, Path("sub/x.img"))
+    (srv / "sub").symlink_to(outside)            # the swap
+    with pytest.raises(SpecError, match="was moved while it was looked at"):
+        storage.claim(place, None)
+    (outside / "x.img").unlink()
+    with pytest.raises(HostError, match="cannot create disk file"):
+        storage.claim(place, 1)
+    assert list(outside.iterdir()) == []
 
 
 def test_default_directory_and_identity(parts: PartitionManager) -> None:

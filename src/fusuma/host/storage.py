@@ -134,16 +134,69 @@ def remove(paths: Paths, db: Database, path: str) -> Path:
     return Path(real)
 
 
-def locate(paths: Paths, db: Database, path: str, extra: Iterable[str] = ()) -> Path:
+@dataclass(frozen=True)
+class Place:
+    """Where a disk file is: a storage directory (its real path) and the file's path
+    inside it (of its real location: symlinked directories on the way resolved)."""
+
+    directory: Path
+    rel: Path
+
+    @property
+    def path(self) -> Path:
+        return self.directory / self.rel
+
+
+def locate(paths: Paths, db: Database, path: str, extra: Iterable[str] = ()) -> Place:
     """The disk file ``path``, checked to lie in a storage directory (its directory's
-    real path, symlinks resolved, is inside one); else the sentence naming them."""
+    real path is inside one); else the sentence naming them."""
     p = _normal(path, "disk path")
     dirs = declared(paths, db, extra)
-    if any(holds(str(p), d) for d in dirs):
-        return p
+    parent = Path(os.path.realpath(p.parent))
+    for d in dirs:
+        real = Path(os.path.realpath(d))
+        if parent == real or parent.is_relative_to(real):
+            return Place(real, parent.relative_to(real) / p.name)
     raise SpecError(f"disk path {p} is outside the storage directories ({_names(dirs)}); "
                     "put the file in one of them, or have root declare its directory "
                     "with `fusuma storage add DIR`.")
+
+
+def claim(place: Place, size_mib: int | None) -> tuple[Identity, bool]:
+    """The identity of the disk file at ``place`` and whether fusuma created it: an
+    existing file that is fit to be a disk, or, with ``size_mib``, a new one. The file
+    is pinned where it is found, and its location checked from the pinned descriptor,
+    so a directory on the way replaced meanwhile cannot lead the registration out."""
+    try:
+        st, why = examine(place)
+    except FileNotFoundError:
+        if size_mib is None:
+            raise NotFoundError(f"disk file {place.path} does not exist; give --size-mib "
+                                "(size_mib) to create it.") from None
+        try:
+            return create_file(place, size_mib), True
+        except OSError as exc:
+            raise HostError(f"cannot create disk file {place.path}: {exc.strerror}."
+                            ) from exc
+    except OSError as exc:
+        raise HostError(f"cannot open disk file {place.path}: {exc.strerror}.") from exc
+    if why is not None:
+        raise SpecError(f"disk file {place.path} {why}.")
+    return identity_of(st), False
+
+
+def examine(place: Place) -> tuple[os.stat_result, str | None]:
+    """The status of the file at ``place`` (pinned, not opened) and why it cannot be a
+    disk (None: it can), its location read back from the pinned descriptor, so a
+    directory on the way replaced meanwhile cannot lead out. Raises OSError."""
+    fd, st = pin(place.path)
+    try:
+        why = unfit(st)
+        if why is None and os.readlink(f"/proc/self/fd/{fd}") != str(place.path):
+            why = "was moved while it was looked at (a directory on its way was replaced)"
+    finally:
+        os.close(fd)
+    return st, why
 
 
 # -- which file a disk is -----------------------------------------------------------
@@ -219,19 +272,17 @@ def take_over(paths: Paths, db: Database, rec: DiskRecord) -> DiskRecord:
     if rec.dev is not None and rec.ino is not None:
         return rec
     try:
-        locate(paths, db, rec.path)
+        place = locate(paths, db, rec.path)
     except SpecError as exc:
         raise StateError(f"disk {rec.name!r} was registered by an older fusuma at "
                          f"{rec.path}, outside the storage directories "
                          f"({_names(declared(paths, db))}); have root declare its "
                          "directory (`fusuma storage add DIR`) and start again.") from exc
     try:
-        fd, st = pin(Path(rec.path))
+        st, why = examine(place)
     except OSError as exc:
         raise HostError(f"disk {rec.name!r}: cannot open {rec.path}: {exc.strerror}."
                         ) from exc
-    os.close(fd)
-    why = unfit(st)
     if why is not None:
         raise StateError(f"disk {rec.name!r} was registered by an older fusuma, and "
                          f"{rec.path} {why}; remove the disk (`fusuma disk remove "
@@ -282,18 +333,32 @@ def delete_file(rec: DiskRecord, *, dry_run: bool = False) -> str | None:
     return None
 
 
-def create_file(path: Path, size_mib: int) -> Identity:
-    """A new sparse file of ``size_mib`` at ``path`` (0600; its directory made 0700 if
-    missing); never follows or replaces what is there. Raises OSError."""
-    path.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
+def create_file(place: Place, size_mib: int) -> Identity:
+    """A new sparse file of ``size_mib`` at ``place`` (0600; missing directories made
+    0700). Walked down from the storage directory one directory at a time without
+    following a symlink, so it is made inside it or not at all; never replaces what
+    is there. Raises OSError."""
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    place.directory.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)  # the default
+    dfd = os.open(place.directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.ftruncate(fd, size_mib * 1024 * 1024)
-        return identity_of(os.fstat(fd))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
+        for part in place.rel.parent.parts:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, PRIVATE_DIR, dir_fd=dfd)
+            nfd = os.open(part, flags, dir_fd=dfd)
+            os.close(dfd)
+            dfd = nfd
+        name = place.rel.name
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            os.ftruncate(fd, size_mib * 1024 * 1024)
+            return identity_of(os.fstat(fd))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dfd)
+            raise
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        os.close(dfd)

@@ -24,7 +24,6 @@ from fusuma.errors import (
     ConflictError,
     FusumaError,
     HostError,
-    NotFoundError,
     ResourceError,
     SpecError,
     StateError,
@@ -443,27 +442,9 @@ class PartitionManager:
         self.db.partition(spec.partition)
         if self.db.find_disk(spec.name) is not None:
             raise ConflictError(f"a disk named {spec.name!r} already exists.")
-        path = storage.locate(self.paths, self.db, spec.path)
-        created = False
-        try:
-            fd, st = storage.pin(path)
-        except FileNotFoundError:
-            if spec.size_mib is None:
-                raise NotFoundError(f"disk file {path} does not exist; give --size-mib to "
-                                    "create it.") from None
-            try:
-                ident = storage.create_file(path, spec.size_mib)
-            except OSError as exc:
-                raise HostError(f"cannot create disk file {path}: {exc.strerror}.") from exc
-            created = True
-        except OSError as exc:
-            raise HostError(f"cannot open disk file {path}: {exc.strerror}.") from exc
-        else:
-            os.close(fd)
-            why = storage.unfit(st)
-            if why is not None:
-                raise SpecError(f"disk file {path} {why}.")
-            ident = storage.identity_of(st)
+        place = storage.locate(self.paths, self.db, spec.path)
+        ident, created = storage.claim(place, spec.size_mib)
+        path = place.path
         rec = DiskRecord(spec.name, str(path), spec.partition, created, ident.dev, ident.ino)
         try:
             same = self.db.disk_with_identity(ident.dev, ident.ino)
