@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fusuma.errors import ConflictError, SpecError
+from fusuma.errors import ConflictError, FusumaError, SpecError
+from fusuma.host import storage
 from fusuma.partition.manager import PartitionManager
 from fusuma.spec import DiskSpec, HostSpec, PartitionSpec, VmSpec, check_host_fit
 from fusuma.state import Database
@@ -25,6 +27,8 @@ LOG = logging.getLogger(__name__)
 
 @dataclass
 class Plan:
+    # Storage directories to declare (their real paths), before any disk is added.
+    add_storage: list[str] = field(default_factory=list)
     create_partitions: list[PartitionSpec] = field(default_factory=list)
     resize_partitions: list[tuple[PartitionSpec, bool]] = field(default_factory=list)
     add_disks: list[DiskSpec] = field(default_factory=list)
@@ -38,13 +42,14 @@ class Plan:
     installed: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.create_partitions or self.resize_partitions or self.add_disks
-                    or self.move_disks or self.create_vms or self.start_vms
+        return not (self.add_storage or self.create_partitions or self.resize_partitions
+                    or self.add_disks or self.move_disks or self.create_vms or self.start_vms
                     or self.start_supervisors or self.installed)
 
     def describe(self) -> list[str]:
         out = [f"install systemd unit {path}" for path in self.installed]
         out += [f"start the supervisor of partition {n}" for n in self.start_supervisors]
+        out += [f"declare storage directory {d}" for d in self.add_storage]
         out += [f"create partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
                 for p in self.create_partitions]
         out += [f"resize partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
@@ -73,7 +78,6 @@ def _same_qemu(parts: PartitionManager, a: str | None, b: str | None) -> bool:
     """Two names of one QEMU (unset and "7.2" both name a system QEMU 7.2)."""
     if a == b:
         return True
-    from fusuma.errors import FusumaError
     from fusuma.qemu import versions
 
     try:
@@ -86,6 +90,17 @@ def _same_qemu(parts: PartitionManager, a: str | None, b: str | None) -> bool:
 def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> Plan:
     check_host_fit(spec, parts.host, source)
     p = Plan()
+    have = {str(d) for d in storage.declared(parts.paths, db)}
+    for i, st in enumerate(spec.storage):
+        real = os.path.realpath(st.path)
+        if real in have or real == os.path.realpath(storage.default_dir(parts.paths)):
+            continue
+        try:
+            storage.check_dir(parts.paths, st.path)
+        except FusumaError as exc:
+            raise SpecError(f"{source}: storage[{i}].path: {exc}") from exc
+        p.add_storage.append(real)
+        have.add(real)
     for ps in spec.partition:
         cur = db.find_partition(ps.name)
         if cur is None:
@@ -99,9 +114,13 @@ def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> 
         elif not _same_qemu(parts, cur.qemu, ps.qemu) or cur.io_weight != ps.io_weight:
             raise SpecError(f"{source}: partition {ps.name!r} exists with another qemu or "
                             "io_weight; those cannot change on a live partition.")
-    for ds in spec.disk:
+    for i, ds in enumerate(spec.disk):
         cur_d = db.find_disk(ds.name)
         if cur_d is None:
+            try:
+                storage.locate(parts.paths, db, ds.path, extra=p.add_storage)
+            except SpecError as exc:
+                raise SpecError(f"{source}: disk[{i}].path: {exc}") from exc
             p.add_disks.append(ds)
         elif cur_d.path != ds.path:
             raise SpecError(f"{source}: disk {ds.name!r} exists with path {cur_d.path}, "
@@ -140,6 +159,10 @@ def _up(db: Database, parts: PartitionManager, vms: VmManager, spec: HostSpec,
         progress(f"starting the supervisor of partition {name}")
         parts.start_supervisor(name)
     with Reverter() as rev:
+        for d in the_plan.add_storage:
+            progress(f"declaring storage directory {d}")
+            parts.add_storage(d)
+            rev.add(lambda d=d: parts.remove_storage(d))  # type: ignore[misc]
         # Two phases, so cores and memory can move between partitions in one spec:
         # first every partition gives up what it loses, then each takes what it gains.
         for phase in ("shrink", "grow"):
@@ -164,7 +187,7 @@ def _up(db: Database, parts: PartitionManager, vms: VmManager, spec: HostSpec,
             made = parts.add_disk(ds)
             # Undo removes only what this command created: a disk file that existed
             # before `up` is the user's and stays, whatever happens.
-            rev.add(lambda d=made: parts.remove_disk(d.name, delete_file=d.created_file))  # type: ignore[misc]
+            rev.add(lambda d=made: parts.drop_disk(d.name))  # type: ignore[misc]
         for ds in the_plan.move_disks:
             old_p = db.disk(ds.name).partition
             parts.move_disk(ds.name, ds.partition)
@@ -211,7 +234,7 @@ def _down(db: Database, parts: PartitionManager, vms: VmManager,
             TemplateManager(parts.paths, db, parts).delete(t.name)
             done.append(f"deleted template {t.name}")
     for d in db.disks():
-        parts.remove_disk(d.name, delete_file=d.created_file)
+        parts.drop_disk(d.name)
         done.append(f"removed disk {d.name}")
     for p in db.partitions():
         progress(f"deleting partition {p.name}")

@@ -7,11 +7,15 @@ A spec is a TOML file applied with ``fusuma up``::
     cpus = "0"            # or [0, 1], or "0-3,6"
     memory_mib = 1024
     # io_weight = 100     # 1..10000, best effort
-    # qemu = "10.0"       # its hypervisor: a version (`fusuma qemu list`) or a path
+    # qemu = "10.0"       # its hypervisor: a version (`fusuma qemu list`) or, from
+    #                     # root's spec or CLI only, a binary's path
+
+    [[storage]]           # a directory for disk files (FUSUMA_HOME/disks always is one)
+    path = "/srv/fusuma-disks"
 
     [[disk]]
     name = "d0"
-    path = "/var/lib/fusuma-disks/d0.img"
+    path = "/srv/fusuma-disks/d0.img"   # inside a storage directory
     partition = "p0"
     size_mib = 64         # created (sparse) when the file does not exist
 
@@ -106,8 +110,21 @@ class PartitionSpec(_Model):
         return sorted(v)
 
 
+class StorageSpec(_Model):
+    """A directory root declares for disk files (`fusuma storage add`)."""
+
+    path: str
+
+    @field_validator("path")
+    @classmethod
+    def _abs(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"storage directory {v!r} must be absolute")
+        return v
+
+
 class DiskSpec(_Model):
-    """A disk (image file or block device) owned by one partition."""
+    """A disk owned by one partition: a raw image file inside a storage directory."""
 
     name: str
     path: str
@@ -237,6 +254,7 @@ class VmSpec(_Model):
 class HostSpec(_Model):
     """The whole host: the unit that ``fusuma up`` applies."""
 
+    storage: list[StorageSpec] = []
     partition: list[PartitionSpec] = []
     disk: list[DiskSpec] = []
     vm: list[VmSpec] = []
@@ -294,6 +312,11 @@ def load_spec(path: Path) -> HostSpec:
 
 def check_consistency(spec: HostSpec, source: str = "<spec>") -> None:
     """Cross-object rules: unique names, disjoint cores, references that resolve."""
+    seen_dirs: set[str] = set()
+    for i, st in enumerate(spec.storage):
+        if st.path in seen_dirs:
+            raise SpecError(f"{source}: storage[{i}].path: {st.path} is listed twice.")
+        seen_dirs.add(st.path)
     named: list[tuple[str, list[str]]] = [
         ("partition", [p.name for p in spec.partition]),
         ("disk", [d.name for d in spec.disk]), ("vm", [v.name for v in spec.vm])]
@@ -430,7 +453,8 @@ def dump_spec(spec: HostSpec) -> str:
     default are omitted, so ``parse_spec(dump_spec(s)) == s``."""
     lines: list[str] = []
     tables: list[tuple[str, list[BaseModel]]] = [
-        ("partition", list(spec.partition)), ("disk", list(spec.disk)), ("vm", list(spec.vm))]
+        ("storage", list(spec.storage)), ("partition", list(spec.partition)),
+        ("disk", list(spec.disk)), ("vm", list(spec.vm))]
     for table, items in tables:
         for item in items:
             lines.append(f"[[{table}]]")

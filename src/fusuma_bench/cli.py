@@ -305,7 +305,8 @@ def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
 @_json_option("mint")
 @_report_option("mint-*.png")
 @click.option("--disk-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Where the two scratch disk files go  [default: FUSUMA_HOME/bench-mint].")
+              help="Where the two scratch disk files go, in a storage directory (`fusuma "
+                   "storage list`)  [default: FUSUMA_HOME/disks/bench-mint].")
 @pass_ctx
 def mint_cmd(c: Ctx, quick: bool, json_file: Path | None, report_dir: Path | None,
              disk_dir: Path | None) -> None:

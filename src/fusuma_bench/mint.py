@@ -49,6 +49,7 @@ from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, HostError, ResourceError
 from fusuma.host.accel import probe_accel
 from fusuma.host.cgroups import CgroupDriver
+from fusuma.host.storage import default_dir
 from fusuma.images import find_image, probe_path
 from fusuma.migration import migrate
 from fusuma.partition.manager import PartitionManager
@@ -137,7 +138,7 @@ def run(parts: PartitionManager, vms: VmManager, quick: bool = False,
     cores = _check_host(parts, memory, accel)
     binary = probe_path(parts.paths.cache)   # refuses an image without the current probe
     bench = Bench(parts, vms, params, binary, accel, memory, cores,
-                  disk_dir or parts.paths.home / "bench-mint",
+                  disk_dir or default_dir(parts.paths) / "bench-mint",
                   QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S, progress)
     started = time.monotonic()
     try:

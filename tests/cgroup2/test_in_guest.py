@@ -58,7 +58,9 @@ def guest_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     try:
         h.run("image", "build", "--kind", "debian-host", timeout=1200)
         minimal = Path(json.loads(h.run("image", "build", "--json").out)["kernel"]).parent
-        disk = guestkit.build_disk(cache, minimal, tmp / "cg2.img")
+        # A disk is a file in a storage directory that root declared.
+        h.run("storage", "add", str(tmp / "disks"))
+        disk = guestkit.build_disk(cache, minimal, tmp / "disks" / "cg2.img")
         timings["images_and_disk_s"] = time.monotonic() - t0
         h.run("partition", "create", "cg2", "--cpus", "0-1", "--memory", "1600")
         h.run("disk", "add", "cg2", str(disk), "-p", "cg2")

@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 
 
 def test_failed_up_keeps_a_disk_image_it_did_not_create(host: Host, tmp_path: Path) -> None:
-    keep = tmp_path / "keep.img"
+    keep = tmp_path / "disks" / "keep.img"
+    keep.parent.mkdir()
     keep.write_bytes(b"precious" * 2048)
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -41,6 +42,9 @@ def test_failed_up_keeps_a_disk_image_it_did_not_create(host: Host, tmp_path: Pa
     port = busy.getsockname()[1]
     spec = tmp_path / "host.toml"
     spec.write_text(f"""
+[[storage]]
+path = "{keep.parent}"
+
 [[partition]]
 name = "p0"
 cpus = "0"

@@ -161,7 +161,8 @@ def test_api_under_load_no_5xx_no_lost_update(host: Host, tmp_path: Path) -> Non
                                       ("vm2", "p0", False)):
                 Api.ok(c, c.post("/1.0/vms", json={"name": name, "partition": part,
                                                     "memory_mib": 128, "start": start}))
-            r = c.post("/1.0/disks", json={"name": "d2", "path": str(tmp_path / "d2.img"),
+            r = c.post("/1.0/disks", json={"name": "d2",
+                                           "path": str(host.home / "disks" / "d2.img"),
                                            "partition": "p0", "size_mib": 1})
             assert r.status_code == 201, r.text
             vm1_before = c.get("/1.0/vms/vm1").json()

@@ -49,7 +49,7 @@ def test_bench_mint_quick(host: Host, tmp_path: Path) -> None:
     assert len(pairs) == 6
     # everything the run made is gone: partitions, VMs, disk files
     assert host.ps() == {"partitions": [], "vms": []}
-    assert not (host.home / "bench-mint").exists()
+    assert not (host.home / "disks" / "bench-mint").exists()
 
     text = (rep / "report.md").read_text()
     assert "## Beside the paper" in text and "| VM vs native (4 vs 1) |" in text

@@ -16,9 +16,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 def test_spec_file_up_down_and_disk_files(host: Host, tmp_path: Path) -> None:
-    disk = tmp_path / "data.img"
+    disk = tmp_path / "disks" / "data.img"
     spec = tmp_path / "host.toml"
     spec.write_text(f"""
+[[storage]]
+path = "{disk.parent}"
+
 [[partition]]
 name = "web"
 cpus = "0-1"

@@ -53,7 +53,7 @@ def test_in_place_moves_every_vm_to_a_new_qemu_by_cpr_transfer(host: Host) -> No
     host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024", "--qemu", "10.0")
     host.run("vm", "create", "vm0", "-p", "p0", "--port", f"{PORT}:80", "--start")
     # vm1 has a disk: its image's data and its write access survive the move.
-    host.run("disk", "add", "d0", str(host.home / "d0.img"), "-p", "p0", "--size-mib", "64")
+    host.run("disk", "add", "d0", "-p", "p0", "--size-mib", "64")
     host.run("vm", "create", "vm1", "-p", "p0", "--disk", "d0", "--start")
     for vm in ("vm0", "vm1"):
         host.run("vm", "exec", vm, "--", "/bin/sh", "-c", WRITE)

@@ -157,11 +157,12 @@ def test_resize_moves_cores_and_memory_and_repins(host: Host) -> None:
     assert "needs at least" in err.err
 
 
-def test_disks_belong_to_one_partition(host: Host, tmp_path: Path) -> None:
+def test_disks_belong_to_one_partition(host: Host) -> None:
     host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
     host.run("partition", "create", "b", "--cpus", "1", "--memory", "768")
-    img = tmp_path / "d0.img"
-    host.run("disk", "add", "d0", str(img), "-p", "a", "--size-mib", "16")
+    # Without a path: d0.img in the default storage directory, FUSUMA_HOME/disks.
+    host.run("disk", "add", "d0", "-p", "a", "--size-mib", "16")
+    img = host.home / "disks" / "d0.img"
     assert img.stat().st_size == 16 * 1024 * 1024
     err = host.fail("vm", "create", "vb", "-p", "b", "--disk", "d0")
     assert "belongs to partition 'a'" in err.err

@@ -147,9 +147,9 @@ def test_each_qemu_runs_as_its_own_uid_and_nobody_reaches_its_files(host: Host) 
     assert md5 not in qmp_log and "/tmp/blob" not in qmp_log and "urandom" not in qmp_log
 
 
-def test_disk_of_an_unprivileged_qemu(host: Host, tmp_path: Path) -> None:
+def test_disk_of_an_unprivileged_qemu(host: Host) -> None:
     host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
-    img = tmp_path / "d0.img"
+    img = host.home / "disks" / "d0.img"
     host.run("disk", "add", "d0", str(img), "-p", "a", "--size-mib", "16")
     # Created by root under umask 077 in a root-only directory: QEMU's uid could not
     # open it by path; the supervisor passes it as fds.

@@ -193,7 +193,9 @@ def test_a_route_without_a_role_cannot_be_made() -> None:
 def test_refused_writes_change_nothing(app: FastAPI, paths: Paths,
                                        tmp_path: Path) -> None:
     """A real body past the gate's check: the disk is registered only by admin."""
-    img = tmp_path / "d.img"
+    # Inside the default storage directory: the one place a disk may be registered.
+    img = paths.home / "disks" / "d.img"
+    img.parent.mkdir(parents=True, exist_ok=True)
     img.write_bytes(b"\0" * 4096)
     db = Database(paths.db)
     db.add_partition(PartitionRecord("p0", [0], 1024))

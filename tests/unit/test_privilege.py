@@ -17,6 +17,7 @@ from fusuma.paths import DEFAULT_UID_BASE, UID_RANGE, Paths, ensure_dir
 from fusuma.qemu import privilege
 from fusuma.qemu.cmdline import DiskConfig, SegmentConfig, VmConfig, build_argv
 from fusuma.state import VmRecord
+from tests.opens import watch_opens
 
 ROOT = os.geteuid() == 0
 
@@ -153,13 +154,14 @@ def test_ram_file_is_new_private_and_owned_by_the_vm(tmp_path: Path) -> None:
 def cfg(tmp: Path, **kw: object) -> VmConfig:
     for name in ("vmlinuz", "initrd.img", "d0.img", "seg.erofs"):
         (tmp / name).write_bytes(b"x" * 4096)
+    d0 = (tmp / "d0.img").stat()
     base: dict[str, object] = dict(
         name="vm0", vcpus=1, memory_mib=256, accel="tcg", kernel=tmp / "vmlinuz",
         initrd=tmp / "initrd.img", append="console=ttyS0", qmp_socket=tmp / "qmp.sock",
         qga_socket=tmp / "qga.sock", console_socket=tmp / "console.sock",
         console_log=tmp / "console.log", pidfile=tmp / "qemu.pid",
         ram_file=tmp / "vm0.ram",
-        disks=[DiskConfig("d0", tmp / "d0.img")],
+        disks=[DiskConfig("d0", tmp / "d0.img", dev=d0.st_dev, ino=d0.st_ino)],
         segments=[SegmentConfig("s", tmp / "seg.erofs", 4096, "/mnt/s")])
     base.update(kw)
     return VmConfig(**base)  # type: ignore[arg-type]
@@ -199,11 +201,40 @@ def test_open_for_qemu_passes_every_file_as_an_fd(tmp_path: Path) -> None:
 
 
 def test_open_for_qemu_leaves_nothing_open_on_failure(tmp_path: Path) -> None:
-    c = cfg(tmp_path, disks=[DiskConfig("d0", tmp_path / "missing.img")])
+    c = cfg(tmp_path, disks=[DiskConfig("d0", tmp_path / "missing.img", dev=1, ino=2)])
     before = open_fds()
-    with pytest.raises(HostError, match="cannot open disk 'd0'"):
+    with pytest.raises(HostError, match="disk 'd0': cannot open"):
         privilege.open_for_qemu(c, os.geteuid(), new_ram=True)
     assert open_fds() == before
+
+
+@pytest.mark.parametrize("swap", ["symlink", "other file"])
+def test_a_disk_swapped_after_registration_is_not_opened(tmp_path: Path, swap: str) -> None:
+    """The registered d0.img is replaced by a symlink to another file, or by another
+    file: refused with one sentence, and the file it now names was never opened
+    (inotify sees no open of it) and no descriptor is left."""
+    c = cfg(tmp_path)
+    target = tmp_path / "host-secret"
+    target.write_bytes(b"secret")
+    # Kept aside, so that the new file cannot get its inode number again.
+    (tmp_path / "d0.img").rename(tmp_path / "d0.orig")
+    if swap == "symlink":
+        (tmp_path / "d0.img").symlink_to(target)
+    else:
+        target = tmp_path / "d0.img"
+        target.write_bytes(b"y" * 4096)
+    before = open_fds()
+    with watch_opens(target) as opens:
+        with pytest.raises(HostError) as err:
+            privilege.open_for_qemu(c, os.geteuid(), new_ram=True)
+        assert opens.count() == 0, "the file the disk's path names now was opened"
+    said = str(err.value)
+    assert said.startswith("disk 'd0': ") and said.count(". ") == 0, said
+    assert ("symbolic link" if swap == "symlink" else "another file") in said
+    assert open_fds() == before
+    with watch_opens(target) as opens:    # the watch sees an open (it can fail)
+        target.open("rb").close()
+        assert opens.count() == 1
 
 
 def test_destination_never_creates_the_ram_file(tmp_path: Path) -> None:

@@ -55,9 +55,13 @@ def test_older_state_file_gets_new_columns(tmp_path: Path) -> None:
             accel TEXT NOT NULL, autostart INTEGER NOT NULL, state TEXT NOT NULL,
             pid INTEGER, accel_used TEXT, qemu_binary TEXT, started_at REAL, error TEXT,
             created_at REAL NOT NULL);
+        CREATE TABLE disks (name TEXT PRIMARY KEY, path TEXT NOT NULL UNIQUE,
+            partition TEXT NOT NULL REFERENCES partitions(name),
+            created_file INTEGER NOT NULL DEFAULT 0);
         INSERT INTO partitions VALUES ('p0', '[0]', 512, NULL, NULL, NULL, 0);
         INSERT INTO vms VALUES ('v', 'p0', 1, 256, 'minimal', '[]', 'auto', 1, 'stopped',
             NULL, NULL, NULL, NULL, NULL, 0);
+        INSERT INTO disks VALUES ('d0', '/old/d0.img', 'p0', 1);
     """)
     old.close()
     db = Database(path)
@@ -65,3 +69,8 @@ def test_older_state_file_gets_new_columns(tmp_path: Path) -> None:
     assert (v.shared_ram, v.ram_path, v.qos) == (True, None, "burstable")
     db.add_vm(VmRecord("w", "p0", 1, 128))
     assert db.vm("w").memory_mib == 128
+    # Disks registered without their file's identity: taken over once (first writer).
+    assert db.disk("d0") == DiskRecord("d0", "/old/d0.img", "p0", True, None, None)
+    assert db.storage_dirs() == []
+    assert db.set_disk_identity("d0", 5, 6) and not db.set_disk_identity("d0", 7, 8)
+    assert (db.disk("d0").dev, db.disk("d0").ino) == (5, 6)

@@ -14,6 +14,7 @@ from fusuma.api.http import valid_name
 from fusuma.api.operations import Operation
 from fusuma.api.roles import ADMIN, OPERATOR, VIEWER, RoleRoute, require
 from fusuma.errors import SpecError
+from fusuma.ops import segments
 from fusuma.ops.segments import segment_manager
 from fusuma.ops.templates import template_manager
 from fusuma.state.roles import Role
@@ -38,9 +39,11 @@ def router(d: Daemon) -> APIRouter:
     @r.post("/1.0/segments", dependencies=[ADMIN], status_code=202,
             summary="Build a segment from a directory or an image's root (operation)")
     def create_segment(body: m.SegmentCreate) -> JSONResponse:
+        c = d.ctx()
+        from_dir = Path(body.from_dir) if body.from_dir is not None else None
+        segments.check_source(c, from_dir)        # a host directory: root's CLI only
         if (body.from_dir is None) == (body.from_image is None):
             raise SpecError("give either from_dir or from_image (one of them).")
-        c = d.ctx()
         if c.db.find_segment(body.name) is not None:
             from fusuma.errors import ConflictError
 
@@ -48,9 +51,8 @@ def router(d: Daemon) -> APIRouter:
 
         def work(op: Operation) -> Any:
             c = d.ctx()
-            segment_manager(c).create(
-                body.name, from_dir=Path(body.from_dir) if body.from_dir else None,
-                from_image=body.from_image, progress=lambda s: d.ops.set_progress(op, s))
+            segments.create(c, body.name, from_dir=from_dir, from_image=body.from_image,
+                            progress=lambda s: d.ops.set_progress(op, s))
             return next(s for s in segments_data(c) if s["name"] == body.name)
         return d.submit("segment-create", f"create segment {body.name}",
                         {"segments": [f"/1.0/segments/{body.name}"]}, work)

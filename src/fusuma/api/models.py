@@ -27,11 +27,18 @@ class VmCreate(VmSpec):
 
 
 class PartitionCreate(PartitionSpec):
-    """A partition (the keys of a spec's ``[[partition]]``)."""
+    """A partition (the keys of a spec's ``[[partition]]``); its ``qemu`` is a version
+    `fusuma qemu list` shows (a binary's path only from root's CLI or spec file)."""
+
+    qemu: str | None = Field(None, description="Its QEMU: an installed version such as "
+                             "\"10.0\" (`fusuma qemu list`); none: the system's. A "
+                             "binary's path is refused here.")
 
 
 class DiskCreate(DiskSpec):
-    """A disk (the keys of a spec's ``[[disk]]``)."""
+    """A disk (the keys of a spec's ``[[disk]]``): a regular file inside a storage
+    directory that root declared (`fusuma storage list`), never a symlink or a
+    device."""
 
 
 class PartitionPatch(_Req):
@@ -78,7 +85,8 @@ class Maintain(_Req):
 
     via: str | None = None
     in_place: bool = False
-    qemu: str | None = None
+    qemu: str | None = Field(None, description="The QEMU to come back on: an installed "
+                             "version (`fusuma qemu list`), never a binary's path.")
 
     @field_validator("via")
     @classmethod
@@ -96,7 +104,8 @@ class Maintain(_Req):
 
 class SegmentCreate(_Req):
     name: str
-    from_dir: str | None = None
+    from_dir: str | None = Field(None, description="Refused here: a segment from a host "
+                                 "directory is built only by root's CLI.")
     from_image: str | None = None
 
     _check = field_validator("name")(_name_field)

@@ -46,6 +46,9 @@ def router(d: Daemon) -> APIRouter:
         from fusuma.spec import PartitionSpec
 
         pspec = PartitionSpec.model_validate(spec.model_dump())
+        # A version `fusuma qemu list` shows, never a binary's path: refused here, before
+        # the operation, so nothing named is run and no partition is made.
+        c.parts.check_qemu(pspec.qemu)
 
         def work(op: Operation) -> Any:
             c = d.ctx()

@@ -21,7 +21,6 @@ import html
 import logging
 import os
 import re
-import subprocess
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -54,25 +53,6 @@ def results_dir() -> Path:
 
 
 # -- the state the page shows -----------------------------------------------------------
-_versions: dict[str, str | None] = {}
-
-
-def qemu_version(binary: str | None) -> str | None:
-    """``X.Y.Z`` of a QEMU binary (cached per path; None when it does not answer)."""
-    import shutil
-
-    path = binary or shutil.which("qemu-system-x86_64") or "qemu-system-x86_64"
-    if path not in _versions:
-        try:
-            out = subprocess.run([path, "--version"], capture_output=True, text=True,
-                                 timeout=10).stdout
-            m = re.search(r"version (\d+\.\d+(?:\.\d+)?)", out)
-            _versions[path] = m.group(1) if m else None
-        except (OSError, subprocess.SubprocessError):
-            _versions[path] = None
-    return _versions[path]
-
-
 def vcpu_cores(pid: int) -> dict[int, int]:
     """vCPU index -> the core its thread last ran on (/proc/PID/task/TID/stat field 39)."""
     from fusuma.governor import measure
@@ -109,10 +89,10 @@ def ui_state(d: Daemon) -> dict[str, Any]:
             p["memory_usage_mib"] = round(c.parts.cg.memory_current(p["name"]) / 2**20, 1)
         except FusumaError:
             p["memory_usage_mib"] = None
-        p["qemu_version"] = qemu_version(p["qemu"])
+    # Each partition's QEMU version comes from ps_data: cached probes only, so a page
+    # load runs no binary.
     for p in data["partitions"]:
         p.setdefault("memory_usage_mib", None)
-        p.setdefault("qemu_version", qemu_version(p["qemu"]))
     samples = d.sampler.history()
     lent: dict[int, str] = {}
     for v in data["vms"]:

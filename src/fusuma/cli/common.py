@@ -21,8 +21,9 @@ def echo_err(text: str) -> None:
 
 
 def make_ctx(paths: Paths) -> Ctx:
-    """The CLI's context: notices go through click to stderr."""
-    return Ctx(paths, notice=echo_err)
+    """The CLI's context: notices go through click to stderr; root's CLI may name host
+    paths (a QEMU binary, a segment's directory)."""
+    return Ctx(paths, notice=echo_err, host_paths=True)
 
 
 def cpus_option(value: str | None) -> list[int] | None:

@@ -10,23 +10,32 @@ from fusuma.views.disks import disks_data
 
 @click.group()
 def disk() -> None:
-    """Register disks (image files or block devices) to partitions and move them.
+    """Register disk files in storage directories to partitions, and move them.
 
-    A disk belongs to exactly one partition; only that partition's VMs can use it. It
-    can be handed to another partition while no VM has it attached."""
+    A disk is a raw image file inside a storage directory (`fusuma storage list`;
+    FUSUMA_HOME/disks always is one), never a symlink or a device; its device and inode
+    are recorded, and a VM's start refuses a file swapped since. A disk belongs to
+    exactly one partition; only that partition's VMs can use it. It can be handed to
+    another partition while no VM has it attached."""
 
 
 @disk.command("add")
 @click.argument("name")
-@click.argument("path")
+@click.argument("path", required=False)
 @click.option("--partition", "-p", required=True)
 @click.option("--size-mib", type=int, default=None,
               help="Create PATH as a sparse raw file of this size if it does not exist.")
 @pass_ctx
-def add(c: Ctx, name: str, path: str, partition: str, size_mib: int | None) -> None:
-    """Give disk NAME at PATH to a partition."""
+def add(c: Ctx, name: str, path: str | None, partition: str, size_mib: int | None) -> None:
+    """Give disk NAME at PATH (default: NAME.img in FUSUMA_HOME/disks) to a partition.
+
+    PATH must lie in a storage directory (`fusuma storage list`)."""
+    from fusuma.host.storage import default_dir
+    from fusuma.names import check_name
     from fusuma.spec import DiskSpec, build
 
+    if path is None:
+        path = str(default_dir(c.paths) / f"{check_name('disk', name)}.img")
     rec = c.parts.add_disk(build(DiskSpec, "disk", name=name, path=path,
                                  partition=partition, size_mib=size_mib))
     click.echo(f"disk {rec.name}: {rec.path} in partition {rec.partition}")
@@ -44,7 +53,9 @@ def move(c: Ctx, name: str, to: str) -> None:
 
 @disk.command("remove")
 @click.argument("name")
-@click.option("--delete-file", is_flag=True, help="Also delete the image file.")
+@click.option("--delete-file", is_flag=True,
+              help="Also delete the image file: only one fusuma created (--size-mib), and "
+                   "only while it is still that file.")
 @pass_ctx
 def remove(c: Ctx, name: str, delete_file: bool) -> None:
     """Unregister disk NAME (the file stays unless --delete-file)."""

@@ -43,7 +43,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cluster": ("fusuma.cluster.command:cluster",
                 "fusuma on Kubernetes: the CRDs and RBAC the agents need."),
     "disk": ("fusuma.cli.disk:disk",
-             "Register disks (image files or block devices) to partitions and move them."),
+             "Register disk files in storage directories to partitions, and move them."),
     "down": ("fusuma.cli.host:down",
              "Remove every VM, disk and partition of this host (this FUSUMA_HOME)."),
     "governor": ("fusuma.cli.governor:governor",
@@ -66,6 +66,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "metrics."),
     "share": ("fusuma.cli.share:share",
               "Memory shared between VMs, and exactly where every shared MiB comes from."),
+    "storage": ("fusuma.cli.storage:storage",
+                "Directories for disk files: disks are created or registered only inside "
+                "them."),
     "template": ("fusuma.cli.template:template",
                  "Templates: a booted VM's RAM and device state, to start clones from."),
     "token": ("fusuma.cli.token:token",

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress, table
+from fusuma.ops import segments
 from fusuma.ops.segments import segment_manager
 from fusuma.views.segments import segment_json, segments_data
 
@@ -41,8 +42,8 @@ def segment() -> None:
 def create(c: Ctx, name: str, from_dir: Path | None, from_image: str | None,
            as_json: bool) -> None:
     """Build segment NAME from a directory or an image's root filesystem."""
-    rec = segment_manager(c).create(name, from_dir=from_dir, from_image=from_image,
-                         progress=progress)
+    rec = segments.create(c, name, from_dir=from_dir, from_image=from_image,
+                          progress=progress)
     if as_json:
         emit_json(segment_json(c, rec))
     else:

@@ -179,8 +179,8 @@ PARTITION_SPEC = _obj("A partition on one host: exclusive cores, a memory budget
                           "memoryMiB": _i("Memory budget (supervisor + VMs' QEMUs).",
                                           minimum=128),
                           "qemu": _s("QEMU its VMs run: a version `fusuma qemu list` "
-                                     "shows (e.g. 10.0) or a binary's path; empty: the "
-                                     "host's own. Set when the partition is made."),
+                                     "shows (e.g. 10.0), never a binary's path; empty: "
+                                     "the host's own. Set when the partition is made."),
                       }, required=["host", "cpus", "memoryMiB"])
 
 PARTITION_STATUS = _obj("Written by its host's agent.", {

@@ -35,6 +35,9 @@ class Ctx:
     _vms: VmManager | None = None
     notices: set[str] = field(default_factory=set)
     notice: Callable[[str], None] = to_stderr
+    # Root's CLI: may name host paths that root then runs or reads (a partition's QEMU
+    # binary, a directory for a segment). The API and the cluster agent may not.
+    host_paths: bool = False
 
     @property
     def db(self) -> Database:
@@ -57,6 +60,7 @@ class Ctx:
 
             self._parts = in_process(PartitionManager(self.paths, self.db))
             self._parts.notice = self.notice
+            self._parts.host_paths = self.host_paths
         return self._parts
 
     @property

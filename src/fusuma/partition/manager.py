@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,14 +24,13 @@ from fusuma.errors import (
     ConflictError,
     FusumaError,
     HostError,
-    NotFoundError,
     ResourceError,
     SpecError,
     StateError,
     SupervisorError,
 )
 from fusuma.governor.qos import check_cores
-from fusuma.host import cgroups
+from fusuma.host import cgroups, storage
 from fusuma.host.topology import HostInfo, format_cpulist, host_info, siblings_text
 from fusuma.names import check_name
 from fusuma.partition import liveness
@@ -77,6 +76,9 @@ class PartitionManager:
         self.notice: Callable[[str], None] = lambda text: LOG.warning("%s", text)
         # How a job whose owner died is recovered before an operation takes its object.
         self.recover: Recover = self._recover_by_process
+        # Whether the caller may name a host binary as a partition's QEMU: root's CLI
+        # (and spec) only; the API's and the cluster's callers name versions.
+        self.host_paths = False
 
     @property
     def cg(self) -> cgroups.CgroupDriver:
@@ -178,13 +180,17 @@ class PartitionManager:
             capacity.check_resize(self.db, name, memory_mib)
 
     def check_qemu(self, qemu: str | None) -> None:
-        """A partition's QEMU: a version `fusuma qemu list` shows, or a binary's path
+        """A partition's QEMU: a version `fusuma qemu list` shows, or, where the caller
+        may name host paths (``host_paths``: root's CLI), a binary's path
         (fusuma.qemu.versions raises the sentence that says how to get it)."""
         if qemu is None:
             return
         from fusuma.qemu import versions
 
-        versions.resolve(self.paths, qemu)
+        if self.host_paths:
+            versions.resolve(self.paths, qemu)
+        else:
+            versions.check_version_name(self.paths, qemu)
 
     # -- create / delete --------------------------------------------------------------
     @locked
@@ -242,7 +248,7 @@ class PartitionManager:
             LOG.warning("killing leftover pid %d in partition %s", pid, name)
             process.kill(pid)
         for d in self.db.disks(name):
-            self.remove_disk(d.name, delete_file=d.created_file)
+            self.drop_disk(d.name)
         self._wait_empty(name)
         self.cg.delete(name)
         self.db.remove_partition(name)
@@ -414,30 +420,37 @@ class PartitionManager:
                      supervisor_pid=pid, was_running=old)
         return pid
 
+    # -- storage directories ----------------------------------------------------------
+    @locked
+    def add_storage(self, path: str) -> Path:
+        """Declare a directory for disk files (root's CLI and spec only)."""
+        return storage.add(self.paths, self.db, path)
+
+    @locked
+    def remove_storage(self, path: str) -> Path:
+        return storage.remove(self.paths, self.db, path)
+
+    def storage_dirs(self) -> list[Path]:
+        return storage.declared(self.paths, self.db)
+
     # -- disks ------------------------------------------------------------------------
     @locked
     def add_disk(self, spec: DiskSpec) -> DiskRecord:
+        """Register (or, with ``size_mib`` and no file there, create) a disk file inside
+        a storage directory (``fusuma.host.storage``), with its device and inode."""
         check_name("disk", spec.name)
         self.db.partition(spec.partition)
         if self.db.find_disk(spec.name) is not None:
             raise ConflictError(f"a disk named {spec.name!r} already exists.")
-        path = Path(spec.path)
-        created = False
-        if not path.exists():
-            if spec.size_mib is None:
-                raise NotFoundError(f"disk file {path} does not exist; give --size-mib to "
-                                    "create it.")
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(path, "xb") as f:
-                    f.truncate(spec.size_mib * 1024 * 1024)
-            except OSError as exc:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                raise HostError(f"cannot create disk file {path}: {exc.strerror}.") from exc
-            created = True
-        rec = DiskRecord(spec.name, str(path), spec.partition, created)
+        place = storage.locate(self.paths, self.db, spec.path)
+        ident, created = storage.claim(place, spec.size_mib)
+        path = place.path
+        rec = DiskRecord(spec.name, str(path), spec.partition, created, ident.dev, ident.ino)
         try:
+            same = self.db.disk_with_identity(ident.dev, ident.ino)
+            if same is not None:
+                raise ConflictError(f"{path} is the file of disk {same.name!r} already "
+                                    f"({same.path}).")
             self.db.add_disk(rec)
         except ConflictError:
             if created:
@@ -455,16 +468,35 @@ class PartitionManager:
             raise StateError(f"disk {name!r} is attached to VM {v.name!r} ({v.state.value}); "
                              f"detach it first with `fusuma vm detach {v.name} {name}`.")
         self.db.move_disk(name, to)
-        return DiskRecord(disk.name, disk.path, to, disk.created_file)
+        return replace(disk, partition=to)
 
     @locked
     def remove_disk(self, name: str, delete_file: bool = False) -> None:
+        """Unregister disk ``name``; ``delete_file``: also delete its file, which is
+        refused (nothing changes) unless fusuma created it and it is still that file."""
         disk = self.db.disk(name)
         users = [v.name for v in self.db.vms() if name in v.disks]
         if users:
             raise StateError(f"disk {name!r} is attached to VM {users[0]!r}; detach it first.")
+        if delete_file:
+            why = storage.deletable(disk)
+            if why is not None:
+                raise StateError(f"disk {name!r}: {why}; remove the disk without deleting "
+                                 "its file, and delete the file yourself if you mean to.")
         self.db.remove_disk(name)
         if delete_file:
-            with contextlib.suppress(FileNotFoundError):
-                Path(disk.path).unlink()
+            why = storage.delete_file(disk)
+            if why is not None:
+                self.notice(f"fusuma: notice: disk {name!r} removed, its file kept: {why}.")
 
+    @locked
+    def drop_disk(self, name: str) -> None:
+        """Unregister disk ``name`` as part of removing more (a partition, the host):
+        its file goes if fusuma created it and it is still that file, else it stays
+        with a notice when fusuma created it."""
+        disk = self.db.disk(name)
+        self.db.remove_disk(name)
+        if disk.created_file:
+            why = storage.delete_file(disk)
+            if why is not None:
+                self.notice(f"fusuma: notice: disk {name!r} removed, its file kept: {why}.")

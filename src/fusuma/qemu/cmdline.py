@@ -83,6 +83,9 @@ class DiskConfig:
     # its block layer opens a read-write image read-only first, then read-write, and
     # takes from the fdset the fd of the matching mode.
     fds: tuple[int, ...] = ()
+    # The file's identity when it was registered: the open refuses another file.
+    dev: int | None = None
+    ino: int | None = None
 
 
 @dataclass(frozen=True)

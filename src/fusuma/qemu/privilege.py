@@ -13,7 +13,8 @@ sandbox's ``elevateprivileges=deny`` forbids.
 
 What QEMU needs but may not reach by path is opened here, by root, and passed as
 descriptors (:func:`open_for_qemu`): the RAM file (0600, owned by the VM's uid), each
-disk, the console log, segments, kernel and initrd. By path QEMU opens only its run dir
+disk (the file registered, checked by device and inode: ``fusuma.host.storage``), the
+console log, segments, kernel and initrd. By path QEMU opens only its run dir
 (0700, owned by its uid) and its own binary, firmware and library trees, which must be
 readable and executable by other users.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 from types import TracebackType
 
 from fusuma.errors import HostError, ResourceError, StateError
+from fusuma.host import storage
 from fusuma.paths import UID_RANGE, Paths
 from fusuma.qemu.cmdline import DiskConfig, VmConfig
 from fusuma.state import VmRecord
@@ -179,10 +181,22 @@ def _open_public(vm: str, what: str, path: Path) -> int:
 
 
 def _open_disk(vm: str, files: QemuFiles, disk: DiskConfig) -> tuple[int, ...]:
-    ro = files.add(_open(vm, f"disk {disk.name!r}", disk.path, os.O_RDONLY))
-    if disk.readonly:
-        return (ro,)
-    return (files.add(_open(vm, f"disk {disk.name!r}", disk.path, os.O_RDWR)), ro)
+    """Open a disk's file as registered: the path without following a symlink, checked
+    against the recorded device and inode before that inode is opened (by
+    ``/proc/self/fd``), so a file swapped since registration is never opened."""
+    pinned = storage.check_registered(disk.name, disk.path, disk.dev, disk.ino)
+    try:
+        modes = (os.O_RDONLY,) if disk.readonly else (os.O_RDWR, os.O_RDONLY)
+        out = []
+        for mode in modes:
+            try:
+                out.append(files.add(storage.reopen(pinned, mode)))
+            except OSError as exc:
+                raise HostError(f"VM {vm}: cannot open disk {disk.name!r} {disk.path}: "
+                                f"{exc.strerror}.") from exc
+        return tuple(out)
+    finally:
+        os.close(pinned)
 
 
 def open_for_qemu(cfg: VmConfig, uid: int, *, new_ram: bool) -> tuple[VmConfig, QemuFiles]:

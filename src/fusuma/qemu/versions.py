@@ -1,7 +1,8 @@
 """Installed QEMU versions: the distribution's own and those fusuma unpacked beside it.
 
-A partition names its hypervisor by version (``"10.0"``), by path, or not at all (the
-system's QEMU). :func:`resolve` is the one place that turns such a name into a
+A partition names its hypervisor by version (``"10.0"``), by path (root's CLI and spec
+only: :func:`check_version_name` is what the API and the cluster get), or not at all
+(the system's QEMU). :func:`resolve` is the one place that turns such a name into a
 :class:`Qemu`: the binary, the ``-L`` data directories and environment it needs, its
 versioned machine types and the features fusuma uses. Everyone calls it.
 
@@ -429,6 +430,18 @@ def resolve(paths: Paths, wanted: str | None) -> Qemu:
     found = _cached_probe(paths, path)
     assert found is not None
     return _from_probe(found, path, system=False)
+
+
+def check_version_name(paths: Paths, wanted: str | None) -> None:
+    """A QEMU named by a caller that may not name a binary (the API, the cluster): an
+    installed version or nothing, never a path, so that nothing such a caller sends
+    is run (the probe runs a binary as root)."""
+    if wanted is not None and not SERIES_RE.match(wanted):
+        have = ", ".join(q.series for q in installed(paths)) or "none"
+        raise SpecError(f"qemu {wanted!r} is not a QEMU version: here a partition's QEMU "
+                        f"is a version `fusuma qemu list` shows (installed: {have}), and "
+                        "a binary's path is taken only from root's CLI or spec file.")
+    resolve(paths, wanted)
 
 
 def known_version(paths: Paths, wanted: str | None) -> str | None:

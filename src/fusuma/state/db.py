@@ -135,7 +135,8 @@ class Database:
     @staticmethod
     def _disk(row: sqlite3.Row) -> DiskRecord:
         return DiskRecord(name=row["name"], path=row["path"], partition=row["partition"],
-                          created_file=bool(row["created_file"]))
+                          created_file=bool(row["created_file"]), dev=row["dev"],
+                          ino=row["ino"])
 
     def disks(self, partition: str | None = None) -> list[DiskRecord]:
         if partition is None:
@@ -157,11 +158,40 @@ class Database:
 
     def add_disk(self, d: DiskRecord) -> None:
         try:
-            self._conn.execute("INSERT INTO disks VALUES (?,?,?,?)",
-                               (d.name, d.path, d.partition, int(d.created_file)))
+            self._conn.execute(
+                "INSERT INTO disks (name, path, partition, created_file, dev, ino) "
+                "VALUES (?,?,?,?,?,?)",
+                (d.name, d.path, d.partition, int(d.created_file), d.dev, d.ino))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a disk named {d.name!r} or with path {d.path} "
                                 "is already registered.") from exc
+
+    def disk_with_identity(self, dev: int, ino: int) -> DiskRecord | None:
+        row = self._conn.execute("SELECT * FROM disks WHERE dev=? AND ino=?",
+                                 (dev, ino)).fetchone()
+        return self._disk(row) if row else None
+
+    def set_disk_identity(self, name: str, dev: int, ino: int) -> bool:
+        """Record the identity of a disk registered without one (a take-over); False
+        when it has one already (another process took it over first)."""
+        cur = self._conn.execute("UPDATE disks SET dev=?, ino=? WHERE name=? AND dev IS NULL",
+                                 (dev, ino, name))
+        return cur.rowcount == 1
+
+    # -- storage directories --------------------------------------------------------
+    def storage_dirs(self) -> list[str]:
+        """The directories root declared for disk files (`fusuma storage add`)."""
+        return [r["path"] for r in
+                self._conn.execute("SELECT path FROM storage ORDER BY path").fetchall()]
+
+    def add_storage_dir(self, path: str) -> bool:
+        """False when it was declared already."""
+        cur = self._conn.execute("INSERT OR IGNORE INTO storage VALUES (?, ?)",
+                                 (path, time.time()))
+        return cur.rowcount == 1
+
+    def remove_storage_dir(self, path: str) -> None:
+        self._conn.execute("DELETE FROM storage WHERE path=?", (path,))
 
     def move_disk(self, name: str, partition: str) -> None:
         self._conn.execute("UPDATE disks SET partition=? WHERE name=?", (partition, name))

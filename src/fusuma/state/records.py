@@ -28,6 +28,11 @@ class DiskRecord:
     path: str
     partition: str
     created_file: bool = False
+    # The file's identity when it was registered (st_dev, st_ino): every start opens
+    # the path without following a symlink and refuses another file. None: registered
+    # by a fusuma that did not record it (taken over at its first start).
+    dev: int | None = None
+    ino: int | None = None
 
 
 @dataclass(frozen=True)

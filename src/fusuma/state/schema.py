@@ -19,6 +19,10 @@ CREATE TABLE IF NOT EXISTS disks (
     partition TEXT NOT NULL REFERENCES partitions(name),
     created_file INTEGER NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS storage (
+    path TEXT PRIMARY KEY,           -- a directory root declared for disk files
+    created_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS vms (
     name TEXT PRIMARY KEY,
     partition TEXT NOT NULL REFERENCES partitions(name),
@@ -116,4 +120,6 @@ ADDED_COLUMNS = (
     ("vms", "page_reporting", "INTEGER"),
     ("vms", "template", "TEXT"),
     ("tokens", "role", "TEXT"),
+    ("disks", "dev", "INTEGER"),
+    ("disks", "ino", "INTEGER"),
 )

@@ -4,12 +4,13 @@ guest sees and the files, sockets and disks its QEMU gets (rendered to argv by
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
 from fusuma.errors import HostError, SegmentError, StateError
-from fusuma.host import cgroups
+from fusuma.host import cgroups, storage
 from fusuma.images import find_image
 from fusuma.memshare import clones, reporting
 from fusuma.paths import MAX_SOCKET_PATH, Paths
@@ -82,9 +83,11 @@ def vm_config(h: Where, vm: VmRecord, accel: str, run: Path, ram_file: Path | No
         if d.partition != (disk_owner or h.partition):
             raise StateError(f"disk {dname!r} belongs to partition {d.partition!r}, not "
                              f"{h.partition!r}; a VM can only use its partition's disks.")
-        if not Path(d.path).exists():
-            raise HostError(f"disk {dname!r}: {d.path} does not exist.")
-        disks.append(DiskConfig(dname, Path(d.path)))
+        # A disk an older fusuma registered gets its identity recorded now; a file
+        # swapped since registration is refused before anything of the start is done.
+        d = storage.take_over(h.paths, h.db, d)
+        os.close(storage.check_registered(dname, Path(d.path), d.dev, d.ino))
+        disks.append(DiskConfig(dname, Path(d.path), dev=d.dev, ino=d.ino))
     segments = []
     for item in vm.segments:
         sname, _, mount = item.partition(":")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fusuma.ops.context import Ctx
 
 
@@ -10,3 +12,15 @@ def disks_data(c: Ctx) -> list[dict[str, str | None]]:
     users = {d: v.name for v in c.db.vms() for d in v.disks}
     return [{"name": d.name, "path": d.path, "partition": d.partition,
              "vm": users.get(d.name)} for d in c.db.disks()]
+
+
+def storage_data(c: Ctx) -> list[dict[str, Any]]:
+    """What `storage list --json` prints: each storage directory, whether it is the
+    default one, and the disks whose files lie in it."""
+    from fusuma.host import storage
+
+    default = storage.default_dir(c.paths)
+    disks = c.db.disks()
+    return [{"path": str(d), "default": d == default,
+             "disks": [x.name for x in disks if storage.holds(x.path, d)]}
+            for d in storage.declared(c.paths, c.db)]
