@@ -137,6 +137,7 @@ class QemuInstance:
     # file is a template's: then it must outlive this process.
     owns_ram: bool = True
     stopping: bool = False           # its end was asked for: not a crash
+    stop_note: str | None = None     # how that end went, if not cleanly (the record's)
     started_log: str | None = None   # QEMU's last log line at start: exits say newer ones
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     exited: asyncio.Event = field(default_factory=asyncio.Event)
@@ -342,6 +343,8 @@ class QemuInstance:
         except TimeoutError:
             LOG.warning("%s did not quit in %.0f s; killing pid %d", self.vm, timeout,
                         self.pid)
+        killed = f"QEMU did not quit within {timeout:.0f} s and was killed"
+        self.stop_note = f"{self.stop_note}; {killed}" if self.stop_note else killed
         await self.kill()
         return False
 

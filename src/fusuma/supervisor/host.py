@@ -339,7 +339,7 @@ class PartitionHost:
             return
         if inst.stopping:
             with contextlib.suppress(FusumaError):
-                self.settle_state(inst.vm, VmState.STOPPED, pid=None, error=None)
+                self.settle_state(inst.vm, VmState.STOPPED, pid=None, error=inst.stop_note)
             self.log.info("%s stopped", inst.vm)
             return
         status = inst.status
