@@ -41,12 +41,46 @@ def threads(pid: int) -> list[int]:
         return []
 
 
+def is_thread_of(pid: int, tid: int) -> bool:
+    """True if ``tid`` is a thread of process ``pid`` now. The kernel shows
+    ``/proc/PID/task/TID`` only for a thread of PID's own thread group, so the id of
+    another process (or of one of its threads) is never taken for one."""
+    return tid > 0 and os.path.isdir(f"/proc/{pid}/task/{tid}")
+
+
+def foreign_tids(pid: int, tids: list[int]) -> list[int]:
+    """The ids in ``tids`` (what a QEMU says its vCPU threads are) that are not
+    threads of ``pid``: a QEMU is not trusted to name only its own."""
+    return [t for t in tids if not is_thread_of(pid, t)]
+
+
+def _set_affinity(pid: int, tid: int, cpus: list[int]) -> bool:
+    """Pin thread ``tid`` of ``pid`` to ``cpus``; False if it is not (or is no longer)
+    a thread of ``pid``. A thread that ends between the check and the call can leave
+    its id to another task: checked again afterwards, that task gets its old
+    affinity back."""
+    if not is_thread_of(pid, tid):
+        return False
+    try:
+        before = os.sched_getaffinity(tid)
+        os.sched_setaffinity(tid, cpus)
+    except ProcessLookupError:
+        return False
+    if not is_thread_of(pid, tid):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, before)
+        return False
+    return True
+
+
 def pin(pid: int, vcpu_tids: list[int], cpus: list[int],
         offset: int = 0, others: list[int] | None = None) -> dict[int, list[int]]:
     """Pin vCPU i to cpus[(offset + i) % n] and every other thread (the emulator
     threads) to ``others`` (default: all of ``cpus``).
 
     ``offset`` spreads the vCPUs of several VMs in one partition over its cores.
+    ``vcpu_tids`` come from the QEMU (``query-cpus-fast``): only those that are threads
+    of ``pid`` are touched (:func:`foreign_tids` names the others, for a warning).
 
     Returns the affinity given to each thread id. Threads that exit meanwhile are
     skipped: QEMU starts and ends helper threads on its own.
@@ -56,13 +90,11 @@ def pin(pid: int, vcpu_tids: list[int], cpus: list[int],
     for tid in threads(pid):
         if tid in vset:
             continue
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(tid, others or cpus)
+        if _set_affinity(pid, tid, others or cpus):
             given[tid] = list(others or cpus)
     for i, tid in enumerate(vcpu_tids):
         target = [cpus[(offset + i) % len(cpus)]]
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(tid, target)
+        if _set_affinity(pid, tid, target):
             given[tid] = target
     return given
 

@@ -398,6 +398,11 @@ class PartitionHost:
             self.log.warning("cannot query vCPUs of %s: %s", inst.vm, exc)
             return []
         tids = [v.thread_id for v in sorted(vcpus, key=lambda v: v.index)]
+        foreign = process.foreign_tids(inst.pid, tids)
+        if foreign:
+            self.log.warning("%s: QEMU pid %d reports vCPU thread id(s) %s that are not "
+                             "threads of its own; nothing is pinned there", inst.vm,
+                             inst.pid, ", ".join(map(str, foreign)))
         given = process.pin(inst.pid, tids, cpus, offset, others)
         return [given[t][0] for t in tids if t in given]
 
