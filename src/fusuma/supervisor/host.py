@@ -410,7 +410,7 @@ class PartitionHost:
     def remove_ram(self, ram: Path) -> None:
         """Unlink a guest RAM file, never while any QEMU still maps it (a move's other
         side may), and the memory cgroup its pages were charged to."""
-        if not process.remove_unmapped(ram):
+        if not process.remove_unmapped(ram, self.paths):
             self.log.info("kept RAM file %s: still mapped, or already gone", ram)
         self.cg.sweep_ram_groups(self.paths.shm)
 
