@@ -209,8 +209,8 @@ class PartitionHost:
         # ``run`` is the VM's run dir or, for a move's destination, a dir in it.
         for d in (self.paths.vm_run_dir(vm.name), run):
             ensure_dir(d, PRIVATE_DIR, owner=uid)
-        for d in (self.paths.vm_dir(vm.name), self.paths.shm):
-            ensure_dir(d, PRIVATE_DIR)
+        ensure_dir(self.paths.vm_dir(vm.name), PRIVATE_DIR)
+        self.paths.ensure_shm()
         rev.add(lambda: remove_run_files(run))
         if ram is not None and incoming is None:
             self.remove_ram(ram)
