@@ -20,6 +20,9 @@ temporary directory without touching the host's real fusuma:
   with a notice), "root" or "isolated" (those or refuse), "off" (fusuma.host.cgroups.v2)
 - ``FUSUMA_SYSTEMD``     "auto" (default: supervisors run as systemd units when PID 1 is
   systemd on a cgroup v2 host), "1" (require it) or "0" (never; fusuma.host.systemd)
+- ``FUSUMA_CONSOLE_LOG_MAX`` the most one file of a VM's console log holds, in bytes or
+  with K, M or G (default 16M, at least 64K); one older file is kept besides
+  (fusuma.qemu.consolelog)
 
 Permissions (least privilege): the shm dir and the log dirs (``vms/<vm>``,
 ``partitions/<p>``) are 0700; the runtime dir and its ``vms`` and ``partitions`` are
@@ -54,6 +57,29 @@ DEFAULT_UID_BASE = 1_500_000_000
 UID_RANGE = 65536            # uids fusuma reserves from FUSUMA_UID_BASE on
 # uid_t is 32 bits and (uid_t)-1 means "no change": the range must stay below it.
 MAX_UID = 2**32 - 2
+CONSOLE_LOG_MAX = 16 * 2**20
+MIN_CONSOLE_LOG_MAX = 64 * 1024
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "16M", "512K", "1G" or a plain number; ValueError otherwise."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
+    return int(t[:-1] if unit > 1 else t) * unit
+
+
+def console_log_max(raw: str | None) -> int:
+    """FUSUMA_CONSOLE_LOG_MAX, checked (HostError with the fix)."""
+    if raw is None:
+        return CONSOLE_LOG_MAX
+    try:
+        size = parse_size(raw)
+    except ValueError:
+        size = -1
+    if size < MIN_CONSOLE_LOG_MAX:
+        raise HostError(f"FUSUMA_CONSOLE_LOG_MAX={raw!r} is not a size of at least 64K; "
+                        "give bytes or a number with K, M or G (default 16M).")
+    return size
 
 
 def ensure_dir(path: Path, mode: int, owner: int | None = None) -> Path:
@@ -139,6 +165,7 @@ class Paths:
     uid_base: int = DEFAULT_UID_BASE
     cpu_partition: str = "auto"
     systemd: str = "auto"
+    console_log_max: int = CONSOLE_LOG_MAX
 
     @classmethod
     def from_env(cls) -> Paths:
@@ -161,6 +188,7 @@ class Paths:
             uid_base=uid_base,
             cpu_partition=env.get("FUSUMA_CPU_PARTITION", "auto"),
             systemd=env.get("FUSUMA_SYSTEMD", "auto"),
+            console_log_max=console_log_max(env.get("FUSUMA_CONSOLE_LOG_MAX")),
         )
 
     @property
@@ -207,6 +235,7 @@ class Paths:
             "FUSUMA_UID_BASE": str(self.uid_base),
             "FUSUMA_CPU_PARTITION": self.cpu_partition,
             "FUSUMA_SYSTEMD": self.systemd,
+            "FUSUMA_CONSOLE_LOG_MAX": str(self.console_log_max),
         }
 
     def check_owned(self) -> None:

@@ -36,6 +36,7 @@ from fusuma.names import vm_leaf
 from fusuma.paths import PRIVATE_DIR, Paths, ensure_dir
 from fusuma.qemu import privilege, process, versions
 from fusuma.qemu.cmdline import DeviceSetMismatch, build_argv
+from fusuma.qemu.consolelog import LOG_NAME, ConsoleLog
 from fusuma.qemu.instance import (
     Instances,
     LaunchPlan,
@@ -177,6 +178,10 @@ class PartitionHost:
             log.propagate = False
         return log
 
+    def console_log(self, vm: str) -> ConsoleLog:
+        """Where VM ``vm``'s console goes, capped (fusuma.qemu.consolelog)."""
+        return ConsoleLog(self.paths.vm_dir(vm) / LOG_NAME, self.paths.console_log_max)
+
     def qemu(self) -> versions.Qemu:
         """This partition's QEMU (fusuma.qemu.versions: cached, no subprocess)."""
         return versions.resolve(self.paths, self.db.partition(self.partition).qemu)
@@ -253,7 +258,8 @@ class PartitionHost:
             plan = LaunchPlan(argv, {**os.environ, **q.env}, cfg.passed_fds(), into_cgroup,
                               self.paths.vm_dir(vm.name) / "qemu.log", cfg.qmp_socket,
                               cpr_socket=cpr_socket, uid=uid,
-                              cgroup=f"{self.partition}/{leaf}")
+                              cgroup=f"{self.partition}/{leaf}",
+                              console=self.console_log(vm.name))
             def spawned(pid: int) -> None:
                 if incoming is None:
                     # Known at once, so a supervisor killed during the start leaves a
@@ -275,7 +281,8 @@ class PartitionHost:
                                  f"{held.pid}) in partition {self.partition!r}.")
             inst = await QemuInstance.launch(vm.name, plan, run_dir=run, ram_file=ram,
                                              logger=self.vm_logger(vm.name), role=role,
-                                             version=q.version, on_spawn=spawned)
+                                             version=q.version, on_spawn=spawned,
+                                             console_fd=files.take_console())
         rev.add(lambda: asyncio.ensure_future(inst.qmp.disconnect()))
         rev.add(inst.reap)
         inst.owns_ram = owns_ram
