@@ -157,8 +157,9 @@ def start(c: Ctx, name: str, wait: bool, timeout: float) -> None:
 @pass_ctx
 def stop(c: Ctx, name: str, timeout: float) -> None:
     """Stop VM NAME: flush guest filesystems (sync via the guest agent), then quit QEMU."""
-    c.vms.stop(name, timeout=timeout)
-    click.echo(f"vm {name}: stopped")
+    rec = c.vms.stop(name, timeout=timeout)
+    # A guest whose agent failed is stopped without the flush: say so.
+    click.echo(f"vm {name}: stopped" + (f" ({rec.error})" if rec.error else ""))
 
 
 @vm.command("kill")
