@@ -167,8 +167,12 @@ class QemuInstance:
         process exists (so that a supervisor killed meanwhile leaves a QEMU the next
         one can find by its recorded pid). ``console_fd``: the read end of its console
         FIFO, the instance's from now on (closed on failure)."""
-        pump = None if console_fd is None or plan.console is None else \
-            ConsolePump(console_fd, plan.console, logger)
+        pump = None
+        if console_fd is not None:
+            if plan.console is None:
+                os.close(console_fd)
+            else:
+                pump = ConsolePump(console_fd, plan.console, logger)
         try:
             child = cls._spawn(vm, plan)
         except BaseException:
