@@ -22,6 +22,8 @@ fix it; the CLI prints ``str(exc)`` and exits non-zero.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class FusumaError(Exception):
     """Base of all fusuma errors; ``str()`` is the sentence shown to the user."""
@@ -91,7 +93,17 @@ class QemuError(FusumaError):
 
 
 class GuestAgentError(QemuError):
-    """The guest agent did not answer, or a guest command could not run."""
+    """The guest agent did not answer, or a guest command could not run.
+
+    ``agent_said``: the agent's own error text, which the guest controls (None when
+    the sentence is all fusuma's); ``summary``: the sentence without it, for what is
+    published (a VM's recorded error, the event log)."""
+
+    def __init__(self, message: str, *, agent_said: str | None = None,
+                 summary: str | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.agent_said = agent_said
+        self.summary = summary or message
 
 
 class SupervisorError(FusumaError):

@@ -20,17 +20,28 @@ temporary directory without touching the host's real fusuma:
   with a notice), "root" or "isolated" (those or refuse), "off" (fusuma.host.cgroups.v2)
 - ``FUSUMA_SYSTEMD``     "auto" (default: supervisors run as systemd units when PID 1 is
   systemd on a cgroup v2 host), "1" (require it) or "0" (never; fusuma.host.systemd)
+- ``FUSUMA_CONSOLE_LOG_MAX`` the most one file of a VM's console log holds, in bytes or
+  with K, M or G (default 16M, at least 64K); one older file is kept besides
+  (fusuma.qemu.consolelog)
 
 Permissions (least privilege): the shm dir and the log dirs (``vms/<vm>``,
 ``partitions/<p>``) are 0700; the runtime dir and its ``vms`` and ``partitions`` are
 0711 (others may pass through to a socket they are given, never list); each VM's run
 dir is 0700 and owned by the uid its QEMU runs as. :func:`ensure_dir` creates a
 directory or fixes the mode and owner of an existing one.
+
+Ownership: the shm and runtime dirs (and every directory above them) must be root's and
+not writable by other users (an ancestor may be, with the sticky bit, as /tmp and
+/dev/shm are): /dev/shm is emptied at boot, and a local user who makes
+``/dev/shm/fusuma`` first would own what fusuma then puts there. fusuma refuses such a
+directory with one sentence (:func:`check_root_owned`) and never changes a directory
+another user made.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +57,29 @@ DEFAULT_UID_BASE = 1_500_000_000
 UID_RANGE = 65536            # uids fusuma reserves from FUSUMA_UID_BASE on
 # uid_t is 32 bits and (uid_t)-1 means "no change": the range must stay below it.
 MAX_UID = 2**32 - 2
+CONSOLE_LOG_MAX = 16 * 2**20
+MIN_CONSOLE_LOG_MAX = 64 * 1024
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "16M", "512K", "1G" or a plain number; ValueError otherwise."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
+    return int(t[:-1] if unit > 1 else t) * unit
+
+
+def console_log_max(raw: str | None) -> int:
+    """FUSUMA_CONSOLE_LOG_MAX, checked (HostError with the fix)."""
+    if raw is None:
+        return CONSOLE_LOG_MAX
+    try:
+        size = parse_size(raw)
+    except ValueError:
+        size = -1
+    if size < MIN_CONSOLE_LOG_MAX:
+        raise HostError(f"FUSUMA_CONSOLE_LOG_MAX={raw!r} is not a size of at least 64K; "
+                        "give bytes or a number with K, M or G (default 16M).")
+    return size
 
 
 def ensure_dir(path: Path, mode: int, owner: int | None = None) -> Path:
@@ -79,6 +113,45 @@ def ensure_dir(path: Path, mode: int, owner: int | None = None) -> Path:
     return path
 
 
+def _who(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_root_owned(path: Path, what: str, env: str) -> None:
+    """Refuse ``path`` (fusuma's ``what`` directory, set by ``env``) unless it, if it
+    exists, and every existing directory above it belong to root and no other user can
+    write them (above it, a world-writable directory with the sticky bit is fine: others
+    cannot rename root's entries there). A symlink on the way must be root's too. Only
+    looks: nothing is created or changed."""
+    for p in (path, *path.parents):
+        try:
+            link = os.lstat(p)
+            st = os.stat(p) if stat.S_ISLNK(link.st_mode) else link
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise HostError(f"cannot check the {what} {path}: {p}: {exc.strerror}.") from exc
+        mode = stat.S_IMODE(st.st_mode)
+        where = "" if p == path else f" is below {p}, which"
+        fix = (f"check what is in it, remove it (`rm -r {p}`) and retry, or set {env} to "
+               "a directory root owns" if p == path else
+               f"set {env} to a directory below root-owned ones")
+        for owner in {link.st_uid, st.st_uid}:
+            if owner != 0:
+                raise HostError(f"the {what} {path}{where} belongs to {_who(owner)} with "
+                                f"mode {mode:04o}, not to root, so that user could read or "
+                                f"swap fusuma's files there; {fix}.")
+        writable = mode & stat.S_IWOTH or (mode & stat.S_IWGRP and st.st_gid != 0)
+        if writable and (p == path or not mode & stat.S_ISVTX):
+            raise HostError(f"the {what} {path}{where} is writable by other users (owner "
+                            f"root, group {st.st_gid}, mode {mode:04o}), so they could "
+                            f"plant or swap fusuma's files there; `chmod go-w {p}` if "
+                            f"root made it on purpose, else {fix}.")
+
+
 @dataclass(frozen=True)
 class Paths:
     """Resolved fusuma directories for one host namespace."""
@@ -92,6 +165,7 @@ class Paths:
     uid_base: int = DEFAULT_UID_BASE
     cpu_partition: str = "auto"
     systemd: str = "auto"
+    console_log_max: int = CONSOLE_LOG_MAX
 
     @classmethod
     def from_env(cls) -> Paths:
@@ -114,6 +188,7 @@ class Paths:
             uid_base=uid_base,
             cpu_partition=env.get("FUSUMA_CPU_PARTITION", "auto"),
             systemd=env.get("FUSUMA_SYSTEMD", "auto"),
+            console_log_max=console_log_max(env.get("FUSUMA_CONSOLE_LOG_MAX")),
         )
 
     @property
@@ -160,14 +235,28 @@ class Paths:
             "FUSUMA_UID_BASE": str(self.uid_base),
             "FUSUMA_CPU_PARTITION": self.cpu_partition,
             "FUSUMA_SYSTEMD": self.systemd,
+            "FUSUMA_CONSOLE_LOG_MAX": str(self.console_log_max),
         }
+
+    def check_owned(self) -> None:
+        """Refuse a shm or runtime directory another user made or may write
+        (:func:`check_root_owned`), before anything is created there."""
+        check_root_owned(self.runtime, "runtime directory", "FUSUMA_RUNTIME_DIR")
+        check_root_owned(self.shm, "shared-memory directory", "FUSUMA_SHM_DIR")
+
+    def ensure_shm(self) -> Path:
+        """The shm dir, root's and 0700 (refused if another user made it)."""
+        check_root_owned(self.shm, "shared-memory directory", "FUSUMA_SHM_DIR")
+        return ensure_dir(self.shm, PRIVATE_DIR)
 
     def ensure_parents(self) -> None:
         """Create missing ancestors of the state and runtime roots as 0711 (passable,
         not listable): under umask 077 they would be 0700, and VMs' QEMUs (uids of their
         own) must pass through to their run dirs, which often share a parent with
         FUSUMA_HOME. (RAM files, images and logs reach QEMU as open fds: the shm and
-        cache roots need no such path.)"""
+        cache roots need no such path.) First, the shm and runtime dirs are checked
+        (:meth:`check_owned`): every command refuses a directory another user made."""
+        self.check_owned()
         for root in (self.home, self.runtime):
             missing = [p for p in root.parents if not p.exists()]
             for d in reversed(missing):

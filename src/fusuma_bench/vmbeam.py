@@ -16,6 +16,7 @@ removes everything it made afterwards, also on failure or Ctrl-C.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import statistics
 from collections.abc import Callable, Sequence
@@ -253,6 +254,8 @@ class Console:
     def new_errors(self) -> list[str]:
         try:
             with self.path.open("rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offset:
+                    self.offset = 0        # rotated (fusuma.qemu.consolelog)
                 f.seek(self.offset)
                 text = f.read()
         except OSError:

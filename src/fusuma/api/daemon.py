@@ -44,12 +44,13 @@ class Daemon:
 
     def _operation_event(self, op: Operation, action: str) -> None:
         self.db().emit_context("operation", action, f"/1.0/operations/{op.id}",
-                               op.as_json())
+                               op.as_event())
 
     def submit(self, kind: str, description: str, resources: dict[str, list[str]],
-               work: Callable[[Operation], Any], cancellable: bool = False) -> JSONResponse:
+               work: Callable[[Operation], Any], cancellable: bool = False,
+               private: bool = False) -> JSONResponse:
         return accepted(self.ops.submit(kind, description, resources, work,
-                                        cancellable=cancellable))
+                                        cancellable=cancellable, private=private))
 
 
 def not_busy(c: Ctx, obj: str) -> None:

@@ -13,6 +13,12 @@ state file and in the event log, which outlive the daemon.
 Cancelling: a Pending operation is dropped before it starts; a running one only where
 its work has a safe point to stop at (a move, before its stream starts: the VM stays
 where it was). Elsewhere ``DELETE`` answers 409 with the reason.
+
+A ``private`` operation (``exec``: its result is the guest's output, its error may quote
+the command) is told to the event log, which ``/1.0/events?since=0`` replays to every
+viewer, and to the daemon's log without them: that it ran, how it ended, its exit code
+and the sizes of its output (:meth:`Operation.as_event`). Its full result stays with the
+operation, for whoever started it.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ class Operation:
     error_code: int | None = None
     progress: str = ""
     cancellable: bool = False          # the work can stop at a safe point
+    private: bool = False              # result and error are the guest's: sizes only
     cancel_requested: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     future: Future[None] | None = None
@@ -114,10 +121,41 @@ class Operation:
                 "result": self.result, "may_cancel": self.may_cancel, "err": self.err,
                 "error_code": self.error_code}
 
+    def as_event(self) -> dict[str, Any]:
+        """What the event log may hold: :meth:`as_json`, but for a private operation
+        its result as sizes and no error text (its error code stays)."""
+        out = self.as_json()
+        if self.private:
+            out["result"] = sizes_only(self.result)
+            if self.err:
+                out["err"] = "withheld from the event log (it may quote the guest); " \
+                             "the operation holds it"
+        return out
+
     def check_cancel(self) -> None:
         """Called by the work at its safe points."""
         if self.cancel_requested:
             raise CancelledError(f"operation {self.id} was cancelled")
+
+
+def sizes_only(value: Any) -> Any:
+    """A JSON result with each string replaced by its size (``stdout`` ->
+    ``stdout_bytes``): numbers, booleans and null stay."""
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if isinstance(v, str):
+                out[f"{k}_bytes"] = len(v.encode())
+            elif isinstance(v, dict | list):
+                out[f"{k}_items"] = len(v)
+            else:
+                out[k] = v
+        return out
+    if isinstance(value, str):
+        return {"bytes": len(value.encode())}
+    if isinstance(value, list):
+        return {"items": len(value)}
+    return value
 
 
 # The work of an operation: gets the operation (for progress and cancel points) and
@@ -137,9 +175,9 @@ class Operations:
         self._notify = notify
 
     def submit(self, kind: str, description: str, resources: dict[str, list[str]],
-               work: Work, *, cancellable: bool = False) -> Operation:
+               work: Work, *, cancellable: bool = False, private: bool = False) -> Operation:
         op = Operation(id=str(uuid.uuid4()), description=description, kind=kind,
-                       resources=resources, cancellable=cancellable)
+                       resources=resources, cancellable=cancellable, private=private)
         with self._lock:
             self._ops[op.id] = op
             self._trim()
@@ -159,8 +197,10 @@ class Operations:
             else:
                 self._set(op, FAILURE, err=str(exc), error_code=http_code(exc))
         except Exception as exc:  # a bug: say it in the operation, keep the daemon up
+            # A private operation's exception may quote the guest: its frames only.
             LOG.error("operation %s (%s) failed: %s", op.id, op.description,
-                      traceback.format_exc())
+                      f"{type(exc).__name__} at\n{''.join(traceback.format_tb(exc.__traceback__))}"
+                      if op.private else traceback.format_exc())
             self._set(op, FAILURE, err=f"internal error: {exc!r}", error_code=500)
         else:
             self._set(op, SUCCESS, result=result)

@@ -190,8 +190,9 @@ def router(d: Daemon) -> APIRouter:
             return {"exit_code": res.exit_code, "signal": res.signal,
                     "stdout": res.stdout.decode(errors="replace"),
                     "stderr": res.stderr.decode(errors="replace")}
-        return d.submit("vm-exec", f"exec in VM {name}: {' '.join(body.command)[:80]}",
-                        {"vms": [f"/1.0/vms/{name}"]}, work)
+        # Neither the command nor its output goes to the event log or the daemon's log.
+        return d.submit("vm-exec", f"exec in VM {name}", {"vms": [f"/1.0/vms/{name}"]},
+                        work, private=True)
 
     @r.post("/1.0/vms/{name}/trim", dependencies=[OPERATOR], status_code=202,
             summary="Drop the guest's caches and hand its free memory back (operation)")

@@ -157,8 +157,9 @@ def start(c: Ctx, name: str, wait: bool, timeout: float) -> None:
 @pass_ctx
 def stop(c: Ctx, name: str, timeout: float) -> None:
     """Stop VM NAME: flush guest filesystems (sync via the guest agent), then quit QEMU."""
-    c.vms.stop(name, timeout=timeout)
-    click.echo(f"vm {name}: stopped")
+    rec = c.vms.stop(name, timeout=timeout)
+    # A guest whose agent failed is stopped without the flush: say so.
+    click.echo(f"vm {name}: stopped" + (f" ({rec.error})" if rec.error else ""))
 
 
 @vm.command("kill")
@@ -293,13 +294,20 @@ def trim(c: Ctx, name: str, timeout: float, as_json: bool) -> None:
               help="Print the console log so far instead of attaching.")
 @pass_ctx
 def console(c: Ctx, name: str, show_log: bool) -> None:
-    """Attach to VM NAME's serial console (detach with Ctrl-]), or print its log."""
+    """Attach to VM NAME's serial console (detach with Ctrl-]), or print its log (the
+    rotated file first: at most twice FUSUMA_CONSOLE_LOG_MAX)."""
     rec = c.db.vm(name)
     if show_log:
-        path = c.paths.vm_dir(name) / "console.log"
+        import contextlib
+
+        from fusuma.qemu.consolelog import LOG_NAME, rotated
+
+        path = c.paths.vm_dir(name) / LOG_NAME
         if not path.exists():
             raise NotFoundError(f"VM {name!r} has no console log yet; start it first.")
-        sys.stdout.buffer.write(path.read_bytes())
+        for part in (rotated(path), path):
+            with contextlib.suppress(FileNotFoundError):
+                sys.stdout.buffer.write(part.read_bytes())
         return
     if VmView(rec).state != "running":
         raise StateError(f"VM {name!r} is {VmView(rec).state}; start it first.")

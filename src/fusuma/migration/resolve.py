@@ -130,7 +130,7 @@ def _crashed(parts: PartitionManager, vm: str, partition: str, why: str) -> None
 
     for ram in {rec.ram_path, *_copy_rams(parts, vm)}:
         if ram:
-            remove_unmapped(ram)
+            remove_unmapped(ram, parts.paths)
     parts.cg.sweep_ram_groups(parts.paths.shm)
 
 

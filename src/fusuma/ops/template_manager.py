@@ -69,12 +69,12 @@ class TemplateManager:
         if users:
             raise StateError(f"template {name!r} is used by VM(s) {', '.join(users)} (cloned "
                              "from it); delete them first.")
-        pids = process.mapped_by(Path(t.ram_path))
+        pids = process.mapped_by(Path(t.ram_path), self.paths)
         if pids:
             raise StateError(f"template {name!r}'s RAM file is still mapped by QEMU pid(s) "
                              f"{', '.join(map(str, pids))}; end them first.")
         self.db.remove_template(name)
-        process.remove_unmapped(t.ram_path)
+        process.remove_unmapped(t.ram_path, self.paths)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(t.state_path)
         with contextlib.suppress(OSError):

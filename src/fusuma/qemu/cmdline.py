@@ -156,6 +156,9 @@ class VmConfig:
     # An in-place move's new QEMU: it reads the guest's RAM descriptors from this UNIX
     # socket (cpr channel) before it creates its devices; ``incoming`` is then "defer".
     cpr_socket: Path | None = None
+    # The console log's FIFO (fusuma.qemu.consolelog): QEMU writes the console there
+    # and the supervisor writes ``console_log``, capped (None: QEMU writes the file).
+    console_fifo: Path | None = None
     # Files opened for QEMU by the supervisor (None: QEMU opens the path itself).
     ram_fd: int | None = None
     kernel_fd: int | None = None

@@ -35,13 +35,14 @@ from typing import Any
 
 from fusuma.errors import MigrationError, QemuError, StateError
 from fusuma.qemu import process
+from fusuma.qemu.consolelog import FIFO_NAME, ConsoleLog, ConsolePump
 from fusuma.qemu.qmp import EVENT_RESUME, EVENT_STOP, MigrationInfo, Qmp
 
 LOG = logging.getLogger(__name__)
 
 # The files a QEMU makes in its run dir (never the guest's RAM file), and those a
 # move's destination adds in its own ``in-…`` dir.
-RUN_FILES = ("qmp.sock", "qga.sock", "console.sock", "qemu.pid")
+RUN_FILES = ("qmp.sock", "qga.sock", "console.sock", "qemu.pid", FIFO_NAME)
 MOVE_FILES = ("migrate.sock", "cpr.sock")
 # Prefix of the sub-directory of a VM's run dir that holds a move destination's
 # sockets: unique per move, since QEMU unlinks its socket paths on exit.
@@ -119,6 +120,9 @@ class LaunchPlan:
     cpr_socket: Path | None = None
     uid: int | None = None             # for messages: who QEMU runs as,
     cgroup: str = ""                   # and where ``preexec`` places it
+    # Where the supervisor writes the console that QEMU sends to its FIFO
+    # (fusuma.qemu.consolelog), given the FIFO's read end at launch.
+    console: ConsoleLog | None = None
 
 
 @dataclass(eq=False)
@@ -137,12 +141,15 @@ class QemuInstance:
     # file is a template's: then it must outlive this process.
     owns_ram: bool = True
     stopping: bool = False           # its end was asked for: not a crash
+    stop_note: str | None = None     # how that end went, if not cleanly (the record's)
     started_log: str | None = None   # QEMU's last log line at start: exits say newer ones
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     status: int | None = None        # exit status (a child's only)
     # A move's destination side keeps its own state here (fusuma.supervisor.moves.dest).
     move: Any = None
+    # Copies its console into the VM's capped log while it is watched.
+    console: ConsolePump | None = None
     _pidfd: int | None = None
     _runstate: asyncio.Task[None] | None = None
     _exit_task: asyncio.Future[None] | None = None
@@ -152,12 +159,47 @@ class QemuInstance:
     async def launch(cls, vm: str, plan: LaunchPlan, *, run_dir: Path,
                      ram_file: Path | None, logger: logging.Logger, role: Role,
                      version: str | None = None,
-                     on_spawn: Callable[[int], None] = lambda pid: None) -> QemuInstance:
+                     on_spawn: Callable[[int], None] = lambda pid: None,
+                     console_fd: int | None = None) -> QemuInstance:
         """Start QEMU and connect QMP (or, in place, wait for its cpr channel): a
         transaction. On any failure the process is killed and reaped and its run files
         removed before the error is raised. ``on_spawn(pid)`` runs as soon as the
         process exists (so that a supervisor killed meanwhile leaves a QEMU the next
-        one can find by its recorded pid)."""
+        one can find by its recorded pid). ``console_fd``: the read end of its console
+        FIFO, the instance's from now on (closed on failure)."""
+        pump = None
+        if console_fd is not None:
+            if plan.console is None:
+                os.close(console_fd)
+            else:
+                pump = ConsolePump(console_fd, plan.console, logger)
+        try:
+            child = cls._spawn(vm, plan)
+        except BaseException:
+            if pump is not None:
+                pump.close()
+            raise
+        inst = cls(vm, child.pid, Qmp(vm, plan.qmp_socket, logger), run_dir=run_dir,
+                   ram_file=ram_file, role=role, child=child, version=version,
+                   console=pump)
+        try:
+            on_spawn(child.pid)
+            if plan.cpr_socket is not None:
+                await inst._wait_listening(plan.cpr_socket, plan.log)
+            else:
+                await inst._connect_or_fail(plan.log)
+        except BaseException:
+            await inst.qmp.disconnect()
+            inst.reap()
+            if inst.console is not None:
+                inst.console.close()
+            remove_run_files(run_dir)
+            raise
+        inst.started_log = process.tail(plan.log, 1)
+        return inst
+
+    @staticmethod
+    def _spawn(vm: str, plan: LaunchPlan) -> subprocess.Popen[bytes]:
         with open(plan.log, "ab") as log:
             log.write(f"--- {time.ctime()} {plan.argv}\n".encode())
             log.flush()
@@ -175,21 +217,7 @@ class QemuInstance:
                 # preexec (cgroup, KSM, dropping privileges) failed.
                 raise QemuError(f"VM {vm}: cannot place QEMU in cgroup {plan.cgroup} as "
                                 f"uid {plan.uid}: {exc}.", argv=plan.argv) from exc
-        inst = cls(vm, child.pid, Qmp(vm, plan.qmp_socket, logger), run_dir=run_dir,
-                   ram_file=ram_file, role=role, child=child, version=version)
-        try:
-            on_spawn(child.pid)
-            if plan.cpr_socket is not None:
-                await inst._wait_listening(plan.cpr_socket, plan.log)
-            else:
-                await inst._connect_or_fail(plan.log)
-        except BaseException:
-            await inst.qmp.disconnect()
-            inst.reap()
-            remove_run_files(run_dir)
-            raise
-        inst.started_log = process.tail(plan.log, 1)
-        return inst
+        return child
 
     async def _connect_or_fail(self, log: Path) -> None:
         assert self.child is not None
@@ -235,9 +263,11 @@ class QemuInstance:
 
     @classmethod
     async def adopt(cls, vm: str, pid: int, run_dir: Path, ram_file: Path | None,
-                    logger: logging.Logger) -> tuple[QemuInstance, str]:
+                    logger: logging.Logger, console: ConsoleLog | None = None
+                    ) -> tuple[QemuInstance, str]:
         """Take back a QEMU an earlier supervisor started: connect QMP and ask its
-        status. QemuError if it does not answer (the caller decides its fate)."""
+        status, and reopen its console FIFO (into ``console``). QemuError if it does
+        not answer (the caller decides its fate)."""
         inst = cls(vm, pid, Qmp(vm, run_dir / "qmp.sock", logger), run_dir=run_dir,
                    ram_file=ram_file)
         try:
@@ -246,6 +276,8 @@ class QemuInstance:
         except QemuError:
             await inst.qmp.disconnect()
             raise
+        if console is not None:
+            inst.console = ConsolePump.reopen(run_dir / FIFO_NAME, console, logger)
         return inst, status
 
     # -- watching ----------------------------------------------------------------------
@@ -259,6 +291,8 @@ class QemuInstance:
 
         def fire() -> None:
             self._exit_task = asyncio.ensure_future(self._exited(on_exit, on_gone))
+        if self.console is not None:
+            self.console.start()
         try:
             fd = os.pidfd_open(self.pid)
         except ProcessLookupError:
@@ -296,6 +330,8 @@ class QemuInstance:
                 self._pidfd = None
             if self._runstate is not None:
                 self._runstate.cancel()
+            if self.console is not None:
+                self.console.close()       # what QEMU wrote last, then the FIFO
             if self.child is not None:
                 self.status = self.child.wait()
             await self.qmp.disconnect()
@@ -307,7 +343,10 @@ class QemuInstance:
             self.exited.set()
 
     def detach(self) -> None:
-        """Stop watching (the supervisor ends; the QEMU runs on for the next one)."""
+        """Stop watching (the supervisor ends; the QEMU runs on for the next one, which
+        reopens its console FIFO)."""
+        if self.console is not None:
+            self.console.close()
         if self._pidfd is not None:
             asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
@@ -342,6 +381,8 @@ class QemuInstance:
         except TimeoutError:
             LOG.warning("%s did not quit in %.0f s; killing pid %d", self.vm, timeout,
                         self.pid)
+        killed = f"QEMU did not quit within {timeout:.0f} s and was killed"
+        self.stop_note = f"{self.stop_note}; {killed}" if self.stop_note else killed
         await self.kill()
         return False
 

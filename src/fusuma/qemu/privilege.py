@@ -14,9 +14,9 @@ sandbox's ``elevateprivileges=deny`` forbids.
 What QEMU needs but may not reach by path is opened here, by root, and passed as
 descriptors (:func:`open_for_qemu`): the RAM file (0600, owned by the VM's uid), each
 disk (the file registered, checked by device and inode: ``fusuma.host.storage``), the
-console log, segments, kernel and initrd. By path QEMU opens only its run dir
-(0700, owned by its uid) and its own binary, firmware and library trees, which must be
-readable and executable by other users.
+write end of the console log's FIFO (fusuma.qemu.consolelog), segments, kernel and
+initrd. By path QEMU opens only its run dir (0700, owned by its uid) and its own binary,
+firmware and library trees, which must be readable and executable by other users.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from types import TracebackType
 from fusuma.errors import HostError, ResourceError, StateError
 from fusuma.host import storage
 from fusuma.paths import UID_RANGE, Paths
+from fusuma.qemu import consolelog
 from fusuma.qemu.cmdline import DiskConfig, VmConfig
 from fusuma.state import VmRecord
 
@@ -94,14 +95,24 @@ class QemuFiles:
     has inherited them (``subprocess.Popen(pass_fds=...)``)."""
 
     fds: list[int] = field(default_factory=list)
+    # The read end of the console FIFO: the supervisor's, not QEMU's (take_console).
+    console: int | None = None
 
     def add(self, fd: int) -> int:
         self.fds.append(fd)
         return fd
 
+    def take_console(self) -> int | None:
+        """The console FIFO's read end, now the caller's to close."""
+        fd, self.console = self.console, None
+        return fd
+
     def close(self) -> None:
         while self.fds:
             os.close(self.fds.pop())
+        fd = self.take_console()
+        if fd is not None:
+            os.close(fd)
 
     def __enter__(self) -> QemuFiles:
         return self
@@ -212,8 +223,17 @@ def open_for_qemu(cfg: VmConfig, uid: int, *, new_ram: bool) -> tuple[VmConfig, 
             ram_fd = files.add(open_ram_file(cfg.ram_file, uid, create=new_ram))
         kernel_fd = files.add(_open_public(cfg.name, "kernel", cfg.kernel))
         initrd_fd = files.add(_open_public(cfg.name, "initrd", cfg.initrd))
-        log_fd = files.add(_open(cfg.name, "console log", cfg.console_log,
-                                 os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW))
+        if cfg.console_fifo is not None:
+            try:
+                files.console, writer = consolelog.open_pipe(cfg.console_fifo)
+            except OSError as exc:
+                raise HostError(f"VM {cfg.name}: cannot make the console FIFO "
+                                f"{cfg.console_fifo}: {exc}.") from exc
+            log_fd = files.add(writer)
+        else:
+            log_fd = files.add(_open(cfg.name, "console log", cfg.console_log,
+                                     os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                                     | os.O_NOFOLLOW))
         segments = [replace(s, fd=files.add(_open_public(cfg.name, f"segment {s.name!r}",
                                                          s.path)))
                     for s in cfg.segments]

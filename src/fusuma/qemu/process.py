@@ -7,6 +7,10 @@ import os
 import signal
 from pathlib import Path
 
+from fusuma.paths import UID_RANGE, Paths
+
+PROC = Path("/proc")
+
 
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
@@ -41,12 +45,46 @@ def threads(pid: int) -> list[int]:
         return []
 
 
+def is_thread_of(pid: int, tid: int) -> bool:
+    """True if ``tid`` is a thread of process ``pid`` now. The kernel shows
+    ``/proc/PID/task/TID`` only for a thread of PID's own thread group, so the id of
+    another process (or of one of its threads) is never taken for one."""
+    return tid > 0 and os.path.isdir(f"/proc/{pid}/task/{tid}")
+
+
+def foreign_tids(pid: int, tids: list[int]) -> list[int]:
+    """The ids in ``tids`` (what a QEMU says its vCPU threads are) that are not
+    threads of ``pid``: a QEMU is not trusted to name only its own."""
+    return [t for t in tids if not is_thread_of(pid, t)]
+
+
+def _set_affinity(pid: int, tid: int, cpus: list[int]) -> bool:
+    """Pin thread ``tid`` of ``pid`` to ``cpus``; False if it is not (or is no longer)
+    a thread of ``pid``. A thread that ends between the check and the call can leave
+    its id to another task: checked again afterwards, that task gets its old
+    affinity back."""
+    if not is_thread_of(pid, tid):
+        return False
+    try:
+        before = os.sched_getaffinity(tid)
+        os.sched_setaffinity(tid, cpus)
+    except ProcessLookupError:
+        return False
+    if not is_thread_of(pid, tid):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, before)
+        return False
+    return True
+
+
 def pin(pid: int, vcpu_tids: list[int], cpus: list[int],
         offset: int = 0, others: list[int] | None = None) -> dict[int, list[int]]:
     """Pin vCPU i to cpus[(offset + i) % n] and every other thread (the emulator
     threads) to ``others`` (default: all of ``cpus``).
 
     ``offset`` spreads the vCPUs of several VMs in one partition over its cores.
+    ``vcpu_tids`` come from the QEMU (``query-cpus-fast``): only those that are threads
+    of ``pid`` are touched (:func:`foreign_tids` names the others, for a warning).
 
     Returns the affinity given to each thread id. Threads that exit meanwhile are
     skipped: QEMU starts and ends helper threads on its own.
@@ -56,13 +94,11 @@ def pin(pid: int, vcpu_tids: list[int], cpus: list[int],
     for tid in threads(pid):
         if tid in vset:
             continue
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(tid, others or cpus)
+        if _set_affinity(pid, tid, others or cpus):
             given[tid] = list(others or cpus)
     for i, tid in enumerate(vcpu_tids):
         target = [cpus[(offset + i) % len(cpus)]]
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(tid, target)
+        if _set_affinity(pid, tid, target):
             given[tid] = target
     return given
 
@@ -90,29 +126,76 @@ def tail(path: Path, lines: int = 10) -> str:
     return "\n".join(text[-lines:])
 
 
-def mapped_by(path: Path) -> list[int]:
-    """QEMU processes (by their argv) that map ``path`` now."""
+def _uids(status: str) -> list[int]:
+    for line in status.splitlines():
+        if line.startswith("Uid:"):
+            return [int(u) for u in line.split()[1:]]
+    return []
+
+
+def qemu_vm(pid: int, paths: Paths, proc: Path = PROC) -> str | None:
+    """The VM whose QEMU of this fusuma namespace ``pid`` is, or None.
+
+    Its argv must name the VM (``-name guest=NAME,debug-threads=on``) and put its
+    sockets in that VM's run dir, and it must run as root or as a uid of this
+    namespace's VM range: any user can write such an argv, only root can start a
+    process under those uids."""
+    try:
+        raw = (proc / str(pid) / "cmdline").read_bytes()
+        uids = _uids((proc / str(pid) / "status").read_text())
+    except (OSError, ValueError):
+        return None
+    argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    names = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-name"]
+    if len(names) != 1 or not names[0].startswith("guest=") \
+            or not names[0].endswith(",debug-threads=on"):
+        return None
+    vm = names[0][len("guest="):-len(",debug-threads=on")]
+    if not any(f"path={paths.vm_run_dir(vm)}/" in a for a in argv):
+        return None
+    ours = range(paths.uid_base, paths.uid_base + UID_RANGE)
+    if len(uids) != 4 or not all(u == 0 or u in ours for u in uids):
+        return None
+    return vm
+
+
+def _maps_file(line: str, target: str, inode: int | None) -> bool:
+    """True if a /proc/PID/maps line maps exactly ``target`` (the path, or the path
+    the kernel marks deleted) and, while a file is there, that very file (by inode:
+    the device column is the superblock's, which stat does not always report)."""
+    fields = line.split(maxsplit=5)
+    if len(fields) != 6 or fields[5] not in (target, f"{target} (deleted)"):
+        return False
+    return inode is None or fields[4] == str(inode)
+
+
+def mapped_by(path: Path, paths: Paths, proc: Path = PROC) -> list[int]:
+    """The QEMUs of this fusuma namespace (:func:`qemu_vm`) that map ``path`` now,
+    compared by exact path and inode: no other process, whatever its command line,
+    can keep a RAM file from being removed."""
     target = str(path)
+    try:
+        inode: int | None = os.stat(path).st_ino
+    except OSError:
+        inode = None
     out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
+    for d in proc.iterdir():
+        if not d.name.isdigit() or qemu_vm(int(d.name), paths, proc) is None:
             continue
         try:
-            if b"debug-threads=on" not in (d / "cmdline").read_bytes():
-                continue
             maps = (d / "maps").read_text()
         except OSError:
             continue
-        if any(line.endswith(target) or line.endswith(target + " (deleted)")
-               for line in maps.splitlines()):
+        if any(_maps_file(line, target, inode) for line in maps.splitlines()):
             out.append(int(d.name))
-    return out
+    return sorted(out)
 
 
-def remove_unmapped(path: Path | str) -> bool:
-    """Unlink a guest RAM file unless a QEMU still maps it; True if it was removed."""
+def remove_unmapped(path: Path | str, paths: Paths, proc: Path = PROC) -> bool:
+    """Unlink a guest RAM file unless a QEMU of this namespace still maps it; True if
+    it was removed."""
     p = Path(path)
-    if mapped_by(p):
+    if mapped_by(p, paths, proc):
         return False
     try:
         p.unlink()

@@ -6,8 +6,14 @@ chardev buffers what we wrote meanwhile, so every exchange starts with
 stale answer to an older sync is skipped.
 
 Every exchange is logged (the per-VM qmp.log), but never a guest payload: the argv,
-environment and input of ``guest-exec``, the output of ``guest-exec-status`` and file
-contents are logged as their sizes only (:func:`redact`).
+environment and input of ``guest-exec``, the output of ``guest-exec-status``, file
+contents and the agent's error text are logged as their sizes only (:func:`redact`).
+
+Nothing the agent sends is trusted (fusuma.qemu.qgareply): each reply is read as one
+bounded line and parsed into a checked model, and every failure (no answer, a closed
+channel, garbage of any kind) is a ``GuestAgentError``. After any failure the
+connection is closed, so a late or stray answer can never be taken for the answer to
+the next command: the next command connects and synchronises anew.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fusuma.errors import GuestAgentError
+from fusuma.qemu.qgareply import MAX_LINE, ExecStarted, ExecStatus, parse_line, sync_id, unwrap
 
 LOG = logging.getLogger(__name__)
 
@@ -49,6 +56,10 @@ def redact(msg: Any) -> Any:
         body = out.get(part)
         if isinstance(body, dict):
             out[part] = {k: _size(v) if k in PAYLOAD_KEYS else v for k, v in body.items()}
+    err = out.get("error")
+    if isinstance(err, dict):
+        # The agent's error text may quote the command it could not run.
+        out["error"] = {k: _size(v) if k == "desc" else v for k, v in err.items()}
     return out
 
 
@@ -87,47 +98,51 @@ class GuestAgent:
         """Connect and synchronise, waiting up to ``timeout`` for the agent to answer."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        why = ""
         while True:
             left = deadline - loop.time()
             if left <= 0:
                 await self.close()
                 raise GuestAgentError(
-                    f"VM {self.vm}: the guest agent did not answer within {timeout:.0f} s; "
-                    "is the guest still booting? See `fusuma vm console --log`.")
+                    f"VM {self.vm}: the guest agent did not answer within {timeout:.0f} s"
+                    f"{why}; is the guest still booting? See `fusuma vm console --log`.")
             try:
                 if self._writer is None:
                     self._reader, self._writer = await asyncio.open_unix_connection(
-                        str(self.socket))
+                        str(self.socket), limit=MAX_LINE)
                 await self._sync(min(1.0, left))
                 return
             except TimeoutError:
                 continue
+            except asyncio.LimitOverrunError:
+                # Garbage where a sync answer belongs: start afresh on a new connection.
+                why = f" (it sent more than {MAX_LINE} bytes without a line end)"
+                await self.close()
             except (OSError, asyncio.IncompleteReadError):
                 await self.close()
                 await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
 
     async def _sync(self, timeout: float) -> None:
         assert self._reader is not None and self._writer is not None
-        sync_id = random.randrange(1, 2**31)
-        self._send({"execute": "guest-sync-delimited", "arguments": {"id": sync_id}})
+        want = random.randrange(1, 2**31)
+        self._send({"execute": "guest-sync-delimited", "arguments": {"id": want}})
         await self._writer.drain()
 
         async def wait() -> None:
             assert self._reader is not None
             while True:
+                # The agent answers a sync with 0xFF first; anything before it is the
+                # tail of older answers (or junk), skipped within the reader's bound.
                 await self._reader.readuntil(b"\xff")
                 while True:
-                    line = await self._reader.readline()
-                    if not line:
-                        raise asyncio.IncompleteReadError(b"", None)
-                    line = line.strip().lstrip(b"\xff")
-                    if not line:
+                    line = await self._reader.readuntil(b"\n")
+                    if not line.strip().lstrip(b"\xff"):
                         continue
                     try:
-                        msg = json.loads(line)
-                    except ValueError:
+                        msg = parse_line(self.vm, "guest-sync-delimited", line)
+                    except GuestAgentError:
                         break
-                    if msg.get("return") == sync_id:
+                    if sync_id(msg) == want:
                         return
                     break
 
@@ -140,27 +155,44 @@ class GuestAgent:
 
     async def execute(self, command: str, arguments: dict[str, Any] | None = None,
                       timeout: float = 30.0) -> Any:
+        """Run one agent command; its ``return`` value (its JSON type unchecked: the
+        typed commands below check it). Any failure closes the connection."""
         if self._writer is None or self._reader is None:
             await self.connect()
-        assert self._reader is not None
+        assert self._reader is not None and self._writer is not None
         msg: dict[str, Any] = {"execute": command}
         if arguments:
             msg["arguments"] = arguments
-        self._send(msg)
         try:
-            line = await asyncio.wait_for(self._reader.readline(), timeout)
+            self._send(msg)
+            await asyncio.wait_for(self._writer.drain(), timeout)
+            line = await asyncio.wait_for(self._reader.readuntil(b"\n"), timeout)
         except TimeoutError as exc:
+            await self.close()
             raise GuestAgentError(f"VM {self.vm}: guest agent command {command} got no "
                                   f"answer in {timeout:.0f} s.") from exc
-        if not line:
+        except asyncio.LimitOverrunError as exc:
+            await self.close()
+            raise GuestAgentError(f"VM {self.vm}: the guest agent answered {command} with "
+                                  f"a line longer than {MAX_LINE} bytes; a guest agent "
+                                  "that answers garbage is not used.") from exc
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            await self.close()
             raise GuestAgentError(f"VM {self.vm}: the guest agent closed the connection "
-                                  f"during {command}.")
-        reply = json.loads(line.strip().lstrip(b"\xff"))
+                                  f"during {command}.") from exc
+        try:
+            reply = parse_line(self.vm, command, line)
+        except GuestAgentError:
+            self.log.debug("qga< garbage (%d bytes)", len(line))
+            await self.close()
+            raise
         self.log.debug("qga< %s", redact(reply))
-        if "error" in reply:
-            raise GuestAgentError(f"VM {self.vm}: guest agent {command} failed: "
-                                  f"{reply['error'].get('desc', reply['error'])}")
-        return reply.get("return")
+        try:
+            return unwrap(self.vm, command, reply)
+        except GuestAgentError as exc:
+            if exc.agent_said is None:      # a reply of neither kind: out of step
+                await self.close()
+            raise
 
     async def ping(self) -> None:
         await self.execute("guest-ping")
@@ -170,24 +202,32 @@ class GuestAgent:
         """Run ``argv`` in the guest, wait for it, and return its output and status."""
         if not argv:
             raise GuestAgentError("no command given to run in the guest.")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+
+        def left() -> float:
+            return max(0.1, min(30.0, deadline - loop.time()))
         args: dict[str, Any] = {"path": argv[0], "arg": argv[1:], "capture-output": True}
         if stdin is not None:
             args["input-data"] = base64.b64encode(stdin).decode()
-        started = await self.execute("guest-exec", args)
-        pid = int(started["pid"])
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        delay = 0.02
-        while True:
-            status = await self.execute("guest-exec-status", {"pid": pid})
-            if status.get("exited"):
-                return ExecResult(
-                    exit_code=int(status.get("exitcode", -1)),
-                    stdout=base64.b64decode(status.get("out-data", "")),
-                    stderr=base64.b64decode(status.get("err-data", "")),
-                    signal=status.get("signal"))
-            if loop.time() >= deadline:
-                raise GuestAgentError(f"VM {self.vm}: {argv[0]} did not finish within "
-                                      f"{timeout:.0f} s (guest pid {pid} left running).")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.25)
+        try:
+            started = ExecStarted.parse(self.vm, await self.execute("guest-exec", args,
+                                                                    timeout=left()))
+            delay = 0.02
+            while True:
+                status = ExecStatus.parse(self.vm, await self.execute(
+                    "guest-exec-status", {"pid": started.pid}, timeout=left()))
+                if status.exited:
+                    return ExecResult(
+                        exit_code=-1 if status.exit_code is None else status.exit_code,
+                        stdout=status.stdout, stderr=status.stderr, signal=status.signal)
+                if loop.time() >= deadline:
+                    raise GuestAgentError(f"VM {self.vm}: the command did not finish "
+                                          f"within {timeout:.0f} s (guest pid "
+                                          f"{started.pid} left running).")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.25)
+        except GuestAgentError as exc:
+            if exc.agent_said is None:
+                await self.close()
+            raise

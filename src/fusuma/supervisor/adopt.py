@@ -105,7 +105,8 @@ async def _adopt_one(h: PartitionHost, name: str, pid: int) -> None:
     try:
         if side == Role.INCOMING and not (run / "qmp.sock").exists():
             raise QemuError(f"VM {name}: no QMP socket yet")
-        inst, status = await QemuInstance.adopt(name, pid, run, ram, h.vm_logger(name))
+        inst, status = await QemuInstance.adopt(name, pid, run, ram, h.vm_logger(name),
+                                                h.console_log(name))
     except QemuError as exc:
         if side == Role.INCOMING:
             # An in-place move's new QEMU still waiting for the guest's descriptors

@@ -23,6 +23,7 @@ from fusuma.qemu.cmdline import (
     device_set,
     new_vmgenid,
 )
+from fusuma.qemu.consolelog import FIFO_NAME, LOG_NAME
 from fusuma.state import Database, VmRecord
 
 
@@ -116,7 +117,7 @@ def vm_config(h: Where, vm: VmRecord, accel: str, run: Path, ram_file: Path | No
         accel="kvm" if accel == "kvm" else "tcg",
         kernel=image.kernel, initrd=image.initrd, append=image.append,
         qmp_socket=qmp, qga_socket=run / "qga.sock", console_socket=run / "console.sock",
-        console_log=vdir / "console.log", pidfile=run / "qemu.pid",
+        console_log=vdir / LOG_NAME, console_fifo=run / FIFO_NAME, pidfile=run / "qemu.pid",
         ram_file=ram_file, disks=disks, incoming=incoming, segments=segments,
         mergeable=vm.mergeable, ports=ports, bind_ports=incoming is None,
         page_reporting=reporting.wanted(vm, h.cg),

@@ -36,6 +36,7 @@ from fusuma.names import vm_leaf
 from fusuma.paths import PRIVATE_DIR, Paths, ensure_dir
 from fusuma.qemu import privilege, process, versions
 from fusuma.qemu.cmdline import DeviceSetMismatch, build_argv
+from fusuma.qemu.consolelog import LOG_NAME, ConsoleLog
 from fusuma.qemu.instance import (
     Instances,
     LaunchPlan,
@@ -177,6 +178,10 @@ class PartitionHost:
             log.propagate = False
         return log
 
+    def console_log(self, vm: str) -> ConsoleLog:
+        """Where VM ``vm``'s console goes, capped (fusuma.qemu.consolelog)."""
+        return ConsoleLog(self.paths.vm_dir(vm) / LOG_NAME, self.paths.console_log_max)
+
     def qemu(self) -> versions.Qemu:
         """This partition's QEMU (fusuma.qemu.versions: cached, no subprocess)."""
         return versions.resolve(self.paths, self.db.partition(self.partition).qemu)
@@ -209,8 +214,8 @@ class PartitionHost:
         # ``run`` is the VM's run dir or, for a move's destination, a dir in it.
         for d in (self.paths.vm_run_dir(vm.name), run):
             ensure_dir(d, PRIVATE_DIR, owner=uid)
-        for d in (self.paths.vm_dir(vm.name), self.paths.shm):
-            ensure_dir(d, PRIVATE_DIR)
+        ensure_dir(self.paths.vm_dir(vm.name), PRIVATE_DIR)
+        self.paths.ensure_shm()
         rev.add(lambda: remove_run_files(run))
         if ram is not None and incoming is None:
             self.remove_ram(ram)
@@ -253,7 +258,8 @@ class PartitionHost:
             plan = LaunchPlan(argv, {**os.environ, **q.env}, cfg.passed_fds(), into_cgroup,
                               self.paths.vm_dir(vm.name) / "qemu.log", cfg.qmp_socket,
                               cpr_socket=cpr_socket, uid=uid,
-                              cgroup=f"{self.partition}/{leaf}")
+                              cgroup=f"{self.partition}/{leaf}",
+                              console=self.console_log(vm.name))
             def spawned(pid: int) -> None:
                 if incoming is None:
                     # Known at once, so a supervisor killed during the start leaves a
@@ -275,7 +281,8 @@ class PartitionHost:
                                  f"{held.pid}) in partition {self.partition!r}.")
             inst = await QemuInstance.launch(vm.name, plan, run_dir=run, ram_file=ram,
                                              logger=self.vm_logger(vm.name), role=role,
-                                             version=q.version, on_spawn=spawned)
+                                             version=q.version, on_spawn=spawned,
+                                             console_fd=files.take_console())
         rev.add(lambda: asyncio.ensure_future(inst.qmp.disconnect()))
         rev.add(inst.reap)
         inst.owns_ram = owns_ram
@@ -339,7 +346,7 @@ class PartitionHost:
             return
         if inst.stopping:
             with contextlib.suppress(FusumaError):
-                self.settle_state(inst.vm, VmState.STOPPED, pid=None, error=None)
+                self.settle_state(inst.vm, VmState.STOPPED, pid=None, error=inst.stop_note)
             self.log.info("%s stopped", inst.vm)
             return
         status = inst.status
@@ -398,6 +405,11 @@ class PartitionHost:
             self.log.warning("cannot query vCPUs of %s: %s", inst.vm, exc)
             return []
         tids = [v.thread_id for v in sorted(vcpus, key=lambda v: v.index)]
+        foreign = process.foreign_tids(inst.pid, tids)
+        if foreign:
+            self.log.warning("%s: QEMU pid %d reports vCPU thread id(s) %s that are not "
+                             "threads of its own; nothing is pinned there", inst.vm,
+                             inst.pid, ", ".join(map(str, foreign)))
         given = process.pin(inst.pid, tids, cpus, offset, others)
         return [given[t][0] for t in tids if t in given]
 
@@ -405,7 +417,7 @@ class PartitionHost:
     def remove_ram(self, ram: Path) -> None:
         """Unlink a guest RAM file, never while any QEMU still maps it (a move's other
         side may), and the memory cgroup its pages were charged to."""
-        if not process.remove_unmapped(ram):
+        if not process.remove_unmapped(ram, self.paths):
             self.log.info("kept RAM file %s: still mapped, or already gone", ram)
         self.cg.sweep_ram_groups(self.paths.shm)
 

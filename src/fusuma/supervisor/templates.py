@@ -439,8 +439,11 @@ async def _give_identity(h: PartitionHost, vm: str, inst: QemuInstance, requeste
                                    timeout=AGENT_TIMEOUT_S)
                 identity_ms = (time.time() - requested) * 1000
                 if res.exit_code != 0:
-                    error = (f"the identity script exited {res.exit_code}: "
-                             f"{res.stderr.decode(errors='replace').strip()}")
+                    # Logged and published: the guest's stderr only as its size.
+                    error = (f"the identity script exited {res.exit_code} "
+                             f"({len(res.stderr)} bytes on stderr)")
+        except GuestAgentError as exc:
+            error = exc.summary
         except FusumaError as exc:
             error = str(exc)
     if error is not None:

@@ -241,7 +241,7 @@ class VmManager:
         if self.paths.shm.exists():
             rams |= set(self.paths.shm.glob(f"{name}.*.ram"))
         for ram in rams:
-            process.remove_unmapped(ram)
+            process.remove_unmapped(ram, self.paths)
         with contextlib.suppress(Exception):
             self.parts.cg.sweep_ram_groups(self.paths.shm)
         for p in self.db.partitions():

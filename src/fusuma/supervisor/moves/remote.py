@@ -24,7 +24,6 @@ from pathlib import Path
 
 from fusuma.errors import MigrationError, NotFoundError, StateError
 from fusuma.host.accel import probe_accel
-from fusuma.paths import PRIVATE_DIR, ensure_dir
 from fusuma.qemu import privilege
 from fusuma.qemu.instance import Role
 from fusuma.qemu.qmp import EVENT_MIGRATION
@@ -54,7 +53,7 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str) -> rpc.Prepare
     t0 = time.monotonic()
     with Reverter() as rev:
         if ram is not None:
-            ensure_dir(h.paths.shm, PRIVATE_DIR)
+            h.paths.ensure_shm()
             rev.add(lambda: h.remove_ram(ram))
             privilege.create_ram_file(ram, privilege.uid_for(h.paths, rec))
             h.charge_ram(ram, rec.memory_mib)
