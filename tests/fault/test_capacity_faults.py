@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Host
+from tests.fault.movekit import qemu_pids
 from tests.fault.test_bad_input import assert_one_sentence
-from tests.fault.test_migration_faults import only_in, qemu_pids
+from tests.fault.test_migration_faults import only_in
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
 
@@ -101,7 +102,7 @@ def test_copy_move_refused_without_room_for_a_second_ram_file(small_shm: Host) -
     assert 0 <= unfilled < 256
     # Nothing started: v runs where it was, on the same QEMU, with its one RAM file.
     only_in(host, "v", "a")
-    assert host.vm("v")["pid"] == pid and qemu_pids("v") == [pid]
+    assert host.vm("v")["pid"] == pid and qemu_pids(host, "v") == [pid]
     assert shm_files(host) == ["v.ram"]
 
 
@@ -120,7 +121,7 @@ def test_vm_start_refused_when_the_ram_file_cannot_fit(small_shm: Host) -> None:
     # Nothing left behind: the VM is stopped, no QEMU, no RAM file, no cgroup leaf.
     vm = host.vm("v")
     assert vm["state"] == "stopped" and vm["pid"] is None, vm
-    assert qemu_pids("v") == []
+    assert qemu_pids(host, "v") == []
     assert shm_files(host) == []
     assert not list(Path("/sys/fs/cgroup").glob(f"*/{host.prefix}/a/vm.v"))
     # A VM that fits starts on the same filesystem.

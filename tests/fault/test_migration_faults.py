@@ -6,33 +6,20 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import FUSUMA, Host
+from tests.fault.movekit import qemu_pids
 from tests.fault.test_bad_input import assert_one_sentence
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
 
 
-def qemu_pids(vm: str, marker: str = "") -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if f"guest={vm},debug-threads=on" in cmd and marker in cmd:
-                out.append(int(d.name))
-    return out
-
-
-def wait_pid(vm: str, marker: str, timeout: float = 20) -> int:
+def wait_pid(host: Host, vm: str, marker: str, timeout: float = 20) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pids = qemu_pids(vm, marker)
+        pids = qemu_pids(host, vm, marker)
         if pids:
             return pids[0]
         time.sleep(0.02)
@@ -43,7 +30,7 @@ def only_in(host: Host, vm: str, partition: str) -> None:
     vms = [v for v in host.ps()["vms"] if v["name"] == vm]
     assert len(vms) == 1 and vms[0]["partition"] == partition, vms
     assert vms[0]["state"] == "running"
-    assert qemu_pids(vm) == [vms[0]["pid"]]
+    assert qemu_pids(host, vm) == [vms[0]["pid"]]
     assert host.run("vm", "exec", vm, "--", "/bin/true").code == 0
     assert not list((host.runtime / "vms" / vm).glob("in-*"))
 
@@ -59,7 +46,7 @@ def test_destination_killed_mid_migration(host: Host, mode: str) -> None:
     proc = subprocess.Popen([*FUSUMA, "migrate", "vm0", "--to", "p1", "--mode", mode],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    dest = wait_pid("vm0", "/in-")
+    dest = wait_pid(host, "vm0", "/in-")
     # copy: into the stream (a copy of this guest takes ~1 s here); zero-copy: after
     # the destination is prepared, in the 2 s hold before the stream.
     time.sleep(0.4 if mode == "copy" else 1.0)
@@ -78,7 +65,7 @@ def test_source_killed_after_completion_destination_runs_on(host: Host) -> None:
     src = host.vm("vm0")["pid"]
     proc = subprocess.Popen([*FUSUMA, "migrate", "vm0", "--to", "p1", "--json"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_pid("vm0", "/in-")
+    wait_pid(host, "vm0", "/in-")
     time.sleep(1.5)    # zero-copy completes in milliseconds; the CLI now sleeps
     os.kill(src, signal.SIGKILL)
     out, err = proc.communicate(timeout=60)

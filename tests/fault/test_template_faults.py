@@ -15,25 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FUSUMA, Host, Result
+from tests.fault.movekit import qemu_pids
 from tests.fault.test_bad_input import assert_one_sentence
 from tests.integration.test_templates import sha256
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(400)]
-
-
-def qemu_pids(host: Host, vm: str) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"guest={vm},debug-threads=on".encode() in argv and any(
-                str(host.runtime).encode() in a for a in argv):
-            out.append(int(d.name))
-    return out
 
 
 def run_env(host: Host, env: dict[str, str], *args: str) -> Result:
