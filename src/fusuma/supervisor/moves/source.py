@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
+from fusuma.qemu import privilege, tlscreds
 from fusuma.qemu.instance import QemuInstance, Role
 from fusuma.qemu.qmp import EVENT_STOP, event_time
 from fusuma.state import Decision, VmState, vm_obj
@@ -33,7 +34,12 @@ def capabilities(mode: str) -> dict[str, bool]:
 
 
 async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
-                  timeout: float = 600.0, max_bandwidth: int = 0) -> rpc.Streamed:
+                  timeout: float = 600.0, max_bandwidth: int = 0, tls_peer: str = "",
+                  plain_tcp: bool = False) -> rpc.Streamed:
+    """Stream ``vm`` to ``uri``. To another host (a ``tcp:`` URI) the stream goes under
+    TLS to host ``tls_peer`` (``fusuma.qemu.tlscreds``): its certificate must name that
+    host, this host's certificate proves who sends; ``plain_tcp`` sends it in the clear
+    (the benchmark's before, never the agents' default)."""
     inst = h.instances.get(vm)
     rec = h.db.vm(vm)
     if inst is None:
@@ -41,10 +47,21 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
                          f"{h.partition!r}.")
     if rec.state != VmState.MIGRATING:
         raise StateError(f"VM {vm!r} is {rec.state.value}; no move of it is under way.")
+    creds = None
+    if uri.startswith("tcp:") and not plain_tcp:
+        if not tls_peer:
+            raise StateError(f"the stream of {vm!r} to {uri} leaves this host: it must be "
+                             "encrypted to a named destination host.")
+        creds = tlscreds.require(h.paths)
     listener = inst.qmp.listener(EVENT_STOP)
     paused = False
+    move_tls = None
     try:
         await inst.qmp.migrate_set_capabilities(capabilities(mode))
+        if creds is not None:
+            move_tls = await tlscreds.arm(inst.qmp, inst.run_dir,
+                                          privilege.uid_for(h.paths, rec), creds,
+                                          tlscreds.CLIENT, tls_peer)
         if max_bandwidth > 0:     # fault injection (tests): a stream slow enough to hit
             await inst.qmp.execute("migrate-set-parameters",
                                    {"max-bandwidth": max_bandwidth})
@@ -62,6 +79,8 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
             stop_ts = event_time(await inst.qmp.wait_event(listener, 5.0))
     finally:
         inst.qmp.drop_listener(listener)
+        if move_tls is not None:
+            await tlscreds.drop(inst.qmp, move_tls)
     # The stream is complete; this QEMU is paused ("postmigrate"). It is the leaving
     # side now: the destination (or recovery) decides whether the guest moves on.
     leaving(h, inst, owns_ram=mode == "copy")
