@@ -76,7 +76,12 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                 "qemuDowntimeMs": _n("Downtime as the source QEMU reports it, in ms."),
                 "phase": _s("Between hosts: Preparing, Prepared, Streaming, Streamed, "
                             "Decided, Done, Failed."),
-                "uri": _s("Between hosts: where the destination QEMU listens (tcp:ADDR:PORT)."),
+                "uri": _s("Between hosts: where the destination QEMU listens (tcp:ADDR:PORT); "
+                          "the source sends only to the port at the destination host's "
+                          "registered address."),
+                "tls": _b("Between hosts: the stream is encrypted and both hosts proved who "
+                          "they are with certificates of the cluster's move CA (false only "
+                          "in the benchmark's before)."),
                 "decision": _s("Between hosts: forward (the destination runs the guest) or "
                                "back (the source does); written once, by whoever decides "
                                "first, with a resourceVersion precondition.",
@@ -167,6 +172,13 @@ HOST_STATUS = _obj("Written by the host's agent.", {
     "agentVersion": _s("fusuma version of the agent."),
     "lease": _s("Its heartbeat Lease (namespace/name)."),
     "heartbeat": _s("Last status write.", format="date-time"),
+    "moveTLS": _obj("The host's certificate for moves between hosts, as its agent holds it "
+                    "(from Secret fusuma-system/fusuma-move-HOST).", {
+                        "cert": _s("SHA-256 fingerprint of the host's certificate."),
+                        "issuer": _s("SHA-256 fingerprint of the CA that signed it."),
+                        "notAfter": _s("When it expires.", format="date-time"),
+                        "trust": _arr("SHA-256 fingerprints of the CAs the host trusts.",
+                                      _s("A fingerprint."))}),
     "conditions": CONDITIONS,
 })
 

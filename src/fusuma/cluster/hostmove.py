@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -54,9 +55,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fusuma.cluster import ConflictApiError, NotFoundApiError
-from fusuma.cluster.context import AgentContext, VmMoves
+from fusuma.cluster.context import PLAIN_MOVES_ENV, AgentContext, VmMoves
 from fusuma.cluster.events import WARNING
-from fusuma.cluster.kube import VM, Obj
+from fusuma.cluster.kube import HOST, VM, Obj
 from fusuma.cluster.owners import Owner
 from fusuma.cluster.resources import (
     FAILED,
@@ -92,6 +93,9 @@ RECORD_PHASE: dict[MovePhase, str] = {
     MovePhase.STREAMING: "Streaming", MovePhase.STREAMED: "Streamed",
     MovePhase.SWITCHED: "Switched", MovePhase.RELEASED: "Done"}
 RECORD_FAILED = "Failed"
+# Fault injection (tests), read from the source agent's environment: seconds it waits
+# between the destination's prepare and the stream.
+FAULT_STREAM_DELAY = "FUSUMA_FAULT_HOST_MOVE_STREAM_DELAY"
 
 
 class MoveAborted(MigrationError):
@@ -189,6 +193,28 @@ def wait_move(a: AgentContext, v: VmView, move_id: str, until: Callable[[Obj], o
         time.sleep(0.01)
 
 
+def stream_uri(a: AgentContext, dest: str, published: str) -> str:
+    """Where the source sends the stream: the port the destination published (in the
+    move's record), at the address host ``dest`` registered (its FusumaHost), never at
+    an address the record alone names."""
+    host = a.kube.find(HOST, dest)
+    addr = str(((host or {}).get("status") or {}).get("address") or "")
+    if not addr:
+        raise MigrationError(f"host {dest} has registered no address for moves; is its "
+                             "agent running?")
+    scheme, _, rest = published.partition(":")
+    where, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not port.isdigit() or not 0 < int(port) < 65536:
+        raise MigrationError(f"the destination of the move published {published!r}, not "
+                             "a tcp:ADDRESS:PORT to stream to.")
+    bare = addr.strip("[]")
+    if where.strip("[]") != bare:
+        raise MigrationError(f"the destination of the move published {published}, but host "
+                             f"{dest} is registered at {addr}: the guest's memory goes to "
+                             "the registered address only, so the move is refused.")
+    return f"tcp:[{bare}]:{port}" if ":" in bare else f"tcp:{bare}:{port}"
+
+
 # -- the two sides ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Side:
@@ -263,13 +289,26 @@ class HostMoveSource(_Side):
         return started
 
     def perform(self, jh: JobLock) -> rpc.Streamed:
-        """Once the destination says it is prepared, stream the guest to its URI."""
+        """Once the destination says it is prepared, stream the guest to the port it
+        published, at the address its host registered, under TLS to that host."""
         prep = wait_move(self.a, self.v, self.move_id, lambda m: at(m, MovePhase.PREPARED),
                          PREPARE_TIMEOUT_S, peer=self.dest)
-        jh.phase(MovePhase.STREAMING, uri=prep["uri"])
+        plain = self.a.cfg.plain_moves
+        if bool(prep.get("tls")) == plain:
+            raise MigrationError(
+                f"host {self.dest} offers the stream {'encrypted' if plain else 'in the clear'}"
+                f" and host {self.a.host} sends it {'in the clear' if plain else 'encrypted'}:"
+                f" both hosts' agents must run with the same {PLAIN_MOVES_ENV}.")
+        uri = stream_uri(self.a, self.dest, str(prep.get("uri") or ""))
+        if not plain:
+            self.a.move_creds()
+        delay = float(os.environ.get(FAULT_STREAM_DELAY) or 0)
+        if delay > 0:    # fault injection (tests): someone else may connect first
+            time.sleep(delay)
+        jh.phase(MovePhase.STREAMING, uri=uri)
         self.record(MovePhase.STREAMING)
         out = self.c.parts.client(self.partition).send(
-            rpc.MigrateOut(self.v.name, str(prep["uri"]), "copy"),
+            rpc.MigrateOut(self.v.name, uri, "copy", tls_peer=self.dest, plain_tcp=plain),
             timeout=STREAM_TIMEOUT_S + 60)
         jh.phase(MovePhase.STREAMED, bytes_sent=out.bytes_sent)
         self.record(MovePhase.STREAMED, {"bytesSent": out.bytes_sent, "paused": out.paused,
@@ -387,10 +426,14 @@ class HostMoveDest(_Side):
         if carried:
             c.db.set_vm(v.name, **carried)
         c.db.transition(v.name, VmState.STARTING, expect={VmState.STOPPED})
-        prep = c.parts.client(part).send(rpc.RemoteIncoming(v.name, a.address), timeout=120)
+        tls = not a.cfg.plain_moves
+        if tls:
+            a.move_creds()
+        prep = c.parts.client(part).send(
+            rpc.RemoteIncoming(v.name, a.address, self.source, tls=tls), timeout=120)
         jh.phase(MovePhase.PREPARED, uri=prep.uri)
         self.record(MovePhase.PREPARED, {"uri": prep.uri, "destPid": prep.pid,
-                                         "prepareMs": prep.prepare_ms})
+                                         "prepareMs": prep.prepare_ms, "tls": tls})
 
     def finish(self, jh: JobLock) -> None:
         """Wait until the incoming QEMU holds the whole stream; record "forward" (in the
