@@ -8,8 +8,14 @@ dir and cgroup prefix, an agent on each) and, measured from outside like a user:
                             every one Running and Ready in its status
   in_host_downtime_ms       5 zero-copy moves between partitions (spec.partition):
                             each move's downtime from status.lastMove; median
-  between_hosts_*_ms        5 live moves of a 256 MiB guest between hosts (spec.host),
-                            copy mode over TCP: downtime and total; median
+  between_hosts_*_ms        live moves of a 256 MiB guest between hosts (spec.host),
+                            copy mode over TCP under TLS: downtime, total (the stream
+                            to the guest running) and the destination's prepare; median
+  between_hosts_plain_*_ms  the same moves with the stream in the clear (the agents of
+                            both hosts restarted with FUSUMA_BENCH_PLAIN_MOVES=1), in
+                            blocks alternating with the TLS ones in the same run
+  tls_slowdown_pct          how much slower a move is under TLS: median of (prepare +
+                            total) under TLS over the same in the clear, less 1
   failover_s                a host's agent, supervisors and QEMUs killed (SIGKILL) to
                             each of its restartable VMs Running on another host;
   failover_after_expiry_s   the same less the Lease duration (what the issue targets)
@@ -33,12 +39,18 @@ from typing import Any
 
 import yaml
 
+from fusuma.cluster.context import PLAIN_MOVES_ENV
 from fusuma.cluster.lab import Lab, LabHost
+from fusuma.cluster.resources import parse_time
 from fusuma.errors import FusumaError
 from fusuma_bench.report import meta
 
 TARGETS = {"in_host_downtime_ms_median": 10.0, "between_hosts_total_ms_median": 2000.0,
-           "failover_after_expiry_s": 30.0}
+           "failover_after_expiry_s": 30.0, "tls_slowdown_pct": 10.0}
+# Moves between hosts: ROUNDS times a block of PER_BLOCK moves in the clear, then one
+# under TLS (the same guest, back and forth), so that drift hits both alike.
+ROUNDS = 2
+PER_BLOCK = 3
 
 
 def host_env(tag: str, i: int, base: Path) -> dict[str, str]:
@@ -221,33 +233,79 @@ def _in_host(lab: Lab, progress: Callable[[str], None]) -> dict[str, Any]:
             "in_host_downtime_ms": downs, "in_host_total_ms": totals}
 
 
+def _agents(lab: Lab, hosts: list[LabHost], plain: bool) -> None:
+    """Restart ``hosts``' agents, with moves in the clear or (as usual) under TLS."""
+    since = time.time()
+    for h in hosts:
+        lab.stop_agent(h)
+        lab.start_agent(h, env={PLAIN_MOVES_ENV: "1"} if plain else {})
+
+    def back() -> bool:
+        for h in hosts:
+            st = lab.get("fusumahost", h.name, None).get("status") or {}
+            t = parse_time(st.get("heartbeat"))
+            if t is None or t < since:
+                return False
+        return True
+
+    _wait(back, 120, "the agents to register again")
+
+
 def _between_hosts(lab: Lab, progress: Callable[[str], None]) -> dict[str, Any]:
-    hosts = [h.name for h in lab.hosts]
+    pair = lab.hosts[:2]
+    hosts = [h.name for h in pair]
     lab.kubectl("apply", "-f", "-", input=yaml.safe_dump(
         _vm("traveller", memoryMiB=256, host=hosts[0], partition="p0")))
     _wait(lambda: _ready(lab.get("fusumavm", "traveller")), 300, "traveller running")
     time.sleep(5)      # let the guest boot and touch its memory
-    downs, totals, sent, paused = [], [], [], []
-    for i in range(5):
-        to = hosts[(i + 1) % 2]
-        before = ((lab.get("fusumavm", "traveller").get("status") or {})
-                  .get("lastMove") or {})
-        progress(f"between-host move {i + 1}/5 of traveller to {to}")
-        _patch(lab, "traveller", {"host": to})
-        o = _wait(_arrived(lab, "traveller", before, "host", to), 300,
-                  "the move between hosts")
-        lm = o["status"]["lastMove"]
-        if lm.get("result") != "ok":
-            raise FusumaError(f"a move between hosts failed: {lm.get('message')}")
-        downs.append(lm["downtimeMs"])
-        totals.append(lm["totalMs"])
-        sent.append(lm["bytesSent"])
-        paused.append(bool(lm.get("paused")))
-    return {"between_hosts_downtime_ms_median": round(statistics.median(downs), 2),
-            "between_hosts_total_ms_median": round(statistics.median(totals), 2),
-            "between_hosts_mib_sent_median": round(statistics.median(sent) / 2**20, 1),
-            "between_hosts_paused": any(paused),
-            "between_hosts_downtime_ms": downs, "between_hosts_total_ms": totals}
+    runs: dict[str, dict[str, list[Any]]] = {
+        mode: {"downtime": [], "total": [], "prepare": [], "sent": [], "paused": []}
+        for mode in ("plain", "tls")}
+    n = 0
+    for r in range(ROUNDS):
+        for mode in ("plain", "tls"):
+            _agents(lab, pair, plain=mode == "plain")
+            for i in range(PER_BLOCK):
+                n += 1
+                to = hosts[n % 2]
+                before = ((lab.get("fusumavm", "traveller").get("status") or {})
+                          .get("lastMove") or {})
+                progress(f"between-host move {i + 1}/{PER_BLOCK} ({mode}, round {r + 1}/"
+                         f"{ROUNDS}) of traveller to {to}")
+                _patch(lab, "traveller", {"host": to})
+                o = _wait(_arrived(lab, "traveller", before, "host", to), 300,
+                          "the move between hosts")
+                lm = o["status"]["lastMove"]
+                if lm.get("result") != "ok" or bool(lm.get("tls")) != (mode == "tls"):
+                    raise FusumaError(f"a move between hosts ({mode}) failed or went "
+                                      f"otherwise: {lm.get('message') or lm}")
+                got = runs[mode]
+                got["downtime"].append(lm["downtimeMs"])
+                got["total"].append(lm["totalMs"])
+                got["prepare"].append(lm.get("prepareMs") or 0.0)
+                got["sent"].append(lm["bytesSent"])
+                got["paused"].append(bool(lm.get("paused")))
+    _agents(lab, pair, plain=False)
+    out: dict[str, Any] = {}
+    whole: dict[str, float] = {}
+    for mode, got in runs.items():
+        name = "between_hosts" if mode == "tls" else "between_hosts_plain"
+        whole[mode] = statistics.median(p + t for p, t in zip(got["prepare"], got["total"],
+                                                               strict=True))
+        out.update({
+            f"{name}_downtime_ms_median": round(statistics.median(got["downtime"]), 2),
+            f"{name}_total_ms_median": round(statistics.median(got["total"]), 2),
+            f"{name}_prepare_ms_median": round(statistics.median(got["prepare"]), 2),
+            f"{name}_prepare_and_total_ms_median": round(whole[mode], 2),
+            f"{name}_mib_sent_median": round(statistics.median(got["sent"]) / 2**20, 1),
+            f"{name}_paused": any(got["paused"]),
+            f"{name}_downtime_ms": got["downtime"], f"{name}_total_ms": got["total"],
+            f"{name}_prepare_ms": got["prepare"]})
+    out["tls_slowdown_pct"] = round((whole["tls"] / whole["plain"] - 1) * 100, 1)
+    out["tls_total_slowdown_pct"] = round(
+        (out["between_hosts_total_ms_median"] / out["between_hosts_plain_total_ms_median"]
+         - 1) * 100, 1)
+    return out
 
 
 def _failover(lab: Lab, envs: list[dict[str, str]], lease_seconds: int,

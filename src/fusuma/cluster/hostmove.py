@@ -378,8 +378,9 @@ class HostMoveSource(_Side):
         resume = move.get("resumeTs")
         stop = out.stop_ts if out is not None else None
         t0 = out.t0 if out is not None else None
-        last = {k: move.get(k) for k in ("id", "kind", "mode", "from", "to", "bytesSent",
-                                         "paused", "decision", "decidedBy")}
+        last = {k: move.get(k) for k in ("id", "kind", "mode", "from", "to", "uri", "tls",
+                                         "prepareMs", "bytesSent", "paused", "decision",
+                                         "decidedBy")}
         last.update({"result": "ok", "startedAt": started, "finishedAt": now_iso(),
                      "downtimeMs": round((float(resume) - float(stop)) * 1000, 2)
                      if resume and stop else move.get("qemuDowntimeMs"),
