@@ -90,6 +90,9 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                 "downtimeMs": _n("Time the guest did not run, in ms."),
                 "totalMs": _n("From the start of the stream to the guest running at the "
                               "destination, in ms."),
+                "wallMs": _n("Between hosts: from the source's agent beginning the move "
+                             "(before the destination's prepare) to the guest resuming "
+                             "at the destination, in ms."),
                 "bytesSent": _i("Bytes the migration stream carried."),
                 "paused": _b("The guest was paused for the copy (QEMU < 9.0 under TCG)."),
                 "result": _s("ok or failed."),

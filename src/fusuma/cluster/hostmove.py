@@ -363,9 +363,11 @@ class HostMoveSource(_Side):
         a.events.emit(v.obj, "MoveFailed", msg, WARNING)
         a.vm_rec.move_failed[f"{v.namespace}/{v.name}"] = (cur.generation, time.monotonic())
 
-    def forget(self, out: rpc.Streamed | None, started: str | None) -> None:
+    def forget(self, out: rpc.Streamed | None, started: str | None,
+               began: float | None = None) -> None:
         """After the job, once the move went forward: the destination runs the guest;
-        remove it here and record the move (``lastMove``)."""
+        remove it here and record the move (``lastMove``; ``began``: when this agent
+        began it, epoch seconds: ``wallMs`` runs from then to the guest running there)."""
         a, v = self.a, self.v
         self.remove()
         # The record is cleared only once the destination said the guest runs there (or
@@ -386,6 +388,8 @@ class HostMoveSource(_Side):
                      if resume and stop else move.get("qemuDowntimeMs"),
                      "totalMs": round((float(resume) - float(t0)) * 1000, 2)
                      if resume and t0 else None,
+                     "wallMs": round((float(resume) - began) * 1000, 2)
+                     if resume and began else None,
                      "phase": RECORD_PHASE[MovePhase.RELEASED]})
         new = a.kube.patch_status(VM, v.name, {"move": None, "lastMove": last}, v.namespace)
         a.vms_informer.put(new)
@@ -514,6 +518,7 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
     if gen == v.generation and time.monotonic() - when < MOVE_RETRY_S:
         return       # this spec's move failed a moment ago: not again at once
     record = {f: getattr(local, f) for f in CARRIED if getattr(local, f, None) is not None}
+    began = time.time()
     src = HostMoveSource(a, c, v, uuid.uuid4().hex[:12], local.partition, dest)
     with src.job(peer=f"{dest}/{part}") as jh:
         started = src.prepare(jh, part, record)
@@ -528,7 +533,7 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
             decision = src.decide(Decision.BACK, f"host {a.host}: {exc}")
         if not src.confirm(decision, why):
             return
-    src.forget(out, started)
+    src.forget(out, started, began)
 
 
 def step(a: AgentContext, r: VmMoves, v: VmView) -> None:
