@@ -115,6 +115,7 @@ def test_someone_connecting_to_the_incoming_port_first_is_refused(
     assert "TLS x509 authz check for CN=h2 is denied" in log
     assert not list((c.host("h1").runtime / "vms" / "guarded").glob("**/tls-*")), \
         "a move's credentials were left on disk"
+    print(f"strangers first on {addr}:{port}: {tries}")
 
 
 MARK = """m={marker}; d=/dev/shm; [ -d $d ] || d=/tmp
@@ -170,6 +171,7 @@ def test_the_stream_between_hosts_shows_none_of_the_guests_memory(
     assert last["tls"] is False and last["result"] == "ok"
     data, _ = captured_stream(pcap, last["uri"])
     assert marker.encode() in data and data[:4] == b"QEVM"
+    print(f"in the clear: {data.count(marker.encode())} copies of the marker on the wire")
 
 
 def rotate(c: Cluster, *args: str) -> subprocess.Popen[str]:
@@ -233,9 +235,8 @@ def test_rotation_with_a_new_ca_leaves_a_move_in_flight_alone(
     new_fp = pki.fingerprint(base64.b64decode(ca["ca.crt"]))
     assert new_fp != old["h1"]["issuer"] and "previous.crt" not in ca
     for h in ("h0", "h1", "h2"):
-        st = wait_for(lambda h=h: (s := tls_of(c, h))["issuer"] == new_fp and s, 30,
-                      f"{h} on the new CA")
-        assert st["trust"] == [new_fp]
+        wait_for(lambda h=h: (s := tls_of(c, h))["issuer"] == new_fp
+                 and s["trust"] == [new_fp], 30, f"{h} on the new CA alone")
     assert guest_md5(c, "h2", "rotor") == before
     # Moves go on with the new CA's certificates.
     patch_host(c, "rotor", "h0")
