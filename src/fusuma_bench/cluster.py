@@ -13,7 +13,8 @@ dir and cgroup prefix, an agent on each) and, measured from outside like a user:
                             to the guest running) and the destination's prepare; median
   between_hosts_plain_*_ms  the same moves with the stream in the clear (the agents of
                             both hosts restarted with FUSUMA_BENCH_PLAIN_MOVES=1), in
-                            blocks alternating with the TLS ones in the same run
+                            blocks of 4 ordered clear, TLS, TLS, clear in the same run
+                            (after 2 moves not counted)
   tls_slowdown_pct          how much slower a move is under TLS: the median of its
                             wall time (lastMove.wallMs: the source agent's start, before
                             the destination's prepare, to the guest resuming there)
@@ -49,10 +50,13 @@ from fusuma_bench.report import meta
 
 TARGETS = {"in_host_downtime_ms_median": 10.0, "between_hosts_total_ms_median": 2000.0,
            "failover_after_expiry_s": 30.0, "tls_slowdown_pct": 10.0}
-# Moves between hosts: ROUNDS times a block of PER_BLOCK moves in the clear, then one
-# under TLS (the same guest, back and forth), so that drift hits both alike.
-ROUNDS = 2
-PER_BLOCK = 3
+# Moves between hosts (the same guest, back and forth): after WARM_UP moves that are not
+# counted (the VMs applied just before are still booting), blocks of PER_BLOCK moves in
+# the clear (A) and under TLS (B) in the order ABBA, so that a load that drifts linearly
+# during the run weighs on both alike.
+WARM_UP = 2
+PER_BLOCK = 4
+BLOCKS = ("plain", "tls", "tls", "plain")
 
 
 def host_env(tag: str, i: int, base: Path) -> dict[str, str]:
@@ -163,7 +167,9 @@ def run(hosts: int, vms: int, lease_seconds: int, qemu: str | None,
     from fusuma.host.accel import probe_accel
 
     return {"meta": meta(probe_accel("auto").name, hosts=hosts, vms=vms,
-                         lease_seconds=lease_seconds, qemu=qemu or "system"),
+                         lease_seconds=lease_seconds, qemu=qemu or "system",
+                         between_hosts_blocks=f"{WARM_UP} moves not counted, then blocks "
+                         f"of {PER_BLOCK}: {', '.join(BLOCKS)}"),
             "summary": summary, "targets": targets,
             "samples": {k: v for k, v in results.items() if isinstance(v, list)},
             "leftovers": left}
@@ -265,29 +271,31 @@ def _between_hosts(lab: Lab, progress: Callable[[str], None]) -> dict[str, Any]:
                "paused": []}
         for mode in ("plain", "tls")}
     n = 0
-    for r in range(ROUNDS):
-        for mode in ("plain", "tls"):
+    for b, mode in enumerate(("warm-up", *BLOCKS)):
+        if mode != "warm-up":
             _agents(lab, pair, plain=mode == "plain")
-            for i in range(PER_BLOCK):
-                n += 1
-                to = hosts[n % 2]
-                before = ((lab.get("fusumavm", "traveller").get("status") or {})
-                          .get("lastMove") or {})
-                progress(f"between-host move {i + 1}/{PER_BLOCK} ({mode}, round {r + 1}/"
-                         f"{ROUNDS}) of traveller to {to}")
-                _patch(lab, "traveller", {"host": to})
-                o = _wait(_arrived(lab, "traveller", before, "host", to), 300,
-                          "the move between hosts")
-                lm = o["status"]["lastMove"]
-                if lm.get("result") != "ok" or bool(lm.get("tls")) != (mode == "tls"):
-                    raise FusumaError(f"a move between hosts ({mode}) failed or went "
-                                      f"otherwise: {lm.get('message') or lm}")
+        count = WARM_UP if mode == "warm-up" else PER_BLOCK
+        for i in range(count):
+            n += 1
+            to = hosts[n % 2]
+            before = ((lab.get("fusumavm", "traveller").get("status") or {})
+                      .get("lastMove") or {})
+            progress(f"between-host move {i + 1}/{count} ({mode}, block {b}/"
+                     f"{len(BLOCKS)}) of traveller to {to}")
+            _patch(lab, "traveller", {"host": to})
+            o = _wait(_arrived(lab, "traveller", before, "host", to), 300,
+                      "the move between hosts")
+            lm = o["status"]["lastMove"]
+            if lm.get("result") != "ok" or \
+                    (mode != "warm-up" and bool(lm.get("tls")) != (mode == "tls")):
+                raise FusumaError(f"a move between hosts ({mode}) failed or went "
+                                  f"otherwise: {lm.get('message') or lm}")
+            if mode != "warm-up":
                 got = runs[mode]
-                got["downtime"].append(lm["downtimeMs"])
-                got["total"].append(lm["totalMs"])
-                got["prepare"].append(lm.get("prepareMs") or 0.0)
-                got["wall"].append(lm["wallMs"])
-                got["sent"].append(lm["bytesSent"])
+                for what, field in (("downtime", "downtimeMs"), ("total", "totalMs"),
+                                    ("prepare", "prepareMs"), ("wall", "wallMs"),
+                                    ("sent", "bytesSent")):
+                    got[what].append(lm[field])
                 got["paused"].append(bool(lm.get("paused")))
     _agents(lab, pair, plain=False)
     out: dict[str, Any] = {}
