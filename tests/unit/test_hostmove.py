@@ -230,7 +230,7 @@ def test_the_source_half_runs_its_steps_and_records_each_phase(
         m = obj["status"].get("move") or {}
         phases.append(m.get("phase"))
         if m.get("phase") == "Preparing":
-            m.update(phase="Prepared", uri="tcp:10.0.0.2:4444", tls=True)
+            m.update(phase="Prepared", uri="tcp:10.0.0.2:4444", tls=True, channels=2)
         elif m.get("phase") == "Streamed":
             m.update(phase="Switched", decision="forward", decidedBy="h1", resumeTs=10.6)
 
@@ -245,7 +245,8 @@ def test_the_source_half_runs_its_steps_and_records_each_phase(
     assert here.db.decisions == [Decision.FORWARD]
     assert [type(r) for r in here.sent] == [rpc.MigrateOut, rpc.Release]
     assert here.sent[0].uri == "tcp:10.0.0.2:4444"
-    assert (here.sent[0].tls_peer, here.sent[0].plain_tcp) == ("h1", False)
+    assert (here.sent[0].tls_peer, here.sent[0].plain_tcp, here.sent[0].channels) == \
+        ("h1", False, 2)
     assert a.creds_fetched == 1
     assert here.deleted == ["vm0"] and "vm0" not in a.owners.owned
     last = recorded(a, "lastMove")
@@ -375,3 +376,12 @@ def test_stream_uri_refuses_anything_else(published: str) -> None:
         hostmove.stream_uri(a, "h1", published)
     with pytest.raises(hostmove.MigrationError, match="registered no address"):
         hostmove.stream_uri(a, "h9", "tcp:10.0.0.9:1")
+
+
+@pytest.mark.parametrize("channels", [0, 9, "2", True])
+def test_the_source_refuses_a_channel_count_out_of_bounds(
+        monkeypatch: pytest.MonkeyPatch, channels: object) -> None:
+    a, here = _refused_move(monkeypatch, {"uri": "tcp:10.0.0.2:4444", "tls": True,
+                                          "channels": channels})
+    assert [type(r) for r in here.sent] == [rpc.ResumeSource]
+    assert "channels, not 1 to 8" in recorded(a, "lastMove")["message"]

@@ -79,6 +79,8 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                 "uri": _s("Between hosts: where the destination QEMU listens (tcp:ADDR:PORT); "
                           "the source sends only to the port at the destination host's "
                           "registered address."),
+                "channels": _i("Between hosts: connections the stream takes (QEMU's "
+                               "multifd), as the destination prepared them."),
                 "tls": _b("Between hosts: the stream is encrypted and both hosts proved who "
                           "they are with certificates of the cluster's move CA (false only "
                           "in the benchmark's before)."),

@@ -71,6 +71,7 @@ from fusuma.cluster.resources import (
 from fusuma.errors import FusumaError, MigrationError
 from fusuma.state import Decision, JobKind, MovePhase, VmState, vm_obj
 from fusuma.supervisor import rpc
+from fusuma.supervisor.moves.source import MAX_CHANNELS
 
 if TYPE_CHECKING:
     from fusuma.ops.context import Ctx
@@ -93,6 +94,11 @@ RECORD_PHASE: dict[MovePhase, str] = {
     MovePhase.STREAMING: "Streaming", MovePhase.STREAMED: "Streamed",
     MovePhase.SWITCHED: "Switched", MovePhase.RELEASED: "Done"}
 RECORD_FAILED = "Failed"
+# Connections a stream between hosts takes (QEMU's multifd) under TLS: TLS costs CPU per
+# record (QEMU writes one record per page), and several channels, each receiving its
+# pages straight into guest RAM, win it back (docs/results/cluster-tls.json). In the
+# clear (the benchmark's before) the stream is one connection, as it was.
+TLS_CHANNELS = 2
 # Fault injection (tests), read from the source agent's environment: seconds it waits
 # between the destination's prepare and the stream.
 FAULT_STREAM_DELAY = "FUSUMA_FAULT_HOST_MOVE_STREAM_DELAY"
@@ -300,6 +306,11 @@ class HostMoveSource(_Side):
                 f" and host {self.a.host} sends it {'in the clear' if plain else 'encrypted'}:"
                 f" both hosts' agents must run with the same {PLAIN_MOVES_ENV}.")
         uri = stream_uri(self.a, self.dest, str(prep.get("uri") or ""))
+        channels = prep.get("channels", 1)
+        if isinstance(channels, bool) or not isinstance(channels, int) \
+                or not 1 <= channels <= MAX_CHANNELS:
+            raise MigrationError(f"the destination of the move asks for {channels!r} "
+                                 f"channels, not 1 to {MAX_CHANNELS}.")
         if not plain:
             self.a.move_creds()
         delay = float(os.environ.get(FAULT_STREAM_DELAY) or 0)
@@ -308,7 +319,8 @@ class HostMoveSource(_Side):
         jh.phase(MovePhase.STREAMING, uri=uri)
         self.record(MovePhase.STREAMING)
         out = self.c.parts.client(self.partition).send(
-            rpc.MigrateOut(self.v.name, uri, "copy", tls_peer=self.dest, plain_tcp=plain),
+            rpc.MigrateOut(self.v.name, uri, "copy", tls_peer=self.dest, plain_tcp=plain,
+                           channels=channels),
             timeout=STREAM_TIMEOUT_S + 60)
         jh.phase(MovePhase.STREAMED, bytes_sent=out.bytes_sent)
         self.record(MovePhase.STREAMED, {"bytesSent": out.bytes_sent, "paused": out.paused,
@@ -381,8 +393,8 @@ class HostMoveSource(_Side):
         stop = out.stop_ts if out is not None else None
         t0 = out.t0 if out is not None else None
         last = {k: move.get(k) for k in ("id", "kind", "mode", "from", "to", "uri", "tls",
-                                         "prepareMs", "bytesSent", "paused", "decision",
-                                         "decidedBy")}
+                                         "channels", "prepareMs", "bytesSent", "paused",
+                                         "decision", "decidedBy")}
         last.update({"result": "ok", "startedAt": started, "finishedAt": now_iso(),
                      "downtimeMs": round((float(resume) - float(stop)) * 1000, 2)
                      if resume and stop else move.get("qemuDowntimeMs"),
@@ -432,13 +444,16 @@ class HostMoveDest(_Side):
             c.db.set_vm(v.name, **carried)
         c.db.transition(v.name, VmState.STARTING, expect={VmState.STOPPED})
         tls = not a.cfg.plain_moves
+        channels = TLS_CHANNELS if tls else 1
         if tls:
             a.move_creds()
         prep = c.parts.client(part).send(
-            rpc.RemoteIncoming(v.name, a.address, self.source, tls=tls), timeout=120)
+            rpc.RemoteIncoming(v.name, a.address, self.source, tls=tls, channels=channels),
+            timeout=120)
         jh.phase(MovePhase.PREPARED, uri=prep.uri)
         self.record(MovePhase.PREPARED, {"uri": prep.uri, "destPid": prep.pid,
-                                         "prepareMs": prep.prepare_ms, "tls": tls})
+                                         "prepareMs": prep.prepare_ms, "tls": tls,
+                                         "channels": channels})
 
     def finish(self, jh: JobLock) -> None:
         """Wait until the incoming QEMU holds the whole stream; record "forward" (in the

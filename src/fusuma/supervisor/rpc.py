@@ -297,6 +297,7 @@ class MigrateOut(Request[Streamed]):
     # requires; ``plain_tcp`` sends it in the clear (the benchmark's before only).
     tls_peer: str = ""
     plain_tcp: bool = False
+    channels: int = 1          # multifd connections (as the destination prepared)
 
 
 @dataclass(frozen=True)
@@ -376,6 +377,7 @@ class RemoteIncoming(Request[Prepared]):
     listen: str
     peer: str
     tls: bool = True
+    channels: int = 1
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,15 @@ from fusuma.state import JobKind, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
 from fusuma.supervisor.moves.dest import MoveIn, incoming, incoming_run_dir
-from fusuma.supervisor.moves.source import capabilities
+from fusuma.supervisor.moves.source import capabilities, set_channels
 from fusuma.undo import Reverter
 
 
 async def remote_incoming(h: PartitionHost, vm: str, listen: str, peer: str,
-                          tls: bool = True) -> rpc.Prepared:
+                          tls: bool = True, channels: int = 1) -> rpc.Prepared:
     """Start a QEMU for ``vm`` waiting for a stream on ``tcp:LISTEN:<port>`` from host
-    ``peer``, under TLS (``tls`` False: in the clear, for the benchmark's before)."""
+    ``peer``, under TLS (``tls`` False: in the clear, for the benchmark's before), over
+    ``channels`` connections."""
     rec = h.db.vm(vm)
     if rec.partition != h.partition:
         raise StateError(f"VM {vm!r} is defined in partition {rec.partition!r}, not "
@@ -68,7 +69,8 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str, peer: str,
             h.charge_ram(ram, rec.memory_mib)
         inst = await h.launch(rec, accel, run, ram, "defer", rev, role=Role.INCOMING,
                               disk_owner=rec.partition)
-        await inst.qmp.migrate_set_capabilities(capabilities("copy"))
+        await inst.qmp.migrate_set_capabilities(capabilities("copy", channels))
+        await set_channels(inst.qmp, channels)
         move_tls = None
         if creds is not None:
             move_tls = await tlscreds.arm(inst.qmp, run, privilege.uid_for(h.paths, rec),

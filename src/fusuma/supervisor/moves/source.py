@@ -16,7 +16,7 @@ from typing import Any
 from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
 from fusuma.qemu import privilege, tlscreds
 from fusuma.qemu.instance import QemuInstance, Role
-from fusuma.qemu.qmp import EVENT_STOP, event_time
+from fusuma.qemu.qmp import EVENT_STOP, Qmp, event_time
 from fusuma.state import Decision, VmState, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
@@ -29,17 +29,34 @@ MODES = ("zero-copy", "copy")
 TCG_DIRTY_FIX = (9, 0)
 
 
-def capabilities(mode: str) -> dict[str, bool]:
-    return {"x-ignore-shared": mode == "zero-copy", "events": True}
+# The most parallel channels (QEMU's multifd) a stream between hosts may use.
+MAX_CHANNELS = 8
+
+
+def capabilities(mode: str, channels: int = 1) -> dict[str, bool]:
+    """A move's migration capabilities (every one named, so that a QEMU's earlier move
+    leaves nothing behind): RAM out of the stream for zero-copy; ``channels`` > 1
+    sends it over that many connections (multifd)."""
+    return {"x-ignore-shared": mode == "zero-copy", "events": True,
+            "multifd": channels > 1}
+
+
+async def set_channels(qmp: Qmp, channels: int) -> None:
+    """Capabilities are set already; with multifd, how many channels (both sides)."""
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise StateError(f"a move uses 1 to {MAX_CHANNELS} channels, not {channels}.")
+    if channels > 1:
+        await qmp.migrate_set_parameters({"multifd-channels": channels})
 
 
 async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
                   timeout: float = 600.0, max_bandwidth: int = 0, tls_peer: str = "",
-                  plain_tcp: bool = False) -> rpc.Streamed:
+                  plain_tcp: bool = False, channels: int = 1) -> rpc.Streamed:
     """Stream ``vm`` to ``uri``. To another host (a ``tcp:`` URI) the stream goes under
     TLS to host ``tls_peer`` (``fusuma.qemu.tlscreds``): its certificate must name that
     host, this host's certificate proves who sends; ``plain_tcp`` sends it in the clear
-    (the benchmark's before, never the agents' default)."""
+    (the benchmark's before, never the agents' default); over ``channels`` connections
+    (as many as the destination prepared)."""
     inst = h.instances.get(vm)
     rec = h.db.vm(vm)
     if inst is None:
@@ -57,7 +74,8 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
     paused = False
     move_tls = None
     try:
-        await inst.qmp.migrate_set_capabilities(capabilities(mode))
+        await inst.qmp.migrate_set_capabilities(capabilities(mode, channels))
+        await set_channels(inst.qmp, channels)
         if creds is not None:
             move_tls = await tlscreds.arm(inst.qmp, inst.run_dir,
                                           privilege.uid_for(h.paths, rec), creds,
