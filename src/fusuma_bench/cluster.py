@@ -15,6 +15,9 @@ dir and cgroup prefix, an agent on each) and, measured from outside like a user:
                             both hosts restarted with FUSUMA_BENCH_PLAIN_MOVES=1), in
                             blocks of 4 ordered clear, TLS, TLS, clear in the same run
                             (after 2 moves not counted)
+  (before the moves, and after each restart of the agents, the lab settles: its QEMUs,
+  supervisors and agents use less than half a core over 3 s, or steadily less than one;
+  between_hosts_settle_s)
   tls_slowdown_pct          how much slower a move is under TLS: the median of its
                             wall time (lastMove.wallMs: the source agent's start, before
                             the destination's prepare, to the guest resuming there)
@@ -56,6 +59,11 @@ TARGETS = {"in_host_downtime_ms_median": 10.0, "between_hosts_total_ms_median": 
 # during the run weighs on both alike.
 WARM_UP = 2
 PER_BLOCK = 4
+# Before the moves and after each restart of the agents: the lab is settled when its
+# processes use less than this many cores over SETTLE_WINDOW_S.
+SETTLED_CORES = 0.5
+STEADY_CORES = 0.1
+SETTLE_WINDOW_S = 3.0
 BLOCKS = ("plain", "tls", "tls", "plain")
 
 
@@ -141,7 +149,7 @@ def run(hosts: int, vms: int, lease_seconds: int, qemu: str | None,
               "the hosts' partitions")
         results.update(_apply(lab, vms, progress))
         results.update(_in_host(lab, progress))
-        results.update(_between_hosts(lab, progress))
+        results.update(_between_hosts(lab, envs, progress))
         results.update(_failover(lab, envs, lease_seconds, progress))
     finally:
         progress("removing the lab")
@@ -241,6 +249,39 @@ def _in_host(lab: Lab, progress: Callable[[str], None]) -> dict[str, Any]:
             "in_host_downtime_ms": downs, "in_host_total_ms": totals}
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes ``pids`` have used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _settle(lab: Lab, envs: list[dict[str, str]], progress: Callable[[str], None],
+            busy: float = SETTLED_CORES, timeout: float = 300) -> float:
+    """Wait until the lab's QEMUs, supervisors and agents together use less than
+    ``busy`` cores over a few seconds, or no longer less and less (idle guests under
+    TCG cost something): the guests applied have booted, the agents restarted have
+    synced. How long it took."""
+    t0 = time.monotonic()
+    last: float | None = None
+    while True:
+        pids = [p for env in envs for p in host_pids(env)]
+        pids += [h.agent.pid for h in lab.hosts if h.agent is not None]
+        before = _cpu_s(pids)
+        time.sleep(SETTLE_WINDOW_S)
+        used = (_cpu_s(pids) - before) / SETTLE_WINDOW_S
+        steady = last is not None and abs(used - last) < STEADY_CORES and used < 1.0
+        if used < busy or steady or time.monotonic() - t0 > timeout:
+            return round(time.monotonic() - t0, 1)
+        progress(f"waiting for the lab to settle ({used:.2f} cores busy)")
+        last = used
+
+
 def _agents(lab: Lab, hosts: list[LabHost], plain: bool) -> None:
     """Restart ``hosts``' agents, with moves in the clear or (as usual) under TLS."""
     since = time.time()
@@ -259,13 +300,14 @@ def _agents(lab: Lab, hosts: list[LabHost], plain: bool) -> None:
     _wait(back, 120, "the agents to register again")
 
 
-def _between_hosts(lab: Lab, progress: Callable[[str], None]) -> dict[str, Any]:
+def _between_hosts(lab: Lab, envs: list[dict[str, str]],
+                   progress: Callable[[str], None]) -> dict[str, Any]:
     pair = lab.hosts[:2]
     hosts = [h.name for h in pair]
     lab.kubectl("apply", "-f", "-", input=yaml.safe_dump(
         _vm("traveller", memoryMiB=256, host=hosts[0], partition="p0")))
     _wait(lambda: _ready(lab.get("fusumavm", "traveller")), 300, "traveller running")
-    time.sleep(5)      # let the guest boot and touch its memory
+    settled = [_settle(lab, envs, progress)]     # every guest has booted
     runs: dict[str, dict[str, list[Any]]] = {
         mode: {"downtime": [], "total": [], "prepare": [], "wall": [], "sent": [],
                "paused": []}
@@ -274,6 +316,7 @@ def _between_hosts(lab: Lab, progress: Callable[[str], None]) -> dict[str, Any]:
     for b, mode in enumerate(("warm-up", *BLOCKS)):
         if mode != "warm-up":
             _agents(lab, pair, plain=mode == "plain")
+            settled.append(_settle(lab, envs, progress))
         count = WARM_UP if mode == "warm-up" else PER_BLOCK
         for i in range(count):
             n += 1
@@ -298,7 +341,7 @@ def _between_hosts(lab: Lab, progress: Callable[[str], None]) -> dict[str, Any]:
                     got[what].append(lm[field])
                 got["paused"].append(bool(lm.get("paused")))
     _agents(lab, pair, plain=False)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"between_hosts_settle_s": settled}
     for mode, got in runs.items():
         name = "between_hosts" if mode == "tls" else "between_hosts_plain"
         for what in ("downtime", "total", "prepare", "wall"):

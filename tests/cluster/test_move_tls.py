@@ -19,7 +19,7 @@ import pytest
 
 from fusuma.cluster import pki
 from fusuma.cluster.context import PLAIN_MOVES_ENV
-from fusuma.cluster.hostmove import FAULT_STREAM_DELAY
+from fusuma.cluster.hostmove import FAULT_STREAM_DELAY, TLS_CHANNELS
 from fusuma.cluster.resources import now_iso
 from tests.capture import Capture, tcp_flows
 from tests.cluster.conftest import Cluster, wait_for
@@ -155,7 +155,7 @@ def test_the_stream_between_hosts_shows_none_of_the_guests_memory(
     assert cap.stop() == 0, "frames were dropped: the capture is not whole"
     assert last["tls"] is True and last["result"] == "ok"
     streams, every = captured_stream(pcap, last["uri"])
-    assert len(streams) == 1 + last["channels"] == 3       # the main one and multifd's
+    assert len(streams) == 1 + last["channels"] == 1 + TLS_CHANNELS   # main + multifd
     assert all(d[:2] == b"\x16\x03" for d in streams), "a connection without TLS"
     assert sum(map(len, streams)) >= last["bytesSent"] > 16 * 2**20
     assert not any(marker.encode() in d for d in every)

@@ -5,7 +5,7 @@ them, a marker in the source's RAM, every frame on the namespace's loopback capt
 
 - In the clear the marker crosses the wire (so the capture can find it: the check below
   can fail);
-- under TLS, over two channels as fusuma's moves between hosts run (multifd), whoever
+- under TLS, over several channels as fusuma's moves between hosts run (multifd), whoever
   connects to the listening QEMU first (raw bytes, a certificate of
   another CA that claims to be the source, another host's genuine certificate) is
   refused and the destination keeps waiting; a source that expects another destination

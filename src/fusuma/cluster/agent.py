@@ -306,6 +306,14 @@ class Agent:
             return self.lease_observer.expired(lease)
 
     def move_creds(self) -> None:
+        """Before a move's half: this host holds its move credentials. The heartbeat
+        keeps them fresh (a rotation reaches them within a third of the Lease), so they
+        are fetched here only if this agent has none yet; ClusterError if it has none."""
+        if self._tls_reported is not None and tlscreds.load(self.paths) is not None:
+            return
+        self.refresh_move_creds()
+
+    def refresh_move_creds(self) -> None:
         """Fetch this host's credentials for moves between hosts from its Secret into
         the host's store (``fusuma.qemu.tlscreds``: its supervisors read them there),
         and report them in the FusumaHost's status; ClusterError if it has none."""
@@ -333,7 +341,7 @@ class Agent:
 
     def _refresh_move_creds(self) -> None:
         try:
-            self.move_creds()
+            self.refresh_move_creds()
         except FusumaError as exc:
             LOG.debug("move certificate: %s", exc)
 

@@ -95,10 +95,11 @@ RECORD_PHASE: dict[MovePhase, str] = {
     MovePhase.SWITCHED: "Switched", MovePhase.RELEASED: "Done"}
 RECORD_FAILED = "Failed"
 # Connections a stream between hosts takes (QEMU's multifd) under TLS: TLS costs CPU per
-# record (QEMU writes one record per page), and several channels, each receiving its
-# pages straight into guest RAM, win it back (docs/results/cluster-tls.json). In the
-# clear (the benchmark's before) the stream is one connection, as it was.
-TLS_CHANNELS = 2
+# record (QEMU 10.0 writes one record, and one send, per page and per page header), and
+# several channels, each receiving its pages straight into guest RAM, win most of it
+# back (docs/results/cluster-tls*.json: one channel made moves 63 % slower, four 7 %).
+# In the clear (the benchmark's before) the stream is one connection, as it was.
+TLS_CHANNELS = 4
 # Fault injection (tests), read from the source agent's environment: seconds it waits
 # between the destination's prepare and the stream.
 FAULT_STREAM_DELAY = "FUSUMA_FAULT_HOST_MOVE_STREAM_DELAY"
