@@ -17,7 +17,8 @@ fix it; the CLI prints ``str(exc)`` and exits non-zero.
      ├── SupervisorError    a partition supervisor is down or answered with an error
      ├── MigrationError     a migration failed (the VM stays where it was)
      ├── SegmentError       a shared segment cannot be built, found or removed
-     └── TemplateError      a template cannot be made, or its files are missing or damaged
+     ├── TemplateError      a template cannot be made, or its files are missing or damaged
+     └── NetworkError       a bridge, tap, nftables table or dnsmasq could not be made
 """
 
 from __future__ import annotations
@@ -128,3 +129,15 @@ class TemplateError(FusumaError):
     """A template cannot be made or used: refused, or its files are missing or damaged."""
 
     exit_code = 14
+
+
+class NetworkError(FusumaError):
+    """A network's kernel side (bridge, tap, nftables) or its dnsmasq failed."""
+
+    exit_code = 15
+
+    def __init__(self, message: str, *, argv: list[str] | None = None,
+                 detail: str = "") -> None:
+        super().__init__(message)
+        self.argv = argv or []
+        self.detail = detail

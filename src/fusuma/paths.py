@@ -25,7 +25,7 @@ temporary directory without touching the host's real fusuma:
   (fusuma.qemu.consolelog)
 
 Permissions (least privilege): the shm dir and the log dirs (``vms/<vm>``,
-``partitions/<p>``) are 0700; the runtime dir and its ``vms`` and ``partitions`` are
+``partitions/<p>``) are 0700; the runtime dir and its ``vms``, ``partitions`` and ``networks`` are
 0711 (others may pass through to a socket they are given, never list); each VM's run
 dir is 0700 and owned by the uid its QEMU runs as. :func:`ensure_dir` creates a
 directory or fixes the mode and owner of an existing one.
@@ -212,6 +212,17 @@ class Paths:
     def supervisor_pidfile(self, partition: str) -> Path:
         return self.runtime / "partitions" / f"{partition}.pid"
 
+    def network_dir(self, network: str) -> Path:
+        """A network's files that outlive its processes: dnsmasq's leases, the log of
+        its keeper (fusuma.network.keeper). 0700."""
+        return self.home / "networks" / network
+
+    def network_run_dir(self, network: str) -> Path:
+        """A network's dnsmasq configuration, hosts and pid files, and its keeper's
+        pidfile: 0711 like the runtime dir, the files 0644, so that dnsmasq, once it
+        has dropped to its own user, can read its hosts file again on SIGHUP."""
+        return self.runtime / "networks" / network
+
     @property
     def segments_dir(self) -> Path:
         """Shared segments: ``<name>.erofs`` files that VMs map as virtio-pmem."""
@@ -275,5 +286,6 @@ class Paths:
                     "users cannot pass, so the VMs' QEMUs (each under a uid of its own) "
                     f"cannot reach their sockets; `chmod o+x {parent}` or set "
                     "FUSUMA_RUNTIME_DIR elsewhere (default /run/fusuma).")
-        for d in (self.runtime, self.runtime / "vms", self.runtime / "partitions"):
+        for d in (self.runtime, self.runtime / "vms", self.runtime / "partitions",
+                  self.runtime / "networks"):
             ensure_dir(d, PASSABLE_DIR)

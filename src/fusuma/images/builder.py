@@ -98,7 +98,7 @@ KINDS: dict[str, ImageKind] = {
     # overlay: the writable layer over the read-only root
     "debian": ImageKind(
         name="debian", modules=(*_MODULES, "overlay"), append=_APPEND,
-        packages=("apache2", "qemu-guest-agent", "iproute2", "procps"),
+        packages=("apache2", "qemu-guest-agent", "iproute2", "procps", "iperf3"),
     ),
     # A stock-host stand-in for testing fusuma itself on cgroup v2 (tests/cgroup2):
     # Debian with systemd as init (unified hierarchy), udev, QEMU and python3; fusuma

@@ -50,8 +50,10 @@ class TemplateManager:
             raise TemplateError(f"VM {vm!r} is {state}; a template is made from a running "
                                 f"VM: start it (`fusuma vm start {vm}`) and try again.")
         from fusuma.memshare.templates import refuse
+        from fusuma.network.manager import check_movable
 
         refuse(rec, rec.qemu_version)
+        check_movable(self.db, vm, "a template")
         capacity.check_template(self.db, self.parts.host, name, rec.memory_mib)
         self.parts.client(rec.partition).send(
             rpc.TemplateSave(vm, name, fault=os.environ.get(FAULT, "")), timeout=300)

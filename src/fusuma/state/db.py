@@ -14,8 +14,11 @@ from typing import Any
 from fusuma.errors import ConflictError, HostError, NotFoundError, StateError
 from fusuma.state.jobs import Job, JobKind, JobOwner, busy_sentence
 from fusuma.state.machine import DELETABLE, VmState, check_transition, lifecycle_action
+from fusuma.state.netdb import NetworkTables
 from fusuma.state.records import (
     DiskRecord,
+    NetworkRecord,
+    NicRecord,
     PartitionRecord,
     SegmentRecord,
     TemplateRecord,
@@ -25,11 +28,11 @@ from fusuma.state.records import (
 from fusuma.state.roles import Role
 from fusuma.state.schema import ADDED_COLUMNS, SCHEMA, SCHEMA_VERSION
 
-__all__ = ["Database", "DiskRecord", "PartitionRecord", "SegmentRecord", "TemplateRecord",
-           "TokenRecord", "VmRecord"]
+__all__ = ["Database", "DiskRecord", "NetworkRecord", "NicRecord", "PartitionRecord",
+           "SegmentRecord", "TemplateRecord", "TokenRecord", "VmRecord"]
 
 
-class Database:
+class Database(NetworkTables):
     """One connection to the state file; cheap to open, safe across processes."""
 
     def __init__(self, path: Path) -> None:

@@ -127,3 +127,35 @@ class TokenRecord:
     last_used_at: float | None = None
     # Made by a fusuma from before roles: it keeps the admin role it had then.
     before_roles: bool = False
+
+
+@dataclass(frozen=True)
+class NetworkRecord:
+    """A network VMs' NICs attach to (fusuma.network): ``managed`` (a bridge fusuma
+    makes, with a subnet, DHCP/DNS and NAT) or ``bridged`` (a bridge the host has)."""
+
+    name: str
+    type: str                        # "managed" | "bridged"
+    bridge: str
+    subnet: str | None = None
+    nat: bool = False
+    isolated: bool = False
+    filtering: bool = False
+    keeper_pid: int | None = None
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def managed(self) -> bool:
+        return self.type == "managed"
+
+
+@dataclass(frozen=True)
+class NicRecord:
+    """One NIC of a VM: its network, its MAC (generated once) and, on a managed
+    network, its address."""
+
+    vm: str
+    index: int
+    network: str
+    mac: str
+    ip: str | None = None
