@@ -97,7 +97,7 @@ def check_overlap(subnet: Subnet, routes: Iterable[Route],
     to send those packets) or another fusuma network's subnet."""
     for name, other in networks:
         if subnet.net.overlaps(ipaddress.IPv4Network(other)):
-            raise ConflictError(f"subnet {subnet.cidr} overlaps network {name!r}'s "
+            raise ConflictError(f"subnet {subnet.cidr} overlaps network {name}'s "
                                 f"{other}; pick another subnet.")
     for r in routes:
         if subnet.net.overlaps(r.dst):
@@ -157,7 +157,7 @@ def check_ip(subnet: Subnet, text: str, taken: dict[str, str]) -> str:
         raise SpecError(f"address {ip} is the subnet's network, broadcast or gateway "
                         "address; pick another.")
     if str(ip) in taken:
-        raise ConflictError(f"address {ip} is already VM {taken[str(ip)]!r}'s; pick "
+        raise ConflictError(f"address {ip} is already VM {taken[str(ip)]}'s; pick "
                             "another or leave ip= out.")
     return str(ip)
 

@@ -19,16 +19,16 @@ one queue, owned by the VM's uid and not persistent:
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
+import json
 import os
 import struct
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from fusuma.errors import HostError, NetworkError
 
-SYS_NET = Path("/sys/class/net")
 TUN_DEVICE = "/dev/net/tun"
 TUNSETIFF = 0x400454CA
 TUNSETOWNER = 0x400454CC
@@ -55,24 +55,43 @@ def ip(*args: str) -> str:
     return p.stdout
 
 
+def _show(name: str | None = None) -> list[dict[str, Any]]:
+    """``ip -j -d link show [dev NAME]``: the kernel's view of this process's network
+    namespace (netlink, not /sys/class/net, which shows the namespace /sys was mounted
+    in: fusuma may run under ``nsenter --net``)."""
+    argv = ["ip", "-j", "-d", "link", "show", *(["dev", name] if name else [])]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError as exc:
+        raise HostError("the `ip` command is missing; install iproute2.") from exc
+    if p.returncode != 0:
+        return []
+    try:
+        rows = json.loads(p.stdout or "[]")
+    except ValueError:
+        return []
+    return [r for r in rows if isinstance(r, dict)]
+
+
 def exists(name: str) -> bool:
-    return (SYS_NET / name).exists()
+    return bool(_show(name))
 
 
 def is_bridge(name: str) -> bool:
-    return (SYS_NET / name / "bridge").is_dir()
+    return any(r.get("linkinfo", {}).get("info_kind") == "bridge" for r in _show(name))
 
 
 def master(name: str) -> str | None:
     """The bridge ``name`` is a port of, if any."""
-    with contextlib.suppress(OSError):
-        return os.path.basename(os.readlink(SYS_NET / name / "master"))
+    for r in _show(name):
+        return str(r["master"]) if "master" in r else None
     return None
 
 
 def links(prefix: str) -> list[str]:
     """This namespace's links whose names start with ``prefix``."""
-    return sorted(p.name for p in SYS_NET.glob(f"{prefix}*"))
+    return sorted(str(r["ifname"]) for r in _show() if str(r.get("ifname", ""))
+                  .startswith(prefix))
 
 
 def sysctl(path: str, value: str) -> bool:

@@ -138,7 +138,7 @@ class NetworkManager:
                                 "name a Linux bridge.")
             for other in self.db.networks():
                 if other.bridge == parent:
-                    raise ConflictError(f"bridge {parent} is network {other.name!r}'s "
+                    raise ConflictError(f"bridge {parent} is network {other.name}'s "
                                         "already; attach VMs to that network.")
             return NetworkRecord(name=name, type=type_, bridge=parent)
         if parent:
@@ -185,7 +185,7 @@ class NetworkManager:
         if rec.nat and link.sysctl("net/ipv4/ip_forward", "1"):
             self.notice("fusuma: notice: IPv4 forwarding was off; turned on "
                         "(net.ipv4.ip_forward = 1) for network "
-                        f"{rec.name!r}'s NAT.")
+                        f"{rec.name}'s NAT.")
         self.refresh(rec.name)
         done.append(f"nftables tables {self.table(rec.name)}")
         if keeper.keeper_pid(self.paths, rec.name, rec.keeper_pid) is None:
@@ -221,7 +221,7 @@ class NetworkManager:
         rec = self.db.network(name)
         if not rec.managed:
             if not link.is_bridge(rec.bridge):
-                raise NetworkError(f"network {name!r}'s parent bridge {rec.bridge} is "
+                raise NetworkError(f"network {name}'s parent bridge {rec.bridge} is "
                                    "gone; create it again (fusuma does not own it).")
             return []
         return self._make_kernel(rec)
@@ -369,7 +369,7 @@ class NetworkManager:
                 mac = addr.check_mac(req.mac)
                 owner = macs.get(mac) or next((n.vm for n in out if n.mac == mac), None)
                 if owner is not None:
-                    raise ConflictError(f"MAC {mac} is already VM {owner!r}'s NIC; pick "
+                    raise ConflictError(f"MAC {mac} is already VM {owner}'s NIC; pick "
                                         "another or leave mac= out.")
             else:
                 mac = addr.new_mac([*macs, *(n.mac for n in out)])

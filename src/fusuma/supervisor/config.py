@@ -150,7 +150,7 @@ def open_taps(cfg: VmConfig, uid: int, add: Callable[[int], int]) -> VmConfig:
     nics = []
     for nic in cfg.nics:
         if not link.is_bridge(nic.bridge):
-            raise StateError(f"VM {cfg.name!r}: network {nic.network!r}'s bridge "
+            raise StateError(f"VM {cfg.name!r}: network {nic.network}'s bridge "
                              f"{nic.bridge} does not exist; bring it back with `fusuma up` "
                              f"or `fusuma network restart {nic.network}`.")
         fds = link.open_tap(nic.tap, nic.queues, uid, nic.bridge)
