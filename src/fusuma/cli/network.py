@@ -108,10 +108,10 @@ def show(c: Ctx, name: str, as_json: bool) -> None:
     from fusuma.network.ifnames import tap_name
 
     d = c.nets.status(name).as_json()
-    nics = []
+    nics: list[dict[str, str]] = []
     for n in c.db.nics(network=name):
         vm = c.db.vm(n.vm)
-        nics.append({"vm": n.vm, "index": n.index, "mac": n.mac, "ip": n.ip,
+        nics.append({"vm": n.vm, "index": str(n.index), "mac": n.mac, "ip": n.ip or "-",
                      "tap": tap_name(vm.slot, n.index)})
     d["nics"] = nics
     if as_json:
@@ -122,7 +122,7 @@ def show(c: Ctx, name: str, as_json: bool) -> None:
         click.echo(f"{key + ':':13}{d[key] if d[key] is not None else '-'}")
     if nics:
         click.echo()
-        click.echo(table([[n["vm"], str(n["index"]), n["mac"], n["ip"] or "-", n["tap"]]
+        click.echo(table([[n["vm"], n["index"], n["mac"], n["ip"], n["tap"]]
                           for n in nics], ["vm", "nic", "mac", "address", "tap"]))
 
 

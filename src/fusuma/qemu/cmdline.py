@@ -435,7 +435,7 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
         argv += ["-drive", f"file={root},format=raw,if=none,id=disk-fusuma-root,readonly=on"]
         backends.append("disk-fusuma-root")
     # A clone of a template with a network card has it whether it forwards ports or not.
-    if cfg.ports or any(NET_ID in dev.backends() for dev in ds.devices):
+    if (cfg.ports and not cfg.nics) or any(NET_ID in dev.backends() for dev in ds.devices):
         fwd = "".join(f",hostfwd={hostfwd(h, g)}" for h, g in cfg.ports) \
             if cfg.bind_ports else ""
         argv += ["-netdev", f"user,id={NET_ID}{fwd}"]

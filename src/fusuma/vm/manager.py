@@ -28,9 +28,9 @@ R = TypeVar("R")
 LOG = logging.getLogger(__name__)
 
 if TYPE_CHECKING:   # not imported at run time: `fusuma ps` needs only VmView (issue 17)
-    from fusuma.network.manager import NetworkManager
     from fusuma.host.cgroups import CgroupDriver
     from fusuma.host.topology import HostInfo
+    from fusuma.network.manager import NetworkManager
     from fusuma.spec import VmSpec
     from fusuma.state.joblock import JobLock
     from fusuma.supervisor.client import SupervisorClient
