@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fusuma.spec import DiskSpec, PartitionSpec, VmSpec, _name_field
+from fusuma.spec import DiskSpec, NetworkSpec, PartitionSpec, VmSpec, _name_field
 
 
 class _Req(BaseModel):
@@ -33,6 +33,10 @@ class PartitionCreate(PartitionSpec):
     qemu: str | None = Field(None, description="Its QEMU: an installed version such as "
                              "\"10.0\" (`fusuma qemu list`); none: the system's. A "
                              "binary's path is refused here.")
+
+
+class NetworkCreate(NetworkSpec):
+    """A network (the keys of a spec's ``[[network]]``)."""
 
 
 class DiskCreate(DiskSpec):
@@ -166,6 +170,23 @@ class VmInfo(_Resp):
     # Guest RAM on the host: {"page_reporting", "resident_mib", "returned_mib"}
     ram: dict[str, Any] | None = None
     template: str | None = None     # the template a clone was started from
+
+
+class NetworkInfo(_Resp):
+    """A network as `fusuma network list --json` shows it."""
+
+    name: str
+    type: str
+    bridge: str
+    subnet: str | None
+    gateway: str | None
+    nat: bool
+    isolated: bool
+    filtering: bool
+    state: str                        # up | no-dhcp | down
+    keeper_pid: int | None
+    dnsmasq_pid: int | None
+    vms: list[str]
 
 
 class PartitionInfo(_Resp):
