@@ -344,3 +344,110 @@ ports = ["0.0.0.0:8080:80"]
         parse_spec('[[network]]\nname = "x"\n[[network]]\nname = "x"\n', "s.toml")
     with pytest.raises(SpecError, match="forwarded twice"):
         parse_spec(text.replace('["0.0.0.0:8080:80"]', '["0.0.0.0:8080:80", "8080:81"]'))
+
+
+# -- faults: one sentence, nothing half-made ------------------------------------------
+
+
+def test_missing_nft_and_dnsmasq_are_one_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusuma.errors import HostError
+
+    monkeypatch.setattr(nft, "NFT", "fusuma-no-such-nft")
+    with pytest.raises(HostError, match=r"nftables is missing .*apt-get install nftables"):
+        nft.check_installed()
+    monkeypatch.setattr(dnsmasq.shutil, "which", lambda *a, **k: None)
+    with pytest.raises(HostError, match="dnsmasq is missing; install it with"):
+        dnsmasq.binary()
+
+
+class FakeKernel:
+    """Bridges, tables and keepers as a dict: what NetworkManager.create made."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: str = "") -> None:
+        from fusuma.network import keeper, link
+
+        self.links: set[str] = set()
+        self.tables: set[str] = set()
+        self.fail = fail
+        monkeypatch.setattr(link, "exists", lambda n: n in self.links)
+        monkeypatch.setattr(link, "is_bridge", lambda n: n in self.links)
+        monkeypatch.setattr(link, "create_bridge", lambda n, g: self.links.add(n))
+        monkeypatch.setattr(link, "delete_link", self._del_link)
+        monkeypatch.setattr(link, "sysctl", lambda p, v: False)
+        monkeypatch.setattr(nft, "check_installed", lambda: None)
+        monkeypatch.setattr(nft, "apply", self._apply)
+        monkeypatch.setattr(nft, "delete", lambda f, n: self.tables.discard(f"{f} {n}"))
+        monkeypatch.setattr(dnsmasq, "binary", lambda: "/usr/sbin/dnsmasq")
+        monkeypatch.setattr(addr, "host_routes", lambda: [addr.Route(
+            addr.ipaddress.IPv4Network("192.168.1.0/24"), "eth0")])
+        monkeypatch.setattr(keeper, "keeper_pid", lambda *a: None)
+        monkeypatch.setattr(keeper, "dnsmasq_pid", lambda f: None)
+        monkeypatch.setattr(NetworkManager, "start_keeper",
+                            lambda mgr, rec, timeout=0: self._start(rec))
+        monkeypatch.setattr(NetworkManager, "stop_keeper", lambda s, r: False)
+
+    def _del_link(self, n: str) -> bool:
+        self.links.discard(n)
+        return True
+
+    def _apply(self, tables: list[nft.Table]) -> None:
+        if self.fail == "nft":
+            from fusuma.errors import NetworkError
+
+            raise NetworkError("`nft -f -` failed: Error: no such hook.")
+        self.tables |= {f"{t.family} {t.name}" for t in tables}
+
+    def _start(self, rec: NetworkRecord) -> int:
+        if self.fail == "dnsmasq":
+            from fusuma.errors import NetworkError
+
+            raise NetworkError("dnsmasq of network 'lan9' did not come up in 15 s.")
+        return 4242
+
+
+@pytest.mark.parametrize("fail", ["nft", "dnsmasq"])
+def test_a_failed_create_leaves_nothing(db: Database, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch, fail: str) -> None:
+    from fusuma.errors import NetworkError
+
+    kernel = FakeKernel(monkeypatch, fail)
+    paths = Paths(home=tmp_path, runtime=tmp_path / "r", shm=tmp_path / "s",
+                  cache=tmp_path / "c", cgroup_prefix="fusuma-t")
+    monkeypatch.setattr(Paths, "ensure_runtime", lambda self: None)
+    nets = NetworkManager(paths, db)
+    with pytest.raises(NetworkError):
+        nets.create("lan9", subnet="10.9.9.0/24")
+    assert db.find_network("lan9") is None
+    assert kernel.links == set() and kernel.tables == set()
+    assert not (tmp_path / "r" / "networks" / "lan9").exists()
+
+
+def test_create_refusals_change_nothing(db: Database, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = FakeKernel(monkeypatch)
+    paths = Paths(home=tmp_path, runtime=tmp_path / "r", shm=tmp_path / "s",
+                  cache=tmp_path / "c", cgroup_prefix="fusuma-t")
+    monkeypatch.setattr(Paths, "ensure_runtime", lambda self: None)
+    nets = NetworkManager(paths, db)
+    cases = [
+        ({"subnet": "192.168.1.0/25"}, ConflictError, r"host's route to 192\.168\.1\.0/24"),
+        ({"subnet": "10.0.5.0/24"}, ConflictError, "overlaps network lan0's"),
+        ({"type_": "bridged", "parent": "br9"}, SpecError, "parent bridge 'br9' does not"),
+        ({"type_": "bridged"}, SpecError, "needs --parent"),
+        ({"type_": "bridged", "parent": "x", "isolated": True}, SpecError, "--isolated"),
+        ({"parent": "br0"}, SpecError, "--parent is for bridged"),
+    ]
+    for kw, exc, why in cases:
+        with pytest.raises(exc, match=why):
+            nets.create("lan9", **kw)  # type: ignore[arg-type]
+    kernel.links.add("fzb-lan9")
+    with pytest.raises(ConflictError, match="interface fzb-lan9 exists already"):
+        nets.create("lan9", subnet="10.9.9.0/24")
+    assert db.find_network("lan9") is None and kernel.tables == set()
+    kernel.links.discard("fzb-lan9")
+    rec = nets.create("lan9")      # no --subnet: the first free 10.x.y.0/24
+    assert rec.subnet == "10.100.0.0/24" and rec.keeper_pid == 4242
+    assert kernel.links == {"fzb-lan9"}
+    assert kernel.tables == {"inet fusuma-t-lan9", "bridge fusuma-t-lan9"}
+    hosts = tmp_path / "r" / "networks" / "lan9" / "hosts"
+    assert hosts.read_text() == "" and oct(hosts.stat().st_mode)[-3:] == "644"
