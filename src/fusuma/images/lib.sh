@@ -112,7 +112,7 @@ case "$1" in
         ip link set "$interface" up ;;
     bound|renew)
         ip addr replace "$ip/${mask:-24}" dev "$interface"
-        if [ -n "$router" ] && ! ip route show default | grep -q .; then
+        if [ -n "$router" ] && ! ip route | grep -q '^default'; then
             ip route add default via "${router%% *}" dev "$interface"
         fi
         if [ -n "$dns" ] && [ "$interface" = eth0 ]; then
