@@ -279,3 +279,55 @@ def test_refusals_name_what_is_wrong(booted: tuple[Host, Net]) -> None:
     assert "parent bridge 'br9' does not exist" in res.err
     assert h.run("vm", "list", "--json").json().__len__() == 3
     assert [n["name"] for n in h.run("network", "list", "--json").json()] == ["lan0", "lan1"]
+
+
+def test_up_brings_back_and_makes_what_the_spec_names(booted: tuple[Host, Net],
+                                                     tmp_path: Path) -> None:
+    h, net = booted
+    lan1 = h.run("network", "show", "lan1", "--json").json()
+    # What a reboot leaves of lan1: no keeper, no dnsmasq, no tables.
+    os.kill(lan1["keeper_pid"], signal.SIGKILL)
+    os.kill(lan1["dnsmasq_pid"], signal.SIGKILL)
+    for family in ("inet", "bridge"):
+        ns_run(net.ns, "nft", "delete", "table", family, f"{h.prefix}-lan1")
+    deadline = time.monotonic() + 10
+    while h.run("network", "show", "lan1", "--json").json()["state"] != "no-dhcp":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(f"""
+[[network]]
+name = "lan0"
+subnet = "{LAN0}.0/24"
+
+[[network]]
+name = "lan1"
+subnet = "{LAN1}.0/24"
+
+[[network]]
+name = "lan2"
+subnet = "10.123.3.0/24"
+isolated = true
+
+[[partition]]
+name = "p0"
+cpus = "0"
+memory_mib = 1024
+
+[[vm]]
+name = "c"
+partition = "p0"
+memory_mib = 128
+nics = [{{ network = "lan1" }}]
+""")
+    out = h.run("up", str(spec)).out + h.run("up", str(spec)).out
+    shown = {n["name"]: n for n in h.run("network", "list", "--json").json()}
+    assert [shown[n]["state"] for n in ("lan0", "lan1", "lan2")] == ["up"] * 3, (out, shown)
+    assert shown["lan2"]["isolated"] and shown["lan1"]["dnsmasq_pid"] != lan1["dnsmasq_pid"]
+    names = {(t["family"], t["name"]) for t in net.tables()}
+    assert ("bridge", f"{h.prefix}-lan1") in names and ("inet", f"{h.prefix}-lan2") in names
+    # c's lease is still served: it renews and keeps its address.
+    guest(h, "c", "kill -USR1 $(pidof udhcpc)")
+    wait_address(h, "c", f"{LAN1}.2", timeout=20)
+    guest(h, "c", f"ping -c 1 -W 3 {LAN1}.1")
+    h.run("network", "delete", "lan2")
