@@ -62,12 +62,7 @@ def keeper_pid(paths: Paths, network: str, recorded: int | None) -> int | None:
     candidates = [recorded]
     with contextlib.suppress(OSError, ValueError):
         candidates.append(int((paths.network_run_dir(network) / PIDFILE).read_text()))
-    for pid in candidates:
-        if pid and process.pid_alive(pid):
-            argv = process.cmdline(pid)
-            if KEEPER_MODULE in argv and argv[-1] == network:
-                return pid
-    return None
+    return process.daemon_pid(candidates, KEEPER_MODULE, network)
 
 
 class Keeper:

@@ -30,6 +30,17 @@ def cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
+def daemon_pid(candidates: list[int | None], module: str, name: str) -> int | None:
+    """The first of ``candidates`` that is alive and runs ``python -m MODULE NAME`` (a
+    partition supervisor, a network's keeper): a recorded pid is never trusted alone."""
+    for pid in candidates:
+        if pid and pid_alive(pid):
+            argv = cmdline(pid)
+            if module in argv and argv[-1] == name:
+                return pid
+    return None
+
+
 def is_vm_process(pid: int, vm: str, run_dir: Path) -> bool:
     """True if ``pid`` is a QEMU of ``vm`` whose sockets live under ``run_dir`` (guards
     against pid reuse on adoption)."""
