@@ -81,7 +81,8 @@ def config(bridge: str, subnet: str, gateway: str, domain: str, files: Files,
         ("local", f"/{domain}/"),
         ("expand-hosts", None),
         ("user", run_as),
-        ("log-facility", "-"),
+        ("log-facility", "-"),           # to its keeper's log
+        ("quiet-dhcp", None),            # no line per lease: the log stays small
     ]
 
 
