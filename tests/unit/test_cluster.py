@@ -154,6 +154,59 @@ def test_kubeconfig_token_and_ca(tmp_path: Path) -> None:
         KubeConfig.load(p)
 
 
+def test_an_inline_client_key_passes_through_a_private_directory_and_is_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime
+    import os
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from fusuma.cluster import kube
+    from tests.unit.test_cluster_pki import ca_pem
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fusuma:host:h0")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(1).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM,
+                                serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+           "clusters": [{"name": "k", "cluster": {
+               "server": "https://10.0.0.1:6443",
+               "certificate-authority-data": base64.b64encode(ca_pem()).decode()}}],
+           "users": [{"name": "u", "user": {
+               "client-certificate-data": base64.b64encode(
+                   cert.public_bytes(serialization.Encoding.PEM)).decode(),
+               "client-key-data": base64.b64encode(key_pem).decode()}}],
+           "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}
+    p = tmp_path / "kc"
+    p.write_text(json.dumps(cfg))
+    base = tmp_path / "shm"
+    base.mkdir()
+    monkeypatch.setattr(kube, "INLINE_KEY_DIR", base)
+    seen: list[tuple[int, bytes]] = []
+    real = ssl.SSLContext.load_cert_chain
+
+    def spy(self: ssl.SSLContext, certfile: str, keyfile: str) -> None:
+        d = Path(keyfile).parent
+        assert d.parent == base and d.name.startswith("fusuma-kube-")
+        seen.append((os.stat(d).st_mode & 0o777, Path(keyfile).read_bytes()))
+        assert os.stat(keyfile).st_mode & 0o777 == 0o600
+        real(self, certfile, keyfile)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_cert_chain", spy)
+    kc = KubeConfig.load(p)
+    assert seen == [(0o700, key_pem)] and kc.cert is None
+    assert list(base.iterdir()) == [], "the client key was left behind"
+
+
 def test_owners_survive_a_new_instance(tmp_path: Path) -> None:
     o = Owners(tmp_path)
     o.set("vms", "v", Owner("uid1", "ns", "v"))
