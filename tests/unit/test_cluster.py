@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from fusuma.cluster import ClusterError
-from fusuma.cluster.crds import crds, manifests, render_yaml
+from fusuma.cluster.crds import crds, render_yaml
 from fusuma.cluster.hostmove import RECORD_FAILED, RECORD_PHASE, at, called_off
+from fusuma.cluster.install import manifests
 from fusuma.cluster.kube import VM, KubeConfig
 from fusuma.cluster.owners import Owner, Owners
 from fusuma.cluster.placement import Choice, HostView, choose, load
@@ -69,9 +70,56 @@ def test_a_move_between_hosts_shows_every_phase_by_its_users_name() -> None:
 def test_install_yaml_is_one_document_per_object() -> None:
     docs = [d for d in yaml.safe_load_all(render_yaml(manifests())) if d]
     assert docs == manifests()
-    binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
-    assert {"kind": "Group", "apiGroup": "rbac.authorization.k8s.io",
-            "name": "fusuma:agents"} in binding["subjects"]
+    # No identity that every agent shares: each host joins with its own.
+    assert not [d for d in docs if d["kind"] in ("ClusterRoleBinding", "ServiceAccount")]
+    policy, binding = docs[-2:]
+    assert (policy["kind"], binding["kind"]) == ("ValidatingAdmissionPolicy",
+                                                 "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"],
+                               "validationActions": ["Deny"]}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    # Every refusal is a 403 with a sentence naming the host.
+    for v in policy["spec"]["validations"]:
+        assert v["reason"] == "Forbidden"
+        assert v["messageExpression"].startswith("'host ' + variables.me + ' ' + '")
+
+
+def test_the_policy_knows_who_writes_every_field_of_a_move() -> None:
+    from fusuma.cluster.crds import MOVE
+    from fusuma.cluster.policy import MOVE_DEST, MOVE_EITHER, MOVE_SOURCE
+
+    fields = MOVE_SOURCE + MOVE_DEST + MOVE_EITHER
+    assert sorted(fields) == sorted(MOVE["properties"]) and len(set(fields)) == len(fields)
+
+
+def test_a_host_identity_is_its_own_account_and_roles_by_name() -> None:
+    from fusuma.cluster.identity import check_host_name, host_objects, host_of
+
+    objs = {o["kind"]: o for o in host_objects("h0")}
+    assert set(objs) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
+                         "RoleBinding"}
+    assert {o["metadata"]["name"] for o in objs.values()} == {"fusuma-host-h0"}
+    subjects = [{"kind": "ServiceAccount", "name": "fusuma-host-h0",
+                 "namespace": "fusuma-system"},
+                {"kind": "User", "apiGroup": "rbac.authorization.k8s.io",
+                 "name": "fusuma:host:h0"}]
+    assert objs["ClusterRoleBinding"]["subjects"] == subjects
+    assert objs["RoleBinding"]["subjects"] == subjects
+    named = {(r["resources"][0], tuple(r["resourceNames"]))
+             for r in objs["Role"]["rules"] if "resourceNames" in r}
+    assert named == {("leases", ("fusuma-host-h0", "fusuma-placement")),
+                     ("secrets", ("fusuma-host-h0",))}
+    # Nothing that deletes, and no Secret of anyone else.
+    for rule in objs["ClusterRole"]["rules"] + objs["Role"]["rules"]:
+        assert "delete" not in rule["verbs"] and "*" not in rule["verbs"]
+        assert "secrets" not in rule["resources"] or rule.get("resourceNames")
+    assert host_of("fusuma:host:h0") == "h0"
+    assert host_of("system:serviceaccount:fusuma-system:fusuma-host-h1") == "h1"
+    assert host_of("system:serviceaccount:default:fusuma-host-h1") is None
+    assert host_of("admin") is None
+    for bad in ("H0", "h_0", "-h", "x" * 52, "a/b"):
+        with pytest.raises(ClusterError, match="is not allowed"):
+            check_host_name(bad)
 
 
 def vm(name: str, mem: int = 128, ns: str = "default", **spec: Any) -> VmView:

@@ -74,6 +74,23 @@ LEASE = Kind("coordination.k8s.io", "v1", "leases", True, "Lease")
 EVENT = Kind("", "v1", "events", True, "Event")
 NAMESPACE = Kind("", "v1", "namespaces", False, "Namespace")
 assert HOST.api_version == API_VERSION
+_RBAC = "rbac.authorization.k8s.io"
+_ADMISSION = "admissionregistration.k8s.io"
+# The kinds `fusuma cluster install` and `join` create, by their ``kind``.
+MANIFEST_KINDS = {k.kind: k for k in (
+    Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", False,
+         "CustomResourceDefinition"),
+    NAMESPACE,
+    Kind("", "v1", "serviceaccounts", True, "ServiceAccount"),
+    Kind(_RBAC, "v1", "clusterroles", False, "ClusterRole"),
+    Kind(_RBAC, "v1", "clusterrolebindings", False, "ClusterRoleBinding"),
+    Kind(_RBAC, "v1", "roles", True, "Role"),
+    Kind(_RBAC, "v1", "rolebindings", True, "RoleBinding"),
+    Kind(_ADMISSION, "v1", "validatingadmissionpolicies", False,
+         "ValidatingAdmissionPolicy"),
+    Kind(_ADMISSION, "v1", "validatingadmissionpolicybindings", False,
+         "ValidatingAdmissionPolicyBinding"),
+)}
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,9 @@ class KubeConfig:
     # into ``verify`` and kept nowhere else).
     cert: tuple[str, str] | None = None
     namespace: str | None = None
+    # The cluster's CA certificate (PEM) when the kubeconfig names one: `fusuma cluster
+    # join` hands it to the host's kubeconfig.
+    ca_pem: str | None = None
 
     @classmethod
     def load(cls, path: Path, context: str | None = None) -> KubeConfig:
@@ -114,15 +134,16 @@ class KubeConfig:
         if not server:
             raise ClusterError(f"kubeconfig {path}: cluster {ctx['cluster']!r} has no server.")
         verify = ssl.create_default_context()
+        ca: str | None = None
         if cluster.get("insecure-skip-tls-verify"):
             verify.check_hostname = False
             verify.verify_mode = ssl.CERT_NONE
         elif cluster.get("certificate-authority-data"):
-            verify = ssl.create_default_context(
-                cadata=base64.b64decode(cluster["certificate-authority-data"]).decode())
+            ca = base64.b64decode(cluster["certificate-authority-data"]).decode()
+            verify = ssl.create_default_context(cadata=ca)
         elif cluster.get("certificate-authority"):
-            verify = ssl.create_default_context(
-                cafile=str(base / cluster["certificate-authority"]))
+            ca = (base / cluster["certificate-authority"]).read_text()
+            verify = ssl.create_default_context(cadata=ca)
         token = user.get("token")
         if not token and user.get("tokenFile"):
             token = (base / user["tokenFile"]).read_text().strip()
@@ -133,7 +154,7 @@ class KubeConfig:
         elif user.get("client-certificate") and user.get("client-key"):
             cert = (str(base / user["client-certificate"]), str(base / user["client-key"]))
             verify.load_cert_chain(*cert)
-        return cls(server.rstrip("/"), verify, token, cert, ctx.get("namespace"))
+        return cls(server.rstrip("/"), verify, token, cert, ctx.get("namespace"), ca)
 
 
 # Where inline client keys pass on their way into an SSLContext: a tmpfs, so that the
