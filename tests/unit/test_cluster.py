@@ -255,6 +255,27 @@ def test_an_inline_client_key_passes_through_a_private_directory_and_is_gone(
     assert list(base.iterdir()) == [], "the client key was left behind"
 
 
+def test_join_writes_a_private_kubeconfig_of_the_admins_cluster(tmp_path: Path) -> None:
+    import ssl
+
+    from fusuma.cluster import identity
+    from tests.unit.test_cluster_pki import ca_pem
+
+    ca = ca_pem().decode()
+    admin = KubeConfig("https://10.0.0.1:6443", ssl.create_default_context(), "admintok",
+                       ca_pem=ca)
+    out = tmp_path / "h0.kubeconfig"
+    (tmp_path / "elsewhere").write_text("untouched")
+    out.symlink_to(tmp_path / "elsewhere")     # replaced, never written through
+    identity.write_private(out, identity.kubeconfig(admin, "h0", "hosttok",
+                                                    server="https://10.0.0.2:6443"))
+    assert not out.is_symlink() and out.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "elsewhere").read_text() == "untouched"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    kc = KubeConfig.load(out)
+    assert (kc.server, kc.token, kc.ca_pem) == ("https://10.0.0.2:6443", "hosttok", ca)
+
+
 def test_owners_survive_a_new_instance(tmp_path: Path) -> None:
     o = Owners(tmp_path)
     o.set("vms", "v", Owner("uid1", "ns", "v"))

@@ -142,7 +142,7 @@ def kubeconfig(cfg: KubeConfig, host: str, token: str, server: str | None = None
     if cfg.ca_pem:
         cluster["certificate-authority-data"] = base64.b64encode(
             cfg.ca_pem.encode()).decode()
-    user = f"{HOST_USER_PREFIX}{host}"
+    user = account(host)
     doc = {"apiVersion": "v1", "kind": "Config", "current-context": f"fusuma-{host}",
            "clusters": [{"name": "fusuma", "cluster": cluster}],
            "users": [{"name": user, "user": {"token": token}}],
