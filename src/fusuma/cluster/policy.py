@@ -80,6 +80,11 @@ def _str(path: str) -> str:
     return f"{path}.orValue('')"
 
 
+def _one_of(value: str, *words: str) -> str:
+    """CEL: ``value`` is one of ``words`` (the objects are dyn: no list literal)."""
+    return "(" + " || ".join(f"{value} == '{w}'" for w in words) + ")"
+
+
 def _want_host(o: str) -> str:
     return (f"({_str(f'{o}.?spec.?host')} != '' ? {o}.spec.host : "
             f"{_str(f'{o}.?status.?placement.?host')})")
@@ -118,7 +123,7 @@ def _variables() -> list[Obj]:
               f"{user}.substring({len(HOST_USER_PREFIX)}) : "
               f"{user}.substring({len(SA_USER_PREFIX)})",
         "res": "request.resource.resource",
-        "status": "request.subResource == 'status'",
+        "status": f"{_str('request.?subResource')} == 'status'",
         "update": "request.operation == 'UPDATE'",
         "vm": "variables.res == 'fusumavms' && variables.update",
         "ownsOld": f"variables.vm && {_placed_on_me('oldObject')}",
@@ -126,12 +131,14 @@ def _variables() -> list[Obj]:
                   "variables.me",
         "moveFrom": f"variables.vm && {_str('oldObject.?status.?move.?fromHost')} == "
                     "variables.me",
+        "placeable": f"variables.vm && ({_want_host('oldObject')} == '' || "
+                     f"{_want_partition('oldObject')} == '' || {state_old} == 'Lost')",
         "destSide": " && ".join([
             "object.?status.?move.hasValue()",
             _move_same(MOVE_SOURCE),
             _status_same_except(VM_STATUS, DEST_SWITCH),
-            f"{_str('object.?status.?host')} in "
-            f"[{_str('oldObject.?status.?host')}, variables.me]",
+            f"({_same('object.?status', 'oldObject.?status', 'host')} || "
+            f"{_str('object.?status.?host')} == variables.me)",
             f"({_same('object.?status', 'oldObject.?status', 'state')} || "
             f"{_str('object.?status.?state')} == 'Running')",
             f"({_same('object.?status', 'oldObject.?status', 'ownerUID')} || "
@@ -146,12 +153,14 @@ def _variables() -> list[Obj]:
               f"{_same('object.?status', 'oldObject.?status', f)})"
               for f in ("host", "partition", "pid")),
             f"({_same('object.?status', 'oldObject.?status', 'state')} || "
-            f"{_str('object.?status.?state')} in ['Placed', 'Pending', 'Lost'])",
+            f"{_one_of(_str('object.?status.?state'), 'Placed', 'Pending', 'Lost')})",
+            # Placing a VM that has no place (or was lost), or marking one lost.
+            f"(variables.placeable || {_str('object.?status.?state')} == 'Lost')",
             f"({_same('object.?status', 'oldObject.?status', 'placement')} || "
-            f"{_want_host('oldObject')} == '' || {_want_partition('oldObject')} == '' || "
-            f"{state_old} == 'Lost')",
+            "variables.placeable)",
             f"({_str('object.?spec.?host')} == '' || "
-            f"{_str('object.?status.?placement.?host')} in ['', object.spec.host])"]),
+            f"{_str('object.?status.?placement.?host')} == '' || "
+            f"{_str('object.?status.?placement.?host')} == object.spec.host)"]),
     }
     return [{"name": k, "expression": v} for k, v in vm_vars.items()]
 
