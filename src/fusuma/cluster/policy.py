@@ -118,7 +118,7 @@ def _meta_same() -> str:
 def _variables() -> list[Obj]:
     user = "request.userInfo.username"
     state_old = _str("oldObject.?status.?state")
-    vm_vars = {
+    exprs = {
         "me": f"{user}.startsWith('{HOST_USER_PREFIX}') ? "
               f"{user}.substring({len(HOST_USER_PREFIX)}) : "
               f"{user}.substring({len(SA_USER_PREFIX)})",
@@ -162,7 +162,7 @@ def _variables() -> list[Obj]:
             f"{_str('object.?status.?placement.?host')} == '' || "
             f"{_str('object.?status.?placement.?host')} == object.spec.host)"]),
     }
-    return [{"name": k, "expression": v} for k, v in vm_vars.items()]
+    return [{"name": k, "expression": v} for k, v in exprs.items()]
 
 
 def _check(expression: str, message: str) -> Obj:
