@@ -141,6 +141,29 @@ def test_a_wait_ends_with_its_client() -> None:
     assert asyncio.run(stays()) == "ended"
 
 
+def test_a_body_sent_a_byte_at_a_time_gets_408_at_the_deadline() -> None:
+    """Each byte comes well inside the timeout; the whole body does not."""
+    sent: list[dict[str, Any]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        for _ in range(1000):
+            if not (await receive()).get("more_body"):
+                break
+        raise AssertionError("the body should not have been read to its end")
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+    scope = {"type": "http", "method": "POST", "path": "/1.0/vms", "headers": []}
+    t0 = time.monotonic()
+    asyncio.run(Limits(app, timeout=0.3)(scope, receive, send))
+    assert 0.25 < time.monotonic() - t0 < 1.5
+    assert sent[0]["status"] == 408 and b"did not arrive within 0.3 s" in sent[1]["body"]
+
+
 # -- token checks --------------------------------------------------------------------
 def test_token_checks_run_on_their_own_threads_when_the_common_pool_is_full() -> None:
     """asyncio's default executor busy with one stuck job (its only worker): a request

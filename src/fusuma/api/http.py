@@ -106,6 +106,9 @@ class Limits:
         seen = 0
         started = False
         body_done = False
+        # All of the body by then, not each piece within the timeout: a body sent a
+        # byte at a time would otherwise hold its connection for ever.
+        deadline = asyncio.get_running_loop().time() + self.timeout
 
         async def limited_receive() -> Message:
             nonlocal seen, body_done
@@ -115,7 +118,8 @@ class Limits:
                 # no deadline, or every /1.0/events stream would be cut after timeout.
                 return await receive()
             try:
-                msg = await asyncio.wait_for(receive(), self.timeout)
+                left = deadline - asyncio.get_running_loop().time()
+                msg = await asyncio.wait_for(receive(), max(left, 0.0))
             except TimeoutError:
                 raise BodyError(408, f"the request body did not arrive within "
                                  f"{self.timeout:g} s.") from None

@@ -249,7 +249,8 @@ async def serve(paths: Paths, opts: ServeOptions,
     paths.ensure_parents()
     uds = unix_socket(paths, opts.group)
     servers = []
-    common: dict[str, Any] = {"lifespan": "off", "log_config": None,
+    # No WebSocket routes: an upgrade would leave the guard's protocol (ws="none").
+    common: dict[str, Any] = {"lifespan": "off", "log_config": None, "ws": "none",
                               "access_log": opts.access_log,
                               "timeout_keep_alive": KEEP_ALIVE_S,
                               "timeout_graceful_shutdown": 3, "server_header": False}
