@@ -10,17 +10,18 @@ Accepted`` with an operation (``Location: /1.0/operations/ID``); the operation's
 Errors are ``{"type": "error", "error": SENTENCE, "error_code": N}``: the CLI's
 sentence; 400 for bad input (the field named), 404 for unknown names or paths, 409 for
 a conflict (a busy object, a wrong state, no room), 413 for a body over 1 MiB, 408 for
-a body that does not arrive.
+a body that does not arrive; 503 and 429 for a connection over a listener's or an
+address's limit (``guard``).
 
 The routes by topic: ``partitions`` (and disks), ``vms``, ``memshare`` (segments,
 templates, the share report), ``ui`` (the dashboard); here the host, ``ps``, the
 governor, images, operations, events and metrics. ``daemon`` holds what they share,
-``http`` the error bodies and the request limits.
+``http`` the error bodies and the request limits, ``guard`` each listener's connection
+limits and deadlines.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import platform
@@ -39,7 +40,15 @@ from fusuma.api import memshare, networks, partitions, ui, vms
 from fusuma.api import models as m
 from fusuma.api.daemon import Daemon
 from fusuma.api.events import TYPES
-from fusuma.api.http import BodyError, Limits, error_response, valid_name, validation_sentence
+from fusuma.api.http import (
+    BODY_TIMEOUT_S,
+    BodyError,
+    Limits,
+    error_response,
+    unless_gone,
+    valid_name,
+    validation_sentence,
+)
 from fusuma.api.operations import Operation, http_code
 from fusuma.api.roles import ADMIN, METRICS, OPERATOR, VIEWER, RoleRoute, check_roles, identity_of
 from fusuma.errors import FusumaError, SpecError
@@ -49,6 +58,9 @@ from fusuma.views.host import ps_data
 from fusuma.views.images import image_json, images_data
 
 LOG = logging.getLogger(__name__)
+
+# The longest a GET /1.0/operations/ID/wait waits (its timeout=-1 too).
+WAIT_MAX_S = 600.0
 
 API_EXTENSIONS = ["operations", "events_sse", "metrics_prometheus", "vm_move",
                   "partition_maintain", "vm_exec", "segments", "governor_status",
@@ -120,7 +132,8 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
                 "counts": {"partitions": len(c.db.partitions()), "vms": len(c.db.vms()),
                            "operations_running": sum(
                                1 for o in d.ops.all() if not o.done.is_set()),
-                           "event_subscribers": d.hub.subscribers}}
+                           "event_subscribers": d.hub.subscribers},
+                "connections": {k: g.as_json() for k, g in d.gates.items()}}
 
     @app.get("/1.0/ps", dependencies=[VIEWER],
              response_model=m.PsInfo, summary="What `fusuma ps --json` shows")
@@ -165,14 +178,22 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     def get_operation(op_id: str) -> dict[str, Any]:
         return d.ops.get(op_id).as_json()
 
-    @app.get("/1.0/operations/{op_id}/wait", dependencies=[VIEWER], response_model=m.OperationInfo,
-             summary="Wait for an operation to end (at most ?timeout= seconds)")
-    async def wait_operation(op_id: str,
+    @app.get("/1.0/operations/{op_id}/wait", dependencies=[VIEWER],
+             response_model=m.OperationWait,
+             summary="Wait for an operation to end (at most ?timeout= seconds)",
+             description=f"The operation once it has ended, or when `timeout` seconds "
+                         f"have passed. The server waits at most {WAIT_MAX_S:g} s: "
+                         f"`timeout=-1` (the default, Incus' \"forever\") and any "
+                         f"longer timeout wait that long. The reply is the operation "
+                         f"either way, with `timed_out: true` when it had not ended yet "
+                         f"(ask again). A waiter holds no thread of the daemon, only "
+                         f"its connection; it ends when its client goes away.")
+    async def wait_operation(request: Request, op_id: str,
                              timeout: float = Query(-1, ge=-1, le=86400)) -> dict[str, Any]:
         op = d.ops.get(op_id)
-        limit = None if timeout < 0 else timeout
-        await asyncio.to_thread(op.done.wait, limit)
-        return op.as_json()
+        limit = WAIT_MAX_S if timeout < 0 else min(timeout, WAIT_MAX_S)
+        ended = await unless_gone(request, d.ops.wait(op, limit))
+        return {**op.as_json(), "timed_out": not ended}
 
     @app.delete("/1.0/operations/{op_id}", dependencies=[OPERATOR], response_model=m.OperationInfo,
                 summary="Cancel an operation where it can stop safely")
@@ -223,7 +244,7 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     return app
 
 
-def wrap(app: FastAPI) -> ASGIApp:
+def wrap(app: FastAPI, body_timeout: float = BODY_TIMEOUT_S) -> ASGIApp:
     """The app with the request limits in front (what the servers run)."""
-    return Limits(app)
+    return Limits(app, timeout=body_timeout)
 

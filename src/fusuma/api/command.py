@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from fusuma.api.guard import CLIENT_TIMEOUT_S, MAX_CONNECTIONS, MAX_PER_CLIENT
 from fusuma.console import pass_ctx
 from fusuma.ops.context import Ctx
 
@@ -26,9 +27,24 @@ from fusuma.ops.context import Ctx
               help="Group that may use the UNIX socket (created when missing); its "
                    "members are admin, which is root-equivalent.")
 @click.option("--no-access-log", is_flag=True, help="Do not log each request.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=MAX_CONNECTIONS,
+              show_default=True, metavar="N",
+              help="Connections each listener (the UNIX socket; the TCP port) keeps open "
+                   "at once, idle ones and event streams included. One more is answered "
+                   "503 with a sentence saying so, and closed.")
+@click.option("--max-connections-per-client", type=click.IntRange(min=1),
+              default=MAX_PER_CLIENT, show_default=True, metavar="N",
+              help="Connections one address may hold open on the TCP port (all clients "
+                   "behind one NAT count as one). One more is answered 429.")
+@click.option("--client-timeout", type=click.FloatRange(min=0.1), default=CLIENT_TIMEOUT_S,
+              show_default=True, metavar="SECONDS",
+              help="How long a client may take over its TLS handshake, its request's "
+                   "headers, its body, or taking what it is sent; past that it is "
+                   "answered 408 (headers, body) or cut (handshake, an unread response).")
 @pass_ctx
 def serve(c: Ctx, listen: str | None, cert: Path | None, key: Path | None, group: str,
-          no_access_log: bool) -> None:
+          no_access_log: bool, max_connections: int, max_connections_per_client: int,
+          client_timeout: float) -> None:
     """Run the host's API daemon: REST under /1.0, live events, Prometheus metrics.
 
     \b
@@ -61,18 +77,31 @@ def serve(c: Ctx, listen: str | None, cert: Path | None, key: Path | None, group
     state file, and changes made with the CLI appear in /1.0/events within a second.
 
     \b
+    Staying up under slow or many clients (each limit counted per listener):
+      --max-connections N            open connections; one more gets 503
+      --max-connections-per-client N on TCP, from one address; one more gets 429
+      --client-timeout SECONDS       to send a request or take a response; then
+                                     408 (headers, body) or the connection is cut
+    An idle keep-alive connection is closed after 5 s. A wait on an operation lasts
+    at most 600 s (its reply says `timed_out`; ask again) and holds no thread; token
+    checks have threads of their own. The soft limit of open files is raised to what
+    the connection limits need, up to the hard limit (a warning names a shortfall).
+
+    \b
     Examples:
       fusuma serve &
       curl --unix-socket /run/fusuma/api/fusuma.sock http://fusuma/1.0/vms
       fusuma serve --listen 127.0.0.1:8443"""
     import asyncio
 
+    from fusuma.api.guard import ClientLimits
     from fusuma.api.server import ServeOptions, parse_listen
     from fusuma.api.server import serve as run
     from fusuma.ops.tokens import before_roles_notice
 
+    limits = ClientLimits(max_connections, max_connections_per_client, client_timeout)
     opts = ServeOptions(listen=parse_listen(listen) if listen else None, cert=cert,
-                        key=key, group=group, access_log=not no_access_log)
+                        key=key, group=group, access_log=not no_access_log, limits=limits)
 
     def ready(info: dict[str, object]) -> None:
         click.echo(f"fusuma serve: pid {info['pid']}, listening on {info['socket']}"

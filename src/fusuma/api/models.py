@@ -246,6 +246,11 @@ class OperationInfo(_Resp):
     error_code: int | None
 
 
+class OperationWait(OperationInfo):
+    timed_out: bool = Field(description="true when the operation had not ended when the "
+                            "wait's limit passed (wait again); false once it has ended.")
+
+
 class ErrorInfo(_Resp):
     type: Literal["error"] = "error"
     error: str

@@ -4,7 +4,9 @@ One process, one event loop, one app: uvicorn serves it on the UNIX socket (no T
 token: the socket's mode and group decide) and, with ``--listen``, on TCP (TLS, and a
 bearer token on every request). Both servers share the daemon's operations, event hub
 and metrics; SIGTERM/SIGINT stop both (running operations are left to finish their
-current step: their jobs make any half-done one recoverable).
+current step: their jobs make any half-done one recoverable). Each server has its own
+gate (``fusuma.api.guard``: how many connections, how long a client may take); token
+checks run on the daemon's ``auth_pool``, threads nothing else uses.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import signal
 import socket
 import stat
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusuma.api.guard import ClientLimits
 from fusuma.errors import ConflictError, HostError, SpecError, StateError
 from fusuma.paths import Paths
 
@@ -34,6 +38,7 @@ class ServeOptions:
     key: Path | None = None
     group: str = "fusuma"
     access_log: bool = True
+    limits: ClientLimits = field(default_factory=ClientLimits)
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -98,8 +103,12 @@ def unix_socket(paths: Paths, group: str) -> socket.socket:
 
 
 def tcp_socket(host: str, port: int) -> socket.socket:
+    """The listening socket of ``--listen``. Made with its protocol named: asyncio sets
+    TCP_NODELAY only on connections whose socket says IPPROTO_TCP, and without it a
+    response's second write (its body after its head) waits for the client's delayed
+    ACK: 40 ms on every request."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
+    s = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind((host, port))
@@ -140,15 +149,17 @@ class TokenAuth:
     role (``check`` and ``lookup`` give the Identity of a token, and of a token's hash,
     read anew on every request: a revoked token ends its sessions). The login page and
     its static files are open; a browser asking for the page without a session is sent
-    to /login."""
+    to /login. Tokens are read on ``pool``'s threads, which nothing else uses (the
+    daemon's ``auth_pool``), so that no flood of other requests can starve them."""
 
     def __init__(self, app: Any, check: Callable[[str], Any],
-                 sessions: Any = None, lookup: Callable[[str], Any] | None = None
-                 ) -> None:
+                 sessions: Any = None, lookup: Callable[[str], Any] | None = None,
+                 pool: Executor | None = None) -> None:
         self.app = app
         self.check = check
         self.sessions = sessions
         self.lookup = lookup
+        self.pool = pool or ThreadPoolExecutor(2, thread_name_prefix="auth")
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -166,7 +177,8 @@ class TokenAuth:
                       None)
         token = bearer(header)
         if token:
-            who = await asyncio.to_thread(self.check, token)
+            who = await asyncio.get_running_loop().run_in_executor(
+                self.pool, self.check, token)
             if who is not None:
                 await self.app(with_identity(scope, who), receive, send)
                 return
@@ -179,7 +191,8 @@ class TokenAuth:
 
             sess = self.sessions.get(cookie(headers))
             who = None if sess is None else \
-                await asyncio.to_thread(self.lookup, sess.token_hash)
+                await asyncio.get_running_loop().run_in_executor(
+                    self.pool, self.lookup, sess.token_hash)
             if sess is not None and who is not None:
                 if scope.get("method") not in ("GET", "HEAD", "OPTIONS"):
                     sent = next((v.decode("latin-1") for k, v in headers
@@ -204,62 +217,6 @@ class TokenAuth:
         await resp(scope, receive, send)
 
 
-HEADER_TIMEOUT_S = 10.0
-
-
-def guarded_h11() -> type:
-    """uvicorn's HTTP/1.1 protocol with a deadline for a request's headers: uvicorn
-    times out idle keep-alive connections, but not one that sends half its headers and
-    stalls (slowloris). Such a connection gets a 408 and is closed."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    body = (b'{"type":"error","error":"the request headers did not arrive within '
-            + str(int(HEADER_TIMEOUT_S)).encode() + b' s.","error_code":408}')
-    response = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                b"connection: close\r\ncontent-length: " + str(len(body)).encode()
-                + b"\r\n\r\n" + body)
-
-    class GuardedH11(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.conn.their_state is h11.IDLE:
-                self._arm()        # a request begun, its headers not complete yet
-            else:
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            self._disarm()
-            super().on_response_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._expired)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _expired(self) -> None:
-            self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.write(response)
-                self.transport.close()
-
-    return GuardedH11
-
-
 def _quiet_server(config: Any) -> Any:
     import uvicorn
 
@@ -280,22 +237,35 @@ async def serve(paths: Paths, opts: ServeOptions,
     from fusuma.api import app as api_app
     from fusuma.api.auth import ensure_certificate
     from fusuma.api.daemon import Daemon
+    from fusuma.api.guard import KEEP_ALIVE_S, Gate, guarded_h11, raise_open_files, tls_deadlines
     from fusuma.api.roles import Identity, token_identity
     from fusuma.ops.tokens import digest
 
     if opts.access_log:
         # The CLI's default level is WARNING, which would hide uvicorn's INFO lines.
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    lim = opts.limits
+    short = raise_open_files(lim.open_files(1 if opts.listen is None else 2))
+    if short:
+        LOG.warning("%s", short)
     daemon = Daemon(paths)
     app = api_app.create_app(paths, daemon)
     paths.ensure_parents()
     uds = unix_socket(paths, opts.group)
     servers = []
-    common: dict[str, Any] = {"lifespan": "off", "log_config": None, "http": guarded_h11(),
-                              "access_log": opts.access_log, "timeout_keep_alive": 5,
+    # No WebSocket routes: an upgrade would leave the guard's protocol (ws="none").
+    common: dict[str, Any] = {"lifespan": "off", "log_config": None, "ws": "none",
+                              "access_log": opts.access_log,
+                              "timeout_keep_alive": KEEP_ALIVE_S,
                               "timeout_graceful_shutdown": 3, "server_header": False}
-    servers.append((_quiet_server(uvicorn.Config(LocalAuth(api_app.wrap(app), opts.group),
-                                                 **common)), uds))
+
+    def guarded(key: str, gate: Gate) -> type:
+        daemon.gates[key] = gate
+        return guarded_h11(gate, lim.timeout_s)
+    unix_gate = Gate("UNIX socket", lim.max_connections, None)
+    servers.append((_quiet_server(uvicorn.Config(
+        LocalAuth(api_app.wrap(app, lim.timeout_s), opts.group),
+        http=guarded("unix", unix_gate), **common)), uds))
     info: dict[str, Any] = {"socket": str(api_socket(paths)), "pid": os.getpid()}
     try:
         older = [t.name for t in daemon.db().tokens() if t.before_roles]
@@ -329,11 +299,14 @@ async def serve(paths: Paths, opts: ServeOptions,
                 daemon.db().token_used(who.token)
             return who
         tcp = tcp_socket(*opts.listen)
-        tls = uvicorn.Config(TokenAuth(api_app.wrap(app), check, daemon.sessions, lookup),
-                             ssl_certfile=str(cert),
-                             ssl_keyfile=str(key), **common)
+        where = f"{opts.listen[0]}:{tcp.getsockname()[1]}"
+        tcp_gate = Gate(f"TCP listener {where}", lim.max_connections, lim.max_per_client)
+        tls = uvicorn.Config(TokenAuth(api_app.wrap(app, lim.timeout_s), check,
+                                       daemon.sessions, lookup, daemon.auth_pool),
+                             ssl_certfile=str(cert), ssl_keyfile=str(key),
+                             http=guarded("tcp", tcp_gate), **common)
         servers.append((_quiet_server(tls), tcp))
-        info["listen"] = f"https://{opts.listen[0]}:{tcp.getsockname()[1]}"
+        info["listen"] = f"https://{where}"
         info["certificate"] = str(cert)
     await daemon.hub.start()
     await daemon.sampler.start()
@@ -351,14 +324,19 @@ async def serve(paths: Paths, opts: ServeOptions,
         task.add_done_callback(ending.discard)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
-    tasks = [asyncio.create_task(srv.serve(sockets=[sock])) for srv, sock in servers]
-    ready(info)
+    info["limits"] = {"max_connections": lim.max_connections,
+                      "max_connections_per_client": lim.max_per_client,
+                      "client_timeout_s": lim.timeout_s}
     try:
-        await asyncio.gather(*tasks)
+        with tls_deadlines(loop, lim.timeout_s):
+            tasks = [asyncio.create_task(srv.serve(sockets=[sock])) for srv, sock in servers]
+            ready(info)
+            await asyncio.gather(*tasks)
     finally:
         await daemon.hub.stop()
         await daemon.sampler.stop()
         daemon.ops.shutdown()
+        daemon.auth_pool.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(FileNotFoundError):
             api_socket(paths).unlink()
         for _, sock in servers:

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import html
 import logging
 import os
@@ -181,7 +180,7 @@ def router(d: Daemon) -> APIRouter:
         if not token or len(token) > 200:
             return RedirectResponse("/login?error=give+an+API+token", status_code=303)
         h = digest(token)
-        rec = await asyncio.to_thread(lambda: d.db().token_by_hash(h))
+        rec = await d.authenticate(lambda: d.db().token_by_hash(h))
         if rec is None:
             return RedirectResponse("/login?error=that+token+is+not+valid+(unknown+or+"
                                     "revoked)", status_code=303)

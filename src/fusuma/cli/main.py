@@ -41,7 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "Run this host's fusuma agent: register it, reconcile the cluster's objects "
               "here."),
     "cluster": ("fusuma.cluster.command:cluster",
-                "fusuma on Kubernetes: the CRDs and RBAC the agents need."),
+                "fusuma on Kubernetes: the CRDs, policy and host identities the agents need."),
     "disk": ("fusuma.cli.disk:disk",
              "Register disk files in storage directories to partitions, and move them."),
     "down": ("fusuma.cli.host:down",

@@ -32,6 +32,7 @@ from fusuma.cluster import (
 from fusuma.cluster.context import AgentConfig
 from fusuma.cluster.controller import Placement
 from fusuma.cluster.events import Recorder
+from fusuma.cluster.identity import check_agent
 from fusuma.cluster.informer import Informer
 from fusuma.cluster.kube import (
     HOST,
@@ -107,6 +108,7 @@ class Agent:
             signal.signal(sig, _stop)
         LOG.info("fusuma agent for host %s (address %s) against %s", self.host,
                  self.address, self.kube.cfg.server)
+        check_agent(self.kube, self.host)
         self.register()
         for inf in self.informers:
             inf.start()

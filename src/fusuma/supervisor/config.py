@@ -16,7 +16,7 @@ from fusuma.images import find_image
 from fusuma.memshare import clones, reporting
 from fusuma.network import addr, ifnames, link
 from fusuma.paths import MAX_SOCKET_PATH, Paths
-from fusuma.qemu import versions
+from fusuma.qemu import recorded, versions
 from fusuma.qemu.cmdline import (
     DeviceSet,
     DiskConfig,
@@ -47,11 +47,13 @@ def devices(h: Where, vm: VmRecord, cfg: VmConfig, q: versions.Qemu,
         # A clone: the template's devices (fusuma.memshare.templates).
         ds = clones.clone_devices(h.db, h.partition, vm, q)
     elif incoming is not None and vm.devices:
+        # A move's record may come from another host: only the devices fusuma makes
+        # reach the argv (fusuma.qemu.recorded).
         try:
-            ds = DeviceSet.loads(vm.devices)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise StateError(f"VM {vm.name!r}: its recorded device set is unreadable "
-                             f"({exc}); stop and start it to record it anew.") from exc
+            ds = recorded.parse_device_set(vm.devices)
+        except recorded.DeviceSetRefused as exc:
+            raise StateError(f"VM {vm.name!r}: {exc}; stop and start it to record "
+                             "it anew.") from exc
     else:
         # A boot, or a guest booted by a fusuma that recorded no device set: what
         # that fusuma gave it (the same devices, in the same order).
