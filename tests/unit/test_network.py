@@ -451,3 +451,38 @@ def test_create_refusals_change_nothing(db: Database, tmp_path: Path,
     assert kernel.tables == {"inet fusuma-t-lan9", "bridge fusuma-t-lan9"}
     hosts = tmp_path / "r" / "networks" / "lan9" / "hosts"
     assert hosts.read_text() == "" and oct(hosts.stat().st_mode)[-3:] == "644"
+
+
+TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0
+   1: 00000000:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0
+   2: 0100007F:1F91 0100007F:D2F0 01 00000000:00000000 00:00000000 00000000     0
+"""
+TCP6 = """  sl  local_address                         remote_address                        st
+   0: 00000000000000000000000000000000:01BB 00000000000000000000000000000000:0000 0A
+   1: 00000000000000000000000001000000:0277 00000000000000000000000000000000:0000 0A
+"""
+
+
+def test_listening_sockets_are_read_from_proc_net_tcp() -> None:
+    got = addr.parse_listeners(TCP, TCP6)
+    # 127.0.0.1:8080 and *:22 listen; 127.0.0.1:8081 is a connection; ::1:631 is IPv6
+    # only; [::]:443 takes IPv4 too.
+    assert got == {("127.0.0.1", 8080), ("0.0.0.0", 22), ("::", 443)}
+
+
+@pytest.mark.parametrize("forward", ["127.0.0.1:8080:80", "0.0.0.0:8080:80",
+                                     "10.0.0.5:22:22", "127.0.0.1:443:443"])
+def test_a_forward_onto_a_listening_host_port_is_refused(forward: str) -> None:
+    f = addr.parse_forward(forward)
+    with pytest.raises(ConflictError) as exc:
+        addr.check_free([f], addr.parse_listeners(TCP, TCP6))
+    said = str(exc.value)
+    assert said.startswith(f"host port {f.host_port} on {f.addr} is in use by a host "
+                           "service") and said.endswith("pick another port."), said
+
+
+def test_a_forward_beside_a_listening_address_is_free() -> None:
+    # 8080 listens on 127.0.0.1 only: the same port on another address is free.
+    addr.check_free([addr.parse_forward("10.0.0.5:8080:80"),
+                     addr.parse_forward("9000:80")], addr.parse_listeners(TCP, TCP6))

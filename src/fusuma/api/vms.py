@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from fusuma.api import models as m
 from fusuma.api.daemon import Daemon, not_busy
 from fusuma.api.http import valid_name
 from fusuma.api.operations import Operation
-from fusuma.api.roles import OPERATOR, VIEWER, RoleRoute
+from fusuma.api.roles import OPERATOR, VIEWER, RoleRoute, require
 from fusuma.errors import FusumaError, StateError
 from fusuma.ops.context import Ctx
 from fusuma.state import vm_obj
+from fusuma.state.roles import Role
 from fusuma.views.host import job_json, ps_data
+
+# Host ports below this only root's services may bind (net.ipv4.ip_unprivileged_port_start).
+PRIVILEGED_PORTS = 1024
 
 
 def router(d: Daemon) -> APIRouter:
@@ -51,12 +55,20 @@ def router(d: Daemon) -> APIRouter:
 
     @r.post("/1.0/vms", dependencies=[OPERATOR], status_code=202,
             summary="Define a VM, and start it with start=true (operation)")
-    def create_vm(body: m.VmCreate) -> JSONResponse:
+    def create_vm(request: Request, body: m.VmCreate) -> JSONResponse:
+        from fusuma.network import addr
         from fusuma.spec import VmSpec
 
         c = d.ctx()
         fields = body.model_dump(exclude={"start"}, exclude_unset=True)
         spec = VmSpec.model_validate(fields)
+        for f in map(addr.parse_forward, spec.ports):
+            if f.addr != addr.LOOPBACK or f.host_port < PRIVILEGED_PORTS:
+                # A host port on an outside address, or one below 1024 (which only
+                # root's services may bind), is the host's, not a guest's to take.
+                require(request, Role.ADMIN, f"forwarding host port {f.addr}:"
+                        f"{f.host_port} (an address other than 127.0.0.1, or a port "
+                        f"below {PRIVILEGED_PORTS})")
         c.vms.create(spec)       # synchronous: a bad definition is refused right here
 
         def work(op: Operation) -> Any:

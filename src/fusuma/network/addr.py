@@ -1,6 +1,7 @@
 """Addresses of a managed network: its subnet and gateway, the host's routes it must
 not overlap, each NIC's MAC and IPv4 address. Pure functions, but for
-:func:`host_routes` and :func:`host_addresses`, which read the kernel's view."""
+:func:`host_routes`, :func:`host_addresses` and :func:`host_listeners`, which read the
+kernel's view."""
 
 from __future__ import annotations
 
@@ -116,6 +117,57 @@ def host_addresses() -> set[str]:
         raise HostError(f"cannot read the host's addresses with `ip -j addr`: {exc}."
                         ) from exc
     return {str(a["local"]) for r in rows for a in r.get("addr_info", ()) if "local" in a}
+
+
+TCP_LISTEN = "0A"
+
+
+def parse_listeners(*tables: str) -> set[tuple[str, int]]:
+    """(address, port) of every listening TCP socket in ``/proc/net/tcp``-format
+    ``tables`` (IPv4 addresses as dotted quads; an IPv6 socket as "::" when it is a
+    wildcard, which takes IPv4 connections too, else skipped)."""
+    out: set[tuple[str, int]] = set()
+    for table in tables:
+        for line in table.splitlines()[1:]:
+            cols = line.split()
+            if len(cols) < 4 or cols[3] != TCP_LISTEN or ":" not in cols[1]:
+                continue
+            hexaddr, _, hexport = cols[1].rpartition(":")
+            try:
+                port = int(hexport, 16)
+                raw = bytes.fromhex(hexaddr)
+            except ValueError:
+                continue
+            if len(raw) == 4:
+                out.add((str(ipaddress.IPv4Address(raw[::-1])), port))
+            elif len(raw) == 16 and not any(raw):
+                out.add(("::", port))
+    return out
+
+
+def host_listeners() -> set[tuple[str, int]]:
+    """The host's listening TCP sockets (this network namespace's)."""
+    tables = []
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/net/{name}") as f:
+                tables.append(f.read())
+        except OSError:
+            continue
+    return parse_listeners(*tables)
+
+
+def check_free(forwards: Iterable[PortForward], listeners: set[tuple[str, int]]) -> None:
+    """Refuse a forward whose host port a host service listens on: the DNAT rule would
+    take that service's connections away from it (QEMU's user-mode forwards could not:
+    they bind the port, and fail when it is taken)."""
+    for f in forwards:
+        for a, port in listeners:
+            if port == f.host_port and (a in (f.addr, ANY, "::") or f.addr == ANY):
+                raise ConflictError(f"host port {f.host_port} on {f.addr} is in use by a "
+                                    f"host service (a socket listens on {a}:{port}); a "
+                                    "forward would take its connections away from it: "
+                                    "pick another port.")
 
 
 def check_mac(text: str) -> str:

@@ -408,6 +408,8 @@ class NetworkManager:
                   for v in self.db.vms() if v.name != vm and v.ports}
         local = addr.host_addresses() if nics else None
         addr.check_forwards(mine, others, local)
+        if nics:
+            addr.check_free(mine, addr.host_listeners())
 
 
 def first_managed(db: Database, nics: Sequence[NicRecord]) -> NicRecord | None:
