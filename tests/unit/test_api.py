@@ -334,14 +334,6 @@ def test_token_middleware(paths: Paths) -> None:
     assert c.get("/1.0/vms").status_code == 401
 
 
-def test_self_signed_certificate(tmp_path: Path) -> None:
-    cert, key = tmp_path / "api" / "server.crt", tmp_path / "api" / "server.key"
-    assert auth.ensure_certificate(cert, key, hostname="h1")
-    assert key.stat().st_mode & 0o777 == 0o600
-    assert b"BEGIN CERTIFICATE" in cert.read_bytes()
-    assert not auth.ensure_certificate(cert, key)     # kept, not remade
-
-
 # -- the host lock across threads ---------------------------------------------------------
 def test_host_lock_excludes_threads_of_one_process(tmp_path: Path) -> None:
     inside = 0
