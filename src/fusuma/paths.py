@@ -235,12 +235,13 @@ class Paths:
         return self.shm / f"{vm}.ram"
 
     def as_env(self) -> dict[str, str]:
-        """The environment that makes a child process see the same roots."""
+        """The environment that makes a child process see the same roots (absolute:
+        fusuma's children run in ``/``, fusuma.spawn)."""
         return {
-            "FUSUMA_HOME": str(self.home),
-            "FUSUMA_RUNTIME_DIR": str(self.runtime),
-            "FUSUMA_SHM_DIR": str(self.shm),
-            "FUSUMA_CACHE": str(self.cache),
+            "FUSUMA_HOME": os.path.abspath(self.home),
+            "FUSUMA_RUNTIME_DIR": os.path.abspath(self.runtime),
+            "FUSUMA_SHM_DIR": os.path.abspath(self.shm),
+            "FUSUMA_CACHE": os.path.abspath(self.cache),
             "FUSUMA_CGROUP_PREFIX": self.cgroup_prefix,
             "FUSUMA_CPU_EXCLUSIVE": "1" if self.cpu_exclusive else "0",
             "FUSUMA_UID_BASE": str(self.uid_base),

@@ -133,9 +133,11 @@ def run(hosts: int, vms: int, lease_seconds: int, qemu: str | None,
         for h, env in zip(lab.hosts, envs, strict=False):
             lab.stop_agent(h)
             import subprocess
-            import sys
 
-            subprocess.run([sys.executable, "-m", "fusuma.cli.main", "down"], env=env,
+            from fusuma import spawn
+
+            subprocess.run(spawn.module_argv("fusuma.cli.main", "down"),
+                           env=spawn.child_env(env), cwd=spawn.CWD,
                            capture_output=True, timeout=300)
             for pid in host_pids(env):
                 with contextlib.suppress(ProcessLookupError):

@@ -29,13 +29,13 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusuma import spawn
 from fusuma.cluster import ClusterError
 
 K8S_VERSION = "1.33.13"
@@ -204,7 +204,8 @@ class Lab:
         with open(log, "ab") as out:
             p = subprocess.Popen(["nsenter", f"--net=/run/netns/{netns}", "--", *argv],
                                  stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env=env)
+                                 stdin=subprocess.DEVNULL,
+                                 env=spawn.child_env(env or os.environ), cwd=spawn.CWD)
         self.procs.append(p)
         return p
 
@@ -269,8 +270,9 @@ class Lab:
     # -- use --------------------------------------------------------------------------
     def fusuma(self, netns: str, args: list[str], env: dict[str, str] | None = None,
                timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["nsenter", f"--net=/run/netns/{netns}", "--", sys.executable,
-                               "-m", "fusuma.cli.main", *args], env=env or dict(os.environ),
+        return subprocess.run(["nsenter", f"--net=/run/netns/{netns}", "--",
+                               *spawn.module_argv("fusuma.cli.main", *args)],
+                              env=spawn.child_env(env or os.environ), cwd=spawn.CWD,
                               capture_output=True, text=True, timeout=timeout)
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True,
@@ -295,7 +297,7 @@ class Lab:
     def start_agent(self, h: LabHost, *extra: str) -> subprocess.Popen[bytes]:
         h.log = self.workdir / f"agent-{h.name}.log"
         h.agent = self._spawn(h.netns, [
-            sys.executable, "-m", "fusuma.cli.main", "-v", "agent",
+            *spawn.module_argv("fusuma.cli.main"), "-v", "agent",
             "--kubeconfig", str(h.kubeconfig), "--host-name", h.name,
             "--address", h.address, "--lease-seconds", str(self.lease_seconds), *extra],
             h.log, env=h.env)
