@@ -64,8 +64,9 @@ class Host:
                     # Kernel-exclusive cpusets would let only one namespace hold cores;
                     # tests that check them ask for `exclusive_host`.
                     "FUSUMA_CPU_EXCLUSIVE": "1" if exclusive else "0",
-                    # A uid range of its own: two namespaces never share a QEMU uid.
-                    "FUSUMA_UID_BASE": str(1_600_000_000 + (int(tag, 16) % 4096) * 65536),
+                    # Id ranges of its own (fusuma.paths.UID_SPAN each), apart from the
+                    # default's: two namespaces never share a QEMU uid.
+                    "FUSUMA_UID_BASE": str(0x7100_0000 + (int(tag, 16) % 1024) * 131072),
                     "PYTHONPATH": str(REPO / "src")}
         self.env.setdefault("FUSUMA_CACHE", "/var/cache/fusuma")
         # What the CLI runs under: e.g. ``nsenter --net=...`` for a network namespace

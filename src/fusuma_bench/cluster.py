@@ -35,6 +35,7 @@ import yaml
 
 from fusuma.cluster.lab import Lab, LabHost
 from fusuma.errors import FusumaError
+from fusuma.paths import UID_SPAN
 from fusuma_bench.report import meta
 
 TARGETS = {"in_host_downtime_ms_median": 10.0, "between_hosts_total_ms_median": 2000.0,
@@ -46,7 +47,7 @@ def host_env(tag: str, i: int, base: Path) -> dict[str, str]:
     return {**os.environ, "FUSUMA_HOME": str(base / f"home{i}"),
             "FUSUMA_RUNTIME_DIR": f"/tmp/fzb-{t}", "FUSUMA_SHM_DIR": f"/dev/shm/fusuma-bench-{t}",
             "FUSUMA_CGROUP_PREFIX": f"fusuma-bench-{t}", "FUSUMA_CPU_EXCLUSIVE": "0",
-            "FUSUMA_UID_BASE": str(1_700_000_000 + (int(tag, 16) % 2048 + i) * 65536),
+            "FUSUMA_UID_BASE": str(0x7900_0000 + (int(tag, 16) % 512 + i) * UID_SPAN),
             "FUSUMA_CACHE": os.environ.get("FUSUMA_CACHE", "/var/cache/fusuma")}
 
 

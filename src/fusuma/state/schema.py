@@ -142,4 +142,14 @@ ADDED_COLUMNS = (
     ("tokens", "role", "TEXT"),
     ("disks", "dev", "INTEGER"),
     ("disks", "ino", "INTEGER"),
+    ("vms", "uid", "INTEGER"),
+    ("templates", "gid", "INTEGER"),
 )
+
+# One id is one record's: a VM's uid is no other VM's, a template's gid no other
+# template's (fusuma.state.db allocates both, in one transaction, from two ranges that
+# do not meet; records from before those ranges keep the ids they had).
+ID_INDEXES = """
+CREATE UNIQUE INDEX IF NOT EXISTS vms_uid ON vms(uid);
+CREATE UNIQUE INDEX IF NOT EXISTS templates_gid ON templates(gid);
+"""

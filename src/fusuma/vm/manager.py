@@ -119,7 +119,7 @@ class VmManager:
         capacity.check_host_ram(self.db, self.parts.host, [rec], f"VM {rec.name!r}",
                                 "give it less memory, delete a VM or shrink a partition")
         with self.db.transaction():
-            self.db.add_vm(rec)
+            self.db.add_vm(rec, self.paths.vm_uids)
             self.db.add_nics(nics)
         try:
             for net in sorted({n.network for n in nics}):
