@@ -26,6 +26,11 @@ from fusuma.ops.context import Ctx
 @click.option("--group", default="fusuma", show_default=True,
               help="Group that may use the UNIX socket (created when missing); its "
                    "members are admin, which is root-equivalent.")
+@click.option("--group-role", "group_roles", multiple=True, metavar="GROUP=ROLE",
+              help="Let the members of local group GROUP use the UNIX socket with ROLE "
+                   "(metrics, viewer, operator or admin), e.g. fusuma-view=viewer; "
+                   "repeatable. The socket then accepts every local user, and the "
+                   "kernel's word on who connected (SO_PEERCRED) decides.")
 @click.option("--no-access-log", is_flag=True, help="Do not log each request.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=MAX_CONNECTIONS,
               show_default=True, metavar="N",
@@ -43,14 +48,17 @@ from fusuma.ops.context import Ctx
                    "answered 408 (headers, body) or cut (handshake, an unread response).")
 @pass_ctx
 def serve(c: Ctx, listen: str | None, cert: Path | None, key: Path | None, group: str,
-          no_access_log: bool, max_connections: int, max_connections_per_client: int,
-          client_timeout: float) -> None:
+          group_roles: tuple[str, ...], no_access_log: bool, max_connections: int,
+          max_connections_per_client: int, client_timeout: float) -> None:
     """Run the host's API daemon: REST under /1.0, live events, Prometheus metrics.
 
     \b
     It listens on the UNIX socket FUSUMA_RUNTIME_DIR/api/fusuma.sock (directory 0750,
     socket 0660, group fusuma): root and members of that group may use it, nobody
     else, and they are admin: root-equivalent, so add only those you would give root.
+    --group-role GROUP=ROLE lets another local group in with a lesser role (as
+    Incus' `incus` group beside `incus-admin`); who connected is then read from the
+    kernel (SO_PEERCRED), and a user in none of the groups gets 403.
     --listen adds HTTPS on TCP with bearer tokens (`fusuma token create NAME --role
     ROLE`), each with its role: metrics, viewer, operator or admin.
 
@@ -95,13 +103,15 @@ def serve(c: Ctx, listen: str | None, cert: Path | None, key: Path | None, group
     import asyncio
 
     from fusuma.api.guard import ClientLimits
+    from fusuma.api.peers import parse_group_role
     from fusuma.api.server import ServeOptions, parse_listen
     from fusuma.api.server import serve as run
     from fusuma.ops.tokens import before_roles_notice
 
     limits = ClientLimits(max_connections, max_connections_per_client, client_timeout)
     opts = ServeOptions(listen=parse_listen(listen) if listen else None, cert=cert,
-                        key=key, group=group, access_log=not no_access_log, limits=limits)
+                        key=key, group=group, access_log=not no_access_log, limits=limits,
+                        group_roles=tuple(parse_group_role(v) for v in group_roles))
 
     def ready(info: dict[str, object]) -> None:
         click.echo(f"fusuma serve: pid {info['pid']}, listening on {info['socket']}"

@@ -1,12 +1,13 @@
 """`fusuma serve`: the sockets, the uvicorn servers and the daemon's life.
 
 One process, one event loop, one app: uvicorn serves it on the UNIX socket (no TLS, no
-token: the socket's mode and group decide) and, with ``--listen``, on TCP (TLS, and a
-bearer token on every request). Both servers share the daemon's operations, event hub
-and metrics; SIGTERM/SIGINT stop both (running operations are left to finish their
-current step: their jobs make any half-done one recoverable). Each server has its own
-gate (``fusuma.api.guard``: how many connections, how long a client may take); token
-checks run on the daemon's ``auth_pool``, threads nothing else uses.
+token: the kernel's word on who connected decides, ``fusuma.api.peers``) and, with
+``--listen``, on TCP (TLS, and a bearer token on every request). Both servers share the
+daemon's operations, event hub and metrics; SIGTERM/SIGINT stop both (running
+operations are left to finish their current step: their jobs make any half-done one
+recoverable). Each server has its own gate (``fusuma.api.guard``: how many connections,
+how long a client may take); token checks run on the daemon's ``auth_pool``, threads
+nothing else uses.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 from fusuma.api.guard import ClientLimits
 from fusuma.errors import ConflictError, HostError, SpecError, StateError
 from fusuma.paths import Paths
+from fusuma.state.roles import Role
 
 LOG = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class ServeOptions:
     group: str = "fusuma"
     access_log: bool = True
     limits: ClientLimits = field(default_factory=ClientLimits)
+    # Other local groups that may use the UNIX socket, each with its role.
+    group_roles: tuple[tuple[str, Role], ...] = ()
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -69,20 +73,24 @@ def _in_use(path: Path) -> bool:
         s.close()
 
 
-def unix_socket(paths: Paths, group: str) -> socket.socket:
+def unix_socket(paths: Paths, group: str, open_to_all: bool = False) -> socket.socket:
     """Bind ``RUNTIME/api/fusuma.sock``: directory 0750 and socket 0660, both of group
-    ``group`` (created when missing). Refuses when another daemon answers there."""
+    ``group`` (created when missing), so that only root and that group can connect;
+    with ``open_to_all`` (other groups have roles: ``serve --group-role``) directory
+    0711 and socket 0666, and the peer's credentials decide. Refuses when another
+    daemon answers there."""
     from fusuma.api.auth import ensure_group
 
     gid = ensure_group(group)
+    dir_mode, sock_mode = (0o711, 0o666) if open_to_all else (0o750, 0o660)
     paths.ensure_runtime()
     d = api_dir(paths)
-    d.mkdir(mode=0o750, exist_ok=True)
+    d.mkdir(mode=dir_mode, exist_ok=True)
     st = d.lstat()
     if not stat.S_ISDIR(st.st_mode) or (st.st_uid != 0 and os.geteuid() == 0):
         raise HostError(f"{d} is not a directory owned by root; remove it and try again.")
     os.chown(d, 0 if os.geteuid() == 0 else -1, gid)
-    os.chmod(d, 0o750)
+    os.chmod(d, dir_mode)
     path = api_socket(paths)
     if path.exists() or path.is_symlink():
         if _in_use(path):
@@ -96,7 +104,7 @@ def unix_socket(paths: Paths, group: str) -> socket.socket:
     finally:
         os.umask(old)
     os.chown(path, 0 if os.geteuid() == 0 else -1, gid)
-    os.chmod(path, 0o660)
+    os.chmod(path, sock_mode)
     s.listen(1024)
     s.setblocking(False)
     return s
@@ -127,18 +135,28 @@ def with_identity(scope: Any, who: Any, **more: Any) -> Any:
 
 
 class LocalAuth:
-    """ASGI middleware for the UNIX socket: the file system already decided who may
-    connect (root and the socket's group), and they are admin."""
+    """ASGI middleware for the UNIX socket: each request carries the role of the peer
+    that connected (``fusuma.api.peers``: root and the socket's group are admin, a
+    group of ``--group-role`` its role); a peer with none gets 403 and one sentence."""
 
-    def __init__(self, app: Any, group: str) -> None:
-        from fusuma.api.roles import local
+    def __init__(self, app: Any, group: str, access: Any = None) -> None:
+        from fusuma.api.peers import LocalAccess
 
         self.app = app
-        self.who = local(group)
+        self.access = access if access is not None else LocalAccess(group)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket"):
-            scope = with_identity(scope, self.who)
+            from fusuma.api.peers import PEER
+
+            who = self.access.identity(scope.get("state", {}).get(PEER))
+            if isinstance(who, str):
+                if scope["type"] == "http":
+                    from fusuma.api.http import error_response
+
+                    await error_response(403, who)(scope, receive, send)
+                return
+            scope = with_identity(scope, who)
         await self.app(scope, receive, send)
 
 
@@ -217,6 +235,23 @@ class TokenAuth:
         await resp(scope, receive, send)
 
 
+def peer_h11(base: type) -> type:
+    """``base`` (the UNIX socket's guarded protocol) reading each connection's peer
+    credentials (``fusuma.api.peers.credentials``) once, into the state every request
+    of that connection carries."""
+    from fusuma.api.peers import PEER, credentials
+
+    class PeerH11(base):  # type: ignore[misc]
+        app_state: dict[str, Any]
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            peer = credentials(transport.get_extra_info("socket"))
+            self.app_state = {**self.app_state, PEER: peer}
+
+    return PeerH11
+
+
 def _quiet_server(config: Any) -> Any:
     import uvicorn
 
@@ -248,10 +283,15 @@ async def serve(paths: Paths, opts: ServeOptions,
     short = raise_open_files(lim.open_files(1 if opts.listen is None else 2))
     if short:
         LOG.warning("%s", short)
+    from fusuma.api.auth import ensure_group
+    from fusuma.api.peers import LocalAccess
+
+    # A mapping that names no group is refused before anything is made.
+    access = LocalAccess.build(opts.group, ensure_group(opts.group), opts.group_roles)
     daemon = Daemon(paths)
     app = api_app.create_app(paths, daemon)
     paths.ensure_parents()
-    uds = unix_socket(paths, opts.group)
+    uds = unix_socket(paths, opts.group, access.open_to_all)
     servers = []
     # No WebSocket routes: an upgrade would leave the guard's protocol (ws="none").
     common: dict[str, Any] = {"lifespan": "off", "log_config": None, "ws": "none",
@@ -264,9 +304,10 @@ async def serve(paths: Paths, opts: ServeOptions,
         return guarded_h11(gate, lim.timeout_s)
     unix_gate = Gate("UNIX socket", lim.max_connections, None)
     servers.append((_quiet_server(uvicorn.Config(
-        LocalAuth(api_app.wrap(app, lim.timeout_s), opts.group),
-        http=guarded("unix", unix_gate), **common)), uds))
-    info: dict[str, Any] = {"socket": str(api_socket(paths)), "pid": os.getpid()}
+        LocalAuth(api_app.wrap(app, lim.timeout_s), opts.group, access),
+        http=peer_h11(guarded("unix", unix_gate)), **common)), uds))
+    info: dict[str, Any] = {"socket": str(api_socket(paths)), "pid": os.getpid(),
+                            "group_roles": access.describe()}
     try:
         older = [t.name for t in daemon.db().tokens() if t.before_roles]
     except StateError as exc:       # a token of an unknown role: refused when used

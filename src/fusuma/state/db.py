@@ -236,7 +236,7 @@ class Database(NetworkTables):
             qemu_version=row["qemu_version"], emulator=row["emulator"],
             page_reporting=(None if row["page_reporting"] is None
                             else bool(row["page_reporting"])),
-            template=row["template"], uid=row["uid"] or 0)
+            template=row["template"], slot=row["rowid"], uid=row["uid"] or 0)
 
     def vms(self, partition: str | None = None) -> list[VmRecord]:
         if partition is None:
@@ -265,7 +265,7 @@ class Database(NetworkTables):
                 if self.find_vm(v.name) is not None:
                     raise ConflictError(f"a VM named {v.name!r} already exists.")
                 uid = ids.free_id(self._conn, uids, "vm")
-                self._conn.execute(
+                cur = self._conn.execute(
                     "INSERT INTO vms (name, partition, vcpus, memory_mib, image, disks, "
                     "accel, autostart, state, pid, accel_used, qemu_binary, started_at, "
                     "error, created_at, shared_ram, ram_path, qos, segments, mergeable, "
@@ -282,7 +282,7 @@ class Database(NetworkTables):
                            {"partition": v.partition})
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a VM named {v.name!r} already exists.") from exc
-        return replace(v, uid=uid)
+        return replace(v, uid=uid, slot=int(cur.lastrowid or 0))
 
     # Columns a VM's record may change after its definition; the state is not one of
     # them: it moves only through ``transition``.

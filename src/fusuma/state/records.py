@@ -75,6 +75,9 @@ class VmRecord:
     # None: the host's default (on where guest RAM has a memory cgroup of its own).
     page_reporting: bool | None = None
     template: str | None = None      # the template a clone was started from
+    # SQLite rowid: unique among defined VMs, the number in its taps' names
+    # (fusuma.network.ifnames). 0 until the record has been stored.
+    slot: int = field(default=0, compare=False)
     # The uid its QEMU runs as, one of FUSUMA_UID_BASE's VM range held by this record
     # alone (fusuma.qemu.privilege); 0 until the record has been stored.
     uid: int = field(default=0, compare=False)
