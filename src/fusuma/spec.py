@@ -63,7 +63,7 @@ from pydantic import (
 from fusuma import capacity
 from fusuma.errors import SpecError
 from fusuma.host.topology import HostInfo, format_cpulist, parse_cpulist, siblings_text
-from fusuma.names import NAME_HINT, NAME_RE
+from fusuma.names import NAME_HINT, NAME_PATTERN, NAME_RE
 from fusuma.names import check_name as check_name  # re-exported: older callers
 from fusuma.network import addr
 
@@ -76,6 +76,10 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# A name as the API's OpenAPI document states it (what _name_field checks).
+Name = Annotated[str, Field(json_schema_extra={"pattern": NAME_PATTERN})]
+
+
 def _name_field(v: str) -> str:
     if not NAME_RE.match(v):
         raise ValueError(f"name {v!r} is not allowed: use {NAME_HINT}")
@@ -85,7 +89,7 @@ def _name_field(v: str) -> str:
 class PartitionSpec(_Model):
     """A partition: exclusive cores, a memory limit, an I/O weight, its own supervisor."""
 
-    name: str
+    name: Name
     cpus: list[int]
     memory_mib: Annotated[int, Field(gt=0)]
     io_weight: Annotated[int, Field(ge=1, le=10000)] | None = None
@@ -136,7 +140,7 @@ class StorageSpec(_Model):
 class DiskSpec(_Model):
     """A disk owned by one partition: a raw image file inside a storage directory."""
 
-    name: str
+    name: Name
     path: str
     partition: str
     size_mib: Annotated[int, Field(gt=0)] | None = None
@@ -203,7 +207,7 @@ class NicSpec(_Model):
 class VmSpec(_Model):
     """A VM: one QEMU process inside its partition's cgroup."""
 
-    name: str
+    name: Name
     partition: str
     vcpus: Annotated[int, Field(ge=1, le=64)] = 1
     memory_mib: Annotated[int, Field(ge=64)] = 256

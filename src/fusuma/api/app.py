@@ -44,6 +44,7 @@ from fusuma.api.http import (
     BODY_TIMEOUT_S,
     BodyError,
     Limits,
+    NameQuery,
     error_response,
     unless_gone,
     valid_name,
@@ -71,7 +72,7 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     d = daemon or Daemon(paths)
     # The OpenAPI document is served by a route of our own, which declares its role.
     app = FastAPI(title="fusuma", version=__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None,
+                  openapi_url=None, responses=m.ERRORS,
                   description="The host API of fusuma: partitions, VMs, zero-copy moves, "
                               "shared segments, the CPU governor. Long work returns 202 "
                               "with an operation; `GET /1.0/events` streams what happens "
@@ -98,8 +99,12 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
         if exc.status_code == 404:
             return error_response(404, f"no such API path: {request.url.path} (see /docs).")
         if exc.status_code == 405:
-            return error_response(405, f"{request.method} is not allowed on "
+            resp = error_response(405, f"{request.method} is not allowed on "
                                        f"{request.url.path} (see /docs).")
+            # RFC 9110: every method of the resource, not only those of the one route
+            # Starlette matched (GET and POST of a path are two routes).
+            resp.headers["Allow"] = ", ".join(allowed_methods(app, request.scope["path"]))
+            return resp
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
@@ -147,17 +152,17 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
 
     @app.get("/1.0/governor", dependencies=[VIEWER],
              summary="What `fusuma governor status --json` shows")
-    def governor(partition: str | None = None,
+    def governor(partition: NameQuery = None,
                  limit: int = Query(20, ge=0, le=256)) -> dict[str, Any]:
-        return status_data(d.ctx(), valid_name("partition", partition) if partition else None,
-                           limit)
+        name = None if partition is None else valid_name("partition", partition)
+        return status_data(d.ctx(), name, limit)
 
     @app.get("/1.0/images", dependencies=[VIEWER], summary="Guest images in the cache")
     def list_images() -> list[dict[str, Any]]:
         return images_data(d.ctx())
 
     @app.post("/1.0/images", dependencies=[ADMIN],
-              status_code=202, summary="Build a guest image (operation)")
+              status_code=202, responses=m.ACCEPTED, summary="Build a guest image (operation)")
     def build_image(body: m.ImageBuild) -> JSONResponse:
         def work(op: Operation) -> Any:
             from fusuma.images import build_image
@@ -217,7 +222,7 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     # -- events and metrics -----------------------------------------------------------
     @app.get("/1.0/events", dependencies=[VIEWER],
              summary="Server-sent events: lifecycle, operation, governor",
-             response_class=StreamingResponse)
+             response_class=EventStream, responses=m.ERRORS_AS_JSON)
     async def events(request: Request, type: str | None = None,
                      since: int | None = Query(None, ge=0)) -> StreamingResponse:
         wanted = frozenset(TYPES) if not type else frozenset(type.split(","))
@@ -233,7 +238,8 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
                                           "X-Accel-Buffering": "no"})
 
     @app.get("/metrics", dependencies=[METRICS],
-             summary="Prometheus metrics", response_class=Response)
+             summary="Prometheus metrics", response_class=PrometheusText,
+             responses=m.ERRORS_AS_JSON)
     def metrics() -> Response:
         from fusuma.api.metrics import render
 
@@ -242,6 +248,30 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
 
     check_roles(app)
     return app
+
+
+class EventStream(StreamingResponse):
+    """What ``GET /1.0/events`` answers, as the OpenAPI document names it."""
+
+    media_type = "text/event-stream"
+
+
+class PrometheusText(Response):
+    """What ``GET /metrics`` answers: Prometheus' text format."""
+
+    media_type = "text/plain"
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """The methods of every route of ``app`` whose path matches ``path``."""
+    from fastapi.routing import iter_route_contexts
+    from starlette.routing import compile_path
+
+    out: set[str] = set()
+    for ctx in iter_route_contexts(app.routes):
+        if ctx.path and ctx.methods and compile_path(ctx.path)[0].match(path):
+            out |= ctx.methods
+    return sorted(out)
 
 
 def wrap(app: FastAPI, body_timeout: float = BODY_TIMEOUT_S) -> ASGIApp:

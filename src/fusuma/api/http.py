@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
-from fastapi import Request
+from fastapi import Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fusuma.api.operations import Operation
-from fusuma.names import check_name
+from fusuma.names import NAME_HINT, NAME_PATTERN, check_name
 
 MAX_BODY = 1 << 20          # bytes
 BODY_TIMEOUT_S = 10.0       # a request body must arrive within this (serve --client-timeout)
@@ -30,6 +30,14 @@ def accepted(op: Operation) -> JSONResponse:
     """202 with the operation, and where to follow it."""
     return JSONResponse(op.as_json(), status_code=202,
                         headers={"Location": f"/1.0/operations/{op.id}"})
+
+
+# An object's name in a path: what the OpenAPI document says of it (valid_name checks
+# it, with the API's own sentence).
+NamePath = Annotated[str, Path(description=f"A name: {NAME_HINT}.",
+                               json_schema_extra={"pattern": NAME_PATTERN})]
+NameQuery = Annotated[str | None, Query(description=f"A name: {NAME_HINT}.",
+                                        json_schema_extra={"pattern": NAME_PATTERN})]
 
 
 def valid_name(kind: str, value: str) -> str:

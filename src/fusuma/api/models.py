@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fusuma.spec import DiskSpec, NetworkSpec, PartitionSpec, VmSpec, _name_field
+from fusuma.spec import DiskSpec, Name, NetworkSpec, PartitionSpec, VmSpec, _name_field
 
 
 class _Req(BaseModel):
@@ -60,7 +60,7 @@ class VmPatch(_Req):
 
 
 class DiskPatch(_Req):
-    partition: str
+    partition: Name
 
     _check = field_validator("partition")(_name_field)
 
@@ -72,7 +72,7 @@ class VmStateChange(_Req):
 
 
 class VmMove(_Req):
-    partition: str
+    partition: Name
     mode: Literal["zero-copy", "copy"] = "zero-copy"
 
     _check = field_validator("partition")(_name_field)
@@ -87,7 +87,7 @@ class VmExec(_Req):
 class Maintain(_Req):
     """Either ``via`` (move the VMs out and back) or ``in_place`` (cpr-transfer)."""
 
-    via: str | None = None
+    via: Name | None = None
     in_place: bool = False
     qemu: str | None = Field(None, description="The QEMU to come back on: an installed "
                              "version (`fusuma qemu list`), never a binary's path.")
@@ -107,7 +107,7 @@ class Maintain(_Req):
 
 
 class SegmentCreate(_Req):
-    name: str
+    name: Name
     from_dir: str | None = Field(None, description="Refused here: a segment from a host "
                                  "directory is built only by root's CLI.")
     from_image: str | None = None
@@ -118,8 +118,8 @@ class SegmentCreate(_Req):
 class TemplateCreate(_Req):
     """Stop running VM ``from_vm`` into template ``name`` (`fusuma template create`)."""
 
-    name: str
-    from_vm: str
+    name: Name
+    from_vm: Name
 
     _check = field_validator("name", "from_vm")(_name_field)
 
@@ -255,3 +255,26 @@ class ErrorInfo(_Resp):
     type: Literal["error"] = "error"
     error: str
     error_code: int
+
+
+# -- what the OpenAPI document says of responses every route shares --------------------
+# Every error is an ErrorInfo (FastAPI's own 422 never happens: a request that does not
+# validate is a 400 with the field named), and a 202 carries the operation.
+ERRORS: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorInfo, "description": "The request is refused: bad input (400), "
+            "no identity (401), a role below the route's (403), an unknown name (404), "
+            "a conflict (409), a body too large (413) or too slow (408)."},
+    "5XX": {"model": ErrorInfo, "description": "The host could not do it: a supervisor "
+            "that does not answer (503), a host failure (500)."},
+}
+# The same for a route whose own answer is not JSON (/metrics, the event stream): its
+# errors are still JSON, which FastAPI would otherwise list under the route's media type.
+ERRORS_AS_JSON: dict[int | str, dict[str, Any]] = {
+    code: {"description": entry["description"],
+           "content": {"application/json": {"schema": {
+               "$ref": "#/components/schemas/ErrorInfo"}}}}
+    for code, entry in ERRORS.items()}
+ACCEPTED: dict[int | str, dict[str, Any]] = {
+    202: {"model": OperationInfo, "description": "Accepted: the operation doing the work "
+          "(also at the Location header, /1.0/operations/ID)."},
+}
