@@ -111,7 +111,7 @@ def test_every_route_fuzzed(host: Host, daemons: Callable[..., Api], tmp_path: P
     report = tmp_path / "junit.xml"
     cmd = [*schemathesis(), "run", f"{api.url}/openapi.json",
            "--checks", ",".join(CHECKS), "--seed", str(SEED),
-           "--generation-deterministic", "--generation-database", "none",
+           "--generation-deterministic",        # (and so no example database)
            "--max-examples", str(MAX_EXAMPLES), "--phases", "examples,coverage,fuzzing",
            "--workers", "1", "--request-timeout", "30", "--no-color",
            "--header", f"Authorization: Bearer {token}", "--tls-verify", api.cert,
@@ -122,8 +122,9 @@ def test_every_route_fuzzed(host: Host, daemons: Callable[..., Api], tmp_path: P
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=BUDGET_S,
                          env={**os.environ, "NO_COLOR": "1"}, cwd=tmp_path)
     took = time.monotonic() - t0
-    print(f"schemathesis ran {took:.0f} s:\n{run.stdout[-6000:]}")
-    assert run.returncode == 0, "\n".join(failures(report)) + f"\n{run.stdout[-4000:]}"
+    print(f"schemathesis ran {took:.0f} s:\n{run.stdout[-6000:]}{run.stderr[-2000:]}")
+    assert run.returncode == 0, "\n".join(failures(report)) + \
+        f"\n{run.stdout[-4000:]}{run.stderr[-2000:]}"
 
     # What the fuzzer's operations did in the background ended in no internal error.
     with api.tcp(token) as c:

@@ -123,3 +123,20 @@ def test_query_names_and_url_lists(app: FastAPI, paths: Paths) -> None:
     assert c.get("/1.0/share/analyze", params={"vm": ""}).status_code == 400
     Database(paths.db).add_partition(PartitionRecord("p0", [0], 256))
     assert c.get("/1.0/vms", params={"recursion": 0}).json() == []
+
+
+def test_a_request_is_taken_as_typed(app: FastAPI, paths: Paths) -> None:
+    """What the fuzzer sent and the API took: a false among the cores, a 0 for
+    in_place (pydantic's lax mode read them as 0 and False)."""
+    Database(paths.db).add_partition(PartitionRecord("p0", [0], 256))
+    c = test_api_roles.client_as(app, Role.ADMIN)
+    for method, path, body, field in (
+            ("PATCH", "/1.0/partitions/p0", {"cpus": [False], "memory_mib": 1}, "cpus"),
+            ("POST", "/1.0/partitions/p0/maintain", {"in_place": 0, "via": "p0"},
+             "in_place"),
+            ("POST", "/1.0/vms", {"name": "v", "partition": "p0", "vcpus": "1"}, "vcpus"),
+            ("PUT", "/1.0/vms/v/state", {"action": "stop", "timeout": True}, "timeout")):
+        r = c.request(method, path, json=body)
+        assert r.status_code == 400 and r.json()["error"].startswith(f"field '{field}"), \
+            (path, r.text)
+    assert c.get("/1.0/operations").json() == []          # nothing was started

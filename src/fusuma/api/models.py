@@ -14,15 +14,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from fusuma.spec import DiskSpec, Name, NetworkSpec, PartitionSpec, VmSpec, _name_field
 
+# A request's JSON is taken as typed: no 0 for false, no "1" for 1 (pydantic's strict
+# mode), so what the document calls invalid is refused (a 400 naming the field).
+STRICT = ConfigDict(strict=True)
+
 
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # -- requests -------------------------------------------------------------------------
 class VmCreate(VmSpec):
     """A VM definition (the keys of a spec's ``[[vm]]``), and whether to start it."""
 
+    model_config = STRICT
     start: bool = False
 
 
@@ -30,6 +35,7 @@ class PartitionCreate(PartitionSpec):
     """A partition (the keys of a spec's ``[[partition]]``); its ``qemu`` is a version
     `fusuma qemu list` shows (a binary's path only from root's CLI or spec file)."""
 
+    model_config = STRICT
     qemu: str | None = Field(None, description="Its QEMU: an installed version such as "
                              "\"10.0\" (`fusuma qemu list`); none: the system's. A "
                              "binary's path is refused here.")
@@ -43,6 +49,8 @@ class DiskCreate(DiskSpec):
     """A disk (the keys of a spec's ``[[disk]]``): a regular file inside a storage
     directory that root declared (`fusuma storage list`), never a symlink or a
     device."""
+
+    model_config = STRICT
 
 
 class PartitionPatch(_Req):
