@@ -11,6 +11,7 @@ fix it; the CLI prints ``str(exc)`` and exits non-zero.
      ├── StateError         an operation called in the wrong lifecycle state
      ├── HostError          the host lacks something (a binary, cgroups, /dev/kvm, ...)
      ├── ImageError         the guest image is missing or cannot be built
+     │    └── ImageMissing  (also a NotFoundError) the image asked for is not built
      ├── CgroupError        a cgroup operation failed (fusuma.host.cgroups)
      ├── QemuError          QEMU failed to start or answer (fusuma.qemu)
      │    └── GuestAgentError  the guest agent did not answer or a command failed
@@ -72,6 +73,11 @@ class ImageError(FusumaError):
     """The guest image is missing or could not be built."""
 
     exit_code = 8
+
+
+class ImageMissing(ImageError, NotFoundError):
+    """The guest image asked for is not built: an ImageError to the CLI (its exit
+    code), and an unknown object (404) to the API, like any name not found."""
 
 
 class CgroupError(FusumaError):

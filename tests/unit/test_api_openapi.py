@@ -140,3 +140,29 @@ def test_a_request_is_taken_as_typed(app: FastAPI, paths: Paths) -> None:
         assert r.status_code == 400 and r.json()["error"].startswith(f"field '{field}"), \
             (path, r.text)
     assert c.get("/1.0/operations").json() == []          # nothing was started
+
+
+def test_what_a_request_gets_wrong_is_a_4xx_at_once(app: FastAPI, paths: Paths) -> None:
+    """What the fuzzer's operations ended in with an internal error (500): an unknown
+    or unbuilt image, a template from a stopped VM. Each is now refused at once, with
+    the CLI's sentence and a client error, and no operation is made."""
+    from fusuma.state import VmRecord
+
+    db = Database(paths.db)
+    db.add_partition(PartitionRecord("p0", [0], 256))
+    db.add_vm(VmRecord("v0", "p0", vcpus=1, memory_mib=64))
+    c = test_api_roles.client_as(app, Role.ADMIN)
+    for method, path, body, code, says in (
+            ("POST", "/1.0/segments", {"name": "s0", "from_image": ""}, 400,
+             "there is no guest image kind ''"),
+            ("POST", "/1.0/segments", {"name": "s0", "from_image": "minimal"}, 404,
+             "the minimal guest image is not built"),
+            ("POST", "/1.0/vms", {"name": "v1", "partition": "p0", "image": "nope"}, 400,
+             "there is no guest image kind 'nope'"),
+            ("POST", "/1.0/vms", {"name": "v1", "partition": "p0"}, 404,
+             "the minimal guest image is not built"),
+            ("POST", "/1.0/templates", {"name": "t0", "from_vm": "v0"}, 409,
+             "VM 'v0' is stopped; a template is made from a running VM")):
+        r = c.request(method, path, json=body)
+        assert r.status_code == code and r.json()["error"].startswith(says), (body, r.text)
+    assert c.get("/1.0/operations").json() == []

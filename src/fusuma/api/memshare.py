@@ -48,6 +48,10 @@ def router(d: Daemon) -> APIRouter:
             from fusuma.errors import ConflictError
 
             raise ConflictError(f"a segment named {body.name!r} already exists.")
+        if body.from_image is not None:       # refused now, not in a failed operation
+            from fusuma.images import find_image
+
+            find_image(c.paths.cache, kind=body.from_image)
 
         def work(op: Operation) -> Any:
             c = d.ctx()
@@ -78,12 +82,8 @@ def router(d: Daemon) -> APIRouter:
     @r.post("/1.0/templates", dependencies=[OPERATOR], status_code=202, responses=m.ACCEPTED,
             summary="Stop a running VM into a template (operation)")
     def create_template(body: m.TemplateCreate) -> JSONResponse:
-        c = d.ctx()
-        c.db.vm(body.from_vm)                   # 404 now, not a failed operation later
-        if c.db.find_template(body.name) is not None:
-            from fusuma.errors import ConflictError
-
-            raise ConflictError(f"a template named {body.name!r} already exists.")
+        # Refused now (404, 409), not in a failed operation later.
+        template_manager(d.ctx()).check(body.name, body.from_vm)
 
         def work(op: Operation) -> Any:
             mgr = template_manager(d.ctx())
