@@ -24,6 +24,7 @@ from fusuma.paths import (
 )
 from fusuma.state import Database, PartitionRecord, VmRecord
 from fusuma.state.records import TemplateRecord
+from tests.unit.test_state import FIRST_TABLES
 
 # systemd's docs/UIDS-GIDS.md: its container range (nspawn --private-users=pick,
 # machined), its foreign range (mountfsd), and 2^31, above which ids are trouble.
@@ -124,16 +125,8 @@ def old_state_file(path: Path) -> None:
     """The vms and templates tables as fusuma wrote them before ids were kept, with
     gaps in the rowids (deleted records)."""
     con = sqlite3.connect(path)
-    con.executescript("""
-        CREATE TABLE partitions (name TEXT PRIMARY KEY, cpus TEXT NOT NULL,
-            memory_mib INTEGER NOT NULL, io_weight INTEGER, qemu TEXT,
-            supervisor_pid INTEGER, created_at REAL NOT NULL);
+    con.executescript(FIRST_TABLES + """
         INSERT INTO partitions VALUES ('p0', '[0]', 1048576, NULL, NULL, NULL, 0);
-        CREATE TABLE vms (name TEXT PRIMARY KEY, partition TEXT NOT NULL, vcpus INTEGER
-            NOT NULL, memory_mib INTEGER NOT NULL, image TEXT NOT NULL, disks TEXT NOT NULL,
-            accel TEXT NOT NULL, autostart INTEGER NOT NULL, state TEXT NOT NULL,
-            pid INTEGER, accel_used TEXT, qemu_binary TEXT, started_at REAL, error TEXT,
-            created_at REAL NOT NULL);
         CREATE TABLE templates (name TEXT PRIMARY KEY, ram_path TEXT NOT NULL UNIQUE,
             state_path TEXT NOT NULL UNIQUE, size_bytes INTEGER NOT NULL,
             memory_mib INTEGER NOT NULL, vcpus INTEGER NOT NULL, machine TEXT NOT NULL,
