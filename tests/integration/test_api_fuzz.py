@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -136,6 +137,12 @@ def test_every_route_fuzzed(host: Host, daemons: Callable[..., Api], tmp_path: P
     broken = [o for o in ops if o["error_code"] is not None and o["error_code"] >= 500]
     assert not broken, json.dumps(broken, indent=1)
     assert "internal error" not in api.log_text(), api.log_text()[-4000:]
+    # No guest ran: the state file's event log has no VM started.
+    with sqlite3.connect(host.home / "state.db") as db:
+        started = db.execute("SELECT count(*) FROM events WHERE action = 'vm-started'"
+                             ).fetchone()[0]
+        made = db.execute("SELECT count(*) FROM events").fetchone()[0]
+    assert started == 0 and made > 100, (started, made)
     # Nothing outside the namespace: no fusuma file elsewhere changed, and every disk
     # file made is in the test's own storage directory.
     assert snapshot_outside() == outside
