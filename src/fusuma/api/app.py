@@ -113,7 +113,8 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
         return error_response(500, f"internal error: {exc!r}; see the daemon's log.")
 
     # -- host -------------------------------------------------------------------------
-    @app.get("/1.0", dependencies=[VIEWER], summary="The host and the API")
+    @app.get("/1.0", dependencies=[VIEWER], response_model=m.HostInfo,
+             summary="The host and the API")
     def host_info(request: Request) -> dict[str, Any]:
         c = d.ctx()
         who = identity_of(request)

@@ -61,7 +61,7 @@ def router(d: Daemon) -> APIRouter:
         return d.submit("segment-create", f"create segment {body.name}",
                         {"segments": [f"/1.0/segments/{body.name}"]}, work)
 
-    @r.delete("/1.0/segments/{name}", dependencies=[ADMIN])
+    @r.delete("/1.0/segments/{name}", dependencies=[ADMIN], response_model=m.Deleted)
     def delete_segment(name: NamePath) -> dict[str, Any]:
         segment_manager(d.ctx()).delete(valid_name("segment", name))
         return {"deleted": f"/1.0/segments/{name}"}
@@ -92,7 +92,7 @@ def router(d: Daemon) -> APIRouter:
                         {"templates": [f"/1.0/templates/{body.name}"],
                          "vms": [f"/1.0/vms/{body.from_vm}"]}, work)
 
-    @r.delete("/1.0/templates/{name}", dependencies=[OPERATOR])
+    @r.delete("/1.0/templates/{name}", dependencies=[OPERATOR], response_model=m.Deleted)
     def delete_template(name: NamePath) -> dict[str, Any]:
         template_manager(d.ctx()).delete(valid_name("template", name))
         return {"deleted": f"/1.0/templates/{name}"}

@@ -259,6 +259,35 @@ class OperationWait(OperationInfo):
                             "wait's limit passed (wait again); false once it has ended.")
 
 
+class VmStateInfo(_Resp):
+    """A VM's state, pid, partition, job and error (``GET /1.0/vms/V/state``)."""
+
+    state: str
+    pid: int | None
+    partition: str
+    job: JobInfo | None
+    error: str | None
+
+
+class Deleted(_Resp):
+    """What a delete answers: the path of what is gone."""
+
+    deleted: str
+
+
+class HostInfo(_Resp):
+    """``GET /1.0``: the API, who is asking, and the host."""
+
+    api_version: str
+    api_extensions: list[str]
+    api_status: str
+    auth: str
+    auth_user_name: str | None
+    auth_role: str | None
+    environment: dict[str, Any]
+    counts: dict[str, int]
+
+
 class ErrorInfo(_Resp):
     type: Literal["error"] = "error"
     error: str

@@ -188,7 +188,7 @@ def router(d: Daemon) -> APIRouter:
         c.parts.move_disk(valid_name("disk", name), body.partition)
         return next(x for x in disks_data(c) if x["name"] == name)
 
-    @r.delete("/1.0/disks/{name}", dependencies=[ADMIN])
+    @r.delete("/1.0/disks/{name}", dependencies=[ADMIN], response_model=m.Deleted)
     def remove_disk(name: NamePath, delete_file: bool = False) -> dict[str, Any]:
         d.ctx().parts.remove_disk(valid_name("disk", name), delete_file=delete_file)
         return {"deleted": f"/1.0/disks/{name}"}

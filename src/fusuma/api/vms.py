@@ -116,7 +116,7 @@ def router(d: Daemon) -> APIRouter:
         return d.submit("vm-delete", f"delete VM {name}", {"vms": [f"/1.0/vms/{name}"]},
                         work)
 
-    @r.get("/1.0/vms/{name}/state", dependencies=[VIEWER])
+    @r.get("/1.0/vms/{name}/state", dependencies=[VIEWER], response_model=m.VmStateInfo)
     def get_vm_state(name: NamePath) -> dict[str, Any]:
         v = _vm_json(d.ctx(), valid_name("VM", name))
         return {"state": v["state"], "pid": v["pid"], "partition": v["partition"],
