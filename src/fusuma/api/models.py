@@ -44,6 +44,8 @@ class PartitionCreate(PartitionSpec):
 class NetworkCreate(NetworkSpec):
     """A network (the keys of a spec's ``[[network]]``)."""
 
+    model_config = STRICT
+
 
 class DiskCreate(DiskSpec):
     """A disk (the keys of a spec's ``[[disk]]``): a regular file inside a storage
@@ -275,6 +277,16 @@ class Deleted(_Resp):
     deleted: str
 
 
+class ListenerInfo(_Resp):
+    """One listener's connections (``fusuma.api.guard``): open now, its limits (the
+    per-client one on TCP only) and how many it refused, by status."""
+
+    open: int
+    max: int
+    max_per_client: int | None
+    refused: dict[str, int]
+
+
 class HostInfo(_Resp):
     """``GET /1.0``: the API, who is asking, and the host."""
 
@@ -286,6 +298,7 @@ class HostInfo(_Resp):
     auth_role: str | None
     environment: dict[str, Any]
     counts: dict[str, int]
+    connections: dict[str, ListenerInfo]
 
 
 class ErrorInfo(_Resp):

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from fusuma.names import NAME_RE
+from fusuma.names import NAME_PATTERN
 from fusuma.qemu.cmdline import (
     BALLOON_ID,
     DEVICE_SET_VERSION,
@@ -50,7 +50,7 @@ FIELDS = {"version", "machine", "machine_props", "cpu", "smp", "memory", "serial
 CARRIED = ("machine", "devices", "accel_used")
 ACCELS = ("kvm", "tcg")
 
-_NAME = NAME_RE.pattern.strip("^$")
+_NAME = NAME_PATTERN.strip("^$")
 MACHINE_RE = re.compile(r"^pc-q35-[0-9]{1,3}\.[0-9]{1,3}(\.[0-9]{1,3})?$")
 MEMORY_RE = re.compile(
     r"^([1-9][0-9]{1,7})M(?:,slots=([1-9][0-9]?),maxmem=([1-9][0-9]{1,17}))?$")
