@@ -5,7 +5,7 @@ VENV := .venv
 FUSUMA := $(VENV)/bin/fusuma
 DEB_PACKAGES := qemu-system-x86 qemu-utils busybox-static erofs-utils cpio \
                 qemu-guest-agent python3-venv gcc libc6-dev debootstrap apache2-utils curl \
-                prometheus chromium etcd-server
+                prometheus chromium etcd-server dnsmasq-base nftables iperf3
 # kube-apiserver and kubectl for the cluster tests (tests/cluster) and `fusuma bench
 # cluster`: built from the Go module proxy (tools/kube-apiserver), once, into the cache.
 K8S_VERSION := 1.33.13

@@ -64,15 +64,19 @@ class Host:
                     # Kernel-exclusive cpusets would let only one namespace hold cores;
                     # tests that check them ask for `exclusive_host`.
                     "FUSUMA_CPU_EXCLUSIVE": "1" if exclusive else "0",
-                    # A uid range of its own: two namespaces never share a QEMU uid.
-                    "FUSUMA_UID_BASE": str(1_600_000_000 + (int(tag, 16) % 4096) * 65536),
+                    # Id ranges of its own (fusuma.paths.UID_SPAN each), apart from the
+                    # default's: two namespaces never share a QEMU uid.
+                    "FUSUMA_UID_BASE": str(0x7100_0000 + (int(tag, 16) % 1024) * 131072),
                     "PYTHONPATH": str(REPO / "src")}
         self.env.setdefault("FUSUMA_CACHE", "/var/cache/fusuma")
+        # What the CLI runs under: e.g. ``nsenter --net=...`` for a network namespace
+        # of the test's own (tests/integration/test_networks.py).
+        self.wrap: list[str] = []
 
     def run(self, *args: str, check: bool = True, timeout: float = 300,
             input: str | None = None) -> Result:
-        p = subprocess.run([*FUSUMA, *args], env=self.env, capture_output=True, text=True,
-                           timeout=timeout, input=input)
+        p = subprocess.run([*self.wrap, *FUSUMA, *args], env=self.env, capture_output=True,
+                           text=True, timeout=timeout, input=input)
         res = Result(p.returncode, p.stdout, p.stderr)
         if check and p.returncode != 0:
             raise AssertionError(f"fusuma {' '.join(args)} exited {p.returncode}:\n"
@@ -97,7 +101,8 @@ class Host:
 
     # -- leftovers -----------------------------------------------------------------
     def our_pids(self) -> list[int]:
-        """QEMU and supervisor processes that belong to this namespace."""
+        """QEMU, supervisor, network keeper and dnsmasq processes that belong to this
+        namespace (dnsmasq's configuration lies in its runtime dir)."""
         found = []
         for d in Path("/proc").iterdir():
             if not d.name.isdigit():
@@ -108,7 +113,7 @@ class Host:
             except OSError:
                 continue
             if str(self.runtime) in cmd or (
-                    "fusuma.supervisor" in cmd
+                    ("fusuma.supervisor" in cmd or "fusuma.network.keeper" in cmd)
                     and f"FUSUMA_RUNTIME_DIR={self.runtime}\0" in env):
                 found.append(int(d.name))
         return found

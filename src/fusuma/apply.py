@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from fusuma.errors import ConflictError, FusumaError, SpecError
 from fusuma.host import storage
 from fusuma.partition.manager import PartitionManager
-from fusuma.spec import DiskSpec, HostSpec, PartitionSpec, VmSpec, check_host_fit
+from fusuma.spec import DiskSpec, HostSpec, NetworkSpec, PartitionSpec, VmSpec, check_host_fit
 from fusuma.state import Database
 from fusuma.state.lock import host_lock
 from fusuma.undo import Reverter
@@ -40,16 +40,23 @@ class Plan:
     start_supervisors: list[str] = field(default_factory=list)
     # systemd unit files written on a host whose PID 1 is systemd (fusuma.host.systemd)
     installed: list[str] = field(default_factory=list)
+    create_networks: list[NetworkSpec] = field(default_factory=list)
+    # Networks whose bridge, tables or dnsmasq are gone (a reboot, a killed keeper):
+    # made again from their records.
+    ensure_networks: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not (self.add_storage or self.create_partitions or self.resize_partitions
                     or self.add_disks or self.move_disks or self.create_vms or self.start_vms
-                    or self.start_supervisors or self.installed)
+                    or self.start_supervisors or self.installed or self.create_networks
+                    or self.ensure_networks)
 
     def describe(self) -> list[str]:
         out = [f"install systemd unit {path}" for path in self.installed]
         out += [f"start the supervisor of partition {n}" for n in self.start_supervisors]
         out += [f"declare storage directory {d}" for d in self.add_storage]
+        out += [f"create network {n.name} ({n.type})" for n in self.create_networks]
+        out += [f"bring back network {n}" for n in self.ensure_networks]
         out += [f"create partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
                 for p in self.create_partitions]
         out += [f"resize partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
@@ -101,6 +108,7 @@ def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> 
             raise SpecError(f"{source}: storage[{i}].path: {exc}") from exc
         p.add_storage.append(real)
         have.add(real)
+    _plan_networks(db, parts, spec, source, p)
     for ps in spec.partition:
         cur = db.find_partition(ps.name)
         if cur is None:
@@ -142,6 +150,38 @@ def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> 
     return p
 
 
+def _plan_networks(db: Database, parts: PartitionManager, spec: HostSpec, source: str,
+                   p: Plan) -> None:
+    from fusuma.network.manager import NetworkManager
+
+    nets = NetworkManager(parts.paths, db)
+    named = {n.name for n in spec.network}
+    for i, ns in enumerate(spec.network):
+        cur = db.find_network(ns.name)
+        if cur is None:
+            try:
+                nets.check_create(ns.name, ns.type, ns.subnet, ns.parent, ns.nat,
+                                  ns.isolated, ns.filtering)
+            except FusumaError as exc:
+                raise SpecError(f"{source}: network[{i}]: {exc}") from exc
+            p.create_networks.append(ns)
+            continue
+        want_subnet = ns.subnet or cur.subnet
+        if (cur.type, cur.subnet, cur.isolated) != (ns.type, want_subnet, ns.isolated) or \
+                (ns.parent is not None and ns.parent != cur.bridge):
+            raise SpecError(f"{source}: network {ns.name!r} exists with other settings "
+                            f"(type {cur.type}, subnet {cur.subnet}, bridge {cur.bridge}); "
+                            "delete it first (`fusuma network delete`).")
+    for n in db.networks():
+        if (n.managed or n.name in named) and nets.status(n.name).state != "up":
+            p.ensure_networks.append(n.name)
+    for i, vs in enumerate(spec.vm):
+        for nic in vs.nics:
+            if nic.network not in named and db.find_network(nic.network) is None:
+                raise SpecError(f"{source}: vm[{i}].nics: no network named "
+                                f"{nic.network!r} in this spec or on this host.")
+
+
 def up(paths_db: Database, parts: PartitionManager, vms: VmManager, spec: HostSpec,
        source: str, progress: Callable[[str], None] = lambda s: None,
        wait_agent: float = 0.0) -> Plan:
@@ -158,7 +198,18 @@ def _up(db: Database, parts: PartitionManager, vms: VmManager, spec: HostSpec,
     for name in the_plan.start_supervisors:
         progress(f"starting the supervisor of partition {name}")
         parts.start_supervisor(name)
+    from fusuma.network.manager import NetworkManager
+
+    nets = NetworkManager(parts.paths, db, parts.notice)
+    for name in the_plan.ensure_networks:
+        progress(f"bringing back network {name}")
+        nets.ensure(name)
     with Reverter() as rev:
+        for ns in the_plan.create_networks:
+            progress(f"creating network {ns.name}")
+            nets.create(ns.name, ns.type, subnet=ns.subnet, parent=ns.parent, nat=ns.nat,
+                        isolated=ns.isolated, filtering=ns.filtering)
+            rev.add(lambda n=ns.name: nets.delete(n))  # type: ignore[misc]
         for d in the_plan.add_storage:
             progress(f"declaring storage directory {d}")
             parts.add_storage(d)
@@ -236,6 +287,14 @@ def _down(db: Database, parts: PartitionManager, vms: VmManager,
     for d in db.disks():
         parts.drop_disk(d.name)
         done.append(f"removed disk {d.name}")
+    if db.networks():
+        from fusuma.network.manager import NetworkManager
+
+        nets = NetworkManager(parts.paths, db, parts.notice)
+        for n in db.networks():
+            progress(f"deleting network {n.name}")
+            nets.delete(n.name)
+            done.append(f"deleted network {n.name}")
     for p in db.partitions():
         progress(f"deleting partition {p.name}")
         parts.delete(p.name, force=True)
@@ -244,7 +303,8 @@ def _down(db: Database, parts: PartitionManager, vms: VmManager,
         parts.cg.remove_parent_if_empty()
     # Empty directories fusuma made for runtime files go too (never non-empty ones).
     paths = parts.paths
-    for empty in (paths.runtime / "vms", paths.runtime / "partitions", paths.runtime,
+    for empty in (paths.runtime / "vms", paths.runtime / "partitions",
+                  paths.runtime / "networks", paths.runtime,
                   paths.shm):
         with contextlib.suppress(OSError):
             empty.rmdir()

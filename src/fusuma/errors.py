@@ -11,13 +11,15 @@ fix it; the CLI prints ``str(exc)`` and exits non-zero.
      ├── StateError         an operation called in the wrong lifecycle state
      ├── HostError          the host lacks something (a binary, cgroups, /dev/kvm, ...)
      ├── ImageError         the guest image is missing or cannot be built
+     │    └── ImageMissing  (also a NotFoundError) the image asked for is not built
      ├── CgroupError        a cgroup operation failed (fusuma.host.cgroups)
      ├── QemuError          QEMU failed to start or answer (fusuma.qemu)
      │    └── GuestAgentError  the guest agent did not answer or a command failed
      ├── SupervisorError    a partition supervisor is down or answered with an error
      ├── MigrationError     a migration failed (the VM stays where it was)
      ├── SegmentError       a shared segment cannot be built, found or removed
-     └── TemplateError      a template cannot be made, or its files are missing or damaged
+     ├── TemplateError      a template cannot be made, or its files are missing or damaged
+     └── NetworkError       a bridge, tap, nftables table or dnsmasq could not be made
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ class ImageError(FusumaError):
     """The guest image is missing or could not be built."""
 
     exit_code = 8
+
+
+class ImageMissing(ImageError, NotFoundError):
+    """The guest image asked for is not built: an ImageError to the CLI (its exit
+    code), and an unknown object (404) to the API, like any name not found."""
 
 
 class CgroupError(FusumaError):
@@ -128,3 +135,15 @@ class TemplateError(FusumaError):
     """A template cannot be made or used: refused, or its files are missing or damaged."""
 
     exit_code = 14
+
+
+class NetworkError(FusumaError):
+    """A network's kernel side (bridge, tap, nftables) or its dnsmasq failed."""
+
+    exit_code = 15
+
+    def __init__(self, message: str, *, argv: list[str] | None = None,
+                 detail: str = "") -> None:
+        super().__init__(message)
+        self.argv = argv or []
+        self.detail = detail

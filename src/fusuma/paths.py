@@ -13,8 +13,10 @@ temporary directory without touching the host's real fusuma:
   every other cgroup off the partitions' cores, which on cgroup v1 means only one
   fusuma prefix at a time can hold cores. Tests turn it off so that several test
   namespaces (or a test run beside `make demo`) can coexist.
-- ``FUSUMA_UID_BASE``    first uid of the range whose uids run VMs' QEMUs (default
-  1500000000; VM slot n runs as base + n, see fusuma.qemu.privilege)
+- ``FUSUMA_UID_BASE``    first id of fusuma's two id ranges (default 1879048192,
+  0x70000000): VMs' QEMU uids from base + 1 to base + 65535, templates' gids from
+  base + 65536 to base + 131071 (fusuma.qemu.privilege; why this default:
+  :data:`DEFAULT_UID_BASE`)
 - ``FUSUMA_CPU_PARTITION`` cgroup v2: hold partitions' cores with the kernel's cpuset
   partitions: "auto" (default: where the kernel and the layout allow, else plain cpusets
   with a notice), "root" or "isolated" (those or refuse), "off" (fusuma.host.cgroups.v2)
@@ -25,7 +27,7 @@ temporary directory without touching the host's real fusuma:
   (fusuma.qemu.consolelog)
 
 Permissions (least privilege): the shm dir and the log dirs (``vms/<vm>``,
-``partitions/<p>``) are 0700; the runtime dir and its ``vms`` and ``partitions`` are
+``partitions/<p>``) are 0700; the runtime dir and its ``vms``, ``partitions`` and ``networks`` are
 0711 (others may pass through to a socket they are given, never list); each VM's run
 dir is 0700 and owned by the uid its QEMU runs as. :func:`ensure_dir` creates a
 directory or fixes the mode and owner of an existing one.
@@ -43,6 +45,7 @@ from __future__ import annotations
 import os
 import pwd
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,12 +56,56 @@ MAX_SOCKET_PATH = 107
 # Directory modes: private to its owner, or passable (x) but not listable by others.
 PRIVATE_DIR = 0o700
 PASSABLE_DIR = 0o711
-DEFAULT_UID_BASE = 1_500_000_000
-UID_RANGE = 65536            # uids fusuma reserves from FUSUMA_UID_BASE on
+# fusuma's ids start at 0x70000000: the first 64K-aligned id above systemd's container
+# range (524288…1879048191, where systemd-nspawn --private-users=pick and machined
+# allocate) and below its foreign range (0x7FFE0000…, mountfsd) and 2^31 (ids above it
+# break devpts and setfsuid), the range systemd's UIDS-GIDS.md lists as unused. It is
+# also clear of Incus' default idmap (1000000 + 10^9, inside the container range) and of
+# podman's --userns=auto (2147483647 up); 64K-aligned, as systemd recommends, so the
+# upper 16 bits name the range. 1500000000, the default before, lay in the container
+# range: state files made with it keep their ids (LEGACY_UID_BASE).
+DEFAULT_UID_BASE = 0x7000_0000
+VM_IDS = 65536               # VMs' QEMU uids: base + 1 … base + 65535
+TEMPLATE_IDS = 65536         # templates' gids: base + 65536 … base + 131071
+UID_SPAN = VM_IDS + TEMPLATE_IDS
+# Before ids were kept in the state file, VM n (its rowid) ran as base + n and template
+# n's gid was base + 65536 - n, with base FUSUMA_UID_BASE or this.
+LEGACY_UID_BASE = 1_500_000_000
 # uid_t is 32 bits and (uid_t)-1 means "no change": the range must stay below it.
 MAX_UID = 2**32 - 2
 CONSOLE_LOG_MAX = 16 * 2**20
 MIN_CONSOLE_LOG_MAX = 64 * 1024
+
+
+def uid_base_from_env(env: Mapping[str, str]) -> int | None:
+    """FUSUMA_UID_BASE from ``env`` (None when unset); a HostError when it cannot start
+    fusuma's two ranges."""
+    raw = env.get("FUSUMA_UID_BASE")
+    if raw is None:
+        return None
+    try:
+        base = int(raw)
+    except ValueError:
+        base = -1
+    if not 1 <= base <= MAX_UID - UID_SPAN:
+        raise HostError(f"FUSUMA_UID_BASE={raw!r} is not a usable uid; give the first id "
+                        f"of a free range of {UID_SPAN} (default {DEFAULT_UID_BASE}).")
+    return base
+
+
+def vm_uids(base: int) -> range:
+    return range(base + 1, base + VM_IDS)
+
+
+def template_gids(base: int) -> range:
+    return range(base + VM_IDS, base + UID_SPAN)
+
+
+def legacy_uid_base(env: Mapping[str, str] | None = None) -> int:
+    """The base the records of a state file from before kept ids were made with:
+    FUSUMA_UID_BASE when set, else the default of then (LEGACY_UID_BASE)."""
+    base = uid_base_from_env(os.environ if env is None else env)
+    return LEGACY_UID_BASE if base is None else base
 
 
 def parse_size(text: str) -> int:
@@ -163,6 +210,8 @@ class Paths:
     cgroup_prefix: str
     cpu_exclusive: bool = True
     uid_base: int = DEFAULT_UID_BASE
+    # The base the records of a state file from before kept ids were made with.
+    legacy_uid_base: int = LEGACY_UID_BASE
     cpu_partition: str = "auto"
     systemd: str = "auto"
     console_log_max: int = CONSOLE_LOG_MAX
@@ -170,14 +219,7 @@ class Paths:
     @classmethod
     def from_env(cls) -> Paths:
         env = os.environ
-        raw = env.get("FUSUMA_UID_BASE", str(DEFAULT_UID_BASE))
-        try:
-            uid_base = int(raw)
-        except ValueError:
-            uid_base = -1
-        if not 1 <= uid_base <= MAX_UID - UID_RANGE:
-            raise HostError(f"FUSUMA_UID_BASE={raw!r} is not a usable uid; give the first "
-                            f"uid of a free range of {UID_RANGE} (default {DEFAULT_UID_BASE}).")
+        uid_base = uid_base_from_env(env)
         return cls(
             home=Path(env.get("FUSUMA_HOME", "/var/lib/fusuma")),
             runtime=Path(env.get("FUSUMA_RUNTIME_DIR", "/run/fusuma")),
@@ -185,11 +227,30 @@ class Paths:
             cache=Path(env.get("FUSUMA_CACHE", "/var/cache/fusuma")),
             cgroup_prefix=env.get("FUSUMA_CGROUP_PREFIX", "fusuma"),
             cpu_exclusive=env.get("FUSUMA_CPU_EXCLUSIVE", "1") != "0",
-            uid_base=uid_base,
+            uid_base=uid_base if uid_base is not None else DEFAULT_UID_BASE,
+            legacy_uid_base=uid_base if uid_base is not None else LEGACY_UID_BASE,
             cpu_partition=env.get("FUSUMA_CPU_PARTITION", "auto"),
             systemd=env.get("FUSUMA_SYSTEMD", "auto"),
             console_log_max=console_log_max(env.get("FUSUMA_CONSOLE_LOG_MAX")),
         )
+
+    @property
+    def vm_uids(self) -> range:
+        """The uids VMs' QEMUs run as (one each, held by the VM's record)."""
+        return vm_uids(self.uid_base)
+
+    @property
+    def template_gids(self) -> range:
+        """The groups that may read templates' RAM files (one each)."""
+        return template_gids(self.uid_base)
+
+    @property
+    def qemu_uids(self) -> tuple[range, ...]:
+        """Every uid a QEMU of this namespace may run as: the VM range, and the range
+        of records made before ids were kept (their QEMUs keep their uids)."""
+        legacy = range(self.legacy_uid_base, self.legacy_uid_base + VM_IDS)
+        return (self.vm_uids,) if legacy == range(self.uid_base, self.uid_base + VM_IDS) \
+            else (self.vm_uids, legacy)
 
     @property
     def db(self) -> Path:
@@ -212,6 +273,17 @@ class Paths:
     def supervisor_pidfile(self, partition: str) -> Path:
         return self.runtime / "partitions" / f"{partition}.pid"
 
+    def network_dir(self, network: str) -> Path:
+        """A network's files that outlive its processes: dnsmasq's leases, the log of
+        its keeper (fusuma.network.keeper). 0700."""
+        return self.home / "networks" / network
+
+    def network_run_dir(self, network: str) -> Path:
+        """A network's dnsmasq configuration, hosts and pid files, and its keeper's
+        pidfile: 0711 like the runtime dir, the files 0644, so that dnsmasq, once it
+        has dropped to its own user, can read its hosts file again on SIGHUP."""
+        return self.runtime / "networks" / network
+
     @property
     def segments_dir(self) -> Path:
         """Shared segments: ``<name>.erofs`` files that VMs map as virtio-pmem."""
@@ -224,12 +296,13 @@ class Paths:
         return self.shm / f"{vm}.ram"
 
     def as_env(self) -> dict[str, str]:
-        """The environment that makes a child process see the same roots."""
+        """The environment that makes a child process see the same roots (absolute:
+        fusuma's children run in ``/``, fusuma.spawn)."""
         return {
-            "FUSUMA_HOME": str(self.home),
-            "FUSUMA_RUNTIME_DIR": str(self.runtime),
-            "FUSUMA_SHM_DIR": str(self.shm),
-            "FUSUMA_CACHE": str(self.cache),
+            "FUSUMA_HOME": os.path.abspath(self.home),
+            "FUSUMA_RUNTIME_DIR": os.path.abspath(self.runtime),
+            "FUSUMA_SHM_DIR": os.path.abspath(self.shm),
+            "FUSUMA_CACHE": os.path.abspath(self.cache),
             "FUSUMA_CGROUP_PREFIX": self.cgroup_prefix,
             "FUSUMA_CPU_EXCLUSIVE": "1" if self.cpu_exclusive else "0",
             "FUSUMA_UID_BASE": str(self.uid_base),
@@ -275,5 +348,6 @@ class Paths:
                     "users cannot pass, so the VMs' QEMUs (each under a uid of its own) "
                     f"cannot reach their sockets; `chmod o+x {parent}` or set "
                     "FUSUMA_RUNTIME_DIR elsewhere (default /run/fusuma).")
-        for d in (self.runtime, self.runtime / "vms", self.runtime / "partitions"):
+        for d in (self.runtime, self.runtime / "vms", self.runtime / "partitions",
+                  self.runtime / "networks"):
             ensure_dir(d, PASSABLE_DIR)

@@ -28,8 +28,17 @@ A spec is a TOML file applied with ``fusuma up``::
     # qos = "burstable"   # guaranteed | burstable | best-effort
     # segments = ["tools", "debian-root:/"]   # NAME[:MOUNTPOINT], default /mnt/NAME
     # mergeable = false   # private RAM for KSM (copy migration only; see `share ksm`)
-    # ports = ["8080:80"] # host 127.0.0.1:8080 -> guest tcp port 80 (user networking)
+    # ports = ["8080:80"] # host 127.0.0.1:8080 -> guest tcp port 80; "0.0.0.0:8080:80"
+    #                     # forwards from every host address (needs a managed NIC)
+    # nics = [{ network = "lan0" }, { network = "lan0", ip = "10.0.5.9", mac = "..." }]
     # machine = "pc-q35-7.2"  # pinned machine type (default: the oldest QEMU's q35)
+
+    [[network]]
+    name = "lan0"
+    type = "managed"      # a bridge fusuma makes, DHCP/DNS (dnsmasq), NAT; or "bridged"
+    subnet = "10.0.5.0/24"  # managed: default, the first free 10.x.y.0/24
+    # nat = true  isolated = false  filtering = true   # managed
+    # parent = "br0"      # bridged: a bridge the host has
 
 Validation errors name the file and the key (``spec.toml: vm[1].partition: ...``).
 """
@@ -54,8 +63,9 @@ from pydantic import (
 from fusuma import capacity
 from fusuma.errors import SpecError
 from fusuma.host.topology import HostInfo, format_cpulist, parse_cpulist, siblings_text
-from fusuma.names import NAME_HINT, NAME_RE
+from fusuma.names import NAME_HINT, NAME_PATTERN, NAME_RE
 from fusuma.names import check_name as check_name  # re-exported: older callers
+from fusuma.network import addr
 
 Accel = Literal["auto", "kvm", "tcg"]
 Qos = Literal["guaranteed", "burstable", "best-effort"]
@@ -64,6 +74,10 @@ M = TypeVar("M", bound=BaseModel)
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# A name as the API's OpenAPI document states it (what _name_field checks).
+Name = Annotated[str, Field(json_schema_extra={"pattern": NAME_PATTERN})]
 
 
 def _name_field(v: str) -> str:
@@ -75,7 +89,7 @@ def _name_field(v: str) -> str:
 class PartitionSpec(_Model):
     """A partition: exclusive cores, a memory limit, an I/O weight, its own supervisor."""
 
-    name: str
+    name: Name
     cpus: list[int]
     memory_mib: Annotated[int, Field(gt=0)]
     io_weight: Annotated[int, Field(ge=1, le=10000)] | None = None
@@ -126,7 +140,7 @@ class StorageSpec(_Model):
 class DiskSpec(_Model):
     """A disk owned by one partition: a raw image file inside a storage directory."""
 
-    name: str
+    name: Name
     path: str
     partition: str
     size_mib: Annotated[int, Field(gt=0)] | None = None
@@ -144,10 +158,56 @@ class DiskSpec(_Model):
         return v
 
 
+class NetworkSpec(_Model):
+    """A network (fusuma.network): ``managed`` (a bridge fusuma makes, with a subnet,
+    DHCP and DNS from dnsmasq, NAT and filtering) or ``bridged`` (a bridge the host
+    has, named by ``parent``)."""
+
+    name: str
+    type: Literal["managed", "bridged"] = "managed"
+    subnet: str | None = None
+    nat: bool | None = None           # managed: default true
+    isolated: bool = False
+    filtering: bool | None = None     # managed: default true
+    parent: str | None = None
+
+    _check_name = field_validator("name")(_name_field)
+
+    @field_validator("subnet")
+    @classmethod
+    def _subnet(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            return addr.parse_subnet(v).cidr
+        except SpecError as exc:
+            raise ValueError(str(exc).rstrip(".")) from exc
+
+
+class NicSpec(_Model):
+    """A VM's NIC: its network, and optionally its MAC and (managed) address."""
+
+    network: str
+    mac: str | None = None
+    ip: str | None = None
+
+    _check_network = field_validator("network")(_name_field)
+
+    @field_validator("mac")
+    @classmethod
+    def _mac(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            return addr.check_mac(v)
+        except SpecError as exc:
+            raise ValueError(str(exc).rstrip(".")) from exc
+
+
 class VmSpec(_Model):
     """A VM: one QEMU process inside its partition's cgroup."""
 
-    name: str
+    name: Name
     partition: str
     vcpus: Annotated[int, Field(ge=1, le=64)] = 1
     memory_mib: Annotated[int, Field(ge=64)] = 256
@@ -166,8 +226,11 @@ class VmSpec(_Model):
     # KSM: private RAM marked mergeable. Needs private RAM, so such a VM migrates by
     # copy only; mergeable = true alone implies shared_ram = false.
     mergeable: bool = False
-    # TCP ports forwarded from the host's loopback: "HOSTPORT:GUESTPORT".
+    # TCP ports forwarded to the guest: "[ADDR:]HOSTPORT:GUESTPORT" (ADDR 127.0.0.1
+    # when left out; another address needs a NIC on a managed network).
     ports: list[str] = []
+    # NICs on fusuma's networks; none: QEMU's user-mode network (when ports ask).
+    nics: list[NicSpec] = []
     # The versioned machine type it pins (None: the q35 machine type of the oldest
     # installed QEMU, so that it can move to every QEMU installed here).
     machine: str | None = None
@@ -228,15 +291,15 @@ class VmSpec(_Model):
     @field_validator("ports")
     @classmethod
     def _ports(cls, v: list[str]) -> list[str]:
-        hosts: set[int] = set()
+        seen: list[addr.PortForward] = []
         for item in v:
-            m = re.fullmatch(r"(\d{1,5}):(\d{1,5})", item)
-            if not m or not all(0 < int(x) < 65536 for x in m.groups()):
-                raise ValueError(f"port forward {item!r} must be HOSTPORT:GUESTPORT with "
-                                 "ports 1-65535, e.g. \"8080:80\"")
-            if int(m.group(1)) in hosts:
-                raise ValueError(f"host port {m.group(1)} is forwarded twice")
-            hosts.add(int(m.group(1)))
+            try:
+                f = addr.parse_forward(item)
+            except SpecError as exc:
+                raise ValueError(str(exc).rstrip(".")) from exc
+            if any(f.clashes(o) for o in seen):
+                raise ValueError(f"host port {f.host_port} is forwarded twice")
+            seen.append(f)
         return v
 
     @model_validator(mode="before")
@@ -255,6 +318,7 @@ class HostSpec(_Model):
     """The whole host: the unit that ``fusuma up`` applies."""
 
     storage: list[StorageSpec] = []
+    network: list[NetworkSpec] = []
     partition: list[PartitionSpec] = []
     disk: list[DiskSpec] = []
     vm: list[VmSpec] = []
@@ -319,7 +383,8 @@ def check_consistency(spec: HostSpec, source: str = "<spec>") -> None:
         seen_dirs.add(st.path)
     named: list[tuple[str, list[str]]] = [
         ("partition", [p.name for p in spec.partition]),
-        ("disk", [d.name for d in spec.disk]), ("vm", [v.name for v in spec.vm])]
+        ("disk", [d.name for d in spec.disk]), ("vm", [v.name for v in spec.vm]),
+        ("network", [n.name for n in spec.network])]
     for kind, names in named:
         seen: set[str] = set()
         for i, name in enumerate(names):
@@ -444,6 +509,9 @@ def _toml_value(v: object) -> str:
         return str(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()
+                                if x is not None) + " }"
     # JSON string escapes are valid TOML basic-string escapes.
     return json.dumps(str(v))
 
@@ -453,7 +521,8 @@ def dump_spec(spec: HostSpec) -> str:
     default are omitted, so ``parse_spec(dump_spec(s)) == s``."""
     lines: list[str] = []
     tables: list[tuple[str, list[BaseModel]]] = [
-        ("storage", list(spec.storage)), ("partition", list(spec.partition)),
+        ("storage", list(spec.storage)), ("network", list(spec.network)),
+        ("partition", list(spec.partition)),
         ("disk", list(spec.disk)), ("vm", list(spec.vm))]
     for table, items in tables:
         for item in items:

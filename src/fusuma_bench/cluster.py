@@ -49,6 +49,7 @@ from fusuma.cluster.context import PLAIN_MOVES_ENV
 from fusuma.cluster.lab import Lab, LabHost
 from fusuma.cluster.resources import parse_time
 from fusuma.errors import FusumaError
+from fusuma.paths import UID_SPAN
 from fusuma_bench.report import meta
 
 TARGETS = {"in_host_downtime_ms_median": 10.0, "between_hosts_total_ms_median": 2000.0,
@@ -72,7 +73,7 @@ def host_env(tag: str, i: int, base: Path) -> dict[str, str]:
     return {**os.environ, "FUSUMA_HOME": str(base / f"home{i}"),
             "FUSUMA_RUNTIME_DIR": f"/tmp/fzb-{t}", "FUSUMA_SHM_DIR": f"/dev/shm/fusuma-bench-{t}",
             "FUSUMA_CGROUP_PREFIX": f"fusuma-bench-{t}", "FUSUMA_CPU_EXCLUSIVE": "0",
-            "FUSUMA_UID_BASE": str(1_700_000_000 + (int(tag, 16) % 2048 + i) * 65536),
+            "FUSUMA_UID_BASE": str(0x7900_0000 + (int(tag, 16) % 512 + i) * UID_SPAN),
             "FUSUMA_CACHE": os.environ.get("FUSUMA_CACHE", "/var/cache/fusuma")}
 
 
@@ -159,9 +160,11 @@ def run(hosts: int, vms: int, lease_seconds: int, qemu: str | None,
         for h, env in zip(lab.hosts, envs, strict=False):
             lab.stop_agent(h)
             import subprocess
-            import sys
 
-            subprocess.run([sys.executable, "-m", "fusuma.cli.main", "down"], env=env,
+            from fusuma import spawn
+
+            subprocess.run(spawn.module_argv("fusuma.cli.main", "down"),
+                           env=spawn.child_env(env), cwd=spawn.CWD,
                            capture_output=True, timeout=300)
             for pid in host_pids(env):
                 with contextlib.suppress(ProcessLookupError):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from fusuma import spawn
 from fusuma.capacity import definition_overhead
 from fusuma.errors import FusumaError, HostError, ResourceError, StateError
 from fusuma.host.accel import probe_accel
@@ -385,8 +385,9 @@ class Bench:
 
     def _cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         try:
-            proc = subprocess.run([sys.executable, "-m", "fusuma.cli.main", *args],
-                                  env=self.env, capture_output=True, text=True,
+            proc = subprocess.run(spawn.module_argv("fusuma.cli.main", *args),
+                                  env=spawn.child_env(self.env), cwd=spawn.CWD,
+                                  capture_output=True, text=True,
                                   timeout=CLI_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired:
             raise CliFailed(args, -1, f"no answer within {CLI_TIMEOUT_S:.0f} s") from None

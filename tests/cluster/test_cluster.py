@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -36,23 +37,29 @@ def test_install_prints_crds_and_explain_works(cluster: Cluster) -> None:
     docs = [d for d in yaml.safe_load_all(out) if d]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds.count("CustomResourceDefinition") == 4
-    assert {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"} <= set(kinds)
+    assert {"Namespace", "ClusterRole", "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding"} <= set(kinds)
     out = cluster.lab.kubectl("explain", "fusumavm.spec.memoryMiB").stdout
     assert "Guest RAM in MiB" in out
     out = cluster.lab.kubectl("explain", "fusumavm.status.lastMove.downtimeMs").stdout
     assert "downtime" in out.lower()
     hosts = cluster.lab.kubectl("get", "fusumahosts").stdout
     assert all(h in hosts for h in ("h0", "h1", "h2")), hosts
-    # The agents authenticate as members of fusuma:agents and RBAC lets them do their
-    # work, but not, say, read Secrets.
-    ns = cluster.lab.hosts[0]
-    can = cluster.lab.kubectl("auth", "can-i", "list", "secrets", "--as",
-                              "fusuma-agent-h0", "--as-group", "fusuma:agents",
-                              check=False).stdout.strip()
-    assert can == "no" and ns.name == "h0"
-    can = cluster.lab.kubectl("auth", "can-i", "patch", "fusumavms/status", "--as",
-                              "fusuma-agent-h0", "--as-group", "fusuma:agents").stdout.strip()
-    assert can == "yes"
+    # Each agent authenticates as its own host (`fusuma cluster join`): RBAC lets it do
+    # its work, read its own certificate Secret and renew its own Lease, nobody else's.
+    def can(*args: str, who: str = "h0") -> str:
+        return cluster.lab.kubectl("auth", "can-i", *args, "--as",
+                                   f"system:serviceaccount:fusuma-system:fusuma-host-{who}",
+                                   check=False).stdout.strip()
+
+    assert can("list", "secrets", "-A") == "no"
+    assert can("get", "secret/fusuma-host-h0", "-n", "fusuma-system") == "yes"
+    assert can("get", "secret/fusuma-host-h1", "-n", "fusuma-system") == "no"
+    assert can("patch", "lease/fusuma-host-h0", "-n", "fusuma-system") == "yes"
+    assert can("patch", "lease/fusuma-host-h1", "-n", "fusuma-system") == "no"
+    assert can("patch", "fusumavms/status") == "yes"       # the policy narrows it
+    assert can("delete", "fusumavms") == "no"
+    assert can("patch", "fusumavms", who="h9") == "no"      # never joined
 
 
 def test_vms_are_placed_start_and_report_status(clean: Cluster) -> None:
@@ -258,3 +265,173 @@ def test_move_to_a_host_without_the_partition_goes_back(clean: Cluster) -> None:
     assert o["status"]["host"] == "h2" and o["status"]["pid"] == pid
     assert list(c.local_vms("homebody")) == ["h2"]
     assert c.local_vms("homebody")["h2"]["state"] == "running"
+
+
+def forbidden(p: subprocess.CompletedProcess[str], *words: str) -> None:
+    """kubectl was refused with 403, saying ``words``."""
+    assert p.returncode != 0 and "(Forbidden)" in p.stderr, (p.stdout, p.stderr)
+    for w in words:
+        assert w in p.stderr, p.stderr
+
+
+def allowed(p: subprocess.CompletedProcess[str]) -> None:
+    assert p.returncode == 0, p.stderr
+
+
+def test_each_host_writes_only_its_own_objects(clean: Cluster) -> None:
+    """One identity per host, enforced by the real API server: RBAC and the admission
+    policy of `fusuma cluster install` (as NodeRestriction keeps kubelets apart)."""
+    c, lab = clean, clean.lab
+    kc = {h.name: h.kubeconfig for h in lab.hosts}
+    for fake in ("rbx", "rby"):          # identities whose agent never runs
+        kc[fake] = lab.secrets / f"{fake}.kubeconfig"
+        lab.join(fake, kc[fake])
+
+    def patch(who: str, what: str, body: object, sub: str | None = "status",
+              ns: str | None = "default") -> subprocess.CompletedProcess[str]:
+        return lab.kubectl("patch", *what.split(), "--type=merge", "-p", json.dumps(body),
+                           *([f"--subresource={sub}"] if sub else []),
+                           *(["-n", ns] if ns else []), kubeconfig=kc[who], check=False)
+
+    def admin_status(name: str, status: dict[str, object]) -> None:
+        lab.kubectl("patch", "fusumavm", name, "--type=merge", "--subresource=status",
+                    "-p", json.dumps({"status": status}))
+
+    # Host objects and Leases: its own, never another's.
+    allowed(patch("h0", "fusumahost h0", {"status": {"heartbeat": "2030-01-01T00:00:00Z"}},
+                  ns=None))
+    addr = lab.get("fusumahost", "h1", None)["status"]["address"]
+    forbidden(patch("h0", "fusumahost h1", {"status": {"address": "10.251.0.99"}}, ns=None),
+              "host h0 may change only the conditions of FusumaHost h1")
+    assert lab.get("fusumahost", "h1", None)["status"]["address"] == addr
+    forbidden(patch("h0", "lease fusuma-host-h1", {"spec": {"holderIdentity": "h0"}},
+                    sub=None, ns="fusuma-system"))
+    forbidden(lab.kubectl("get", "secret", "fusuma-host-h1", "-n", "fusuma-system",
+                          kubeconfig=kc["h0"], check=False))
+
+    # VMs placed on another host (spec.host h1; its agent refuses the partition): h0
+    # cannot write them; on its own, h0 can.
+    c.apply("---\n".join([vm_yaml("onh1", host="h1", partition="p9"),
+                          vm_yaml("onh0", host="h0", partition="p9")]))
+    wait_for(lambda: c.cond(c.vm("onh1"), "Ready").get("reason") == "UnknownPartition", 60,
+             "h1 to refuse p9")
+    forbidden(patch("h0", "fusumavm onh1", {"status": {"state": "Running", "host": "h0"}}),
+              "host h0 may not make this change to the status of FusumaVM default/onh1")
+    forbidden(patch("h0", "fusumavm onh1", {"metadata": {"finalizers": [
+        "fusuma.io/host-cleanup"]}}, sub=None), "onh1 is none of those")
+    forbidden(patch("h1", "fusumavm onh1", {"spec": {"memoryMiB": 4096}}, sub=None),
+              "never its spec")
+    assert c.vm("onh1")["status"].get("host") is None
+    allowed(patch("h0", "fusumavm onh0", {"status": {"message": "h0 writes its own VM"}}))
+
+    # A move from rbx to rby: each writes only its side, nobody else any of it.
+    lab.kubectl("apply", "-f", "-", input=vm_yaml("mv", host="rbx", partition="p0"))
+    allowed(patch("rbx", "fusumavm mv", {"status": {"host": "rbx", "partition": "p0",
+                                                     "state": "Running", "pid": 5}}))
+    lab.kubectl("patch", "fusumavm", "mv", "--type=merge", "-p", '{"spec":{"host":"rby"}}')
+    forbidden(patch("rby", "fusumavm mv", {"status": {"host": "rby"}}),
+              "neither its side of a move nor a placement")
+    record = {"machine": "pc-q35-7.2", "devices": "{}"}
+    allowed(patch("rbx", "fusumavm mv", {"status": {"state": "Moving", "move": {
+        "id": "m1", "kind": "between-hosts", "mode": "copy", "fromHost": "rbx",
+        "toHost": "rby", "from": "rbx/p0", "to": "rby/p0", "phase": "Preparing",
+        "record": record}}}))
+    allowed(patch("rby", "fusumavm mv", {"status": {"move": {
+        "phase": "Prepared", "uri": "tcp:10.251.0.98:4444", "destPid": 7}}}))
+    for body in ({"record": {"devices": '{"devices":[]}'}}, {"toHost": "h2"},
+                 {"bytesSent": 1}):
+        forbidden(patch("rby", "fusumavm mv", {"status": {"move": body}}))
+    forbidden(patch("h2", "fusumavm mv", {"status": {"move": {"uri": "tcp:10.251.0.12:1"}}}))
+    allowed(patch("rby", "fusumavm mv", {"status": {"move": {"decision": "forward",
+                                                             "decidedBy": "rby"}}}))
+    forbidden(patch("rbx", "fusumavm mv", {"status": {"move": {"decision": "back"}}}),
+              "may not change the recorded decision")
+    forbidden(patch("rby", "fusumavm mv", {"status": {"host": "h2", "state": "Running"}}))
+    allowed(patch("rby", "fusumavm mv", {"status": {
+        "move": {"phase": "Switched", "resumeTs": 1.0}, "host": "rby", "pid": 9}}))
+    forbidden(patch("rbx", "fusumavm mv", {"status": {"state": "Stopped"}}))
+    allowed(patch("rbx", "fusumavm mv", {"status": {"move": None,
+                                                     "lastMove": {"id": "m1"}}}))
+    o = c.vm("mv")["status"]
+    assert (o["host"], o["pid"], o["lastMove"]["id"], o.get("move")) == ("rby", 9, "m1", None)
+
+    # The placement controller's part: a VM without a place may be placed (within its
+    # spec.host), one marked Lost, but nothing else of another host's VM changes.
+    admin_status("mv", {"state": "Running"})
+    allowed(patch("h0", "fusumavm mv", {"status": {"state": "Lost", "lostFrom": "rby"}}))
+    forbidden(patch("h0", "fusumavm mv", {"status": {"placement": {"host": "h0",
+                                                                    "partition": "p0"}}}))
+
+    # A host's identity ends with `fusuma cluster leave`: its token stops working.
+    p = lab.fusuma(lab.ctl, ["cluster", "leave", "rbx", "--kubeconfig",
+                             str(lab.admin_kubeconfig)])
+    assert p.returncode == 0 and "ServiceAccount fusuma-host-rbx" in p.stderr, p.stderr
+    # (The API server looks the account up through its own cache: a moment later.)
+    wait_for(lambda: "Unauthorized" in lab.kubectl("get", "fusumavms", kubeconfig=kc["rbx"],
+                                                    check=False).stderr, 15,
+             "rbx's token to be refused")
+    lab.fusuma(lab.ctl, ["cluster", "leave", "rby", "--kubeconfig",
+                         str(lab.admin_kubeconfig)])
+
+
+def test_an_agent_with_another_hosts_identity_refuses_to_start(cluster: Cluster) -> None:
+    lh = cluster.lab.hosts[0]
+    p = cluster.lab.fusuma(lh.netns, ["agent", "--kubeconfig", str(lh.kubeconfig),
+                                      "--host-name", "h1"], env=lh.env, timeout=60)
+    assert p.returncode != 0
+    assert "the kubeconfig is host h0's identity" in p.stderr and "not host h1's" in p.stderr
+
+
+NINE_P = {"driver": "virtio-9p-pci", "props": [["fsdev", "hostroot"], ["mount_tag", "r"]]}
+
+
+def test_a_tampered_device_record_is_refused_and_the_guest_stays(clean: Cluster) -> None:
+    """The source's record of the guest's devices is rewritten through the API server
+    (by the source host's identity, which may write it) to share the destination's /
+    with the guest: the destination refuses it before starting anything, the move goes
+    back, and the guest runs on at its source, untouched."""
+    c, lab = clean, clean.lab
+    c.apply(vm_yaml("tampered", host="h0", partition="p0"))
+    wait_for(lambda: c.running("tampered"), 180, "tampered running on h0")
+    before = guest_md5(c, "h0", "tampered", WRITE)
+    pid = c.vm("tampered")["status"]["pid"]
+    dest = c.lab_host("h1")
+    assert dest.agent is not None
+    # h1's agent is held still while the record is rewritten; its Lease is made long
+    # enough meanwhile that nobody takes it for lost.
+    lab.kubectl("patch", "lease", "fusuma-host-h1", "-n", "fusuma-system", "--type=merge",
+                "-p", '{"spec":{"leaseDurationSeconds":120}}')
+    os.kill(dest.agent.pid, signal.SIGSTOP)
+    try:
+        lab.kubectl("patch", "fusumavm", "tampered", "--type=merge",
+                    "-p", json.dumps({"spec": {"host": "h1"}}))
+        move = wait_for(lambda: (m := c.vm("tampered")["status"].get("move") or {})
+                        .get("phase") == "Preparing" and m, 60, "h0 to begin the move")
+        ds = json.loads(move["record"]["devices"])
+        ds["devices"].append(NINE_P)
+        body = json.dumps({"status": {"move": {"record": {"devices": json.dumps(ds)}}}})
+
+        def rewrite(who: str) -> subprocess.CompletedProcess[str]:
+            return lab.kubectl("patch", "fusumavm", "tampered", "--type=merge",
+                               "--subresource=status", "-p", body, check=False,
+                               kubeconfig=c.lab_host(who).kubeconfig)
+
+        # Neither the destination nor a third host may rewrite it; the source may.
+        forbidden(rewrite("h1"))
+        forbidden(rewrite("h2"))
+        allowed(rewrite("h0"))
+    finally:
+        os.kill(dest.agent.pid, signal.SIGCONT)
+    o = wait_for(lambda: (v := c.vm("tampered"))["status"].get("lastMove")
+                 and not v["status"].get("move") and v, 120, "the refused move")
+    last = o["status"]["lastMove"]
+    assert last["result"] == "failed" and last["decision"] == "back", last
+    assert "the recorded device set is refused: device " in last["message"]
+    assert "'virtio-9p-pci', not a device kind fusuma makes" in last["message"]
+    assert "nothing was started on host h1" in last["message"]
+    assert (o["status"]["host"], o["status"]["pid"]) == ("h0", pid)
+    assert list(c.local_vms("tampered")) == ["h0"]
+    assert c.local_vms("tampered")["h0"]["state"] == "running"
+    assert guest_md5(c, "h0", "tampered") == before
+    lab.kubectl("patch", "fusumavm", "tampered", "--type=merge",
+                "-p", json.dumps({"spec": {"host": "h0"}}))

@@ -66,7 +66,7 @@ def agents_restored(clean: Cluster) -> Iterator[Cluster]:
 
 def host_pem(c: Cluster, host: str) -> bytes:
     """A host's genuine certificate and key, read as the admin reads them."""
-    data = c.lab.get("secret", f"fusuma-move-{host}", "fusuma-system")["data"]
+    data = c.lab.get("secret", f"fusuma-host-{host}", "fusuma-system")["data"]
     return base64.b64decode(data["tls.crt"]) + base64.b64decode(data["tls.key"])
 
 
@@ -192,15 +192,15 @@ def tls_of(c: Cluster, host: str) -> dict[str, Any]:
 
 def test_each_agent_reads_its_own_certificate_only(cluster: Cluster) -> None:
     def can(verb: str, what: str, host: str = "h0") -> str:
+        user = f"system:serviceaccount:fusuma-system:fusuma-host-{host}"
         return cluster.lab.kubectl("auth", "can-i", verb, what, "-n", "fusuma-system",
-                                   "--as", f"fusuma-agent-{host}", "--as-group",
-                                   "fusuma:agents", check=False).stdout.strip()
+                                   "--as", user, check=False).stdout.strip()
 
-    assert can("get", "secret/fusuma-move-h0") == "yes"
-    assert can("get", "secret/fusuma-move-h1") == "no"
+    assert can("get", "secret/fusuma-host-h0") == "yes"
+    assert can("get", "secret/fusuma-host-h1") == "no"
     assert can("get", "secret/fusuma-move-ca") == "no"
     assert can("list", "secrets") == "no"
-    assert can("get", "secret/fusuma-move-h1", "h1") == "yes"
+    assert can("get", "secret/fusuma-host-h1", "h1") == "yes"
     ca = cluster.lab.get("secret", "fusuma-move-ca", "fusuma-system")["data"]
     fp = pki.fingerprint(base64.b64decode(ca["ca.crt"]))
     for h in ("h0", "h1", "h2"):

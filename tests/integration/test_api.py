@@ -348,8 +348,8 @@ def test_bad_input(host: Host, daemons: Callable[..., Api]) -> None:
         # A body that never arrives: 408 after BODY_TIMEOUT_S; half the request headers,
         # then nothing: 408 after HEADER_TIMEOUT_S, then the connection is closed. Both
         # stall at once (the waits overlap); others are served meanwhile.
+        from fusuma.api.guard import CLIENT_TIMEOUT_S as HEADER_TIMEOUT_S
         from fusuma.api.http import BODY_TIMEOUT_S
-        from fusuma.api.server import HEADER_TIMEOUT_S
 
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as slow, \
                 socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as half:

@@ -88,10 +88,21 @@ def test_body_without_content_type_is_json(client: TestClient) -> None:
     assert "no partition named 'nope'" in _error(r, 404)
 
 
-def test_slow_body_is_408(paths: Paths) -> None:
-    """A body that never arrives is answered (408), not waited for forever."""
+def _through_limits(app: Any, receive: Any, timeout: float) -> list[dict[str, Any]]:
+    """What the Limits middleware in front of ``app`` sends, the body coming from
+    ``receive``."""
     sent: list[dict[str, Any]] = []
 
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    scope = {"type": "http", "method": "POST", "path": "/1.0/vms", "headers": []}
+    asyncio.run(Limits(app, timeout=timeout)(scope, receive, send))
+    return sent
+
+
+def test_slow_body_is_408(paths: Paths) -> None:
+    """A body that never arrives is answered (408), not waited for forever."""
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()
         raise AssertionError("the body should not have arrived")
@@ -100,13 +111,27 @@ def test_slow_body_is_408(paths: Paths) -> None:
         await asyncio.sleep(10)
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    async def send(msg: dict[str, Any]) -> None:
-        sent.append(msg)
-
-    scope = {"type": "http", "method": "POST", "path": "/1.0/vms", "headers": []}
-    asyncio.run(Limits(app, timeout=0.1)(scope, receive, send))
+    sent = _through_limits(app, receive, 0.1)
     assert sent[0]["status"] == 408
     assert b"did not arrive" in sent[1]["body"]
+
+
+def test_a_body_sent_a_byte_at_a_time_gets_408_at_the_deadline() -> None:
+    """Each byte comes well inside the timeout; the whole body does not."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        for _ in range(1000):
+            if not (await receive()).get("more_body"):
+                break
+        raise AssertionError("the body should not have been read to its end")
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    t0 = time.monotonic()
+    sent = _through_limits(app, receive, 0.3)
+    assert 0.25 < time.monotonic() - t0 < 1.5
+    assert sent[0]["status"] == 408 and b"did not arrive within 0.3 s" in sent[1]["body"]
 
 
 def test_listen_address_parsing() -> None:
@@ -307,14 +332,6 @@ def test_token_middleware(paths: Paths) -> None:
     assert r.status_code == 404        # past auth: the VM does not exist
     valid.clear()
     assert c.get("/1.0/vms").status_code == 401
-
-
-def test_self_signed_certificate(tmp_path: Path) -> None:
-    cert, key = tmp_path / "api" / "server.crt", tmp_path / "api" / "server.key"
-    assert auth.ensure_certificate(cert, key, hostname="h1")
-    assert key.stat().st_mode & 0o777 == 0o600
-    assert b"BEGIN CERTIFICATE" in cert.read_bytes()
-    assert not auth.ensure_certificate(cert, key)     # kept, not remade
 
 
 # -- the host lock across threads ---------------------------------------------------------

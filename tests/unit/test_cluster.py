@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from fusuma.cluster import ClusterError
-from fusuma.cluster.crds import crds, manifests, render_yaml
+from fusuma.cluster.crds import crds, render_yaml
 from fusuma.cluster.hostmove import RECORD_FAILED, RECORD_PHASE, at, called_off
+from fusuma.cluster.install import manifests
 from fusuma.cluster.kube import VM, KubeConfig
 from fusuma.cluster.owners import Owner, Owners
 from fusuma.cluster.placement import Choice, HostView, choose, load
@@ -69,9 +70,56 @@ def test_a_move_between_hosts_shows_every_phase_by_its_users_name() -> None:
 def test_install_yaml_is_one_document_per_object() -> None:
     docs = [d for d in yaml.safe_load_all(render_yaml(manifests())) if d]
     assert docs == manifests()
-    binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
-    assert {"kind": "Group", "apiGroup": "rbac.authorization.k8s.io",
-            "name": "fusuma:agents"} in binding["subjects"]
+    # No identity that every agent shares: each host joins with its own.
+    assert not [d for d in docs if d["kind"] in ("ClusterRoleBinding", "ServiceAccount")]
+    policy, binding = docs[-2:]
+    assert (policy["kind"], binding["kind"]) == ("ValidatingAdmissionPolicy",
+                                                 "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"],
+                               "validationActions": ["Deny"]}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    # Every refusal is a 403 with a sentence naming the host.
+    for v in policy["spec"]["validations"]:
+        assert v["reason"] == "Forbidden"
+        assert v["messageExpression"].startswith("'host ' + variables.me + ' ' + '")
+
+
+def test_the_policy_knows_who_writes_every_field_of_a_move() -> None:
+    from fusuma.cluster.crds import MOVE
+    from fusuma.cluster.policy import MOVE_DEST, MOVE_EITHER, MOVE_SOURCE
+
+    fields = MOVE_SOURCE + MOVE_DEST + MOVE_EITHER
+    assert sorted(fields) == sorted(MOVE["properties"]) and len(set(fields)) == len(fields)
+
+
+def test_a_host_identity_is_its_own_account_and_roles_by_name() -> None:
+    from fusuma.cluster.identity import check_host_name, host_objects, host_of
+
+    objs = {o["kind"]: o for o in host_objects("h0")}
+    assert set(objs) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
+                         "RoleBinding"}
+    assert {o["metadata"]["name"] for o in objs.values()} == {"fusuma-host-h0"}
+    subjects = [{"kind": "ServiceAccount", "name": "fusuma-host-h0",
+                 "namespace": "fusuma-system"},
+                {"kind": "User", "apiGroup": "rbac.authorization.k8s.io",
+                 "name": "fusuma:host:h0"}]
+    assert objs["ClusterRoleBinding"]["subjects"] == subjects
+    assert objs["RoleBinding"]["subjects"] == subjects
+    named = {(r["resources"][0], tuple(r["resourceNames"]))
+             for r in objs["Role"]["rules"] if "resourceNames" in r}
+    assert named == {("leases", ("fusuma-host-h0", "fusuma-placement")),
+                     ("secrets", ("fusuma-host-h0",))}
+    # Nothing that deletes, and no Secret of anyone else.
+    for rule in objs["ClusterRole"]["rules"] + objs["Role"]["rules"]:
+        assert "delete" not in rule["verbs"] and "*" not in rule["verbs"]
+        assert "secrets" not in rule["resources"] or rule.get("resourceNames")
+    assert host_of("fusuma:host:h0") == "h0"
+    assert host_of("system:serviceaccount:fusuma-system:fusuma-host-h1") == "h1"
+    assert host_of("system:serviceaccount:default:fusuma-host-h1") is None
+    assert host_of("admin") is None
+    for bad in ("H0", "h_0", "-h", "x" * 52, "a/b"):
+        with pytest.raises(ClusterError, match="is not allowed"):
+            check_host_name(bad)
 
 
 def vm(name: str, mem: int = 128, ns: str = "default", **spec: Any) -> VmView:
@@ -152,6 +200,80 @@ def test_kubeconfig_token_and_ca(tmp_path: Path) -> None:
     p.write_text(json.dumps(cfg))
     with pytest.raises(ClusterError, match="no context named 'nope'"):
         KubeConfig.load(p)
+
+
+def test_an_inline_client_key_passes_through_a_private_directory_and_is_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime
+    import os
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from fusuma.cluster import kube
+    from tests.unit.test_cluster_pki import ca_pem
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fusuma:host:h0")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(1).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM,
+                                serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+           "clusters": [{"name": "k", "cluster": {
+               "server": "https://10.0.0.1:6443",
+               "certificate-authority-data": base64.b64encode(ca_pem()).decode()}}],
+           "users": [{"name": "u", "user": {
+               "client-certificate-data": base64.b64encode(
+                   cert.public_bytes(serialization.Encoding.PEM)).decode(),
+               "client-key-data": base64.b64encode(key_pem).decode()}}],
+           "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}
+    p = tmp_path / "kc"
+    p.write_text(json.dumps(cfg))
+    base = tmp_path / "shm"
+    base.mkdir()
+    monkeypatch.setattr(kube, "INLINE_KEY_DIR", base)
+    seen: list[tuple[int, bytes]] = []
+    real = ssl.SSLContext.load_cert_chain
+
+    def spy(self: ssl.SSLContext, certfile: str, keyfile: str) -> None:
+        d = Path(keyfile).parent
+        assert d.parent == base and d.name.startswith("fusuma-kube-")
+        seen.append((os.stat(d).st_mode & 0o777, Path(keyfile).read_bytes()))
+        assert os.stat(keyfile).st_mode & 0o777 == 0o600
+        real(self, certfile, keyfile)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_cert_chain", spy)
+    kc = KubeConfig.load(p)
+    assert seen == [(0o700, key_pem)] and kc.cert is None
+    assert list(base.iterdir()) == [], "the client key was left behind"
+
+
+def test_join_writes_a_private_kubeconfig_of_the_admins_cluster(tmp_path: Path) -> None:
+    import ssl
+
+    from fusuma.cluster import identity
+    from tests.unit.test_cluster_pki import ca_pem
+
+    ca = ca_pem().decode()
+    admin = KubeConfig("https://10.0.0.1:6443", ssl.create_default_context(), "admintok",
+                       ca_pem=ca)
+    out = tmp_path / "h0.kubeconfig"
+    (tmp_path / "elsewhere").write_text("untouched")
+    out.symlink_to(tmp_path / "elsewhere")     # replaced, never written through
+    identity.write_private(out, identity.kubeconfig(admin, "h0", "hosttok",
+                                                    server="https://10.0.0.2:6443"))
+    assert not out.is_symlink() and out.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "elsewhere").read_text() == "untouched"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    kc = KubeConfig.load(out)
+    assert (kc.server, kc.token, kc.ca_pem) == ("https://10.0.0.2:6443", "hosttok", ca)
 
 
 def test_owners_survive_a_new_instance(tmp_path: Path) -> None:

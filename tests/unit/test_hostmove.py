@@ -385,3 +385,29 @@ def test_the_source_refuses_a_channel_count_out_of_bounds(
                                           "channels": channels})
     assert [type(r) for r in here.sent] == [rpc.ResumeSource]
     assert "channels, not 1 to 8" in recorded(a, "lastMove")["message"]
+
+
+def test_a_destination_refuses_a_record_with_devices_fusuma_does_not_make() -> None:
+    # The source's record names a device kind fusuma never makes (a 9p share of the
+    # destination's /): refused before anything is defined or started there.
+    import json
+
+    ds = {"version": 1, "machine": "pc-q35-7.2",
+          "machine_props": [["sata", "off"], ["smbus", "off"], ["vmport", "off"],
+                            ["i8042", "off"]], "cpu": "max", "smp": 1, "memory": "128M",
+          "serial": "con0", "devices": [
+              {"driver": "virtio-9p-pci", "props": [["fsdev", "root"], ["mount_tag", "r"]]}]}
+    move = {**MID_MOVE, "phase": "Preparing",
+            "record": {"machine": "pc-q35-7.2", "devices": json.dumps(ds)}}
+    a, here = world("h1", move, None)
+    a.owners.owned.clear()
+    created: list[Any] = []
+    here.create = created.append  # type: ignore[attr-defined]
+    hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))
+    assert created == [] and "vm0" not in here.db.vms and "vm0" not in a.owners.owned
+    assert not any(isinstance(r, rpc.RemoteIncoming) for r in here.sent)
+    m = recorded(a)
+    assert (m["decision"], m["decidedBy"], m["phase"]) == ("back", "h1", "Failed")
+    assert "the recorded device set is refused: device 0 is 'virtio-9p-pci', not a " \
+        "device kind fusuma makes" in m["message"]
+    assert m["message"].endswith("nothing was started on host h1")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from fusuma.errors import ImageError
+from fusuma.errors import ImageError, ImageMissing, NotFoundError, SpecError
 from fusuma.images import builder, debian, elf, modules
 from fusuma.images.initramfs import Tree
 
@@ -230,11 +230,16 @@ def test_only_the_debian_kind_gets_overlay() -> None:
     assert builder.KINDS["debian-host"].modules == builder.KINDS["minimal"].modules
 
 
-def test_unknown_kind_is_an_image_error(tmp_path: Path) -> None:
-    with pytest.raises(ImageError, match="no guest image kind 'huge'"):
+def test_unknown_kind_is_bad_input_and_an_unbuilt_one_not_found(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="no guest image kind 'huge'"):
         builder.find_image(tmp_path, kind="huge")
-    with pytest.raises(ImageError, match="use one of debian, debian-host, minimal"):
+    with pytest.raises(SpecError, match="use one of debian, debian-host, minimal"):
         builder.build_image(tmp_path, kind="huge")
+    # Not built: an ImageError (the CLI's exit code) that the API answers with 404.
+    with pytest.raises(ImageMissing, match="the minimal guest image is not built") as err:
+        builder.find_image(tmp_path, kind="minimal")
+    assert isinstance(err.value, ImageError) and isinstance(err.value, NotFoundError)
+    assert err.value.exit_code == ImageError.exit_code
 
 
 # -- apt plumbing that needs no network ----------------------------------------------

@@ -13,6 +13,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from fusuma.cluster import ClusterError, ConflictApiError, NotFoundApiError, certs, pki
+from fusuma.cluster.identity import host_objects
 from fusuma.cluster.kube import HOST, VM, Kind
 from fusuma.qemu import tlscreds
 from fusuma.qemu.tlscreds import HostCreds
@@ -162,12 +163,12 @@ def test_the_first_certificates_and_who_may_read_them() -> None:
         creds = kube.secret(h)
         certs.check(creds, h)
         assert creds.ca == auth.current.cert
-        role = kube.get(certs.ROLE, certs.host_secret(h), "fusuma-system")
-        assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"],
-                                  "resourceNames": [f"fusuma-move-{h}"], "verbs": ["get"]}]
-        rb = kube.get(certs.ROLE_BINDING, certs.host_secret(h), "fusuma-system")
-        assert [s["name"] for s in rb["subjects"]] == [f"fusuma-agent-{h}"]
-        assert rb["roleRef"]["name"] == f"fusuma-move-{h}"
+        # The one Secret the host's identity may read (its Role names it).
+        rules = [r for o in host_objects(h) if o["kind"] == "Role" for r in o["rules"]
+                 if r["resources"] == ["secrets"]]
+        assert rules == [{"apiGroups": [""], "resources": ["secrets"],
+                          "resourceNames": [s["metadata"]["name"]],
+                          "verbs": ["get", "watch"]}]
     san = x509.load_pem_x509_certificate(kube.secret("h0").cert).extensions \
         .get_extension_for_class(x509.SubjectAlternativeName).value
     assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.1"]
@@ -200,7 +201,7 @@ def test_a_new_ca_is_trusted_everywhere_before_any_host_uses_it() -> None:
               for kind, name, o in kube.log if kind == "Secret" and name != certs.CA_SECRET]
     # First every host trusts both, with its certificate of the old CA ...
     first = writes[:2]
-    assert [n for n, _ in first] == ["fusuma-move-h0", "fusuma-move-h1"]
+    assert [n for n, _ in first] == ["fusuma-host-h0", "fusuma-host-h1"]
     for _, creds in first:
         assert [pki.fingerprint(c) for c in pki.certs(creds.ca)] == [new_fp, old_fp]
         assert issuer(creds) == old_fp
@@ -237,7 +238,7 @@ def test_a_host_that_does_not_take_up_the_new_ca_stops_the_rotation_safely() -> 
 
 def test_a_damaged_secret_gets_one_sentence() -> None:
     kube = FakeKube([])
-    kube.create(certs.SECRET, {"metadata": {"name": "fusuma-move-h0",
+    kube.create(certs.SECRET, {"metadata": {"name": "fusuma-host-h0",
                                             "namespace": "fusuma-system"},
                                "data": {"tls.crt": "eA=="}}, "fusuma-system")
     with pytest.raises(ClusterError, match="rotate-certs --host h0"):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fusuma.errors import HostError, ResourceError, StateError
-from fusuma.paths import DEFAULT_UID_BASE, UID_RANGE, Paths, ensure_dir
+from fusuma.errors import HostError, StateError
+from fusuma.paths import DEFAULT_UID_BASE, Paths, ensure_dir
 from fusuma.qemu import privilege
 from fusuma.qemu.cmdline import DiskConfig, SegmentConfig, VmConfig, build_argv
 from fusuma.state import VmRecord
@@ -27,25 +27,19 @@ def paths(tmp: Path, uid_base: int = DEFAULT_UID_BASE) -> Paths:
                  cgroup_prefix="t", uid_base=uid_base)
 
 
-def rec(slot: int, name: str = "vm0") -> VmRecord:
-    return VmRecord(name=name, partition="p0", vcpus=1, memory_mib=256, slot=slot)
+def rec(uid: int, name: str = "vm0") -> VmRecord:
+    return VmRecord(name=name, partition="p0", vcpus=1, memory_mib=256, uid=uid)
 
 
 def mode(p: Path) -> int:
     return stat.S_IMODE(p.lstat().st_mode)
 
 
-def test_uid_is_base_plus_slot_and_distinct_per_vm(tmp_path: Path) -> None:
+def test_uid_is_the_one_the_record_holds(tmp_path: Path) -> None:
     p = paths(tmp_path)
-    assert privilege.uid_for(p, rec(1)) == 1_500_000_001
-    assert privilege.uid_for(p, rec(7, "vm1")) == 1_500_000_007
-    assert privilege.uid_for(paths(tmp_path, 200_000), rec(UID_RANGE - 1)) == 265_535
-
-
-def test_slot_outside_the_range_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ResourceError, match="slot 65536, beyond the 65536 uids"):
-        privilege.uid_for(paths(tmp_path), rec(UID_RANGE))
-    with pytest.raises(StateError, match="has no slot"):
+    assert privilege.uid_for(p, rec(DEFAULT_UID_BASE + 1)) == 0x7000_0001
+    assert privilege.uid_for(p, rec(1_500_000_007, "vm1")) == 1_500_000_007   # legacy
+    with pytest.raises(StateError, match="has no uid yet"):
         privilege.uid_for(paths(tmp_path), rec(0))
 
 

@@ -10,6 +10,18 @@ import pytest
 from fusuma.errors import ConflictError, NotFoundError
 from fusuma.state import Database, DiskRecord, PartitionRecord, VmRecord, VmState
 
+# The partitions and vms tables as the first fusuma wrote them (a state file from then).
+FIRST_TABLES = """
+    CREATE TABLE partitions (name TEXT PRIMARY KEY, cpus TEXT NOT NULL,
+        memory_mib INTEGER NOT NULL, io_weight INTEGER, qemu TEXT,
+        supervisor_pid INTEGER, created_at REAL NOT NULL);
+    CREATE TABLE vms (name TEXT PRIMARY KEY, partition TEXT NOT NULL, vcpus INTEGER
+        NOT NULL, memory_mib INTEGER NOT NULL, image TEXT NOT NULL, disks TEXT NOT NULL,
+        accel TEXT NOT NULL, autostart INTEGER NOT NULL, state TEXT NOT NULL,
+        pid INTEGER, accel_used TEXT, qemu_binary TEXT, started_at REAL, error TEXT,
+        created_at REAL NOT NULL);
+"""
+
 
 def test_roundtrip_and_conflicts(tmp_path: Path) -> None:
     db = Database(tmp_path / "state.db")
@@ -46,15 +58,7 @@ def test_older_state_file_gets_new_columns(tmp_path: Path) -> None:
 
     path = tmp_path / "state.db"
     old = sqlite3.connect(path)
-    old.executescript("""
-        CREATE TABLE partitions (name TEXT PRIMARY KEY, cpus TEXT NOT NULL,
-            memory_mib INTEGER NOT NULL, io_weight INTEGER, qemu TEXT,
-            supervisor_pid INTEGER, created_at REAL NOT NULL);
-        CREATE TABLE vms (name TEXT PRIMARY KEY, partition TEXT NOT NULL, vcpus INTEGER
-            NOT NULL, memory_mib INTEGER NOT NULL, image TEXT NOT NULL, disks TEXT NOT NULL,
-            accel TEXT NOT NULL, autostart INTEGER NOT NULL, state TEXT NOT NULL,
-            pid INTEGER, accel_used TEXT, qemu_binary TEXT, started_at REAL, error TEXT,
-            created_at REAL NOT NULL);
+    old.executescript(FIRST_TABLES + """
         CREATE TABLE disks (name TEXT PRIMARY KEY, path TEXT NOT NULL UNIQUE,
             partition TEXT NOT NULL REFERENCES partitions(name),
             created_file INTEGER NOT NULL DEFAULT 0);

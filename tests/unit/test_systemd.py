@@ -76,7 +76,8 @@ def test_unit_files_delegate_and_keep_vms_on_restart(tmp_path: Path) -> None:
                                                 "fusuma-supervisor@.service", "fusuma.slice"]
     sup = (tmp_path / "etc" / "fusuma-supervisor@.service").read_text()
     for line in ("Delegate=yes", "KillMode=process", "Slice=fusuma.slice",
-                 'ExecStart="/opt/fusuma/venv/bin/python3" -m fusuma.supervisor %i'):
+                 'ExecStart="/opt/fusuma/venv/bin/python3" -P -m fusuma.supervisor %i',
+                 "WorkingDirectory=/"):
         assert line in sup.splitlines(), line
     ram = (tmp_path / "etc" / "fusuma-ram@.service").read_text()
     # Unit-file escapes: $$ is the shell's $, $$$$ its $$ (the keeper's pid).
@@ -93,7 +94,7 @@ def test_supervisor_dropin_and_limits(tmp_path: Path) -> None:
     text = u.dropin_path(u.supervisor("p0")).read_text().splitlines()
     assert "Slice=fusuma-test-ab12.slice" in text
     assert text.index("ExecStart=") + 1 == text.index(
-        'ExecStart="/opt/fusuma/venv/bin/python3" -m fusuma.supervisor "p0"')
+        'ExecStart="/opt/fusuma/venv/bin/python3" -P -m fusuma.supervisor "p0"')
     assert 'Environment="FUSUMA_HOME=/var/lib/a b"' in text
     assert 'Environment="X=50%% \\"q\\""' in text
     assert "StandardOutput=append:/var/log/sup.log" in text

@@ -19,7 +19,7 @@ from fusuma.memshare import templates
 from fusuma.memshare.report import vm_memory
 from fusuma.memshare.smaps import parse_smaps, template_usage
 from fusuma.memshare.templates import refuse
-from fusuma.paths import UID_RANGE, Paths
+from fusuma.paths import Paths
 from fusuma.qemu.cmdline import (
     TEMPLATE_STATE_FDSET,
     DeviceSet,
@@ -82,10 +82,10 @@ def make_template(paths: Paths, name: str = "t", *, ports: bool = True,
 
 # -- state DB ------------------------------------------------------------------------------
 def test_templates_table_round_trips_and_names_are_unique(paths: Paths, db: Database) -> None:
-    t = db.add_template(make_template(paths))
-    assert t.slot >= 1
+    t = db.add_template(make_template(paths), paths.template_gids)
+    assert t.gid in paths.template_gids
     got = db.template("t")
-    assert got == replace(t, created_at=got.created_at) and got.slot == t.slot
+    assert got == replace(t, created_at=got.created_at) and got.gid == t.gid
     assert [x.name for x in db.templates()] == ["t"]
     with pytest.raises(ConflictError, match="already exists"):
         db.add_template(make_template(paths))
@@ -112,14 +112,14 @@ def test_a_template_in_use_cannot_be_deleted_even_by_a_stopped_clone(
 
 def test_each_template_has_a_group_of_its_own_apart_from_vm_uids(paths: Paths,
                                                                  db: Database) -> None:
-    a = db.add_template(make_template(paths, "a"))
-    b = db.add_template(make_template(paths, "b"))
+    a = db.add_template(make_template(paths, "a"), paths.template_gids)
+    b = db.add_template(make_template(paths, "b"), paths.template_gids)
     ga, gb = templates.template_gid(paths, a), templates.template_gid(paths, b)
     assert ga != gb
     for g in (ga, gb):
-        assert paths.uid_base + UID_RANGE // 2 < g <= paths.uid_base + UID_RANGE - 1
+        assert g in paths.template_gids and g not in paths.vm_uids
     with pytest.raises(StateError):
-        templates.template_gid(paths, replace(a, slot=0))
+        templates.template_gid(paths, replace(a, gid=0))
 
 
 # -- QEMU versions ---------------------------------------------------------------------------

@@ -10,17 +10,18 @@ Accepted`` with an operation (``Location: /1.0/operations/ID``); the operation's
 Errors are ``{"type": "error", "error": SENTENCE, "error_code": N}``: the CLI's
 sentence; 400 for bad input (the field named), 404 for unknown names or paths, 409 for
 a conflict (a busy object, a wrong state, no room), 413 for a body over 1 MiB, 408 for
-a body that does not arrive.
+a body that does not arrive; 503 and 429 for a connection over a listener's or an
+address's limit (``guard``).
 
 The routes by topic: ``partitions`` (and disks), ``vms``, ``memshare`` (segments,
 templates, the share report), ``ui`` (the dashboard); here the host, ``ps``, the
 governor, images, operations, events and metrics. ``daemon`` holds what they share,
-``http`` the error bodies and the request limits.
+``http`` the error bodies and the request limits, ``guard`` each listener's connection
+limits and deadlines.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import platform
@@ -35,11 +36,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from fusuma import __version__
-from fusuma.api import memshare, partitions, ui, vms
+from fusuma.api import memshare, networks, partitions, ui, vms
 from fusuma.api import models as m
 from fusuma.api.daemon import Daemon
 from fusuma.api.events import TYPES
-from fusuma.api.http import BodyError, Limits, error_response, valid_name, validation_sentence
+from fusuma.api.http import (
+    BODY_TIMEOUT_S,
+    BodyError,
+    Limits,
+    NameQuery,
+    error_response,
+    unless_gone,
+    valid_name,
+    validation_sentence,
+)
 from fusuma.api.operations import Operation, http_code
 from fusuma.api.roles import ADMIN, METRICS, OPERATOR, VIEWER, RoleRoute, check_roles, identity_of
 from fusuma.errors import FusumaError, SpecError
@@ -50,6 +60,9 @@ from fusuma.views.images import image_json, images_data
 
 LOG = logging.getLogger(__name__)
 
+# The longest a GET /1.0/operations/ID/wait waits (its timeout=-1 too).
+WAIT_MAX_S = 600.0
+
 API_EXTENSIONS = ["operations", "events_sse", "metrics_prometheus", "vm_move",
                   "partition_maintain", "vm_exec", "segments", "governor_status",
                   "tokens"]
@@ -59,7 +72,7 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     d = daemon or Daemon(paths)
     # The OpenAPI document is served by a route of our own, which declares its role.
     app = FastAPI(title="fusuma", version=__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None,
+                  openapi_url=None, responses=m.ERRORS,
                   description="The host API of fusuma: partitions, VMs, zero-copy moves, "
                               "shared segments, the CPU governor. Long work returns 202 "
                               "with an operation; `GET /1.0/events` streams what happens "
@@ -86,8 +99,12 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
         if exc.status_code == 404:
             return error_response(404, f"no such API path: {request.url.path} (see /docs).")
         if exc.status_code == 405:
-            return error_response(405, f"{request.method} is not allowed on "
+            resp = error_response(405, f"{request.method} is not allowed on "
                                        f"{request.url.path} (see /docs).")
+            # RFC 9110: every method of the resource, not only those of the one route
+            # Starlette matched (GET and POST of a path are two routes).
+            resp.headers["Allow"] = ", ".join(allowed_methods(app, request.scope["path"]))
+            return resp
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
@@ -96,7 +113,8 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
         return error_response(500, f"internal error: {exc!r}; see the daemon's log.")
 
     # -- host -------------------------------------------------------------------------
-    @app.get("/1.0", dependencies=[VIEWER], summary="The host and the API")
+    @app.get("/1.0", dependencies=[VIEWER], response_model=m.HostInfo,
+             summary="The host and the API")
     def host_info(request: Request) -> dict[str, Any]:
         c = d.ctx()
         who = identity_of(request)
@@ -120,7 +138,8 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
                 "counts": {"partitions": len(c.db.partitions()), "vms": len(c.db.vms()),
                            "operations_running": sum(
                                1 for o in d.ops.all() if not o.done.is_set()),
-                           "event_subscribers": d.hub.subscribers}}
+                           "event_subscribers": d.hub.subscribers},
+                "connections": {k: g.as_json() for k, g in d.gates.items()}}
 
     @app.get("/1.0/ps", dependencies=[VIEWER],
              response_model=m.PsInfo, summary="What `fusuma ps --json` shows")
@@ -130,20 +149,21 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     app.include_router(partitions.router(d))
     app.include_router(vms.router(d))
     app.include_router(memshare.router(d))
+    app.include_router(networks.router(d))
 
     @app.get("/1.0/governor", dependencies=[VIEWER],
              summary="What `fusuma governor status --json` shows")
-    def governor(partition: str | None = None,
+    def governor(partition: NameQuery = None,
                  limit: int = Query(20, ge=0, le=256)) -> dict[str, Any]:
-        return status_data(d.ctx(), valid_name("partition", partition) if partition else None,
-                           limit)
+        name = None if partition is None else valid_name("partition", partition)
+        return status_data(d.ctx(), name, limit)
 
     @app.get("/1.0/images", dependencies=[VIEWER], summary="Guest images in the cache")
     def list_images() -> list[dict[str, Any]]:
         return images_data(d.ctx())
 
     @app.post("/1.0/images", dependencies=[ADMIN],
-              status_code=202, summary="Build a guest image (operation)")
+              status_code=202, responses=m.ACCEPTED, summary="Build a guest image (operation)")
     def build_image(body: m.ImageBuild) -> JSONResponse:
         def work(op: Operation) -> Any:
             from fusuma.images import build_image
@@ -164,14 +184,22 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     def get_operation(op_id: str) -> dict[str, Any]:
         return d.ops.get(op_id).as_json()
 
-    @app.get("/1.0/operations/{op_id}/wait", dependencies=[VIEWER], response_model=m.OperationInfo,
-             summary="Wait for an operation to end (at most ?timeout= seconds)")
-    async def wait_operation(op_id: str,
+    @app.get("/1.0/operations/{op_id}/wait", dependencies=[VIEWER],
+             response_model=m.OperationWait,
+             summary="Wait for an operation to end (at most ?timeout= seconds)",
+             description=f"The operation once it has ended, or when `timeout` seconds "
+                         f"have passed. The server waits at most {WAIT_MAX_S:g} s: "
+                         f"`timeout=-1` (the default, Incus' \"forever\") and any "
+                         f"longer timeout wait that long. The reply is the operation "
+                         f"either way, with `timed_out: true` when it had not ended yet "
+                         f"(ask again). A waiter holds no thread of the daemon, only "
+                         f"its connection; it ends when its client goes away.")
+    async def wait_operation(request: Request, op_id: str,
                              timeout: float = Query(-1, ge=-1, le=86400)) -> dict[str, Any]:
         op = d.ops.get(op_id)
-        limit = None if timeout < 0 else timeout
-        await asyncio.to_thread(op.done.wait, limit)
-        return op.as_json()
+        limit = WAIT_MAX_S if timeout < 0 else min(timeout, WAIT_MAX_S)
+        ended = await unless_gone(request, d.ops.wait(op, limit))
+        return {**op.as_json(), "timed_out": not ended}
 
     @app.delete("/1.0/operations/{op_id}", dependencies=[OPERATOR], response_model=m.OperationInfo,
                 summary="Cancel an operation where it can stop safely")
@@ -195,7 +223,7 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     # -- events and metrics -----------------------------------------------------------
     @app.get("/1.0/events", dependencies=[VIEWER],
              summary="Server-sent events: lifecycle, operation, governor",
-             response_class=StreamingResponse)
+             response_class=EventStream, responses=m.ERRORS_AS_JSON)
     async def events(request: Request, type: str | None = None,
                      since: int | None = Query(None, ge=0)) -> StreamingResponse:
         wanted = frozenset(TYPES) if not type else frozenset(type.split(","))
@@ -211,7 +239,8 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
                                           "X-Accel-Buffering": "no"})
 
     @app.get("/metrics", dependencies=[METRICS],
-             summary="Prometheus metrics", response_class=Response)
+             summary="Prometheus metrics", response_class=PrometheusText,
+             responses=m.ERRORS_AS_JSON)
     def metrics() -> Response:
         from fusuma.api.metrics import render
 
@@ -222,7 +251,31 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
     return app
 
 
-def wrap(app: FastAPI) -> ASGIApp:
+class EventStream(StreamingResponse):
+    """What ``GET /1.0/events`` answers, as the OpenAPI document names it."""
+
+    media_type = "text/event-stream"
+
+
+class PrometheusText(Response):
+    """What ``GET /metrics`` answers: Prometheus' text format."""
+
+    media_type = "text/plain"
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """The methods of every route of ``app`` whose path matches ``path``."""
+    from fastapi.routing import iter_route_contexts
+    from starlette.routing import compile_path
+
+    out: set[str] = set()
+    for ctx in iter_route_contexts(app.routes):
+        if ctx.path and ctx.methods and compile_path(ctx.path)[0].match(path):
+            out |= ctx.methods
+    return sorted(out)
+
+
+def wrap(app: FastAPI, body_timeout: float = BODY_TIMEOUT_S) -> ASGIApp:
     """The app with the request limits in front (what the servers run)."""
-    return Limits(app)
+    return Limits(app, timeout=body_timeout)
 

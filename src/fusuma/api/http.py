@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import Annotated, TypeVar
 
+from fastapi import Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fusuma.api.operations import Operation
-from fusuma.names import check_name
+from fusuma.names import NAME_HINT, NAME_PATTERN, check_name
 
 MAX_BODY = 1 << 20          # bytes
-BODY_TIMEOUT_S = 10.0       # a request body must arrive within this
+BODY_TIMEOUT_S = 10.0       # a request body must arrive within this (serve --client-timeout)
+
+T = TypeVar("T")
 
 
 def error_response(code: int, sentence: str) -> JSONResponse:
@@ -27,10 +32,35 @@ def accepted(op: Operation) -> JSONResponse:
                         headers={"Location": f"/1.0/operations/{op.id}"})
 
 
+# An object's name in a path: what the OpenAPI document says of it (valid_name checks
+# it, with the API's own sentence).
+NamePath = Annotated[str, Path(description=f"A name: {NAME_HINT}.",
+                               json_schema_extra={"pattern": NAME_PATTERN})]
+NameQuery = Annotated[str | None, Query(description=f"A name: {NAME_HINT}.",
+                                        json_schema_extra={"pattern": NAME_PATTERN})]
+
+
 def valid_name(kind: str, value: str) -> str:
     """``value`` if it is a valid name of a ``kind`` (else a 400 sentence)."""
     check_name(kind, value)
     return value
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None once the client has gone away (a long wait ends with
+    its client: nothing is left running for nobody)."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    return None if task.cancelled() else task.result()
 
 
 def validation_sentence(exc: RequestValidationError) -> str:
@@ -84,6 +114,9 @@ class Limits:
         seen = 0
         started = False
         body_done = False
+        # All of the body by then, not each piece within the timeout: a body sent a
+        # byte at a time would otherwise hold its connection for ever.
+        deadline = asyncio.get_running_loop().time() + self.timeout
 
         async def limited_receive() -> Message:
             nonlocal seen, body_done
@@ -93,7 +126,8 @@ class Limits:
                 # no deadline, or every /1.0/events stream would be cut after timeout.
                 return await receive()
             try:
-                msg = await asyncio.wait_for(receive(), self.timeout)
+                left = deadline - asyncio.get_running_loop().time()
+                msg = await asyncio.wait_for(receive(), max(left, 0.0))
             except TimeoutError:
                 raise BodyError(408, f"the request body did not arrive within "
                                  f"{self.timeout:g} s.") from None

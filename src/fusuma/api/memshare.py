@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from fusuma.api import models as m
 from fusuma.api.daemon import Daemon
-from fusuma.api.http import valid_name
+from fusuma.api.http import NamePath, NameQuery, valid_name
 from fusuma.api.operations import Operation
 from fusuma.api.roles import ADMIN, OPERATOR, VIEWER, RoleRoute, require
 from fusuma.errors import SpecError
@@ -31,12 +31,12 @@ def router(d: Daemon) -> APIRouter:
         return segments_data(d.ctx())
 
     @r.get("/1.0/segments/{name}", dependencies=[VIEWER], response_model=m.SegmentInfo)
-    def get_segment(name: str) -> dict[str, Any]:
+    def get_segment(name: NamePath) -> dict[str, Any]:
         c = d.ctx()
         c.db.segment(valid_name("segment", name))
         return next(s for s in segments_data(c) if s["name"] == name)
 
-    @r.post("/1.0/segments", dependencies=[ADMIN], status_code=202,
+    @r.post("/1.0/segments", dependencies=[ADMIN], status_code=202, responses=m.ACCEPTED,
             summary="Build a segment from a directory or an image's root (operation)")
     def create_segment(body: m.SegmentCreate) -> JSONResponse:
         c = d.ctx()
@@ -48,6 +48,10 @@ def router(d: Daemon) -> APIRouter:
             from fusuma.errors import ConflictError
 
             raise ConflictError(f"a segment named {body.name!r} already exists.")
+        if body.from_image is not None:       # refused now, not in a failed operation
+            from fusuma.images import find_image
+
+            find_image(c.paths.cache, kind=body.from_image)
 
         def work(op: Operation) -> Any:
             c = d.ctx()
@@ -57,8 +61,8 @@ def router(d: Daemon) -> APIRouter:
         return d.submit("segment-create", f"create segment {body.name}",
                         {"segments": [f"/1.0/segments/{body.name}"]}, work)
 
-    @r.delete("/1.0/segments/{name}", dependencies=[ADMIN])
-    def delete_segment(name: str) -> dict[str, Any]:
+    @r.delete("/1.0/segments/{name}", dependencies=[ADMIN], response_model=m.Deleted)
+    def delete_segment(name: NamePath) -> dict[str, Any]:
         segment_manager(d.ctx()).delete(valid_name("segment", name))
         return {"deleted": f"/1.0/segments/{name}"}
 
@@ -71,19 +75,15 @@ def router(d: Daemon) -> APIRouter:
 
     @r.get("/1.0/templates/{name}", dependencies=[VIEWER],
            summary="What `fusuma template show --json` shows")
-    def get_template(name: str) -> dict[str, Any]:
+    def get_template(name: NamePath) -> dict[str, Any]:
         mgr = template_manager(d.ctx())
         return dict(mgr.as_json(d.ctx().db.template(valid_name("template", name))))
 
-    @r.post("/1.0/templates", dependencies=[OPERATOR], status_code=202,
+    @r.post("/1.0/templates", dependencies=[OPERATOR], status_code=202, responses=m.ACCEPTED,
             summary="Stop a running VM into a template (operation)")
     def create_template(body: m.TemplateCreate) -> JSONResponse:
-        c = d.ctx()
-        c.db.vm(body.from_vm)                   # 404 now, not a failed operation later
-        if c.db.find_template(body.name) is not None:
-            from fusuma.errors import ConflictError
-
-            raise ConflictError(f"a template named {body.name!r} already exists.")
+        # Refused now (404, 409), not in a failed operation later.
+        template_manager(d.ctx()).check(body.name, body.from_vm)
 
         def work(op: Operation) -> Any:
             mgr = template_manager(d.ctx())
@@ -92,8 +92,8 @@ def router(d: Daemon) -> APIRouter:
                         {"templates": [f"/1.0/templates/{body.name}"],
                          "vms": [f"/1.0/vms/{body.from_vm}"]}, work)
 
-    @r.delete("/1.0/templates/{name}", dependencies=[OPERATOR])
-    def delete_template(name: str) -> dict[str, Any]:
+    @r.delete("/1.0/templates/{name}", dependencies=[OPERATOR], response_model=m.Deleted)
+    def delete_template(name: NamePath) -> dict[str, Any]:
         template_manager(d.ctx()).delete(valid_name("template", name))
         return {"deleted": f"/1.0/templates/{name}"}
 
@@ -104,10 +104,10 @@ def router(d: Daemon) -> APIRouter:
 
     @r.get("/1.0/share/analyze", dependencies=[VIEWER],
            summary="What `fusuma share analyze --json` shows, for ?vm= or ?pid=")
-    def share_analyze(request: Request, vm: str | None = None,
+    def share_analyze(request: Request, vm: NameQuery = None,
                       pid: int | None = None) -> dict[str, Any]:
         if pid is not None:      # any process of the host, not one of fusuma's VMs
             require(request, Role.ADMIN, "analyzing a host process by pid (not ?vm=)")
-        return analyze_data(d.ctx(), pid, valid_name("VM", vm) if vm else None)
+        return analyze_data(d.ctx(), pid, valid_name("VM", vm) if vm is not None else None)
 
     return r

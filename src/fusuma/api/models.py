@@ -12,17 +12,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fusuma.spec import DiskSpec, PartitionSpec, VmSpec, _name_field
+from fusuma.spec import DiskSpec, Name, NetworkSpec, PartitionSpec, VmSpec, _name_field
+
+# A request's JSON is taken as typed: no 0 for false, no "1" for 1 (pydantic's strict
+# mode), so what the document calls invalid is refused (a 400 naming the field).
+STRICT = ConfigDict(strict=True)
 
 
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # -- requests -------------------------------------------------------------------------
 class VmCreate(VmSpec):
     """A VM definition (the keys of a spec's ``[[vm]]``), and whether to start it."""
 
+    model_config = STRICT
     start: bool = False
 
 
@@ -30,15 +35,24 @@ class PartitionCreate(PartitionSpec):
     """A partition (the keys of a spec's ``[[partition]]``); its ``qemu`` is a version
     `fusuma qemu list` shows (a binary's path only from root's CLI or spec file)."""
 
+    model_config = STRICT
     qemu: str | None = Field(None, description="Its QEMU: an installed version such as "
                              "\"10.0\" (`fusuma qemu list`); none: the system's. A "
                              "binary's path is refused here.")
+
+
+class NetworkCreate(NetworkSpec):
+    """A network (the keys of a spec's ``[[network]]``)."""
+
+    model_config = STRICT
 
 
 class DiskCreate(DiskSpec):
     """A disk (the keys of a spec's ``[[disk]]``): a regular file inside a storage
     directory that root declared (`fusuma storage list`), never a symlink or a
     device."""
+
+    model_config = STRICT
 
 
 class PartitionPatch(_Req):
@@ -56,7 +70,7 @@ class VmPatch(_Req):
 
 
 class DiskPatch(_Req):
-    partition: str
+    partition: Name
 
     _check = field_validator("partition")(_name_field)
 
@@ -68,7 +82,7 @@ class VmStateChange(_Req):
 
 
 class VmMove(_Req):
-    partition: str
+    partition: Name
     mode: Literal["zero-copy", "copy"] = "zero-copy"
 
     _check = field_validator("partition")(_name_field)
@@ -83,7 +97,7 @@ class VmExec(_Req):
 class Maintain(_Req):
     """Either ``via`` (move the VMs out and back) or ``in_place`` (cpr-transfer)."""
 
-    via: str | None = None
+    via: Name | None = None
     in_place: bool = False
     qemu: str | None = Field(None, description="The QEMU to come back on: an installed "
                              "version (`fusuma qemu list`), never a binary's path.")
@@ -103,7 +117,7 @@ class Maintain(_Req):
 
 
 class SegmentCreate(_Req):
-    name: str
+    name: Name
     from_dir: str | None = Field(None, description="Refused here: a segment from a host "
                                  "directory is built only by root's CLI.")
     from_image: str | None = None
@@ -114,8 +128,8 @@ class SegmentCreate(_Req):
 class TemplateCreate(_Req):
     """Stop running VM ``from_vm`` into template ``name`` (`fusuma template create`)."""
 
-    name: str
-    from_vm: str
+    name: Name
+    from_vm: Name
 
     _check = field_validator("name", "from_vm")(_name_field)
 
@@ -166,6 +180,23 @@ class VmInfo(_Resp):
     # Guest RAM on the host: {"page_reporting", "resident_mib", "returned_mib"}
     ram: dict[str, Any] | None = None
     template: str | None = None     # the template a clone was started from
+
+
+class NetworkInfo(_Resp):
+    """A network as `fusuma network list --json` shows it."""
+
+    name: str
+    type: str
+    bridge: str
+    subnet: str | None
+    gateway: str | None
+    nat: bool
+    isolated: bool
+    filtering: bool
+    state: str                        # up | no-dhcp | down
+    keeper_pid: int | None
+    dnsmasq_pid: int | None
+    vms: list[str]
 
 
 class PartitionInfo(_Resp):
@@ -225,7 +256,75 @@ class OperationInfo(_Resp):
     error_code: int | None
 
 
+class OperationWait(OperationInfo):
+    timed_out: bool = Field(description="true when the operation had not ended when the "
+                            "wait's limit passed (wait again); false once it has ended.")
+
+
+class VmStateInfo(_Resp):
+    """A VM's state, pid, partition, job and error (``GET /1.0/vms/V/state``)."""
+
+    state: str
+    pid: int | None
+    partition: str
+    job: JobInfo | None
+    error: str | None
+
+
+class Deleted(_Resp):
+    """What a delete answers: the path of what is gone."""
+
+    deleted: str
+
+
+class ListenerInfo(_Resp):
+    """One listener's connections (``fusuma.api.guard``): open now, its limits (the
+    per-client one on TCP only) and how many it refused, by status."""
+
+    open: int
+    max: int
+    max_per_client: int | None
+    refused: dict[str, int]
+
+
+class HostInfo(_Resp):
+    """``GET /1.0``: the API, who is asking, and the host."""
+
+    api_version: str
+    api_extensions: list[str]
+    api_status: str
+    auth: str
+    auth_user_name: str | None
+    auth_role: str | None
+    environment: dict[str, Any]
+    counts: dict[str, int]
+    connections: dict[str, ListenerInfo]
+
+
 class ErrorInfo(_Resp):
     type: Literal["error"] = "error"
     error: str
     error_code: int
+
+
+# -- what the OpenAPI document says of responses every route shares --------------------
+# Every error is an ErrorInfo (FastAPI's own 422 never happens: a request that does not
+# validate is a 400 with the field named), and a 202 carries the operation.
+ERRORS: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorInfo, "description": "The request is refused: bad input (400), "
+            "no identity (401), a role below the route's (403), an unknown name (404), "
+            "a conflict (409), a body too large (413) or too slow (408)."},
+    "5XX": {"model": ErrorInfo, "description": "The host could not do it: a supervisor "
+            "that does not answer (503), a host failure (500)."},
+}
+# The same for a route whose own answer is not JSON (/metrics, the event stream): its
+# errors are still JSON, which FastAPI would otherwise list under the route's media type.
+ERRORS_AS_JSON: dict[int | str, dict[str, Any]] = {
+    code: {"description": entry["description"],
+           "content": {"application/json": {"schema": {
+               "$ref": "#/components/schemas/ErrorInfo"}}}}
+    for code, entry in ERRORS.items()}
+ACCEPTED: dict[int | str, dict[str, Any]] = {
+    202: {"model": OperationInfo, "description": "Accepted: the operation doing the work "
+          "(also at the Location header, /1.0/operations/ID)."},
+}

@@ -10,6 +10,10 @@ lock, jobs and state file, so the CLI and the API can be mixed. Operations live 
 daemon's memory (the last ``KEEP`` finished ones are kept); what they did is in the
 state file and in the event log, which outlive the daemon.
 
+Waiting (``GET /1.0/operations/ID/wait``) holds no thread: a waiter is an asyncio
+future that the thread ending the operation completes (:meth:`Operations.wait`), so
+any number of waiters cost the daemon only their connections.
+
 Cancelling: a Pending operation is dropped before it starts; a running one only where
 its work has a safe point to stop at (a move, before its stream starts: the VM stays
 where it was). Elsewhere ``DELETE`` answers 409 with the reason.
@@ -23,7 +27,9 @@ operation, for whoever started it.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -102,6 +108,8 @@ class Operation:
     cancel_requested: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     future: Future[None] | None = None
+    # Called once, from the thread that ends the operation (Operations.watch).
+    watchers: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
     def status(self) -> str:
@@ -213,7 +221,51 @@ class Operations:
             op.updated_at = time.time()
         self._emit(op, "operation-updated")
         if code in (SUCCESS, FAILURE, CANCELLED):
+            self._end(op)
+
+    def _end(self, op: Operation) -> None:
+        """Mark ``op`` done and call its watchers (each once)."""
+        with self._lock:
             op.done.set()
+            watchers, op.watchers = op.watchers, []
+        for fn in watchers:
+            try:
+                fn()
+            except Exception:  # a waiter's loop gone: the operation is not its waiter's
+                LOG.exception("a watcher of operation %s failed", op.id)
+
+    def watch(self, op: Operation, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn`` once ``op`` has ended (now, if it has; else from the thread
+        that ends it). Returns a function that forgets ``fn``."""
+        with self._lock:
+            ended = op.done.is_set()
+            if not ended:
+                op.watchers.append(fn)
+        if ended:
+            fn()
+
+        def forget() -> None:
+            with self._lock, contextlib.suppress(ValueError):
+                op.watchers.remove(fn)
+        return forget
+
+    async def wait(self, op: Operation, timeout: float) -> bool:
+        """Whether ``op`` ended within ``timeout`` seconds. Holds no thread: the thread
+        that ends the operation wakes this coroutine on its loop."""
+        loop = asyncio.get_running_loop()
+        ended = asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):      # the loop has closed
+                loop.call_soon_threadsafe(ended.set)
+        forget = self.watch(op, wake)
+        try:
+            await asyncio.wait_for(ended.wait(), timeout)
+            return True
+        except TimeoutError:
+            return op.done.is_set()
+        finally:
+            forget()
 
     def set_progress(self, op: Operation, text: str) -> None:
         with self._lock:
@@ -252,11 +304,11 @@ class Operations:
                 op.err = "cancelled before it started"
                 op.error_code = 499
                 op.updated_at = time.time()
-                op.done.set()
                 pending = True
             else:
                 pending = False
         if pending:
+            self._end(op)
             self._emit(op, "operation-updated")
             return op
         if op.done.is_set():

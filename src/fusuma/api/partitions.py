@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from fusuma.api import models as m
 from fusuma.api.daemon import Daemon, not_busy
-from fusuma.api.http import valid_name
+from fusuma.api.http import NamePath, valid_name
 from fusuma.api.operations import Operation
 from fusuma.api.roles import ADMIN, OPERATOR, VIEWER, RoleRoute, require
 from fusuma.errors import SpecError, StateError
@@ -30,13 +30,13 @@ def router(d: Daemon) -> APIRouter:
         return partitions_data(d.ctx())
 
     @r.get("/1.0/partitions/{name}", dependencies=[VIEWER], response_model=m.PartitionInfo)
-    def get_partition(name: str) -> dict[str, Any]:
+    def get_partition(name: NamePath) -> dict[str, Any]:
         c = d.ctx()
         c.db.partition(valid_name("partition", name))
         return next(p for p in partitions_data(c) if p["name"] == name)
 
     @r.post("/1.0/partitions", dependencies=[ADMIN],
-            status_code=202, summary="Create a partition (operation)")
+            status_code=202, responses=m.ACCEPTED, summary="Create a partition (operation)")
     def create_partition(spec: m.PartitionCreate) -> JSONResponse:
         c = d.ctx()
         if c.db.find_partition(spec.name) is not None:
@@ -60,9 +60,9 @@ def router(d: Daemon) -> APIRouter:
     def _get_partition(c: Ctx, name: str) -> dict[str, Any]:
         return next(p for p in partitions_data(c) if p["name"] == name)
 
-    @r.patch("/1.0/partitions/{name}", dependencies=[ADMIN], status_code=202,
+    @r.patch("/1.0/partitions/{name}", dependencies=[ADMIN], status_code=202, responses=m.ACCEPTED,
              summary="Resize a partition: cores and/or memory (operation)")
-    def resize_partition(name: str, body: m.PartitionPatch) -> JSONResponse:
+    def resize_partition(name: NamePath, body: m.PartitionPatch) -> JSONResponse:
         c = d.ctx()
         c.db.partition(valid_name("partition", name))
         if body.cpus is None and body.memory_mib is None:
@@ -80,8 +80,9 @@ def router(d: Daemon) -> APIRouter:
                         {"partitions": [f"/1.0/partitions/{name}"]}, work)
 
     @r.post("/1.0/partitions/{name}/restart", dependencies=[OPERATOR], status_code=202,
+            responses=m.ACCEPTED,
             summary="Start a new supervisor; it re-adopts the running VMs (operation)")
-    def restart_partition(name: str) -> JSONResponse:
+    def restart_partition(name: NamePath) -> JSONResponse:
         c = d.ctx()
         c.db.partition(valid_name("partition", name))
         not_busy(c, partition_obj(name))
@@ -95,9 +96,9 @@ def router(d: Daemon) -> APIRouter:
         return d.submit("partition-restart", f"restart partition {name}",
                         {"partitions": [f"/1.0/partitions/{name}"]}, work)
 
-    @r.delete("/1.0/partitions/{name}", dependencies=[ADMIN], status_code=202,
+    @r.delete("/1.0/partitions/{name}", dependencies=[ADMIN], status_code=202, responses=m.ACCEPTED,
               summary="Delete a partition (operation); force=true also deletes its VMs")
-    def delete_partition(name: str, force: bool = False) -> JSONResponse:
+    def delete_partition(name: NamePath, force: bool = False) -> JSONResponse:
         c = d.ctx()
         c.db.partition(valid_name("partition", name))
         vms = c.db.vms(name)
@@ -114,9 +115,10 @@ def router(d: Daemon) -> APIRouter:
                         {"partitions": [f"/1.0/partitions/{name}"]}, work)
 
     @r.post("/1.0/partitions/{name}/maintain", dependencies=[OPERATOR], status_code=202,
+            responses=m.ACCEPTED,
             summary="Restart the partition's hypervisor under its running VMs "
                     "(operation)")
-    def maintain(name: str, body: m.Maintain, request: Request) -> JSONResponse:
+    def maintain(name: NamePath, body: m.Maintain, request: Request) -> JSONResponse:
         c = d.ctx()
         c.db.partition(valid_name("partition", name))
         if body.qemu is not None and not SERIES_RE.match(body.qemu):
@@ -165,7 +167,7 @@ def router(d: Daemon) -> APIRouter:
         return disks_data(d.ctx())
 
     @r.get("/1.0/disks/{name}", dependencies=[VIEWER], response_model=m.DiskInfo)
-    def get_disk(name: str) -> dict[str, Any]:
+    def get_disk(name: NamePath) -> dict[str, Any]:
         c = d.ctx()
         c.db.disk(valid_name("disk", name))
         return next(x for x in disks_data(c) if x["name"] == name)
@@ -181,13 +183,13 @@ def router(d: Daemon) -> APIRouter:
 
     @r.patch("/1.0/disks/{name}", dependencies=[ADMIN], response_model=m.DiskInfo,
              summary="Move a disk to another partition")
-    def move_disk(name: str, body: m.DiskPatch) -> dict[str, Any]:
+    def move_disk(name: NamePath, body: m.DiskPatch) -> dict[str, Any]:
         c = d.ctx()
         c.parts.move_disk(valid_name("disk", name), body.partition)
         return next(x for x in disks_data(c) if x["name"] == name)
 
-    @r.delete("/1.0/disks/{name}", dependencies=[ADMIN])
-    def remove_disk(name: str, delete_file: bool = False) -> dict[str, Any]:
+    @r.delete("/1.0/disks/{name}", dependencies=[ADMIN], response_model=m.Deleted)
+    def remove_disk(name: NamePath, delete_file: bool = False) -> dict[str, Any]:
         d.ctx().parts.remove_disk(valid_name("disk", name), delete_file=delete_file)
         return {"deleted": f"/1.0/disks/{name}"}
 

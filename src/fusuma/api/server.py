@@ -1,10 +1,13 @@
 """`fusuma serve`: the sockets, the uvicorn servers and the daemon's life.
 
 One process, one event loop, one app: uvicorn serves it on the UNIX socket (no TLS, no
-token: the socket's mode and group decide) and, with ``--listen``, on TCP (TLS, and a
-bearer token on every request). Both servers share the daemon's operations, event hub
-and metrics; SIGTERM/SIGINT stop both (running operations are left to finish their
-current step: their jobs make any half-done one recoverable).
+token: the kernel's word on who connected decides, ``fusuma.api.peers``) and, with
+``--listen``, on TCP (TLS, and a bearer token on every request). Both servers share the
+daemon's operations, event hub and metrics; SIGTERM/SIGINT stop both (running
+operations are left to finish their current step: their jobs make any half-done one
+recoverable). Each server has its own gate (``fusuma.api.guard``: how many connections,
+how long a client may take); token checks run on the daemon's ``auth_pool``, threads
+nothing else uses.
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ import signal
 import socket
 import stat
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusuma.api.guard import ClientLimits
 from fusuma.errors import ConflictError, HostError, SpecError, StateError
 from fusuma.paths import Paths
+from fusuma.state.roles import Role
 
 LOG = logging.getLogger(__name__)
 
@@ -34,6 +40,9 @@ class ServeOptions:
     key: Path | None = None
     group: str = "fusuma"
     access_log: bool = True
+    limits: ClientLimits = field(default_factory=ClientLimits)
+    # Other local groups that may use the UNIX socket, each with its role.
+    group_roles: tuple[tuple[str, Role], ...] = ()
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -64,20 +73,24 @@ def _in_use(path: Path) -> bool:
         s.close()
 
 
-def unix_socket(paths: Paths, group: str) -> socket.socket:
+def unix_socket(paths: Paths, group: str, open_to_all: bool = False) -> socket.socket:
     """Bind ``RUNTIME/api/fusuma.sock``: directory 0750 and socket 0660, both of group
-    ``group`` (created when missing). Refuses when another daemon answers there."""
+    ``group`` (created when missing), so that only root and that group can connect;
+    with ``open_to_all`` (other groups have roles: ``serve --group-role``) directory
+    0711 and socket 0666, and the peer's credentials decide. Refuses when another
+    daemon answers there."""
     from fusuma.api.auth import ensure_group
 
     gid = ensure_group(group)
+    dir_mode, sock_mode = (0o711, 0o666) if open_to_all else (0o750, 0o660)
     paths.ensure_runtime()
     d = api_dir(paths)
-    d.mkdir(mode=0o750, exist_ok=True)
+    d.mkdir(mode=dir_mode, exist_ok=True)
     st = d.lstat()
     if not stat.S_ISDIR(st.st_mode) or (st.st_uid != 0 and os.geteuid() == 0):
         raise HostError(f"{d} is not a directory owned by root; remove it and try again.")
     os.chown(d, 0 if os.geteuid() == 0 else -1, gid)
-    os.chmod(d, 0o750)
+    os.chmod(d, dir_mode)
     path = api_socket(paths)
     if path.exists() or path.is_symlink():
         if _in_use(path):
@@ -91,15 +104,19 @@ def unix_socket(paths: Paths, group: str) -> socket.socket:
     finally:
         os.umask(old)
     os.chown(path, 0 if os.geteuid() == 0 else -1, gid)
-    os.chmod(path, 0o660)
+    os.chmod(path, sock_mode)
     s.listen(1024)
     s.setblocking(False)
     return s
 
 
 def tcp_socket(host: str, port: int) -> socket.socket:
+    """The listening socket of ``--listen``. Made with its protocol named: asyncio sets
+    TCP_NODELAY only on connections whose socket says IPPROTO_TCP, and without it a
+    response's second write (its body after its head) waits for the client's delayed
+    ACK: 40 ms on every request."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
+    s = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind((host, port))
@@ -118,18 +135,28 @@ def with_identity(scope: Any, who: Any, **more: Any) -> Any:
 
 
 class LocalAuth:
-    """ASGI middleware for the UNIX socket: the file system already decided who may
-    connect (root and the socket's group), and they are admin."""
+    """ASGI middleware for the UNIX socket: each request carries the role of the peer
+    that connected (``fusuma.api.peers``: root and the socket's group are admin, a
+    group of ``--group-role`` its role); a peer with none gets 403 and one sentence."""
 
-    def __init__(self, app: Any, group: str) -> None:
-        from fusuma.api.roles import local
+    def __init__(self, app: Any, group: str, access: Any = None) -> None:
+        from fusuma.api.peers import LocalAccess
 
         self.app = app
-        self.who = local(group)
+        self.access = access if access is not None else LocalAccess(group)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket"):
-            scope = with_identity(scope, self.who)
+            from fusuma.api.peers import PEER
+
+            who = self.access.identity(scope.get("state", {}).get(PEER))
+            if isinstance(who, str):
+                if scope["type"] == "http":
+                    from fusuma.api.http import error_response
+
+                    await error_response(403, who)(scope, receive, send)
+                return
+            scope = with_identity(scope, who)
         await self.app(scope, receive, send)
 
 
@@ -140,15 +167,17 @@ class TokenAuth:
     role (``check`` and ``lookup`` give the Identity of a token, and of a token's hash,
     read anew on every request: a revoked token ends its sessions). The login page and
     its static files are open; a browser asking for the page without a session is sent
-    to /login."""
+    to /login. Tokens are read on ``pool``'s threads, which nothing else uses (the
+    daemon's ``auth_pool``), so that no flood of other requests can starve them."""
 
     def __init__(self, app: Any, check: Callable[[str], Any],
-                 sessions: Any = None, lookup: Callable[[str], Any] | None = None
-                 ) -> None:
+                 sessions: Any = None, lookup: Callable[[str], Any] | None = None,
+                 pool: Executor | None = None) -> None:
         self.app = app
         self.check = check
         self.sessions = sessions
         self.lookup = lookup
+        self.pool = pool or ThreadPoolExecutor(2, thread_name_prefix="auth")
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -166,7 +195,8 @@ class TokenAuth:
                       None)
         token = bearer(header)
         if token:
-            who = await asyncio.to_thread(self.check, token)
+            who = await asyncio.get_running_loop().run_in_executor(
+                self.pool, self.check, token)
             if who is not None:
                 await self.app(with_identity(scope, who), receive, send)
                 return
@@ -179,7 +209,8 @@ class TokenAuth:
 
             sess = self.sessions.get(cookie(headers))
             who = None if sess is None else \
-                await asyncio.to_thread(self.lookup, sess.token_hash)
+                await asyncio.get_running_loop().run_in_executor(
+                    self.pool, self.lookup, sess.token_hash)
             if sess is not None and who is not None:
                 if scope.get("method") not in ("GET", "HEAD", "OPTIONS"):
                     sent = next((v.decode("latin-1") for k, v in headers
@@ -204,60 +235,21 @@ class TokenAuth:
         await resp(scope, receive, send)
 
 
-HEADER_TIMEOUT_S = 10.0
+def peer_h11(base: type) -> type:
+    """``base`` (the UNIX socket's guarded protocol) reading each connection's peer
+    credentials (``fusuma.api.peers.credentials``) once, into the state every request
+    of that connection carries."""
+    from fusuma.api.peers import PEER, credentials
 
-
-def guarded_h11() -> type:
-    """uvicorn's HTTP/1.1 protocol with a deadline for a request's headers: uvicorn
-    times out idle keep-alive connections, but not one that sends half its headers and
-    stalls (slowloris). Such a connection gets a 408 and is closed."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    body = (b'{"type":"error","error":"the request headers did not arrive within '
-            + str(int(HEADER_TIMEOUT_S)).encode() + b' s.","error_code":408}')
-    response = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                b"connection: close\r\ncontent-length: " + str(len(body)).encode()
-                + b"\r\n\r\n" + body)
-
-    class GuardedH11(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
+    class PeerH11(base):  # type: ignore[misc]
+        app_state: dict[str, Any]
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self._arm()
+            peer = credentials(transport.get_extra_info("socket"))
+            self.app_state = {**self.app_state, PEER: peer}
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.conn.their_state is h11.IDLE:
-                self._arm()        # a request begun, its headers not complete yet
-            else:
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            self._disarm()
-            super().on_response_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._expired)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _expired(self) -> None:
-            self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.write(response)
-                self.transport.close()
-
-    return GuardedH11
+    return PeerH11
 
 
 def _quiet_server(config: Any) -> Any:
@@ -280,23 +272,42 @@ async def serve(paths: Paths, opts: ServeOptions,
     from fusuma.api import app as api_app
     from fusuma.api.auth import ensure_certificate
     from fusuma.api.daemon import Daemon
+    from fusuma.api.guard import KEEP_ALIVE_S, Gate, guarded_h11, raise_open_files, tls_deadlines
     from fusuma.api.roles import Identity, token_identity
     from fusuma.ops.tokens import digest
 
     if opts.access_log:
         # The CLI's default level is WARNING, which would hide uvicorn's INFO lines.
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    lim = opts.limits
+    short = raise_open_files(lim.open_files(1 if opts.listen is None else 2))
+    if short:
+        LOG.warning("%s", short)
+    from fusuma.api.auth import ensure_group
+    from fusuma.api.peers import LocalAccess
+
+    # A mapping that names no group is refused before anything is made.
+    access = LocalAccess.build(opts.group, ensure_group(opts.group), opts.group_roles)
     daemon = Daemon(paths)
     app = api_app.create_app(paths, daemon)
     paths.ensure_parents()
-    uds = unix_socket(paths, opts.group)
+    uds = unix_socket(paths, opts.group, access.open_to_all)
     servers = []
-    common: dict[str, Any] = {"lifespan": "off", "log_config": None, "http": guarded_h11(),
-                              "access_log": opts.access_log, "timeout_keep_alive": 5,
+    # No WebSocket routes: an upgrade would leave the guard's protocol (ws="none").
+    common: dict[str, Any] = {"lifespan": "off", "log_config": None, "ws": "none",
+                              "access_log": opts.access_log,
+                              "timeout_keep_alive": KEEP_ALIVE_S,
                               "timeout_graceful_shutdown": 3, "server_header": False}
-    servers.append((_quiet_server(uvicorn.Config(LocalAuth(api_app.wrap(app), opts.group),
-                                                 **common)), uds))
-    info: dict[str, Any] = {"socket": str(api_socket(paths)), "pid": os.getpid()}
+
+    def guarded(key: str, gate: Gate) -> type:
+        daemon.gates[key] = gate
+        return guarded_h11(gate, lim.timeout_s)
+    unix_gate = Gate("UNIX socket", lim.max_connections, None)
+    servers.append((_quiet_server(uvicorn.Config(
+        LocalAuth(api_app.wrap(app, lim.timeout_s), opts.group, access),
+        http=peer_h11(guarded("unix", unix_gate)), **common)), uds))
+    info: dict[str, Any] = {"socket": str(api_socket(paths)), "pid": os.getpid(),
+                            "group_roles": access.describe()}
     try:
         older = [t.name for t in daemon.db().tokens() if t.before_roles]
     except StateError as exc:       # a token of an unknown role: refused when used
@@ -329,11 +340,14 @@ async def serve(paths: Paths, opts: ServeOptions,
                 daemon.db().token_used(who.token)
             return who
         tcp = tcp_socket(*opts.listen)
-        tls = uvicorn.Config(TokenAuth(api_app.wrap(app), check, daemon.sessions, lookup),
-                             ssl_certfile=str(cert),
-                             ssl_keyfile=str(key), **common)
+        where = f"{opts.listen[0]}:{tcp.getsockname()[1]}"
+        tcp_gate = Gate(f"TCP listener {where}", lim.max_connections, lim.max_per_client)
+        tls = uvicorn.Config(TokenAuth(api_app.wrap(app, lim.timeout_s), check,
+                                       daemon.sessions, lookup, daemon.auth_pool),
+                             ssl_certfile=str(cert), ssl_keyfile=str(key),
+                             http=guarded("tcp", tcp_gate), **common)
         servers.append((_quiet_server(tls), tcp))
-        info["listen"] = f"https://{opts.listen[0]}:{tcp.getsockname()[1]}"
+        info["listen"] = f"https://{where}"
         info["certificate"] = str(cert)
     await daemon.hub.start()
     await daemon.sampler.start()
@@ -351,14 +365,19 @@ async def serve(paths: Paths, opts: ServeOptions,
         task.add_done_callback(ending.discard)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
-    tasks = [asyncio.create_task(srv.serve(sockets=[sock])) for srv, sock in servers]
-    ready(info)
+    info["limits"] = {"max_connections": lim.max_connections,
+                      "max_connections_per_client": lim.max_per_client,
+                      "client_timeout_s": lim.timeout_s}
     try:
-        await asyncio.gather(*tasks)
+        with tls_deadlines(loop, lim.timeout_s):
+            tasks = [asyncio.create_task(srv.serve(sockets=[sock])) for srv, sock in servers]
+            ready(info)
+            await asyncio.gather(*tasks)
     finally:
         await daemon.hub.stop()
         await daemon.sampler.stop()
         daemon.ops.shutdown()
+        daemon.auth_pool.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(FileNotFoundError):
             api_socket(paths).unlink()
         for _, sock in servers:

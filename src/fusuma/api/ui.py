@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import html
 import logging
 import os
@@ -131,10 +130,34 @@ def ui_state(d: Daemon) -> dict[str, Any]:
             "samples": samples, "last_event_id": d.hub.last_id}
 
 
-def _md_to_html(text: str) -> str:
-    import markdown
+SAFE_URL = re.compile(r"(?:https?:|mailto:|#|/(?!/)|[A-Za-z0-9._-]+(?:[/#?]|$))",
+                      re.IGNORECASE)
 
-    return str(markdown.markdown(text, extensions=["tables", "fenced_code"]))
+
+def md_to_html(text: str) -> str:
+    """A report's Markdown as HTML that carries none of the report's own HTML: raw
+    HTML blocks and inline tags come out as escaped text (Python-Markdown's documented
+    way: without its ``html_block`` and ``html`` processors), and a link or image whose
+    URL is not http(s), mailto, a fragment or a relative path loses it
+    (``javascript:``, ``data:``). A report is a file in the results directory, not
+    fusuma's own page: whoever can write one must not run script in a viewer's
+    session."""
+    import markdown
+    from markdown.treeprocessors import Treeprocessor
+
+    class DropUnsafeUrls(Treeprocessor):
+        def run(self, root: Any) -> None:
+            for el in root.iter():
+                for attr in ("href", "src"):
+                    url = el.get(attr)
+                    if url is not None and not SAFE_URL.match(url.strip()):
+                        del el.attrib[attr]
+
+    md = markdown.Markdown(extensions=["tables", "fenced_code"])
+    md.preprocessors.deregister("html_block")
+    md.inlinePatterns.deregister("html")
+    md.treeprocessors.register(DropUnsafeUrls(md), "drop_unsafe_urls", 0)
+    return str(md.convert(text))
 
 
 # -- routes --------------------------------------------------------------------------
@@ -181,7 +204,7 @@ def router(d: Daemon) -> APIRouter:
         if not token or len(token) > 200:
             return RedirectResponse("/login?error=give+an+API+token", status_code=303)
         h = digest(token)
-        rec = await asyncio.to_thread(lambda: d.db().token_by_hash(h))
+        rec = await d.authenticate(lambda: d.db().token_by_hash(h))
         if rec is None:
             return RedirectResponse("/login?error=that+token+is+not+valid+(unknown+or+"
                                     "revoked)", status_code=303)
@@ -228,7 +251,7 @@ def router(d: Daemon) -> APIRouter:
         if not re.fullmatch(r"[A-Za-z0-9._-]+", name) or name.startswith(".") \
                 or not path.is_file():
             raise NotFoundError(f"no report {name!r} in {base}.")
-        body = _md_to_html(path.read_text())
+        body = md_to_html(path.read_text())
         # Plots referenced relative to the report become URLs under it.
         body = re.sub(r'src="([A-Za-z0-9._-]+\.png)"',
                       lambda m: f'src="/ui/results/{html.escape(name)}/{m.group(1)}"', body)

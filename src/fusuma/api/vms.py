@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from fusuma.api import models as m
 from fusuma.api.daemon import Daemon, not_busy
-from fusuma.api.http import valid_name
+from fusuma.api.http import NamePath, NameQuery, valid_name
 from fusuma.api.operations import Operation
-from fusuma.api.roles import OPERATOR, VIEWER, RoleRoute
+from fusuma.api.roles import OPERATOR, VIEWER, RoleRoute, require
 from fusuma.errors import FusumaError, StateError
 from fusuma.ops.context import Ctx
 from fusuma.state import vm_obj
+from fusuma.state.roles import Role
 from fusuma.views.host import job_json, ps_data
+
+# Host ports below this only root's services may bind (net.ipv4.ip_unprivileged_port_start).
+PRIVILEGED_PORTS = 1024
 
 
 def router(d: Daemon) -> APIRouter:
@@ -31,9 +35,9 @@ def router(d: Daemon) -> APIRouter:
         data["job"] = job_json(job) if job else None
         return data
 
-    @r.get("/1.0/vms", dependencies=[VIEWER], response_model=list[m.VmInfo],
+    @r.get("/1.0/vms", dependencies=[VIEWER], response_model=list[m.VmInfo] | list[str],
            summary="VMs (of one partition with ?partition=); recursion=0 gives URLs")
-    def list_vms(partition: str | None = None,
+    def list_vms(partition: NameQuery = None,
                  recursion: int = Query(1, ge=0, le=1)) -> Any:
         c = d.ctx()
         if partition is not None:
@@ -46,17 +50,25 @@ def router(d: Daemon) -> APIRouter:
         return [v for v in vms if partition is None or v["partition"] == partition]
 
     @r.get("/1.0/vms/{name}", dependencies=[VIEWER], response_model=m.VmInfo)
-    def get_vm(name: str) -> dict[str, Any]:
+    def get_vm(name: NamePath) -> dict[str, Any]:
         return _vm_json(d.ctx(), valid_name("VM", name))
 
-    @r.post("/1.0/vms", dependencies=[OPERATOR], status_code=202,
+    @r.post("/1.0/vms", dependencies=[OPERATOR], status_code=202, responses=m.ACCEPTED,
             summary="Define a VM, and start it with start=true (operation)")
-    def create_vm(body: m.VmCreate) -> JSONResponse:
+    def create_vm(request: Request, body: m.VmCreate) -> JSONResponse:
+        from fusuma.network import addr
         from fusuma.spec import VmSpec
 
         c = d.ctx()
         fields = body.model_dump(exclude={"start"}, exclude_unset=True)
         spec = VmSpec.model_validate(fields)
+        for f in map(addr.parse_forward, spec.ports):
+            if f.addr != addr.LOOPBACK or f.host_port < PRIVILEGED_PORTS:
+                # A host port on an outside address, or one below 1024 (which only
+                # root's services may bind), is the host's, not a guest's to take.
+                require(request, Role.ADMIN, f"forwarding host port {f.addr}:"
+                        f"{f.host_port} (an address other than 127.0.0.1, or a port "
+                        f"below {PRIVILEGED_PORTS})")
         c.vms.create(spec)       # synchronous: a bad definition is refused right here
 
         def work(op: Operation) -> Any:
@@ -74,7 +86,7 @@ def router(d: Daemon) -> APIRouter:
 
     @r.patch("/1.0/vms/{name}", dependencies=[OPERATOR], response_model=m.VmInfo,
              summary="Change a stopped VM: its QoS class, its disks")
-    def change_vm(name: str, body: m.VmPatch) -> dict[str, Any]:
+    def change_vm(name: NamePath, body: m.VmPatch) -> dict[str, Any]:
         c = d.ctx()
         rec = c.db.vm(valid_name("VM", name))
         if body.qos is not None and body.qos != rec.qos:
@@ -86,9 +98,9 @@ def router(d: Daemon) -> APIRouter:
                 c.vms.attach_disk(name, disk)
         return _vm_json(c, name)
 
-    @r.delete("/1.0/vms/{name}", dependencies=[OPERATOR], status_code=202,
+    @r.delete("/1.0/vms/{name}", dependencies=[OPERATOR], status_code=202, responses=m.ACCEPTED,
               summary="Delete a VM (operation); force=true kills it first")
-    def delete_vm(name: str, force: bool = False) -> JSONResponse:
+    def delete_vm(name: NamePath, force: bool = False) -> JSONResponse:
         from fusuma.vm.view import VmView
 
         c = d.ctx()
@@ -104,15 +116,15 @@ def router(d: Daemon) -> APIRouter:
         return d.submit("vm-delete", f"delete VM {name}", {"vms": [f"/1.0/vms/{name}"]},
                         work)
 
-    @r.get("/1.0/vms/{name}/state", dependencies=[VIEWER])
-    def get_vm_state(name: str) -> dict[str, Any]:
+    @r.get("/1.0/vms/{name}/state", dependencies=[VIEWER], response_model=m.VmStateInfo)
+    def get_vm_state(name: NamePath) -> dict[str, Any]:
         v = _vm_json(d.ctx(), valid_name("VM", name))
         return {"state": v["state"], "pid": v["pid"], "partition": v["partition"],
                 "job": v["job"], "error": v["error"]}
 
-    @r.put("/1.0/vms/{name}/state", dependencies=[OPERATOR], status_code=202,
+    @r.put("/1.0/vms/{name}/state", dependencies=[OPERATOR], status_code=202, responses=m.ACCEPTED,
            summary="start, stop (guest sync, then quit) or kill a VM (operation)")
-    def change_vm_state(name: str, body: m.VmStateChange) -> JSONResponse:
+    def change_vm_state(name: NamePath, body: m.VmStateChange) -> JSONResponse:
         from fusuma.vm.view import VmView
 
         c = d.ctx()
@@ -145,10 +157,10 @@ def router(d: Daemon) -> APIRouter:
         return d.submit(f"vm-{body.action}", f"{body.action} VM {name}",
                         {"vms": [f"/1.0/vms/{name}"]}, work)
 
-    @r.post("/1.0/vms/{name}/move", dependencies=[OPERATOR], status_code=202,
+    @r.post("/1.0/vms/{name}/move", dependencies=[OPERATOR], status_code=202, responses=m.ACCEPTED,
             summary="Move a running VM to another partition (operation); cancellable "
                     "until its stream starts")
-    def move_vm(name: str, body: m.VmMove) -> JSONResponse:
+    def move_vm(name: NamePath, body: m.VmMove) -> JSONResponse:
         from fusuma.migration import check, migrate
 
         c = d.ctx()
@@ -178,9 +190,9 @@ def router(d: Daemon) -> APIRouter:
         if state != "running":
             raise StateError(f"VM {name!r} is {state}; start it first.")
 
-    @r.post("/1.0/vms/{name}/exec", dependencies=[OPERATOR], status_code=202,
+    @r.post("/1.0/vms/{name}/exec", dependencies=[OPERATOR], status_code=202, responses=m.ACCEPTED,
             summary="Run a command in the guest through its agent (operation)")
-    def exec_vm(name: str, body: m.VmExec) -> JSONResponse:
+    def exec_vm(name: NamePath, body: m.VmExec) -> JSONResponse:
         _running(name)
 
         def work(op: Operation) -> Any:
@@ -194,9 +206,9 @@ def router(d: Daemon) -> APIRouter:
         return d.submit("vm-exec", f"exec in VM {name}", {"vms": [f"/1.0/vms/{name}"]},
                         work, private=True)
 
-    @r.post("/1.0/vms/{name}/trim", dependencies=[OPERATOR], status_code=202,
+    @r.post("/1.0/vms/{name}/trim", dependencies=[OPERATOR], status_code=202, responses=m.ACCEPTED,
             summary="Drop the guest's caches and hand its free memory back (operation)")
-    def trim_vm(name: str) -> JSONResponse:
+    def trim_vm(name: NamePath) -> JSONResponse:
         _running(name)
 
         def work(op: Operation) -> Any:

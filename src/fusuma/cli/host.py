@@ -81,7 +81,9 @@ def down(c: Ctx, as_json: bool) -> None:
     """Remove every VM, disk and partition of this host (this FUSUMA_HOME).
 
     Running VMs are killed. Disk files that fusuma created from a spec's size_mib are
-    deleted; disk files you brought are left in place."""
+    deleted; disk files you brought are left in place. Networks go too: every bridge,
+    tap, nftables table and dnsmasq fusuma made, and nothing else (a bridged network's
+    parent bridge is the host's and stays)."""
     from fusuma import apply
 
     done = apply.down(c.db, c.parts, c.vms, progress=progress)

@@ -41,7 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "Run this host's fusuma agent: register it, reconcile the cluster's objects "
               "here."),
     "cluster": ("fusuma.cluster.command:cluster",
-                "fusuma on Kubernetes: the CRDs and RBAC the agents need."),
+                "fusuma on Kubernetes: the CRDs, policy and host identities the agents need."),
     "disk": ("fusuma.cli.disk:disk",
              "Register disk files in storage directories to partitions, and move them."),
     "down": ("fusuma.cli.host:down",
@@ -54,6 +54,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "Restart PARTITION's hypervisor instance with ~no downtime for its VMs."),
     "migrate": ("fusuma.cli.migrate:migrate",
                 "Move running VM to another partition's hypervisor on this host."),
+    "network": ("fusuma.cli.network:network",
+                "Networks for VMs: bridges with DHCP, DNS, NAT and filtering, or the "
+                "host's own."),
     "partition": ("fusuma.cli.partition:partition",
                   "Create, resize, restart and delete partitions."),
     "ps": ("fusuma.cli.host:ps", "Show partitions and VMs with their state."),

@@ -59,9 +59,19 @@ def vm() -> None:
                    "Implies --private-ram, so the VM migrates by copy only. KSM between "
                    "VMs opens a memory-deduplication side channel: a guest can time "
                    "copy-on-write faults to learn whether another guest holds a page.")
-@click.option("--port", "ports", multiple=True, metavar="HOST:GUEST",
-              help="Forward 127.0.0.1:HOST on the host to the guest's TCP port GUEST "
-                   "(repeatable; QEMU user networking).")
+@click.option("--port", "ports", multiple=True, metavar="[ADDR:]HOST:GUEST",
+              help="Forward TCP port HOST on host address ADDR (default 127.0.0.1; "
+                   "0.0.0.0: every address of the host) to the guest's port GUEST "
+                   "(repeatable). Without --nic, QEMU's user-mode network forwards from "
+                   "127.0.0.1; with a NIC on a managed network, nftables DNAT forwards "
+                   "from any address of the host to that NIC's address.")
+@click.option("--nic", "nics", multiple=True, metavar="NET[,mac=MAC][,ip=ADDR]",
+              help="A NIC on network NET (repeatable; `fusuma network list`), a tap on its "
+                   "bridge, multiqueue with several vCPUs. Its MAC is generated once "
+                   "(52:54:00:..) unless mac= gives one; on a managed network its address "
+                   "is the next free one of the subnet, or ip= (inside the subnet, not "
+                   "in use), handed out by DHCP. Without --nic: QEMU's user-mode "
+                   "network.")
 @click.option("--machine", default=None, metavar="TYPE",
               help="The versioned machine type it pins, e.g. pc-q35-7.2 (default: the "
                    "q35 type of the oldest installed QEMU, so it can move to every QEMU "
@@ -96,13 +106,15 @@ def vm() -> None:
 def create(c: Ctx, name: str, partition: str, vcpus: int | None, memory_mib: int | None,
            image: str | None, disks: tuple[str, ...], accel: str, private_ram: bool,
            qos: str, segments: tuple[str, ...], mergeable: bool, ports: tuple[str, ...],
-           machine: str | None, emulator: str, page_reporting: bool | None,
+           nics: tuple[str, ...], machine: str | None, emulator: str, page_reporting: bool | None,
            template: str | None, start: bool, as_json: bool) -> None:
     """Define VM NAME in a partition (and optionally start it).
 
     \b
     Examples:
       fusuma vm create web0 -p p0 --image debian --port 8080:80 --start
+      fusuma vm create app0 -p p0 --nic lan0 --nic dmz,ip=10.0.6.10 --vcpus 2
+      fusuma vm create web2 -p p1 --nic lan0 --port 0.0.0.0:8080:80 --start
       fusuma vm create web1 -p p0 --image debian --segment debian-root:/
       fusuma vm create k0 -p p1 --mergeable --start
       fusuma vm create c0 -p p10 --template web --start"""
@@ -118,6 +130,13 @@ def create(c: Ctx, name: str, partition: str, vcpus: int | None, memory_mib: int
             fields[key] = value
     if segments:
         fields["segments"] = list(segments)
+    if nics:
+        from dataclasses import asdict
+
+        from fusuma.network.manager import parse_nic
+
+        fields["nics"] = [{k: v for k, v in asdict(parse_nic(n)).items() if v is not None}
+                          for n in nics]
     spec = build(VmSpec, "vm", name=name, partition=partition, disks=list(disks),
                  accel=accel, qos=qos, mergeable=mergeable, ports=list(ports),
                  machine=machine, emulator=emulator, page_reporting=page_reporting,

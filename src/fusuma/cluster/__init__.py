@@ -7,8 +7,10 @@ API use. Every agent also runs the placement controller; one at a time is active
 chosen through a Lease. Kubernetes' storage, watches, RBAC and leader election do the
 cluster's work; fusuma adds the partitions, moves, segments and the governor.
 
-Modules: ``kube`` (a small typed client over httpx), ``crds`` (the CRDs and RBAC that
-``fusuma cluster install`` prints), ``resources`` (typed views of the objects and their
+Modules: ``kube`` (a small typed client over httpx), ``crds`` (the CRDs that
+``fusuma cluster install`` prints), ``policy`` (the admission policy that keeps each host
+to its own objects), ``identity`` (a host's own ServiceAccount, roles and kubeconfig:
+``fusuma cluster join``), ``resources`` (typed views of the objects and their
 conditions), ``placement`` (the capacity arithmetic across hosts), ``agent`` (the
 process), ``context`` (what the rest needs from the agent, as protocols: the agent
 builds them, none of them imports it), ``reconcile`` (one host's half), ``hostmove``
@@ -34,8 +36,6 @@ API_VERSION = f"{GROUP}/{VERSION}"
 SYSTEM_NAMESPACE = "fusuma-system"
 # Set on a FusumaVM / FusumaPartition while a host holds something for it.
 FINALIZER = f"{GROUP}/host-cleanup"
-# The agents' group for RBAC (ClusterRoleBinding subjects).
-AGENT_GROUP = "fusuma:agents"
 
 
 class ClusterError(FusumaError):

@@ -34,6 +34,7 @@ from fusuma.cluster import (
 from fusuma.cluster.context import PLAIN_MOVES_ENV, AgentConfig
 from fusuma.cluster.controller import Placement
 from fusuma.cluster.events import Recorder
+from fusuma.cluster.identity import check_agent
 from fusuma.cluster.informer import Informer
 from fusuma.cluster.kube import (
     HOST,
@@ -115,6 +116,7 @@ class Agent:
         if self.cfg.plain_moves:
             LOG.warning("moves between hosts from and to %s are NOT encrypted (%s is set: "
                         "for the benchmark's before only)", self.host, PLAIN_MOVES_ENV)
+        check_agent(self.kube, self.host)
         self.register()
         for inf in self.informers:
             inf.start()

@@ -6,16 +6,15 @@ In namespace fusuma-system::
 
     Secret fusuma-move-ca          ca.crt, ca.key: the CA that issues now;
                                    previous.crt: the CA it replaced, still trusted
-    Secret fusuma-move-<host>      kubernetes.io/tls: tls.crt, tls.key (the host's),
+    Secret fusuma-host-<host>      kubernetes.io/tls: tls.crt, tls.key (the host's),
                                    ca.crt (what it trusts: the CA, and the previous one
                                    while both are trusted)
-    Role, RoleBinding              get on that one Secret, for the host's agent
-      fusuma-move-<host>           (user fusuma-agent-<host>)
 
 The CA's key is in a Secret that no role fusuma makes can read: only the cluster's
 admins (who may read every Secret, and so are trusted with the cluster anyway) issue
-and rotate certificates. A host's agent reads its own Secret and no other: a host
-can prove only that it is itself.
+and rotate certificates. A host's identity (``fusuma.cluster.identity``, `fusuma
+cluster join`) may read its own certificate Secret by name and no other: a host can
+prove only that it is itself.
 
 Rotation never breaks a move in flight: QEMU reads its credentials once, when a move's
 side begins, and a new certificate of the same CA is trusted by every host. A new CA
@@ -36,25 +35,20 @@ from dataclasses import dataclass
 from datetime import UTC
 
 from fusuma.cluster import SYSTEM_NAMESPACE, ClusterError, ConflictApiError, NotFoundApiError, pki
+from fusuma.cluster.identity import certificate_secret
 from fusuma.cluster.kube import HOST, VM, Kind, Kube, Obj
 from fusuma.cluster.resources import condition
 from fusuma.qemu.tlscreds import HostCreds
 
 SECRET = Kind("", "v1", "secrets", True, "Secret")
-ROLE = Kind("rbac.authorization.k8s.io", "v1", "roles", True, "Role")
-ROLE_BINDING = Kind("rbac.authorization.k8s.io", "v1", "rolebindings", True, "RoleBinding")
 CA_SECRET = "fusuma-move-ca"
 HOST_LABEL = "fusuma.io/move-cert"
 Progress = Callable[[str], None]
 
 
 def host_secret(host: str) -> str:
-    return f"fusuma-move-{host}"
-
-
-def agent_user(host: str) -> str:
-    """The Kubernetes user host ``host``'s agent authenticates as."""
-    return f"fusuma-agent-{host}"
+    """Host ``host``'s certificate Secret, the one its identity may read."""
+    return certificate_secret(host)
 
 
 def _enc(data: bytes) -> str:
@@ -145,23 +139,14 @@ def read_host(kube: Kube, host: str) -> HostCreds | None:
 
 
 def write_host(kube: Kube, host: str, creds: HostCreds) -> None:
-    """Host ``host``'s Secret, and the Role and RoleBinding that let its agent (and no
-    other) read it."""
-    name = host_secret(host)
-    md = {"name": name, "namespace": SYSTEM_NAMESPACE,
+    """Host ``host``'s certificate Secret (its identity's Role lets it, and no other
+    host, read it: ``identity.namespace_rules``)."""
+    md = {"name": host_secret(host), "namespace": SYSTEM_NAMESPACE,
           "labels": {HOST_LABEL: host, "app.kubernetes.io/part-of": "fusuma"}}
     _put(kube, SECRET, {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
                         "metadata": md, "data": {"ca.crt": _enc(creds.ca),
                                                  "tls.crt": _enc(creds.cert),
                                                  "tls.key": _enc(creds.key)}})
-    _put(kube, ROLE, {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-                      "metadata": md, "rules": [{"apiGroups": [""], "resources": ["secrets"],
-                                                 "resourceNames": [name], "verbs": ["get"]}]})
-    _put(kube, ROLE_BINDING, {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": md,
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io",
-                      "name": agent_user(host)}]})
 
 
 def tls_status(creds: HostCreds) -> Obj:

@@ -16,7 +16,8 @@ from fusuma.ops.context import Ctx
 
 @click.command()
 @click.option("--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              required=True, help="Credentials for the API server (the agent's user).")
+              required=True, help="Credentials for the API server: this host's own "
+                                  "identity (`fusuma cluster join NAME`).")
 @click.option("--namespace", "-n", default=None,
               help="Reconcile FusumaVMs of this namespace only (default: every namespace).")
 @click.option("--host-name", default=None,
@@ -42,7 +43,8 @@ def agent(c: Ctx, kubeconfig: Path, namespace: str | None, host_name: str | None
     (one active at a time, through a Lease): it places VMs without a host, and when a
     host's Lease expires marks its VMs lost and starts the restartable ones elsewhere.
     Restarting the agent is safe: it re-reads the cluster and the host and does only
-    what is still missing. Install the CRDs and RBAC first: `fusuma cluster install`.
+    what is still missing. Install the CRDs and policy first (`fusuma cluster
+    install`), and give the host its identity (`fusuma cluster join NAME`).
     """
     import logging
 
@@ -66,26 +68,30 @@ def agent(c: Ctx, kubeconfig: Path, namespace: str | None, host_name: str | None
 
 @click.group()
 def cluster() -> None:
-    """fusuma on Kubernetes: the CRDs and RBAC the agents need."""
+    """fusuma on Kubernetes: the CRDs, policy and host identities the agents need."""
 
 
 @cluster.command("install")
 @click.option("--apply", "do_apply", is_flag=True,
               help="Create or update them in the cluster instead of printing them.")
 @click.option("--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              help="Credentials for --apply (an admin's: it creates CRDs and RBAC).")
+              help="Credentials for --apply (an admin's: it creates CRDs, roles and the "
+                   "admission policy).")
 def install(do_apply: bool, kubeconfig: Path | None) -> None:
-    """Print the CRDs, RBAC and namespace as YAML for `kubectl apply -f -`.
+    """Print the CRDs, roles, namespace and admission policy as YAML for `kubectl apply -f -`.
 
     \b
     FusumaHost, FusumaPartition, FusumaVM and FusumaSegment (group fusuma.io), the
-    namespace fusuma-system (Leases), the ServiceAccount fusuma-agent and a ClusterRole
-    bound to it and to the group fusuma:agents, plus view/edit roles aggregated into
-    Kubernetes' own `view` and `edit`. With --apply it also makes the CA of the move
-    stream between hosts (Secret fusuma-system/fusuma-move-ca, readable by admins only)
-    if there is none; `fusuma cluster rotate-certs` issues the hosts' certificates.
+    namespace fusuma-system (Leases), view/edit roles aggregated into Kubernetes' own
+    `view` and `edit`, and the ValidatingAdmissionPolicy fusuma-host-restriction
+    (Kubernetes >= 1.30) that lets each host write only its own objects. Each host
+    then needs an identity of its own: `fusuma cluster join NAME`. With --apply, the
+    identity all agents shared before (fusuma-agent) is removed, and the CA of the move
+    stream between hosts is made if there is none (Secret fusuma-system/fusuma-move-ca,
+    readable by admins only); `fusuma cluster rotate-certs` issues hosts' certificates.
     """
-    from fusuma.cluster.crds import manifests, render_yaml
+    from fusuma.cluster.crds import render_yaml
+    from fusuma.cluster.install import manifests
 
     if not do_apply:
         click.echo(render_yaml(manifests()), nl=False)
@@ -93,12 +99,71 @@ def install(do_apply: bool, kubeconfig: Path | None) -> None:
     if kubeconfig is None:
         raise click.UsageError("--apply needs --kubeconfig.")
     from fusuma.cluster.certs import ensure_ca
-    from fusuma.cluster.install import apply
+    from fusuma.cluster.install import apply, remove_legacy
     from fusuma.cluster.kube import Kube, KubeConfig
 
     kube = Kube(KubeConfig.load(kubeconfig))
     apply(kube, manifests(), progress=progress)
+    remove_legacy(kube, progress=progress)
     ensure_ca(kube, progress)
+
+
+@cluster.command("join")
+@click.argument("host")
+@click.option("--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              required=True, help="An admin's credentials (it creates the host's "
+                                  "ServiceAccount and roles).")
+@click.option("--output", "-o", type=click.Path(path_type=Path, dir_okay=False),
+              help="Write the host's kubeconfig here (mode 0600) instead of to stdout.")
+@click.option("--server", default=None,
+              help="API server URL the host reaches (default: the admin kubeconfig's).")
+@click.option("--token-hours", type=click.IntRange(1, 24 * 3650), show_default=True,
+              default=24 * 365, help="How long the host's token is valid; run join "
+                                     "again to renew it.")
+def join(host: str, kubeconfig: Path, output: Path | None, server: str | None,
+         token_hours: int) -> None:
+    """Make HOST's own identity and print (or write) a kubeconfig for its agent.
+
+    \b
+    The ServiceAccount fusuma-system/fusuma-host-HOST, a ClusterRole and a Role (its
+    heartbeat Lease and its certificate Secret by name) bound to it and to the user
+    fusuma:host:HOST (for a client certificate from your own CA instead), and a token
+    for it. The admission policy of `fusuma cluster install` lets this identity write
+    only HOST's own FusumaHost status and the objects placed on HOST. Run it again to
+    renew the token; `fusuma cluster leave HOST` revokes it.
+    """
+    from fusuma.cluster import identity
+    from fusuma.cluster.install import apply
+    from fusuma.cluster.kube import Kube, KubeConfig
+
+    identity.check_host_name(host)
+    cfg = KubeConfig.load(kubeconfig)
+    kube = Kube(cfg)
+    apply(kube, identity.host_objects(host), progress=progress)
+    token, expires = identity.request_token(kube, host, token_hours)
+    text = identity.kubeconfig(cfg, host, token, server)
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    identity.write_private(output, text)
+    progress(f"kubeconfig of host {host} written to {output} (token valid until "
+             f"{expires or 'the API server says'})")
+
+
+@cluster.command("leave")
+@click.argument("host")
+@click.option("--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              required=True, help="An admin's credentials.")
+def leave(host: str, kubeconfig: Path) -> None:
+    """Remove HOST's identity: its ServiceAccount (every token of it stops working at
+    once), roles and bindings. Its FusumaHost and VMs stay (delete or move them)."""
+    from fusuma.cluster import identity
+    from fusuma.cluster.kube import Kube, KubeConfig
+
+    identity.check_host_name(host)
+    gone = identity.remove(Kube(KubeConfig.load(kubeconfig)), host)
+    progress(f"host {host}'s identity removed ({', '.join(gone)})" if gone else
+             f"host {host} has no identity in this cluster")
 
 
 @cluster.command("rotate-certs")
@@ -120,9 +185,9 @@ def rotate_certs(kubeconfig: Path, hosts: tuple[str, ...], new_ca: bool,
 
     \b
     Every host (registered, holding a certificate, or named with --host) gets a new key
-    and certificate from the cluster's move CA, in Secret fusuma-system/fusuma-move-HOST,
-    which only that host's agent (user fusuma-agent-HOST) may read; the agents take
-    them up within a heartbeat and for every move. Moves under way are not disturbed:
+    and certificate from the cluster's move CA, in Secret fusuma-system/fusuma-host-HOST,
+    which only that host's identity (`fusuma cluster join HOST`) may read; the agents
+    take them up within a heartbeat. Moves under way are not disturbed:
     QEMU reads its credentials when a move begins, and every host trusts the CA.
     With --ca a new CA is made: every host first trusts both, and only once every live
     host's agent reports it (FusumaHost status.moveTLS) and the moves under way then

@@ -1,5 +1,6 @@
-"""The custom resources, the agents' RBAC and namespace: what `fusuma cluster install`
-prints (and applies with ``--apply``).
+"""The custom resources, the agents' namespace and the view/edit roles: what `fusuma
+cluster install` prints (and applies with ``--apply``), with the admission policy
+(``fusuma.cluster.policy``).
 
 Every field has a description, so ``kubectl explain fusumavm.spec.memoryMiB`` answers;
 printer columns make ``kubectl get`` read like ``fusuma ps``; each kind has a status
@@ -12,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from fusuma.cluster import AGENT_GROUP, GROUP, SYSTEM_NAMESPACE, VERSION
+from fusuma.cluster import GROUP, SYSTEM_NAMESPACE, VERSION
 
 Obj = dict[str, Any]
 
@@ -178,7 +179,7 @@ HOST_STATUS = _obj("Written by the host's agent.", {
     "lease": _s("Its heartbeat Lease (namespace/name)."),
     "heartbeat": _s("Last status write.", format="date-time"),
     "moveTLS": _obj("The host's certificate for moves between hosts, as its agent holds it "
-                    "(from Secret fusuma-system/fusuma-move-HOST).", {
+                    "(from Secret fusuma-system/fusuma-host-HOST).", {
                         "cert": _s("SHA-256 fingerprint of the host's certificate."),
                         "issuer": _s("SHA-256 fingerprint of the CA that signed it."),
                         "notAfter": _s("When it expires.", format="date-time"),
@@ -327,35 +328,13 @@ def crds() -> list[Obj]:
 
 
 def rbac() -> list[Obj]:
-    """The agents' namespace, service account, role and bindings; plus view/edit roles
-    aggregated into Kubernetes' own ``view`` and ``edit``."""
+    """The agents' namespace, and view/edit roles aggregated into Kubernetes' own
+    ``view`` and ``edit``. Each host's own roles come with its identity
+    (``fusuma.cluster.identity``, `fusuma cluster join`)."""
     ours = ["fusumahosts", "fusumapartitions", "fusumavms", "fusumasegments"]
     status = [f"{r}/status" for r in ours]
-    agent_rules = [
-        {"apiGroups": [GROUP], "resources": ours,
-         "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
-        {"apiGroups": [GROUP], "resources": status, "verbs": ["get", "update", "patch"]},
-        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-         "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
-        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
-        {"apiGroups": ["events.k8s.io"], "resources": ["events"],
-         "verbs": ["create", "patch"]},
-    ]
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SYSTEM_NAMESPACE}},
-        {"apiVersion": "v1", "kind": "ServiceAccount",
-         "metadata": {"name": "fusuma-agent", "namespace": SYSTEM_NAMESPACE}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": "fusuma-agent"}, "rules": agent_rules},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-         "metadata": {"name": "fusuma-agent"},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                     "name": "fusuma-agent"},
-         "subjects": [
-             {"kind": "ServiceAccount", "name": "fusuma-agent",
-              "namespace": SYSTEM_NAMESPACE},
-             {"kind": "Group", "apiGroup": "rbac.authorization.k8s.io",
-              "name": AGENT_GROUP}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
          "metadata": {"name": "fusuma-view", "labels": {
              "rbac.authorization.k8s.io/aggregate-to-view": "true"}},
@@ -368,10 +347,6 @@ def rbac() -> list[Obj]:
                     "verbs": ["get", "list", "watch", "create", "update", "patch",
                               "delete"]}]},
     ]
-
-
-def manifests() -> list[Obj]:
-    return [*crds(), *rbac()]
 
 
 def render_yaml(objs: list[Obj]) -> str:

@@ -69,6 +69,7 @@ from fusuma.cluster.resources import (
     set_condition,
 )
 from fusuma.errors import FusumaError, MigrationError
+from fusuma.qemu import recorded
 from fusuma.state import Decision, JobKind, MovePhase, VmState, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.moves.source import MAX_CHANNELS
@@ -86,7 +87,7 @@ DECIDE_TIMEOUT_S = 60.0
 MOVE_RETRY_S = 60.0
 # Fields of the source's record the destination's must carry: the guest-visible machine
 # and devices it booted with (the incoming QEMU must match them exactly).
-CARRIED = ("machine", "devices", "accel_used")
+CARRIED = recorded.CARRIED
 # The phase the move's record shows (status.move, then lastMove): each MovePhase's name
 # for users, as the CRD and kubectl show it, and the phase of a move that failed.
 RECORD_PHASE: dict[MovePhase, str] = {
@@ -431,6 +432,12 @@ class HostMoveDest(_Side):
 
         a, c, v, part = self.a, self.c, self.v, self.partition
         jh.phase(MovePhase.PREPARE)
+        # The record is the source host's word: checked against what fusuma makes
+        # before anything is defined or started here.
+        try:
+            carried: dict[str, Any] = recorded.check_carried(record)
+        except recorded.DeviceSetRefused as exc:
+            raise MigrationError(f"{exc}; nothing was started on host {a.host}") from exc
         if c.db.find_partition(part) is None:
             raise MigrationError(f"partition {part!r} does not exist on host {a.host}")
         a.owners.set("vms", v.name, Owner(v.uid, v.namespace, v.name))
@@ -439,8 +446,6 @@ class HostMoveDest(_Side):
         except FusumaError:
             a.owners.remove("vms", v.name)
             raise
-        carried = {k: val for k, val in record.items()
-                   if k in CARRIED and k in c.db.VM_FIELDS}
         if carried:
             c.db.set_vm(v.name, **carried)
         c.db.transition(v.name, VmState.STARTING, expect={VmState.STOPPED})

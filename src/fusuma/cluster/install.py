@@ -1,26 +1,29 @@
-"""`fusuma cluster install --apply`: create or update the CRDs and RBAC (what
-``kubectl apply -f -`` would do with the printed YAML), then wait until the API server
-serves the new kinds."""
+"""`fusuma cluster install --apply`: create or update the CRDs, roles and admission
+policy (what ``kubectl apply -f -`` would do with the printed YAML), then wait until the
+API server serves the new kinds. `fusuma cluster join` applies a host's identity the
+same way."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-from fusuma.cluster import ClusterError, ConflictApiError
-from fusuma.cluster.kube import Kind, Kube, Obj
+from fusuma.cluster import SYSTEM_NAMESPACE, ClusterError, ConflictApiError, NotFoundApiError
+from fusuma.cluster.crds import crds, rbac
+from fusuma.cluster.kube import MANIFEST_KINDS, Kube, Obj
+from fusuma.cluster.policy import admission_policy
 
-KINDS = {
-    "CustomResourceDefinition": Kind("apiextensions.k8s.io", "v1",
-                                     "customresourcedefinitions", False,
-                                     "CustomResourceDefinition"),
-    "Namespace": Kind("", "v1", "namespaces", False, "Namespace"),
-    "ServiceAccount": Kind("", "v1", "serviceaccounts", True, "ServiceAccount"),
-    "ClusterRole": Kind("rbac.authorization.k8s.io", "v1", "clusterroles", False,
-                        "ClusterRole"),
-    "ClusterRoleBinding": Kind("rbac.authorization.k8s.io", "v1", "clusterrolebindings",
-                               False, "ClusterRoleBinding"),
-}
+KINDS = MANIFEST_KINDS
+# What fusuma installed before each host had an identity of its own: one that every
+# agent shared, allowed to write every host's objects. `install --apply` removes it.
+LEGACY = [("ClusterRoleBinding", "fusuma-agent", None), ("ClusterRole", "fusuma-agent", None),
+          ("ServiceAccount", "fusuma-agent", SYSTEM_NAMESPACE)]
+
+
+def manifests() -> list[Obj]:
+    """Everything `fusuma cluster install` makes: the CRDs, the namespace, the view and
+    edit roles, and the admission policy that keeps each host to its own objects."""
+    return [*crds(), *rbac(), *admission_policy()]
 
 
 def apply(kube: Kube, objs: list[Obj], progress: Callable[[str], None] = lambda s: None,
@@ -32,6 +35,12 @@ def apply(kube: Kube, objs: list[Obj], progress: Callable[[str], None] = lambda 
         try:
             kube.create(kind, dict(obj), ns)
             progress(f"{obj['kind']} {md['name']} created")
+        except NotFoundApiError as exc:
+            raise ClusterError(
+                f"the API server does not serve {kind.plural} ({kind.api_version}): "
+                f"{obj['kind']} {md['name']} cannot be made; fusuma needs Kubernetes >= "
+                "1.30 (ValidatingAdmissionPolicy keeps each host to its own objects)."
+            ) from exc
         except ConflictApiError:
             cur = kube.get(kind, md["name"], ns)
             new = {**obj, "metadata": {**md, "resourceVersion":
@@ -50,3 +59,12 @@ def apply(kube: Kube, objs: list[Obj], progress: Callable[[str], None] = lambda 
             if time.monotonic() > deadline:
                 raise ClusterError(f"CRD {name} was not established within {timeout:.0f} s.")
             time.sleep(0.2)
+
+
+def remove_legacy(kube: Kube, progress: Callable[[str], None] = lambda s: None) -> None:
+    """Remove the identity all agents shared before each host had its own."""
+    for kind, name, ns in LEGACY:
+        if kube.find(KINDS[kind], name, ns) is not None:
+            kube.delete(KINDS[kind], name, ns)
+            progress(f"{kind} {name} (shared by every agent) removed: each host needs "
+                     "its own identity now (fusuma cluster join NAME)")

@@ -74,6 +74,23 @@ LEASE = Kind("coordination.k8s.io", "v1", "leases", True, "Lease")
 EVENT = Kind("", "v1", "events", True, "Event")
 NAMESPACE = Kind("", "v1", "namespaces", False, "Namespace")
 assert HOST.api_version == API_VERSION
+_RBAC = "rbac.authorization.k8s.io"
+_ADMISSION = "admissionregistration.k8s.io"
+# The kinds `fusuma cluster install` and `join` create, by their ``kind``.
+MANIFEST_KINDS = {k.kind: k for k in (
+    Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", False,
+         "CustomResourceDefinition"),
+    NAMESPACE,
+    Kind("", "v1", "serviceaccounts", True, "ServiceAccount"),
+    Kind(_RBAC, "v1", "clusterroles", False, "ClusterRole"),
+    Kind(_RBAC, "v1", "clusterrolebindings", False, "ClusterRoleBinding"),
+    Kind(_RBAC, "v1", "roles", True, "Role"),
+    Kind(_RBAC, "v1", "rolebindings", True, "RoleBinding"),
+    Kind(_ADMISSION, "v1", "validatingadmissionpolicies", False,
+         "ValidatingAdmissionPolicy"),
+    Kind(_ADMISSION, "v1", "validatingadmissionpolicybindings", False,
+         "ValidatingAdmissionPolicyBinding"),
+)}
 
 
 @dataclass(frozen=True)
@@ -83,8 +100,13 @@ class KubeConfig:
     server: str
     verify: ssl.SSLContext
     token: str | None = None
+    # Client certificate and key files the kubeconfig names (inline ones are loaded
+    # into ``verify`` and kept nowhere else).
     cert: tuple[str, str] | None = None
     namespace: str | None = None
+    # The cluster's CA certificate (PEM) when the kubeconfig names one: `fusuma cluster
+    # join` hands it to the host's kubeconfig.
+    ca_pem: str | None = None
 
     @classmethod
     def load(cls, path: Path, context: str | None = None) -> KubeConfig:
@@ -112,37 +134,52 @@ class KubeConfig:
         if not server:
             raise ClusterError(f"kubeconfig {path}: cluster {ctx['cluster']!r} has no server.")
         verify = ssl.create_default_context()
+        ca: str | None = None
         if cluster.get("insecure-skip-tls-verify"):
             verify.check_hostname = False
             verify.verify_mode = ssl.CERT_NONE
         elif cluster.get("certificate-authority-data"):
-            verify = ssl.create_default_context(
-                cadata=base64.b64decode(cluster["certificate-authority-data"]).decode())
+            ca = base64.b64decode(cluster["certificate-authority-data"]).decode()
+            verify = ssl.create_default_context(cadata=ca)
         elif cluster.get("certificate-authority"):
-            verify = ssl.create_default_context(
-                cafile=str(base / cluster["certificate-authority"]))
+            ca = (base / cluster["certificate-authority"]).read_text()
+            verify = ssl.create_default_context(cadata=ca)
         token = user.get("token")
         if not token and user.get("tokenFile"):
             token = (base / user["tokenFile"]).read_text().strip()
         cert = None
         if user.get("client-certificate-data") and user.get("client-key-data"):
-            cert = _materialize(base64.b64decode(user["client-certificate-data"]),
-                                base64.b64decode(user["client-key-data"]))
+            load_inline_cert(verify, base64.b64decode(user["client-certificate-data"]),
+                             base64.b64decode(user["client-key-data"]))
         elif user.get("client-certificate") and user.get("client-key"):
             cert = (str(base / user["client-certificate"]), str(base / user["client-key"]))
-        if cert is not None:
             verify.load_cert_chain(*cert)
-        return cls(server.rstrip("/"), verify, token, cert, ctx.get("namespace"))
+        return cls(server.rstrip("/"), verify, token, cert, ctx.get("namespace"), ca)
 
 
-def _materialize(cert: bytes, key: bytes) -> tuple[str, str]:
-    """Inline client credentials as private files (the ssl module loads only files)."""
-    d = Path(tempfile.mkdtemp(prefix="fusuma-kube-"))
-    os.chmod(d, 0o700)
-    (d / "cert.pem").write_bytes(cert)
-    (d / "key.pem").write_bytes(key)
-    os.chmod(d / "key.pem", 0o600)
-    return str(d / "cert.pem"), str(d / "key.pem")
+# Where inline client keys pass on their way into an SSLContext: a tmpfs, so that the
+# key never reaches a disk (the temp dir when there is none).
+INLINE_KEY_DIR = Path("/dev/shm")
+
+
+def load_inline_cert(ctx: ssl.SSLContext, cert: bytes, key: bytes) -> None:
+    """Load inline client credentials into ``ctx``. The ssl module loads only files:
+    they pass through a private directory (0700, the caller's: root's for the agent)
+    that is removed as soon as they are loaded; the key then lives only in ``ctx``."""
+    base = INLINE_KEY_DIR if INLINE_KEY_DIR.is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="fusuma-kube-", dir=base) as tmp:
+        d = Path(tmp)
+        os.chmod(d, 0o700)
+        for name, data in (("cert.pem", cert), ("key.pem", key)):
+            fd = os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                         0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        try:
+            ctx.load_cert_chain(str(d / "cert.pem"), str(d / "key.pem"))
+        except (ssl.SSLError, OSError) as exc:
+            raise ClusterError(f"the kubeconfig's client certificate or key cannot be "
+                               f"loaded ({exc}).") from exc
 
 
 class Kube:

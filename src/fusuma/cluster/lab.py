@@ -10,11 +10,12 @@ nothing is put in (or sent to) the machine's own network namespace::
     fz<tag>-h0:  eth0 10.251.0.10 ─veth─ br0
     fz<tag>-h1:  eth0 10.251.0.11 ─veth─ br0  ...
 
-Agents authenticate with static tokens (user ``fusuma-agent-<host>`` in group
-``fusuma:agents``, bound by `fusuma cluster install`'s RBAC; the API server authorizes
-with RBAC), the admin with a ``system:masters`` token. Processes are started by
-``nsenter --net`` (only the network namespace changes: ``ip netns exec`` would remount
-/sys and hide the cgroup hierarchy) and ended by pid; ``close`` removes the namespaces.
+The admin authenticates with a static ``system:masters`` token; each host with its own
+identity, made by `fusuma cluster join` as on a real cluster (its ServiceAccount's token;
+the API server authorizes with RBAC and enforces `fusuma cluster install`'s admission
+policy). Processes are started by ``nsenter --net`` (only the network namespace changes:
+``ip netns exec`` would remount /sys and hide the cgroup hierarchy) and ended by pid;
+``close`` removes the namespaces, and the keys and tokens (kept in a 0700 directory).
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fusuma.cluster import AGENT_GROUP, ClusterError
+from fusuma import spawn
+from fusuma.cluster import ClusterError
 
 K8S_VERSION = "1.33.13"
 SUBNET = "10.251.0"
@@ -84,6 +85,11 @@ class Lab:
     def ctl(self) -> str:
         return f"fz{self.tag}-ctl"
 
+    @property
+    def secrets(self) -> Path:
+        """The lab's keys, tokens and kubeconfigs (0700, removed by ``close``)."""
+        return self.workdir / "pki"
+
     # -- bring-up -------------------------------------------------------------------
     def start(self) -> None:
         why = missing_parts()
@@ -96,6 +102,8 @@ class Lab:
             self._etcd()
             self._apiserver()
             self._install()
+            for h in self.hosts:
+                self.join(h.name, h.kubeconfig)
         except BaseException:
             self.close()
             raise
@@ -116,7 +124,7 @@ class Lab:
         for i, env in enumerate(self.host_envs):
             ns, addr = self._on_bridge(f"h{i}", f"vh{i}", f"{SUBNET}.{10 + i}")
             self.hosts.append(LabHost(f"h{i}", ns, addr, dict(env),
-                                      self.workdir / f"h{i}.kubeconfig"))
+                                      self.secrets / f"h{i}.kubeconfig"))
 
     def _on_bridge(self, name: str, port: str, addr: str) -> tuple[str, str]:
         """A network namespace fz<tag>-NAME whose eth0 (``addr``) is joined to the
@@ -139,7 +147,7 @@ class Lab:
         from cryptography.hazmat.primitives.asymmetric import ec, rsa
         from cryptography.x509.oid import NameOID
 
-        d = self.workdir / "pki"
+        d = self.secrets
         d.mkdir(mode=0o700, exist_ok=True)
         now = datetime.datetime.now(datetime.UTC)
 
@@ -178,22 +186,14 @@ class Lab:
         (d / "sa.pub").write_bytes(sa.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
         self.admin_token = secrets.token_hex(16)
-        rows = [f'{self.admin_token},admin,admin,"system:masters"']
-        self.tokens: dict[str, str] = {}
-        for h in self.hosts:
-            tok = secrets.token_hex(16)
-            self.tokens[h.name] = tok
-            rows.append(f'{tok},fusuma-agent-{h.name},agent-{h.name},"{AGENT_GROUP}"')
-        (d / "tokens.csv").write_text("\n".join(rows) + "\n")
-        self.admin_kubeconfig = self.workdir / "admin.kubeconfig"
+        (d / "tokens.csv").write_text(f'{self.admin_token},admin,admin,"system:masters"\n')
+        self.admin_kubeconfig = d / "admin.kubeconfig"
         self._kubeconfig(self.admin_kubeconfig, "admin", self.admin_token)
-        for h in self.hosts:
-            self._kubeconfig(h.kubeconfig, f"fusuma-agent-{h.name}", self.tokens[h.name])
 
     def _kubeconfig(self, path: Path, user: str, token: str) -> None:
         import base64
 
-        ca = base64.b64encode((self.workdir / "pki" / "ca.crt").read_bytes()).decode()
+        ca = base64.b64encode((self.secrets / "ca.crt").read_bytes()).decode()
         doc = {"apiVersion": "v1", "kind": "Config", "current-context": "lab",
                "clusters": [{"name": "lab", "cluster": {
                    "server": f"https://{API_ADDR}:{API_PORT}",
@@ -209,7 +209,8 @@ class Lab:
         with open(log, "ab") as out:
             p = subprocess.Popen(["nsenter", f"--net=/run/netns/{netns}", "--", *argv],
                                  stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env=env)
+                                 stdin=subprocess.DEVNULL,
+                                 env=spawn.child_env(env or os.environ), cwd=spawn.CWD)
         self.procs.append(p)
         return p
 
@@ -225,7 +226,7 @@ class Lab:
             "--log-level", "warn"], self.workdir / "etcd.log")
 
     def _apiserver(self) -> None:
-        pki = self.workdir / "pki"
+        pki = self.secrets
         self.apiserver = self._spawn(self.ctl, [
             str(kube_binary("kube-apiserver")),
             "--etcd-servers=http://127.0.0.1:2379",
@@ -236,6 +237,9 @@ class Lab:
             f"--client-ca-file={pki / 'ca.crt'}",
             f"--token-auth-file={pki / 'tokens.csv'}",
             "--authorization-mode=RBAC",
+            # On by default since 1.30; named so that the lab never runs without the
+            # policy that keeps each host to its own objects.
+            "--enable-admission-plugins=ValidatingAdmissionPolicy",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
@@ -273,18 +277,29 @@ class Lab:
         i = 200 + len(self.namespaces)
         return self._on_bridge(name, f"vx{i}", f"{SUBNET}.{i}")
 
+    def join(self, host: str, kubeconfig: Path) -> None:
+        """Give host ``host`` its identity (`fusuma cluster join`): its kubeconfig."""
+        p = self.fusuma(self.ctl, ["cluster", "join", host, "--kubeconfig",
+                                   str(self.admin_kubeconfig), "--output", str(kubeconfig)],
+                        timeout=60)
+        if p.returncode:
+            raise ClusterError(f"fusuma cluster join {host} failed: {p.stderr}")
+
     # -- use --------------------------------------------------------------------------
     def fusuma(self, netns: str, args: list[str], env: dict[str, str] | None = None,
                timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["nsenter", f"--net=/run/netns/{netns}", "--", sys.executable,
-                               "-m", "fusuma.cli.main", *args], env=env or dict(os.environ),
+        return subprocess.run(["nsenter", f"--net=/run/netns/{netns}", "--",
+                               *spawn.module_argv("fusuma.cli.main", *args)],
+                              env=spawn.child_env(env or os.environ), cwd=spawn.CWD,
                               capture_output=True, text=True, timeout=timeout)
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        """kubectl as the admin, from the control namespace."""
-        cmd = ["nsenter", f"--net=/run/netns/{self.ctl}", "--",
-               str(kube_binary("kubectl")), f"--kubeconfig={self.admin_kubeconfig}", *args]
+                timeout: float = 60, kubeconfig: Path | None = None
+                ) -> subprocess.CompletedProcess[str]:
+        """kubectl as the admin (or as ``kubeconfig``'s user), from the control
+        namespace."""
+        cmd = ["nsenter", f"--net=/run/netns/{self.ctl}", "--", str(kube_binary("kubectl")),
+               f"--kubeconfig={kubeconfig or self.admin_kubeconfig}", *args]
         p = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout)
         if check and p.returncode:
             raise ClusterError(f"kubectl {' '.join(args)} failed: {p.stderr.strip()}")
@@ -302,7 +317,7 @@ class Lab:
         """Start ``h``'s agent (``env``: added to the host's environment)."""
         h.log = self.workdir / f"agent-{h.name}.log"
         h.agent = self._spawn(h.netns, [
-            sys.executable, "-m", "fusuma.cli.main", "-v", "agent",
+            *spawn.module_argv("fusuma.cli.main"), "-v", "agent",
             "--kubeconfig", str(h.kubeconfig), "--host-name", h.name,
             "--address", h.address, "--lease-seconds", str(self.lease_seconds), *extra],
             h.log, env={**h.env, **(env or {})})
@@ -339,6 +354,8 @@ class Lab:
         for ns in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.namespaces.clear()
+        # Keys, tokens and kubeconfigs: not left behind.
+        shutil.rmtree(self.secrets, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
         out = [f"process {p.pid} ({p.args!r:.60})" for p in self.procs if p.poll() is None]
@@ -346,4 +363,6 @@ class Lab:
                               text=True).stdout
         out += [f"netns {line.split()[0]}" for line in have.splitlines()
                 if line.startswith(f"fz{self.tag}-")]
+        if self.secrets.exists():
+            out.append(f"keys and tokens in {self.secrets}")
         return out

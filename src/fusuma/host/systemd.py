@@ -190,7 +190,8 @@ After=local-fs.target
 
 [Service]
 Type=exec
-ExecStart={python} -m fusuma.supervisor %i
+ExecStart={python} -P -m fusuma.supervisor %i
+WorkingDirectory=/
 Slice={SLICE}
 # fusuma makes the cgroups below the unit's own: the supervisor's and one per VM.
 Delegate=yes
@@ -315,7 +316,7 @@ Before=slices.target
         lines = ["# Written by fusuma for this partition; removed when it is deleted.",
                  "[Unit]", f"Description=fusuma supervisor of partition {partition} "
                  f"({self.prefix})", "", "[Service]", f"Slice={self.slice}", "ExecStart=",
-                 f"ExecStart={_quote(self.python)} -m fusuma.supervisor "
+                 f"ExecStart={_quote(self.python)} -P -m fusuma.supervisor "
                  f"{_quote(partition)}"]
         lines += [f"Environment={_quote(f'{k}={v}')}" for k, v in sorted(env.items())]
         lines += [f"StandardOutput=append:{log}", f"StandardError=append:{log}"]

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fusuma import guest
-from fusuma.errors import ImageError
+from fusuma.errors import ImageError, ImageMissing, SpecError
 from fusuma.host import distro
 from fusuma.images import debian, elf, erofs, modules
 from fusuma.images.initramfs import Tree
@@ -98,7 +98,7 @@ KINDS: dict[str, ImageKind] = {
     # overlay: the writable layer over the read-only root
     "debian": ImageKind(
         name="debian", modules=(*_MODULES, "overlay"), append=_APPEND,
-        packages=("apache2", "qemu-guest-agent", "iproute2", "procps"),
+        packages=("apache2", "qemu-guest-agent", "iproute2", "procps", "iperf3"),
     ),
     # A stock-host stand-in for testing fusuma itself on cgroup v2 (tests/cgroup2):
     # Debian with systemd as init (unified hierarchy), udev, QEMU and python3; fusuma
@@ -161,8 +161,8 @@ def _kind(kind: str) -> ImageKind:
         return KINDS[kind]
     except KeyError:
         known = ", ".join(sorted(KINDS))
-        raise ImageError(f"there is no guest image kind {kind!r}: use one of {known}"
-                         ) from None
+        raise SpecError(f"there is no guest image kind {kind!r}: use one of {known}"
+                        ) from None
 
 
 def find_image(cache: Path, *, kind: str = "minimal") -> GuestImage:
@@ -172,7 +172,7 @@ def find_image(cache: Path, *, kind: str = "minimal") -> GuestImage:
     try:
         target = json.loads(pointer.read_text())["dir"]
     except FileNotFoundError:
-        raise ImageError(f"the {kind} guest image is not built: {BUILD_HINT}") from None
+        raise ImageMissing(f"the {kind} guest image is not built: {BUILD_HINT}") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ImageError(f"{pointer} is unreadable ({exc}): {BUILD_HINT}") from exc
     image = _load(cache / "images" / str(target))

@@ -95,8 +95,54 @@ set_hostname() {
     ip link set lo up 2>/dev/null
 }
 
+# NICs on fusuma's networks (fusuma.net=dhcp on the command line): every ethN asks
+# DHCP (busybox udhcpc; the managed network's dnsmasq gives the address fusuma
+# recorded), in the background once it has a lease or has tried for a few seconds.
+# Without it, eth0 is QEMU's user-mode NIC, whose address is always the same.
+UDHCPC_SCRIPT=/run/fusuma-udhcpc.sh
+
+write_udhcpc_script() {
+    mkdir -p /run
+    cat > "$UDHCPC_SCRIPT" <<'EOS'
+#!/bin/sh
+# udhcpc's events: $interface, $ip, $mask (prefix length), $router, $dns, $domain.
+case "$1" in
+    deconfig)
+        ip -4 addr flush dev "$interface"
+        ip link set "$interface" up ;;
+    bound|renew)
+        ip addr replace "$ip/${mask:-24}" dev "$interface"
+        if [ -n "$router" ] && ! ip route | grep -q '^default'; then
+            ip route add default via "${router%% *}" dev "$interface"
+        fi
+        if [ -n "$dns" ] && [ "$interface" = eth0 ]; then
+            { [ -n "$domain" ] && echo "search $domain"
+              for d in $dns; do echo "nameserver $d"; done; } > /etc/resolv.conf
+        fi ;;
+esac
+exit 0
+EOS
+    chmod 0755 "$UDHCPC_SCRIPT"
+}
+
+dhcp_up() {
+    write_udhcpc_script
+    for d in /sys/class/net/eth*; do
+        [ -e "$d" ] || continue
+        ifc=${d##*/}
+        ip link set "$ifc" up
+        udhcpc -i "$ifc" -s "$UDHCPC_SCRIPT" -b -t 5 -T 1 -A 1 \
+            -x "hostname:$(hostname)" >/dev/null 2>&1 ||
+            echo "fusuma-guest: no DHCP on $ifc" >&2
+    done
+}
+
 # QEMU user networking: the guest is 10.0.2.15, the host's gateway 10.0.2.2.
 net_up() {
+    if grep -q 'fusuma.net=dhcp' /proc/cmdline; then
+        dhcp_up
+        return 0
+    fi
     [ -e /sys/class/net/eth0 ] || return 0
     ip link set eth0 up &&
         ip addr add 10.0.2.15/24 dev eth0 &&

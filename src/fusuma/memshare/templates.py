@@ -27,9 +27,10 @@ page reporting, no balloon) or move zero-copy (its RAM is private): it moves by 
 
 Files and permissions: the state file is ``FUSUMA_HOME/templates/<T>/state`` (root,
 0600), opened by the supervisor and passed to QEMU as an fdset; the RAM file is root's,
-mode 0640, group ``template_gid`` (one per template, from the top of the uid range fusuma
-reserves), which each clone's QEMU gets as a supplementary group: QEMU reopens the fd's
-magic link, which checks the file's own permission.
+mode 0640, group ``template_gid`` (one per template, from the gid range fusuma
+reserves for templates, which VMs' uids never reach), which each clone's QEMU gets as a
+supplementary group: QEMU reopens the fd's magic link, which checks the file's own
+permission.
 
 Side channel: a clone can time its copy-on-write faults to learn whether a page equals
 the template's, the same risk as KSM's (see ``vm create --mergeable``).
@@ -45,7 +46,7 @@ from pathlib import Path
 
 from fusuma.errors import SpecError, StateError, TemplateError
 from fusuma.memshare.smaps import TEMPLATE_SUFFIX
-from fusuma.paths import UID_RANGE, Paths
+from fusuma.paths import Paths
 from fusuma.qemu.cmdline import NET_ID, DeviceSet
 from fusuma.state.db import TemplateRecord, VmRecord
 
@@ -73,12 +74,13 @@ def state_file(paths: Paths, name: str) -> Path:
 
 
 def template_gid(paths: Paths, t: TemplateRecord) -> int:
-    """The group that may read template ``t``'s RAM file: one per template, counted down
-    from the top of fusuma's uid range (VMs' uids count up from its bottom)."""
-    if not 0 < t.slot < UID_RANGE // 2:
-        raise StateError(f"template {t.name!r} has slot {t.slot}, outside the groups "
-                         "fusuma reserves for templates; re-create it.")
-    return paths.uid_base + UID_RANGE - t.slot
+    """The group that may read template ``t``'s RAM file: the one its record holds,
+    from FUSUMA_UID_BASE's template range (``Paths.template_gids``), which VMs' uids
+    never reach."""
+    if t.gid <= 0:
+        raise StateError(f"template {t.name!r} has no group (a record from before groups "
+                         "were kept, past the middle of the old range); re-create it.")
+    return t.gid
 
 
 def version_ok(version: str | None) -> bool:

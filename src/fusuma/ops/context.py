@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from fusuma.paths import Paths
 
 if TYPE_CHECKING:
+    from fusuma.network.manager import NetworkManager
     from fusuma.partition.manager import PartitionManager
     from fusuma.state import Database
     from fusuma.vm import VmManager
@@ -62,6 +63,13 @@ class Ctx:
             self._parts.notice = self.notice
             self._parts.host_paths = self.host_paths
         return self._parts
+
+    @property
+    def nets(self) -> NetworkManager:
+        """Networks (fusuma.network): made per use, it holds nothing but the DB."""
+        from fusuma.network.manager import NetworkManager
+
+        return NetworkManager(self.paths, self.db, self.notice)
 
     @property
     def vms(self) -> VmManager:

@@ -16,7 +16,7 @@ from fusuma.names import check_name
 from fusuma.paths import Paths
 from fusuma.qemu import process
 from fusuma.state import Database, vm_obj
-from fusuma.state.db import TemplateRecord
+from fusuma.state.db import TemplateRecord, VmRecord
 from fusuma.state.lock import locked
 from fusuma.supervisor import rpc
 from fusuma.vm.view import VmView
@@ -39,6 +39,14 @@ class TemplateManager:
     def create(self, name: str, vm: str) -> TemplateRecord:
         """Stop running VM ``vm`` into template ``name`` (refused, one sentence, with
         nothing changed, unless it can be)."""
+        rec = self.check(name, vm)
+        self.parts.client(rec.partition).send(
+            rpc.TemplateSave(vm, name, fault=os.environ.get(FAULT, "")), timeout=300)
+        return self.db.template(name)
+
+    def check(self, name: str, vm: str) -> VmRecord:
+        """Every refusal of ``create`` (a sentence each), without making anything;
+        VM ``vm``'s record when it may be made."""
         check_name("template", name)
         if self.db.find_template(name) is not None:
             raise ConflictError(f"a template named {name!r} already exists; delete it or "
@@ -47,15 +55,15 @@ class TemplateManager:
         rec = self.db.vm(vm)
         state = VmView(rec).state
         if state != "running":
-            raise TemplateError(f"VM {vm!r} is {state}; a template is made from a running "
-                                f"VM: start it (`fusuma vm start {vm}`) and try again.")
+            raise StateError(f"VM {vm!r} is {state}; a template is made from a running "
+                             f"VM: start it (`fusuma vm start {vm}`) and try again.")
         from fusuma.memshare.templates import refuse
+        from fusuma.network.manager import check_movable
 
         refuse(rec, rec.qemu_version)
+        check_movable(self.db, vm, "a template")
         capacity.check_template(self.db, self.parts.host, name, rec.memory_mib)
-        self.parts.client(rec.partition).send(
-            rpc.TemplateSave(vm, name, fault=os.environ.get(FAULT, "")), timeout=300)
-        return self.db.template(name)
+        return rec
 
     def all(self) -> list[TemplateRecord]:
         return self.db.templates()

@@ -20,9 +20,4 @@ def supervisor_pid(paths: Paths, name: str, recorded_pid: int | None) -> int | N
     candidates = [recorded_pid]
     with contextlib.suppress(OSError, ValueError):
         candidates.append(int(paths.supervisor_pidfile(name).read_text()))
-    for pid in candidates:
-        if pid and process.pid_alive(pid):
-            argv = process.cmdline(pid)
-            if SUPERVISOR_MODULE in argv and argv[-1] == name:
-                return pid
-    return None
+    return process.daemon_pid(candidates, SUPERVISOR_MODULE, name)

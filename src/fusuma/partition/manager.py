@@ -11,14 +11,13 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fusuma import capacity
+from fusuma import capacity, spawn
 from fusuma.capacity import SUPERVISOR_MIB
 from fusuma.errors import (
     ConflictError,
@@ -106,9 +105,10 @@ class PartitionManager:
         way a supervisor's sweep does: the recovery used where no in-process one was
         given (``fusuma.ops.context`` gives ``fusuma.recovery.recover``)."""
         with contextlib.suppress(subprocess.TimeoutExpired):
-            subprocess.run([sys.executable, "-m", "fusuma.recovery", held.obj],
-                           env={**os.environ, **self.paths.as_env()},
-                           stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+            subprocess.run(spawn.module_argv("fusuma.recovery", held.obj),
+                           env=spawn.child_env({**os.environ, **self.paths.as_env()}),
+                           cwd=spawn.CWD, stdin=subprocess.DEVNULL, capture_output=True,
+                           timeout=120)
 
     @property
     def units(self) -> Units | None:
@@ -330,11 +330,12 @@ class PartitionManager:
         units = self.units
         if units is not None:
             return self._start_unit(units, name, logf, timeout)
-        env = {**os.environ, **self.paths.as_env()}
+        env = spawn.child_env({**os.environ, **self.paths.as_env()})
         with open(logf, "ab") as log:
-            child = subprocess.Popen([sys.executable, "-m", SUPERVISOR_MODULE, name],
+            child = subprocess.Popen(spawn.module_argv(SUPERVISOR_MODULE, name),
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                     start_new_session=True, close_fds=True, env=env)
+                                     start_new_session=True, close_fds=True, env=env,
+                                     cwd=spawn.CWD)
         deadline = time.monotonic() + timeout
         client = self.client(name)
         while time.monotonic() < deadline:
@@ -355,8 +356,8 @@ class PartitionManager:
         unit = units.supervisor(name)
         # The unit gets this namespace's settings (and a checkout's PYTHONPATH), not
         # the CLI's whole environment.
-        env = {k: v for k, v in os.environ.items()
-               if k.startswith("FUSUMA_") or k == "PYTHONPATH"}
+        env = spawn.child_env({k: v for k, v in os.environ.items()
+                               if k.startswith("FUSUMA_") or k == "PYTHONPATH"})
         env.update(self.paths.as_env())
         try:
             units.install()

@@ -100,6 +100,35 @@ class SegmentConfig:
 
 
 @dataclass(frozen=True)
+class NicConfig:
+    """A NIC on a tap (fusuma.network): the supervisor makes the tap and passes one
+    descriptor per queue (``fds``); QEMU never opens /dev/net/tun itself."""
+
+    id: str                    # the netdev's id: "nic0", "nic1", ...
+    mac: str
+    queues: int
+    tap: str                   # the tap's name (for messages; QEMU gets the fds)
+    bridge: str
+    network: str
+    fds: tuple[int, ...] = ()
+
+    def device(self) -> Device:
+        props: list[tuple[str, str]] = [("netdev", self.id), ("mac", self.mac),
+                                        ("romfile", "")]
+        if self.queues > 1:
+            # One MSI-X vector per queue (rx and tx) plus config and control.
+            props += [("mq", "on"), ("vectors", str(2 * self.queues + 2))]
+        return Device("virtio-net-pci", tuple(props))
+
+    def netdev(self) -> str:
+        if not self.fds:
+            raise ValueError(f"NIC {self.id} ({self.tap}) has no tap descriptors")
+        fds = f"fd={self.fds[0]}" if len(self.fds) == 1 else \
+            f"fds={':'.join(map(str, self.fds))}"
+        return f"tap,id={self.id},{fds},vhost=off"
+
+
+@dataclass(frozen=True)
 class VmConfig:
     """Everything QEMU needs to know about one VM."""
 
@@ -159,6 +188,8 @@ class VmConfig:
     # The console log's FIFO (fusuma.qemu.consolelog): QEMU writes the console there
     # and the supervisor writes ``console_log``, capped (None: QEMU writes the file).
     console_fifo: Path | None = None
+    # NICs on taps (fusuma.network); none: the user-mode network when ``ports`` asks.
+    nics: list[NicConfig] = field(default_factory=list)
     # Files opened for QEMU by the supervisor (None: QEMU opens the path itself).
     ram_fd: int | None = None
     kernel_fd: int | None = None
@@ -174,7 +205,8 @@ class VmConfig:
                self.root_disk_fd, self.template_ram_fd, self.template_state_fd,
                *(s.fd for s in self.segments)]
         return [fd for fd in fds if fd is not None] + [fd for d in self.disks
-                                                       for fd in d.fds]
+                                                       for fd in d.fds] + [
+            fd for n in self.nics for fd in n.fds]
 
 
 NET_ID = "net0"
@@ -273,8 +305,9 @@ def device_set(cfg: VmConfig) -> DeviceSet:
     if cfg.root_disk is not None:
         devs.append(Device("virtio-blk-pci", (("drive", "disk-fusuma-root"),
                                               ("serial", "fusuma-root"))))
-    if cfg.ports:
+    if cfg.ports and not cfg.nics:
         devs.append(Device("virtio-net-pci", (("netdev", NET_ID), ("romfile", ""))))
+    devs += [nic.device() for nic in cfg.nics]
     devs += [Device("virtio-blk-pci", (("drive", f"disk-{d.name}"), ("serial", d.name)))
              for d in cfg.disks]
     if cfg.page_reporting:
@@ -377,6 +410,9 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
         segs += " swiotlb=noforce"
     if has_page_reporting(ds):
         segs += f" page_reporting.page_reporting_order={page_reporting_order()}"
+    if cfg.nics:
+        # The guest's /init asks DHCP for every NIC (fusuma.images lib.sh net_up).
+        segs += " fusuma.net=dhcp"
     argv += ["-kernel", fd_path(cfg.kernel_fd, cfg.kernel),
              "-initrd", fd_path(cfg.initrd_fd, cfg.initrd),
              "-append", f"{cfg.append} fusuma.name={cfg.name}{segs}"]
@@ -399,11 +435,14 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
         argv += ["-drive", f"file={root},format=raw,if=none,id=disk-fusuma-root,readonly=on"]
         backends.append("disk-fusuma-root")
     # A clone of a template with a network card has it whether it forwards ports or not.
-    if cfg.ports or any(NET_ID in dev.backends() for dev in ds.devices):
+    if (cfg.ports and not cfg.nics) or any(NET_ID in dev.backends() for dev in ds.devices):
         fwd = "".join(f",hostfwd={hostfwd(h, g)}" for h, g in cfg.ports) \
             if cfg.bind_ports else ""
         argv += ["-netdev", f"user,id={NET_ID}{fwd}"]
         backends.append(NET_ID)
+    for nic in cfg.nics:
+        argv += ["-netdev", nic.netdev()]
+        backends.append(nic.id)
     for d in cfg.disks:
         ro = ",readonly=on" if d.readonly else ""
         image = fdsets.path(d.fds, f"disk-{d.name}", d.path)

@@ -1,9 +1,10 @@
 """Least privilege for QEMU: every VM's QEMU runs under an unprivileged uid of its own.
 
 Like Firecracker's jailer, fusuma reserves a range of uids: ``FUSUMA_UID_BASE`` (default
-1500000000) and the 65535 after it. The VM in slot n (its record's SQLite rowid, unique
-among defined VMs) runs as uid = gid = base + n, with no supplementary group but ``kvm``
-when it uses /dev/kvm. So one VM's QEMU can open no other VM's RAM file, disk or
+0x70000000, see fusuma.paths) + 1 to + 65535. Each VM's record holds one of them, no
+other record's (fusuma.state.ids: the lowest free one when it is defined), and its QEMU
+runs as uid = gid = that, with no supplementary group but ``kvm`` when it uses
+/dev/kvm. So one VM's QEMU can open no other VM's RAM file, disk or
 sockets, nor read another QEMU's /proc files.
 
 The supervisor (root) drops to that uid in the child between fork and exec
@@ -29,9 +30,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 
-from fusuma.errors import HostError, ResourceError, StateError
+from fusuma.errors import HostError, StateError
 from fusuma.host import storage
-from fusuma.paths import UID_RANGE, Paths
+from fusuma.paths import Paths
 from fusuma.qemu import consolelog
 from fusuma.qemu.cmdline import DiskConfig, VmConfig
 from fusuma.state import VmRecord
@@ -43,16 +44,12 @@ RAM_MODE = 0o600
 
 
 def uid_for(paths: Paths, rec: VmRecord) -> int:
-    """The uid (and gid) the QEMU of ``rec`` runs as: FUSUMA_UID_BASE + slot."""
-    if rec.slot <= 0:
-        raise StateError(f"VM {rec.name!r} has no slot yet (its record was not stored); "
+    """The uid (and gid) the QEMU of ``rec`` runs as: the one its record holds, from
+    FUSUMA_UID_BASE's VM range (``Paths.vm_uids``, fusuma.state.ids)."""
+    if rec.uid <= 0:
+        raise StateError(f"VM {rec.name!r} has no uid yet (its record was not stored); "
                          "define it with `fusuma vm create` first.")
-    if rec.slot >= UID_RANGE:
-        raise ResourceError(
-            f"VM {rec.name!r} has slot {rec.slot}, beyond the {UID_RANGE} uids fusuma "
-            f"reserves for QEMU processes from FUSUMA_UID_BASE={paths.uid_base}; delete "
-            "the VMs defined after it and define it again to get a lower slot.")
-    return paths.uid_base + rec.slot
+    return rec.uid
 
 
 def groups_for(accel: str, kvm_group: str = "kvm") -> list[int]:

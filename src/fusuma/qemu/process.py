@@ -7,7 +7,7 @@ import os
 import signal
 from pathlib import Path
 
-from fusuma.paths import UID_RANGE, Paths
+from fusuma.paths import Paths
 
 PROC = Path("/proc")
 
@@ -28,6 +28,17 @@ def cmdline(pid: int) -> list[str]:
     except OSError:
         return []
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def daemon_pid(candidates: list[int | None], module: str, name: str) -> int | None:
+    """The first of ``candidates`` that is alive and runs ``python -m MODULE NAME`` (a
+    partition supervisor, a network's keeper): a recorded pid is never trusted alone."""
+    for pid in candidates:
+        if pid and pid_alive(pid):
+            argv = cmdline(pid)
+            if module in argv and argv[-1] == name:
+                return pid
+    return None
 
 
 def is_vm_process(pid: int, vm: str, run_dir: Path) -> bool:
@@ -153,8 +164,8 @@ def qemu_vm(pid: int, paths: Paths, proc: Path = PROC) -> str | None:
     vm = names[0][len("guest="):-len(",debug-threads=on")]
     if not any(f"path={paths.vm_run_dir(vm)}/" in a for a in argv):
         return None
-    ours = range(paths.uid_base, paths.uid_base + UID_RANGE)
-    if len(uids) != 4 or not all(u == 0 or u in ours for u in uids):
+    if len(uids) != 4 or not all(u == 0 or any(u in r for r in paths.qemu_uids)
+                                 for u in uids):
         return None
     return vm
 

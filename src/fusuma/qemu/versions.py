@@ -47,7 +47,7 @@ SYSTEM_DATA_DIRS = (Path("/usr/share/qemu"), Path("/usr/share/seabios"),
                     Path("/usr/lib/ipxe/qemu"))
 MODULE_DIR = Path("usr/lib/x86_64-linux-gnu/qemu")
 BINARY_IN_ROOT = Path("usr/bin") / DEFAULT_BINARY
-SERIES_RE = re.compile(r"^(\d+)\.(\d+)$")
+SERIES_RE = re.compile(r"\A([0-9]+)\.([0-9]+)\Z")     # ASCII digits, no final newline
 Q35_RE = re.compile(r"^pc-q35-(\d+)\.(\d+)(?:\.(\d+))?$")
 PROBE_VERSION = 2   # bump when the probe's content changes: old caches are re-probed
 

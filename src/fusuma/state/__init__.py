@@ -6,7 +6,14 @@ holds a job (``fusuma.state.jobs``). SQLite in WAL mode with a busy timeout lets
 processes write safely; conditional updates make their races lose cleanly.
 """
 
-from fusuma.state.db import Database, DiskRecord, PartitionRecord, VmRecord
+from fusuma.state.db import (
+    Database,
+    DiskRecord,
+    NetworkRecord,
+    NicRecord,
+    PartitionRecord,
+    VmRecord,
+)
 from fusuma.state.jobs import (
     LOCAL_JOBS,
     Decision,
@@ -22,5 +29,6 @@ from fusuma.state.jobs import (
 from fusuma.state.machine import ALIVE, VmState
 
 __all__ = ["ALIVE", "LOCAL_JOBS", "Database", "Decision", "DiskRecord", "Job", "JobKind",
-           "JobOwner", "MovePhase", "PartitionRecord", "VmRecord", "VmState",
+           "JobOwner", "MovePhase", "NetworkRecord", "NicRecord", "PartitionRecord",
+           "VmRecord", "VmState",
            "busy_sentence", "identity_obj", "partition_obj", "vm_obj"]

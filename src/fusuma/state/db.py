@@ -12,10 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from fusuma.errors import ConflictError, HostError, NotFoundError, StateError
+from fusuma.paths import DEFAULT_UID_BASE, legacy_uid_base, template_gids, vm_uids
+from fusuma.state import ids
 from fusuma.state.jobs import Job, JobKind, JobOwner, busy_sentence
 from fusuma.state.machine import DELETABLE, VmState, check_transition, lifecycle_action
+from fusuma.state.netdb import NetworkTables
 from fusuma.state.records import (
     DiskRecord,
+    NetworkRecord,
+    NicRecord,
     PartitionRecord,
     SegmentRecord,
     TemplateRecord,
@@ -23,13 +28,17 @@ from fusuma.state.records import (
     VmRecord,
 )
 from fusuma.state.roles import Role
-from fusuma.state.schema import ADDED_COLUMNS, SCHEMA, SCHEMA_VERSION
+from fusuma.state.schema import ADDED_COLUMNS, ID_INDEXES, SCHEMA, SCHEMA_VERSION
 
-__all__ = ["Database", "DiskRecord", "PartitionRecord", "SegmentRecord", "TemplateRecord",
-           "TokenRecord", "VmRecord"]
+# The ranges of the default FUSUMA_UID_BASE (callers pass their Paths' own).
+DEFAULT_VM_UIDS = vm_uids(DEFAULT_UID_BASE)
+DEFAULT_TEMPLATE_GIDS = template_gids(DEFAULT_UID_BASE)
+
+__all__ = ["Database", "DiskRecord", "NetworkRecord", "NicRecord", "PartitionRecord",
+           "SegmentRecord", "TemplateRecord", "TokenRecord", "VmRecord"]
 
 
-class Database:
+class Database(NetworkTables):
     """One connection to the state file; cheap to open, safe across processes."""
 
     def __init__(self, path: Path) -> None:
@@ -48,6 +57,8 @@ class Database:
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(SCHEMA)
         self._add_columns()
+        ids.keep_legacy_ids(self._conn, legacy_uid_base())
+        self._conn.executescript(ID_INDEXES)
         self._conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)",
                            (str(SCHEMA_VERSION),))
 
@@ -80,6 +91,16 @@ class Database:
             self._conn.execute("ROLLBACK")
             raise
         self._conn.execute("COMMIT")
+
+    @contextmanager
+    def atomic(self) -> Iterator[sqlite3.Connection]:
+        """The caller's transaction if one is open (its writes commit together), else
+        one of its own (:meth:`transaction`)."""
+        if self._conn.in_transaction:
+            yield self._conn
+            return
+        with self.transaction() as conn:
+            yield conn
 
     # -- partitions ---------------------------------------------------------------
     @staticmethod
@@ -215,7 +236,7 @@ class Database:
             qemu_version=row["qemu_version"], emulator=row["emulator"],
             page_reporting=(None if row["page_reporting"] is None
                             else bool(row["page_reporting"])),
-            template=row["template"], slot=row["rowid"])
+            template=row["template"], slot=row["rowid"], uid=row["uid"] or 0)
 
     def vms(self, partition: str | None = None) -> list[VmRecord]:
         if partition is None:
@@ -235,23 +256,33 @@ class Database:
             raise NotFoundError(f"no VM named {name!r}; see `fusuma vm list`.")
         return rec
 
-    def add_vm(self, v: VmRecord) -> None:
+    def add_vm(self, v: VmRecord,
+               uids: range = DEFAULT_VM_UIDS) -> VmRecord:
+        """Store ``v`` with the lowest uid of ``uids`` (``Paths.vm_uids``) no record
+        holds; returns it with that uid."""
         try:
-            self._conn.execute(
-                "INSERT INTO vms (name, partition, vcpus, memory_mib, image, disks, accel, "
-                "autostart, state, pid, accel_used, qemu_binary, started_at, error, "
-                "created_at, shared_ram, ram_path, qos, segments, mergeable, ports, "
-                "overhead_mib, machine, emulator, page_reporting, template) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (v.name, v.partition, v.vcpus, v.memory_mib, v.image, json.dumps(v.disks),
-                 v.accel, int(v.autostart), v.state.value, v.pid, v.accel_used, v.qemu_binary,
-                 v.started_at, v.error, v.created_at, int(v.shared_ram), v.ram_path, v.qos,
-                 json.dumps(v.segments), int(v.mergeable), json.dumps(v.ports),
-                 v.overhead_mib, v.machine, v.emulator,
-                 None if v.page_reporting is None else int(v.page_reporting), v.template))
+            with self.atomic():
+                if self.find_vm(v.name) is not None:
+                    raise ConflictError(f"a VM named {v.name!r} already exists.")
+                uid = ids.free_id(self._conn, uids, "vm")
+                cur = self._conn.execute(
+                    "INSERT INTO vms (name, partition, vcpus, memory_mib, image, disks, "
+                    "accel, autostart, state, pid, accel_used, qemu_binary, started_at, "
+                    "error, created_at, shared_ram, ram_path, qos, segments, mergeable, "
+                    "ports, overhead_mib, machine, emulator, page_reporting, template, uid) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (v.name, v.partition, v.vcpus, v.memory_mib, v.image,
+                     json.dumps(v.disks), v.accel, int(v.autostart), v.state.value, v.pid,
+                     v.accel_used, v.qemu_binary, v.started_at, v.error, v.created_at,
+                     int(v.shared_ram), v.ram_path, v.qos, json.dumps(v.segments),
+                     int(v.mergeable), json.dumps(v.ports), v.overhead_mib, v.machine,
+                     v.emulator, None if v.page_reporting is None else int(v.page_reporting),
+                     v.template, uid))
+                self._emit("lifecycle", "vm-created", f"/1.0/vms/{v.name}",
+                           {"partition": v.partition})
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a VM named {v.name!r} already exists.") from exc
-        self.emit("lifecycle", "vm-created", f"/1.0/vms/{v.name}", partition=v.partition)
+        return replace(v, uid=uid, slot=int(cur.lastrowid or 0))
 
     # Columns a VM's record may change after its definition; the state is not one of
     # them: it moves only through ``transition``.
@@ -533,7 +564,7 @@ class Database:
             devices=row["devices"], image=row["image"],
             segments=json.loads(row["segments"]), accel=row["accel"],
             state_sha256=row["state_sha256"], source_vm=row["source_vm"],
-            created_at=row["created_at"], slot=row["rowid"])
+            created_at=row["created_at"], gid=row["gid"] or 0)
 
     def templates(self) -> list[TemplateRecord]:
         rows = self._conn.execute("SELECT rowid, * FROM templates ORDER BY name").fetchall()
@@ -550,22 +581,27 @@ class Database:
             raise NotFoundError(f"no template named {name!r}; see `fusuma template list`.")
         return rec
 
-    def add_template(self, t: TemplateRecord) -> TemplateRecord:
-        """Store ``t``; returns it with its slot."""
+    def add_template(self, t: TemplateRecord,
+                     gids: range = DEFAULT_TEMPLATE_GIDS) -> TemplateRecord:
+        """Store ``t`` with the lowest gid of ``gids`` (``Paths.template_gids``) no
+        record holds; returns it with that gid."""
         try:
-            cur = self._conn.execute(
-                "INSERT INTO templates (name, ram_path, state_path, size_bytes, memory_mib, "
-                "vcpus, machine, qemu_version, devices, image, segments, accel, "
-                "state_sha256, source_vm, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (t.name, t.ram_path, t.state_path, t.size_bytes, t.memory_mib, t.vcpus,
-                 t.machine, t.qemu_version, t.devices, t.image, json.dumps(t.segments),
-                 t.accel, t.state_sha256, t.source_vm, t.created_at))
+            with self.atomic():
+                gid = ids.free_id(self._conn, gids, "template")
+                self._conn.execute(
+                    "INSERT INTO templates (name, ram_path, state_path, size_bytes, "
+                    "memory_mib, vcpus, machine, qemu_version, devices, image, segments, "
+                    "accel, state_sha256, source_vm, created_at, gid) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (t.name, t.ram_path, t.state_path, t.size_bytes, t.memory_mib, t.vcpus,
+                     t.machine, t.qemu_version, t.devices, t.image, json.dumps(t.segments),
+                     t.accel, t.state_sha256, t.source_vm, t.created_at, gid))
+                self._emit("lifecycle", "template-created", f"/1.0/templates/{t.name}",
+                           {"source_vm": t.source_vm, "memory_mib": t.memory_mib})
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a template named {t.name!r} already exists; delete it "
                                 "or pick another name.") from exc
-        self.emit("lifecycle", "template-created", f"/1.0/templates/{t.name}",
-                  source_vm=t.source_vm, memory_mib=t.memory_mib)
-        return replace(t, slot=int(cur.lastrowid or 0))
+        return replace(t, gid=gid)
 
     def clones_of(self, name: str) -> list[str]:
         """The VMs (whatever their state) started from template ``name``."""

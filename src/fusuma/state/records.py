@@ -68,8 +68,6 @@ class VmRecord:
     # DeviceSet as JSON): every move's destination rebuilds exactly that.
     devices: str | None = None
     qemu_version: str | None = None  # of the QEMU running it ("10.0.2")
-    # SQLite rowid: unique among defined VMs, the basis of the VM's own QEMU uid
-    # (fusuma.qemu.privilege). 0 until the record has been stored.
     # Where QEMU's threads other than the vCPUs run: "shared" (the partition's cores),
     # "isolated" (cores of the partition that hold no guaranteed vCPU) or a core list.
     emulator: str = "shared"
@@ -77,7 +75,12 @@ class VmRecord:
     # None: the host's default (on where guest RAM has a memory cgroup of its own).
     page_reporting: bool | None = None
     template: str | None = None      # the template a clone was started from
+    # SQLite rowid: unique among defined VMs, the number in its taps' names
+    # (fusuma.network.ifnames). 0 until the record has been stored.
     slot: int = field(default=0, compare=False)
+    # The uid its QEMU runs as, one of FUSUMA_UID_BASE's VM range held by this record
+    # alone (fusuma.qemu.privilege); 0 until the record has been stored.
+    uid: int = field(default=0, compare=False)
 
     def with_(self, **changes: object) -> VmRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -112,9 +115,9 @@ class TemplateRecord:
     accel: str = "tcg"
     segments: list[str] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
-    # SQLite rowid: the basis of the group that may read its files (fusuma.memshare.
-    # templates.template_gid). 0 until stored.
-    slot: int = field(default=0, compare=False)
+    # The group that may read its RAM file, one of FUSUMA_UID_BASE's template range held
+    # by this record alone (fusuma.memshare.templates.template_gid); 0 until stored.
+    gid: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -127,3 +130,35 @@ class TokenRecord:
     last_used_at: float | None = None
     # Made by a fusuma from before roles: it keeps the admin role it had then.
     before_roles: bool = False
+
+
+@dataclass(frozen=True)
+class NetworkRecord:
+    """A network VMs' NICs attach to (fusuma.network): ``managed`` (a bridge fusuma
+    makes, with a subnet, DHCP/DNS and NAT) or ``bridged`` (a bridge the host has)."""
+
+    name: str
+    type: str                        # "managed" | "bridged"
+    bridge: str
+    subnet: str | None = None
+    nat: bool = False
+    isolated: bool = False
+    filtering: bool = False
+    keeper_pid: int | None = None
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def managed(self) -> bool:
+        return self.type == "managed"
+
+
+@dataclass(frozen=True)
+class NicRecord:
+    """One NIC of a VM: its network, its MAC (generated once) and, on a managed
+    network, its address."""
+
+    vm: str
+    index: int
+    network: str
+    mac: str
+    ip: str | None = None

@@ -100,6 +100,26 @@ CREATE TABLE IF NOT EXISTS templates (
     source_vm TEXT NOT NULL,
     created_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS networks (
+    name TEXT PRIMARY KEY,
+    type TEXT NOT NULL,              -- managed | bridged
+    bridge TEXT NOT NULL UNIQUE,     -- the Linux bridge (made by fusuma when managed)
+    subnet TEXT,                     -- managed: "10.0.5.0/24"; the gateway is its .1
+    nat INTEGER NOT NULL DEFAULT 0,
+    isolated INTEGER NOT NULL DEFAULT 0,
+    filtering INTEGER NOT NULL DEFAULT 0,
+    keeper_pid INTEGER,              -- the supervisor of its dnsmasq
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS nics (
+    vm TEXT NOT NULL REFERENCES vms(name) ON DELETE CASCADE,
+    idx INTEGER NOT NULL,            -- its place among the VM's NICs (net0, net1, ...)
+    network TEXT NOT NULL REFERENCES networks(name),
+    mac TEXT NOT NULL UNIQUE,
+    ip TEXT,                         -- managed networks: the address dnsmasq gives it
+    PRIMARY KEY (vm, idx)
+);
+CREATE UNIQUE INDEX IF NOT EXISTS nics_ip ON nics(network, ip);
 """
 
 # Columns added after a table's first version: (table, column, definition). A state
@@ -122,4 +142,14 @@ ADDED_COLUMNS = (
     ("tokens", "role", "TEXT"),
     ("disks", "dev", "INTEGER"),
     ("disks", "ino", "INTEGER"),
+    ("vms", "uid", "INTEGER"),
+    ("templates", "gid", "INTEGER"),
 )
+
+# One id is one record's: a VM's uid is no other VM's, a template's gid no other
+# template's (fusuma.state.db allocates both, in one transaction, from two ranges that
+# do not meet; records from before those ranges keep the ids they had).
+ID_INDEXES = """
+CREATE UNIQUE INDEX IF NOT EXISTS vms_uid ON vms(uid);
+CREATE UNIQUE INDEX IF NOT EXISTS templates_gid ON templates(gid);
+"""

@@ -5,6 +5,7 @@ guest sees and the files, sockets and disks its QEMU gets (rendered to argv by
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
@@ -13,11 +14,13 @@ from fusuma.errors import HostError, SegmentError, StateError
 from fusuma.host import cgroups, storage
 from fusuma.images import find_image
 from fusuma.memshare import clones, reporting
+from fusuma.network import addr, ifnames, link
 from fusuma.paths import MAX_SOCKET_PATH, Paths
-from fusuma.qemu import versions
+from fusuma.qemu import recorded, versions
 from fusuma.qemu.cmdline import (
     DeviceSet,
     DiskConfig,
+    NicConfig,
     SegmentConfig,
     VmConfig,
     device_set,
@@ -44,11 +47,13 @@ def devices(h: Where, vm: VmRecord, cfg: VmConfig, q: versions.Qemu,
         # A clone: the template's devices (fusuma.memshare.templates).
         ds = clones.clone_devices(h.db, h.partition, vm, q)
     elif incoming is not None and vm.devices:
+        # A move's record may come from another host: only the devices fusuma makes
+        # reach the argv (fusuma.qemu.recorded).
         try:
-            ds = DeviceSet.loads(vm.devices)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise StateError(f"VM {vm.name!r}: its recorded device set is unreadable "
-                             f"({exc}); stop and start it to record it anew.") from exc
+            ds = recorded.parse_device_set(vm.devices)
+        except recorded.DeviceSetRefused as exc:
+            raise StateError(f"VM {vm.name!r}: {exc}; stop and start it to record "
+                             "it anew.") from exc
     else:
         # A boot, or a guest booted by a fusuma that recorded no device set: what
         # that fusuma gave it (the same devices, in the same order).
@@ -107,7 +112,11 @@ def vm_config(h: Where, vm: VmRecord, accel: str, run: Path, ram_file: Path | No
     root_disk = None
     if image.root is not None and not any(s.mount == "/" for s in segments):
         root_disk = image.root
-    ports = [(int(p), int(g)) for p, g in (p.split(":") for p in vm.ports)]
+    nics = nic_configs(h.db, vm)
+    # Forwards of a VM with NICs are the network's (nftables DNAT: fusuma.network.nft);
+    # without, QEMU's user-mode network forwards from 127.0.0.1.
+    ports = [] if nics else [(f.host_port, f.guest_port)
+                             for f in map(addr.parse_forward, vm.ports)]
     qmp = run / "qmp.sock"
     if len(str(qmp)) > MAX_SOCKET_PATH - 4:
         raise HostError(f"socket path {qmp} is too long for a UNIX socket; set "
@@ -121,4 +130,31 @@ def vm_config(h: Where, vm: VmRecord, accel: str, run: Path, ram_file: Path | No
         ram_file=ram_file, disks=disks, incoming=incoming, segments=segments,
         mergeable=vm.mergeable, ports=ports, bind_ports=incoming is None,
         page_reporting=reporting.wanted(vm, h.cg),
-        root_disk=root_disk)
+        root_disk=root_disk, nics=nics)
+
+
+def nic_configs(db: Database, vm: VmRecord) -> list[NicConfig]:
+    """The NICs of ``vm`` as its QEMU gets them (the taps are opened at launch)."""
+    out = []
+    for n in db.nics(vm=vm.name):
+        net = db.network(n.network)
+        out.append(NicConfig(id=f"nic{n.index}", mac=n.mac,
+                             queues=link.queues_for(vm.vcpus),
+                             tap=ifnames.tap_name(vm.slot, n.index), bridge=net.bridge,
+                             network=net.name))
+    return out
+
+
+def open_taps(cfg: VmConfig, uid: int, add: Callable[[int], int]) -> VmConfig:
+    """Make each NIC's tap (owned by the QEMU's ``uid``, a port of its network's bridge)
+    and give its descriptors to ``add`` (the QEMU's files, closed by the supervisor
+    once QEMU has them: a tap then lives exactly as long as the QEMU)."""
+    nics = []
+    for nic in cfg.nics:
+        if not link.is_bridge(nic.bridge):
+            raise StateError(f"VM {cfg.name!r}: network {nic.network}'s bridge "
+                             f"{nic.bridge} does not exist; bring it back with `fusuma up` "
+                             f"or `fusuma network restart {nic.network}`.")
+        fds = link.open_tap(nic.tap, nic.queues, uid, nic.bridge)
+        nics.append(replace(nic, fds=tuple(add(fd) for fd in fds)))
+    return replace(cfg, nics=nics)

@@ -26,6 +26,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from fusuma import spawn
 from fusuma.errors import FusumaError, SupervisorError
 from fusuma.governor.loop import Governor
 from fusuma.host import cgroups
@@ -233,13 +234,13 @@ class Supervisor:
             if involved and key not in self._recoverers:
                 self.log.warning("owner pid %d of the %s job on %s died; recovering",
                                  job.owner.pid, job.kind, job.obj)
-                env = {**os.environ, **self.paths.as_env()}
+                env = spawn.child_env({**os.environ, **self.paths.as_env()})
                 with open(self.paths.partition_dir(self.partition) / "recovery.log",
                           "ab") as log:
                     self._recoverers[key] = subprocess.Popen(
-                        [sys.executable, "-m", "fusuma.recovery", job.obj],
+                        spawn.module_argv("fusuma.recovery", job.obj),
                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                        start_new_session=True, close_fds=True, env=env)
+                        start_new_session=True, close_fds=True, env=env, cwd=spawn.CWD)
 
 
 def main() -> None:

@@ -241,8 +241,12 @@ class PartitionHost:
 
         # A new VM gets a new RAM file; a move's destination opens the one its caller
         # chose (the source's for zero-copy, a new one made for a copy).
+        if cfg.nics and incoming is not None:
+            raise StateError(f"VM {vm.name!r} has NICs on taps, which a move cannot hand "
+                             "over yet; stop it and start it again instead.")
         cfg, files = privilege.open_for_qemu(cfg, uid, new_ram=incoming is None)
         with files:
+            cfg = config.open_taps(cfg, uid, files.add)
             if cfg.template_ram is not None:
                 cfg = clones.open_files(self.db, vm, cfg, files)
             if ram is not None and incoming is None:

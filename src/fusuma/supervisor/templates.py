@@ -137,7 +137,7 @@ async def _save(h: PartitionHost, rec: VmRecord, inst: QemuInstance, name: str,
             image=rec.image, segments=list(rec.segments),
             accel=rec.accel_used or "tcg", state_sha256=sha, source_vm=vm)
         h.phase(vm, "commit", state_bytes=state_bytes)
-        record = h.db.add_template(record)
+        record = h.db.add_template(record, h.paths.template_gids)
         committed = True
     except BaseException as exc:
         if not committed:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import logging
 import shutil
 import time
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fusuma import capacity
-from fusuma.errors import ConflictError, NotFoundError, SpecError, StateError
+from fusuma.errors import ConflictError, FusumaError, NotFoundError, SpecError, StateError
 from fusuma.names import check_name
 from fusuma.paths import Paths
 from fusuma.qemu import process
@@ -24,9 +25,12 @@ from fusuma.vm.view import VmView
 
 R = TypeVar("R")
 
+LOG = logging.getLogger(__name__)
+
 if TYPE_CHECKING:   # not imported at run time: `fusuma ps` needs only VmView (issue 17)
     from fusuma.host.cgroups import CgroupDriver
     from fusuma.host.topology import HostInfo
+    from fusuma.network.manager import NetworkManager
     from fusuma.spec import VmSpec
     from fusuma.state.joblock import JobLock
     from fusuma.supervisor.client import SupervisorClient
@@ -83,12 +87,11 @@ class VmManager:
                 raise ConflictError(f"disk {dname!r} is already used by VM {users[0]!r}.")
         for item in spec.segments:
             self.db.segment(item.partition(":")[0])
-        taken = {p.split(":")[0]: v.name for v in self.db.vms() for p in v.ports}
-        for item in spec.ports:
-            host = item.split(":")[0]
-            if host in taken:
-                raise ConflictError(f"host port {host} is already forwarded to VM "
-                                    f"{taken[host]!r}; pick another port.")
+        from fusuma.network.manager import NicRequest
+
+        nets = self._networks()
+        nics = nets.plan_nics(spec.name, [NicRequest(n.network, n.mac, n.ip)
+                                          for n in spec.nics], spec.ports)
         from fusuma.images import find_image
 
         find_image(self.paths.cache, kind=spec.image)
@@ -115,8 +118,24 @@ class VmManager:
                                       limit=part.memory_mib)
         capacity.check_host_ram(self.db, self.parts.host, [rec], f"VM {rec.name!r}",
                                 "give it less memory, delete a VM or shrink a partition")
-        self.db.add_vm(rec)
-        return rec
+        with self.db.transaction():
+            self.db.add_vm(rec, self.paths.vm_uids)
+            self.db.add_nics(nics)
+        try:
+            for net in sorted({n.network for n in nics}):
+                nets.refresh(net)
+        except BaseException:
+            self.db.remove_vm(rec.name)
+            for net in sorted({n.network for n in nics}):
+                with contextlib.suppress(FusumaError):
+                    nets.refresh(net)
+            raise
+        return self.db.vm(rec.name)
+
+    def _networks(self) -> NetworkManager:
+        from fusuma.network.manager import NetworkManager
+
+        return NetworkManager(self.paths, self.db)
 
     def _clone_spec(self, spec: VmSpec, qemu: str | None) -> VmSpec:
         """A clone's definition: what its template's saved guest has (a value given
@@ -125,6 +144,10 @@ class VmManager:
         from fusuma.qemu import versions
 
         t = self.db.template(str(spec.template))
+        if spec.nics:
+            raise SpecError(f"VM {spec.name!r} is a clone of template {t.name!r}: a clone "
+                            "has its template's devices, and NICs on fusuma's networks "
+                            "are not supported for clones yet; leave --nic out.")
         given = spec.model_fields_set
         fill = {k: getattr(t, k) for k in ("vcpus", "memory_mib", "image", "segments")
                 if k not in given}
@@ -234,7 +257,14 @@ class VmManager:
             with contextlib.suppress(StateError):
                 self.db.transition(name, VmState.CRASHED, pid=None,
                                    error="killed to delete it")
-        self.db.remove_vm(name)
+        networks = sorted({n.network for n in self.db.nics(vm=name)})
+        self.db.remove_vm(name)      # its NICs with it
+        for net in networks:
+            # Its address leaves dnsmasq's hosts, its tap the filter.
+            try:
+                self._networks().refresh(net)
+            except FusumaError as exc:
+                LOG.warning("network %s: not refreshed after VM %s went: %s", net, name, exc)
         for d in (self.paths.vm_dir(name), self.paths.vm_run_dir(name)):
             shutil.rmtree(d, ignore_errors=True)
         rams = {self.paths.ram_file(name), *([Path(vm.ram_path)] if vm.ram_path else [])}

@@ -1,0 +1,268 @@
+"""A recorded device set that another machine wrote, parsed into exactly the devices
+fusuma makes before any argv is built from it.
+
+A move between hosts starts the destination's QEMU from the device set the source
+recorded when the guest booted (``status.move.record`` of the FusumaVM, which the
+source host writes). That is data from another machine, and it becomes ``-device``,
+``-machine``, ``-cpu``, ``-smp``, ``-m`` and ``-serial`` options of a QEMU the
+destination's root starts. So it is an allow-list, not a blocklist: each device must be
+one of the kinds ``fusuma.qemu.cmdline.device_set`` makes, with exactly its options in
+its order, ids and names of fusuma's own form (no comma, no path, no ``=``), counts
+within bounds; the machine, CPU, memory and serial port only the forms fusuma writes.
+Anything else is a ``DeviceSetRefused`` with one sentence, and the move goes back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from fusuma.names import NAME_PATTERN
+from fusuma.qemu.cmdline import (
+    BALLOON_ID,
+    DEVICE_SET_VERSION,
+    MACHINE_OPTS,
+    NET_ID,
+    QGA_PORT_NAME,
+    VMGENID_ID,
+    Device,
+    DeviceSet,
+)
+from fusuma.qemu.versions import TCG_CPU_IDENTITY
+
+# Bounds: far above what fusuma makes, far below what could hurt.
+MAX_TEXT = 64 * 1024              # characters of the JSON text
+MAX_DEVICES = 32                  # a q35 root bus has 32 slots
+MAX_SEGMENTS = 16                 # virtio-pmem devices (memory hotplug slots)
+MAX_DISKS = 24                    # virtio-blk devices, the image's root disk included
+MAX_VCPUS = 64                    # VmSpec's bound
+MAX_MEMORY_MIB = 4 * 2**20        # 4 TiB
+MAX_CPU_FEATURES = 512
+# The -cpu forms fusuma writes: KVM's host CPU, TCG's max, and TCG's max with one
+# identity on every QEMU version.
+CPUS = ("host", "max", f"max,{TCG_CPU_IDENTITY}")
+SERIALS = (None, "con0")
+FIELDS = {"version", "machine", "machine_props", "cpu", "smp", "memory", "serial",
+          "devices", "cpu_features"}
+# What a move carries from the source's VM record (fusuma.cluster.hostmove.CARRIED).
+CARRIED = ("machine", "devices", "accel_used")
+ACCELS = ("kvm", "tcg")
+
+_NAME = NAME_PATTERN.strip("^$")
+MACHINE_RE = re.compile(r"^pc-q35-[0-9]{1,3}\.[0-9]{1,3}(\.[0-9]{1,3})?$")
+MEMORY_RE = re.compile(
+    r"^([1-9][0-9]{1,7})M(?:,slots=([1-9][0-9]?),maxmem=([1-9][0-9]{1,17}))?$")
+FEATURE_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,47}$")
+UUID_RE = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+# Each device kind fusuma makes: its options in order, each a pattern its whole value
+# must match, and how many of it a guest may have.
+KINDS: dict[str, tuple[tuple[tuple[str, str], ...], int]] = {
+    "virtio-serial-pci": ((("id", "vser0"),), 1),
+    "virtserialport": ((("bus", r"vser0\.0"), ("chardev", "qga0"),
+                        ("name", re.escape(QGA_PORT_NAME))), 1),
+    "virtio-pmem-pci": ((("memdev", f"seg-{_NAME}"), ("id", f"pmem-{_NAME}")),
+                        MAX_SEGMENTS),
+    "virtio-blk-pci": ((("drive", f"disk-{_NAME}"), ("serial", _NAME)), MAX_DISKS),
+    "virtio-net-pci": ((("netdev", NET_ID), ("romfile", "")), 1),
+    "virtio-balloon-pci": ((("id", BALLOON_ID), ("free-page-reporting", "on")), 1),
+    "vmgenid": ((("id", VMGENID_ID), ("guid", UUID_RE)), 1),
+}
+_PATTERNS = {kind: tuple((k, re.compile(f"^{p}$")) for k, p in props)
+             for kind, (props, _) in KINDS.items()}
+
+
+class DeviceSetRefused(ValueError):
+    """A recorded device set holds something fusuma does not make (one sentence)."""
+
+
+def _refuse(why: str) -> DeviceSetRefused:
+    return DeviceSetRefused(f"the recorded device set is refused: {why}")
+
+
+def _names(names: list[str]) -> str:
+    """Names another machine wrote, shown safely: each quoted, the whole bounded."""
+    return ", ".join(repr(n) for n in names)[:200]
+
+
+def _str(value: object, what: str, limit: int = 256) -> str:
+    if not isinstance(value, str):
+        raise _refuse(f"{what} is {type(value).__name__}, not a string")
+    if len(value) > limit:
+        raise _refuse(f"{what} is longer than {limit} characters")
+    return value
+
+
+def _int(value: object, what: str, low: int, high: int) -> int:
+    # bool is an int to Python, not to JSON's writer: true is not a count.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _refuse(f"{what} is {type(value).__name__}, not an integer")
+    if not low <= value <= high:
+        raise _refuse(f"{what} is {value}, outside {low}..{high}")
+    return value
+
+
+def _list(value: object, what: str, limit: int) -> list[Any]:
+    if not isinstance(value, list):
+        raise _refuse(f"{what} is {type(value).__name__}, not a list")
+    if len(value) > limit:
+        raise _refuse(f"{what} has {len(value)} entries, more than {limit}")
+    return value
+
+
+def _pairs(value: object, what: str, limit: int) -> tuple[tuple[str, str], ...]:
+    out = []
+    for i, pair in enumerate(_list(value, what, limit)):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise _refuse(f"{what}[{i}] is not a [name, value] pair")
+        out.append((_str(pair[0], f"{what}[{i}] name", 64),
+                    _str(pair[1], f"{what}[{i}] value", 64)))
+    return tuple(out)
+
+
+def _device(i: int, raw: object) -> Device:
+    if not isinstance(raw, dict) or set(raw) != {"driver", "props"}:
+        raise _refuse(f"device {i} is not an object of driver and props")
+    driver = _str(raw["driver"], f"device {i}'s driver", 64)
+    if driver not in KINDS:
+        raise _refuse(f"device {i} is {driver!r}, not a device kind fusuma makes "
+                      f"({', '.join(KINDS)})")
+    props = _pairs(raw["props"], f"device {i} ({driver}) props", 8)
+    want = _PATTERNS[driver]
+    if [k for k, _ in props] != [k for k, _ in want]:
+        raise _refuse(f"device {i} ({driver}) has options "
+                      f"{_names([k for k, _ in props]) or 'none'}, not "
+                      f"{', '.join(k for k, _ in want)}")
+    for (key, value), (_, pattern) in zip(props, want, strict=True):
+        if not pattern.match(value):
+            raise _refuse(f"device {i} ({driver}) option {key}={value!r} is not of the "
+                          "form fusuma gives it")
+    return Device(driver, props)
+
+
+def _same_names(dev: Device, a: str, pa: str, b: str, pb: str) -> bool:
+    d = dict(dev.props)
+    return d[a].removeprefix(pa) == d[b].removeprefix(pb)
+
+
+def _devices(value: object) -> tuple[Device, ...]:
+    devices = tuple(_device(i, d) for i, d in enumerate(_list(value, "devices",
+                                                              MAX_DEVICES)))
+    for kind, (_, most) in KINDS.items():
+        n = sum(d.driver == kind for d in devices)
+        if n > most:
+            raise _refuse(f"it has {n} {kind} devices, more than {most}")
+    backends = [b for d in devices for b in d.backends()] + \
+        [dict(d.props)["id"] for d in devices if "id" in dict(d.props)]
+    twice = sorted({b for b in backends if backends.count(b) > 1})
+    if twice:
+        raise _refuse(f"it names {', '.join(twice)} twice")
+    for d in devices:
+        if d.driver == "virtio-blk-pci" and not _same_names(d, "drive", "disk-",
+                                                           "serial", ""):
+            raise _refuse("a virtio-blk-pci device's serial is not its disk's name")
+        if d.driver == "virtio-pmem-pci" and not _same_names(d, "memdev", "seg-",
+                                                            "id", "pmem-"):
+            raise _refuse("a virtio-pmem-pci device's id is not its segment's name")
+    ports = [i for i, d in enumerate(devices) if d.driver == "virtserialport"]
+    buses = [i for i, d in enumerate(devices) if d.driver == "virtio-serial-pci"]
+    if ports and (not buses or buses[0] > ports[0]):
+        raise _refuse("its virtserialport comes before the virtio-serial-pci it sits on")
+    return devices
+
+
+def _memory(value: object, pmem: int) -> str:
+    text = _str(value, "memory", 64)
+    m = MEMORY_RE.match(text)
+    if m is None:
+        raise _refuse(f"memory {text!r} is not of the form fusuma gives -m")
+    mib = _int(int(m.group(1)), "memory (MiB)", 64, MAX_MEMORY_MIB)
+    slots = int(m.group(2)) if m.group(2) else 0
+    if slots != pmem:
+        raise _refuse(f"memory has {slots} slots for {pmem} virtio-pmem devices")
+    # maxmem: guest RAM plus the segments' sizes (each at most 1 TiB).
+    if m.group(3) and not 0 < int(m.group(3)) - mib * 2**20 <= slots * 2**40:
+        raise _refuse(f"memory's maxmem {m.group(3)} is out of bounds")
+    return text
+
+
+def parse_device_set(text: object) -> DeviceSet:
+    """``text`` (a recorded device set's JSON) as a DeviceSet of exactly the devices
+    fusuma makes; DeviceSetRefused otherwise."""
+    raw_text = _str(text, "the record", MAX_TEXT)
+    try:
+        d = json.loads(raw_text)
+    except ValueError as exc:
+        raise _refuse(f"it is not JSON ({exc})") from exc
+    if not isinstance(d, dict):
+        raise _refuse("it is not a JSON object")
+    extra = sorted(set(d) - FIELDS)
+    if extra:
+        raise _refuse(f"it has fields fusuma does not write ({_names(extra)})")
+    missing = sorted(FIELDS - {"cpu_features"} - set(d))
+    if missing:
+        raise _refuse(f"it lacks {', '.join(missing)}")
+    _int(d["version"], "version", DEVICE_SET_VERSION, DEVICE_SET_VERSION)
+    machine = _machine(d["machine"])
+    machine_props = _pairs(d["machine_props"], "machine_props", 8)
+    want_props = tuple((k, v) for k, _, v in (o.partition("=")
+                                              for o in MACHINE_OPTS.split(",")))
+    if machine_props != want_props:
+        raise _refuse(f"machine options {machine_props} are not fusuma's {MACHINE_OPTS}")
+    cpu = _str(d["cpu"], "cpu", 64)
+    if cpu not in CPUS:
+        raise _refuse(f"cpu {cpu!r} is not one fusuma gives ({', '.join(CPUS)})")
+    smp = _int(d["smp"], "smp", 1, MAX_VCPUS)
+    serial = d["serial"] if d["serial"] is None else _str(d["serial"], "serial", 16)
+    if serial not in SERIALS:
+        raise _refuse(f"serial {serial!r} is not con0")
+    devices = _devices(d["devices"])
+    memory = _memory(d["memory"], sum(x.driver == "virtio-pmem-pci" for x in devices))
+    features = tuple(_str(f, "a CPU feature", 48) for f in _list(
+        d.get("cpu_features", []), "cpu_features", MAX_CPU_FEATURES))
+    bad = [f for f in features if not FEATURE_RE.match(f)]
+    if bad:
+        raise _refuse(f"CPU feature {bad[0]!r} is not a feature name")
+    if len(set(features)) != len(features):
+        raise _refuse("a CPU feature is named twice")
+    if features and not cpu.startswith("max"):
+        raise _refuse("CPU features are recorded for a CPU that is not TCG's max")
+    return DeviceSet(machine=machine, machine_props=machine_props, cpu=cpu, smp=smp,
+                     memory=memory, serial=serial, devices=devices, cpu_features=features)
+
+
+def check_carried(record: Mapping[str, object]) -> dict[str, str]:
+    """What a move carries from the source's VM record (``CARRIED``), checked: the
+    fields to set on the destination's record; DeviceSetRefused otherwise."""
+    extra = sorted(set(record) - set(CARRIED))
+    if extra:
+        raise _refuse(f"the move's record has fields fusuma does not carry "
+                      f"({_names(extra)})")
+    out: dict[str, str] = {}
+    if record.get("accel_used") is not None:
+        out["accel_used"] = _accel(record["accel_used"])
+    if record.get("machine") is not None:
+        out["machine"] = _machine(record["machine"])
+    if record.get("devices") is not None:
+        ds = parse_device_set(record["devices"])
+        if out.get("machine", ds.machine) != ds.machine:
+            raise _refuse(f"the record's machine type {out['machine']} is not its "
+                          f"device set's {ds.machine}")
+        out["devices"] = ds.dumps()
+    return out
+
+
+def _machine(value: object) -> str:
+    machine = _str(value, "machine", 32)
+    if not MACHINE_RE.match(machine):
+        raise _refuse(f"machine {machine!r} is not a versioned q35 machine type")
+    return machine
+
+
+def _accel(value: object) -> str:
+    accel = _str(value, "accel_used", 8)
+    if accel not in ACCELS:
+        raise _refuse(f"accelerator {accel!r} is not kvm or tcg")
+    return accel

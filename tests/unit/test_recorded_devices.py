@@ -1,0 +1,213 @@
+"""A device set recorded by another host is parsed into exactly the devices fusuma makes
+(fusuma.qemu.recorded): everything fusuma makes passes unchanged, and malicious sets
+(other -device kinds, options smuggled in with commas, chardevs with paths, huge counts,
+wrong types) are refused with one sentence before any argv exists."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusuma.qemu.cmdline import DeviceSet, DiskConfig, SegmentConfig, build_argv, device_set
+from fusuma.qemu.recorded import (
+    MAX_DEVICES,
+    DeviceSetRefused,
+    check_carried,
+    parse_device_set,
+)
+from fusuma.qemu.versions import TCG_CPU_IDENTITY
+from tests.unit.test_cmdline import cfg
+
+GUID = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+
+
+def every_set_fusuma_makes() -> list[DeviceSet]:
+    out = []
+    for accel, segs, root, ports, disks, reporting, genid in itertools.product(
+            ("kvm", "tcg"), (0, 2), (False, True), (False, True), (0, 3), (False, True),
+            (None, GUID)):
+        c = cfg(accel=accel, machine="pc-q35-7.2", vmgenid=genid, page_reporting=reporting,
+                segments=[SegmentConfig(f"s{i}", Path(f"/s{i}"), 2**21 * (i + 1), "/mnt")
+                          for i in range(segs)],
+                root_disk=Path("/root.img") if root else None,
+                ports=[(8080, 80)] if ports else [],
+                disks=[DiskConfig(f"d{i}", Path(f"/d{i}.img")) for i in range(disks)])
+        out.append(device_set(c))
+    tcg = out[-1]
+    out.append(replace(tcg, cpu=f"max,{TCG_CPU_IDENTITY}",
+                       cpu_features=("avx2", "sse4.1", "x2apic", "la57")))
+    # What fusuma recorded before the image's root became disk-fusuma-root.
+    old = device_set(cfg(machine="pc-q35-7.2", root_disk=Path("/usr.img")))
+    assert old.devices[2].props == (("drive", "disk-fusuma-root"), ("serial", "fusuma-root"))
+    out.append(replace(old, devices=(*old.devices[:2], replace(
+        old.devices[2], props=(("drive", "disk-fusuma-usr"), ("serial", "fusuma-usr"))))))
+    return out
+
+
+def test_every_device_set_fusuma_makes_passes_unchanged() -> None:
+    sets = every_set_fusuma_makes()
+    assert len(sets) == 130
+    for ds in sets:
+        assert parse_device_set(ds.dumps()) == ds
+        assert check_carried({"machine": ds.machine, "devices": ds.dumps(),
+                              "accel_used": "tcg"})["devices"] == ds.dumps()
+
+
+def good() -> dict[str, Any]:
+    ds = device_set(cfg(machine="pc-q35-7.2", vmgenid=GUID, page_reporting=True,
+                        ports=[(8080, 80)], disks=[DiskConfig("d0", Path("/d0.img"))],
+                        segments=[SegmentConfig("tools", Path("/t"), 2**21, "/mnt/t")]))
+    out: dict[str, Any] = ds.as_json()
+    return out
+
+
+def dev(driver: str, **props: str) -> dict[str, Any]:
+    return {"driver": driver, "props": [[k, v] for k, v in props.items()]}
+
+
+def with_devices(*extra: dict[str, Any]) -> dict[str, Any]:
+    d = good()
+    d["devices"] = d["devices"] + list(extra)
+    return d
+
+
+MALICIOUS: dict[str, tuple[object, str]] = {
+    # Devices fusuma never makes: a host's files, memory or PCI devices for the guest.
+    "9p share of /": (with_devices(dev("virtio-9p-pci", fsdev="root", mount_tag="r")),
+                      "'virtio-9p-pci', not a device kind fusuma makes"),
+    "ivshmem": (with_devices(dev("ivshmem-plain", memdev="seg-tools")),
+                "not a device kind fusuma makes"),
+    "vfio": (with_devices(dev("vfio-pci", host="0000:00:1f.2")),
+             "not a device kind fusuma makes"),
+    "kind with a comma": (with_devices(dev("virtio-blk-pci,drive=disk-d0,serial=x")),
+                          "not a device kind fusuma makes"),
+    # Options smuggled in with commas (QEMU's option syntax) or extra options.
+    "comma in a value": (with_devices(dev("virtio-blk-pci", drive="disk-x,file=/etc/shadow",
+                                          serial="x")),
+                         "option drive='disk-x,file=/etc/shadow' is not of the form"),
+    "doubled comma": (with_devices(dev("virtio-blk-pci", drive="disk-y,,z", serial="y")),
+                      "is not of the form"),
+    "extra option": (with_devices(dev("virtio-blk-pci", drive="disk-z", serial="z",
+                                      addr="0x1f")),
+                     "has options 'drive', 'serial', 'addr', not drive, serial"),
+    "option key injection": (with_devices(dev("virtio-balloon-pci",
+                                              **{"id": "balloon1",
+                                                 "free-page-reporting,x": "on"})),
+                             "'free-page-reporting,x', not id, free-page-reporting"),
+    "serial not its disk": (with_devices(dev("virtio-blk-pci", drive="disk-q", serial="r")),
+                            "serial is not its disk's name"),
+    # Chardevs and backends with paths.
+    "chardev path": (with_devices(dev("virtserialport", bus="vser0.0",
+                                      chardev="socket,path=/root/x", name="n")),
+                     "option chardev='socket,path=/root/x'"),
+    "serial to a file": ({**good(), "serial": "file:/etc/shadow"},
+                         "serial 'file:/etc/shadow' is not con0"),
+    "drive is a path": (with_devices(dev("virtio-blk-pci", drive="/dev/sda", serial="sda")),
+                        "option drive='/dev/sda'"),
+    "machine options": ({**good(), "machine": "pc-q35-7.2,memory-backend=x"},
+                        "is not a versioned q35 machine type"),
+    "machine props": ({**good(), "machine_props": [["sata", "on"], ["smbus", "off"],
+                                                  ["vmport", "off"], ["i8042", "off"]]},
+                      "are not fusuma's"),
+    "cpu options": ({**good(), "cpu": "host,-kvm"}, "cpu 'host,-kvm' is not one fusuma"),
+    "memory options": ({**good(), "memory": "256M,slots=1,maxmem=1G,share=on"},
+                       "is not of the form fusuma gives -m"),
+    "cpu feature injection": ({**good(), "cpu": "max", "cpu_features": ["avx2,kvm=off"]},
+                              "CPU feature 'avx2,kvm=off' is not a feature name"),
+    # Huge counts.
+    "huge smp": ({**good(), "smp": 100000}, "smp is 100000, outside 1..64"),
+    "huge memory": ({**good(), "memory": "99999999M"}, "outside 64.."),
+    "many devices": (with_devices(*[dev("virtio-blk-pci", drive=f"disk-n{i}",
+                                        serial=f"n{i}") for i in range(200)]),
+                     f"more than {MAX_DEVICES}"),
+    "many disks": (with_devices(*[dev("virtio-blk-pci", drive=f"disk-n{i}",
+                                      serial=f"n{i}") for i in range(24)]),
+                   "virtio-blk-pci devices, more than 24"),
+    "two balloons": (with_devices(dev("virtio-balloon-pci", id="balloon0",
+                                      **{"free-page-reporting": "on"})),
+                     "2 virtio-balloon-pci devices, more than 1"),
+    "one drive twice": (with_devices(dev("virtio-blk-pci", drive="disk-d0", serial="d0")),
+                        "names disk-d0 twice"),
+    "slots for absent segments": ({**good(), "memory": "256M,slots=9,maxmem=268435457"},
+                                  "9 slots for 1 virtio-pmem devices"),
+    "huge maxmem": ({**good(), "memory": "256M,slots=1,maxmem=999999999999999999"},
+                    "maxmem 999999999999999999 is out of bounds"),
+    "many features": ({**good(), "cpu": "max", "cpu_features": [f"f{i}" for i in range(600)]},
+                      "more than 512"),
+    "huge text": (json.dumps({**good(), "pad": "x" * 10**6}), "longer than 65536"),
+    # Wrong types.
+    "smp as text": ({**good(), "smp": "2,maxcpus=4096"}, "smp is str, not an integer"),
+    "smp as bool": ({**good(), "smp": True}, "smp is bool, not an integer"),
+    "devices as object": ({**good(), "devices": {"driver": "vmgenid"}}, "not a list"),
+    "props as object": (with_devices({"driver": "vmgenid", "props": {"id": "v"}}),
+                        "not a list"),
+    "driver as number": (with_devices({"driver": 7, "props": []}), "driver is int"),
+    "value as number": (with_devices(dev("virtio-blk-pci") | {"props": [["drive", 1],
+                                                                       ["serial", "a"]]}),
+                        "value is int, not a string"),
+    "pair of three": (with_devices({"driver": "vmgenid", "props": [["id", "v", "x"]]}),
+                      "is not a [name, value] pair"),
+    "not an object": ("[1, 2]", "it is not a JSON object"),
+    "not json": ("{devices:", "it is not JSON"),
+    "a number": (7, "the record is int, not a string"),
+    "unknown field": ({**good(), "x-option\n": "-object"},
+                      "fields fusuma does not write ('x-option\\n')"),
+    "missing field": ({k: v for k, v in good().items() if k != "cpu"}, "it lacks cpu"),
+    "other version": ({**good(), "version": 2}, "version is 2, outside 1..1"),
+    "port before its bus": ({**good(), "devices": good()["devices"][1::-1]},
+                            "comes before the virtio-serial-pci"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALICIOUS))
+def test_a_malicious_device_set_is_refused_with_one_sentence(case: str) -> None:
+    raw, why = MALICIOUS[case]
+    text = raw if not isinstance(raw, dict) else json.dumps(raw)
+    with pytest.raises(DeviceSetRefused) as exc:
+        parse_device_set(text)
+    msg = str(exc.value)
+    assert msg.startswith("the recorded device set is refused: "), msg
+    assert why in msg, msg
+    assert "\n" not in msg and len(msg) < 400, msg
+
+
+def test_the_good_base_of_the_malicious_cases_passes() -> None:
+    assert parse_device_set(json.dumps(good())).dumps() == json.dumps(
+        good(), separators=(",", ":"))
+
+
+@pytest.mark.parametrize("record,why", [
+    ({"accel_used": "kvm -S"}, "accelerator 'kvm -S' is not kvm or tcg"),
+    ({"machine": "pc-q35-7.2,x=y"}, "not a versioned q35 machine type"),
+    ({"machine": "pc-q35-9.2", "devices": json.dumps(good())},
+     "machine type pc-q35-9.2 is not its device set's pc-q35-7.2"),
+    ({"devices": json.dumps(with_devices(dev("e1000")))}, "'e1000', not a device kind"),
+    ({"qemu_binary": "/tmp/x"}, "fields fusuma does not carry ('qemu_binary')"),
+    ({"machine": 7}, "machine is int"),
+])
+def test_the_carried_record_is_checked_as_a_whole(record: dict[str, object],
+                                                  why: str) -> None:
+    with pytest.raises(DeviceSetRefused, match="refused") as exc:
+        check_carried(record)
+    assert why in str(exc.value)
+
+
+def test_a_parsed_set_renders_only_fusumas_device_options() -> None:
+    ds = parse_device_set(json.dumps(good()))
+    argv = build_argv(cfg(devices=ds, ports=[(8080, 80)], page_reporting=True,
+                          disks=[DiskConfig("d0", Path("/d0.img"))],
+                          segments=[SegmentConfig("tools", Path("/t"), 2**21, "/mnt/t")]))
+    devices = [argv[i + 1] for i, a in enumerate(argv) if a == "-device"]
+    assert devices == [
+        "virtio-serial-pci,id=vser0",
+        "virtserialport,bus=vser0.0,chardev=qga0,name=org.qemu.guest_agent.0",
+        "virtio-pmem-pci,memdev=seg-tools,id=pmem-tools",
+        "virtio-net-pci,netdev=net0,romfile=",
+        "virtio-blk-pci,drive=disk-d0,serial=d0",
+        "virtio-balloon-pci,id=balloon0,free-page-reporting=on",
+        f"vmgenid,id=vmgenid0,guid={GUID}"]
