@@ -98,7 +98,8 @@ RECORD_FAILED = "Failed"
 # Connections a stream between hosts takes (QEMU's multifd) under TLS: TLS costs CPU per
 # record (QEMU 10.0 writes one record, and one send, per page and per page header), and
 # several channels, each receiving its pages straight into guest RAM, win most of it
-# back (docs/results/cluster-tls*.json: one channel made moves 63 % slower, four 7 %).
+# back (docs/results/cluster-tls*.json: one channel made moves 63 % slower than in the
+# clear, four 5 to 34 %).
 # In the clear (the benchmark's before) the stream is one connection, as it was.
 TLS_CHANNELS = 4
 # Fault injection (tests), read from the source agent's environment: seconds it waits
