@@ -44,6 +44,8 @@ class PartitionCreate(PartitionSpec):
 class NetworkCreate(NetworkSpec):
     """A network (the keys of a spec's ``[[network]]``)."""
 
+    model_config = STRICT
+
 
 class DiskCreate(DiskSpec):
     """A disk (the keys of a spec's ``[[disk]]``): a regular file inside a storage
@@ -286,6 +288,8 @@ class HostInfo(_Resp):
     auth_role: str | None
     environment: dict[str, Any]
     counts: dict[str, int]
+    # Each listener's gate: its open connections and limits (fusuma.api.guard).
+    connections: dict[str, Any]
 
 
 class ErrorInfo(_Resp):

@@ -11,7 +11,7 @@ from fastapi import APIRouter
 
 from fusuma.api import models as m
 from fusuma.api.daemon import Daemon
-from fusuma.api.http import valid_name
+from fusuma.api.http import NamePath, valid_name
 from fusuma.api.roles import ADMIN, VIEWER, RoleRoute
 
 
@@ -24,7 +24,7 @@ def router(d: Daemon) -> APIRouter:
         return [s.as_json() for s in d.ctx().nets.statuses()]
 
     @r.get("/1.0/networks/{name}", dependencies=[VIEWER], response_model=m.NetworkInfo)
-    def get_network(name: str) -> dict[str, Any]:
+    def get_network(name: NamePath) -> dict[str, Any]:
         return d.ctx().nets.status(valid_name("network", name)).as_json()
 
     @r.post("/1.0/networks", dependencies=[ADMIN], status_code=201,
@@ -39,14 +39,14 @@ def router(d: Daemon) -> APIRouter:
     @r.post("/1.0/networks/{name}/restart", dependencies=[ADMIN],
             response_model=m.NetworkInfo,
             summary="Bring a managed network back: bridge, tables, a new dnsmasq")
-    def restart_network(name: str) -> dict[str, Any]:
+    def restart_network(name: NamePath) -> dict[str, Any]:
         c = d.ctx()
         c.nets.restart(valid_name("network", name))
         return c.nets.status(name).as_json()
 
-    @r.delete("/1.0/networks/{name}", dependencies=[ADMIN],
+    @r.delete("/1.0/networks/{name}", dependencies=[ADMIN], response_model=m.Deleted,
               summary="Delete a network no VM uses")
-    def delete_network(name: str) -> dict[str, Any]:
+    def delete_network(name: NamePath) -> dict[str, Any]:
         d.ctx().nets.delete(valid_name("network", name))
         return {"deleted": f"/1.0/networks/{name}"}
 

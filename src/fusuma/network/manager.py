@@ -15,11 +15,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from fusuma import spawn
 from fusuma.errors import ConflictError, FusumaError, NetworkError, SpecError, StateError
 from fusuma.names import check_name
 from fusuma.network import addr, dnsmasq, ifnames, keeper, link, nft
@@ -287,11 +287,12 @@ class NetworkManager:
     def start_keeper(self, rec: NetworkRecord, timeout: float = 15.0) -> int:
         """Start network ``rec``'s keeper; return its pid once dnsmasq runs."""
         log = self.paths.network_dir(rec.name) / "keeper.log"
-        env = {**os.environ, **self.paths.as_env()}
+        env = spawn.child_env({**os.environ, **self.paths.as_env()})
         with open(log, "ab") as out:
-            child = subprocess.Popen([sys.executable, "-m", keeper.KEEPER_MODULE, rec.name],
+            child = subprocess.Popen(spawn.module_argv(keeper.KEEPER_MODULE, rec.name),
                                      stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                     start_new_session=True, close_fds=True, env=env)
+                                     start_new_session=True, close_fds=True, env=env,
+                                     cwd=spawn.CWD)
         deadline = time.monotonic() + timeout
         f = self.files(rec.name)
         while time.monotonic() < deadline:
