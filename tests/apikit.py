@@ -32,7 +32,9 @@ class Api:
         self.host = host
         self.log = host.home.parent / f"serve-{time.monotonic_ns()}.log"
         host.home.mkdir(parents=True, exist_ok=True)
-        cmd = [*FUSUMA, "serve", *(["--listen", "127.0.0.1:0"] if listen else []), *args]
+        # Under the host's wrap (a network namespace of the test's own, say) as its CLI.
+        cmd = [*host.wrap, *FUSUMA, "serve",
+               *(["--listen", "127.0.0.1:0"] if listen else []), *args]
         self._logf = open(self.log, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, env={**host.env, **(env or {})},
                                      stdout=self._logf, stderr=subprocess.STDOUT,

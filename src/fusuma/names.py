@@ -12,9 +12,10 @@ from fusuma.errors import SpecError
 
 # Names become file names, socket names and cgroup names: keep them boring. \Z, not $:
 # Python's $ also matches before a final newline, and "vm0\n" is no name.
-NAME_RE = re.compile(r"\A[a-z0-9][a-z0-9_-]{0,31}\Z")
+NAME = "[a-z0-9][a-z0-9_-]{0,31}"          # the rule, unanchored (to build others on)
+NAME_RE = re.compile(rf"\A{NAME}\Z")
 # The same rule as the API's OpenAPI document states it (JSON Schema: ECMA regex).
-NAME_PATTERN = "^[a-z0-9][a-z0-9_-]{0,31}$"
+NAME_PATTERN = f"^{NAME}$"
 NAME_HINT = "1-32 characters of a-z, 0-9, '-' and '_', starting with a letter or digit"
 
 

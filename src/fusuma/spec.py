@@ -163,7 +163,7 @@ class NetworkSpec(_Model):
     DHCP and DNS from dnsmasq, NAT and filtering) or ``bridged`` (a bridge the host
     has, named by ``parent``)."""
 
-    name: str
+    name: Name
     type: Literal["managed", "bridged"] = "managed"
     subnet: str | None = None
     nat: bool | None = None           # managed: default true

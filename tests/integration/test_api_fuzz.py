@@ -8,10 +8,13 @@ started may have ended in an internal error, and nothing outside the test's name
 may have changed.
 
 Admin is root-equivalent, so the fuzzer may do anything the API can: delete the
-partitions, register and delete disks, resize, maintain. All of it stays in the test's
-own namespace (``tests/conftest.py``: its FUSUMA_HOME, runtime and shm dirs and cgroup
-prefix; disks only inside its storage directory, FUSUMA_HOME/disks, since the API
-cannot declare another; a file is deleted only if fusuma made it). The guest image
+partitions, register and delete disks, resize, maintain, make networks. All of it stays
+in the test's own namespace (``tests/conftest.py``: its FUSUMA_HOME, runtime and shm
+dirs and cgroup prefix; disks only inside its storage directory, FUSUMA_HOME/disks,
+since the API cannot declare another; a file is deleted only if fusuma made it), and
+the daemon, its CLI and the fuzzer run in a network namespace of the test's own, so
+the bridges, nftables tables and dnsmasq a network is made of are made there and go
+with it. The guest image
 cache is an empty directory of the test's: no VM can start and no image is read, while
 the definitions made before the run (in the shared cache) stay for the fuzzer to change
 or delete.
@@ -33,7 +36,8 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -100,7 +104,22 @@ def failures(report: Path) -> list[str]:
     return out
 
 
-def test_every_route_fuzzed(host: Host, daemons: Callable[..., Api], tmp_path: Path) -> None:
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A network namespace with only its loopback up; set up before the host fixture
+    and so removed after its teardown (`fusuma down` inside it)."""
+    ns = f"fzfz-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        yield ns
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def test_every_route_fuzzed(netns: str, host: Host, daemons: Callable[..., Api],
+                            tmp_path: Path) -> None:
+    host.wrap = ["nsenter", f"--net=/run/netns/{netns}", "--"]
     # Defined with the shared image cache: two partitions, a disk, a stopped VM.
     host.run("partition", "create", "0", "--cpus", "0", "--memory", "512")
     host.run("partition", "create", "1", "--cpus", "1", "--memory", "512")
@@ -114,7 +133,7 @@ def test_every_route_fuzzed(host: Host, daemons: Callable[..., Api], tmp_path: P
     assert api.url is not None and api.cert is not None
 
     report = tmp_path / "junit.xml"
-    cmd = [*schemathesis(), "run", f"{api.url}/openapi.json",
+    cmd = [*host.wrap, *schemathesis(), "run", f"{api.url}/openapi.json",
            "--checks", ",".join(CHECKS), "--seed", str(SEED),
            "--generation-database", "none",     # the same run every time: no replays
            "--max-examples", str(MAX_EXAMPLES), "--phases", "examples,coverage,fuzzing",
@@ -132,7 +151,7 @@ def test_every_route_fuzzed(host: Host, daemons: Callable[..., Api], tmp_path: P
         f"\n{run.stdout[-4000:]}{run.stderr[-2000:]}"
 
     # What the fuzzer's operations did in the background ended in no internal error.
-    with api.tcp(token) as c:
+    with api.unix() as c:           # (its TCP port is the namespace's loopback's)
         ops = c.get("/1.0/operations").json()
     broken = [o for o in ops if o["error_code"] is not None and o["error_code"] >= 500]
     assert not broken, json.dumps(broken, indent=1)

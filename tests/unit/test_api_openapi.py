@@ -166,3 +166,21 @@ def test_what_a_request_gets_wrong_is_a_4xx_at_once(app: FastAPI, paths: Paths) 
         r = c.request(method, path, json=body)
         assert r.status_code == code and r.json()["error"].startswith(says), (body, r.text)
     assert c.get("/1.0/operations").json() == []
+
+
+def test_no_pattern_ends_with_a_dollar() -> None:
+    """Python's ``$`` matches before a final newline, so ``re.compile(r"^...$")`` takes
+    "vm0\\n", "pc-q35-7.2\\n" or a MAC with a newline after it (into QEMU's argv). Every
+    such pattern of fusuma ends at the string's end (``\\Z``)."""
+    from pathlib import Path
+
+    from fusuma.network.addr import MAC_RE
+    from fusuma.qemu.versions import Q35_RE
+
+    src = Path(__file__).resolve().parents[2] / "src"
+    found = [f"{p.relative_to(src)}:{n}" for p in src.rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r're\.compile\(r?"\^[^"]*\$"\)', line)]
+    assert not found, found
+    assert Q35_RE.match("pc-q35-7.2") and not Q35_RE.match("pc-q35-7.2\n")
+    assert MAC_RE.match("52:54:00:12:34:56") and not MAC_RE.match("52:54:00:12:34:56\n")

@@ -211,3 +211,16 @@ def test_a_parsed_set_renders_only_fusumas_device_options() -> None:
         "virtio-blk-pci,drive=disk-d0,serial=d0",
         "virtio-balloon-pci,id=balloon0,free-page-reporting=on",
         f"vmgenid,id=vmgenid0,guid={GUID}"]
+
+
+def test_a_final_newline_is_not_of_fusumas_form() -> None:
+    """Python's ``$`` matches before a final newline: every pattern here ends at the
+    string's end (``\\Z``), or "pc-q35-7.2\\n" from another host would pass."""
+    from fusuma.qemu import recorded
+
+    for rx, good in ((recorded.MACHINE_RE, "pc-q35-7.2"), (recorded.MEMORY_RE, "128M"),
+                     (recorded.FEATURE_RE, "x2apic")):
+        assert rx.match(good) and not rx.match(good + "\n"), rx.pattern
+    for kind, props in recorded._PATTERNS.items():
+        for key, pattern in props:
+            assert pattern.pattern.endswith("\\Z"), (kind, key)

@@ -33,7 +33,7 @@ HOST_USER_PREFIX = "fusuma:host:"
 SA_PREFIX = "fusuma-host-"
 SA_USER_PREFIX = f"system:serviceaccount:{SYSTEM_NAMESPACE}:{SA_PREFIX}"
 # A FusumaHost name: a DNS label short enough for the ServiceAccount's name.
-HOST_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,49}[a-z0-9])?$")
+HOST_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,49}[a-z0-9])?\Z")
 RBAC = "rbac.authorization.k8s.io"
 SERVICE_ACCOUNT = MANIFEST_KINDS["ServiceAccount"]
 SELF_REVIEW = Kind("authentication.k8s.io", "v1", "selfsubjectreviews", False,

@@ -61,7 +61,7 @@ DROPIN = "50-fusuma.conf"
 LIMITS_DROPIN = "50-fusuma-limits.conf"
 KEEPER = "keeper"
 SETTINGS = ("auto", "1", "0")
-_PREFIX = re.compile(r"^[A-Za-z0-9_]+(-[A-Za-z0-9_]+)*$")
+_PREFIX = re.compile(r"^[A-Za-z0-9_]+(-[A-Za-z0-9_]+)*\Z")
 _TIMEOUT_S = 60.0
 
 # A command's result: (exit code, stdout, stderr). Tests replace the runner.

@@ -16,7 +16,7 @@ from fusuma.errors import HostError, SpecError
 
 LOG = logging.getLogger(__name__)
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?\Z")
 _MIN_RESERVE_MIB = 1024
 
 

@@ -19,7 +19,7 @@ from fusuma.errors import ConflictError, HostError, SpecError
 # QEMU NIC to every tool, and the locally administered bit is not needed to avoid
 # clashing with real hardware on a bridge fusuma makes.
 MAC_PREFIX = "52:54:00"
-MAC_RE = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
+MAC_RE = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}\Z")
 # The user-mode network's NIC has QEMU's default MAC: never hand it out.
 USER_MODE_MAC = "52:54:00:12:34:56"
 MIN_PREFIX, MAX_PREFIX = 16, 29

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from fusuma.names import NAME_PATTERN
+from fusuma.names import NAME
 from fusuma.qemu.cmdline import (
     BALLOON_ID,
     DEVICE_SET_VERSION,
@@ -50,11 +50,12 @@ FIELDS = {"version", "machine", "machine_props", "cpu", "smp", "memory", "serial
 CARRIED = ("machine", "devices", "accel_used")
 ACCELS = ("kvm", "tcg")
 
-_NAME = NAME_PATTERN.strip("^$")
-MACHINE_RE = re.compile(r"^pc-q35-[0-9]{1,3}\.[0-9]{1,3}(\.[0-9]{1,3})?$")
+_NAME = NAME
+# \Z, not $: Python's $ also matches before a final newline.
+MACHINE_RE = re.compile(r"^pc-q35-[0-9]{1,3}\.[0-9]{1,3}(\.[0-9]{1,3})?\Z")
 MEMORY_RE = re.compile(
-    r"^([1-9][0-9]{1,7})M(?:,slots=([1-9][0-9]?),maxmem=([1-9][0-9]{1,17}))?$")
-FEATURE_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,47}$")
+    r"^([1-9][0-9]{1,7})M(?:,slots=([1-9][0-9]?),maxmem=([1-9][0-9]{1,17}))?\Z")
+FEATURE_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,47}\Z")
 UUID_RE = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
 # Each device kind fusuma makes: its options in order, each a pattern its whole value
@@ -70,7 +71,7 @@ KINDS: dict[str, tuple[tuple[tuple[str, str], ...], int]] = {
     "virtio-balloon-pci": ((("id", BALLOON_ID), ("free-page-reporting", "on")), 1),
     "vmgenid": ((("id", VMGENID_ID), ("guid", UUID_RE)), 1),
 }
-_PATTERNS = {kind: tuple((k, re.compile(f"^{p}$")) for k, p in props)
+_PATTERNS = {kind: tuple((k, re.compile(f"^{p}\\Z")) for k, p in props)
              for kind, (props, _) in KINDS.items()}
 
 

@@ -48,7 +48,7 @@ SYSTEM_DATA_DIRS = (Path("/usr/share/qemu"), Path("/usr/share/seabios"),
 MODULE_DIR = Path("usr/lib/x86_64-linux-gnu/qemu")
 BINARY_IN_ROOT = Path("usr/bin") / DEFAULT_BINARY
 SERIES_RE = re.compile(r"\A([0-9]+)\.([0-9]+)\Z")     # ASCII digits, no final newline
-Q35_RE = re.compile(r"^pc-q35-(\d+)\.(\d+)(?:\.(\d+))?$")
+Q35_RE = re.compile(r"^pc-q35-(\d+)\.(\d+)(?:\.(\d+))?\Z")
 PROBE_VERSION = 2   # bump when the probe's content changes: old caches are re-probed
 
 # Features fusuma uses, by the first QEMU version that has them.

@@ -38,7 +38,7 @@ from fusuma.host.limits import Limits
 
 LOG = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}\Z")
 
 
 # What keeps a partition's cores to itself (`fusuma ps`: cores_held_by), strongest first:
@@ -53,7 +53,7 @@ HELD_SHARED = "shared"
 # The cgroup below the prefix that holds one memory cgroup per guest RAM file. A name
 # with a dot: partition names cannot have one, so it never collides with a partition.
 RAM_GROUP = "guest.ram"
-RAM_STEM_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}(\.[0-9a-f]{8})?$")
+RAM_STEM_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}(\.[0-9a-f]{8})?\Z")
 
 
 # CPU weight on cgroup v2's ``cpu.weight`` scale; v1 drivers convert to ``cpu.shares``.
