@@ -99,7 +99,8 @@ RECORD_FAILED = "Failed"
 # record (QEMU 10.0 writes one record, and one send, per page and per page header), and
 # several channels, each receiving its pages straight into guest RAM, win most of it
 # back (docs/results/cluster-tls*.json: one channel made moves 63 % slower than in the
-# clear, four 5 to 34 %).
+# clear, four 5 to 34 %); the channels' zstd (``source.MULTIFD_COMPRESSION``) hands TLS
+# whole packets and sends fewer bytes.
 # In the clear (the benchmark's before) the stream is one connection, as it was.
 TLS_CHANNELS = 4
 # Fault injection (tests), read from the source agent's environment: seconds it waits
