@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -246,3 +247,34 @@ def test_rotation_with_a_new_ca_leaves_a_move_in_flight_alone(
     last = moved(c, "rotor", "h0")
     assert (last["result"], last["tls"]) == ("ok", True)
     assert guest_md5(c, "h0", "rotor") == before
+
+
+def test_an_agent_killed_during_a_rotation_takes_up_the_new_ca_when_it_is_back(
+        agents_restored: Cluster) -> None:
+    """kill -9 of a host's agent while `rotate-certs --ca` waits for every host to trust
+    the new CA: the rotation goes on once that host's Lease has expired (a host that is
+    not live cannot lag), and the agent, started again, reads its Secret and reports the
+    new CA's certificate alone; its Secret was never left half written."""
+    c = agents_restored
+    lh = c.lab_host("h2")
+    p = rotate(c, "--ca", "--drop-previous-ca")
+    assert p.stdout is not None
+    seen: list[str] = []
+    for line in p.stdout:       # the CA is replaced: kill h2's agent right then
+        seen.append(line)
+        if "new CA" in line:
+            c.lab.stop_agent(lh, signal.SIGKILL)
+            break
+    else:
+        pytest.fail(f"rotate-certs never said it made a new CA: {''.join(seen)}")
+    out, _ = p.communicate(timeout=240)
+    assert p.returncode == 0, "".join(seen) + out
+    ca = c.lab.get("secret", "fusuma-move-ca", "fusuma-system")["data"]
+    new_fp = pki.fingerprint(base64.b64decode(ca["ca.crt"]))
+    assert "previous.crt" not in ca
+    pem = host_pem(c, "h2")        # whole: a certificate of the new CA and its key
+    assert b"BEGIN CERTIFICATE" in pem and b"PRIVATE KEY" in pem
+    c.lab.start_agent(lh)
+    for h in ("h0", "h1", "h2"):
+        wait_for(lambda h=h: (s := tls_of(c, h))["issuer"] == new_fp
+                 and s["trust"] == [new_fp], 60, f"{h} on the new CA alone")

@@ -76,7 +76,7 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                                "(epoch seconds)."),
                 "qemuDowntimeMs": _n("Downtime as the source QEMU reports it, in ms."),
                 "phase": _s("Between hosts: Preparing, Prepared, Streaming, Streamed, "
-                            "Decided, Done, Failed."),
+                            "Switched, Done, Failed."),
                 "uri": _s("Between hosts: where the destination QEMU listens (tcp:ADDR:PORT); "
                           "the source sends only to the port at the destination host's "
                           "registered address."),
