@@ -39,7 +39,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -251,11 +250,11 @@ class World:
             p = self.fusuma("down", timeout=300, check=False)
             if p.returncode != 0:
                 left.append(f"fusuma down failed: {p.stderr.strip()[-300:]}")
-        if self.server is not None:
-            self.server.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
+        if self.server is not None:      # iperf3 itself (nsenter execs it)
+            self.server.terminate()
+            try:
                 self.server.wait(5)
-            if self.server.poll() is None:
+            except subprocess.TimeoutExpired:
                 self.server.kill()
                 self.server.wait()
         if self.ns in self.made:

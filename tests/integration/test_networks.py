@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from tests.apikit import Api
 from tests.conftest import FUSUMA, Host, _tear_down
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -366,6 +367,74 @@ def test_ps_vm_show_and_network_list_show_each_nic(booted: tuple[Host, Net]) -> 
     assert "fzb-lan0" in text and nics["a"][0]["mac"] in text
     lst = {n["name"]: n for n in h.run("network", "list", "--json").json()}
     assert [(n["vm"], n["tap"]) for n in lst["lan1"]["nics"]] == [("c", nics["c"][0]["tap"])]
+    # The API's models carry them (each response is checked against its model) and the
+    # dashboard's state has them.
+    api = Api(h)
+    try:
+        with api.unix() as c:
+            assert c.get("/1.0/vms/b").json()["nics"] == nics["b"]
+            got = c.get("/1.0/ps").json()
+            assert {v["name"]: v["nics"] for v in got["vms"]} == nics
+            assert {n["name"]: n["vms"] for n in got["networks"]} == {"lan0": ["a", "b"],
+                                                                     "lan1": ["c"]}
+            assert c.get("/1.0/networks/lan1").json()["nics"] == lst["lan1"]["nics"]
+            ui = c.get("/1.0/ui/state").json()
+            assert [n["name"] for n in ui["networks"]] == ["lan0", "lan1"]
+            assert {v["name"]: v["nics"] for v in ui["vms"]} == nics
+    finally:
+        api.stop()
+
+
+def test_dashboard_shows_nics_and_networks(booted: tuple[Host, Net], tmp_path: Path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.integration.test_dashboard import (
+        ARGS,
+        CHROMIUM,
+        PHONE,
+        WIDE,
+        Console,
+        login,
+        no_overflow,
+    )
+
+    h, net = booted
+    token = h.run("token", "create", "nics", "--role", "viewer", "--json").json()["token"]
+    # The browser joins the daemon in the test's network namespace (Playwright drives
+    # it through pipes, which the namespace does not touch).
+    browser_in_ns = tmp_path / "chromium"
+    browser_in_ns.write_text(f'#!/bin/sh\nexec nsenter --net=/run/netns/{net.ns} -- '
+                             f'{CHROMIUM} "$@"\n')
+    browser_in_ns.chmod(0o755)
+    mac_b = h.vm("b")["nics"][0]["mac"]
+    api = Api(h, listen=True)
+    try:
+        assert api.url
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(browser_in_ns), headless=True,
+                                        args=ARGS)
+            try:
+                page = browser.new_context(ignore_https_errors=True, viewport=WIDE).new_page()
+                console = Console(page)
+                login(page, api.url, token)
+                lan0 = page.locator('#networks tr[data-network="lan0"]')
+                expect(lan0).to_contain_text("fzb-lan0")
+                expect(lan0).to_contain_text(f"{LAN0}.0/24")
+                expect(lan0.locator('[data-nic="b/0"]')).to_contain_text(f"{LAN0}.50")
+                expect(page.locator('#networks tr[data-network="lan1"]')).to_contain_text("c")
+                nic = page.locator('#vms tr[data-vm="b"] [data-nic="lan0/0"]')
+                expect(nic).to_contain_text(f"{LAN0}.50")
+                expect(nic).to_contain_text(mac_b)
+                for size in (WIDE, PHONE):
+                    page.set_viewport_size(size)
+                    page.wait_for_timeout(200)
+                    no_overflow(page)
+                assert console.errors == [], console.errors
+            finally:
+                browser.close()
+    finally:
+        api.stop()
+        h.run("token", "revoke", "nics", check=False)
 
 
 # -- bad input: one sentence, nothing made -----------------------------------------------

@@ -159,13 +159,18 @@ class NicInfo(_Resp):
     """A VM's NIC: its network, MAC, address (a managed network's), its tap's name and
     whether the kernel has that tap now."""
 
-    vm: str | None = None             # in a network's list of NICs
     index: int
     network: str
     mac: str
     ip: str | None
     tap: str | None
     tap_present: bool
+
+
+class NetworkNicInfo(NicInfo):
+    """A NIC in a network's list: whose it is, and the NIC."""
+
+    vm: str
 
 
 class VmInfo(_Resp):
@@ -211,7 +216,7 @@ class NetworkInfo(_Resp):
     keeper_pid: int | None
     dnsmasq_pid: int | None
     vms: list[str]
-    nics: list[NicInfo] = []
+    nics: list[NetworkNicInfo] = []
 
 
 class PartitionInfo(_Resp):

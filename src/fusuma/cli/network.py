@@ -87,11 +87,14 @@ def network_row(d: dict[str, object]) -> list[str]:
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
-    """List networks: type, bridge, subnet, options, VMs and state.
+    """List networks: type, bridge, subnet, options, VMs and state (--json: each
+    with its NICs: VM, MAC, address, tap).
 
     State: up; no-dhcp (a managed network whose dnsmasq is not running: `fusuma
     network restart NAME`); down (its bridge is gone: `fusuma up`)."""
-    data = [s.as_json() for s in c.nets.statuses()]
+    from fusuma.views.networks import networks_data
+
+    data = networks_data(c)
     if as_json:
         emit_json(data)
         return

@@ -243,7 +243,9 @@ def show(c: Ctx, name: str, as_json: bool) -> None:
     click.echo(f"{'segments:':12}{', '.join(d['segments']) or '-'}")
     click.echo(f"{'disks:':12}{', '.join(d['disks']) or '-'}")
     if not d["nics"]:
-        click.echo(f"{'network:':12}user-mode (QEMU's own; no NIC on a fusuma network)")
+        # Without --nic, a VM has QEMU's user-mode NIC only when it forwards a port.
+        click.echo(f"{'network:':12}" + ("user-mode (QEMU's own; the ports above)"
+                                         if d["ports"] else "none"))
         return
     from fusuma.cli.network import tap_cell
 

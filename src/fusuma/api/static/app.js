@@ -492,7 +492,7 @@
           el("span", { class: "bar-label", text: "priv " + split.private.toFixed(1) + " · seg " + split.segment.toFixed(1) + " · ksm " + split.ksm.toFixed(1) })] : el("span", { class: "muted", text: "–" }) },
         { sig: "s" + v.segments.join(","), content: () => v.segments.length ? v.segments.map((s) => el("span", { class: "tag", text: s })) : el("span", { class: "muted", text: "none" }) },
         { sig: "p" + v.ports.join(","), content: () => v.ports.length ? v.ports.map((s) => el("span", { class: "tag mono", title: "host 127.0.0.1:" + s.split(":")[0] + " → guest port " + s.split(":")[1], text: s })) : el("span", { class: "muted", text: "none" }) },
-        { sig: "n" + JSON.stringify(v.nics || []), content: () => (v.nics || []).length ? v.nics.map(nicTag) : el("span", { class: "muted", text: "user-mode" }) },
+        { sig: "n" + JSON.stringify(v.nics || []), content: () => (v.nics || []).length ? v.nics.map(nicTag) : el("span", { class: "muted", text: v.ports.length ? "user-mode" : "none" }) },
       ], [names.join(","), v.partition, v.state, !!v.job, busy.has("vm:" + v.name)].join("|"), () => vmActions(v, names));
     }, 11, "No VMs yet: create one with `fusuma vm create NAME -p PARTITION --start`.");
   }
