@@ -491,10 +491,21 @@
           el("span", { class: "metric", text: mib(split.pss) }), stackBar(split, split.private + split.segment + split.ksm),
           el("span", { class: "bar-label", text: "priv " + split.private.toFixed(1) + " · seg " + split.segment.toFixed(1) + " · ksm " + split.ksm.toFixed(1) })] : el("span", { class: "muted", text: "–" }) },
         { sig: "s" + v.segments.join(","), content: () => v.segments.length ? v.segments.map((s) => el("span", { class: "tag", text: s })) : el("span", { class: "muted", text: "none" }) },
-        { sig: "p" + v.ports.join(","), content: () => v.ports.length ? v.ports.map((s) => el("span", { class: "tag mono", title: "host 127.0.0.1:" + s.split(":")[0] + " → guest port " + s.split(":")[1], text: s })) : el("span", { class: "muted", text: "none" }) },
-        { sig: "n" + JSON.stringify(v.nics || []), content: () => (v.nics || []).length ? v.nics.map(nicTag) : el("span", { class: "muted", text: v.ports.length ? "user-mode" : "none" }) },
+        { sig: "n" + v.ports.join(",") + JSON.stringify(v.nics || []), content: () => networkCell(v) },
       ], [names.join(","), v.partition, v.state, !!v.job, busy.has("vm:" + v.name)].join("|"), () => vmActions(v, names));
-    }, 11, "No VMs yet: create one with `fusuma vm create NAME -p PARTITION --start`.");
+    }, 10, "No VMs yet: create one with `fusuma vm create NAME -p PARTITION --start`.");
+  }
+
+  // A VM's network: its NICs on fusuma networks, then its port forwards (without a NIC,
+  // QEMU's user-mode network, which a VM has only when it forwards a port).
+  function networkCell(v) {
+    const nics = v.nics || [];
+    const ports = v.ports.map((s) => {
+      const parts = s.split(":");
+      return el("span", { class: "tag mono", title: "host " + (parts.length > 2 ? parts[0] : "127.0.0.1") + ":" + parts[parts.length - 2] + " → guest port " + parts[parts.length - 1], text: s });
+    });
+    if (!nics.length && !ports.length) return el("span", { class: "muted", text: "none" });
+    return [...nics.map(nicTag), nics.length ? null : el("span", { class: "sub", text: "user-mode" }), ...ports];
   }
 
   // One NIC: network and address, its MAC and tap (absent from the kernel: marked).
@@ -524,7 +535,7 @@
           el("span", { class: "name", text: x.vm }), " ", el("span", { class: "mono", text: x.ip || x.mac }),
           el("span", { class: "sub mono", text: x.mac + " · " + (x.tap || "–") + (x.tap_present ? "" : " · no tap") }))) : el("span", { class: "muted", text: "no VM" }) },
       ].map((c) => el("td", { class: c.class || "" }, el("div", { class: "cell" }, c.content()))));
-    }, 6, "No networks: VMs use QEMU's user-mode network. Create one with `fusuma network create NAME`.");
+    }, 6, "No networks yet: create one with `fusuma network create NAME`, then give VMs a NIC on it (`--nic NAME`).");
   }
 
   // A button that asks for a second click (within 4 s) before it acts.
