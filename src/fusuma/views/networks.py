@@ -29,14 +29,15 @@ def present_taps() -> set[str]:
     return set(link.links(ifnames.TAP_PREFIX))
 
 
-def nics_by_vm(db: Database, records: Sequence[VmRecord]) -> dict[str, list[dict[str, Any]]]:
-    """Every VM's NICs (an empty list for one without), reading the kernel only when a
-    NIC exists."""
+def nics_by_vm(db: Database, records: Sequence[VmRecord], taps: set[str] | None = None
+               ) -> dict[str, list[dict[str, Any]]]:
+    """Every VM's NICs (an empty list for one without), reading the kernel (unless
+    ``taps`` gives its taps) only when a NIC exists."""
     nics = db.nics()
     out: dict[str, list[dict[str, Any]]] = {r.name: [] for r in records}
     if not nics:
         return out
-    taps = present_taps()
+    taps = present_taps() if taps is None else taps
     slots = {r.name: r.slot for r in records}
     for n in nics:
         if n.vm in out:
@@ -44,12 +45,12 @@ def nics_by_vm(db: Database, records: Sequence[VmRecord]) -> dict[str, list[dict
     return out
 
 
-def networks_data(c: Ctx) -> list[dict[str, Any]]:
+def networks_data(c: Ctx, taps: set[str] | None = None) -> list[dict[str, Any]]:
     """Every network as `network list --json` shows it (bridge, subnet, state, its
     VMs), each with its NICs; [] without reading the kernel when there is none."""
     if not c.db.networks():
         return []
-    taps = present_taps()
+    taps = present_taps() if taps is None else taps
     slots = {r.name: r.slot for r in c.db.vms()}
     return [_with_nics(c, st.as_json(), slots, taps) for st in c.nets.statuses()]
 
