@@ -155,6 +155,24 @@ class JobInfo(_Resp):
     owner_alive: bool
 
 
+class NicInfo(_Resp):
+    """A VM's NIC: its network, MAC, address (a managed network's), its tap's name and
+    whether the kernel has that tap now."""
+
+    index: int
+    network: str
+    mac: str
+    ip: str | None
+    tap: str | None
+    tap_present: bool
+
+
+class NetworkNicInfo(NicInfo):
+    """A NIC in a network's list: whose it is, and the NIC."""
+
+    vm: str
+
+
 class VmInfo(_Resp):
     """A VM as `fusuma vm list --json` / `ps --json` show it."""
 
@@ -180,6 +198,7 @@ class VmInfo(_Resp):
     # Guest RAM on the host: {"page_reporting", "resident_mib", "returned_mib"}
     ram: dict[str, Any] | None = None
     template: str | None = None     # the template a clone was started from
+    nics: list[NicInfo] = []        # NICs on fusuma networks ([]: user-mode network)
 
 
 class NetworkInfo(_Resp):
@@ -197,6 +216,7 @@ class NetworkInfo(_Resp):
     keeper_pid: int | None
     dnsmasq_pid: int | None
     vms: list[str]
+    nics: list[NetworkNicInfo] = []
 
 
 class PartitionInfo(_Resp):
@@ -221,6 +241,7 @@ class PartitionInfo(_Resp):
 class PsInfo(_Resp):
     partitions: list[PartitionInfo]
     vms: list[VmInfo]
+    networks: list[NetworkInfo] = []
 
 
 class DiskInfo(_Resp):
