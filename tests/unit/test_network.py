@@ -486,3 +486,23 @@ def test_a_forward_beside_a_listening_address_is_free() -> None:
     # 8080 listens on 127.0.0.1 only: the same port on another address is free.
     addr.check_free([addr.parse_forward("10.0.0.5:8080:80"),
                      addr.parse_forward("9000:80")], addr.parse_listeners(TCP, TCP6))
+
+
+def test_a_network_a_template_keeps_is_not_deleted(db: Database, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusuma.state.db import TemplateRecord
+
+    FakeKernel(monkeypatch)
+    paths = Paths(home=tmp_path, runtime=tmp_path / "r", shm=tmp_path / "s",
+                  cache=tmp_path / "c", cgroup_prefix="fusuma-t")
+    db.add_template(TemplateRecord(
+        name="t", ram_path="/s/t.template", state_path="/h/t/state", size_bytes=1,
+        memory_mib=256, vcpus=1, machine="pc-q35-7.2", qemu_version="10.0.2", devices="{}",
+        image="minimal", state_sha256="0", source_vm="gone", networks=["lan0"]))
+    with pytest.raises(StateError, match=r"kept by template\(s\) t \(their clones") as err:
+        NetworkManager(paths, db).delete("lan0")
+    assert str(err.value).count(". ") == 0
+    assert db.find_network("lan0") is not None
+    db.remove_template("t")
+    NetworkManager(paths, db).delete("lan0")
+    assert db.find_network("lan0") is None

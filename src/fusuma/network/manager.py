@@ -210,6 +210,10 @@ class NetworkManager:
         if users:
             raise StateError(f"network {name!r} is used by VM(s) {', '.join(users)}; "
                              "delete them (or their NICs) first.")
+        kept = [t.name for t in self.db.templates() if name in t.networks]
+        if kept:
+            raise StateError(f"network {name!r} is kept by template(s) {', '.join(kept)} "
+                             "(their clones get NICs on it); delete them first.")
         if rec.managed:
             self._remove_kernel(rec)
         self.db.remove_network(name)
