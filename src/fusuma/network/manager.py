@@ -197,6 +197,9 @@ class NetworkManager:
         self.stop_keeper(rec)
         for family in ("inet", "bridge"):
             nft.delete(family, self.table(rec.name))
+        # A network that spanned hosts (fusuma.network.span): its VXLAN port and table.
+        link.delete_link(ifnames.vxlan_name(rec.name))
+        nft.delete("bridge", ifnames.span_table_name(self.paths.cgroup_prefix, rec.name))
         if rec.managed:
             link.delete_link(rec.bridge)
         shutil.rmtree(self.paths.network_run_dir(rec.name), ignore_errors=True)

@@ -58,7 +58,7 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str) -> rpc.Prepare
             privilege.create_ram_file(ram, privilege.uid_for(h.paths, rec))
             h.charge_ram(ram, rec.memory_mib)
         inst = await h.launch(rec, accel, run, ram, "defer", rev, role=Role.INCOMING,
-                              disk_owner=rec.partition)
+                              disk_owner=rec.partition, own_taps=True)
         await inst.qmp.migrate_set_capabilities(capabilities("copy"))
         listener = inst.qmp.listener(EVENT_MIGRATION)
         await inst.qmp.migrate_incoming(f"tcp:{listen}:0")
