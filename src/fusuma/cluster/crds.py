@@ -126,10 +126,10 @@ VM_SPEC = _obj("The VM as asked for: fusuma's VM spec, plus where it runs.", {
                  "each keeps its MAC and address wherever the VM moves.",
                  _obj("One NIC.", {
                      "network": _s("A FusumaNetwork's name."),
-                     "ip": _s("Its address in the network's subnet. Give one: addresses "
-                              "are not yet allocated across hosts."),
+                     "ip": _s("Its address in the network's subnet (required: "
+                              "addresses are not allocated across hosts yet)."),
                      "mac": _s("Its MAC (default: generated once).")},
-                      required=["network"]), maxItems=8),
+                      required=["network", "ip"]), maxItems=8),
     "restartable": _b("Start it again from its image on another host when its host is "
                       "lost (its RAM and any disk local to the lost host are gone).",
                       default=False),
@@ -221,6 +221,13 @@ NETWORK_SPEC = _obj("A managed network on every host, one layer-2 segment across
                                   maximum=2**24 - 1),
                         "nat": _b("NAT to each host's uplink.", default=True),
                     }, required=["subnet", "vni"])
+
+NETWORK_STATUS = _obj("Per-host state, written by each agent.", {
+    "hosts": _arr("One entry per host.", _obj("One host's part of the network.", {
+        "host": _s("Host."), "ready": _b("Its bridge, dnsmasq and VXLAN port are up."),
+        "message": _s("Why not, when not.")})),
+    "conditions": CONDITIONS,
+})
 
 SEGMENT_STATUS = _obj("Per-host state, written by each agent.", {
     "hosts": _arr("One entry per host.", _obj("One host's copy.", {
@@ -328,7 +335,7 @@ def crds() -> list[Obj]:
              "spec.partition moves it zero-copy inside its host, changing spec.host moves "
              "it live to another host."),
         _crd("FusumaNetwork", "fusumanetworks", "fusumanetwork", ["fnet"], "Cluster",
-             NETWORK_SPEC, SEGMENT_STATUS, [_col("Subnet", ".spec.subnet"),
+             NETWORK_SPEC, NETWORK_STATUS, [_col("Subnet", ".spec.subnet"),
                                             _col("VNI", ".spec.vni", "integer"),
                                             *seg_cols[1:]],
              "A managed network that spans the hosts (bridge, DHCP, NAT on each, a VXLAN "

@@ -83,6 +83,14 @@ def exists(name: str) -> bool:
     return bool(_show(name))
 
 
+def kind_data(name: str) -> dict[str, Any]:
+    """What the kernel says of link ``name``'s kind (``linkinfo.info_data``: a VXLAN's
+    id and local address, ...); empty if there is no such link."""
+    for r in _show(name):
+        return dict(r.get("linkinfo", {}).get("info_data", {}))
+    return {}
+
+
 def is_bridge(name: str) -> bool:
     return any(r.get("linkinfo", {}).get("info_kind") == "bridge" for r in _show(name))
 

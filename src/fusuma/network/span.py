@@ -90,7 +90,7 @@ def attach(network: str, bridge: str, table: str, vni: int, local: str,
     mac = gateway_mac(vni)
     done = []
     if link.exists(vx):
-        info = next(iter(link._show(vx)), {}).get("linkinfo", {}).get("info_data", {})
+        info = link.kind_data(vx)
         if info.get("id") != vni or info.get("local") != local:
             raise NetworkError(f"interface {vx} exists with VXLAN id {info.get('id')} from "
                                f"{info.get('local')}, not {vni} from {local}; remove it "
