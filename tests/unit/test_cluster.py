@@ -36,7 +36,8 @@ def walk(schema: dict[str, Any], path: str = "") -> list[str]:
 
 def test_every_crd_has_status_columns_and_described_fields() -> None:
     kinds = {c["spec"]["names"]["kind"]: c for c in crds()}
-    assert set(kinds) == {"FusumaHost", "FusumaPartition", "FusumaVM", "FusumaSegment"}
+    assert set(kinds) == {"FusumaHost", "FusumaPartition", "FusumaVM", "FusumaSegment",
+                          "FusumaNetwork"}
     for kind, crd in kinds.items():
         v = crd["spec"]["versions"][0]
         assert v["subresources"] == {"status": {}}, kind

@@ -90,6 +90,9 @@ class FakeDb:
     def find_vm(self, name: str) -> Any:
         return self.vms.get(name)
 
+    def nics(self, vm: str) -> list[Any]:
+        return []
+
     def vm(self, name: str) -> Any:
         return self.vms[name]
 

@@ -515,3 +515,43 @@ def test_nics_shown_with_the_kernels_word_on_each_tap(db: Database,
         {"index": 1, "network": "ext", "mac": "52:54:00:00:00:02", "ip": None,
          "tap": f"fzt-{a.slot}-1", "tap_present": False}]
     assert views.vm_nics(db, a) == got["a"]
+
+
+def test_a_network_a_template_keeps_is_not_deleted(db: Database, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusuma.state.db import TemplateRecord
+
+    FakeKernel(monkeypatch)
+    paths = Paths(home=tmp_path, runtime=tmp_path / "r", shm=tmp_path / "s",
+                  cache=tmp_path / "c", cgroup_prefix="fusuma-t")
+    db.add_template(TemplateRecord(
+        name="t", ram_path="/s/t.template", state_path="/h/t/state", size_bytes=1,
+        memory_mib=256, vcpus=1, machine="pc-q35-7.2", qemu_version="10.0.2", devices="{}",
+        image="minimal", state_sha256="0", source_vm="gone", networks=["lan0"]))
+    with pytest.raises(StateError, match=r"kept by template\(s\) t \(their clones") as err:
+        NetworkManager(paths, db).delete("lan0")
+    assert str(err.value).count(". ") == 0
+    assert db.find_network("lan0") is not None
+    db.remove_template("t")
+    NetworkManager(paths, db).delete("lan0")
+    assert db.find_network("lan0") is None
+
+
+def test_a_spanning_networks_gateway_mac_and_table() -> None:
+    from fusuma.errors import NetworkError
+    from fusuma.network import ifnames, span
+
+    assert span.gateway_mac(124) == "02:66:7a:00:00:7c"
+    assert span.gateway_mac(2**24 - 1) == "02:66:7a:ff:ff:ff"
+    for bad in (0, 2**24):
+        with pytest.raises(NetworkError, match="outside 1-16777215"):
+            span.gateway_mac(bad)
+    assert ifnames.vxlan_name("lan") == "fzv-lan" and len(ifnames.vxlan_name("x" * 40)) == 15
+    assert ifnames.span_table_name("fusuma-t", "lan") == "fusuma-t-lan-span"
+    text = span.span_table("fusuma-t-lan-span", "fzv-lan", span.gateway_mac(124)).render()
+    # The gateway's frames never leave by the VXLAN or come in by it; DHCP never crosses.
+    assert 'oifname "fzv-lan" ether saddr 02:66:7a:00:00:7c counter drop' in text
+    assert 'iifname "fzv-lan" ether saddr 02:66:7a:00:00:7c counter drop' in text
+    assert 'oifname "fzv-lan" ether type ip udp dport { 67, 68 } counter drop' in text
+    assert 'iifname "fzv-lan" ether type ip udp dport { 67, 68 } counter drop' in text
+    assert text.startswith("table bridge fusuma-t-lan-span {")

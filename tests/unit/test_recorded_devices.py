@@ -224,3 +224,68 @@ def test_a_final_newline_is_not_of_fusumas_form() -> None:
     for kind, props in recorded._PATTERNS.items():
         for key, pattern in props:
             assert pattern.pattern.endswith("\\Z"), (kind, key)
+
+
+# -- NICs on taps, and the NICs a move between hosts carries -------------------------------
+def tap_nics(n: int, queues: int) -> list[Any]:
+    from fusuma.qemu.cmdline import NicConfig
+
+    return [NicConfig(f"nic{i}", f"52:54:00:00:00:{i:02x}", queues, f"fzt-1-{i}", "fzb-l",
+                      "l") for i in range(n)]
+
+
+@pytest.mark.parametrize("n,vcpus", [(1, 1), (2, 4), (8, 8)])
+def test_tap_nic_device_sets_pass_unchanged(n: int, vcpus: int) -> None:
+    from fusuma.network.link import queues_for
+
+    ds = device_set(cfg(machine="pc-q35-7.2", vmgenid=GUID, vcpus=vcpus,
+                        nics=tap_nics(n, queues_for(vcpus))))
+    assert sum(d.driver == "virtio-net-pci" for d in ds.devices) == n
+    assert parse_device_set(ds.dumps()) == ds
+
+
+@pytest.mark.parametrize("props,why", [
+    ({"netdev": "nic0", "mac": "53:54:00:00:00:01", "romfile": ""}, "option mac="),
+    ({"netdev": "nic9", "mac": "52:54:00:00:00:01", "romfile": ""}, "option netdev="),
+    ({"netdev": "nic0", "mac": "52:54:00:00:00:01", "romfile": "/etc/shadow"},
+     "option romfile="),
+    ({"netdev": "nic0", "mac": "52:54:00:00:00:01", "romfile": "", "mq": "on",
+      "vectors": "99"}, "option vectors="),
+    ({"netdev": "nic0", "mac": "52:54:00:00:00:01", "romfile": "", "mq": "on",
+      "vectors": "4", "x": "y"}, "has options"),
+    ({"netdev": "nic0", "romfile": "", "mac": "52:54:00:00:00:01"}, "has options"),
+])
+def test_a_tap_nic_not_of_fusumas_form_is_refused(props: dict[str, str], why: str) -> None:
+    with pytest.raises(DeviceSetRefused, match="refused") as exc:
+        parse_device_set(json.dumps(with_devices(dev("virtio-net-pci", **props))))
+    assert why in str(exc.value)
+
+
+def test_a_user_mode_nic_beside_tap_nics_is_refused() -> None:
+    base = good()     # it has the user-mode NIC (a port forward)
+    base["devices"].append(dev("virtio-net-pci", netdev="nic0", mac="52:54:00:00:00:01",
+                               romfile=""))
+    with pytest.raises(DeviceSetRefused, match="user-mode NIC beside other NICs"):
+        parse_device_set(json.dumps(base))
+
+
+def test_the_carried_nics_are_checked() -> None:
+    from fusuma.qemu.recorded import carried_nics
+
+    nic = {"index": 0, "network": "lan", "mac": "52:54:00:00:00:01", "ip": "10.0.5.9"}
+    assert carried_nics({"nics": [nic, {**nic, "index": 1, "ip": None}]}) == [
+        (0, "lan", "52:54:00:00:00:01", "10.0.5.9"), (1, "lan", "52:54:00:00:00:01", None)]
+    assert check_carried({"nics": [nic]}) == {}
+    assert carried_nics({}) == []
+    for bad, why in [({**nic, "index": 1}, "index is 1, outside 0..0"),
+                     ({**nic, "network": "lan,x"}, "is not a name"),
+                     ({**nic, "mac": "ff:ff:ff:ff:ff:ff"}, "not a unicast MAC"),
+                     ({**nic, "ip": "10.0.5.999"}, "not an IPv4 address"),
+                     ({**nic, "ip": "10.0.5.9\n"}, "not an IPv4 address"),
+                     ({**nic, "tap": "x"}, "not an object of index"),
+                     ("lan", "not an object of index")]:
+        with pytest.raises(DeviceSetRefused, match="refused") as exc:
+            carried_nics({"nics": [bad]})
+        assert why in str(exc.value), (bad, exc.value)
+    with pytest.raises(DeviceSetRefused, match="more than 8"):
+        carried_nics({"nics": [nic] * 9})

@@ -348,3 +348,62 @@ def test_a_clone_takes_its_templates_guest_and_refuses_what_differs(
     os.truncate(db.template("t").ram_path, MIB)
     with pytest.raises(TemplateError, match="is damaged"):
         vms._clone_spec(spec, "10.0")
+
+
+# -- clones with NICs on fusuma's networks ---------------------------------------------------
+def test_a_template_keeps_its_networks_and_a_clone_gets_nics_there(
+        paths: Paths, db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusuma.partition.manager import PartitionManager
+    from fusuma.qemu import versions
+    from fusuma.spec import NicSpec, VmSpec, build
+    from fusuma.vm import VmManager
+
+    host = HostInfo(cpus=[0, 1], mems=[0], memory_total_mib=8192, memory_reserved_mib=800)
+    vms = VmManager(paths, db, PartitionManager(paths, db, host))
+    db.add_template(replace(make_template(paths, ports=False), networks=["lan0", "lan1"]))
+    assert db.template("t").networks == ["lan0", "lan1"]
+    monkeypatch.setattr(versions, "resolve", lambda p, q: _Q("10.0.2"))
+    got = vms._clone_spec(build(VmSpec, "vm", name="c1", partition="p", template="t",
+                                ports=["8081:80"]), "10.0")
+    assert got.nics == [NicSpec(network="lan0"), NicSpec(network="lan1")]
+    asked = build(VmSpec, "vm", name="c1", partition="p", template="t",
+                  nics=[{"network": "lan0", "ip": "10.0.5.9"}, {"network": "lan1"}])
+    assert vms._clone_spec(asked, "10.0").nics == asked.nics
+    with pytest.raises(SpecError, match=r"has 2 NIC\(s\) on network\(s\) lan0, lan1") as err:
+        vms._clone_spec(build(VmSpec, "vm", name="c1", partition="p", template="t",
+                              nics=[{"network": "lan0"}]), "10.0")
+    assert str(err.value).count(". ") == 0
+    plain = make_template(paths, "plain")
+    with pytest.raises(SpecError, match="has no NIC on fusuma's networks"):
+        templates.check_clone_nics(plain, 1)
+    templates.check_clone_nics(plain, 0)
+
+
+def test_a_clones_identity_gives_each_nic_its_mac_and_asks_dhcp_again() -> None:
+    nics: list[tuple[str, str, str | None]] = [
+        ("52:54:00:aa:00:01", "52:54:00:bb:00:01", "10.0.5.3"),
+        ("52:54:00:aa:00:02", "52:54:00:bb:00:02", None)]
+    s = templates.identity_script("c1", "0" * 32, templates.clone_mac("c1"), nics)
+    # The user-mode NIC's step is not run: eth0 is a tap NIC, found by its MAC.
+    assert templates.clone_mac("c1") not in s and "10.0.2.2" not in s
+    assert s.index("kill $(pidof udhcpc)") < s.index("ip link set $d0 address "
+                                                     "52:54:00:bb:00:01")
+    assert '= 52:54:00:aa:00:02 ] && d1=' in s and "ip link set $d1 address 52:54:00:bb:00:02" in s
+    assert s.count("udhcpc -i $d") == 2 and "hostname:c1" in s
+    assert "grep -q ' 10.0.5.3/' || exit 6" in s and s.count("exit 6") == 1
+    assert s.endswith("head -c 64 > /dev/urandom || exit 4")
+    for bad in [("52:54:00:aa:00:01", "52:54:00:bb:00:01; reboot", None),
+                ("52:54:00:aa:00:01", "52:54:00:bb:00:01", "10.0.5.3; reboot")]:
+        with pytest.raises(TemplateError, match="is not a MAC"):
+            templates.identity_script("c1", "0" * 32, "52:54:00:01:02:03", [bad])
+
+
+def test_nic_macs_are_the_tap_nics_of_a_device_set() -> None:
+    from fusuma.qemu.cmdline import NicConfig
+
+    ds = device_set(cfg(nics=[
+        NicConfig("nic0", "52:54:00:aa:00:01", 1, "fzt-1-0", "fzb-lan0", "lan0"),
+        NicConfig("nic1", "52:54:00:aa:00:02", 1, "fzt-1-1", "fzb-lan1", "lan1")]))
+    assert templates.nic_macs(ds) == {"nic0": "52:54:00:aa:00:01",
+                                      "nic1": "52:54:00:aa:00:02"}
+    assert templates.nic_macs(device_set(cfg(ports=[(8080, 80)]))) == {}

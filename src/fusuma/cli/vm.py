@@ -98,7 +98,9 @@ def vm() -> None:
                    "opens a side channel: a guest can time copy-on-write faults to learn "
                    "whether a page equals the template's (the same risk as --mergeable's). "
                    "After the start the guest agent gives it its own hostname, machine-id, "
-                   "MAC and random seed.")
+                   "MAC and random seed. A template with NICs on fusuma's networks gives "
+                   "each clone NICs of its own on the same networks (new MACs, addresses "
+                   "and taps); --nic, once per template NIC, picks others or ip=.")
 @click.option("--start", is_flag=True, help="Start it right away (if that fails, the "
               "VM is not kept).")
 @click.option("--json", "as_json", is_flag=True)

@@ -15,7 +15,8 @@ conditions), ``placement`` (the capacity arithmetic across hosts), ``agent`` (th
 process), ``context`` (what the rest needs from the agent, as protocols: the agent
 builds them, none of them imports it), ``reconcile`` (one host's half), ``hostmove``
 (live moves between hosts), ``pki`` and ``certs`` (the move stream's CA and the hosts'
-certificates, their Secrets and rotation), ``lease`` (heartbeats and leader election).
+certificates, their Secrets and rotation), ``networks`` (FusumaNetwork: a network
+spanning the hosts), ``lease`` (heartbeats and leader election).
 
 Errors::
 

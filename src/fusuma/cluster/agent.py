@@ -39,6 +39,7 @@ from fusuma.cluster.informer import Informer
 from fusuma.cluster.kube import (
     HOST,
     LEASE,
+    NETWORK,
     PARTITION,
     SEGMENT,
     VM,
@@ -48,6 +49,7 @@ from fusuma.cluster.kube import (
     Obj,
 )
 from fusuma.cluster.lease import Election, Observer, host_lease_name, renew_heartbeat
+from fusuma.cluster.networks import NetworkReconciler
 from fusuma.cluster.owners import Owners
 from fusuma.cluster.reconcile import PartitionReconciler, SegmentReconciler, VmReconciler
 from fusuma.cluster.resources import VmView, key, now_iso, set_condition
@@ -82,8 +84,9 @@ class Agent:
         self.vms_informer = Informer(self.kube, VM, cfg.namespace, on_change=wake)
         self.leases_informer = Informer(self.kube, LEASE, SYSTEM_NAMESPACE)
         self.segs_informer = Informer(self.kube, SEGMENT, on_change=wake)
+        self.nets_informer = Informer(self.kube, NETWORK, on_change=wake)
         self.informers = [self.hosts_informer, self.parts_informer, self.vms_informer,
-                          self.leases_informer, self.segs_informer]
+                          self.leases_informer, self.segs_informer, self.nets_informer]
         self._inflight: set[tuple[str, ...]] = set()
         self._dirty: set[tuple[str, ...]] = set()
         self._lock = threading.Lock()
@@ -94,6 +97,7 @@ class Agent:
         self.vm_rec = VmReconciler(self)
         self.part_rec = PartitionReconciler(self)
         self.seg_rec = SegmentReconciler(self)
+        self.net_rec = NetworkReconciler(self)
         self.placement = Placement(self)
         self.election = Election(self.kube, cfg.host, cfg.lease_seconds)
         self.lease_observer = Observer()
@@ -183,6 +187,8 @@ class Agent:
                 self.submit(("partition", p["metadata"]["name"]), self._partition)
         for sg in self.segs_informer.items():
             self.submit(("segment", sg["metadata"]["name"]), self._segment)
+        for nw in self.nets_informer.items():
+            self.submit(("network", nw["metadata"]["name"]), self._network)
         uids = set()
         for o in self.vms_informer.items():
             v = VmView(o)
@@ -261,6 +267,11 @@ class Agent:
         if obj is not None:
             self.seg_rec.reconcile(obj)
 
+    def _network(self, k: tuple[str, ...]) -> None:
+        obj = self.nets_informer.get("", k[1])
+        if obj is not None:
+            self.net_rec.reconcile(obj)
+
     def _partition(self, k: tuple[str, ...]) -> None:
         obj = self.parts_informer.get("", k[1])
         if obj is not None:
@@ -288,7 +299,8 @@ class Agent:
             except NotFoundApiError:
                 return
             inf = {VM.plural: self.vms_informer, PARTITION.plural: self.parts_informer,
-                   SEGMENT.plural: self.segs_informer}.get(kind.plural)
+                   SEGMENT.plural: self.segs_informer,
+                   NETWORK.plural: self.nets_informer}.get(kind.plural)
             if inf is not None:
                 inf.put(out)
             return

@@ -69,7 +69,14 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                                "the guest booted with).", {
                                    "machine": _s("Versioned machine type."),
                                    "devices": _s("Guest-visible device set (JSON)."),
-                                   "accel_used": _s("Accelerator the guest runs under.")}),
+                                   "accel_used": _s("Accelerator the guest runs under."),
+                                   "nics": _arr("Its NICs on the cluster's networks, "
+                                                "which the destination gives it (taps "
+                                                "of its own).", _obj("One NIC.", {
+                                                    "index": _i("Its place (nic0, ...)."),
+                                                    "network": _s("FusumaNetwork."),
+                                                    "mac": _s("Its MAC."),
+                                                    "ip": _s("Its address.")}))}),
                 "destPid": _i("Between hosts: the destination QEMU's pid."),
                 "prepareMs": _n("Between hosts: time to start the destination QEMU, ms."),
                 "resumeTs": _n("Between hosts: when the guest resumed at the destination "
@@ -125,6 +132,14 @@ VM_SPEC = _obj("The VM as asked for: fusuma's VM spec, plus where it runs.", {
                      _s("A segment.")),
     "running": _b("Whether the VM should run (false: stopped, kept defined).",
                   default=True),
+    "nics": _arr("NICs on the cluster's networks (FusumaNetwork), as `vm create --nic`: "
+                 "each keeps its MAC and address wherever the VM moves.",
+                 _obj("One NIC.", {
+                     "network": _s("A FusumaNetwork's name."),
+                     "ip": _s("Its address in the network's subnet (required: "
+                              "addresses are not allocated across hosts yet)."),
+                     "mac": _s("Its MAC (default: generated once).")},
+                      required=["network", "ip"]), maxItems=8),
     "restartable": _b("Start it again from its image on another host when its host is "
                       "lost (its RAM and any disk local to the lost host are gone).",
                       default=False),
@@ -214,6 +229,22 @@ SEGMENT_SPEC = _obj("A read-only shared segment (erofs) built on each host.", {
     "fromImage": _s("Build it from this guest image kind's root filesystem."),
     "hosts": _arr("Hosts to build it on (empty: every host).", _s("A host.")),
 }, required=["fromImage"])
+
+NETWORK_SPEC = _obj("A managed network on every host, one layer-2 segment across them "
+                    "(a VXLAN between the hosts' bridges; fusuma.network.span).", {
+                        "subnet": _s("Its IPv4 subnet, e.g. 10.0.5.0/24 (the gateway is "
+                                     "its .1 on every host)."),
+                        "vni": _i("Its VXLAN id, unique in the cluster.", minimum=1,
+                                  maximum=2**24 - 1),
+                        "nat": _b("NAT to each host's uplink.", default=True),
+                    }, required=["subnet", "vni"])
+
+NETWORK_STATUS = _obj("Per-host state, written by each agent.", {
+    "hosts": _arr("One entry per host.", _obj("One host's part of the network.", {
+        "host": _s("Host."), "ready": _b("Its bridge, dnsmasq and VXLAN port are up."),
+        "message": _s("Why not, when not.")})),
+    "conditions": CONDITIONS,
+})
 
 SEGMENT_STATUS = _obj("Per-host state, written by each agent.", {
     "hosts": _arr("One entry per host.", _obj("One host's copy.", {
@@ -320,6 +351,13 @@ def crds() -> list[Obj]:
              "A VM run by fusuma on one host. Without spec.host it is placed; changing "
              "spec.partition moves it zero-copy inside its host, changing spec.host moves "
              "it live to another host."),
+        _crd("FusumaNetwork", "fusumanetworks", "fusumanetwork", ["fnet"], "Cluster",
+             NETWORK_SPEC, NETWORK_STATUS, [_col("Subnet", ".spec.subnet"),
+                                            _col("VNI", ".spec.vni", "integer"),
+                                            *seg_cols[1:]],
+             "A managed network that spans the hosts (bridge, DHCP, NAT on each, a VXLAN "
+             "between them): VMs on it keep their MAC, address and connections when they "
+             "move between hosts."),
         _crd("FusumaSegment", "fusumasegments", "fusumasegment", ["fseg"], "Cluster",
              SEGMENT_SPEC, SEGMENT_STATUS, seg_cols,
              "A shared read-only segment (z/VM's DCSS) built on each host, attached to "
@@ -331,7 +369,8 @@ def rbac() -> list[Obj]:
     """The agents' namespace, and view/edit roles aggregated into Kubernetes' own
     ``view`` and ``edit``. Each host's own roles come with its identity
     (``fusuma.cluster.identity``, `fusuma cluster join`)."""
-    ours = ["fusumahosts", "fusumapartitions", "fusumavms", "fusumasegments"]
+    ours = ["fusumahosts", "fusumapartitions", "fusumavms", "fusumasegments",
+            "fusumanetworks"]
     status = [f"{r}/status" for r in ours]
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SYSTEM_NAMESPACE}},

@@ -438,13 +438,19 @@ class HostMoveDest(_Side):
         # before anything is defined or started here.
         try:
             carried: dict[str, Any] = recorded.check_carried(record)
+            nics = recorded.carried_nics(record)
         except recorded.DeviceSetRefused as exc:
             raise MigrationError(f"{exc}; nothing was started on host {a.host}") from exc
         if c.db.find_partition(part) is None:
             raise MigrationError(f"partition {part!r} does not exist on host {a.host}")
+        fields = v.vm_spec_fields(part)
+        if nics or fields.get("nics"):
+            # The same NICs (MAC, address) as at the source, on taps of this host's.
+            fields["nics"] = [{"network": n, "mac": mac, "ip": ip}
+                              for _, n, mac, ip in nics]
         a.owners.set("vms", v.name, Owner(v.uid, v.namespace, v.name))
         try:
-            c.vms.create(VmSpec.model_validate(v.vm_spec_fields(part)))
+            c.vms.create(VmSpec.model_validate(fields))
         except FusumaError:
             a.owners.remove("vms", v.name)
             raise
@@ -512,6 +518,12 @@ class HostMoveDest(_Side):
             self.record_failed(why)
 
 
+def carried_nics(c: Ctx, vm: str) -> list[dict[str, Any]]:
+    """VM ``vm``'s NICs as a move's record carries them (recorded.carried_nics)."""
+    return [{"index": n.index, "network": n.network, "mac": n.mac, "ip": n.ip}
+            for n in sorted(c.db.nics(vm=vm), key=lambda n: n.index)]
+
+
 # -- the agent's entry points -------------------------------------------------------------
 def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
     """This host runs ``v`` and its spec now names another host: move it there."""
@@ -540,7 +552,11 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
     gen, when = r.move_failed.get(key, (-1, 0.0))
     if gen == v.generation and time.monotonic() - when < MOVE_RETRY_S:
         return       # this spec's move failed a moment ago: not again at once
-    record = {f: getattr(local, f) for f in CARRIED if getattr(local, f, None) is not None}
+    record: dict[str, Any] = {f: getattr(local, f) for f in CARRIED
+                              if getattr(local, f, None) is not None}
+    nics = carried_nics(c, local.name)
+    if nics:
+        record[recorded.CARRIED_NICS] = nics
     began = time.time()
     src = HostMoveSource(a, c, v, uuid.uuid4().hex[:12], local.partition, dest)
     with src.job(peer=f"{dest}/{part}") as jh:

@@ -69,14 +69,15 @@ def host_of(username: str) -> str | None:
 
 def cluster_rules() -> list[Obj]:
     """What every host may do cluster-wide (the policy narrows the writes to its own)."""
-    ours = ["fusumahosts", "fusumapartitions", "fusumavms", "fusumasegments"]
+    ours = ["fusumahosts", "fusumapartitions", "fusumavms", "fusumasegments",
+            "fusumanetworks"]
     return [
         {"apiGroups": [GROUP], "resources": ours, "verbs": ["get", "list", "watch"]},
         # Registering itself (create cannot be limited by name in RBAC: the policy does).
         {"apiGroups": [GROUP], "resources": ["fusumahosts"], "verbs": ["create"]},
         # Finalizers of what is placed on it.
         {"apiGroups": [GROUP], "resources": ["fusumapartitions", "fusumavms",
-                                             "fusumasegments"],
+                                             "fusumasegments", "fusumanetworks"],
          "verbs": ["update", "patch"]},
         {"apiGroups": [GROUP], "resources": [f"{r}/status" for r in ours],
          "verbs": ["get", "update", "patch"]},

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Section = Literal["vms", "partitions", "segments"]
+Section = Literal["vms", "partitions", "segments", "networks"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ class Owners:
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
-            return {"vms": {}, "partitions": {}, "segments": {}}
-        for section in ("vms", "partitions", "segments"):
+            return {"vms": {}, "partitions": {}, "segments": {}, "networks": {}}
+        for section in ("vms", "partitions", "segments", "networks"):
             data.setdefault(section, {})
         return dict(data)
 

@@ -11,7 +11,7 @@ requesting user's host name (``fusuma:host:NAME``, or the ServiceAccount
 - **its own objects**: its FusumaHost (name), its heartbeat Lease, the FusumaPartitions
   whose ``spec.host`` it is, the FusumaVMs *placed on it*: ``status.host`` is it, or the
   VM is on no host (or Lost) and ``spec.host`` (else ``status.placement.host``) is it;
-  its own entry of a FusumaSegment's ``status.hosts``;
+  its own entry of a FusumaSegment's or a FusumaNetwork's ``status.hosts``;
 - **its side of a move between hosts** while ``status.move`` names it: the destination
   writes only its fields of the record (``uri``, ``tls``, ``channels``, ``destPid``,
   ``prepareMs``, ``resumeTs``, the phase, the decision) and, at the switch, the VM's
@@ -199,12 +199,13 @@ def _validations() -> list[Obj]:
                "oldObject.spec.host == variables.me",
                f"'may write only its own partitions, not ' + {name} + ' of host ' + "
                "oldObject.spec.host + '.'"),
-        _check("variables.res != 'fusumasegments' || !variables.status || ("
+        _check("(variables.res != 'fusumasegments' && variables.res != 'fusumanetworks') "
+               "|| !variables.status || ("
                "object.?status.?hosts.orValue([]).filter(h, h.host != variables.me) == "
                "oldObject.?status.?hosts.orValue([]).filter(h, h.host != variables.me) && "
                "object.?status.?hosts.orValue([]).filter(h, h.host == variables.me)"
                ".size() <= 1)",
-               f"'may write only its own entry of the status of segment ' + {name} + '.'"),
+               f"'may write only its own entry of the status of ' + {name} + '.'"),
         _check("!variables.vm || variables.status || variables.ownsOld || "
                "variables.moveTo || variables.moveFrom || "
                "has(oldObject.metadata.deletionTimestamp)",
@@ -228,7 +229,8 @@ def admission_policy() -> list[Obj]:
     """The policy and its binding (``fusuma cluster install``)."""
     hosts = (f"request.userInfo.username.startsWith('{HOST_USER_PREFIX}') || "
              f"request.userInfo.username.startsWith('{SA_USER_PREFIX}')")
-    ours = ["fusumahosts", "fusumapartitions", "fusumavms", "fusumasegments"]
+    ours = ["fusumahosts", "fusumapartitions", "fusumavms", "fusumasegments",
+            "fusumanetworks"]
     policy = {
         "apiVersion": ADMISSION, "kind": "ValidatingAdmissionPolicy",
         "metadata": {"name": POLICY},

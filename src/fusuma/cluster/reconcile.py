@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from fusuma.cluster import FINALIZER
 from fusuma.cluster.context import AgentContext
 from fusuma.cluster.events import WARNING
-from fusuma.cluster.kube import PARTITION, VM, Obj
-from fusuma.cluster.owners import Owner
+from fusuma.cluster.kube import PARTITION, SEGMENT, VM, Kind, Obj
+from fusuma.cluster.owners import Owner, Section
 from fusuma.cluster.resources import (
     CREATING,
     FAILED,
@@ -420,78 +420,141 @@ class PartitionReconciler:
                           True, "Ready", f"on host {self.a.host}")
 
 
-class SegmentReconciler:
-    """A FusumaSegment on this host: built from the named image's root when missing
-    (``fusuma segment create NAME --from-image KIND``), removed with its object when no
-    VM here uses it. Each agent keeps its own entry of ``status.hosts``."""
+def host_entry(a: AgentContext, kind: Kind, obj: Obj, entry: dict[str, Any] | None,
+               ready: tuple[str, str], not_ready: tuple[str, str]) -> None:
+    """Write this host's own entry of ``obj``'s ``status.hosts`` (None: remove it) and
+    the Ready condition of all entries (``ready`` / ``not_ready``: reason, message)."""
+    from fusuma.cluster import ConflictApiError
+
+    name = obj["metadata"]["name"]
+    for _ in range(10):
+        cur = a.kube.get(kind, name)
+        st = cur.setdefault("status", {})
+        hosts = [h for h in st.get("hosts") or [] if h.get("host") != a.host]
+        if entry is not None:
+            hosts.append({"host": a.host, **entry})
+        if sorted(map(str, hosts)) == sorted(map(str, st.get("hosts") or [])):
+            return
+        st["hosts"] = sorted(hosts, key=lambda h: str(h["host"]))
+        ok = all(h.get("ready") for h in hosts) and bool(hosts)
+        reason, message = ready if ok else not_ready
+        st["conditions"] = set_condition(list(st.get("conditions") or []), "Ready", ok,
+                                         reason, message)
+        try:
+            a.kube.replace(kind, cur, sub="status")
+            return
+        except ConflictApiError:
+            continue
+
+
+class PerHostReconciler:
+    """A cluster-scoped object every host makes a copy of its own (a segment, a
+    network): made when missing, kept, removed with its object (or when it no longer
+    names this host) unless something here still uses it. Which host-local object the
+    cluster made is kept in the owners' ``section``; each agent writes its own entry of
+    ``status.hosts`` (:func:`host_entry`). Subclasses say how to make, keep and remove."""
+
+    kind: Kind
+    section: Section
+    what: str                                   # "segment", "network"
+    ready: tuple[str, str]
+    not_ready: tuple[str, str]
 
     def __init__(self, agent: AgentContext) -> None:
         self.a = agent
 
     def _entry(self, obj: Obj, entry: dict[str, Any] | None) -> None:
-        from fusuma.cluster import ConflictApiError
-        from fusuma.cluster.kube import SEGMENT
+        host_entry(self.a, self.kind, obj, entry, self.ready, self.not_ready)
 
-        name = obj["metadata"]["name"]
-        for _ in range(10):
-            cur = self.a.kube.get(SEGMENT, name)
-            st = cur.setdefault("status", {})
-            hosts = [h for h in st.get("hosts") or [] if h.get("host") != self.a.host]
-            if entry is not None:
-                hosts.append({"host": self.a.host, **entry})
-            if sorted(map(str, hosts)) == sorted(map(str, st.get("hosts") or [])):
-                return
-            st["hosts"] = sorted(hosts, key=lambda h: str(h["host"]))
-            ready = all(h.get("ready") for h in hosts) and bool(hosts)
-            st["conditions"] = set_condition(
-                list(st.get("conditions") or []), "Ready", ready,
-                "Built" if ready else "NotBuilt",
-                "built on every host" if ready else "not built on every host yet")
-            try:
-                self.a.kube.replace(SEGMENT, cur, sub="status")
-                return
-            except ConflictApiError:
-                continue
+    def exists(self, c: Ctx, name: str) -> bool:
+        raise NotImplementedError
+
+    def wanted(self, obj: Obj) -> bool:
+        return True
+
+    def make(self, c: Ctx, obj: Obj) -> None:
+        """Make it here (and say so in an Event)."""
+        raise NotImplementedError
+
+    def keep(self, c: Ctx, obj: Obj) -> dict[str, Any]:
+        """Bring it to what the object says; this host's status entry."""
+        raise NotImplementedError
+
+    def remove(self, c: Ctx, name: str) -> None:
+        raise NotImplementedError
 
     def reconcile(self, obj: Obj) -> None:
-        from fusuma.cluster.kube import SEGMENT
-        from fusuma.ops.segments import segment_manager
-
         c = self.a.ctx()
-        spec = obj.get("spec") or {}
         name = obj["metadata"]["name"]
         uid = str(obj["metadata"]["uid"])
-        owner = self.a.owners.get("segments", name)
+        owner = self.a.owners.get(self.section, name)
         mine = owner is not None and owner.uid == uid
-        mgr = segment_manager(c)
-        local = c.db.find_segment(name)
-        wanted = not spec.get("hosts") or self.a.host in spec["hosts"]
-        if deleting(obj) or not wanted:
-            if mine and local is not None:
+        here = self.exists(c, name)
+        if deleting(obj) or not self.wanted(obj):
+            if mine and here:
                 try:
-                    mgr.delete(name)
+                    self.remove(c, name)
                 except FusumaError as exc:
                     self._entry(obj, {"ready": True, "message": str(exc)})
                     return
             if mine:
-                self.a.owners.remove("segments", name)
+                self.a.owners.remove(self.section, name)
             self._entry(obj, None)
             if deleting(obj):
-                self.a.remove_finalizer(SEGMENT, obj)
+                self.a.remove_finalizer(self.kind, obj)
             return
-        if local is None:
-            self.a.owners.set("segments", name, Owner(uid, "", name))
-            self.a.add_finalizer(SEGMENT, obj)
+        if not here:
+            self.a.owners.set(self.section, name, Owner(uid, "", name))
+            self.a.add_finalizer(self.kind, obj)
             try:
-                local = mgr.create(name, from_image=str(spec.get("fromImage")))
+                self.make(c, obj)
             except FusumaError as exc:
-                self.a.owners.remove("segments", name)
+                self.a.owners.remove(self.section, name)
                 self._entry(obj, {"ready": False, "message": str(exc)})
                 return
-            self.a.events.emit(obj, "Built", f"segment {name} built on host {self.a.host} "
-                               f"({local.size_bytes // 2**20} MiB)")
         elif not mine:
             self._entry(obj, {"ready": False, "message": f"host {self.a.host} already has "
-                              f"a segment {name!r} the cluster did not make"})
+                              f"a {self.what} {name!r} the cluster did not make"})
             return
-        self._entry(obj, {"ready": True, "sizeMiB": local.size_bytes // 2**20})
+        try:
+            entry = self.keep(c, obj)
+        except FusumaError as exc:
+            entry = {"ready": False, "message": str(exc)}
+        self._entry(obj, entry)
+
+
+class SegmentReconciler(PerHostReconciler):
+    """A FusumaSegment on this host: built from the named image's root when missing
+    (``fusuma segment create NAME --from-image KIND``), removed with its object when no
+    VM here uses it."""
+
+    kind = SEGMENT
+    section = "segments"
+    what = "segment"
+    ready = ("Built", "built on every host")
+    not_ready = ("NotBuilt", "not built on every host yet")
+
+    def exists(self, c: Ctx, name: str) -> bool:
+        return c.db.find_segment(name) is not None
+
+    def wanted(self, obj: Obj) -> bool:
+        hosts = (obj.get("spec") or {}).get("hosts")
+        return not hosts or self.a.host in hosts
+
+    def make(self, c: Ctx, obj: Obj) -> None:
+        from fusuma.ops.segments import segment_manager
+
+        name = obj["metadata"]["name"]
+        local = segment_manager(c).create(name, from_image=str(
+            (obj.get("spec") or {}).get("fromImage")))
+        self.a.events.emit(obj, "Built", f"segment {name} built on host {self.a.host} "
+                           f"({local.size_bytes // 2**20} MiB)")
+
+    def keep(self, c: Ctx, obj: Obj) -> dict[str, Any]:
+        local = c.db.segment(obj["metadata"]["name"])
+        return {"ready": True, "sizeMiB": local.size_bytes // 2**20}
+
+    def remove(self, c: Ctx, name: str) -> None:
+        from fusuma.ops.segments import segment_manager
+
+        segment_manager(c).delete(name)

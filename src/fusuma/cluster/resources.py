@@ -170,4 +170,8 @@ class VmView:
             "mergeable": bool(s.get("mergeable", False)),
             "qos": s.get("qos") or "burstable", "segments": list(s.get("segments") or []),
         }
+        if s.get("nics"):
+            # NICs on the cluster's networks (FusumaNetwork), as `vm create --nic`.
+            fields["nics"] = [{k: n[k] for k in ("network", "mac", "ip") if n.get(k)}
+                              for n in s["nics"]]
         return fields

@@ -16,7 +16,9 @@ page it has not written is the template's, shared by all clones; a write copies 
 page into the clone's own memory. Its QEMU starts with ``-incoming defer``, loads the
 template's state file (``migrate-incoming file:``) and continues: running in ~0.1 s.
 Then the guest agent gives it an identity of its own: hostname, machine-id, the MAC of
-eth0, 64 random bytes mixed into the guest's entropy pool. Its vmgenid guid (a device
+eth0 (or, for NICs on fusuma's networks, each NIC's MAC and a new DHCP lease: the
+clone's own NIC records, :func:`nic_identity_script`), 64 random bytes mixed into the
+guest's entropy pool. Its vmgenid guid (a device
 every VM booted since has) is new too, though the Debian 6.1 kernel has no driver to
 notice it.
 
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -58,6 +61,10 @@ MIN_QEMU_TEXT = "8.2"
 RAM_SUFFIX = TEMPLATE_SUFFIX        # what the smaps reader attributes to templates
 RAM_MODE = 0o640
 STATE_NAME = "state"
+# The guest image's udhcpc event script (fusuma.images lib.sh, written at boot).
+UDHCPC_SCRIPT = "/run/fusuma-udhcpc.sh"
+_MAC = re.compile(r"[0-9a-f]{2}(?::[0-9a-f]{2}){5}")
+_IPV4 = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}")
 
 
 def ram_file(paths: Paths, name: str) -> Path:
@@ -222,10 +229,32 @@ def check_clone(t: TemplateRecord, *, vcpus: int, memory_mib: int, disks: list[s
     if shared_ram:
         raise SpecError("a clone's RAM is a private copy-on-write mapping of the "
                         "template's file, never a shared file of its own; leave out --shared-ram.")
-    if ports and not has_nic(devices_of(t)):
+    if ports and not has_nic(devices_of(t)) and not t.networks:
         raise SpecError(f"template {t.name!r}'s guest has no network card (its VM forwarded "
-                        "no port), so a clone cannot forward ports; make the template "
-                        "from a VM created with --port.")
+                        "no port and had no --nic), so a clone cannot forward ports; make "
+                        "the template from a VM created with --port or --nic.")
+
+
+def check_clone_nics(t: TemplateRecord, asked: int) -> None:
+    """Refuse (one sentence) ``--nic`` options that do not match template ``t``'s
+    guest, which has exactly its NICs (their devices come with its saved state)."""
+    if asked and asked != len(t.networks):
+        has = (f"{len(t.networks)} NIC(s) on network(s) {', '.join(t.networks)}"
+               if t.networks else "no NIC on fusuma's networks")
+        raise SpecError(f"template {t.name!r}'s guest has {has}, and a clone has exactly "
+                        f"its template's devices: give {len(t.networks)} --nic option(s) "
+                        "or none (then each is on its template's network).")
+
+
+def nic_macs(ds: DeviceSet) -> dict[str, str]:
+    """The MAC each tap NIC of device set ``ds`` was given, by its netdev id
+    (``nic0``...): in a clone's guest, the template's MACs until its identity step."""
+    out = {}
+    for d in ds.devices:
+        props = dict(d.props)
+        if d.driver.startswith("virtio-net") and props.get("netdev", "").startswith("nic"):
+            out[props["netdev"]] = props.get("mac", "")
+    return out
 
 
 def clone_mac(name: str) -> str:
@@ -235,11 +264,17 @@ def clone_mac(name: str) -> str:
     return "52:54:00:" + ":".join(f"{x:02x}" for x in b[:3])
 
 
-def identity_script(name: str, machine_id: str, mac: str) -> str:
+def identity_script(name: str, machine_id: str, mac: str,
+                    nics: list[tuple[str, str, str | None]] | None = None) -> str:
     """The shell run in a clone's guest (stdin: 64 random bytes from the host). ``name``
-    is a checked fusuma name (letters, digits, ``-``), safe in a shell word."""
-    return (f"hostname {name} || exit 1; echo {name} > /etc/hostname 2>/dev/null; "
-            f"echo {machine_id} > /etc/machine-id || exit 2; "
+    is a checked fusuma name (letters, digits, ``-``), safe in a shell word. ``nics``:
+    the clone's tap NICs (:func:`nic_identity_script`); without, eth0 is QEMU's
+    user-mode NIC and gets ``mac``."""
+    head = (f"hostname {name} || exit 1; echo {name} > /etc/hostname 2>/dev/null; "
+            f"echo {machine_id} > /etc/machine-id || exit 2; ")
+    if nics:
+        return head + nic_identity_script(name, nics) + "; head -c 64 > /dev/urandom || exit 4"
+    return (head +
             f"if [ -e /sys/class/net/eth0 ]; then ip link set eth0 address {mac} || exit 3; "
             # QEMU's user network (slirp) came with the template's state, ARP table
             # included: until it hears the new MAC it sends to the template's, which
@@ -249,6 +284,36 @@ def identity_script(name: str, machine_id: str, mac: str) -> str:
             "$b arping -U -c 1 -I eth0 10.0.2.15 >/dev/null 2>&1; "
             "$b arping -c 1 -w 1 -I eth0 10.0.2.2 >/dev/null 2>&1; break; done; "
             "fi; head -c 64 > /dev/urandom || exit 4")
+
+
+def nic_identity_script(name: str, nics: list[tuple[str, str, str | None]]) -> str:
+    """The shell that gives a clone's tap NICs their own MACs and leases: ``nics`` holds
+    (the template's MAC, the clone's, the clone's address or None) per NIC. Each
+    interface is found by the template's MAC, given the clone's, and asks DHCP again
+    (the template's udhcpc, which knows the template's MAC and lease, is ended first):
+    the network's dnsmasq gives the address fusuma recorded for the clone's MAC. Exit 5:
+    no interface had the template's MAC; 6: no lease for the recorded address. MACs are
+    checked (``addr.check_mac``), addresses are fusuma's own: safe in shell words."""
+    if not nics:
+        return ""
+    for old, new, ip in nics:
+        if not (_MAC.fullmatch(old) and _MAC.fullmatch(new)) or (
+                ip is not None and not _IPV4.fullmatch(ip)):
+            raise TemplateError(f"clone {name!r}: NIC {old} -> {new} ({ip}) is not a MAC "
+                                "and an IPv4 address.")
+    lines = ["kill $(pidof udhcpc) 2>/dev/null; sleep 0.2"]
+    for i, (old, new, ip) in enumerate(nics):
+        d = f"d{i}"
+        lines.append(
+            f"{d}=; for x in /sys/class/net/*; do "
+            f"[ \"$(cat $x/address 2>/dev/null)\" = {old} ] && {d}=${{x##*/}}; done; "
+            f"[ -n \"${d}\" ] || exit 5; ip link set ${d} address {new} || exit 3; "
+            f"ip -4 addr flush dev ${d}; ip neigh flush dev ${d} 2>/dev/null; "
+            f"udhcpc -i ${d} -s {UDHCPC_SCRIPT} -b -t 5 -T 1 -A 1 -x hostname:{name} "
+            "</dev/null >/dev/null 2>&1")
+        if ip is not None:
+            lines.append(f"ip -4 -o addr show dev ${d} | grep -q ' {ip}/' || exit 6")
+    return "; ".join(lines)
 
 
 def refuse(rec: VmRecord, running_version: str | None) -> None:

@@ -15,6 +15,7 @@ import hashlib
 IFNAMSIZ = 15
 BRIDGE_PREFIX = "fzb-"
 TAP_PREFIX = "fzt-"
+VXLAN_PREFIX = "fzv-"
 
 
 def _fit(prefix: str, name: str) -> str:
@@ -47,3 +48,13 @@ def table_name(prefix: str, network: str) -> str:
     ``PREFIX-NAME``, with this host's cgroup prefix (``fusuma`` unless a test or a
     second fusuma sets FUSUMA_CGROUP_PREFIX), so nothing else's table is ever touched."""
     return f"{prefix}-{network}"
+
+
+def vxlan_name(network: str) -> str:
+    """The VXLAN port of a network that spans hosts (fusuma.network.span): ``fzv-NAME``."""
+    return _fit(VXLAN_PREFIX, network)
+
+
+def span_table_name(prefix: str, network: str) -> str:
+    """The bridge table that keeps a spanning network's gateway and DHCP to each host."""
+    return f"{table_name(prefix, network)}-span"

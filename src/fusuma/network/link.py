@@ -44,11 +44,17 @@ MAX_QUEUES = 8
 
 def ip(*args: str) -> str:
     """Run ``ip ARGS``; NetworkError with ip's own words on failure."""
-    argv = ["ip", *args]
+    return command("ip", *args)
+
+
+def command(tool: str, *args: str) -> str:
+    """Run iproute2's ``tool`` (``ip``, ``bridge``) with ``args``; NetworkError with the
+    tool's own words on failure."""
+    argv = [tool, *args]
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     except FileNotFoundError as exc:
-        raise HostError("the `ip` command is missing; install iproute2.") from exc
+        raise HostError(f"the `{tool}` command is missing; install iproute2.") from exc
     if p.returncode != 0:
         raise NetworkError(f"`{' '.join(argv)}` failed: {p.stderr.strip()}.", argv=argv,
                            detail=p.stderr)
@@ -75,6 +81,14 @@ def _show(name: str | None = None) -> list[dict[str, Any]]:
 
 def exists(name: str) -> bool:
     return bool(_show(name))
+
+
+def kind_data(name: str) -> dict[str, Any]:
+    """What the kernel says of link ``name``'s kind (``linkinfo.info_data``: a VXLAN's
+    id and local address, ...); empty if there is no such link."""
+    for r in _show(name):
+        return dict(r.get("linkinfo", {}).get("info_data", {}))
+    return {}
 
 
 def is_bridge(name: str) -> bool:

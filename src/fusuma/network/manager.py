@@ -209,6 +209,9 @@ class NetworkManager:
         self.stop_keeper(rec)
         for family in ("inet", "bridge"):
             nft.delete(family, self.table(rec.name))
+        # A network that spanned hosts (fusuma.network.span): its VXLAN port and table.
+        link.delete_link(ifnames.vxlan_name(rec.name))
+        nft.delete("bridge", ifnames.span_table_name(self.paths.cgroup_prefix, rec.name))
         if rec.managed:
             link.delete_link(rec.bridge)
         shutil.rmtree(self.paths.network_run_dir(rec.name), ignore_errors=True)
@@ -222,6 +225,10 @@ class NetworkManager:
         if users:
             raise StateError(f"network {name!r} is used by VM(s) {', '.join(users)}; "
                              "delete them (or their NICs) first.")
+        kept = [t.name for t in self.db.templates() if name in t.networks]
+        if kept:
+            raise StateError(f"network {name!r} is kept by template(s) {', '.join(kept)} "
+                             "(their clones get NICs on it); delete them first.")
         if rec.managed:
             self._remove_kernel(rec)
         self.db.remove_network(name)

@@ -58,10 +58,11 @@ class TemplateManager:
             raise StateError(f"VM {vm!r} is {state}; a template is made from a running "
                              f"VM: start it (`fusuma vm start {vm}`) and try again.")
         from fusuma.memshare.templates import refuse
-        from fusuma.network.manager import check_movable
 
+        # NICs on taps are fine: the template keeps their networks, and each clone gets
+        # NICs of its own there (a MAC, an address, a tap), given to its guest by its
+        # identity step.
         refuse(rec, rec.qemu_version)
-        check_movable(self.db, vm, "a template")
         capacity.check_template(self.db, self.parts.host, name, rec.memory_mib)
         return rec
 
@@ -97,7 +98,8 @@ class TemplateManager:
         return {"name": t.name, "source_vm": t.source_vm, "memory_mib": t.memory_mib,
                 "vcpus": t.vcpus, "machine": t.machine, "qemu_version": t.qemu_version,
                 "accel": t.accel, "image": t.image, "segments": t.segments,
-                "network": templates.has_nic(ds),
+                "network": templates.has_nic(ds) or bool(t.networks),
+                "networks": t.networks,
                 "devices": [d.driver for d in ds.devices],
                 "ram_path": t.ram_path, "ram_size_mib": round(t.size_bytes / 2**20, 1),
                 "ram_allocated_mib": None if ram is None

@@ -169,3 +169,9 @@ class Qmp:
 
     async def stop(self) -> None:
         await self.execute("stop")
+
+    async def announce_self(self) -> None:
+        """Have every NIC send gratuitous RARPs from its MAC (5 rounds, 50 ms then
+        every 100 ms more), so that bridges and switches learn the guest's new port."""
+        await self.execute("announce-self", {"initial": 50, "max": 550, "rounds": 5,
+                                             "step": 100})

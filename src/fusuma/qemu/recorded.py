@@ -48,6 +48,9 @@ FIELDS = {"version", "machine", "machine_props", "cpu", "smp", "memory", "serial
           "devices", "cpu_features"}
 # What a move carries from the source's VM record (fusuma.cluster.hostmove.CARRIED).
 CARRIED = ("machine", "devices", "accel_used")
+# ... and its NICs on fusuma's networks (index, network, MAC, address): the destination
+# gives the VM the same, on taps of its own (:func:`carried_nics`).
+CARRIED_NICS = "nics"
 ACCELS = ("kvm", "tcg")
 
 _NAME = NAME
@@ -56,6 +59,7 @@ MACHINE_RE = re.compile(r"^pc-q35-[0-9]{1,3}\.[0-9]{1,3}(\.[0-9]{1,3})?\Z")
 MEMORY_RE = re.compile(
     r"^([1-9][0-9]{1,7})M(?:,slots=([1-9][0-9]?),maxmem=([1-9][0-9]{1,17}))?\Z")
 FEATURE_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,47}\Z")
+IPV4_RE = re.compile(r"^[0-9]{1,3}(?:\.[0-9]{1,3}){3}\Z")
 UUID_RE = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
 # Each device kind fusuma makes: its options in order, each a pattern its whole value
@@ -67,12 +71,20 @@ KINDS: dict[str, tuple[tuple[tuple[str, str], ...], int]] = {
     "virtio-pmem-pci": ((("memdev", f"seg-{_NAME}"), ("id", f"pmem-{_NAME}")),
                         MAX_SEGMENTS),
     "virtio-blk-pci": ((("drive", f"disk-{_NAME}"), ("serial", _NAME)), MAX_DISKS),
-    "virtio-net-pci": ((("netdev", NET_ID), ("romfile", "")), 1),
+    "virtio-net-pci": ((("netdev", NET_ID), ("romfile", "")), 1 + 8),
     "virtio-balloon-pci": ((("id", BALLOON_ID), ("free-page-reporting", "on")), 1),
     "vmgenid": ((("id", VMGENID_ID), ("guid", UUID_RE)), 1),
 }
 _PATTERNS = {kind: tuple((k, re.compile(f"^{p}\\Z")) for k, p in props)
              for kind, (props, _) in KINDS.items()}
+# A NIC on a tap (fusuma.qemu.cmdline.NicConfig.device), the other form of
+# virtio-net-pci: at most 8, multiqueue ones with one vector per queue and two more.
+MAC = r"[0-9a-f][02468ace](?::[0-9a-f]{2}){5}"
+TAP_NIC_FORMS = tuple(
+    tuple((k, re.compile(f"^{p}\\Z")) for k, p in form) for form in (
+        (("netdev", "nic[0-7]"), ("mac", MAC), ("romfile", "")),
+        (("netdev", "nic[0-7]"), ("mac", MAC), ("romfile", ""), ("mq", "on"),
+         ("vectors", "(?:[4-9]|1[0-8])"))))
 
 
 class DeviceSetRefused(ValueError):
@@ -132,6 +144,8 @@ def _device(i: int, raw: object) -> Device:
                       f"({', '.join(KINDS)})")
     props = _pairs(raw["props"], f"device {i} ({driver}) props", 8)
     want = _PATTERNS[driver]
+    if driver == "virtio-net-pci" and props[:1] != (("netdev", NET_ID),):
+        want = next((f for f in TAP_NIC_FORMS if len(f) == len(props)), TAP_NIC_FORMS[0])
     if [k for k, _ in props] != [k for k, _ in want]:
         raise _refuse(f"device {i} ({driver}) has options "
                       f"{_names([k for k, _ in props]) or 'none'}, not "
@@ -155,6 +169,10 @@ def _devices(value: object) -> tuple[Device, ...]:
         n = sum(d.driver == kind for d in devices)
         if n > most:
             raise _refuse(f"it has {n} {kind} devices, more than {most}")
+    # The user-mode NIC is one (its backend is named once), tap NICs are not with it.
+    if any(dict(d.props).get("netdev") == NET_ID for d in devices) and sum(
+            d.driver == "virtio-net-pci" for d in devices) > 1:
+        raise _refuse("it has a user-mode NIC beside other NICs")
     backends = [b for d in devices for b in d.backends()] + \
         [dict(d.props)["id"] for d in devices if "id" in dict(d.props)]
     twice = sorted({b for b in backends if backends.count(b) > 1})
@@ -237,7 +255,7 @@ def parse_device_set(text: object) -> DeviceSet:
 def check_carried(record: Mapping[str, object]) -> dict[str, str]:
     """What a move carries from the source's VM record (``CARRIED``), checked: the
     fields to set on the destination's record; DeviceSetRefused otherwise."""
-    extra = sorted(set(record) - set(CARRIED))
+    extra = sorted(set(record) - set(CARRIED) - {CARRIED_NICS})
     if extra:
         raise _refuse(f"the move's record has fields fusuma does not carry "
                       f"({_names(extra)})")
@@ -267,3 +285,27 @@ def _accel(value: object) -> str:
     if accel not in ACCELS:
         raise _refuse(f"accelerator {accel!r} is not kvm or tcg")
     return accel
+
+
+def carried_nics(record: Mapping[str, object]) -> list[tuple[int, str, str, str | None]]:
+    """The NICs a move's record carries, checked: (index, network, MAC, address) each,
+    indexes 0.. in order; DeviceSetRefused otherwise."""
+    out = []
+    for i, raw in enumerate(_list(record.get(CARRIED_NICS) or [], "nics", 8)):
+        if not isinstance(raw, dict) or not {"index", "network", "mac"} <= set(raw) or \
+                not set(raw) <= {"index", "network", "mac", "ip"}:
+            raise _refuse(f"NIC {i} is not an object of index, network, mac and ip")
+        index = _int(raw["index"], f"NIC {i}'s index", i, i)
+        network = _str(raw["network"], f"NIC {i}'s network", 64)
+        mac = _str(raw["mac"], f"NIC {i}'s MAC", 17)
+        ip = raw.get("ip")
+        if not re.match(f"^{_NAME}\\Z", network):
+            raise _refuse(f"NIC {i}'s network {network!r} is not a name")
+        if not re.match(f"^{MAC}\\Z", mac):
+            raise _refuse(f"NIC {i}'s MAC {mac!r} is not a unicast MAC")
+        if ip is not None:
+            ip = _str(ip, f"NIC {i}'s address", 15)
+            if not IPV4_RE.match(ip) or any(int(x) > 255 for x in ip.split(".")):
+                raise _refuse(f"NIC {i}'s address {ip!r} is not an IPv4 address")
+        out.append((index, network, mac, ip))
+    return out

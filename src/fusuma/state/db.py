@@ -564,7 +564,8 @@ class Database(NetworkTables):
             devices=row["devices"], image=row["image"],
             segments=json.loads(row["segments"]), accel=row["accel"],
             state_sha256=row["state_sha256"], source_vm=row["source_vm"],
-            created_at=row["created_at"], gid=row["gid"] or 0)
+            created_at=row["created_at"], gid=row["gid"] or 0,
+            networks=json.loads(row["networks"] or "[]"))
 
     def templates(self) -> list[TemplateRecord]:
         rows = self._conn.execute("SELECT rowid, * FROM templates ORDER BY name").fetchall()
@@ -591,11 +592,12 @@ class Database(NetworkTables):
                 self._conn.execute(
                     "INSERT INTO templates (name, ram_path, state_path, size_bytes, "
                     "memory_mib, vcpus, machine, qemu_version, devices, image, segments, "
-                    "accel, state_sha256, source_vm, created_at, gid) "
-                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    "accel, state_sha256, source_vm, created_at, gid, networks) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (t.name, t.ram_path, t.state_path, t.size_bytes, t.memory_mib, t.vcpus,
                      t.machine, t.qemu_version, t.devices, t.image, json.dumps(t.segments),
-                     t.accel, t.state_sha256, t.source_vm, t.created_at, gid))
+                     t.accel, t.state_sha256, t.source_vm, t.created_at, gid,
+                     json.dumps(t.networks)))
                 self._emit("lifecycle", "template-created", f"/1.0/templates/{t.name}",
                            {"source_vm": t.source_vm, "memory_mib": t.memory_mib})
         except sqlite3.IntegrityError as exc:

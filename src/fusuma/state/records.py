@@ -115,6 +115,9 @@ class TemplateRecord:
     accel: str = "tcg"
     segments: list[str] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
+    # The networks of its guest's tap NICs, by index (nic0, nic1, ...): each clone gets
+    # NICs of its own on them (fusuma.network.manager.plan_clone_nics).
+    networks: list[str] = field(default_factory=list)
     # The group that may read its RAM file, one of FUSUMA_UID_BASE's template range held
     # by this record alone (fusuma.memshare.templates.template_gid); 0 until stored.
     gid: int = field(default=0, compare=False)

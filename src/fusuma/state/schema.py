@@ -144,6 +144,7 @@ ADDED_COLUMNS = (
     ("disks", "ino", "INTEGER"),
     ("vms", "uid", "INTEGER"),
     ("templates", "gid", "INTEGER"),
+    ("templates", "networks", "TEXT NOT NULL DEFAULT '[]'"),
 )
 
 # One id is one record's: a VM's uid is no other VM's, a template's gid no other

@@ -190,7 +190,8 @@ class PartitionHost:
                      incoming: str | None, rev: Reverter, *,
                      role: Role = Role.RUNNING, owns_ram: bool = True,
                      disk_owner: str | None = None,
-                     cpr_socket: Path | None = None) -> QemuInstance:
+                     cpr_socket: Path | None = None,
+                     own_taps: bool = False) -> QemuInstance:
         """Start one QEMU for ``vm`` in this partition's cgroup, as the VM's own uid,
         and connect QMP (``cpr_socket``: an in-place move's new QEMU, which opens QMP
         only once the old one has sent the guest's descriptors: wait until it listens
@@ -241,7 +242,9 @@ class PartitionHost:
 
         # A new VM gets a new RAM file; a move's destination opens the one its caller
         # chose (the source's for zero-copy, a new one made for a copy).
-        if cfg.nics and incoming is not None:
+        # ``own_taps``: a move from another host, whose VM is defined here with taps of
+        # its own (its slot on this host): made like a boot's.
+        if cfg.nics and incoming is not None and not own_taps:
             raise StateError(f"VM {vm.name!r} has NICs on taps, which a move cannot hand "
                              "over yet; stop it and start it again instead.")
         cfg, files = privilege.open_for_qemu(cfg, uid, new_ram=incoming is None)

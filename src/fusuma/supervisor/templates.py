@@ -135,7 +135,8 @@ async def _save(h: PartitionHost, rec: VmRecord, inst: QemuInstance, name: str,
             vcpus=rec.vcpus, machine=ds.machine,
             qemu_version=str(inst.version or rec.qemu_version), devices=ds.dumps(),
             image=rec.image, segments=list(rec.segments),
-            accel=rec.accel_used or "tcg", state_sha256=sha, source_vm=vm)
+            accel=rec.accel_used or "tcg", state_sha256=sha, source_vm=vm,
+            networks=[n.network for n in sorted(h.db.nics(vm=vm), key=lambda n: n.index)])
         h.phase(vm, "commit", state_bytes=state_bytes)
         record = h.db.add_template(record, h.paths.template_gids)
         committed = True
@@ -418,13 +419,26 @@ async def _identity(h: PartitionHost, vm: str, inst: QemuInstance, requested: fl
             h.db.end_job(cur.obj, h.owner)
 
 
+def _clone_nics(h: PartitionHost, rec: VmRecord) -> list[tuple[str, str, str | None]]:
+    """(the template's MAC, the clone's, the clone's address) of each tap NIC of clone
+    ``rec``: its guest has the template's MACs until its identity step."""
+    nics = h.db.nics(vm=rec.name)
+    t = h.db.find_template(str(rec.template))
+    if not nics or t is None:
+        return []
+    old = templates.nic_macs(templates.devices_of(t))
+    return [(old[f"nic{n.index}"], n.mac, n.ip) for n in sorted(nics, key=lambda n: n.index)
+            if f"nic{n.index}" in old]
+
+
 async def _give_identity(h: PartitionHost, vm: str, inst: QemuInstance, requested: float,
                          restore_ms: float) -> None:
     rec = h.db.find_vm(vm)
     if rec is None:
         return
     machine_id = uuid.uuid4().hex
-    script = templates.identity_script(vm, machine_id, templates.clone_mac(vm))
+    script = templates.identity_script(vm, machine_id, templates.clone_mac(vm),
+                                       _clone_nics(h, rec))
     agent_ms = identity_ms = None
     error = None
     async with h.agent_lock(vm):

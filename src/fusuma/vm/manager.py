@@ -142,15 +142,17 @@ class VmManager:
         that differs is refused), on a partition whose QEMU can map the template."""
         from fusuma.memshare import templates
         from fusuma.qemu import versions
+        from fusuma.spec import NicSpec
 
         t = self.db.template(str(spec.template))
-        if spec.nics:
-            raise SpecError(f"VM {spec.name!r} is a clone of template {t.name!r}: a clone "
-                            "has its template's devices, and NICs on fusuma's networks "
-                            "are not supported for clones yet; leave --nic out.")
+        templates.check_clone_nics(t, len(spec.nics))
         given = spec.model_fields_set
-        fill = {k: getattr(t, k) for k in ("vcpus", "memory_mib", "image", "segments")
-                if k not in given}
+        fill: dict[str, object] = {k: getattr(t, k) for k in ("vcpus", "memory_mib",
+                                                             "image", "segments")
+                                   if k not in given}
+        if not spec.nics and t.networks:
+            # Its template's NICs: the same networks, a MAC and an address of its own.
+            fill["nics"] = [NicSpec(network=n) for n in t.networks]
         fill["machine"] = spec.machine or t.machine
         fill["shared_ram"] = False
         merged = spec.model_copy(update=fill)

@@ -186,6 +186,12 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
         # the leaving side now, ended by ``release``.
         h.instances.change(old, Role.LEAVING)
         old.owns_ram = False
+    if h.db.nics(vm=vm):
+        # Its NICs tell the bridges (and a VXLAN's peers) where the guest is now.
+        try:
+            await inst.qmp.announce_self()
+        except QemuError as exc:
+            h.log.warning("%s: announce-self failed after the move: %s", vm, exc)
     inst.move = None
     h.instances.change(inst, Role.RUNNING)
     # The guest's RAM is this QEMU's now (removal still waits until no QEMU maps it).

@@ -68,7 +68,7 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str, peer: str,
             privilege.create_ram_file(ram, privilege.uid_for(h.paths, rec))
             h.charge_ram(ram, rec.memory_mib)
         inst = await h.launch(rec, accel, run, ram, "defer", rev, role=Role.INCOMING,
-                              disk_owner=rec.partition)
+                              disk_owner=rec.partition, own_taps=True)
         await inst.qmp.migrate_set_capabilities(capabilities("copy", channels))
         await set_channels(inst.qmp, channels)
         move_tls = None

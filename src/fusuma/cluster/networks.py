@@ -1,0 +1,69 @@
+"""FusumaNetwork on this host: the cluster's one definition of a network (subnet, VXLAN
+id) made here as a managed network (``fusuma network create``) whose bridge is a part
+of the segment the other hosts' bridges make (fusuma.network.span: a VXLAN port
+flooding to the other registered hosts' addresses). Each agent keeps its own entry of
+``status.hosts``; the peers follow the FusumaHosts (a host that registers is added at
+the next pass, one that is gone removed).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fusuma.cluster.context import AgentContext
+from fusuma.cluster.kube import NETWORK, Obj
+from fusuma.cluster.reconcile import PerHostReconciler
+
+if TYPE_CHECKING:
+    from fusuma.ops.context import Ctx
+
+LOG = logging.getLogger(__name__)
+
+
+def peers(a: AgentContext) -> list[str]:
+    """The registered hosts' addresses (this one's included)."""
+    out = {str((h.get("status") or {}).get("address") or "")
+           for h in a.hosts_informer.items()}
+    return sorted(x for x in out if x)
+
+
+class NetworkReconciler(PerHostReconciler):
+    kind = NETWORK
+    section = "networks"
+    what = "network"
+    ready = ("Spanned", "up on every host")
+    not_ready = ("NotSpanned", "not up on every host yet")
+
+    def exists(self, c: Ctx, name: str) -> bool:
+        return c.db.find_network(name) is not None
+
+    def make(self, c: Ctx, obj: Obj) -> None:
+        from fusuma.network.manager import NetworkManager
+
+        spec = obj.get("spec") or {}
+        name = obj["metadata"]["name"]
+        NetworkManager(c.paths, c.db).create(name, "managed", subnet=str(spec.get("subnet")),
+                                             nat=bool(spec.get("nat", True)))
+        self.a.events.emit(obj, "Created", f"network {name} made on host {self.a.host}")
+
+    def keep(self, c: Ctx, obj: Obj) -> dict[str, Any]:
+        from fusuma.network import ifnames, span
+        from fusuma.network.manager import NetworkManager
+
+        name = obj["metadata"]["name"]
+        mgr = NetworkManager(c.paths, c.db)
+        if mgr.status(name).state != "up":
+            mgr.ensure(name)
+        done = span.attach(name, c.db.network(name).bridge,
+                           ifnames.span_table_name(c.paths.cgroup_prefix, name),
+                           int((obj.get("spec") or {}).get("vni") or 0), self.a.address,
+                           peers(self.a))
+        if done:
+            LOG.info("network %s on host %s: %s", name, self.a.host, ", ".join(done))
+        return {"ready": True}
+
+    def remove(self, c: Ctx, name: str) -> None:
+        from fusuma.network.manager import NetworkManager
+
+        NetworkManager(c.paths, c.db).delete(name)

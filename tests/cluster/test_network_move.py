@@ -1,0 +1,162 @@
+"""A network that spans the lab's hosts (FusumaNetwork: a managed network on each host,
+a VXLAN between their bridges, only between the hosts' namespaces) and a VM on it that
+moves live from h0 to h1 keeping its MAC, its address and an open TCP connection to a
+client on h2's bridge. One test (the lab and a guest cost minutes); see conftest.py."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.cluster.conftest import Cluster, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+
+SUBNET = "10.124.0"
+VM_IP, CLIENT_IP = f"{SUBNET}.10", f"{SUBNET}.200"
+PORT = 5000
+# The client's end of the guest's stream: one connection accepted, each line's arrival
+# time written down, until the connection ends or the file ``stop`` appears.
+SERVER = """
+import socket, sys, time, os
+out = open(sys.argv[1], "w", buffering=1)
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[2], int(sys.argv[3]))); s.listen(1); s.settimeout(120)
+out.write("listening\\n")
+conn, peer = s.accept(); conn.settimeout(1.0)
+out.write(f"peer {peer[0]}:{peer[1]}\\n")
+buf = b""
+while not os.path.exists(sys.argv[1] + ".stop"):
+    try:
+        data = conn.recv(4096)
+    except socket.timeout:
+        continue
+    if not data:
+        out.write("closed\\n"); break
+    buf += data
+    while b"\\n" in buf:
+        line, buf = buf.split(b"\\n", 1)
+        out.write(f"{time.time():.3f} {line.decode(errors='replace')}\\n")
+conn.close()
+"""
+
+
+def ns(netns: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", "netns", "exec", netns, *argv], capture_output=True,
+                          text=True, timeout=60, check=check)
+
+
+def links(netns: str) -> dict[str, dict[str, object]]:
+    out = subprocess.run(["ip", "-n", netns, "-j", "-d", "link", "show"], check=True,
+                         capture_output=True, text=True).stdout
+    return {str(x["ifname"]): x for x in json.loads(out)}
+
+
+def test_a_vm_moves_between_hosts_keeping_its_nic_and_tcp_connection(
+        clean: Cluster, tmp_path: Path) -> None:
+    c = clean
+    lab = c.lab
+    for lh, h in zip(lab.hosts, c.hosts, strict=True):
+        h.wrap = ["nsenter", f"--net=/run/netns/{lh.netns}", "--"]
+    c.apply(yaml.safe_dump({
+        "apiVersion": "fusuma.io/v1alpha1", "kind": "FusumaNetwork",
+        "metadata": {"name": "lan"},
+        "spec": {"subnet": f"{SUBNET}.0/24", "vni": 124, "nat": False}}))
+    wait_for(lambda: len([h for h in (lab.get("fusumanetwork", "lan", None).get("status")
+                                      or {}).get("hosts") or [] if h.get("ready")]) == 3,
+             60, "network lan on the three hosts")
+    # The kernel's view: each host's bridge has the same (gateway) MAC and a VXLAN port
+    # flooding to the two other hosts.
+    macs = set()
+    for lh in lab.hosts:
+        ls = links(lh.netns)
+        assert ls["fzv-lan"]["master"] == "fzb-lan"
+        assert ls["fzv-lan"]["linkinfo"]["info_data"]["id"] == 124  # type: ignore[index]
+        macs.add(ls["fzb-lan"]["address"])
+        fdb = json.loads(subprocess.run(
+            ["ip", "netns", "exec", lh.netns, "bridge", "-j", "fdb", "show", "dev",
+             "fzv-lan"], capture_output=True, text=True, check=True).stdout)
+        assert sorted(e["dst"] for e in fdb if e["mac"] == "00:00:00:00:00:00") == sorted(
+            o.address for o in lab.hosts if o is not lh)
+    assert len(macs) == 1
+    # A client on h2's bridge (a veth into a namespace of its own).
+    client = f"fz{lab.tag}-cl"
+    subprocess.run(["ip", "netns", "add", client], check=True)
+    lab.namespaces.append(client)           # removed (and checked) with the lab
+    h2 = lab.hosts[2].netns
+    for cmd in (["-n", h2, "link", "add", "cl0", "type", "veth", "peer", "name", "eth0",
+                 "netns", client],
+                ["-n", h2, "link", "set", "cl0", "master", "fzb-lan", "up"],
+                ["-n", client, "addr", "add", f"{CLIENT_IP}/24", "dev", "eth0"],
+                ["-n", client, "link", "set", "eth0", "up"],
+                ["-n", client, "link", "set", "lo", "up"]):
+        subprocess.run(["ip", *cmd], check=True)
+
+    c.apply(yaml.safe_dump({
+        "apiVersion": "fusuma.io/v1alpha1", "kind": "FusumaVM",
+        "metadata": {"name": "roamer", "namespace": "default"},
+        "spec": {"memoryMiB": 192, "vcpus": 1, "host": "h0", "partition": "p0",
+                 "nics": [{"network": "lan", "ip": VM_IP}]}}))
+    wait_for(lambda: c.running("roamer"), 180, "roamer running on h0")
+    h0, h1 = c.host("h0"), c.host("h1")
+    wait_for(lambda: f"inet {VM_IP}/24" in h0.run(
+        "vm", "exec", "roamer", "--", "/bin/sh", "-c", "ip -4 -o addr show eth0",
+        check=False).out, 60, "roamer's lease from h0's dnsmasq")
+    mac = h0.run("network", "show", "lan", "--json").json()["nics"][0]["mac"]
+    # Across the VXLAN, before the move: h2's client to the guest on h0.
+    ns(client, "busybox", "ping", "-c", "2", "-W", "3", VM_IP)
+
+    log = tmp_path / "stream.log"
+    server = subprocess.Popen(["ip", "netns", "exec", client, sys.executable, "-c", SERVER,
+                               str(log), CLIENT_IP, str(PORT)])
+    try:
+        wait_for(lambda: log.exists() and "listening" in log.read_text(), 30,
+                 "the client's server to listen", every=0.1)
+        h0.run("vm", "exec", "roamer", "--", "/bin/sh", "-c",
+               f"( (i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done) | "
+               f"nc {CLIENT_IP} {PORT} ) </dev/null >/dev/null 2>&1 &")
+        wait_for(lambda: log.exists() and log.read_text().count("\n") > 10, 30,
+                 "the guest's stream to reach the client")
+        t_move = time.time()
+        lab.kubectl("patch", "fusumavm", "roamer", "--type=merge",
+                    "-p", json.dumps({"spec": {"host": "h1"}}))
+        o = wait_for(lambda: (v := c.vm("roamer"))["status"].get("host") == "h1"
+                     and not v["status"].get("move") and c.running("roamer") and v,
+                     180, "the move to h1")
+        t_done = time.time()
+        time.sleep(3)
+        (tmp_path / "stream.log.stop").touch()
+        server.wait(15)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    move = o["status"]["lastMove"]
+    assert (move["kind"], move["from"], move["to"], move["result"]) == (
+        "between-hosts", "h0/p0", "h1/p0", "ok"), move
+    lines = log.read_text().splitlines()
+    assert lines[1].startswith(f"peer {VM_IP}:") and "closed" not in lines, lines[-5:]
+    ticks = [(float(t), int(n)) for t, n in (x.split() for x in lines[2:])]
+    # One connection, every number once and in order, before and well after the move.
+    assert [n for _, n in ticks] == list(range(1, len(ticks) + 1))
+    assert any(t < t_move for t, _ in ticks) and sum(t > t_done for t, _ in ticks) >= 10
+    gap = max(b - a for (a, _), (b, _) in itertools.pairwise(ticks))
+    assert gap < 30, f"the stream stalled {gap:.1f} s"
+    # Where the guest runs and what it holds: h1's tap with the same MAC and address.
+    nics = c.host("h1").run("network", "show", "lan", "--json").json()["nics"]
+    assert [(n["vm"], n["mac"], n["ip"]) for n in nics] == [("roamer", mac, VM_IP)]
+    assert h0.run("network", "show", "lan", "--json").json()["nics"] == []
+    assert [n for n in links(lab.hosts[1].netns) if n.startswith("fzt-")]
+    assert not [n for n in links(lab.hosts[0].netns) if n.startswith("fzt-")]
+    assert f"inet {VM_IP}/24" in h1.run("vm", "exec", "roamer", "--", "/bin/sh", "-c",
+                                        "ip -4 -o addr show eth0").out
+    ns(client, "busybox", "ping", "-c", "2", "-W", "3", VM_IP)
+    print(f"between hosts with a NIC: {move['downtimeMs']} ms downtime, "
+          f"{move['totalMs']} ms total; the TCP stream's longest gap {gap * 1000:.0f} ms")
