@@ -31,6 +31,8 @@ from qemu.qmp import EventListener
 
 from fusuma.errors import MigrationError, NotFoundError, QemuError, StateError
 from fusuma.host.accel import probe_accel
+from fusuma.network import queues
+from fusuma.network.ifnames import tap_name
 from fusuma.qemu import privilege
 from fusuma.qemu.cmdline import NET_ID, hostfwd
 from fusuma.qemu.instance import INCOMING_PREFIX, QemuInstance, Role
@@ -55,6 +57,10 @@ class MoveIn:
     fault_decide_delay: float = 0.0
     cpr_socket: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+# QMP announce-self: a few gratuitous RARPs from the guest's MACs right after the switch.
+ANNOUNCE = {"initial": 10, "max": 100, "rounds": 3, "step": 40}
 
 
 def incoming_run_dir(h: PartitionHost, vm: str) -> Path:
@@ -100,7 +106,8 @@ async def prepare(h: PartitionHost, vm: str, mode: str,
             privilege.create_ram_file(ram, privilege.uid_for(h.paths, rec))
             h.charge_ram(ram, rec.memory_mib)
         inst = await h.launch(rec, accel, run, ram, "defer", rev, role=Role.INCOMING,
-                              owns_ram=mode == "copy", disk_owner=rec.partition)
+                              owns_ram=mode == "copy", disk_owner=rec.partition,
+                              join_taps=True)
         await inst.qmp.migrate_set_capabilities(capabilities(mode))
         listener = inst.qmp.listener(EVENT_MIGRATION)
         uri = f"unix:{run}/migrate.sock"
@@ -171,6 +178,7 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
     status = "paused" if paused else await inst.qmp.query_status()
     resume_ts = time.time()
     if status != "running":
+        taps = hand_over_taps(h, vm, inst)
         listener = inst.qmp.listener(EVENT_RESUME)
         try:
             await inst.qmp.cont()
@@ -178,6 +186,11 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
                 resume_ts = event_time(await inst.qmp.wait_event(listener, 5.0))
         finally:
             inst.qmp.drop_listener(listener)
+        if taps:
+            # The bridge has learnt nothing new (same tap, same port), but a switch
+            # beyond a bridged network may have: the guest's MAC announces itself.
+            with contextlib.suppress(QemuError):
+                await inst.qmp.execute("announce-self", ANNOUNCE)
     old = h.instances.get(vm)
     if old is not None and old is not inst:
         # An in-place move (fusuma.supervisor.moves.cpr): the old QEMU of this partition is
@@ -203,6 +216,40 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
     h.follow_runstate(inst)
     await h.repin_all()
     return rpc.Resumed(pid=inst.pid, resume_ts=resume_ts)
+
+
+def nic_taps(h: PartitionHost, vm: str) -> dict[str, str]:
+    """The VM's NICs' taps, by netdev id."""
+    slot = h.db.vm(vm).slot
+    return {f"nic{n.index}": tap_name(slot, n.index) for n in h.db.nics(vm=vm)}
+
+
+def taps_of(h: PartitionHost, vm: str) -> set[str]:
+    return set(nic_taps(h, vm).values())
+
+
+def hand_over_taps(h: PartitionHost, vm: str, inst: QemuInstance) -> set[str]:
+    """The decision is "forward": the kernel steers the VM's frames to ``inst`` from
+    now on. Every queue of the VM's taps that another QEMU holds (the source, paused
+    for good) is detached, then ``inst``'s queue 0 attached (``fusuma.network.queues``:
+    QEMU switches its other queues itself). Idempotent, so a recovery that commits
+    again does the same. The taps' names."""
+    rec = h.db.vm(vm)
+    nics = nic_taps(h, vm)
+    if not nics:
+        return set()
+    taps = set(nics.values())
+    # The source: the QEMU the record names until this commit, or in place the other
+    # QEMU of this partition. Only fds of the VM's own taps are touched in it.
+    others = {rec.pid} | {i.pid for i in h.instances.of(vm)}
+    for pid in sorted(p for p in others - {inst.pid} if p):
+        n = queues.detach_all(pid, taps)
+        h.log.info("%s: detached %d queue(s) of QEMU %d from %s", vm, n, pid,
+                   ", ".join(sorted(taps)))
+    firsts = {nics[i]: fd for i, fd in queues.first_fds(queues.argv_of(inst.pid)).items()
+              if i in nics}
+    queues.attach_first(inst.pid, firsts)
+    return taps
 
 
 async def finish(h: PartitionHost, vm: str, timeout: float = 30.0) -> rpc.Resumed:
