@@ -16,6 +16,7 @@ module's end leaves no tap, bridge or nftables table (``world``'s teardown).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from tests.fault.movekit import (
     ready,
     wait_resolved,
 )
-from tests.integration.test_network_moves import holders
+from tests.integration.test_network_moves import PINGER, holders, in_ns
 from tests.integration.test_networks import Net, world
 
 __all__ = ["world"]
@@ -49,10 +50,12 @@ def nic_host(world: tuple[Host, Net]) -> Iterator[tuple[Host, Net]]:
 
 
 def answers(net: Net, ip: str, timeout: float = 20) -> bool:
+    """The guest answers echoes on its address (100 a second, from fusuma's namespace)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if subprocess.run(["ip", "netns", "exec", net.ns, "ping", "-c", "1", "-W", "1",
-                           ip], capture_output=True).returncode == 0:
+        out = subprocess.run(in_ns(net, "python3", "-c", PINGER, ip, "100"),
+                             capture_output=True, text=True, timeout=30).stdout
+        if json.loads(out)["received"] > 0:
             return True
     return False
 
@@ -78,4 +81,5 @@ def test_kill_during_move_with_a_nic(nic_host: tuple[Host, Net], phase: str,
 
 
 def tap(net: Net) -> str:
-    return next(link["ifname"] for link in net.links() if link["ifname"].startswith("fzt-"))
+    return str(next(link["ifname"] for link in net.links()
+                    if link["ifname"].startswith("fzt-")))
