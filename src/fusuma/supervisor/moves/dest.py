@@ -29,7 +29,7 @@ from typing import Any
 
 from qemu.qmp import EventListener
 
-from fusuma.errors import MigrationError, NotFoundError, QemuError, StateError
+from fusuma.errors import FusumaError, MigrationError, NotFoundError, QemuError, StateError
 from fusuma.host.accel import probe_accel
 from fusuma.network import queues
 from fusuma.network.ifnames import tap_name
@@ -178,7 +178,12 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
     status = "paused" if paused else await inst.qmp.query_status()
     resume_ts = time.time()
     if status != "running":
-        taps = hand_over_taps(h, vm, inst)
+        try:
+            taps = hand_over_taps(h, vm, inst)
+        except (FusumaError, OSError) as exc:
+            # The guest runs here whatever the tap says: a paused guest helps no one.
+            h.log.warning("%s: its taps could not be handed over: %s", vm, exc)
+            taps = taps_of(h, vm)
         listener = inst.qmp.listener(EVENT_RESUME)
         try:
             await inst.qmp.cont()
