@@ -65,16 +65,34 @@ def job(host: Host, vm: str) -> dict[str, Any] | None:
     return {"phase": row[0], "detail": json.loads(row[1]), "owner_pid": row[2]}
 
 
-def two_partitions(host: Host, vm: str = "vm0") -> str:
-    """p0 (core 0) runs ``vm`` with 8 MiB of known data; p1 (core 1) is empty.
-    Returns the data's md5 line."""
+@dataclass(frozen=True)
+class Nic:
+    """A NIC for the guest (a host whose commands run in a network namespace): its
+    managed network, that network's subnet, the guest's address on it."""
+
+    network: str
+    subnet: str
+    ip: str
+
+
+def two_partitions(host: Host, vm: str = "vm0", nic: Nic | None = None) -> str:
+    """p0 (core 0) runs ``vm`` with 8 MiB of known data (and ``nic``, its address
+    leased); p1 (core 1) is empty. Returns the data's md5 line."""
     host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
     host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
-    host.run("vm", "create", vm, "-p", "p0", "--start")
+    extra = []
+    if nic is not None:
+        host.run("network", "create", nic.network, "--subnet", nic.subnet)
+        extra = ["--nic", f"{nic.network},ip={nic.ip}"]
+    host.run("vm", "create", vm, "-p", "p0", *extra, "--start")
+    if nic is not None:
+        host.run("vm", "exec", vm, "--", "/bin/sh", "-c",
+                 f"for i in $(seq 90); do ip -4 -o addr show eth0 | grep -q "
+                 f"'inet {nic.ip}/' && exit 0; sleep 1; done; exit 1")
     return host.run("vm", "exec", vm, "--", "/bin/sh", "-c", WRITE).out.strip()
 
 
-def ready(host: Host, vm: str = "vm0") -> str:
+def ready(host: Host, vm: str = "vm0", nic: Nic | None = None) -> str:
     """The start of a case on a host shared by a module's cases (``module_host``): p0
     and p1 running, ``vm`` running in p0 with its known data. Only what the previous
     case changed is made again (a move back, the data after a guest was lost); a host
@@ -88,7 +106,7 @@ def ready(host: Host, vm: str = "vm0") -> str:
     if parts != {"p0": "running", "p1": "running"} or v is None \
             or v["state"] != "running" or len(qemu_pids(host, vm)) != 1:
         host.run("down", check=False, timeout=120)
-        return two_partitions(host, vm)
+        return two_partitions(host, vm, nic)
     if v["partition"] != "p0":
         host.run("migrate", vm, "--to", "p0")
     res = host.run("vm", "exec", vm, "--", "/bin/sh", "-c", "cat /tmp/blob.md5 && "
@@ -121,7 +139,7 @@ def hold_move(host: Host, phase: str, vm: str = "vm0", to: str = "p1",
     ps = host.ps()
     sup = {p["name"]: p["supervisor_pid"] for p in ps["partitions"]}
     src_qemu = next(v["pid"] for v in ps["vms"] if v["name"] == vm)
-    proc = subprocess.Popen([*FUSUMA, "migrate", vm, "--to", to, "--mode", mode],
+    proc = subprocess.Popen([*host.wrap, *FUSUMA, "migrate", vm, "--to", to, "--mode", mode],
                             env={**host.env, **env_extra}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30

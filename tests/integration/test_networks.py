@@ -273,7 +273,7 @@ def test_refusals_name_what_is_wrong(booted: tuple[Host, Net]) -> None:
     res = h.fail("vm", "create", "d", "-p", "p0", "--nic", f"lan0,ip={LAN0}.50")
     assert f"{LAN0}.50 is already VM b's" in res.err
     res = h.fail("migrate", "a", "--to", "p0")
-    assert "tap NIC is not supported yet" in res.err
+    assert "already in partition 'p0'" in res.err
     res = h.fail("network", "create", "lan2", "--subnet", f"{LAN0}.128/25")
     assert "overlaps network lan0's" in res.err
     res = h.fail("network", "create", "ext", "--type", "bridged", "--parent", "br9")

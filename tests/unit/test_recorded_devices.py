@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -226,39 +227,61 @@ def test_a_final_newline_is_not_of_fusumas_form() -> None:
             assert pattern.pattern.endswith("\\Z"), (kind, key)
 
 
-# -- NICs on taps, and the NICs a move between hosts carries -------------------------------
-def tap_nics(n: int, queues: int) -> list[Any]:
+def nic_set(vcpus: int, *macs: str) -> dict[str, Any]:
     from fusuma.qemu.cmdline import NicConfig
-
-    return [NicConfig(f"nic{i}", f"52:54:00:00:00:{i:02x}", queues, f"fzt-1-{i}", "fzb-l",
-                      "l") for i in range(n)]
-
-
-@pytest.mark.parametrize("n,vcpus", [(1, 1), (2, 4), (8, 8)])
-def test_tap_nic_device_sets_pass_unchanged(n: int, vcpus: int) -> None:
-    from fusuma.network.link import queues_for
-
-    ds = device_set(cfg(machine="pc-q35-7.2", vmgenid=GUID, vcpus=vcpus,
-                        nics=tap_nics(n, queues_for(vcpus))))
-    assert sum(d.driver == "virtio-net-pci" for d in ds.devices) == n
-    assert parse_device_set(ds.dumps()) == ds
+    nics = [NicConfig(f"nic{i}", mac, max(1, min(vcpus, 8)), f"fzt-1-{i}", "fzb-l", "l")
+            for i, mac in enumerate(macs)]
+    out: dict[str, Any] = device_set(cfg(machine="pc-q35-7.2", vcpus=vcpus,
+                                         nics=nics)).as_json()
+    return out
 
 
-@pytest.mark.parametrize("props,why", [
-    ({"netdev": "nic0", "mac": "53:54:00:00:00:01", "romfile": ""}, "option mac="),
-    ({"netdev": "nic9", "mac": "52:54:00:00:00:01", "romfile": ""}, "option netdev="),
-    ({"netdev": "nic0", "mac": "52:54:00:00:00:01", "romfile": "/etc/shadow"},
-     "option romfile="),
-    ({"netdev": "nic0", "mac": "52:54:00:00:00:01", "romfile": "", "mq": "on",
-      "vectors": "99"}, "option vectors="),
-    ({"netdev": "nic0", "mac": "52:54:00:00:00:01", "romfile": "", "mq": "on",
-      "vectors": "4", "x": "y"}, "has options"),
-    ({"netdev": "nic0", "romfile": "", "mac": "52:54:00:00:00:01"}, "has options"),
+@pytest.mark.parametrize("vcpus", [1, 2, 4, 9])
+def test_tap_nics_fusuma_makes_pass_unchanged(vcpus: int) -> None:
+    d = nic_set(vcpus, "52:54:00:aa:00:01", "52:54:00:aa:00:02")
+    ds = parse_device_set(json.dumps(d))
+    assert ds.as_json() == d
+    nets = [dict(x.props) for x in ds.devices if x.driver == "virtio-net-pci"]
+    assert [n["netdev"] for n in nets] == ["nic0", "nic1"]
+    assert all(("mq" in n) == (vcpus > 1) for n in nets)
+
+
+def _nic(d: dict[str, Any]) -> list[list[str]]:
+    return next(x["props"] for x in d["devices"] if x["driver"] == "virtio-net-pci")
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    (lambda p: p.append(["vhost", "on"]), "has options"),
+    (lambda p: p.__setitem__(0, ["netdev", "nic8"]), "option netdev='nic8'"),
+    (lambda p: p.__setitem__(0, ["netdev", "net0,ifname=eth0"]), "is not of the form"),
+    (lambda p: p.__setitem__(1, ["mac", "53:54:00:aa:00:01"]), "multicast"),
+    (lambda p: p.__setitem__(1, ["mac", "52:54:00:AA:00:01"]), "option mac="),
+    (lambda p: p.__setitem__(4, ["vectors", "10"]), "vectors=10 for 2 vCPU(s)"),
+    (lambda p: p.__setitem__(4, ["vectors", "64"]), "option vectors='64'"),
+    (lambda p: p.__setitem__(3, ["mq", "off"]), "option mq='off'"),
 ])
-def test_a_tap_nic_not_of_fusumas_form_is_refused(props: dict[str, str], why: str) -> None:
-    with pytest.raises(DeviceSetRefused, match="refused") as exc:
-        parse_device_set(json.dumps(with_devices(dev("virtio-net-pci", **props))))
-    assert why in str(exc.value)
+def test_a_tap_nic_wider_than_fusumas_is_refused(change: Any, said: str) -> None:
+    d = nic_set(2, "52:54:00:aa:00:01")
+    change(_nic(d))
+    with pytest.raises(DeviceSetRefused, match=re.escape(said)):
+        parse_device_set(json.dumps(d))
+
+
+def test_two_nics_with_one_mac_or_one_queue_for_many_vcpus_are_refused() -> None:
+    with pytest.raises(DeviceSetRefused, match="one MAC"):
+        parse_device_set(json.dumps(nic_set(1, "52:54:00:aa:00:01", "52:54:00:aa:00:01")))
+    d = nic_set(1, "52:54:00:aa:00:01")
+    d["smp"] = 2
+    with pytest.raises(DeviceSetRefused, match="one queue for 2 vCPU"):
+        parse_device_set(json.dumps(d))
+
+
+def test_queue_zero_is_read_from_the_netdev_argument() -> None:
+    from fusuma.network.queues import first_fds
+    argv = b"\0".join([b"qemu", b"-netdev", b"tap,id=nic0,fd=31,vhost=off", b"-netdev",
+                       b"tap,id=nic1,fds=40:41:42,vhost=off", b"-netdev", b"user,id=net0",
+                       b"-device", b"virtio-net-pci,netdev=nic0"])
+    assert first_fds(argv) == {"nic0": 31, "nic1": 40}
 
 
 def test_a_user_mode_nic_beside_tap_nics_is_refused() -> None:

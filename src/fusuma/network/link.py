@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fusuma.errors import HostError, NetworkError
+from fusuma.network import queues as q
 
 TUN_DEVICE = "/dev/net/tun"
 TUNSETIFF = 0x400454CA
@@ -187,3 +188,32 @@ def open_tap(name: str, queues: int, owner: int, bridge: str) -> list[int]:
 def queues_for(vcpus: int) -> int:
     """Queues of a VM's NIC: one per vCPU (multiqueue), at most MAX_QUEUES."""
     return max(1, min(vcpus, MAX_QUEUES))
+
+
+def join_tap(name: str, queues: int, bridge: str) -> list[int]:
+    """Open ``queues`` more queues of tap ``name``, which a running QEMU of the VM
+    holds (a move's destination on this host: no ``IFF_TUN_EXCL``), and detach the
+    first at once (``fusuma.network.queues``: the one QEMU never switches itself, so
+    root attaches it when the move is decided). Refused if the tap is gone: its QEMU
+    ended. On failure nothing stays open."""
+    if not exists(name):
+        raise NetworkError(f"tap {name} does not exist: the VM's running QEMU, which "
+                           "holds it, has ended.")
+    fds: list[int] = []
+    try:
+        for _ in range(queues):
+            fd = os.open(TUN_DEVICE, os.O_RDWR | os.O_CLOEXEC)
+            fds.append(fd)
+            try:
+                fcntl.ioctl(fd, TUNSETIFF, _ifreq(name, TAP_FLAGS))
+            except OSError as exc:
+                raise NetworkError(f"cannot open a queue of tap {name}: {exc.strerror}."
+                                   ) from exc
+        q.set_queue(fds[0], attach=False)
+        if master(name) != bridge:
+            ip("link", "set", name, "master", bridge)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds

@@ -40,6 +40,11 @@ MAX_DISKS = 24                    # virtio-blk devices, the image's root disk in
 MAX_VCPUS = 64                    # VmSpec's bound
 MAX_MEMORY_MIB = 4 * 2**20        # 4 TiB
 MAX_CPU_FEATURES = 512
+MAX_NICS = 8                      # NICs on taps (nic0..nic7)
+NIC_ID = "nic[0-7]"
+MAC = "[0-9a-f]{2}(:[0-9a-f]{2}){5}"
+# 2 * queues + 2 for 2..MAX_QUEUES queues (fusuma.network.link.queues_for).
+VECTORS = "(6|8|10|12|14|16|18)"
 # The -cpu forms fusuma writes: KVM's host CPU, TCG's max, and TCG's max with one
 # identity on every QEMU version.
 CPUS = ("host", "max", f"max,{TCG_CPU_IDENTITY}")
@@ -71,20 +76,26 @@ KINDS: dict[str, tuple[tuple[tuple[str, str], ...], int]] = {
     "virtio-pmem-pci": ((("memdev", f"seg-{_NAME}"), ("id", f"pmem-{_NAME}")),
                         MAX_SEGMENTS),
     "virtio-blk-pci": ((("drive", f"disk-{_NAME}"), ("serial", _NAME)), MAX_DISKS),
-    "virtio-net-pci": ((("netdev", NET_ID), ("romfile", "")), 1 + 8),
+    "virtio-net-pci": ((("netdev", NET_ID), ("romfile", "")), 1 + MAX_NICS),
     "virtio-balloon-pci": ((("id", BALLOON_ID), ("free-page-reporting", "on")), 1),
     "vmgenid": ((("id", VMGENID_ID), ("guid", UUID_RE)), 1),
 }
+# Kinds fusuma makes in more than one form: each other form, tried when the first's
+# options do not match. A NIC on a tap (fusuma.qemu.cmdline.NicConfig.device): its
+# netdev nicN, its MAC, and with several queues mq=on and one vector per queue (rx and
+# tx) plus two.
+FORMS: dict[str, tuple[tuple[tuple[str, str], ...], ...]] = {
+    "virtio-net-pci": (
+        (("netdev", NIC_ID), ("mac", MAC), ("romfile", "")),
+        (("netdev", NIC_ID), ("mac", MAC), ("romfile", ""), ("mq", "on"),
+         ("vectors", VECTORS)),
+    ),
+}
 _PATTERNS = {kind: tuple((k, re.compile(f"^{p}\\Z")) for k, p in props)
              for kind, (props, _) in KINDS.items()}
-# A NIC on a tap (fusuma.qemu.cmdline.NicConfig.device), the other form of
-# virtio-net-pci: at most 8, multiqueue ones with one vector per queue and two more.
-MAC = r"[0-9a-f][02468ace](?::[0-9a-f]{2}){5}"
-TAP_NIC_FORMS = tuple(
-    tuple((k, re.compile(f"^{p}\\Z")) for k, p in form) for form in (
-        (("netdev", "nic[0-7]"), ("mac", MAC), ("romfile", "")),
-        (("netdev", "nic[0-7]"), ("mac", MAC), ("romfile", ""), ("mq", "on"),
-         ("vectors", "(?:[4-9]|1[0-8])"))))
+_FORMS = {kind: [_PATTERNS[kind]] + [tuple((k, re.compile(f"^{p}\\Z")) for k, p in form)
+                                     for form in FORMS.get(kind, ())]
+          for kind in KINDS}
 
 
 class DeviceSetRefused(ValueError):
@@ -143,13 +154,12 @@ def _device(i: int, raw: object) -> Device:
         raise _refuse(f"device {i} is {driver!r}, not a device kind fusuma makes "
                       f"({', '.join(KINDS)})")
     props = _pairs(raw["props"], f"device {i} ({driver}) props", 8)
-    want = _PATTERNS[driver]
-    if driver == "virtio-net-pci" and props[:1] != (("netdev", NET_ID),):
-        want = next((f for f in TAP_NIC_FORMS if len(f) == len(props)), TAP_NIC_FORMS[0])
-    if [k for k, _ in props] != [k for k, _ in want]:
+    forms = _FORMS[driver]
+    want = next((f for f in forms if [k for k, _ in props] == [k for k, _ in f]), None)
+    if want is None:
         raise _refuse(f"device {i} ({driver}) has options "
                       f"{_names([k for k, _ in props]) or 'none'}, not "
-                      f"{', '.join(k for k, _ in want)}")
+                      + " or ".join(", ".join(k for k, _ in f) for f in forms))
     for (key, value), (_, pattern) in zip(props, want, strict=True):
         if not pattern.match(value):
             raise _refuse(f"device {i} ({driver}) option {key}={value!r} is not of the "
@@ -185,11 +195,32 @@ def _devices(value: object) -> tuple[Device, ...]:
         if d.driver == "virtio-pmem-pci" and not _same_names(d, "memdev", "seg-",
                                                             "id", "pmem-"):
             raise _refuse("a virtio-pmem-pci device's id is not its segment's name")
+    macs = [dict(d.props)["mac"] for d in devices if "mac" in dict(d.props)]
+    if len(set(macs)) != len(macs):
+        raise _refuse("two of its NICs have one MAC")
+    if any(int(m[:2], 16) & 1 for m in macs):
+        raise _refuse("a NIC's MAC is a multicast address")
     ports = [i for i, d in enumerate(devices) if d.driver == "virtserialport"]
     buses = [i for i, d in enumerate(devices) if d.driver == "virtio-serial-pci"]
     if ports and (not buses or buses[0] > ports[0]):
         raise _refuse("its virtserialport comes before the virtio-serial-pci it sits on")
     return devices
+
+
+def _nic_queues(devices: tuple[Device, ...], smp: int) -> None:
+    """A NIC on a tap has one queue per vCPU (at most 8): mq and vectors as fusuma
+    gives them for ``smp`` vCPUs, or neither for one."""
+    queues = max(1, min(smp, 8))
+    for d in devices:
+        props = dict(d.props)
+        if "mac" not in props:
+            continue
+        got = int(props["vectors"]) if "vectors" in props else None
+        want = 2 * queues + 2 if queues > 1 else None
+        if got != want:
+            raise _refuse(f"NIC {props['netdev']} has "
+                          f"{'vectors=' + str(got) if got else 'one queue'} for {smp} "
+                          f"vCPU(s), not {'vectors=' + str(want) if want else 'one queue'}")
 
 
 def _memory(value: object, pmem: int) -> str:
@@ -238,6 +269,7 @@ def parse_device_set(text: object) -> DeviceSet:
     if serial not in SERIALS:
         raise _refuse(f"serial {serial!r} is not con0")
     devices = _devices(d["devices"])
+    _nic_queues(devices, smp)
     memory = _memory(d["memory"], sum(x.driver == "virtio-pmem-pci" for x in devices))
     features = tuple(_str(f, "a CPU feature", 48) for f in _list(
         d.get("cpu_features", []), "cpu_features", MAX_CPU_FEATURES))
@@ -301,7 +333,7 @@ def carried_nics(record: Mapping[str, object]) -> list[tuple[int, str, str, str 
         ip = raw.get("ip")
         if not re.match(f"^{_NAME}\\Z", network):
             raise _refuse(f"NIC {i}'s network {network!r} is not a name")
-        if not re.match(f"^{MAC}\\Z", mac):
+        if not re.match(f"^{MAC}\\Z", mac) or int(mac[:2], 16) & 1:
             raise _refuse(f"NIC {i}'s MAC {mac!r} is not a unicast MAC")
         if ip is not None:
             ip = _str(ip, f"NIC {i}'s address", 15)

@@ -14,7 +14,7 @@ from fusuma.errors import HostError, SegmentError, StateError
 from fusuma.host import cgroups, storage
 from fusuma.images import find_image
 from fusuma.memshare import clones, reporting
-from fusuma.network import addr, ifnames, link
+from fusuma.network import addr, ifnames, link, queues
 from fusuma.paths import MAX_SOCKET_PATH, Paths
 from fusuma.qemu import recorded, versions
 from fusuma.qemu.cmdline import (
@@ -158,3 +158,16 @@ def open_taps(cfg: VmConfig, uid: int, add: Callable[[int], int]) -> VmConfig:
         fds = link.open_tap(nic.tap, nic.queues, uid, nic.bridge)
         nics.append(replace(nic, fds=tuple(add(fd) for fd in fds)))
     return replace(cfg, nics=nics)
+
+
+def join_taps(cfg: VmConfig, add: Callable[[int], int]) -> tuple[VmConfig, dict[str, int]]:
+    """A move's destination on this host: queues of each NIC's tap, which the VM's
+    running QEMU holds (``link.join_tap``), to ``add``; and each tap's virtio-net
+    header size now (the running QEMU's), which the new QEMU's start changes
+    (``fusuma.network.queues.restore_header`` puts it back)."""
+    nics, sizes = [], {}
+    for nic in cfg.nics:
+        fds = link.join_tap(nic.tap, nic.queues, nic.bridge)
+        sizes[nic.tap] = queues.header_size(fds[0])
+        nics.append(replace(nic, fds=tuple(add(fd) for fd in fds)))
+    return replace(cfg, nics=nics), sizes

@@ -33,6 +33,7 @@ from fusuma.host import cgroups
 from fusuma.memshare import clones
 from fusuma.memshare.ksm import enable_merge_any
 from fusuma.names import vm_leaf
+from fusuma.network import queues
 from fusuma.paths import PRIVATE_DIR, Paths, ensure_dir
 from fusuma.qemu import privilege, process, versions
 from fusuma.qemu.cmdline import DeviceSetMismatch, build_argv
@@ -191,12 +192,13 @@ class PartitionHost:
                      role: Role = Role.RUNNING, owns_ram: bool = True,
                      disk_owner: str | None = None,
                      cpr_socket: Path | None = None,
-                     own_taps: bool = False) -> QemuInstance:
+                     own_taps: bool = False, join_taps: bool = False) -> QemuInstance:
         """Start one QEMU for ``vm`` in this partition's cgroup, as the VM's own uid,
         and connect QMP (``cpr_socket``: an in-place move's new QEMU, which opens QMP
         only once the old one has sent the guest's descriptors: wait until it listens
-        there instead). Every step registers its undo with ``rev`` (the caller's
-        transaction). The instance is registered and watched."""
+        there instead; ``join_taps``: a move's destination on this host, whose NICs
+        join the taps the VM's running QEMU holds). Every step registers its undo with
+        ``rev`` (the caller's transaction). The instance is registered and watched."""
         q = self.qemu()
         uid = privilege.uid_for(self.paths, vm)
         groups = privilege.groups_for(accel)
@@ -243,13 +245,19 @@ class PartitionHost:
         # A new VM gets a new RAM file; a move's destination opens the one its caller
         # chose (the source's for zero-copy, a new one made for a copy).
         # ``own_taps``: a move from another host, whose VM is defined here with taps of
-        # its own (its slot on this host): made like a boot's.
-        if cfg.nics and incoming is not None and not own_taps:
-            raise StateError(f"VM {vm.name!r} has NICs on taps, which a move cannot hand "
-                             "over yet; stop it and start it again instead.")
+        # its own (its slot on this host): made like a boot's. ``join_taps``: a move on
+        # this host, whose destination joins the taps the running QEMU holds.
+        if cfg.nics and incoming is not None and not (own_taps or join_taps):
+            raise StateError(f"VM {vm.name!r} has NICs on taps, which this kind of move "
+                             "cannot hand over; stop it and start it again instead.")
         cfg, files = privilege.open_for_qemu(cfg, uid, new_ram=incoming is None)
+        headers: dict[str, int] = {}
         with files:
-            cfg = config.open_taps(cfg, uid, files.add)
+            if join_taps and incoming is not None:
+                # A move on this host: queues of the taps the running QEMU holds.
+                cfg, headers = config.join_taps(cfg, files.add)
+            else:
+                cfg = config.open_taps(cfg, uid, files.add)
             if cfg.template_ram is not None:
                 cfg = clones.open_files(self.db, vm, cfg, files)
             if ram is not None and incoming is None:
@@ -296,6 +304,10 @@ class PartitionHost:
         self.instances.add(inst)
         rev.add(lambda: self.instances.remove(inst))
         self.watch(inst)
+        if headers:
+            # Its start set each tap's header size to its own default, under the QEMU
+            # that runs the guest: put that one's back (fusuma.network.queues).
+            queues.restore_header(inst.pid, headers)
         return inst
 
     # -- watching ---------------------------------------------------------------------

@@ -52,6 +52,7 @@ from typing import Any
 
 from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
 from fusuma.host.accel import probe_accel
+from fusuma.network import queues
 from fusuma.qemu.instance import QemuInstance, Role
 from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_STOP, event_time
 from fusuma.qemu.versions import CPR_MIN_VERSION as MIN_VERSION_TEXT
@@ -60,7 +61,13 @@ from fusuma.qemu.versions import has_cpr
 from fusuma.state import Job, JobKind, VmRecord, VmState, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
-from fusuma.supervisor.moves.dest import MoveIn, incoming, incoming_run_dir, resume_when_complete
+from fusuma.supervisor.moves.dest import (
+    MoveIn,
+    incoming,
+    incoming_run_dir,
+    resume_when_complete,
+    taps_of,
+)
 from fusuma.supervisor.moves.source import leaving, set_mode
 from fusuma.undo import Reverter
 
@@ -115,7 +122,8 @@ async def prepare(h: PartitionHost, vm: str, fault_decide_delay: float = 0.0) ->
     t0 = time.monotonic()
     with Reverter() as rev:
         new = await h.launch(rec, accel, run, Path(str(rec.ram_path)), "defer", rev,
-                             role=Role.INCOMING, owns_ram=False, cpr_socket=run / CPR_SOCKET)
+                             role=Role.INCOMING, owns_ram=False, cpr_socket=run / CPR_SOCKET,
+                             join_taps=True)
         rev.commit()
     new.move = MoveIn(None, MODE, h.partition,
                       done=asyncio.get_running_loop().create_future(),
@@ -201,6 +209,10 @@ async def transfer(h: PartitionHost, vm: str, timeout: float = 600.0,
         if mode != MODE:
             raise MigrationError(f"the QEMU of {vm!r} did not take migration mode {MODE} "
                                  f"(it says {mode}).")
+        # QEMU 10.0 carries no tap in its cpr state: the new QEMU has queues of its own
+        # (``h.launch(join_taps=True)``), and its machine, built once the descriptors
+        # arrive, sets each tap's header size to its default under the old QEMU.
+        headers = queues.header_sizes(old.pid, taps_of(h, vm))
         t0 = time.time()
         await old.qmp.execute("migrate", {"channels": [
             {"channel-type": "main", "addr": {"transport": "socket", "type": "unix",
@@ -209,6 +221,8 @@ async def transfer(h: PartitionHost, vm: str, timeout: float = 600.0,
                                              "path": str(cpr)}}]})
         try:
             await _connect_new(new, CONNECT_TIMEOUT_S)
+            if headers:
+                queues.restore_header(new.pid, headers)
             if fault_incoming_delay > 0:
                 await asyncio.sleep(fault_incoming_delay)
             if new.exited.is_set():

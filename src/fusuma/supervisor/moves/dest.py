@@ -29,8 +29,10 @@ from typing import Any
 
 from qemu.qmp import EventListener
 
-from fusuma.errors import MigrationError, NotFoundError, QemuError, StateError
+from fusuma.errors import FusumaError, MigrationError, NotFoundError, QemuError, StateError
 from fusuma.host.accel import probe_accel
+from fusuma.network import queues
+from fusuma.network.ifnames import tap_name
 from fusuma.qemu import privilege, tlscreds
 from fusuma.qemu.cmdline import NET_ID, hostfwd
 from fusuma.qemu.instance import INCOMING_PREFIX, QemuInstance, Role
@@ -102,7 +104,8 @@ async def prepare(h: PartitionHost, vm: str, mode: str,
             privilege.create_ram_file(ram, privilege.uid_for(h.paths, rec))
             h.charge_ram(ram, rec.memory_mib)
         inst = await h.launch(rec, accel, run, ram, "defer", rev, role=Role.INCOMING,
-                              owns_ram=mode == "copy", disk_owner=rec.partition)
+                              owns_ram=mode == "copy", disk_owner=rec.partition,
+                              join_taps=True)
         await inst.qmp.migrate_set_capabilities(capabilities(mode))
         listener = inst.qmp.listener(EVENT_MIGRATION)
         uri = f"unix:{run}/migrate.sock"
@@ -173,6 +176,11 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
     status = "paused" if paused else await inst.qmp.query_status()
     resume_ts = time.time()
     if status != "running":
+        try:
+            hand_over_taps(h, vm, inst)
+        except (FusumaError, OSError) as exc:
+            # The guest runs here whatever the tap says: a paused guest helps no one.
+            h.log.warning("%s: its taps could not be handed over: %s", vm, exc)
         listener = inst.qmp.listener(EVENT_RESUME)
         try:
             await inst.qmp.cont()
@@ -187,7 +195,9 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
         h.instances.change(old, Role.LEAVING)
         old.owns_ram = False
     if h.db.nics(vm=vm):
-        # Its NICs tell the bridges (and a VXLAN's peers) where the guest is now.
+        # Its NICs tell the bridges (and a VXLAN's peers) where the guest is now: on one
+        # host the bridge has learnt nothing new (same tap, same port), but a switch
+        # beyond a bridged network may have.
         try:
             await inst.qmp.announce_self()
         except QemuError as exc:
@@ -213,6 +223,40 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
     if move.tls is not None:     # after the guest runs: not in the downtime
         await tlscreds.drop(inst.qmp, move.tls)
     return rpc.Resumed(pid=inst.pid, resume_ts=resume_ts)
+
+
+def nic_taps(h: PartitionHost, vm: str) -> dict[str, str]:
+    """The VM's NICs' taps, by netdev id."""
+    slot = h.db.vm(vm).slot
+    return {f"nic{n.index}": tap_name(slot, n.index) for n in h.db.nics(vm=vm)}
+
+
+def taps_of(h: PartitionHost, vm: str) -> set[str]:
+    return set(nic_taps(h, vm).values())
+
+
+def hand_over_taps(h: PartitionHost, vm: str, inst: QemuInstance) -> set[str]:
+    """The decision is "forward": the kernel steers the VM's frames to ``inst`` from
+    now on. Every queue of the VM's taps that another QEMU holds (the source, paused
+    for good) is detached, then ``inst``'s queue 0 attached (``fusuma.network.queues``:
+    QEMU switches its other queues itself). Idempotent, so a recovery that commits
+    again does the same. The taps' names."""
+    rec = h.db.vm(vm)
+    nics = nic_taps(h, vm)
+    if not nics:
+        return set()
+    taps = set(nics.values())
+    # The source: the QEMU the record names until this commit, or in place the other
+    # QEMU of this partition. Only fds of the VM's own taps are touched in it.
+    others = {rec.pid} | {i.pid for i in h.instances.of(vm)}
+    for pid in sorted(p for p in others - {inst.pid} if p):
+        n = queues.detach_all(pid, taps)
+        h.log.info("%s: detached %d queue(s) of QEMU %d from %s", vm, n, pid,
+                   ", ".join(sorted(taps)))
+    firsts = {nics[i]: fd for i, fd in queues.first_fds(queues.argv_of(inst.pid)).items()
+              if i in nics}
+    queues.attach_first(inst.pid, firsts)
+    return taps
 
 
 async def finish(h: PartitionHost, vm: str, timeout: float = 30.0) -> rpc.Resumed:
