@@ -139,6 +139,18 @@ class ImageBuild(_Req):
     force: bool = False
 
 
+class ImageImport(_Req):
+    """A disk image to import: a regular file inside a storage directory root declared
+    (`fusuma storage list`), never a symlink or a device."""
+
+    name: Name
+    path: str = Field(description="The image file, inside a storage directory.",
+                      max_length=4096)
+    format: Literal["qcow2", "raw"] | None = None
+
+    _check = field_validator("name")(_name_field)
+
+
 # -- responses ------------------------------------------------------------------------
 class _Resp(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -140,7 +140,8 @@ def router(d: Daemon) -> APIRouter:
             from fusuma import capacity
             from fusuma.images import find_image
 
-            find_image(c.paths.cache, kind=rec.image)
+            if rec.boot == "kernel":
+                find_image(c.paths.cache, kind=rec.image)
             capacity.check_start(c.paths, rec)
         elif body.action == "kill" and state in ("stopped",):
             raise StateError(f"VM {name!r} is {state}; there is no QEMU to kill.")
