@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from fusuma.errors import NotFoundError, SpecError
+from fusuma.errors import NotFoundError, SpecError, StateError
 from fusuma.images import seed, store
 from fusuma.paths import PRIVATE_DIR, Paths
 from fusuma.state import Database, VmRecord
@@ -57,11 +57,23 @@ def resolve(db: Database, image: str, boot: str | None) -> tuple[str, ImageRecor
     return boot or "bios", rec
 
 
-def prepare(paths: Paths, rec: VmRecord, base: ImageRecord, disk_size: str | None,
-            ssh_keys: Sequence[str], user_data: str | None, macs: Sequence[str]) -> None:
-    """Make ``rec``'s thin disk, NVRAM (UEFI) and seed; on failure remove them."""
+def check_inputs(base: ImageRecord, disk_size: str | None,
+                 ssh_keys: Sequence[str]) -> tuple[int | None, list[str]]:
+    """The thin disk's size and the SSH keys, checked before anything is made."""
     size = None if disk_size is None else store.parse_size(disk_size)
-    keys = seed.check_keys(ssh_keys)
+    if size is not None and size < base.virtual_size:
+        raise SpecError(f"disk size {disk_size} is smaller than image {base.name!r} "
+                        f"({base.virtual_size / 2**30:.2f} GiB); a thin disk can only be "
+                        "as large or larger.")
+    why = store.verify(base)
+    if why is not None:
+        raise StateError(f"image {base.name!r}: {why}; delete it and import it again.")
+    return size, seed.check_keys(ssh_keys)
+
+
+def prepare(paths: Paths, rec: VmRecord, base: ImageRecord, size: int | None,
+            keys: Sequence[str], user_data: str | None, macs: Sequence[str]) -> None:
+    """Make ``rec``'s thin disk, NVRAM (UEFI) and seed; on failure remove them."""
     vdir = paths.vm_dir(rec.name)
     vdir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     try:
@@ -84,9 +96,13 @@ def prepare(paths: Paths, rec: VmRecord, base: ImageRecord, disk_size: str | Non
 
 
 def remove(paths: Paths, vm: str) -> None:
+    """Remove what :func:`prepare` made (the VM's directory too, if nothing else is
+    in it)."""
     for name in FILES:
         with contextlib.suppress(FileNotFoundError):
             (paths.vm_dir(vm) / name).unlink()
+    with contextlib.suppress(OSError):
+        paths.vm_dir(vm).rmdir()
 
 
 def check_spec_fields(boot: str, *, disk_size: str | None, ssh_keys: Sequence[str],

@@ -102,6 +102,8 @@ class VmManager:
             from fusuma.images import find_image
 
             find_image(self.paths.cache, kind=spec.image)
+        else:
+            disk_size, keys = fwboot.check_inputs(base, spec.disk_size, spec.ssh_keys)
         machine = self._machine(part.name, part.qemu, spec.machine)
         from fusuma.memshare import reporting
 
@@ -130,8 +132,8 @@ class VmManager:
             self.db.add_nics(nics)
         try:
             if base is not None:
-                fwboot.prepare(self.paths, stored, base, spec.disk_size, spec.ssh_keys,
-                               spec.user_data, [n.mac for n in nics])
+                fwboot.prepare(self.paths, stored, base, disk_size, keys, spec.user_data,
+                               [n.mac for n in nics])
             for net in sorted({n.network for n in nics}):
                 nets.refresh(net)
         except BaseException:
