@@ -1,8 +1,9 @@
 """A user's own disk image, booted by firmware: a Debian disk with cloud-init and
-extlinux, built from Debian packages (fusuma.images.diskimage, cached in
+extlinux and GRUB, built from Debian packages (fusuma.images.diskimage, cached in
 FUSUMA_CACHE), imported like any user's image. Two VMs on the one read-only base boot
-by SeaBIOS at the same time; cloud-init gives each its hostname, the SSH key and runs
-the user-data; the base's checksum is unchanged and both QEMUs hold its one inode.
+at the same time, one by SeaBIOS and one by OVMF; cloud-init gives each its hostname,
+the SSH key and runs the user-data; the base's checksum is unchanged and both QEMUs
+hold its one inode.
 
 Under TCG a Debian with systemd and cloud-init takes about a minute to boot: the two
 guests boot together, once, and every check runs against them."""
@@ -26,7 +27,7 @@ USER_DATA = """#!/bin/sh
 echo "user-data ran on $(hostname)" > /var/lib/fusuma-user-data
 echo FUSUMA-USER-DATA-DONE > /dev/ttyS0
 """
-VMS = ("vb1", "vb2")
+VMS = {"vb": "bios", "vu": "uefi"}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def guest_file(host: Host, vm: str, path: str, deadline: float) -> str:
         time.sleep(2)
 
 
-def test_imported_image_boots_by_bios_with_cloud_init_on_a_shared_base(
+def test_imported_image_boots_by_bios_and_uefi_with_cloud_init_on_a_shared_base(
         host: Host, disk_image: Path, tmp_path: Path) -> None:
     t0 = time.monotonic()
     imported = host.run("image", "import", "deb", str(disk_image), "--json").json()
@@ -87,13 +88,16 @@ def test_imported_image_boots_by_bios_with_cloud_init_on_a_shared_base(
     assert not (host.home / "vms" / "bad").exists()
 
     t_create = time.monotonic()
-    for vm in VMS:
+    for vm, boot in VMS.items():
         t = time.monotonic()
         host.run("vm", "create", vm, "-p", "p0", "--image", "deb", "--memory", "384",
-                 "--disk-size", "3G", "--ssh-key", str(key), "--user-data", str(ud))
+                 "--boot", boot, "--disk-size", "3G", "--ssh-key", str(key),
+                 "--user-data", str(ud))
         assert time.monotonic() - t < 10
         disk = host.home / "vms" / vm / "disk.qcow2"
         assert disk.stat().st_mode & 0o777 == 0o600
+    assert (host.home / "vms" / "vu" / "nvram.fd").stat().st_mode & 0o777 == 0o600
+    assert not (host.home / "vms" / "vb" / "nvram.fd").exists()
     with ThreadPoolExecutor(len(VMS)) as pool:     # both boot at once
         list(pool.map(lambda vm: host.run("vm", "start", vm, "--wait", "--timeout", "400",
                                           timeout=450), VMS))
@@ -117,15 +121,27 @@ def test_imported_image_boots_by_bios_with_cloud_init_on_a_shared_base(
                        Path(f"/proc/{v['pid']}/status").read_text().splitlines()
                        if line.startswith("Uid:")))
         assert uid != 0 and (host.home / "vms" / vm / "disk.qcow2").stat().st_uid == uid
+        # The guest booted by the firmware asked for.
+        efi = host.run("vm", "exec", vm, "--", "/usr/bin/test", "-d", "/sys/firmware/efi",
+                       check=False).code == 0
+        assert efi == (VMS[vm] == "uefi")
+        if efi:
+            assert (host.home / "vms" / vm / "nvram.fd").stat().st_uid == uid
         # The serial console (fusuma's console log) shows the user-data's line too.
         log = host.home / "vms" / vm / "console.log"
         while "FUSUMA-USER-DATA-DONE" not in log.read_text(errors="replace"):
             assert time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
             time.sleep(1)
+    # The thin disk grows online; the guest sees it at once. It never shrinks.
+    res = host.run("vm", "resize", "vb", "--disk-size", "4G", "--json").json()
+    assert (res["old_size"], res["size"]) == (3 * 2**30, 4 * 2**30)
+    size = host.run("vm", "exec", "vb", "--", "/bin/cat", "/sys/block/vda/size").out
+    assert int(size) * 512 == 4 * 2**30
+    assert "a disk only grows" in host.fail("vm", "resize", "vb", "--disk-size", "2G").err
     # Both QEMUs read the one base file (its inode), and it is unchanged.
     assert all(holds_inode(pid, st) for pid in pids)
     err = host.fail("image", "delete", "deb").err
-    assert "base of VM(s) vb1, vb2; delete them first" in err
+    assert "base of VM(s) vb, vu; delete them first" in err
     for vm in VMS:
         host.run("vm", "stop", vm, "--timeout", "60", timeout=120)
         host.run("vm", "delete", vm)

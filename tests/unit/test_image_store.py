@@ -243,11 +243,13 @@ def test_firmware_boot_argv() -> None:
 def test_uefi_argv() -> None:
     argv = build_argv(fw_cfg(uefi=Uefi(Path("/usr/share/OVMF/OVMF_CODE_4M.fd"),
                                        Path("/h/vms/vm0/nvram.fd"), code_fd=20,
-                                       vars_fd=21)))
+                                       vars_fds=(21, 22))))
     drives = [argv[i + 1] for i, a in enumerate(argv) if a == "-drive"]
-    assert drives[:2] == ["if=pflash,format=raw,unit=0,readonly=on,file=/dev/fdset/1",
-                          "if=pflash,format=raw,unit=1,file=/dev/fdset/2"]
+    assert drives[:2] == [
+        "if=pflash,format=raw,unit=0,readonly=on,file=/dev/fdset/1",
+        "if=pflash,format=raw,unit=1,file=/dev/fdset/2,file.locking=off"]
     assert "fd=20,set=1,opaque=uefi-code" in argv and "fd=21,set=2,opaque=uefi-vars" in argv
+    assert "fd=22,set=2,opaque=uefi-vars" in argv
 
 
 def test_boot_follows_the_image(tmp_path: Path, paths: Paths, db: Database) -> None:

@@ -200,6 +200,28 @@ def read_text(path: str, what: str, limit: int) -> str:
         raise click.UsageError(f"{what} {path} is not UTF-8 text.") from exc
 
 
+@vm.command("resize")
+@click.argument("name")
+@click.option("--disk-size", "size", required=True, metavar="SIZE",
+              help="The new size, e.g. 16G: larger than now (a disk only grows).")
+@click.option("--disk", default=None, metavar="DISK",
+              help="One of its registered disks (default: its thin disk, for a VM of an "
+                   "imported image).")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def resize(c: Ctx, name: str, size: str, disk: str | None, as_json: bool) -> None:
+    """Grow a running VM's disk online (QMP block_resize); the guest sees the new size at
+    once and grows its partition and file system itself (cloud-init's growpart does at
+    the next boot)."""
+    from dataclasses import asdict
+
+    res = c.vms.resize_disk(name, size, disk)
+    if as_json:
+        emit_json(asdict(res))
+    else:
+        click.echo(f"vm {name}: {res.drive} {res.old_size} -> {res.size} bytes")
+
+
 @vm.command("start")
 @click.argument("name")
 @click.option("--wait/--no-wait", default=False, show_default=True,

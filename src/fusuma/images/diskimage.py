@@ -1,13 +1,17 @@
 """A bootable Debian disk image with cloud-init, built from Debian packages: what a
 user would bring (a cloud image), made here because these machines have no internet.
 
-One MBR partition (ext4, bootable) holds a minbase Debian with Debian's cloud kernel,
-systemd, cloud-init (NoCloud), qemu-guest-agent and openssh-server; SYSLINUX's
-``extlinux`` boots it (its ``mbr.bin`` in the first sector). There is no udev on the
-host, so the partition is reached by a loop device at its offset (``losetup -o``), and
-debootstrap writes straight into it; the bootloader's own binaries come from the image
-(the host's Debian release runs them). The result is a compressed qcow2, cached in
-FUSUMA_CACHE/images/cloud-DIGEST/ and rebuilt only when an input changes.
+It boots by BIOS and by UEFI. Two MBR partitions: an EFI system partition (FAT) with
+a standalone GRUB as ``/EFI/BOOT/BOOTX64.EFI`` (what OVMF boots from any disk), and
+the root (ext4, marked active) with a minbase Debian: Debian's cloud kernel, systemd,
+cloud-init (NoCloud), qemu-guest-agent and openssh-server, booted under SeaBIOS by
+SYSLINUX's ``extlinux`` (its ``mbr.bin`` in the first sector). Both load the same kernel
+and initrd with the same command line. There is no udev on the host (and no vfat in
+its kernel), so the root is reached by a loop device at its offset (``losetup -o``)
+and debootstrap writes straight into it; the ESP is made as a file by the image's own
+mkfs.fat and mtools, run in the image (chroot), and copied to its offset. The result
+is a compressed qcow2, cached in FUSUMA_CACHE/images/cloud-DIGEST/ and rebuilt only
+when an input changes.
 """
 
 from __future__ import annotations
@@ -30,14 +34,19 @@ from fusuma.images import debian
 
 LOG = logging.getLogger(__name__)
 
-VERSION = 1                    # of this recipe: a change rebuilds the image
+VERSION = 2                    # of this recipe: a change rebuilds the image
 SIZE = 2 * 2**30               # the disk the guest sees
-START = 2048                   # the partition's first sector (1 MiB)
+ESP_START = 2048               # the ESP's first sector (1 MiB)
+ESP_MIB = 16
+START = ESP_START + ESP_MIB * 2048   # the root's first sector
 # python3-cffi-backend: python3-cryptography (cloud-init's) depends on a virtual
 # package it provides, which debootstrap's resolver does not follow.
 PACKAGES = ("systemd-sysv", "udev", "linux-image-cloud-amd64", "cloud-init",
             "python3-cffi-backend", "qemu-guest-agent", "openssh-server", "extlinux",
-            "ifupdown", "kmod")
+            "ifupdown", "kmod", "grub-efi-amd64-bin", "dosfstools", "mtools")
+# What the standalone GRUB holds: enough to find the root by its UUID and boot Linux.
+GRUB_MODULES = ("part_msdos", "ext2", "fat", "search", "search_fs_uuid", "linux", "boot",
+                "echo", "gzio", "serial", "terminal", "efi_gop", "all_video")
 # Console on the serial port (what fusuma's console log holds), and the probes that
 # cost seconds under TCG skipped (as for fusuma's own images).
 APPEND = ("console=ttyS0 i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd "
@@ -98,11 +107,12 @@ def _lock(images: Path) -> Iterator[None]:
         yield
 
 
-def mbr_partition(start: int, sectors: int) -> bytes:
-    """The 16-byte MBR entry of one bootable Linux partition (LBA only: CHS fields
-    saturated, as for any disk past 8 GiB)."""
-    return struct.pack("<B3sB3sII", 0x80, b"\xfe\xff\xff", 0x83, b"\xfe\xff\xff",
-                       start, sectors)
+def mbr_partition(start: int, sectors: int, kind: int = 0x83, active: bool = True
+                  ) -> bytes:
+    """The 16-byte MBR entry of one partition (LBA only: CHS fields saturated, as for
+    any disk past 8 GiB)."""
+    return struct.pack("<B3sB3sII", 0x80 if active else 0, b"\xfe\xff\xff", kind,
+                       b"\xfe\xff\xff", start, sectors)
 
 
 def _run(argv: list[str], what: str) -> str:
@@ -118,7 +128,8 @@ def _build(suite: str, mirror: str, tmp: Path, say: Progress) -> None:
         f.truncate(SIZE)
         sectors = SIZE // 512 - START
         f.seek(446)
-        f.write(mbr_partition(START, sectors) + bytes(48) + b"\x55\xaa")
+        f.write(mbr_partition(ESP_START, ESP_MIB * 2048, 0xEF, active=False)
+                + mbr_partition(START, sectors) + bytes(32) + b"\x55\xaa")
     root_uuid = str(uuid.uuid4())
     mnt = tmp / "mnt"
     mnt.mkdir()
@@ -133,22 +144,50 @@ def _build(suite: str, mirror: str, tmp: Path, say: Progress) -> None:
             say(f"debootstrap {suite} with {', '.join(PACKAGES)} (a minute or two)")
             debian.debootstrap(suite, mirror, PACKAGES, mnt)
             say(f"debootstrap done in {time.monotonic() - t0:.0f} s")
-            _configure(mnt, root_uuid)
+            cmdline = _configure(mnt, root_uuid)
             _run([str(mnt / "usr/bin/extlinux"), "--install", str(mnt / "boot/extlinux")],
                  "extlinux --install")
+            _esp(mnt, root_uuid, cmdline, tmp / "esp.img")
         finally:
             _run(["umount", str(mnt)], "umount")
     finally:
         _run(["losetup", "-d", loop], "losetup -d")
     _write_mbr(raw, tmp)
+    with open(raw, "r+b") as f:
+        f.seek(ESP_START * 512)
+        f.write((tmp / "esp.img").read_bytes())
     say("writing the compressed qcow2")
     _run(["qemu-img", "convert", "-c", "-O", "qcow2", str(raw), str(tmp / "disk.qcow2")],
          "qemu-img convert")
 
 
-def _configure(root: Path, root_uuid: str) -> None:
+def _esp(root: Path, root_uuid: str, cmdline: tuple[str, str, str], out: Path) -> None:
+    """The EFI system partition as a file: a standalone GRUB (the image's own
+    grub-mkimage, its configuration embedded) in a FAT file system (the image's own
+    mkfs.fat and mtools), all run in the image."""
+    kernel, initrd, append = cmdline
+    (root / "tmp/early.cfg").write_text(
+        f"search --no-floppy --fs-uuid --set=root {root_uuid}\n"
+        f"linux /boot/{kernel} root=UUID={root_uuid} ro {append}\n"
+        f"initrd /boot/{initrd}\nboot\n")
+    chroot = ["chroot", str(root)]
+    _run([*chroot, "grub-mkimage", "-O", "x86_64-efi", "-d", "/usr/lib/grub/x86_64-efi",
+          "-p", "/EFI/BOOT", "-c", "/tmp/early.cfg", "-o", "/tmp/BOOTX64.EFI",
+          *GRUB_MODULES], "grub-mkimage")
+    _run([*chroot, "mkfs.fat", "-C", "-n", "ESP", "/tmp/esp.img", str(ESP_MIB * 1024)],
+         "mkfs.fat")
+    _run([*chroot, "mmd", "-i", "/tmp/esp.img", "::/EFI", "::/EFI/BOOT"], "mmd")
+    _run([*chroot, "mcopy", "-i", "/tmp/esp.img", "/tmp/BOOTX64.EFI",
+          "::/EFI/BOOT/BOOTX64.EFI"], "mcopy")
+    shutil.move(root / "tmp/esp.img", out)
+    for f in ("early.cfg", "BOOTX64.EFI"):
+        (root / "tmp" / f).unlink()
+
+
+def _configure(root: Path, root_uuid: str) -> tuple[str, str, str]:
     """fstab, the bootloader's configuration, cloud-init's sources, and nothing of
-    this build left for every guest to share (machine id, SSH host keys, apt lists)."""
+    this build left for every guest to share (machine id, SSH host keys, apt lists);
+    returns the kernel's and initrd's names in /boot and the command line."""
     (root / "etc/fstab").write_text(f"UUID={root_uuid} / ext4 defaults,errors=remount-ro 0 1\n")
     (root / "etc/hostname").write_text("debian\n")
     (root / "etc/hosts").write_text("127.0.0.1 localhost\n")
@@ -175,6 +214,7 @@ def _configure(root: Path, root_uuid: str) -> None:
         for child in (root / d).glob("*"):
             if child.is_file():
                 child.unlink()
+    return kernels[-1].name, initrds[-1].name, APPEND
 
 
 def _write_mbr(raw: Path, tmp: Path) -> None:

@@ -109,7 +109,7 @@ class Uefi:
     code: Path
     vars: Path
     code_fd: int | None = None
-    vars_fd: int | None = None
+    vars_fds: tuple[int, ...] = ()   # read-write and read-only, as for disks
 
 
 BOOTS = ("kernel", "bios", "uefi")
@@ -240,7 +240,7 @@ class VmConfig:
         if self.thin_disk is not None:
             fds += [*self.thin_disk.fds, self.thin_disk.base_fd]
         if self.uefi is not None:
-            fds += [self.uefi.code_fd, self.uefi.vars_fd]
+            fds += [self.uefi.code_fd, *self.uefi.vars_fds]
         return [fd for fd in fds if fd is not None] + [fd for d in self.disks
                                                        for fd in d.fds] + [
             fd for n in self.nics for fd in n.fds]
@@ -464,9 +464,10 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
                  "-append", f"{cfg.append} fusuma.name={cfg.name}{segs}"]
     if cfg.uefi is not None:
         code = fdsets.path(cfg.uefi.code_fd, "uefi-code", cfg.uefi.code)
-        nvram = fdsets.path(cfg.uefi.vars_fd, "uefi-vars", cfg.uefi.vars)
+        nvram = fdsets.path(cfg.uefi.vars_fds, "uefi-vars", cfg.uefi.vars)
+        lock = ",file.locking=off" if len(cfg.uefi.vars_fds) > 1 else ""  # as for disks
         argv += ["-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={code}",
-                 "-drive", f"if=pflash,format=raw,unit=1,file={nvram}"]
+                 "-drive", f"if=pflash,format=raw,unit=1,file={nvram}{lock}"]
     argv += ["-chardev", f"socket,id=qmp0,path={cfg.qmp_socket},server=on,wait=off",
              "-mon", "chardev=qmp0,mode=control"]
     logfile = fdsets.path(cfg.console_log_fd, "console-log", cfg.console_log)

@@ -268,8 +268,9 @@ def _open_boot(cfg: VmConfig, files: QemuFiles) -> tuple[ThinDisk | None, Uefi |
     if uefi is not None:
         uefi = replace(uefi, code_fd=files.add(_open_public(cfg.name, "UEFI firmware",
                                                             uefi.code)),
-                       vars_fd=files.add(_open_private(cfg.name, "UEFI variables",
-                                                       uefi.vars, os.O_RDWR)))
+                       vars_fds=tuple(files.add(_open_private(
+                           cfg.name, "UEFI variables", uefi.vars, mode))
+                           for mode in (os.O_RDWR, os.O_RDONLY)))
     seed_fd = None if cfg.seed is None else files.add(
         _open_private(cfg.name, "cloud-init seed", cfg.seed, os.O_RDONLY))
     return thin, uefi, seed_fd

@@ -240,6 +240,13 @@ class VmManager:
         return dataclasses.asdict(self._send(name, rpc.Trim(name, timeout=timeout),
                                              timeout + 60))
 
+    def resize_disk(self, name: str, size: str, disk: str | None = None) -> rpc.Resized:
+        """Grow running VM ``name``'s thin disk (``disk`` None) or its registered disk
+        ``disk``, online."""
+        from fusuma.images.store import parse_size
+
+        return self._send(name, rpc.ResizeDisk(name, disk or "", parse_size(size)))
+
     def wait_agent(self, name: str, timeout: float = 60.0) -> float:
         return self._send(name, rpc.WaitAgent(name, timeout=timeout), timeout + 10).seconds
 
