@@ -266,3 +266,11 @@ def test_boot_follows_the_image(tmp_path: Path, paths: Paths, db: Database) -> N
     with pytest.raises(SpecError, match="--ssh-key apply to a VM of an imported image"):
         boot.check_spec_fields("kernel", disk_size=None, ssh_keys=[KEY], user_data=None,
                                segments=[], template=None)
+
+
+def test_moves_and_templates_of_a_firmware_vm_are_refused() -> None:
+    boot.check_movable(VmRecord("k", "p0", 1, 256), "a move")     # kernel boot: fine
+    with pytest.raises(StateError, match="boots by firmware from a thin disk on image "
+                       "'a', and a template of such a VM is not supported yet"):
+        boot.check_movable(VmRecord("f", "p0", 1, 256, image="a", boot="uefi"),
+                           "a template")

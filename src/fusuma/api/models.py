@@ -88,6 +88,14 @@ class VmMove(_Req):
     _check = field_validator("partition")(_name_field)
 
 
+class VmResize(_Req):
+    """Grow a running VM's disk: its thin disk (``disk`` left out) or a registered disk
+    attached to it, to ``size`` (such as "16G"; larger than now)."""
+
+    size: Annotated[str, Field(max_length=32)]
+    disk: Name | None = None
+
+
 class VmExec(_Req):
     command: Annotated[list[str], Field(min_length=1)]
     stdin: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -206,6 +207,12 @@ def router(d: Daemon) -> APIRouter:
         # Neither the command nor its output goes to the event log or the daemon's log.
         return d.submit("vm-exec", f"exec in VM {name}", {"vms": [f"/1.0/vms/{name}"]},
                         work, private=True)
+
+    @r.post("/1.0/vms/{name}/resize", dependencies=[OPERATOR],
+            summary="Grow a running VM's disk online (QMP block_resize)")
+    def resize_vm(name: NamePath, body: m.VmResize) -> dict[str, Any]:
+        _running(name)
+        return dataclasses.asdict(d.ctx().vms.resize_disk(name, body.size, body.disk))
 
     @r.post("/1.0/vms/{name}/trim", dependencies=[OPERATOR], status_code=202, responses=m.ACCEPTED,
             summary="Drop the guest's caches and hand its free memory back (operation)")

@@ -111,6 +111,9 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
     from fusuma.network.manager import check_movable
 
     check_movable(db, vm, "a move")
+    from fusuma.vm import boot
+
+    boot.check_movable(rec, "a move")
     if mode == CPR_MODE:
         if rec.partition != to:
             raise StateError(f"{CPR_MODE} moves a VM to a new QEMU in its own partition "

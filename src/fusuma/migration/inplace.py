@@ -86,6 +86,9 @@ def check(parts: PartitionManager, vm: str, new: Qemu | None = None) -> None:
     from fusuma.network.manager import check_movable
 
     check_movable(db, vm, "an in-place move")
+    from fusuma.vm import boot
+
+    boot.check_movable(rec, "an in-place move")
     p = rec.partition
     if parts.supervisor_pid(p) is None:
         raise StateError(f"the supervisor of partition {p!r} is not running; start it with "

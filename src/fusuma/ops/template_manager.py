@@ -62,6 +62,9 @@ class TemplateManager:
 
         refuse(rec, rec.qemu_version)
         check_movable(self.db, vm, "a template")
+        from fusuma.vm import boot
+
+        boot.check_movable(rec, "a template")
         capacity.check_template(self.db, self.parts.host, name, rec.memory_mib)
         return rec
 

@@ -123,3 +123,11 @@ def check_spec_fields(boot: str, *, disk_size: str | None, ssh_keys: Sequence[st
     if template is not None:
         raise SpecError("a clone of a template has its template's image; leave out "
                         "--boot and the image's options.")
+
+
+def check_movable(rec: VmRecord, what: str) -> None:
+    """Refuse ``what`` (a move, a template) of a VM that boots by firmware: its thin
+    disk, NVRAM and seed are not handed over by moves yet."""
+    if rec.boot != "kernel":
+        raise StateError(f"VM {rec.name!r} boots by firmware from a thin disk on image "
+                         f"{rec.image!r}, and {what} of such a VM is not supported yet.")
