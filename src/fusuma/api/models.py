@@ -200,6 +200,8 @@ class VmInfo(_Resp):
     # Guest RAM on the host: {"page_reporting", "resident_mib", "returned_mib"}
     ram: dict[str, Any] | None = None
     template: str | None = None     # the template a clone was started from
+    image: str | None = None        # a kind fusuma builds, or an imported image
+    boot: str = "kernel"            # kernel | bios | uefi
 
 
 class NetworkInfo(_Resp):
