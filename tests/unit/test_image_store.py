@@ -274,3 +274,46 @@ def test_moves_and_templates_of_a_firmware_vm_are_refused() -> None:
                        "'a', and a template of such a VM is not supported yet"):
         boot.check_movable(VmRecord("f", "p0", 1, 256, image="a", boot="uefi"),
                            "a template")
+
+
+def test_a_killed_import_leaves_no_record_and_its_copy_is_swept(
+        tmp_path: Path, paths: Paths, db: Database) -> None:
+    """An import killed mid-copy leaves a partial file named after its pid and no
+    record; the next import removes it (its pid is gone), never a live one's."""
+    d = store.store_dir(paths)
+    d.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (d / f"{store.TMP_PREFIX}x-{dead.pid}").write_bytes(b"partial")
+    live = d / f"{store.TMP_PREFIX}y-{os.getpid()}"
+    live.write_bytes(b"busy")
+    store.import_image(paths, db, "a", str(raw_image(tmp_path / "a.raw")), anywhere=True)
+    assert left_in_store(paths) == [live.name, "a.raw"]
+    assert [i.name for i in db.images()] == ["a"]
+
+
+def test_api_import_names_only_files_in_storage_directories(paths: Paths) -> None:
+    from fastapi.testclient import TestClient
+
+    from fusuma.api.app import Limits, create_app
+    from fusuma.api.server import LocalAuth
+
+    client = TestClient(LocalAuth(Limits(create_app(paths)), "fusuma"),
+                        raise_server_exceptions=False)
+    r = client.post("/1.0/images/import", json={"name": "x", "path": "/etc/shadow"})
+    assert r.status_code == 400 and "outside the storage directories" in r.json()["error"]
+    r = client.post("/1.0/images/import", json={"name": "minimal", "path": "/x/y"})
+    assert r.status_code == 409 and "an image fusuma builds" in r.json()["error"]
+    r = client.get("/1.0/images/nope")
+    assert r.status_code == 404 and "no imported image named 'nope'" in r.json()["error"]
+    disks = paths.home / "disks"
+    disks.mkdir(parents=True)
+    raw_image(disks / "ok.raw")
+    r = client.post("/1.0/images/import", json={"name": "ok", "path": str(disks / "ok.raw")})
+    assert r.status_code == 202, r.text
+    done = client.get(f"/1.0/operations/{r.json()['id']}/wait",
+                      params={"timeout": 30}).json()
+    assert done["status"] == "Success", done
+    got = client.get("/1.0/images/ok").json()
+    assert got["format"] == "raw" and got["source"] == str(disks / "ok.raw")
+    assert client.delete("/1.0/images/ok").json() == {"deleted": "/1.0/images/ok"}
