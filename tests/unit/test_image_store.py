@@ -123,6 +123,9 @@ def test_names_and_places(tmp_path: Path, paths: Paths, db: Database) -> None:
                               anywhere=False).format == "raw"
     with pytest.raises(SpecError, match="not a regular file"):
         store.import_image(paths, db, "c", "/dev/null", anywhere=True)
+    os.mkfifo(tmp_path / "fifo")     # never opened: the import would block on it
+    with pytest.raises(SpecError, match="not a regular file"):
+        store.import_image(paths, db, "c", str(tmp_path / "fifo"), anywhere=True)
 
 
 def test_delete_is_refused_while_a_vm_is_on_it(tmp_path: Path, paths: Paths,

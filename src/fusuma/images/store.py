@@ -110,14 +110,17 @@ def _open_source(paths: Paths, db: Database, source: str, anywhere: bool) -> int
     """A descriptor of the file to import, read-only. ``anywhere`` (root's CLI): any
     regular file; else a fit file inside a storage directory, not followed if a link."""
     if anywhere:
+        # Looked at without opening it (O_PATH): a FIFO or a device is never opened.
         try:
-            fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+            pinned = os.open(source, os.O_PATH | os.O_CLOEXEC)
         except OSError as exc:
             raise SpecError(f"cannot open {source}: {exc.strerror}.") from exc
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise SpecError(f"{source} is not a regular file; give an image file.")
-        return fd
+        try:
+            if not stat.S_ISREG(os.fstat(pinned).st_mode):
+                raise SpecError(f"{source} is not a regular file; give an image file.")
+            return storage.reopen(pinned, os.O_RDONLY)
+        finally:
+            os.close(pinned)
     place = storage.locate(paths, db, source)
     try:
         pinned, st = storage.pin(place.path)
