@@ -158,6 +158,13 @@ class ImageImport(_Req):
 
     _check = field_validator("name")(_name_field)
 
+    @field_validator("path")
+    @classmethod
+    def _abs(cls, v: str) -> str:
+        if not v.startswith("/") or "\x00" in v:
+            raise ValueError(f"image path {v!r} must be an absolute path")
+        return v
+
 
 # -- responses ------------------------------------------------------------------------
 class _Resp(BaseModel):
