@@ -8,8 +8,20 @@ dir and cgroup prefix, an agent on each) and, measured from outside like a user:
                             every one Running and Ready in its status
   in_host_downtime_ms       5 zero-copy moves between partitions (spec.partition):
                             each move's downtime from status.lastMove; median
-  between_hosts_*_ms        5 live moves of a 256 MiB guest between hosts (spec.host),
-                            copy mode over TCP: downtime and total; median
+  between_hosts_*_ms        live moves of a 256 MiB guest between hosts (spec.host),
+                            copy mode over TCP under TLS: downtime, total (the stream
+                            to the guest running) and the destination's prepare; median
+  between_hosts_plain_*_ms  the same moves with the stream in the clear (the agents of
+                            both hosts restarted with FUSUMA_BENCH_PLAIN_MOVES=1), in
+                            blocks of 4 ordered clear, TLS, TLS, clear in the same run
+                            (after 2 moves not counted)
+  (before the moves, and after each restart of the agents, the lab settles: its QEMUs,
+  supervisors and agents use less than half a core over 3 s, or steadily less than one;
+  between_hosts_settle_s)
+  tls_slowdown_pct          how much slower a move is under TLS: the median of its
+                            wall time (lastMove.wallMs: the source agent's start, before
+                            the destination's prepare, to the guest resuming there)
+                            under TLS over the same in the clear, less 1
   failover_s                a host's agent, supervisors and QEMUs killed (SIGKILL) to
                             each of its restartable VMs Running on another host;
   failover_after_expiry_s   the same less the Lease duration (what the issue targets)
@@ -33,13 +45,27 @@ from typing import Any
 
 import yaml
 
+from fusuma.cluster.context import PLAIN_MOVES_ENV
 from fusuma.cluster.lab import Lab, LabHost
+from fusuma.cluster.resources import parse_time
 from fusuma.errors import FusumaError
 from fusuma.paths import UID_SPAN
 from fusuma_bench.report import meta
 
 TARGETS = {"in_host_downtime_ms_median": 10.0, "between_hosts_total_ms_median": 2000.0,
-           "failover_after_expiry_s": 30.0}
+           "failover_after_expiry_s": 30.0, "tls_slowdown_pct": 10.0}
+# Moves between hosts (the same guest, back and forth): after WARM_UP moves that are not
+# counted (the VMs applied just before are still booting), blocks of PER_BLOCK moves in
+# the clear (A) and under TLS (B) in the order ABBA, so that a load that drifts linearly
+# during the run weighs on both alike.
+WARM_UP = 2
+PER_BLOCK = 4
+# Before the moves and after each restart of the agents: the lab is settled when its
+# processes use less than this many cores over SETTLE_WINDOW_S.
+SETTLED_CORES = 0.5
+STEADY_CORES = 0.1
+SETTLE_WINDOW_S = 3.0
+BLOCKS = ("plain", "tls", "tls", "plain")
 
 
 def host_env(tag: str, i: int, base: Path) -> dict[str, str]:
@@ -124,7 +150,7 @@ def run(hosts: int, vms: int, lease_seconds: int, qemu: str | None,
               "the hosts' partitions")
         results.update(_apply(lab, vms, progress))
         results.update(_in_host(lab, progress))
-        results.update(_between_hosts(lab, progress))
+        results.update(_between_hosts(lab, envs, progress))
         results.update(_failover(lab, envs, lease_seconds, progress))
     finally:
         progress("removing the lab")
@@ -152,7 +178,9 @@ def run(hosts: int, vms: int, lease_seconds: int, qemu: str | None,
     from fusuma.host.accel import probe_accel
 
     return {"meta": meta(probe_accel("auto").name, hosts=hosts, vms=vms,
-                         lease_seconds=lease_seconds, qemu=qemu or "system"),
+                         lease_seconds=lease_seconds, qemu=qemu or "system",
+                         between_hosts_blocks=f"{WARM_UP} moves not counted, then blocks "
+                         f"of {PER_BLOCK}: {', '.join(BLOCKS)}"),
             "summary": summary, "targets": targets,
             "samples": {k: v for k, v in results.items() if isinstance(v, list)},
             "leftovers": left}
@@ -224,33 +252,116 @@ def _in_host(lab: Lab, progress: Callable[[str], None]) -> dict[str, Any]:
             "in_host_downtime_ms": downs, "in_host_total_ms": totals}
 
 
-def _between_hosts(lab: Lab, progress: Callable[[str], None]) -> dict[str, Any]:
-    hosts = [h.name for h in lab.hosts]
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes ``pids`` have used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _settle(lab: Lab, envs: list[dict[str, str]], progress: Callable[[str], None],
+            busy: float = SETTLED_CORES, timeout: float = 300) -> float:
+    """Wait until the lab's QEMUs, supervisors and agents together use less than
+    ``busy`` cores over a few seconds, or no longer less and less (idle guests under
+    TCG cost something): the guests applied have booted, the agents restarted have
+    synced. How long it took."""
+    t0 = time.monotonic()
+    last: float | None = None
+    while True:
+        pids = [p for env in envs for p in host_pids(env)]
+        pids += [h.agent.pid for h in lab.hosts if h.agent is not None]
+        before = _cpu_s(pids)
+        time.sleep(SETTLE_WINDOW_S)
+        used = (_cpu_s(pids) - before) / SETTLE_WINDOW_S
+        steady = last is not None and abs(used - last) < STEADY_CORES and used < 1.0
+        if used < busy or steady or time.monotonic() - t0 > timeout:
+            return round(time.monotonic() - t0, 1)
+        progress(f"waiting for the lab to settle ({used:.2f} cores busy)")
+        last = used
+
+
+def _agents(lab: Lab, hosts: list[LabHost], plain: bool) -> None:
+    """Restart ``hosts``' agents, with moves in the clear or (as usual) under TLS."""
+    since = time.time()
+    for h in hosts:
+        lab.stop_agent(h)
+        lab.start_agent(h, env={PLAIN_MOVES_ENV: "1"} if plain else {})
+
+    def back() -> bool:
+        for h in hosts:
+            st = lab.get("fusumahost", h.name, None).get("status") or {}
+            t = parse_time(st.get("heartbeat"))
+            if t is None or t < since:
+                return False
+        return True
+
+    _wait(back, 120, "the agents to register again")
+
+
+def _between_hosts(lab: Lab, envs: list[dict[str, str]],
+                   progress: Callable[[str], None]) -> dict[str, Any]:
+    pair = lab.hosts[:2]
+    hosts = [h.name for h in pair]
     lab.kubectl("apply", "-f", "-", input=yaml.safe_dump(
         _vm("traveller", memoryMiB=256, host=hosts[0], partition="p0")))
     _wait(lambda: _ready(lab.get("fusumavm", "traveller")), 300, "traveller running")
-    time.sleep(5)      # let the guest boot and touch its memory
-    downs, totals, sent, paused = [], [], [], []
-    for i in range(5):
-        to = hosts[(i + 1) % 2]
-        before = ((lab.get("fusumavm", "traveller").get("status") or {})
-                  .get("lastMove") or {})
-        progress(f"between-host move {i + 1}/5 of traveller to {to}")
-        _patch(lab, "traveller", {"host": to})
-        o = _wait(_arrived(lab, "traveller", before, "host", to), 300,
-                  "the move between hosts")
-        lm = o["status"]["lastMove"]
-        if lm.get("result") != "ok":
-            raise FusumaError(f"a move between hosts failed: {lm.get('message')}")
-        downs.append(lm["downtimeMs"])
-        totals.append(lm["totalMs"])
-        sent.append(lm["bytesSent"])
-        paused.append(bool(lm.get("paused")))
-    return {"between_hosts_downtime_ms_median": round(statistics.median(downs), 2),
-            "between_hosts_total_ms_median": round(statistics.median(totals), 2),
-            "between_hosts_mib_sent_median": round(statistics.median(sent) / 2**20, 1),
-            "between_hosts_paused": any(paused),
-            "between_hosts_downtime_ms": downs, "between_hosts_total_ms": totals}
+    settled = [_settle(lab, envs, progress)]     # every guest has booted
+    runs: dict[str, dict[str, list[Any]]] = {
+        mode: {"downtime": [], "total": [], "prepare": [], "wall": [], "sent": [],
+               "paused": []}
+        for mode in ("plain", "tls")}
+    n = 0
+    for b, mode in enumerate(("warm-up", *BLOCKS)):
+        if mode != "warm-up":
+            _agents(lab, pair, plain=mode == "plain")
+            settled.append(_settle(lab, envs, progress))
+        count = WARM_UP if mode == "warm-up" else PER_BLOCK
+        for i in range(count):
+            n += 1
+            to = hosts[n % 2]
+            before = ((lab.get("fusumavm", "traveller").get("status") or {})
+                      .get("lastMove") or {})
+            progress(f"between-host move {i + 1}/{count} ({mode}, block {b}/"
+                     f"{len(BLOCKS)}) of traveller to {to}")
+            _patch(lab, "traveller", {"host": to})
+            o = _wait(_arrived(lab, "traveller", before, "host", to), 300,
+                      "the move between hosts")
+            lm = o["status"]["lastMove"]
+            if lm.get("result") != "ok" or \
+                    (mode != "warm-up" and bool(lm.get("tls")) != (mode == "tls")):
+                raise FusumaError(f"a move between hosts ({mode}) failed or went "
+                                  f"otherwise: {lm.get('message') or lm}")
+            if mode != "warm-up":
+                got = runs[mode]
+                for what, field in (("downtime", "downtimeMs"), ("total", "totalMs"),
+                                    ("prepare", "prepareMs"), ("wall", "wallMs"),
+                                    ("sent", "bytesSent")):
+                    got[what].append(lm[field])
+                got["paused"].append(bool(lm.get("paused")))
+    _agents(lab, pair, plain=False)
+    out: dict[str, Any] = {"between_hosts_settle_s": settled}
+    for mode, got in runs.items():
+        name = "between_hosts" if mode == "tls" else "between_hosts_plain"
+        for what in ("downtime", "total", "prepare", "wall"):
+            out[f"{name}_{what}_ms_median"] = round(statistics.median(got[what]), 2)
+            out[f"{name}_{what}_ms"] = got[what]
+        out[f"{name}_mib_sent_median"] = round(statistics.median(got["sent"]) / 2**20, 1)
+        out[f"{name}_paused"] = any(got["paused"])
+
+    def slowdown(what: str) -> float:
+        tls, plain = (float(out[f"{n}_{what}_ms_median"])
+                      for n in ("between_hosts", "between_hosts_plain"))
+        return round((tls / plain - 1) * 100, 1)
+
+    out["tls_slowdown_pct"] = slowdown("wall")
+    out["tls_total_slowdown_pct"] = slowdown("total")
+    out["tls_downtime_slowdown_pct"] = slowdown("downtime")
+    return out
 
 
 def _failover(lab: Lab, envs: list[dict[str, str]], lease_seconds: int,

@@ -28,7 +28,7 @@ def assert_one_sentence(err: str) -> None:
 
 def assert_nothing(host: Host) -> None:
     ps = host.ps()
-    assert ps == {"partitions": [], "vms": []}, ps
+    assert ps == {"partitions": [], "vms": [], "networks": []}, ps
     assert not host.our_cgroups(), host.our_cgroups()
     assert not host.our_pids()
 

@@ -91,7 +91,7 @@ def test_mergeable_with_shared_ram_in_a_spec(host: Host, tmp_path: Path) -> None
     res = host.fail("up", str(spec))
     assert_one_sentence(res.err)
     assert res.code == 2 and "mergeable = true needs private RAM" in res.err
-    assert host.ps() == {"partitions": [], "vms": []}
+    assert host.ps() == {"partitions": [], "vms": [], "networks": []}
 
 
 def test_segment_file_gone_before_start(host: Host, tmp_path: Path) -> None:

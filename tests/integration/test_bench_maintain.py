@@ -36,7 +36,7 @@ def test_bench_maintain_one_vm_both_methods(host: Host, tmp_path: Path) -> None:
     assert [(m["from"], m["to"], m["qemu_mode"]) for m in cpr] == [
         ("bench-maintain-p", "bench-maintain-p", "cpr-transfer")]
     # The scratch partitions are gone.
-    assert host.ps() == {"partitions": [], "vms": []}
+    assert host.ps() == {"partitions": [], "vms": [], "networks": []}
     text = (rep / "report.md").read_text()
     assert "## Which method wins" in text and "## Targets" in text
     assert (rep / "maintain.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

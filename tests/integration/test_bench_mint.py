@@ -48,7 +48,7 @@ def test_bench_mint_quick(host: Host, tmp_path: Path) -> None:
     pairs = {(r["config"], r["vm"], r["partition"]) for r in rows if r["config"] in TWO_PROBES}
     assert len(pairs) == 6
     # everything the run made is gone: partitions, VMs, disk files
-    assert host.ps() == {"partitions": [], "vms": []}
+    assert host.ps() == {"partitions": [], "vms": [], "networks": []}
     assert not (host.home / "disks" / "bench-mint").exists()
 
     text = (rep / "report.md").read_text()

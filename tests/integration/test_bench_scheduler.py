@@ -58,7 +58,7 @@ def test_bench_scheduler_quick(host: Host, tmp_path: Path) -> None:
     assert d["governor_holds"] is None and d["settle_s"] == 0, d
 
     # The scratch partitions are gone.
-    assert host.ps() == {"partitions": [], "vms": []}
+    assert host.ps() == {"partitions": [], "vms": [], "networks": []}
 
     text = (rep / "report.md").read_text()
     assert "## Targets" in text and "| governor |" in text

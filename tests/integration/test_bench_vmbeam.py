@@ -45,7 +45,7 @@ def test_bench_vmbeam_quick(host: Host, tmp_path: Path) -> None:
     assert [m["to"] for m in moves if m["mode"] == "copy"] == ["bench-vmbeam-b",
                                                                "bench-vmbeam-a"]
     # The scratch partitions are gone.
-    assert host.ps() == {"partitions": [], "vms": []}
+    assert host.ps() == {"partitions": [], "vms": [], "networks": []}
 
     text = (rep / "report.md").read_text()
     assert "| zero-copy | 128 |" in text and "## Targets" in text

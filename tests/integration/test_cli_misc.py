@@ -60,7 +60,7 @@ memory_mib = 192
     pids = {v["name"]: v["pid"] for v in host.ps()["vms"]}
     host.run("down")
     assert not disk.exists(), "a disk file fusuma created from size_mib must go with down"
-    assert host.ps() == {"partitions": [], "vms": []}
+    assert host.ps() == {"partitions": [], "vms": [], "networks": []}
     assert all(not os.path.exists(f"/proc/{p}") for p in pids.values())
 
 
@@ -76,4 +76,4 @@ def test_bench_boot_writes_result_file(host: Host, tmp_path: Path) -> None:
         assert math.isfinite(r["boot_ms"]) and 100 < r["boot_ms"] < 120_000
     assert data["summary"]["min_boot_ms"] <= data["summary"]["median_boot_ms"]
     # The scratch partition is gone.
-    assert host.ps() == {"partitions": [], "vms": []}
+    assert host.ps() == {"partitions": [], "vms": [], "networks": []}

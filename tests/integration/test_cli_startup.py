@@ -73,4 +73,4 @@ def test_bench_cli_writes_result_file(host: Host, tmp_path: Path) -> None:
         "ps_json_empty_ms", "vm_list_json_empty_ms", "help_ms", "ps_json_2vms_ms",
         "migrate_startup_ms"}
     # The scratch partitions and VMs are gone.
-    assert host.ps() == {"partitions": [], "vms": []}
+    assert host.ps() == {"partitions": [], "vms": [], "networks": []}

@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Host, _tear_down
+from tests.apikit import Api
+from tests.conftest import FUSUMA, Host, _tear_down
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -281,6 +282,30 @@ def test_refusals_name_what_is_wrong(booted: tuple[Host, Net]) -> None:
     assert [n["name"] for n in h.run("network", "list", "--json").json()] == ["lan0", "lan1"]
 
 
+def spec_text(more: str = "") -> str:
+    """A spec naming lan0, lan1 (and ``more``), p0 and c on lan1."""
+    return f"""
+[[network]]
+name = "lan0"
+subnet = "{LAN0}.0/24"
+
+[[network]]
+name = "lan1"
+subnet = "{LAN1}.0/24"
+{more}
+[[partition]]
+name = "p0"
+cpus = "0"
+memory_mib = 1024
+
+[[vm]]
+name = "c"
+partition = "p0"
+memory_mib = 128
+nics = [{{ network = "lan1" }}]
+"""
+
+
 def test_up_brings_back_and_makes_what_the_spec_names(booted: tuple[Host, Net],
                                                      tmp_path: Path) -> None:
     h, net = booted
@@ -295,31 +320,12 @@ def test_up_brings_back_and_makes_what_the_spec_names(booted: tuple[Host, Net],
         assert time.monotonic() < deadline
         time.sleep(0.2)
     spec = tmp_path / "spec.toml"
-    spec.write_text(f"""
-[[network]]
-name = "lan0"
-subnet = "{LAN0}.0/24"
-
-[[network]]
-name = "lan1"
-subnet = "{LAN1}.0/24"
-
+    spec.write_text(spec_text('''
 [[network]]
 name = "lan2"
 subnet = "10.123.3.0/24"
 isolated = true
-
-[[partition]]
-name = "p0"
-cpus = "0"
-memory_mib = 1024
-
-[[vm]]
-name = "c"
-partition = "p0"
-memory_mib = 128
-nics = [{{ network = "lan1" }}]
-""")
+'''))
     out = h.run("up", str(spec)).out + h.run("up", str(spec)).out
     shown = {n["name"]: n for n in h.run("network", "list", "--json").json()}
     assert [shown[n]["state"] for n in ("lan0", "lan1", "lan2")] == ["up"] * 3, (out, shown)
@@ -331,3 +337,335 @@ nics = [{{ network = "lan1" }}]
     wait_address(h, "c", f"{LAN1}.2", timeout=20)
     guest(h, "c", f"ping -c 1 -W 3 {LAN1}.1")
     h.run("network", "delete", "lan2")
+
+
+# -- shown everywhere ----------------------------------------------------------------
+def _kernel_taps(net: Net) -> set[str]:
+    return {link["ifname"] for link in net.links() if link["ifname"].startswith("fzt-")}
+
+
+def test_ps_vm_show_and_network_list_show_each_nic(booted: tuple[Host, Net]) -> None:
+    h, net = booted
+    taps = _kernel_taps(net)
+    ps = h.ps()
+    nics = {v["name"]: v["nics"] for v in ps["vms"]}
+    assert [(n["network"], n["ip"]) for n in nics["b"]] == [("lan0", f"{LAN0}.50")]
+    assert [n["network"] for n in nics["c"]] == ["lan1"]
+    for vm in ("a", "b", "c"):
+        (nic,) = nics[vm]
+        # The tap ps names is the one the kernel has, and it says so.
+        assert nic["tap"] in taps and nic["tap_present"], (vm, nic, taps)
+        assert nic["mac"].startswith("52:54:00:")
+    assert {n["name"]: n["vms"] for n in ps["networks"]} == {"lan0": ["a", "b"],
+                                                            "lan1": ["c"]}
+    assert {n["bridge"] for n in ps["networks"]} == {"fzb-lan0", "fzb-lan1"}
+    shown = h.run("vm", "show", "b", "--json").json()
+    assert shown["nics"] == nics["b"] and shown["state"] == "running"
+    text = h.run("vm", "show", "b").out
+    assert f"{LAN0}.50" in text and nics["b"][0]["tap"] in text
+    text = h.run("ps").out
+    assert "fzb-lan0" in text and nics["a"][0]["mac"] in text
+    lst = {n["name"]: n for n in h.run("network", "list", "--json").json()}
+    assert [(n["vm"], n["tap"]) for n in lst["lan1"]["nics"]] == [("c", nics["c"][0]["tap"])]
+    # The API's models carry them (each response is checked against its model) and the
+    # dashboard's state has them.
+    api = Api(h)
+    try:
+        with api.unix() as c:
+            assert c.get("/1.0/vms/b").json()["nics"] == nics["b"]
+            got = c.get("/1.0/ps").json()
+            assert {v["name"]: v["nics"] for v in got["vms"]} == nics
+            assert {n["name"]: n["vms"] for n in got["networks"]} == {"lan0": ["a", "b"],
+                                                                     "lan1": ["c"]}
+            assert c.get("/1.0/networks/lan1").json()["nics"] == lst["lan1"]["nics"]
+            ui = c.get("/1.0/ui/state").json()
+            assert [n["name"] for n in ui["networks"]] == ["lan0", "lan1"]
+            assert {v["name"]: v["nics"] for v in ui["vms"]} == nics
+    finally:
+        api.stop()
+
+
+def test_dashboard_shows_nics_and_networks(booted: tuple[Host, Net], tmp_path: Path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.integration.test_dashboard import (
+        ARGS,
+        CHROMIUM,
+        PHONE,
+        WIDE,
+        Console,
+        login,
+        no_overflow,
+    )
+
+    h, net = booted
+    token = h.run("token", "create", "nics", "--role", "viewer", "--json").json()["token"]
+    # The browser joins the daemon in the test's network namespace (Playwright drives
+    # it through pipes, which the namespace does not touch).
+    browser_in_ns = tmp_path / "chromium"
+    browser_in_ns.write_text(f'#!/bin/sh\nexec nsenter --net=/run/netns/{net.ns} -- '
+                             f'{CHROMIUM} "$@"\n')
+    browser_in_ns.chmod(0o755)
+    mac_b = h.vm("b")["nics"][0]["mac"]
+    api = Api(h, listen=True)
+    try:
+        assert api.url
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(browser_in_ns), headless=True,
+                                        args=ARGS)
+            try:
+                page = browser.new_context(ignore_https_errors=True, viewport=WIDE).new_page()
+                console = Console(page)
+                login(page, api.url, token)
+                lan0 = page.locator('#networks tr[data-network="lan0"]')
+                expect(lan0).to_contain_text("fzb-lan0")
+                expect(lan0).to_contain_text(f"{LAN0}.0/24")
+                expect(lan0.locator('[data-nic="b/0"]')).to_contain_text(f"{LAN0}.50")
+                expect(page.locator('#networks tr[data-network="lan1"]')).to_contain_text("c")
+                nic = page.locator('#vms tr[data-vm="b"] [data-nic="lan0/0"]')
+                expect(nic).to_contain_text(f"{LAN0}.50")
+                expect(nic).to_contain_text(mac_b)
+                for size in (WIDE, PHONE):
+                    page.set_viewport_size(size)
+                    page.wait_for_timeout(200)
+                    no_overflow(page)
+                assert console.errors == [], console.errors
+            finally:
+                browser.close()
+    finally:
+        api.stop()
+        h.run("token", "revoke", "nics", check=False)
+
+
+# -- bad input: one sentence, nothing made -----------------------------------------------
+def _state(h: Host, net: Net) -> tuple[Any, ...]:
+    return (sorted(link["ifname"] for link in net.links()),
+            sorted(t["name"] for t in net.tables()),
+            [n["name"] for n in h.run("network", "list", "--json").json()],
+            [v["name"] for v in h.run("vm", "list", "--json").json()])
+
+
+def test_bad_input_is_one_sentence_and_makes_nothing(booted: tuple[Host, Net],
+                                                      tmp_path: Path) -> None:
+    h, net = booted
+    before = _state(h, net)
+    # The uplink's own route (172.31.250.0/30 on uplink0).
+    res = h.fail("network", "create", "lan5", "--subnet", "172.31.250.0/24")
+    assert "host's route to 172.31.250.0/30 (dev uplink0)" in res.err, res.err
+    mac = h.vm("a")["nics"][0]["mac"]
+    res = h.fail("vm", "create", "d", "-p", "p0", "--nic", f"lan1,mac={mac}")
+    assert f"MAC {mac} is already VM a's NIC" in res.err, res.err
+    res = h.fail("vm", "create", "d", "-p", "p0", "--nic", "lan0,ip=10.99.0.5")
+    assert f"address 10.99.0.5 is outside the network's subnet {LAN0}.0/24" in res.err
+    # nft missing: a PATH without /usr/sbin.
+    env = {**h.env, "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    p = subprocess.run([*h.wrap, *FUSUMA, "network", "create", "lan5"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "nftables is missing (the `nft` command)" in p.stderr, p
+    # dnsmasq missing: an empty, non-executable file over it, in a mount namespace of
+    # this one command's own.
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                        f"mount --bind {empty} /usr/sbin/dnsmasq && exec \"$@\"", "sh",
+                        *h.wrap, *FUSUMA, "network", "create", "lan5"], env=h.env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "dnsmasq is missing; install it" in p.stderr, p
+    res = h.fail("vm", "create", "d", "-p", "p0", "--nic", "lan0,mac=01:00:5e:00:00:01")
+    assert "is a multicast address" in res.err
+    assert _state(h, net) == before
+
+
+# -- kills ------------------------------------------------------------------------------
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _held_taps(h: Host) -> dict[str, int]:
+    """Each tap a QEMU of this namespace holds a descriptor of (its fdinfo's ``iff:``),
+    and that QEMU's pid."""
+    held: dict[str, int] = {}
+    for pid in h.our_pids():
+        try:
+            if b"qemu-system" not in _cmdline(pid):
+                continue
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+                    if line.startswith("iff:\tfzt-"):
+                        held[line.split("\t", 1)[1].strip()] = pid
+    return held
+
+
+def _settled(h: Host, vm: str, timeout: float = 30) -> dict[str, Any] | None:
+    """VM ``vm`` as ps shows it once no start is under way (None: not defined)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = next((x for x in h.ps()["vms"] if x["name"] == vm), None)
+        if v is None or (v["state"] != "starting" and not v["job"]) or \
+                time.monotonic() > deadline:
+            return v
+        time.sleep(0.2)
+
+
+def _truthful(h: Host, net: Net, vm: str) -> None:
+    """ps says of ``vm`` what the kernel and /proc say, and every tap in the namespace
+    is held by a live QEMU of this namespace (no tap leftover)."""
+    v = _settled(h, vm)
+    held = _held_taps(h)
+    assert _kernel_taps(net) == set(held), (_kernel_taps(net), held)
+    if v is None:
+        return
+    (nic,) = v["nics"]
+    if v["state"] == "running":
+        assert v["pid"] and held.get(nic["tap"]) == v["pid"] and nic["tap_present"], v
+    else:
+        assert v["pid"] is None and nic["tap"] not in held and not nic["tap_present"], v
+
+
+def test_kill9_during_create_and_start_of_a_nic_vm(booted: tuple[Host, Net]) -> None:
+    h, net = booted
+    argv = [*h.wrap, *FUSUMA, "vm", "create", "d", "-p", "p0", "--memory", "128",
+            "--nic", "lan0", "--start"]
+    for delay in (0.4, 1.0, 2.0):
+        p = subprocess.Popen(argv, env=h.env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        p.kill()
+        p.wait()
+        _truthful(h, net, "d")
+        h.run("vm", "delete", "d", "--force", check=False)
+        _truthful(h, net, "d")
+    # The supervisor killed once it made d's tap (before or while QEMU takes it).
+    h.run("vm", "create", "d", "-p", "p0", "--memory", "128", "--nic", "lan0")
+    tap = h.run("vm", "show", "d", "--json").json()["nics"][0]["tap"]
+    sup = h.part("p0")["supervisor_pid"]
+    p = subprocess.Popen([*h.wrap, *FUSUMA, "vm", "start", "d"], env=h.env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while tap not in _kernel_taps(net) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(sup, signal.SIGKILL)
+    p.wait(60)
+    h.run("partition", "restart", "p0")
+    _truthful(h, net, "d")
+    # The guests that ran before still run, with their taps.
+    for vm in ("a", "b", "c"):
+        assert h.vm(vm)["state"] == "running" and h.vm(vm)["nics"][0]["tap_present"]
+    h.run("vm", "delete", "d", "--force")
+    _truthful(h, net, "d")
+    assert "fzb-lan0" in {link["ifname"] for link in net.links()}
+
+
+def test_keeper_and_cli_killed_between_bridge_and_dnsmasq(booted: tuple[Host, Net],
+                                                          tmp_path: Path) -> None:
+    h, net = booted
+    p = subprocess.Popen([*h.wrap, *FUSUMA, "network", "create", "lan3", "--subnet",
+                          "10.123.4.0/24"], env=h.env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    keeper = None
+    while keeper is None and time.monotonic() < deadline:
+        keeper = next((pid for pid in h.our_pids() if b"keeper\0lan3" in _cmdline(pid)),
+                      None)
+        time.sleep(0.005)
+    # Both die before dnsmasq runs: what a crash of the host's fusuma leaves.
+    p.kill()
+    assert keeper is not None
+    os.kill(keeper, signal.SIGKILL)
+    p.wait()
+    time.sleep(0.3)
+    assert not any(b"lan3/dnsmasq.conf" in _cmdline(pid) for pid in h.our_pids())
+    shown = {n["name"]: n for n in h.run("network", "list", "--json").json()}
+    assert shown["lan3"]["state"] in ("no-dhcp", "down"), shown["lan3"]
+    # The next `up` completes it.
+    spec = tmp_path / "spec.toml"
+    spec.write_text('[[network]]\nname = "lan3"\nsubnet = "10.123.4.0/24"\n')
+    out = h.run("up", str(spec)).out
+    st = h.run("network", "show", "lan3", "--json").json()
+    assert st["state"] == "up" and st["dnsmasq_pid"], (out, st)
+    assert ("bridge", f"{h.prefix}-lan3") in {(t["family"], t["name"]) for t in net.tables()}
+    h.run("network", "delete", "lan3")
+    assert "fzb-lan3" not in {link["ifname"] for link in net.links()}
+
+
+# -- a reboot, then down ------------------------------------------------------------------
+def test_up_after_a_reboot_makes_what_the_spec_names(booted: tuple[Host, Net],
+                                                     tmp_path: Path) -> None:
+    h, net = booted
+    # What a reboot leaves of fusuma in the kernel: nothing. No QEMU, supervisor, keeper
+    # or dnsmasq (their taps go with the QEMUs), no bridge, no nftables table.
+    for pid in h.our_pids():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while h.our_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for br in ("fzb-lan0", "fzb-lan1"):
+        subprocess.run(["ip", "-n", net.ns, "link", "del", br], check=True)
+    for t in net.tables():
+        if t["name"].startswith(h.prefix):
+            ns_run(net.ns, "nft", "delete", "table", t["family"], t["name"])
+    assert not _kernel_taps(net)
+    ps = h.ps()
+    assert {v["name"]: v["state"] for v in ps["vms"]} == {"a": "crashed", "b": "crashed",
+                                                          "c": "crashed"}
+    assert not any(n["tap_present"] for v in ps["vms"] for n in v["nics"])
+    assert {n["name"]: n["state"] for n in ps["networks"]} == {"lan0": "down",
+                                                              "lan1": "down"}
+    spec = tmp_path / "spec.toml"
+    spec.write_text(spec_text())
+    out = h.run("up", str(spec)).out
+    shown = {n["name"]: n for n in h.run("network", "list", "--json").json()}
+    assert [shown[n]["state"] for n in ("lan0", "lan1")] == ["up", "up"], (out, shown)
+    names = {(t["family"], t["name"]) for t in net.tables()}
+    for n in ("lan0", "lan1"):
+        assert {("inet", f"{h.prefix}-{n}"), ("bridge", f"{h.prefix}-{n}")} <= names
+    wait_address(h, "c", f"{LAN1}.2", timeout=60)
+    guest(h, "c", f"ping -c 1 -W 3 {LAN1}.1")
+    for vm in ("a", "b", "c"):
+        _truthful(h, net, vm)
+    assert h.vm("c")["state"] == "running" and h.vm("a")["state"] == "crashed"
+
+
+def test_down_removes_what_it_made_and_nothing_else(booted: tuple[Host, Net],
+                                                    tmp_path: Path) -> None:
+    h, net = booted
+    # Another's objects in the same namespace: a bridge, a bridge of another fusuma's
+    # name, tables of another prefix, and a dnsmasq of someone else's.
+    for br in ("br-keep", "fzb-other"):
+        subprocess.run(["ip", "-n", net.ns, "link", "add", br, "type", "bridge"],
+                       check=True)
+    ns_run(net.ns, "nft", "add", "table", "inet", "fusuma-other-lan0")
+    ns_run(net.ns, "nft", "add", "table", "bridge", f"{h.prefix}x-lan0")
+    other = subprocess.Popen([*h.wrap, "dnsmasq", "-k", "--conf-file=/dev/null", "-p", "0",
+                              f"--pid-file={tmp_path / 'other.pid'}"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        mine = h.run("network", "list", "--json").json()
+        dnsmasqs = [n["dnsmasq_pid"] for n in mine]
+        assert all(dnsmasqs)
+        h.run("down")
+        links = {link["ifname"] for link in net.links()}
+        assert not {n for n in links if n.startswith("fzt-")}
+        assert not {"fzb-lan0", "fzb-lan1"} & links
+        assert {"br-keep", "fzb-other"} <= links
+        tables = {(t["family"], t["name"]) for t in net.tables()}
+        assert not {t for t in tables if t[1].startswith(f"{h.prefix}-")}, tables
+        assert {("inet", "fusuma-other-lan0"), ("bridge", f"{h.prefix}x-lan0")} <= tables
+        assert not h.our_pids()
+        assert not any(Path(f"/proc/{pid}").exists() for pid in dnsmasqs)
+        assert other.poll() is None, "down ended a dnsmasq that is not fusuma's"
+    finally:
+        other.kill()
+        other.wait()
+        for br in ("br-keep", "fzb-other"):
+            subprocess.run(["ip", "-n", net.ns, "link", "del", br], check=False)
+        ns_run(net.ns, "nft", "delete", "table", "inet", "fusuma-other-lan0", check=False)
+        ns_run(net.ns, "nft", "delete", "table", "bridge", f"{h.prefix}x-lan0", check=False)

@@ -253,5 +253,5 @@ def test_bench_dcss_small_run_writes_a_result_and_report(host: Host, tmp_path: P
     assert (out / "dcss.png").stat().st_size > 1000
     assert "written to" in res.out
     # everything it made is gone
-    assert host.ps() == {"partitions": [], "vms": []}
+    assert host.ps() == {"partitions": [], "vms": [], "networks": []}
     assert host.run("segment", "list", "--json").json() == []

@@ -128,7 +128,8 @@ def test_every_report_has_its_command() -> None:
     assert res.exit_code == 0
     for name in REPORTS:
         assert f"  {name} " in res.output
-    assert set(REPORTS) == {"vmbeam", "maintain", "mint", "scheduler", "dcss", "density"}
+    assert set(REPORTS) == {"vmbeam", "maintain", "mint", "scheduler", "dcss", "density",
+                            "network"}
 
 
 @pytest.mark.parametrize("name, pngs", [

@@ -282,3 +282,11 @@ def test_owners_survive_a_new_instance(tmp_path: Path) -> None:
     assert Owners(tmp_path).get("vms", "v") == Owner("uid1", "ns", "v")
     o.remove("vms", "v")
     assert Owners(tmp_path).get("vms", "v") is None and o.all("partitions") == {}
+
+
+def test_the_crd_names_every_phase_a_move_record_shows() -> None:
+    vm = next(c for c in crds() if c["spec"]["names"]["kind"] == "FusumaVM")
+    props = vm["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    text = props["status"]["properties"]["move"]["properties"]["phase"]["description"]
+    listed = [p.strip(" .") for p in text.split(":", 1)[1].split(",")]
+    assert listed == [*RECORD_PHASE.values(), RECORD_FAILED]

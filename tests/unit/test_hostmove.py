@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from fusuma.cluster import hostmove
+from fusuma.cluster.context import AgentConfig
+from fusuma.cluster.kube import HOST
 from fusuma.cluster.owners import Owner
 from fusuma.cluster.resources import VmView
 from fusuma.state import Decision, JobKind, MovePhase, VmState
@@ -17,6 +19,7 @@ from fusuma.supervisor import rpc
 
 Obj = dict[str, Any]
 UID = "uid-1"
+HOSTS = {"h0": "10.0.0.1", "h1": "10.0.0.2"}
 
 
 def merge(into: Obj, patch: Obj) -> None:
@@ -39,6 +42,12 @@ class FakeKube:
 
     def get(self, kind: Any, name: str, ns: str | None = None) -> Obj:
         return copy.deepcopy(self.obj)
+
+    def find(self, kind: Any, name: str, ns: str | None = None) -> Obj | None:
+        """The FusumaHosts: each registered at its address."""
+        assert kind is HOST
+        addr = HOSTS.get(name)
+        return {"metadata": {"name": name}, "status": {"address": addr}} if addr else None
 
     def patch_status(self, kind: Any, name: str, status: Obj, ns: str | None = None) -> Obj:
         merge(self.obj.setdefault("status", {}), status)
@@ -162,6 +171,11 @@ class FakeAgent:
         self.move_failed: dict[str, tuple[int, float]] = {}
         self.vms_informer = self
         self.hosts_informer = self
+        self.cfg = AgentConfig(host=host)
+        self.creds_fetched = 0
+
+    def move_creds(self) -> None:
+        self.creds_fetched += 1
 
     def ctx(self) -> FakeHost:
         return self.here
@@ -216,7 +230,7 @@ def test_the_source_half_runs_its_steps_and_records_each_phase(
         m = obj["status"].get("move") or {}
         phases.append(m.get("phase"))
         if m.get("phase") == "Preparing":
-            m.update(phase="Prepared", uri="tcp:10.0.0.2:4444")
+            m.update(phase="Prepared", uri="tcp:10.0.0.2:4444", tls=True, channels=2)
         elif m.get("phase") == "Streamed":
             m.update(phase="Switched", decision="forward", decidedBy="h1", resumeTs=10.6)
 
@@ -231,6 +245,9 @@ def test_the_source_half_runs_its_steps_and_records_each_phase(
     assert here.db.decisions == [Decision.FORWARD]
     assert [type(r) for r in here.sent] == [rpc.MigrateOut, rpc.Release]
     assert here.sent[0].uri == "tcp:10.0.0.2:4444"
+    assert (here.sent[0].tls_peer, here.sent[0].plain_tcp, here.sent[0].channels) == \
+        ("h1", False, 2)
+    assert a.creds_fetched == 1
     assert here.deleted == ["vm0"] and "vm0" not in a.owners.owned
     last = recorded(a, "lastMove")
     assert not recorded(a)
@@ -299,6 +316,75 @@ def test_a_source_that_cannot_write_the_first_record_keeps_its_guest_running(
         hostmove.begin(a, a, VmView(a.kube.get(None, "vm0")), here.db.vms["vm0"])
     assert here.db.vms["vm0"].state == VmState.RUNNING
     assert not recorded(a) and here.sent == []
+
+
+def _refused_move(monkeypatch: pytest.MonkeyPatch, prepared: Obj) -> tuple[FakeAgent, FakeHost]:
+    """The source's half when the destination's record says ``prepared``."""
+    from fusuma.vm import view
+
+    monkeypatch.setattr(view.process, "pid_alive", lambda pid: True)
+    monkeypatch.setattr(view.process, "cmdline", lambda pid: "guest=vm0,debug-threads=on")
+    a, here = world("h0", None, VmState.RUNNING)
+
+    def destination(obj: Obj) -> None:
+        m = obj["status"].get("move") or {}
+        if m.get("phase") == "Preparing":
+            m.update(phase="Prepared", **prepared)
+
+    a.kube.on_write = destination
+    hostmove.begin(a, a, VmView(a.kube.get(None, "vm0")), here.db.vms["vm0"])
+    return a, here
+
+
+def test_the_source_streams_only_to_the_destination_hosts_registered_address(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Someone who may write the FusumaVM's status publishes another address: nothing is
+    # sent there, the move goes back, the guest runs on here.
+    a, here = _refused_move(monkeypatch, {"uri": "tcp:10.0.0.66:4444", "tls": True})
+    assert [type(r) for r in here.sent] == [rpc.ResumeSource]
+    assert here.db.decisions == [Decision.BACK]
+    assert here.db.vms["vm0"].state == VmState.RUNNING
+    last = recorded(a, "lastMove")
+    assert last["result"] == "failed"
+    assert ("published tcp:10.0.0.66:4444, but host h1 is registered at 10.0.0.2: the "
+            "guest's memory goes to the registered address only, so the move is refused"
+            ) in last["message"]
+
+
+def test_the_source_refuses_a_destination_that_offers_the_stream_in_the_clear(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, here = _refused_move(monkeypatch, {"uri": "tcp:10.0.0.2:4444", "tls": False})
+    assert [type(r) for r in here.sent] == [rpc.ResumeSource]
+    assert "offers the stream in the clear" in recorded(a, "lastMove")["message"]
+
+
+@pytest.mark.parametrize(("published", "want"), [
+    ("tcp:10.0.0.2:4444", "tcp:10.0.0.2:4444"),
+    ("tcp:[10.0.0.2]:1", "tcp:10.0.0.2:1"),
+])
+def test_stream_uri_takes_the_port_and_the_registered_address(published: str,
+                                                              want: str) -> None:
+    a, _ = world("h0", None, None)
+    assert hostmove.stream_uri(a, "h1", published) == want
+
+
+@pytest.mark.parametrize("published", ["unix:/x:1", "tcp:10.0.0.2:", "tcp:10.0.0.2:99999",
+                                       "tcp:10.0.0.1:4444", ""])
+def test_stream_uri_refuses_anything_else(published: str) -> None:
+    a, _ = world("h0", None, None)
+    with pytest.raises(hostmove.MigrationError):
+        hostmove.stream_uri(a, "h1", published)
+    with pytest.raises(hostmove.MigrationError, match="registered no address"):
+        hostmove.stream_uri(a, "h9", "tcp:10.0.0.9:1")
+
+
+@pytest.mark.parametrize("channels", [0, 9, "2", True])
+def test_the_source_refuses_a_channel_count_out_of_bounds(
+        monkeypatch: pytest.MonkeyPatch, channels: object) -> None:
+    a, here = _refused_move(monkeypatch, {"uri": "tcp:10.0.0.2:4444", "tls": True,
+                                          "channels": channels})
+    assert [type(r) for r in here.sent] == [rpc.ResumeSource]
+    assert "channels, not 1 to 8" in recorded(a, "lastMove")["message"]
 
 
 def test_a_destination_refuses_a_record_with_devices_fusuma_does_not_make() -> None:

@@ -486,3 +486,32 @@ def test_a_forward_beside_a_listening_address_is_free() -> None:
     # 8080 listens on 127.0.0.1 only: the same port on another address is free.
     addr.check_free([addr.parse_forward("10.0.0.5:8080:80"),
                      addr.parse_forward("9000:80")], addr.parse_listeners(TCP, TCP6))
+
+
+def test_nics_shown_with_the_kernels_word_on_each_tap(db: Database,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusuma.network import link
+    from fusuma.views import networks as views
+
+    calls: list[str] = []
+
+    def links(prefix: str) -> list[str]:
+        calls.append(prefix)
+        return [f"fzt-{db.vm('a').slot}-0"]    # NIC 0's tap exists, NIC 1's does not
+
+    monkeypatch.setattr(link, "links", links)
+    db.add_vm(VmRecord("plain", "p0", 1, 256))
+    # Without a NIC anywhere the kernel is not asked.
+    assert views.nics_by_vm(db, db.vms()) == {"plain": []} and calls == []
+    db.add_vm(VmRecord("a", "p0", 1, 256))
+    db.add_nics([NicRecord("a", 0, "lan0", "52:54:00:00:00:01", "10.0.5.2"),
+                 NicRecord("a", 1, "ext", "52:54:00:00:00:02", None)])
+    a = db.vm("a")
+    got = views.nics_by_vm(db, db.vms())
+    assert got["plain"] == [] and calls == ["fzt-"]
+    assert got["a"] == [
+        {"index": 0, "network": "lan0", "mac": "52:54:00:00:00:01", "ip": "10.0.5.2",
+         "tap": f"fzt-{a.slot}-0", "tap_present": True},
+        {"index": 1, "network": "ext", "mac": "52:54:00:00:00:02", "ip": None,
+         "tap": f"fzt-{a.slot}-1", "tap_present": False}]
+    assert views.vm_nics(db, a) == got["a"]

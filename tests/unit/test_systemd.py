@@ -72,7 +72,7 @@ def test_unit_files_delegate_and_keep_vms_on_restart(tmp_path: Path) -> None:
     run = FakeSystemctl()
     u = units(tmp_path, run=run)
     written = u.install()
-    assert sorted(p.name for p in written) == ["fusuma-ram@.service",
+    assert sorted(p.name for p in written) == ["fusuma-network@.service", "fusuma-ram@.service",
                                                 "fusuma-supervisor@.service", "fusuma.slice"]
     sup = (tmp_path / "etc" / "fusuma-supervisor@.service").read_text()
     for line in ("Delegate=yes", "KillMode=process", "Slice=fusuma.slice",
@@ -288,3 +288,81 @@ def test_manager_starts_the_supervisor_as_a_unit_or_says_why_not(
     run.active.add("fusuma-supervisor@p0.service")
     assert mgr.stop_supervisor("p0") is True and run.verbs()[-1] == \
         "stop fusuma-supervisor@p0.service"
+
+
+def test_a_networks_keeper_runs_as_a_unit_or_says_why_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusuma.errors import NetworkError
+    from fusuma.network import keeper
+    from fusuma.network.manager import NetworkManager
+    from fusuma.paths import Paths
+    from fusuma.state import Database, NetworkRecord
+
+    paths = Paths(home=tmp_path / "home", runtime=tmp_path / "rt", shm=tmp_path / "shm",
+                  cache=tmp_path / "cache", cgroup_prefix="fusuma-test-ab12")
+    paths.home.mkdir()
+    db = Database(paths.db)
+    rec = NetworkRecord("lan0", "managed", "fzb-lan0", "10.0.5.0/24", nat=True)
+    db.add_network(rec)
+    run = FakeSystemctl()
+    u = units(tmp_path, "fusuma-test-ab12", run=run)
+    monkeypatch.setattr(NetworkManager, "units", lambda self: u)
+    dnsmasq_up: list[int] = []
+    monkeypatch.setattr(keeper, "dnsmasq_pid", lambda f: dnsmasq_up[0] if dnsmasq_up else None)
+    monkeypatch.setattr(keeper, "keeper_pid", lambda *a: None)
+    nets = NetworkManager(paths, db)
+    unit = "fusuma-network@fusuma-test-ab12:lan0.service"
+    assert u.network("lan0") == unit
+    # The unit starts; once its dnsmasq runs, the keeper's pid is the unit's main pid.
+    run.active.add(unit)
+    dnsmasq_up.append(777)
+    assert nets.start_keeper(rec, timeout=2) == 4242
+    text = (tmp_path / "etc" / "fusuma-network@.service").read_text()
+    for line in ('ExecStart="/opt/fusuma/venv/bin/python3" -P -m fusuma.network.keeper %i',
+                 "KillMode=process", "Restart=on-failure", "Slice=fusuma.slice"):
+        assert line in text.splitlines(), line
+    dropin = u.dropin_path(unit).read_text()
+    assert "Slice=fusuma-test-ab12.slice" in dropin
+    assert '-m fusuma.network.keeper "lan0"' in dropin
+    assert f'Environment="FUSUMA_HOME={paths.home}"' in dropin
+    assert f"StandardOutput=append:{paths.network_dir('lan0') / 'keeper.log'}" in dropin
+    assert f"start {unit}" in run.verbs()
+    # Stopping it stops the unit and removes its drop-ins.
+    assert nets.stop_keeper(rec) is True
+    assert f"stop {unit}" in run.verbs() and not u.dropin_path(unit).exists()
+    # A unit that ends before its dnsmasq runs: one sentence, and it is stopped again.
+    run.active.clear()
+    dnsmasq_up.clear()
+    with pytest.raises(NetworkError, match=r"the dnsmasq keeper of network 'lan0' "
+                                           rf"\({unit}\) exited at start"):
+        nets.start_keeper(rec, timeout=2)
+    assert not u.dropin_path(unit).exists()
+    refusing = FakeSystemctl({"start": "Unit fusuma-test-ab12.slice is masked.\n"})
+    u.run = refusing
+    with pytest.raises(NetworkError) as err:
+        nets.start_keeper(rec, timeout=2)
+    assert str(err.value) == ("the dnsmasq keeper of network 'lan0' did not start: systemd "
+                              f"refused to start {unit} in fusuma-test-ab12.slice: Unit "
+                              "fusuma-test-ab12.slice is masked.")
+
+
+def test_a_keeper_unit_runs_in_fusumas_named_network_namespace(tmp_path: Path) -> None:
+    from fusuma.errors import NetworkError
+    from fusuma.network.manager import named_netns
+
+    proc, run = tmp_path / "proc", tmp_path / "netns"
+    for d in (proc / "self" / "ns", proc / "1" / "ns", run):
+        d.mkdir(parents=True)
+    (proc / "1" / "ns" / "net").write_text("host")
+    (proc / "self" / "ns" / "net").write_text("test")
+    with pytest.raises(NetworkError, match="a network namespace without a name"):
+        named_netns(proc, run)
+    os.link(proc / "self" / "ns" / "net", run / "fusuma-t-1")    # the same inode
+    assert named_netns(proc, run) == run / "fusuma-t-1"
+    (proc / "self" / "ns" / "net").unlink()
+    os.link(proc / "1" / "ns" / "net", proc / "self" / "ns" / "net")
+    assert named_netns(proc, run) is None                        # the host's own
+    u = units(tmp_path)
+    u.write_network("lan0", {}, tmp_path / "log", run / "fusuma-t-1")
+    assert f"NetworkNamespacePath={run / 'fusuma-t-1'}" in \
+        u.dropin_path(u.network("lan0")).read_text().splitlines()

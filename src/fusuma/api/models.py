@@ -182,6 +182,24 @@ class JobInfo(_Resp):
     owner_alive: bool
 
 
+class NicInfo(_Resp):
+    """A VM's NIC: its network, MAC, address (a managed network's), its tap's name and
+    whether the kernel has that tap now."""
+
+    index: int
+    network: str
+    mac: str
+    ip: str | None
+    tap: str | None
+    tap_present: bool
+
+
+class NetworkNicInfo(NicInfo):
+    """A NIC in a network's list: whose it is, and the NIC."""
+
+    vm: str
+
+
 class VmInfo(_Resp):
     """A VM as `fusuma vm list --json` / `ps --json` show it."""
 
@@ -209,6 +227,7 @@ class VmInfo(_Resp):
     template: str | None = None     # the template a clone was started from
     image: str | None = None        # a kind fusuma builds, or an imported image
     boot: str = "kernel"            # kernel | bios | uefi
+    nics: list[NicInfo] = []        # NICs on fusuma networks ([]: user-mode network)
 
 
 class NetworkInfo(_Resp):
@@ -226,6 +245,7 @@ class NetworkInfo(_Resp):
     keeper_pid: int | None
     dnsmasq_pid: int | None
     vms: list[str]
+    nics: list[NetworkNicInfo] = []
 
 
 class PartitionInfo(_Resp):
@@ -250,6 +270,7 @@ class PartitionInfo(_Resp):
 class PsInfo(_Resp):
     partitions: list[PartitionInfo]
     vms: list[VmInfo]
+    networks: list[NetworkInfo] = []
 
 
 class DiskInfo(_Resp):

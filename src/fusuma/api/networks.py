@@ -13,6 +13,7 @@ from fusuma.api import models as m
 from fusuma.api.daemon import Daemon
 from fusuma.api.http import NamePath, valid_name
 from fusuma.api.roles import ADMIN, VIEWER, RoleRoute
+from fusuma.views.networks import network_data, networks_data
 
 
 def router(d: Daemon) -> APIRouter:
@@ -21,11 +22,11 @@ def router(d: Daemon) -> APIRouter:
     @r.get("/1.0/networks", dependencies=[VIEWER], response_model=list[m.NetworkInfo],
            summary="Networks: type, bridge, subnet, options, state and their VMs")
     def list_networks() -> list[dict[str, Any]]:
-        return [s.as_json() for s in d.ctx().nets.statuses()]
+        return networks_data(d.ctx())
 
     @r.get("/1.0/networks/{name}", dependencies=[VIEWER], response_model=m.NetworkInfo)
     def get_network(name: NamePath) -> dict[str, Any]:
-        return d.ctx().nets.status(valid_name("network", name)).as_json()
+        return network_data(d.ctx(), valid_name("network", name))
 
     @r.post("/1.0/networks", dependencies=[ADMIN], status_code=201,
             response_model=m.NetworkInfo,

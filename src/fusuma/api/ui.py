@@ -126,6 +126,7 @@ def ui_state(d: Daemon) -> dict[str, Any]:
                      "memory_for_partitions_mib": host.memory_available_for_partitions_mib,
                      "hostname": os.uname().nodename},
             "partitions": data["partitions"], "vms": data["vms"], "cores": cores,
+            "networks": data["networks"],
             "share": share, "ksm_risk": KSM_RISK, "decisions": decisions,
             "samples": samples, "last_event_id": d.hub.last_id}
 

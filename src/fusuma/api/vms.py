@@ -18,6 +18,7 @@ from fusuma.ops.context import Ctx
 from fusuma.state import vm_obj
 from fusuma.state.roles import Role
 from fusuma.views.host import job_json, ps_data
+from fusuma.views.networks import vm_nics
 
 # Host ports below this only root's services may bind (net.ipv4.ip_unprivileged_port_start).
 PRIVILEGED_PORTS = 1024
@@ -34,6 +35,7 @@ def router(d: Daemon) -> APIRouter:
         job = c.db.find_job(vm_obj(name))
 
         data["job"] = job_json(job) if job else None
+        data["nics"] = vm_nics(c.db, c.db.vm(name))
         return data
 
     @r.get("/1.0/vms", dependencies=[VIEWER], response_model=list[m.VmInfo] | list[str],

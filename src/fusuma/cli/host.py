@@ -128,6 +128,23 @@ def ps(c: Ctx, as_json: bool) -> None:
              *_mem_cells(v["host_memory"]), _note(v)] for v in data["vms"]]
     click.echo(table(vrow, ["vm", "partition", "state", "pid", "accel", "qemu", "vcpus",
                             "memory_mib", "pss_mib", "seg_mib", "ksm_mib", "note"]))
+    _nets(data)
+
+
+def _nets(data: dict[str, Any]) -> None:
+    """`ps`'s networks and NICs, when the host has any."""
+    if not data.get("networks"):
+        return
+    from fusuma.cli.network import network_row, tap_cell
+
+    click.echo()
+    click.echo(table([network_row(d) for d in data["networks"]],
+                     ["network", "type", "bridge", "subnet", "options", "vms", "state"]))
+    nrow = [[v["name"], str(n["index"]), n["network"], n["mac"], n["ip"] or "-",
+             tap_cell(n)] for v in data["vms"] for n in v.get("nics", [])]
+    if nrow:
+        click.echo()
+        click.echo(table(nrow, ["vm", "nic", "network", "mac", "address", "tap"]))
 
 
 def _note(v: dict[str, Any]) -> str:

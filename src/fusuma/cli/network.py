@@ -75,7 +75,7 @@ def create(c: Ctx, name: str, type_: str, subnet: str | None, nat: bool | None,
         click.echo(f"network {name}: bridged on {r.bridge}")
 
 
-def _row(d: dict[str, object]) -> list[str]:
+def network_row(d: dict[str, object]) -> list[str]:
     flags = [f for f in ("nat", "isolated", "filtering") if d.get(f)]
     vms = d.get("vms") or []
     assert isinstance(vms, list)
@@ -87,15 +87,18 @@ def _row(d: dict[str, object]) -> list[str]:
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
-    """List networks: type, bridge, subnet, options, VMs and state.
+    """List networks: type, bridge, subnet, options, VMs and state (--json: each
+    with its NICs: VM, MAC, address, tap).
 
     State: up; no-dhcp (a managed network whose dnsmasq is not running: `fusuma
     network restart NAME`); down (its bridge is gone: `fusuma up`)."""
-    data = [s.as_json() for s in c.nets.statuses()]
+    from fusuma.views.networks import networks_data
+
+    data = networks_data(c)
     if as_json:
         emit_json(data)
         return
-    click.echo(table([_row(d) for d in data],
+    click.echo(table([network_row(d) for d in data],
                      ["name", "type", "bridge", "subnet", "options", "vms", "state"]))
 
 
@@ -104,26 +107,30 @@ def list_(c: Ctx, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def show(c: Ctx, name: str, as_json: bool) -> None:
-    """Show network NAME and its VMs' NICs (MAC, address, tap)."""
-    from fusuma.network.ifnames import tap_name
+    """Show network NAME and its VMs' NICs (MAC, address, tap, and whether the kernel
+    has that tap now: a VM that is not running has none)."""
+    from fusuma.views.networks import network_data
 
-    d = c.nets.status(name).as_json()
-    nics: list[dict[str, str]] = []
-    for n in c.db.nics(network=name):
-        vm = c.db.vm(n.vm)
-        nics.append({"vm": n.vm, "index": str(n.index), "mac": n.mac, "ip": n.ip or "-",
-                     "tap": tap_name(vm.slot, n.index)})
-    d["nics"] = nics
+    d = network_data(c, name)
     if as_json:
         emit_json(d)
         return
     for key in ("name", "type", "bridge", "subnet", "gateway", "nat", "isolated",
                 "filtering", "state", "keeper_pid", "dnsmasq_pid"):
         click.echo(f"{key + ':':13}{d[key] if d[key] is not None else '-'}")
-    if nics:
+    if d["nics"]:
         click.echo()
-        click.echo(table([[n["vm"], n["index"], n["mac"], n["ip"], n["tap"]]
-                          for n in nics], ["vm", "nic", "mac", "address", "tap"]))
+        click.echo(table([[n["vm"], str(n["index"]), n["mac"], n["ip"] or "-",
+                           tap_cell(n)] for n in d["nics"]],
+                         ["vm", "nic", "mac", "address", "tap"]))
+
+
+def tap_cell(n: dict[str, object]) -> str:
+    """A NIC's tap as the tables show it: its name, "(none)" when the kernel has no
+    such tap (its VM is not running)."""
+    if not n["tap"]:
+        return "-"
+    return str(n["tap"]) + ("" if n["tap_present"] else " (none)")
 
 
 @network.command("delete")

@@ -282,6 +282,45 @@ def list_(c: Ctx, as_json: bool) -> None:
                      ["name", "partition", "state", "pid", "accel", "vcpus", "memory_mib"]))
 
 
+@vm.command("show")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the VM as `ps --json` shows it, with its NICs.")
+@pass_ctx
+def show(c: Ctx, name: str, as_json: bool) -> None:
+    """Show VM NAME: its state, partition, size, ports and NICs (network, MAC,
+    address, tap, and whether the kernel has that tap now)."""
+    from fusuma.views.host import job_json
+    from fusuma.views.networks import vm_nics
+
+    rec = c.db.vm(name)
+    d = VmView(rec, c.paths.segments_dir).as_json()
+    job = c.db.find_job(f"vm:{name}")
+    d["job"] = job_json(job) if job else None
+    d["nics"] = vm_nics(c.db, rec)
+    if as_json:
+        emit_json(d)
+        return
+    for key in ("name", "partition", "state", "pid", "accel", "qemu", "machine", "vcpus",
+                "memory_mib", "qos", "image", "template", "error"):
+        if key in d:
+            click.echo(f"{key + ':':12}{d[key] if d[key] is not None else '-'}")
+    click.echo(f"{'ports:':12}{', '.join(d['ports']) or '-'}")
+    click.echo(f"{'segments:':12}{', '.join(d['segments']) or '-'}")
+    click.echo(f"{'disks:':12}{', '.join(d['disks']) or '-'}")
+    if not d["nics"]:
+        # Without --nic, a VM has QEMU's user-mode NIC only when it forwards a port.
+        click.echo(f"{'network:':12}" + ("user-mode (QEMU's own; the ports above)"
+                                         if d["ports"] else "none"))
+        return
+    from fusuma.cli.network import tap_cell
+
+    click.echo()
+    click.echo(table([[str(n["index"]), n["network"], n["mac"], n["ip"] or "-",
+                       tap_cell(n)] for n in d["nics"]],
+                     ["nic", "network", "mac", "address", "tap"]))
+
+
 @vm.command("set")
 @click.argument("name")
 @click.option("--qos", type=click.Choice(list(QOS_CHOICES)), required=True,

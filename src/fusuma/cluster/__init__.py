@@ -14,7 +14,8 @@ to its own objects), ``identity`` (a host's own ServiceAccount, roles and kubeco
 conditions), ``placement`` (the capacity arithmetic across hosts), ``agent`` (the
 process), ``context`` (what the rest needs from the agent, as protocols: the agent
 builds them, none of them imports it), ``reconcile`` (one host's half), ``hostmove``
-(live moves between hosts), ``lease`` (heartbeats and leader election).
+(live moves between hosts), ``pki`` and ``certs`` (the move stream's CA and the hosts'
+certificates, their Secrets and rotation), ``lease`` (heartbeats and leader election).
 
 Errors::
 

@@ -26,10 +26,12 @@ from fusuma.cluster import (
     FINALIZER,
     SYSTEM_NAMESPACE,
     ApiError,
+    ClusterError,
     ConflictApiError,
     NotFoundApiError,
+    certs,
 )
-from fusuma.cluster.context import AgentConfig
+from fusuma.cluster.context import PLAIN_MOVES_ENV, AgentConfig
 from fusuma.cluster.controller import Placement
 from fusuma.cluster.events import Recorder
 from fusuma.cluster.identity import check_agent
@@ -52,6 +54,7 @@ from fusuma.cluster.resources import VmView, key, now_iso, set_condition
 from fusuma.errors import FusumaError
 from fusuma.ops.context import Ctx, ThreadContexts
 from fusuma.paths import Paths
+from fusuma.qemu import tlscreds
 
 LOG = logging.getLogger(__name__)
 RESYNC_S = 5.0
@@ -85,6 +88,8 @@ class Agent:
         self._dirty: set[tuple[str, ...]] = set()
         self._lock = threading.Lock()
         self._qemu_versions: dict[str, str | None] = {}
+        self._tls_lock = threading.Lock()
+        self._tls_reported: dict[str, Any] | None = None
         self.pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="reconcile")
         self.vm_rec = VmReconciler(self)
         self.part_rec = PartitionReconciler(self)
@@ -108,6 +113,9 @@ class Agent:
             signal.signal(sig, _stop)
         LOG.info("fusuma agent for host %s (address %s) against %s", self.host,
                  self.address, self.kube.cfg.server)
+        if self.cfg.plain_moves:
+            LOG.warning("moves between hosts from and to %s are NOT encrypted (%s is set: "
+                        "for the benchmark's before only)", self.host, PLAIN_MOVES_ENV)
         check_agent(self.kube, self.host)
         self.register()
         for inf in self.informers:
@@ -144,6 +152,7 @@ class Agent:
                                                      "labels": {"fusuma.io/host": self.host}},
                                         "spec": {}})
         self.write_host_status()
+        self._refresh_move_creds()
 
     def _heartbeat(self) -> None:
         last_status = time.monotonic()
@@ -151,6 +160,7 @@ class Agent:
         while not self.stop.wait(every):
             try:
                 renew_heartbeat(self.kube, self.host, self.cfg.lease_seconds)
+                self._refresh_move_creds()
                 if time.monotonic() - last_status >= STATUS_EVERY_S:
                     self.write_host_status()
                     last_status = time.monotonic()
@@ -296,6 +306,46 @@ class Agent:
             return True
         with self._observer_lock:
             return self.lease_observer.expired(lease)
+
+    def move_creds(self) -> None:
+        """Before a move's half: this host holds its move credentials. The heartbeat
+        keeps them fresh (a rotation reaches them within a third of the Lease), so they
+        are fetched here only if this agent has none yet; ClusterError if it has none."""
+        if self._tls_reported is not None and tlscreds.load(self.paths) is not None:
+            return
+        self.refresh_move_creds()
+
+    def refresh_move_creds(self) -> None:
+        """Fetch this host's credentials for moves between hosts from its Secret into
+        the host's store (``fusuma.qemu.tlscreds``: its supervisors read them there),
+        and report them in the FusumaHost's status; ClusterError if it has none."""
+        try:
+            creds = certs.read_host(self.kube, self.host)
+        except ApiError as exc:
+            raise ClusterError(f"host {self.host} cannot read its move certificate "
+                               f"(Secret {SYSTEM_NAMESPACE}/{certs.host_secret(self.host)}): "
+                               f"{exc.message or exc.reason}.") from exc
+        if creds is None:
+            raise ClusterError(f"host {self.host} has no certificate for moves between "
+                               f"hosts (Secret {SYSTEM_NAMESPACE}/"
+                               f"{certs.host_secret(self.host)}); an admin runs `fusuma "
+                               f"cluster rotate-certs --host {self.host}`.")
+        certs.check(creds, self.host)
+        with self._tls_lock:
+            changed = tlscreds.store(self.paths, creds)
+            if changed or self._tls_reported is None:
+                status = certs.tls_status(creds)
+                self.hosts_informer.put(self.kube.patch_status(HOST, self.host,
+                                                               {"moveTLS": status}))
+                self._tls_reported = status
+                LOG.info("move certificate %s (issuer %s) in use", status["cert"][:16],
+                         (status["issuer"] or "?")[:16])
+
+    def _refresh_move_creds(self) -> None:
+        try:
+            self.refresh_move_creds()
+        except FusumaError as exc:
+            LOG.debug("move certificate: %s", exc)
 
     def qemu_version_of(self, binary: str | None) -> str | None:
         b = binary or "qemu-system-x86_64"

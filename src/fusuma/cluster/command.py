@@ -54,12 +54,16 @@ def agent(c: Ctx, kubeconfig: Path, namespace: str | None, host_name: str | None
     # One line per request is too much even with -v; -vv shows them.
     if logging.getLogger().level > logging.DEBUG:
         logging.getLogger("httpx").setLevel(logging.WARNING)
+    import os
+
+    from fusuma.cluster.context import PLAIN_MOVES_ENV
     from fusuma.cluster.kube import KubeConfig
 
     cfg = KubeConfig.load(kubeconfig)
     name = host_name or socket.gethostname().split(".")[0].lower()
     Agent(c.paths, cfg, AgentConfig(host=name, address=address, namespace=namespace,
-                                    lease_seconds=lease_seconds, workers=workers)).run()
+                                    lease_seconds=lease_seconds, workers=workers,
+                                    plain_moves=os.environ.get(PLAIN_MOVES_ENV) == "1")).run()
 
 
 @click.group()
@@ -82,7 +86,9 @@ def install(do_apply: bool, kubeconfig: Path | None) -> None:
     `view` and `edit`, and the ValidatingAdmissionPolicy fusuma-host-restriction
     (Kubernetes >= 1.30) that lets each host write only its own objects. Each host
     then needs an identity of its own: `fusuma cluster join NAME`. With --apply, the
-    identity all agents shared before (fusuma-agent) is removed.
+    identity all agents shared before (fusuma-agent) is removed, and the CA of the move
+    stream between hosts is made if there is none (Secret fusuma-system/fusuma-move-ca,
+    readable by admins only); `fusuma cluster rotate-certs` issues hosts' certificates.
     """
     from fusuma.cluster.crds import render_yaml
     from fusuma.cluster.install import manifests
@@ -92,12 +98,14 @@ def install(do_apply: bool, kubeconfig: Path | None) -> None:
         return
     if kubeconfig is None:
         raise click.UsageError("--apply needs --kubeconfig.")
+    from fusuma.cluster.certs import ensure_ca
     from fusuma.cluster.install import apply, remove_legacy
     from fusuma.cluster.kube import Kube, KubeConfig
 
     kube = Kube(KubeConfig.load(kubeconfig))
     apply(kube, manifests(), progress=progress)
     remove_legacy(kube, progress=progress)
+    ensure_ca(kube, progress)
 
 
 @cluster.command("join")
@@ -156,3 +164,42 @@ def leave(host: str, kubeconfig: Path) -> None:
     gone = identity.remove(Kube(KubeConfig.load(kubeconfig)), host)
     progress(f"host {host}'s identity removed ({', '.join(gone)})" if gone else
              f"host {host} has no identity in this cluster")
+
+
+@cluster.command("rotate-certs")
+@click.option("--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              required=True, help="An admin's credentials (it reads the CA's Secret).")
+@click.option("--host", "hosts", multiple=True,
+              help="Also issue a certificate for this host (repeatable): a host whose "
+                   "agent has not registered yet.")
+@click.option("--ca", "new_ca", is_flag=True,
+              help="Make a new CA first; both CAs are trusted until --drop-previous-ca.")
+@click.option("--drop-previous-ca", is_flag=True,
+              help="Then stop trusting the CA the current one replaced.")
+@click.option("--timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
+              help="Seconds to wait for the agents to take up a new CA, and for the "
+                   "moves under way to end.")
+def rotate_certs(kubeconfig: Path, hosts: tuple[str, ...], new_ca: bool,
+                 drop_previous_ca: bool, timeout: float) -> None:
+    """Issue new certificates for the move stream between hosts.
+
+    \b
+    Every host (registered, holding a certificate, or named with --host) gets a new key
+    and certificate from the cluster's move CA, in Secret fusuma-system/fusuma-host-HOST,
+    which only that host's identity (`fusuma cluster join HOST`) may read; the agents
+    take them up within a heartbeat. Moves under way are not disturbed:
+    QEMU reads its credentials when a move begins, and every host trusts the CA.
+    With --ca a new CA is made: every host first trusts both, and only once every live
+    host's agent reports it (FusumaHost status.moveTLS) and the moves under way then
+    have ended do hosts get certificates of the new CA.
+
+    \b
+    Example (the first certificates, before the agents start):
+      fusuma cluster rotate-certs --kubeconfig admin.conf --host h0 --host h1
+    """
+    from fusuma.cluster.certs import Rotation
+    from fusuma.cluster.kube import Kube, KubeConfig
+
+    kube = Kube(KubeConfig.load(kubeconfig))
+    Rotation(kube, progress, timeout).run(list(hosts), new_ca=new_ca,
+                                          drop_previous=drop_previous_ca)

@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from fusuma.ops.context import Ctx
 
 
+# Set (to 1) in an agent's environment, moves between hosts from and to it go in the
+# clear: the benchmark's before (fusuma_bench.cluster). Both hosts of a move must agree,
+# or the source refuses it.
+PLAIN_MOVES_ENV = "FUSUMA_BENCH_PLAIN_MOVES"
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     host: str
@@ -26,6 +32,7 @@ class AgentConfig:
     namespace: str | None = None
     lease_seconds: int = 40
     workers: int = 8
+    plain_moves: bool = False
 
 
 class VmMoves(Protocol):
@@ -85,5 +92,9 @@ class AgentContext(Protocol):
     def remove_finalizer(self, kind: Kind, obj: Obj) -> None: ...
 
     def host_lost(self, host: str) -> bool: ...
+
+    def move_creds(self) -> None:
+        """Fetch this host's move certificate into the host's store, or ClusterError."""
+        ...
 
     def qemu_version_of(self, binary: str | None) -> str | None: ...

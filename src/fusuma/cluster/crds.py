@@ -76,8 +76,15 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                                "(epoch seconds)."),
                 "qemuDowntimeMs": _n("Downtime as the source QEMU reports it, in ms."),
                 "phase": _s("Between hosts: Preparing, Prepared, Streaming, Streamed, "
-                            "Decided, Done, Failed."),
-                "uri": _s("Between hosts: where the destination QEMU listens (tcp:ADDR:PORT)."),
+                            "Switched, Done, Failed."),
+                "uri": _s("Between hosts: where the destination QEMU listens (tcp:ADDR:PORT); "
+                          "the source sends only to the port at the destination host's "
+                          "registered address."),
+                "channels": _i("Between hosts: connections the stream takes (QEMU's "
+                               "multifd), as the destination prepared them."),
+                "tls": _b("Between hosts: the stream is encrypted and both hosts proved who "
+                          "they are with certificates of the cluster's move CA (false only "
+                          "in the benchmark's before)."),
                 "decision": _s("Between hosts: forward (the destination runs the guest) or "
                                "back (the source does); written once, by whoever decides "
                                "first, with a resourceVersion precondition.",
@@ -86,6 +93,9 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                 "downtimeMs": _n("Time the guest did not run, in ms."),
                 "totalMs": _n("From the start of the stream to the guest running at the "
                               "destination, in ms."),
+                "wallMs": _n("Between hosts: from the source's agent beginning the move "
+                             "(before the destination's prepare) to the guest resuming "
+                             "at the destination, in ms."),
                 "bytesSent": _i("Bytes the migration stream carried."),
                 "paused": _b("The guest was paused for the copy (QEMU < 9.0 under TCG)."),
                 "result": _s("ok or failed."),
@@ -168,6 +178,13 @@ HOST_STATUS = _obj("Written by the host's agent.", {
     "agentVersion": _s("fusuma version of the agent."),
     "lease": _s("Its heartbeat Lease (namespace/name)."),
     "heartbeat": _s("Last status write.", format="date-time"),
+    "moveTLS": _obj("The host's certificate for moves between hosts, as its agent holds it "
+                    "(from Secret fusuma-system/fusuma-host-HOST).", {
+                        "cert": _s("SHA-256 fingerprint of the host's certificate."),
+                        "issuer": _s("SHA-256 fingerprint of the CA that signed it."),
+                        "notAfter": _s("When it expires.", format="date-time"),
+                        "trust": _arr("SHA-256 fingerprints of the CAs the host trusts.",
+                                      _s("A fingerprint."))}),
     "conditions": CONDITIONS,
 })
 

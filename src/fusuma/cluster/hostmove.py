@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -54,9 +55,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fusuma.cluster import ConflictApiError, NotFoundApiError
-from fusuma.cluster.context import AgentContext, VmMoves
+from fusuma.cluster.context import PLAIN_MOVES_ENV, AgentContext, VmMoves
 from fusuma.cluster.events import WARNING
-from fusuma.cluster.kube import VM, Obj
+from fusuma.cluster.kube import HOST, VM, Obj
 from fusuma.cluster.owners import Owner
 from fusuma.cluster.resources import (
     FAILED,
@@ -71,6 +72,7 @@ from fusuma.errors import FusumaError, MigrationError
 from fusuma.qemu import recorded
 from fusuma.state import Decision, JobKind, MovePhase, VmState, vm_obj
 from fusuma.supervisor import rpc
+from fusuma.supervisor.moves.source import MAX_CHANNELS
 
 if TYPE_CHECKING:
     from fusuma.ops.context import Ctx
@@ -93,6 +95,17 @@ RECORD_PHASE: dict[MovePhase, str] = {
     MovePhase.STREAMING: "Streaming", MovePhase.STREAMED: "Streamed",
     MovePhase.SWITCHED: "Switched", MovePhase.RELEASED: "Done"}
 RECORD_FAILED = "Failed"
+# Connections a stream between hosts takes (QEMU's multifd) under TLS: TLS costs CPU per
+# record (QEMU 10.0 writes one record, and one send, per page and per page header), and
+# several channels, each receiving its pages straight into guest RAM, win most of it
+# back (docs/results/cluster-tls*.json: one channel made moves 63 % slower than in the
+# clear, four 5 to 34 %); the channels' zstd (``source.MULTIFD_COMPRESSION``) hands TLS
+# whole packets and sends fewer bytes.
+# In the clear (the benchmark's before) the stream is one connection, as it was.
+TLS_CHANNELS = 4
+# Fault injection (tests), read from the source agent's environment: seconds it waits
+# between the destination's prepare and the stream.
+FAULT_STREAM_DELAY = "FUSUMA_FAULT_HOST_MOVE_STREAM_DELAY"
 
 
 class MoveAborted(MigrationError):
@@ -190,6 +203,28 @@ def wait_move(a: AgentContext, v: VmView, move_id: str, until: Callable[[Obj], o
         time.sleep(0.01)
 
 
+def stream_uri(a: AgentContext, dest: str, published: str) -> str:
+    """Where the source sends the stream: the port the destination published (in the
+    move's record), at the address host ``dest`` registered (its FusumaHost), never at
+    an address the record alone names."""
+    host = a.kube.find(HOST, dest)
+    addr = str(((host or {}).get("status") or {}).get("address") or "")
+    if not addr:
+        raise MigrationError(f"host {dest} has registered no address for moves; is its "
+                             "agent running?")
+    scheme, _, rest = published.partition(":")
+    where, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not port.isdigit() or not 0 < int(port) < 65536:
+        raise MigrationError(f"the destination of the move published {published!r}, not "
+                             "a tcp:ADDRESS:PORT to stream to.")
+    bare = addr.strip("[]")
+    if where.strip("[]") != bare:
+        raise MigrationError(f"the destination of the move published {published}, but host "
+                             f"{dest} is registered at {addr}: the guest's memory goes to "
+                             "the registered address only, so the move is refused.")
+    return f"tcp:[{bare}]:{port}" if ":" in bare else f"tcp:{bare}:{port}"
+
+
 # -- the two sides ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Side:
@@ -264,13 +299,32 @@ class HostMoveSource(_Side):
         return started
 
     def perform(self, jh: JobLock) -> rpc.Streamed:
-        """Once the destination says it is prepared, stream the guest to its URI."""
+        """Once the destination says it is prepared, stream the guest to the port it
+        published, at the address its host registered, under TLS to that host."""
         prep = wait_move(self.a, self.v, self.move_id, lambda m: at(m, MovePhase.PREPARED),
                          PREPARE_TIMEOUT_S, peer=self.dest)
-        jh.phase(MovePhase.STREAMING, uri=prep["uri"])
+        plain = self.a.cfg.plain_moves
+        if bool(prep.get("tls")) == plain:
+            raise MigrationError(
+                f"host {self.dest} offers the stream {'encrypted' if plain else 'in the clear'}"
+                f" and host {self.a.host} sends it {'in the clear' if plain else 'encrypted'}:"
+                f" both hosts' agents must run with the same {PLAIN_MOVES_ENV}.")
+        uri = stream_uri(self.a, self.dest, str(prep.get("uri") or ""))
+        channels = prep.get("channels", 1)
+        if isinstance(channels, bool) or not isinstance(channels, int) \
+                or not 1 <= channels <= MAX_CHANNELS:
+            raise MigrationError(f"the destination of the move asks for {channels!r} "
+                                 f"channels, not 1 to {MAX_CHANNELS}.")
+        if not plain:
+            self.a.move_creds()
+        delay = float(os.environ.get(FAULT_STREAM_DELAY) or 0)
+        if delay > 0:    # fault injection (tests): someone else may connect first
+            time.sleep(delay)
+        jh.phase(MovePhase.STREAMING, uri=uri)
         self.record(MovePhase.STREAMING)
         out = self.c.parts.client(self.partition).send(
-            rpc.MigrateOut(self.v.name, str(prep["uri"]), "copy"),
+            rpc.MigrateOut(self.v.name, uri, "copy", tls_peer=self.dest, plain_tcp=plain,
+                           channels=channels),
             timeout=STREAM_TIMEOUT_S + 60)
         jh.phase(MovePhase.STREAMED, bytes_sent=out.bytes_sent)
         self.record(MovePhase.STREAMED, {"bytesSent": out.bytes_sent, "paused": out.paused,
@@ -325,9 +379,11 @@ class HostMoveSource(_Side):
         a.events.emit(v.obj, "MoveFailed", msg, WARNING)
         a.vm_rec.move_failed[f"{v.namespace}/{v.name}"] = (cur.generation, time.monotonic())
 
-    def forget(self, out: rpc.Streamed | None, started: str | None) -> None:
+    def forget(self, out: rpc.Streamed | None, started: str | None,
+               began: float | None = None) -> None:
         """After the job, once the move went forward: the destination runs the guest;
-        remove it here and record the move (``lastMove``)."""
+        remove it here and record the move (``lastMove``; ``began``: when this agent
+        began it, epoch seconds: ``wallMs`` runs from then to the guest running there)."""
         a, v = self.a, self.v
         self.remove()
         # The record is cleared only once the destination said the guest runs there (or
@@ -340,13 +396,16 @@ class HostMoveSource(_Side):
         resume = move.get("resumeTs")
         stop = out.stop_ts if out is not None else None
         t0 = out.t0 if out is not None else None
-        last = {k: move.get(k) for k in ("id", "kind", "mode", "from", "to", "bytesSent",
-                                         "paused", "decision", "decidedBy")}
+        last = {k: move.get(k) for k in ("id", "kind", "mode", "from", "to", "uri", "tls",
+                                         "channels", "prepareMs", "bytesSent", "paused",
+                                         "decision", "decidedBy")}
         last.update({"result": "ok", "startedAt": started, "finishedAt": now_iso(),
                      "downtimeMs": round((float(resume) - float(stop)) * 1000, 2)
                      if resume and stop else move.get("qemuDowntimeMs"),
                      "totalMs": round((float(resume) - float(t0)) * 1000, 2)
                      if resume and t0 else None,
+                     "wallMs": round((float(resume) - began) * 1000, 2)
+                     if resume and began else None,
                      "phase": RECORD_PHASE[MovePhase.RELEASED]})
         new = a.kube.patch_status(VM, v.name, {"move": None, "lastMove": last}, v.namespace)
         a.vms_informer.put(new)
@@ -392,10 +451,17 @@ class HostMoveDest(_Side):
         if carried:
             c.db.set_vm(v.name, **carried)
         c.db.transition(v.name, VmState.STARTING, expect={VmState.STOPPED})
-        prep = c.parts.client(part).send(rpc.RemoteIncoming(v.name, a.address), timeout=120)
+        tls = not a.cfg.plain_moves
+        channels = TLS_CHANNELS if tls else 1
+        if tls:
+            a.move_creds()
+        prep = c.parts.client(part).send(
+            rpc.RemoteIncoming(v.name, a.address, self.source, tls=tls, channels=channels),
+            timeout=120)
         jh.phase(MovePhase.PREPARED, uri=prep.uri)
         self.record(MovePhase.PREPARED, {"uri": prep.uri, "destPid": prep.pid,
-                                         "prepareMs": prep.prepare_ms})
+                                         "prepareMs": prep.prepare_ms, "tls": tls,
+                                         "channels": channels})
 
     def finish(self, jh: JobLock) -> None:
         """Wait until the incoming QEMU holds the whole stream; record "forward" (in the
@@ -475,6 +541,7 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
     if gen == v.generation and time.monotonic() - when < MOVE_RETRY_S:
         return       # this spec's move failed a moment ago: not again at once
     record = {f: getattr(local, f) for f in CARRIED if getattr(local, f, None) is not None}
+    began = time.time()
     src = HostMoveSource(a, c, v, uuid.uuid4().hex[:12], local.partition, dest)
     with src.job(peer=f"{dest}/{part}") as jh:
         started = src.prepare(jh, part, record)
@@ -489,7 +556,7 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
             decision = src.decide(Decision.BACK, f"host {a.host}: {exc}")
         if not src.confirm(decision, why):
             return
-    src.forget(out, started)
+    src.forget(out, started, began)
 
 
 def step(a: AgentContext, r: VmMoves, v: VmView) -> None:

@@ -122,19 +122,24 @@ class Lab:
         self._ip("addr", "add", f"{API_ADDR}/24", "dev", "br0", netns=self.ctl)
         self._ip("link", "set", "br0", "up", netns=self.ctl)
         for i, env in enumerate(self.host_envs):
-            ns = f"fz{self.tag}-h{i}"
-            self._ip("netns", "add", ns)
-            self.namespaces.append(ns)
-            # Both ends are made inside the namespaces: nothing appears in the host's.
-            self._ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name",
-                     f"vh{i}", "netns", self.ctl)
-            self._ip("link", "set", f"vh{i}", "master", "br0", "up", netns=self.ctl)
-            addr = f"{SUBNET}.{10 + i}"
-            self._ip("addr", "add", f"{addr}/24", "dev", "eth0", netns=ns)
-            self._ip("link", "set", "eth0", "up", netns=ns)
-            self._ip("link", "set", "lo", "up", netns=ns)
+            ns, addr = self._on_bridge(f"h{i}", f"vh{i}", f"{SUBNET}.{10 + i}")
             self.hosts.append(LabHost(f"h{i}", ns, addr, dict(env),
                                       self.secrets / f"h{i}.kubeconfig"))
+
+    def _on_bridge(self, name: str, port: str, addr: str) -> tuple[str, str]:
+        """A network namespace fz<tag>-NAME whose eth0 (``addr``) is joined to the
+        bridge by its ``port``."""
+        ns = f"fz{self.tag}-{name}"
+        self._ip("netns", "add", ns)
+        self.namespaces.append(ns)
+        # Both ends are made inside the namespaces: nothing appears in the host's.
+        self._ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name",
+                 port, "netns", self.ctl)
+        self._ip("link", "set", port, "master", "br0", "up", netns=self.ctl)
+        self._ip("addr", "add", f"{addr}/24", "dev", "eth0", netns=ns)
+        self._ip("link", "set", "eth0", "up", netns=ns)
+        self._ip("link", "set", "lo", "up", netns=ns)
+        return ns, addr
 
     def _credentials(self) -> None:
         from cryptography import x509
@@ -258,6 +263,19 @@ class Lab:
                                    "--kubeconfig", str(self.admin_kubeconfig)], timeout=120)
         if p.returncode:
             raise ClusterError(f"fusuma cluster install --apply failed: {p.stderr}")
+        # Each host's certificate for the move stream, before its agent starts.
+        p = self.fusuma(self.ctl, ["cluster", "rotate-certs", "--kubeconfig",
+                                   str(self.admin_kubeconfig),
+                                   *(a for h in self.hosts for a in ("--host", h.name))],
+                        timeout=120)
+        if p.returncode:
+            raise ClusterError(f"fusuma cluster rotate-certs failed: {p.stderr}")
+
+    def outsider(self, name: str = "x") -> tuple[str, str]:
+        """One more network namespace on the lab's bridge, running no fusuma: someone
+        else on the hosts' network (its name, its address). Removed by ``close``."""
+        i = 200 + len(self.namespaces)
+        return self._on_bridge(name, f"vx{i}", f"{SUBNET}.{i}")
 
     def join(self, host: str, kubeconfig: Path) -> None:
         """Give host ``host`` its identity (`fusuma cluster join`): its kubeconfig."""
@@ -294,13 +312,15 @@ class Lab:
             args += ["-n", namespace]
         return json.loads(self.kubectl(*args).stdout)
 
-    def start_agent(self, h: LabHost, *extra: str) -> subprocess.Popen[bytes]:
+    def start_agent(self, h: LabHost, *extra: str,
+                    env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start ``h``'s agent (``env``: added to the host's environment)."""
         h.log = self.workdir / f"agent-{h.name}.log"
         h.agent = self._spawn(h.netns, [
             *spawn.module_argv("fusuma.cli.main"), "-v", "agent",
             "--kubeconfig", str(h.kubeconfig), "--host-name", h.name,
             "--address", h.address, "--lease-seconds", str(self.lease_seconds), *extra],
-            h.log, env=h.env)
+            h.log, env={**h.env, **(env or {})})
         return h.agent
 
     def stop_agent(self, h: LabHost, sig: int = signal.SIGTERM, wait: float = 20) -> None:

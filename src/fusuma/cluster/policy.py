@@ -13,8 +13,8 @@ requesting user's host name (``fusuma:host:NAME``, or the ServiceAccount
   VM is on no host (or Lost) and ``spec.host`` (else ``status.placement.host``) is it;
   its own entry of a FusumaSegment's ``status.hosts``;
 - **its side of a move between hosts** while ``status.move`` names it: the destination
-  writes only its fields of the record (``uri``, ``destPid``, ``prepareMs``,
-  ``resumeTs``, the phase, the decision) and, at the switch, the VM's
+  writes only its fields of the record (``uri``, ``tls``, ``channels``, ``destPid``,
+  ``prepareMs``, ``resumeTs``, the phase, the decision) and, at the switch, the VM's
   ``host`` (itself), ``partition``, ``pid``, ``state``; the source, once the guest runs
   at the destination, only its fields and the end of the record (``lastMove``). Nobody
   rewrites the move's identity or its record (the source's device set) as a peer, and a
@@ -45,8 +45,8 @@ ADMISSION = "admissionregistration.k8s.io/v1"
 MOVE_IDENTITY = ("id", "kind", "mode", "from", "to", "fromHost", "toHost", "record",
                  "startedAt")
 MOVE_SOURCE = (*MOVE_IDENTITY, "bytesSent", "paused", "qemuDowntimeMs", "result",
-               "finishedAt", "downtimeMs", "totalMs")
-MOVE_DEST = ("uri", "destPid", "prepareMs", "resumeTs")
+               "finishedAt", "downtimeMs", "totalMs", "wallMs")
+MOVE_DEST = ("uri", "destPid", "prepareMs", "resumeTs", "tls", "channels")
 MOVE_EITHER = ("phase", "decision", "decidedBy", "message")
 
 # The VM status fields each kind of writer may change (every other one must stay).

@@ -9,6 +9,8 @@ what it delegated (systemd.io/CGROUP_DELEGATION). fusuma installs, once (what
                                  (a test namespace) gets a slice of its own below it
     fusuma-supervisor@.service   one unit per partition: Delegate=yes, KillMode=process
     fusuma-ram@.service          the holder of the guest RAM cgroups, one per prefix
+    fusuma-network@.service      one unit per managed network: its dnsmasq's keeper
+                                 (fusuma.network.keeper), restarted when it dies
 
 and per instance runtime drop-ins (``/run/systemd/system/UNIT.d/50-fusuma*.conf``) with
 the slice, the supervisor's command line, environment and log, and the partition's
@@ -55,6 +57,7 @@ LOG = logging.getLogger(__name__)
 SLICE = "fusuma.slice"
 SUPERVISOR_TEMPLATE = "fusuma-supervisor@.service"
 RAM_TEMPLATE = "fusuma-ram@.service"
+NETWORK_TEMPLATE = "fusuma-network@.service"
 UNIT_DIR = Path("/etc/systemd/system")
 RUNTIME_UNIT_DIR = Path("/run/systemd/system")
 DROPIN = "50-fusuma.conf"
@@ -169,6 +172,10 @@ class Units:
         mine, _, part = inst.partition(":")
         return part if mine == self.prefix and part else None
 
+    def network(self, name: str) -> str:
+        """The unit of managed network ``name``'s keeper (and its dnsmasq)."""
+        return f"fusuma-network@{self.instance(name)}.service"
+
     @property
     def ram(self) -> str:
         return f"fusuma-ram@{self.prefix}.service"
@@ -218,6 +225,26 @@ Delegate=yes
 ExecStart=/bin/sh -c 'c=/sys/fs/cgroup$$(sed -n "s/^0:://p" /proc/self/cgroup); \\
 mkdir -p "$$c/{KEEPER}" && echo $$$$ > "$$c/{KEEPER}/cgroup.procs" && exec sleep infinity'
 """
+        network = f"""\
+# Installed by fusuma (`fusuma network create`, `fusuma up`); rewritten when it changes.
+[Unit]
+Description=fusuma network %i: the keeper of its dnsmasq
+Documentation=file://{self.unit_dir}/{NETWORK_TEMPLATE}
+
+[Service]
+Type=exec
+ExecStart={python} -P -m fusuma.network.keeper %i
+WorkingDirectory=/
+Slice={SLICE}
+# The keeper starts its dnsmasq again when it dies; systemd starts a keeper that died
+# again, and the new one adopts the dnsmasq still serving (KillMode=process: a stop
+# signals the keeper only, and the keeper ends its dnsmasq).
+Restart=on-failure
+RestartSec=1
+KillMode=process
+TimeoutStopSec=15
+UMask=0077
+"""
         slice_ = """\
 # Installed by fusuma.
 [Unit]
@@ -226,7 +253,8 @@ Before=slices.target
 """
         return {self.unit_dir / SLICE: slice_,
                 self.unit_dir / SUPERVISOR_TEMPLATE: supervisor,
-                self.unit_dir / RAM_TEMPLATE: ram}
+                self.unit_dir / RAM_TEMPLATE: ram,
+                self.unit_dir / NETWORK_TEMPLATE: network}
 
     def missing(self) -> list[Path]:
         """Unit files not installed yet or different from what fusuma would write."""
@@ -312,12 +340,28 @@ Before=slices.target
     def write_supervisor(self, partition: str, env: dict[str, str], log: Path) -> None:
         """The drop-in that makes ``fusuma-supervisor@INSTANCE`` run ``partition``'s
         supervisor in this prefix's slice, with this namespace's environment."""
-        unit = self.supervisor(partition)
-        lines = ["# Written by fusuma for this partition; removed when it is deleted.",
-                 "[Unit]", f"Description=fusuma supervisor of partition {partition} "
-                 f"({self.prefix})", "", "[Service]", f"Slice={self.slice}", "ExecStart=",
-                 f"ExecStart={_quote(self.python)} -P -m fusuma.supervisor "
-                 f"{_quote(partition)}"]
+        self._write_service(self.supervisor(partition), "partition",
+                            f"fusuma supervisor of partition {partition}",
+                            "fusuma.supervisor", partition, env, log)
+
+    def write_network(self, network: str, env: dict[str, str], log: Path,
+                      netns: Path | None = None) -> None:
+        """The drop-in that makes ``fusuma-network@INSTANCE`` run managed network
+        ``network``'s keeper in this prefix's slice, with this namespace's environment,
+        and in network namespace ``netns`` (a path under /run/netns) when fusuma runs in
+        one: dnsmasq binds the network's bridge, which lives there."""
+        extra = [f"NetworkNamespacePath={netns}"] if netns is not None else []
+        self._write_service(self.network(network), "network",
+                            f"fusuma network {network}: the keeper of its dnsmasq",
+                            "fusuma.network.keeper", network, env, log, extra)
+
+    def _write_service(self, unit: str, what: str, description: str, module: str,
+                       arg: str, env: dict[str, str], log: Path,
+                       extra: list[str] | None = None) -> None:
+        lines = [f"# Written by fusuma for this {what}; removed when it is deleted.",
+                 "[Unit]", f"Description={description} ({self.prefix})", "",
+                 "[Service]", f"Slice={self.slice}", *(extra or []), "ExecStart=",
+                 f"ExecStart={_quote(self.python)} -P -m {module} {_quote(arg)}"]
         lines += [f"Environment={_quote(f'{k}={v}')}" for k, v in sorted(env.items())]
         lines += [f"StandardOutput=append:{log}", f"StandardError=append:{log}"]
         self._write_dropin(unit, "\n".join(lines) + "\n")

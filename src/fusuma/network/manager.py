@@ -18,9 +18,18 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fusuma import spawn
-from fusuma.errors import ConflictError, FusumaError, NetworkError, SpecError, StateError
+from fusuma.errors import (
+    ConflictError,
+    FusumaError,
+    HostError,
+    NetworkError,
+    SpecError,
+    StateError,
+)
 from fusuma.names import check_name
 from fusuma.network import addr, dnsmasq, ifnames, keeper, link, nft
 from fusuma.paths import PASSABLE_DIR, PRIVATE_DIR, Paths, ensure_dir
@@ -28,6 +37,9 @@ from fusuma.qemu import process
 from fusuma.state import Database, NetworkRecord, NicRecord
 from fusuma.state.lock import locked
 from fusuma.undo import Reverter
+
+if TYPE_CHECKING:
+    from fusuma.host.systemd import Units
 
 LOG = logging.getLogger(__name__)
 TYPES = ("managed", "bridged")
@@ -284,9 +296,24 @@ class NetworkManager:
             tmp.replace(path)
 
     # -- the keeper -------------------------------------------------------------------
+    def units(self) -> Units | None:
+        """fusuma's systemd units where supervisors run as units (then each network's
+        keeper is one too, in fusuma's slice), else None."""
+        from fusuma.host import cgroups
+        from fusuma.host.cgroups import CgroupSystemdDriver
+
+        try:
+            cg = cgroups.for_paths(self.paths)
+        except FusumaError:
+            return None
+        return cg.units if isinstance(cg, CgroupSystemdDriver) else None
+
     def start_keeper(self, rec: NetworkRecord, timeout: float = 15.0) -> int:
         """Start network ``rec``'s keeper; return its pid once dnsmasq runs."""
         log = self.paths.network_dir(rec.name) / "keeper.log"
+        units = self.units()
+        if units is not None:
+            return self._start_keeper_unit(units, rec, log, timeout)
         env = spawn.child_env({**os.environ, **self.paths.as_env()})
         with open(log, "ab") as out:
             child = subprocess.Popen(spawn.module_argv(keeper.KEEPER_MODULE, rec.name),
@@ -307,11 +334,54 @@ class NetworkManager:
         raise NetworkError(f"dnsmasq of network {rec.name!r} did not come up in "
                            f"{timeout:.0f} s: {process.tail(log, 1)} (see {log}).")
 
+    def _start_keeper_unit(self, units: Units, rec: NetworkRecord, log: Path,
+                           timeout: float) -> int:
+        """Start the keeper as ``fusuma-network@INSTANCE`` and wait for its dnsmasq; a
+        unit that fails is stopped again and says why."""
+        unit = units.network(rec.name)
+        # The unit gets this namespace's settings (and a checkout's PYTHONPATH), not
+        # the CLI's whole environment.
+        env = spawn.child_env({k: v for k, v in os.environ.items()
+                               if k.startswith("FUSUMA_") or k == "PYTHONPATH"})
+        env.update(self.paths.as_env())
+        try:
+            units.install()
+            units.write_network(rec.name, env, log, named_netns())
+            units.start(unit)
+        except HostError as exc:
+            units.forget(unit)
+            raise NetworkError(f"the dnsmasq keeper of network {rec.name!r} did not "
+                               f"start: {exc}") from exc
+        deadline = time.monotonic() + timeout
+        f = self.files(rec.name)
+        while time.monotonic() < deadline:
+            if keeper.dnsmasq_pid(f) is not None:
+                pid = units.main_pid(unit)
+                if pid is not None:
+                    return pid
+            if not units.active(unit):
+                why = process.tail(log, 1) or units.why_failed(unit)
+                units.forget(unit)
+                raise NetworkError(f"the dnsmasq keeper of network {rec.name!r} ({unit}) "
+                                   f"exited at start: {why}")
+            time.sleep(0.05)
+        units.forget(unit)
+        raise NetworkError(f"dnsmasq of network {rec.name!r} did not come up in "
+                           f"{timeout:.0f} s: {process.tail(log, 1)} (see {log} and "
+                           f"`systemctl status {unit}`).")
+
     def stop_keeper(self, rec: NetworkRecord) -> bool:
         """End the keeper and its dnsmasq (an orphaned dnsmasq too, by its checked
-        pid); True if anything was running."""
+        pid); True if anything was running. Where the keeper is a systemd unit, the
+        unit is stopped and its drop-ins removed."""
+        units = self.units() if rec.managed else None
+        was = False
+        if units is not None:
+            unit = units.network(rec.name)
+            was = units.active(unit)
+            units.forget(unit)
         pid = keeper.keeper_pid(self.paths, rec.name, rec.keeper_pid)
-        was = pid is not None
+        was = was or pid is not None
         if pid is not None:
             self._end(pid)
         dpid = keeper.dnsmasq_pid(self.files(rec.name))
@@ -411,6 +481,30 @@ class NetworkManager:
         addr.check_forwards(mine, others, local)
         if nics:
             addr.check_free(mine, addr.host_listeners())
+
+
+def named_netns(proc: Path = Path("/proc"), run: Path = Path("/run/netns")) -> Path | None:
+    """The name (``/run/netns/NAME``) of the network namespace this process runs in,
+    None when it is PID 1's; one sentence when it is another without a name (systemd
+    can start a unit only in a namespace it can open by path)."""
+    def ident(path: Path) -> tuple[int, int]:
+        st = path.stat()
+        return st.st_dev, st.st_ino
+
+    try:
+        mine = ident(proc / "self" / "ns" / "net")
+        if mine == ident(proc / "1" / "ns" / "net"):
+            return None
+    except OSError:
+        return None
+    for named in sorted(run.glob("*")) if run.is_dir() else []:
+        with contextlib.suppress(OSError):
+            if ident(named) == mine:
+                return named
+    raise NetworkError("fusuma runs in a network namespace without a name, and systemd "
+                       "starts a network's dnsmasq keeper only in the host's or a named "
+                       "one (`ip netns add NAME`, then `nsenter --net=/run/netns/NAME`); "
+                       "or set FUSUMA_SYSTEMD=0.")
 
 
 def first_managed(db: Database, nics: Sequence[NicRecord]) -> NicRecord | None:

@@ -41,12 +41,33 @@ def daemon_pid(candidates: list[int | None], module: str, name: str) -> int | No
     return None
 
 
+# Below this, uids of a host's own users and services (Debian gives logins 1000-59999):
+# a QEMU whose run dir is gone must run above it.
+FIRST_SANDBOX_UID = 65536
+
+
 def is_vm_process(pid: int, vm: str, run_dir: Path) -> bool:
     """True if ``pid`` is a QEMU of ``vm`` whose sockets live under ``run_dir`` (guards
-    against pid reuse on adoption)."""
+    against pid reuse on adoption, and against a process that only looks like one).
+
+    Any user can write such a command line, so the process must also run as the uid
+    that owns ``run_dir`` (the VM's own: root makes that directory for it), or, once
+    that directory is gone, as a uid no login or service of the host has."""
     argv = cmdline(pid)
-    return (f"guest={vm},debug-threads=on" in argv
-            and any(f"path={run_dir}/" in a for a in argv))
+    if not (f"guest={vm},debug-threads=on" in argv
+            and any(f"path={run_dir}/" in a for a in argv)):
+        return False
+    try:
+        uids = set(_uids(Path(f"/proc/{pid}/status").read_text()))
+    except (OSError, ValueError):
+        return False
+    if len(uids) != 1:
+        return False
+    [uid] = uids
+    try:
+        return uid == run_dir.stat().st_uid
+    except OSError:
+        return uid >= FIRST_SANDBOX_UID
 
 
 def threads(pid: int) -> list[int]:

@@ -136,6 +136,16 @@ class Qmp:
         await self.execute("migrate-set-capabilities", {"capabilities": [
             {"capability": k, "state": v} for k, v in caps.items()]})
 
+    async def migrate_set_parameters(self, params: dict[str, Any]) -> None:
+        await self.execute("migrate-set-parameters", params)
+
+    async def object_add(self, props: dict[str, Any]) -> None:
+        """Create a QOM object (``qom-type``, ``id`` and its properties)."""
+        await self.execute("object-add", props)
+
+    async def object_del(self, obj_id: str) -> None:
+        await self.execute("object-del", {"id": obj_id})
+
     async def migrate(self, uri: str) -> None:
         await self.execute("migrate", {"uri": uri})
 

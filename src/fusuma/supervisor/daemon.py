@@ -98,7 +98,8 @@ class Supervisor:
             route(rpc.IncomingPrepare,
                   lambda r: dest.prepare(h, r.vm, r.mode, r.fault_decide_delay)),
             route(rpc.MigrateOut, locked(lambda r: source.perform(
-                h, r.vm, r.uri, r.mode, max_bandwidth=r.max_bandwidth))),
+                h, r.vm, r.uri, r.mode, max_bandwidth=r.max_bandwidth, tls_peer=r.tls_peer,
+                plain_tcp=r.plain_tcp, channels=r.channels))),
             route(rpc.CprPrepare, lambda r: cpr.prepare(h, r.vm, r.fault_decide_delay)),
             route(rpc.CprTransfer, locked(lambda r: cpr.transfer(
                 h, r.vm, fault_incoming_delay=r.fault_incoming_delay))),
@@ -109,7 +110,9 @@ class Supervisor:
             route(rpc.ResumeSource, lambda r: source.resume(h, r.vm)),
             route(rpc.Settle, lambda r: dest.settle(h, r.vm)),
             route(rpc.ListInstances, self.instances),
-            route(rpc.RemoteIncoming, lambda r: remote.remote_incoming(h, r.vm, r.listen)),
+            route(rpc.RemoteIncoming,
+                  lambda r: remote.remote_incoming(h, r.vm, r.listen, r.peer, r.tls,
+                                                   r.channels)),
             route(rpc.RemoteIncomingWait,
                   lambda r: remote.remote_incoming_wait(h, r.vm, r.timeout)),
         ]

@@ -312,6 +312,11 @@ class MigrateOut(Request[Streamed]):
     uri: str
     mode: str
     max_bandwidth: int = 0
+    # To another host: the destination host, whose certificate the stream's TLS
+    # requires; ``plain_tcp`` sends it in the clear (the benchmark's before only).
+    tls_peer: str = ""
+    plain_tcp: bool = False
+    channels: int = 1          # multifd connections (as the destination prepared)
 
 
 @dataclass(frozen=True)
@@ -383,11 +388,15 @@ class ListInstances(Request[Instances]):
 
 @dataclass(frozen=True)
 class RemoteIncoming(Request[Prepared]):
-    """Destination, another host's move: a QEMU listening on ``tcp:LISTEN:<port>``."""
+    """Destination, another host's move: a QEMU listening on ``tcp:LISTEN:<port>``
+    for host ``peer``'s stream, under TLS (``tls`` False: the benchmark's before)."""
 
     OP: ClassVar[str] = "remote-incoming"
     vm: str
     listen: str
+    peer: str
+    tls: bool = True
+    channels: int = 1
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,13 @@ def ps_data(c: Ctx, vms_only: bool = False,
     jobs = {j.obj: job_json(j) for j in c.db.jobs()}
     parts = [] if vms_only else partitions_data(c, jobs)
     records = c.db.vms()
+    from fusuma.views.networks import networks_data, nics_by_vm, present_taps
+
+    # The kernel's taps, read once for the networks and the VMs (when any NIC exists).
+    taps = present_taps() if c.db.nics() else set()
+    nets = [] if vms_only else networks_data(c, taps)
     if not records:
-        return {"partitions": parts, "vms": []}
+        return {"partitions": parts, "vms": [], "networks": nets}
     from fusuma.errors import FusumaError
     from fusuma.host import cgroups
     from fusuma.vm.view import views_json
@@ -132,7 +137,9 @@ def ps_data(c: Ctx, vms_only: bool = False,
     except FusumaError:
         cg = None
     by_name = {r.name: r for r in records}
+    nics = nics_by_vm(c.db, records, taps)
     for v in vms:
         v["job"] = jobs.get(f"vm:{v['name']}")
         v["ram"] = ram_use(cg, by_name[v["name"]])
-    return {"partitions": parts, "vms": vms}
+        v["nics"] = nics[v["name"]]
+    return {"partitions": parts, "vms": vms, "networks": nets}

@@ -237,9 +237,10 @@
     renderCores();
     renderPartitions();
     renderVms();
+    renderNetworks();
     renderSharing();
     renderDecisions();
-    for (const id of ["partitions", "vms", "decisions"]) labelCells($(id));
+    for (const id of ["partitions", "vms", "networks", "decisions"]) labelCells($(id));
   }
 
   function renderSummary() {
@@ -490,9 +491,51 @@
           el("span", { class: "metric", text: mib(split.pss) }), stackBar(split, split.private + split.segment + split.ksm),
           el("span", { class: "bar-label", text: "priv " + split.private.toFixed(1) + " · seg " + split.segment.toFixed(1) + " · ksm " + split.ksm.toFixed(1) })] : el("span", { class: "muted", text: "–" }) },
         { sig: "s" + v.segments.join(","), content: () => v.segments.length ? v.segments.map((s) => el("span", { class: "tag", text: s })) : el("span", { class: "muted", text: "none" }) },
-        { sig: "p" + v.ports.join(","), content: () => v.ports.length ? v.ports.map((s) => el("span", { class: "tag mono", title: "host 127.0.0.1:" + s.split(":")[0] + " → guest port " + s.split(":")[1], text: s })) : el("span", { class: "muted", text: "none" }) },
+        { sig: "n" + v.ports.join(",") + JSON.stringify(v.nics || []), content: () => networkCell(v) },
       ], [names.join(","), v.partition, v.state, !!v.job, busy.has("vm:" + v.name)].join("|"), () => vmActions(v, names));
     }, 10, "No VMs yet: create one with `fusuma vm create NAME -p PARTITION --start`.");
+  }
+
+  // A VM's network: its NICs on fusuma networks, then its port forwards (without a NIC,
+  // QEMU's user-mode network, which a VM has only when it forwards a port).
+  function networkCell(v) {
+    const nics = v.nics || [];
+    const ports = v.ports.map((s) => {
+      const parts = s.split(":");
+      return el("span", { class: "tag mono", title: "host " + (parts.length > 2 ? parts[0] : "127.0.0.1") + ":" + parts[parts.length - 2] + " → guest port " + parts[parts.length - 1], text: s });
+    });
+    if (!nics.length && !ports.length) return el("span", { class: "muted", text: "none" });
+    return [...nics.map(nicTag), nics.length ? null : el("span", { class: "sub", text: "user-mode" }), ...ports];
+  }
+
+  // One NIC: network and address, its MAC and tap (absent from the kernel: marked).
+  function nicTag(n) {
+    return el("span", { class: "nic" + (n.tap_present ? "" : " nic-absent"), "data-nic": n.network + "/" + n.index,
+      title: "MAC " + n.mac + " · tap " + (n.tap || "–") + (n.tap_present ? "" : " (not in the kernel)") },
+      el("span", { class: "tag", text: n.network }), " ", el("span", { class: "mono", text: n.ip || n.mac }),
+      el("span", { class: "sub mono", text: n.mac + " · " + (n.tap || "–") + (n.tap_present ? "" : " · no tap") }));
+  }
+
+  function renderNetworks() {
+    const tbody = $("networks").tBodies[0];
+    keyedRows(tbody, state.networks || [], (n) => n.name, "data-network", (tr, n) => {
+      const nics = n.nics || [];
+      const sig = JSON.stringify(n);
+      if (tr.dataset.sig === sig) return;
+      tr.dataset.sig = sig;
+      fill(tr, [
+        { sig: n.name + n.gateway, content: () => [el("span", { class: "name", text: n.name }), n.gateway ? el("span", { class: "sub", text: "gateway " + n.gateway }) : null] },
+        { sig: n.type + n.nat + n.isolated + n.filtering, content: () => [el("span", { text: n.type }),
+          el("span", { class: "sub", text: ["nat", "isolated", "filtering"].filter((f) => n[f]).join(" · ") || "–" })] },
+        { sig: n.bridge, class: "mono", content: () => n.bridge },
+        { sig: String(n.subnet), class: "mono", content: () => n.subnet || "–" },
+        { sig: n.state + n.dnsmasq_pid, content: () => [el("span", { class: "badge " + (n.state === "up" ? "badge-running" : "badge-down"), text: n.state }),
+          n.dnsmasq_pid ? el("span", { class: "sub", text: "dnsmasq pid " + n.dnsmasq_pid }) : null] },
+        { sig: JSON.stringify(nics), content: () => nics.length ? nics.map((x) => el("span", { class: "nic" + (x.tap_present ? "" : " nic-absent"), "data-nic": x.vm + "/" + x.index },
+          el("span", { class: "name", text: x.vm }), " ", el("span", { class: "mono", text: x.ip || x.mac }),
+          el("span", { class: "sub mono", text: x.mac + " · " + (x.tap || "–") + (x.tap_present ? "" : " · no tap") }))) : el("span", { class: "muted", text: "no VM" }) },
+      ].map((c) => el("td", { class: c.class || "" }, el("div", { class: "cell" }, c.content()))));
+    }, 6, "No networks yet: create one with `fusuma network create NAME`, then give VMs a NIC on it (`--nic NAME`).");
   }
 
   // A button that asks for a second click (within 4 s) before it acts.

@@ -31,7 +31,7 @@ from qemu.qmp import EventListener
 
 from fusuma.errors import MigrationError, NotFoundError, QemuError, StateError
 from fusuma.host.accel import probe_accel
-from fusuma.qemu import privilege
+from fusuma.qemu import privilege, tlscreds
 from fusuma.qemu.cmdline import NET_ID, hostfwd
 from fusuma.qemu.instance import INCOMING_PREFIX, QemuInstance, Role
 from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_RESUME, event_time
@@ -54,6 +54,8 @@ class MoveIn:
     task: asyncio.Task[None] | None = None
     fault_decide_delay: float = 0.0
     cpr_socket: Path | None = None
+    # A move from another host: the TLS objects of its stream, dropped at the commit.
+    tls: tlscreds.MoveTls | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -163,7 +165,7 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
         if running is not None:
             return rpc.Resumed(pid=running.pid, resume_ts=time.time(), already=True)
         raise NotFoundError(f"no incoming QEMU of {vm!r} in partition {h.partition!r}.")
-    inst, _ = found
+    inst, move = found
     decision = h.db.decide(vm_obj(vm), Decision.FORWARD)
     if decision != Decision.FORWARD:
         raise MigrationError(f"the move of {vm!r} was decided {decision!r}: the guest "
@@ -202,6 +204,8 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
         h.db.set_vm(vm, **fields)
     h.follow_runstate(inst)
     await h.repin_all()
+    if move.tls is not None:     # after the guest runs: not in the downtime
+        await tlscreds.drop(inst.qmp, move.tls)
     return rpc.Resumed(pid=inst.pid, resume_ts=resume_ts)
 
 

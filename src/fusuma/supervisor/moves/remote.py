@@ -4,7 +4,11 @@ The cluster agents orchestrate (``fusuma.cluster.hostmove``); each host's superv
 does what it does for a move inside a host, with two differences at the destination:
 
 - ``remote_incoming``: the incoming QEMU listens on TCP, on the address other hosts
-  reach this host at (port chosen by the kernel), in copy mode (hosts share no RAM);
+  reach this host at (port chosen by the kernel), in copy mode (hosts share no RAM),
+  under TLS (``fusuma.qemu.tlscreds``): it presents this host's certificate and lets in
+  only the source host's (``peer``); anyone else who connects first fails the handshake
+  and QEMU goes on waiting. Its TLS objects (and the host's key in its memory) are
+  dropped once the guest runs here (``dest.commit``);
 - nothing commits by itself when the stream completes: the outcome of a move between
   hosts is recorded in the FusumaVM (written once, with a resourceVersion
   precondition), which only the agent can reach. ``remote_incoming_wait`` tells the
@@ -24,19 +28,22 @@ from pathlib import Path
 
 from fusuma.errors import MigrationError, NotFoundError, StateError
 from fusuma.host.accel import probe_accel
-from fusuma.qemu import privilege
+from fusuma.qemu import privilege, tlscreds
 from fusuma.qemu.instance import Role
 from fusuma.qemu.qmp import EVENT_MIGRATION
 from fusuma.state import JobKind, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
 from fusuma.supervisor.moves.dest import MoveIn, incoming, incoming_run_dir
-from fusuma.supervisor.moves.source import capabilities
+from fusuma.supervisor.moves.source import capabilities, set_channels
 from fusuma.undo import Reverter
 
 
-async def remote_incoming(h: PartitionHost, vm: str, listen: str) -> rpc.Prepared:
-    """Start a QEMU for ``vm`` waiting for a stream on ``tcp:LISTEN:<port>``."""
+async def remote_incoming(h: PartitionHost, vm: str, listen: str, peer: str,
+                          tls: bool = True, channels: int = 1) -> rpc.Prepared:
+    """Start a QEMU for ``vm`` waiting for a stream on ``tcp:LISTEN:<port>`` from host
+    ``peer``, under TLS (``tls`` False: in the clear, for the benchmark's before), over
+    ``channels`` connections."""
     rec = h.db.vm(vm)
     if rec.partition != h.partition:
         raise StateError(f"VM {vm!r} is defined in partition {rec.partition!r}, not "
@@ -46,6 +53,9 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str) -> rpc.Prepare
     job = h.db.find_job(vm_obj(vm))
     if job is None or job.kind != JobKind.HOST_MOVE_IN:
         raise StateError(f"no move of {vm!r} from another host is under way.")
+    creds = tlscreds.require(h.paths) if tls else None
+    if tls and not peer:
+        raise StateError(f"a move of {vm!r} from another host must name that host.")
     ram: Path | None = (h.paths.shm / f"{vm}.{uuid.uuid4().hex[:8]}.ram"
                         if rec.shared_ram else None)
     run = incoming_run_dir(h, vm)
@@ -59,7 +69,12 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str) -> rpc.Prepare
             h.charge_ram(ram, rec.memory_mib)
         inst = await h.launch(rec, accel, run, ram, "defer", rev, role=Role.INCOMING,
                               disk_owner=rec.partition)
-        await inst.qmp.migrate_set_capabilities(capabilities("copy"))
+        await inst.qmp.migrate_set_capabilities(capabilities("copy", channels))
+        await set_channels(inst.qmp, channels)
+        move_tls = None
+        if creds is not None:
+            move_tls = await tlscreds.arm(inst.qmp, run, privilege.uid_for(h.paths, rec),
+                                          creds, tlscreds.SERVER, peer)
         listener = inst.qmp.listener(EVENT_MIGRATION)
         await inst.qmp.migrate_incoming(f"tcp:{listen}:0")
         info = await inst.qmp.execute("query-migrate")
@@ -69,7 +84,7 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str) -> rpc.Prepare
             raise MigrationError(f"the incoming QEMU of {vm!r} did not say which port it "
                                  f"listens on ({info}).")
         rev.commit()
-    inst.move = MoveIn(listener, "copy", "remote")
+    inst.move = MoveIn(listener, "copy", "remote", tls=move_tls)
     uri = f"tcp:{listen}:{port}"
     h.log.info("waiting for %s from another host on %s", vm, uri)
     return rpc.Prepared(uri=uri, pid=inst.pid, run_dir=str(run),
