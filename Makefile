@@ -5,7 +5,8 @@ VENV := .venv
 FUSUMA := $(VENV)/bin/fusuma
 DEB_PACKAGES := qemu-system-x86 qemu-utils busybox-static erofs-utils cpio \
                 qemu-guest-agent python3-venv gcc libc6-dev debootstrap apache2-utils curl \
-                prometheus chromium etcd-server dnsmasq-base nftables iperf3
+                prometheus chromium etcd-server dnsmasq-base nftables iperf3 \
+                genisoimage ovmf seabios
 # kube-apiserver and kubectl for the cluster tests (tests/cluster) and `fusuma bench
 # cluster`: built from the Go module proxy (tools/kube-apiserver), once, into the cache.
 K8S_VERSION := 1.33.13
@@ -39,6 +40,9 @@ image: venv
 	$(FUSUMA) image build
 	$(FUSUMA) image build --kind debian
 	$(FUSUMA) qemu install 10.0
+	@# A bootable Debian disk image with cloud-init, imported by the tests like a
+	@# user's own (about 2 minutes, once; cached in FUSUMA_CACHE/images/cloud-*).
+	$(VENV)/bin/python -m fusuma.images.diskimage
 
 demo: image
 	@# The template part of an earlier demo goes first (clones need p0 on QEMU 10.0).

@@ -76,6 +76,8 @@ def _vm_diff(db: Database, v: VmSpec) -> list[str]:
         a, b = getattr(cur, key), getattr(v, key)
         if a != b:
             diffs.append(f"{key} {a} -> {b}")
+    if v.boot is not None and cur.boot != v.boot:
+        diffs.append(f"boot {cur.boot} -> {v.boot}")
     if v.machine is not None and cur.machine is not None and cur.machine != v.machine:
         diffs.append(f"machine {cur.machine} -> {v.machine}")
     return diffs

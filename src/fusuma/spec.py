@@ -245,6 +245,18 @@ class VmSpec(_Model):
     # Start from a template's RAM and device state instead of booting (`fusuma
     # template`): the clone maps the template's RAM copy-on-write.
     template: str | None = None
+    # How it boots: "kernel" (QEMU's direct kernel boot of an image fusuma builds),
+    # "bios" (SeaBIOS) or "uefi" (OVMF) from a thin disk on an imported image. None:
+    # kernel for the built images, bios for an imported one.
+    boot: Literal["kernel", "bios", "uefi"] | None = None
+    # An imported image's thin disk size ("8G", "512M"); None: the image's own size.
+    disk_size: str | None = None
+    # cloud-init (an imported image): SSH public keys for the image's default user,
+    # and the user's own user-data (a #cloud-config, a script or a MIME multipart),
+    # both as text: the VM's seed disk carries them.
+    ssh_keys: Annotated[list[Annotated[str, Field(max_length=16384)]],
+                        Field(max_length=64)] = []
+    user_data: Annotated[str, Field(max_length=65536)] | None = None
 
     _check_name = field_validator("name")(_name_field)
 

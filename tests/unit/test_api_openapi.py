@@ -63,7 +63,7 @@ def test_every_error_is_an_error_info_and_every_202_an_operation(
                 if getattr(ctx.original_route, "status_code", None) == 202
                 for method in ctx.methods or ()}
     assert accepted == {(m, p) for m, p, op in operations(spec) if "202" in op["responses"]}
-    assert len(accepted) == 14
+    assert len(accepted) == 15
     # Answers that are not JSON name their media type.
     assert list(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == [
         "text/plain"]
@@ -78,7 +78,7 @@ def test_names_state_their_pattern(spec: dict[str, Any]) -> None:
             if param["name"] in ("name", "partition", "vm"):
                 assert param["schema"]["pattern"] == NAME_PATTERN, (method, path, param)
                 named += 1
-    assert named == 26
+    assert named == 29
     schemas = spec["components"]["schemas"]
     for model, field in (("VmCreate", "name"), ("PartitionCreate", "name"),
                          ("DiskCreate", "name"), ("VmMove", "partition"),
@@ -157,8 +157,8 @@ def test_what_a_request_gets_wrong_is_a_4xx_at_once(app: FastAPI, paths: Paths) 
              "there is no guest image kind ''"),
             ("POST", "/1.0/segments", {"name": "s0", "from_image": "minimal"}, 404,
              "the minimal guest image is not built"),
-            ("POST", "/1.0/vms", {"name": "v1", "partition": "p0", "image": "nope"}, 400,
-             "there is no guest image kind 'nope'"),
+            ("POST", "/1.0/vms", {"name": "v1", "partition": "p0", "image": "nope"}, 404,
+             "there is no image named 'nope'"),
             ("POST", "/1.0/vms", {"name": "v1", "partition": "p0"}, 404,
              "the minimal guest image is not built"),
             ("POST", "/1.0/templates", {"name": "t0", "from_vm": "v0"}, 409,

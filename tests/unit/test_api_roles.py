@@ -136,11 +136,11 @@ def test_the_declared_roles_follow_the_policy(app: FastAPI) -> None:
             assert Role(role).includes(Role.OPERATOR), (method, path, role)
     admin = sorted((m, p) for m, p, role in table if role == "admin")
     assert admin == [
-        ("DELETE", "/1.0/disks/{name}"), ("DELETE", "/1.0/networks/{name}"),
-        ("DELETE", "/1.0/partitions/{name}"),
+        ("DELETE", "/1.0/disks/{name}"), ("DELETE", "/1.0/images/{name}"),
+        ("DELETE", "/1.0/networks/{name}"), ("DELETE", "/1.0/partitions/{name}"),
         ("DELETE", "/1.0/segments/{name}"), ("PATCH", "/1.0/disks/{name}"),
         ("PATCH", "/1.0/partitions/{name}"), ("POST", "/1.0/disks"),
-        ("POST", "/1.0/images"), ("POST", "/1.0/networks"),
+        ("POST", "/1.0/images"), ("POST", "/1.0/images/import"), ("POST", "/1.0/networks"),
         ("POST", "/1.0/networks/{name}/restart"), ("POST", "/1.0/partitions"),
         ("POST", "/1.0/segments"), ("PUT", "/1.0/share/ksm")]
     operator = {p for m, p, role in table if role == "operator"}

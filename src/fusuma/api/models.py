@@ -88,6 +88,14 @@ class VmMove(_Req):
     _check = field_validator("partition")(_name_field)
 
 
+class VmResize(_Req):
+    """Grow a running VM's disk: its thin disk (``disk`` left out) or a registered disk
+    attached to it, to ``size`` (such as "16G"; larger than now)."""
+
+    size: Annotated[str, Field(max_length=32)]
+    disk: Name | None = None
+
+
 class VmExec(_Req):
     command: Annotated[list[str], Field(min_length=1)]
     stdin: str | None = None
@@ -137,6 +145,25 @@ class TemplateCreate(_Req):
 class ImageBuild(_Req):
     kind: str = "minimal"
     force: bool = False
+
+
+class ImageImport(_Req):
+    """A disk image to import: a regular file inside a storage directory root declared
+    (`fusuma storage list`), never a symlink or a device."""
+
+    name: Name
+    path: str = Field(description="The image file, inside a storage directory.",
+                      max_length=4096)
+    format: Literal["qcow2", "raw"] | None = None
+
+    _check = field_validator("name")(_name_field)
+
+    @field_validator("path")
+    @classmethod
+    def _abs(cls, v: str) -> str:
+        if not v.startswith("/") or "\x00" in v:
+            raise ValueError(f"image path {v!r} must be an absolute path")
+        return v
 
 
 # -- responses ------------------------------------------------------------------------
@@ -198,6 +225,8 @@ class VmInfo(_Resp):
     # Guest RAM on the host: {"page_reporting", "resident_mib", "returned_mib"}
     ram: dict[str, Any] | None = None
     template: str | None = None     # the template a clone was started from
+    image: str | None = None        # a kind fusuma builds, or an imported image
+    boot: str = "kernel"            # kernel | bios | uefi
     nics: list[NicInfo] = []        # NICs on fusuma networks ([]: user-mode network)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -142,7 +143,8 @@ def router(d: Daemon) -> APIRouter:
             from fusuma import capacity
             from fusuma.images import find_image
 
-            find_image(c.paths.cache, kind=rec.image)
+            if rec.boot == "kernel":
+                find_image(c.paths.cache, kind=rec.image)
             capacity.check_start(c.paths, rec)
         elif body.action == "kill" and state in ("stopped",):
             raise StateError(f"VM {name!r} is {state}; there is no QEMU to kill.")
@@ -207,6 +209,12 @@ def router(d: Daemon) -> APIRouter:
         # Neither the command nor its output goes to the event log or the daemon's log.
         return d.submit("vm-exec", f"exec in VM {name}", {"vms": [f"/1.0/vms/{name}"]},
                         work, private=True)
+
+    @r.post("/1.0/vms/{name}/resize", dependencies=[OPERATOR],
+            summary="Grow a running VM's disk online (QMP block_resize)")
+    def resize_vm(name: NamePath, body: m.VmResize) -> dict[str, Any]:
+        _running(name)
+        return dataclasses.asdict(d.ctx().vms.resize_disk(name, body.size, body.disk))
 
     @r.post("/1.0/vms/{name}/trim", dependencies=[OPERATOR], status_code=202, responses=m.ACCEPTED,
             summary="Drop the guest's caches and hand its free memory back (operation)")

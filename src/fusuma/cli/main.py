@@ -49,7 +49,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "governor": ("fusuma.cli.governor:governor",
                  "The CPU governor that runs in every partition supervisor."),
     "image": ("fusuma.cli.image:image",
-              "Build and inspect guest images (kept under FUSUMA_CACHE)."),
+              "Build guest images, and import your own disk images."),
     "maintain": ("fusuma.cli.migrate:maintain",
                  "Restart PARTITION's hypervisor instance with ~no downtime for its VMs."),
     "migrate": ("fusuma.cli.migrate:migrate",

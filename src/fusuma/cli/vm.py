@@ -37,7 +37,8 @@ def vm() -> None:
 @click.option("--memory", "memory_mib", type=int, default=None,
               help="Guest RAM in MiB.  [default: 256; a clone: its template's]")
 @click.option("--image", default=None,
-              help="Guest image kind.  [default: minimal; a clone: its template's]")
+              help="A kind fusuma builds (minimal, debian) or an imported image "
+                   "(`fusuma image list`).  [default: minimal; a clone: its template's]")
 @click.option("--disk", "disks", multiple=True,
               help="A disk of the partition to attach (repeatable); see `fusuma disk`.")
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto",
@@ -101,6 +102,22 @@ def vm() -> None:
                    "MAC and random seed. A template with NICs on fusuma's networks gives "
                    "each clone NICs of its own on the same networks (new MACs, addresses "
                    "and taps); --nic, once per template NIC, picks others or ip=.")
+@click.option("--boot", type=click.Choice(["kernel", "bios", "uefi"]), default=None,
+              help="How it boots: kernel (QEMU's direct kernel boot of an image fusuma "
+                   "builds) or, for an imported image, by firmware: bios (SeaBIOS) or "
+                   "uefi (OVMF, with NVRAM of its own).  [default: kernel for fusuma's "
+                   "images, bios for imported ones]")
+@click.option("--disk-size", default=None, metavar="SIZE",
+              help="An imported image's thin disk size, e.g. 8G (at least the image's; "
+                   "default: the image's).")
+@click.option("--ssh-key", "ssh_keys", multiple=True, metavar="FILE",
+              type=click.Path(exists=True, dir_okay=False),
+              help="An imported image: SSH public key file(s) cloud-init authorizes for "
+                   "the image's default user (repeatable).")
+@click.option("--user-data", default=None, metavar="FILE",
+              type=click.Path(exists=True, dir_okay=False),
+              help="An imported image: cloud-init user-data (a #cloud-config or a "
+                   "script) run at its first boot.")
 @click.option("--start", is_flag=True, help="Start it right away (if that fails, the "
               "VM is not kept).")
 @click.option("--json", "as_json", is_flag=True)
@@ -109,7 +126,9 @@ def create(c: Ctx, name: str, partition: str, vcpus: int | None, memory_mib: int
            image: str | None, disks: tuple[str, ...], accel: str, private_ram: bool,
            qos: str, segments: tuple[str, ...], mergeable: bool, ports: tuple[str, ...],
            nics: tuple[str, ...], machine: str | None, emulator: str, page_reporting: bool | None,
-           template: str | None, start: bool, as_json: bool) -> None:
+           template: str | None, boot: str | None, disk_size: str | None,
+           ssh_keys: tuple[str, ...], user_data: str | None, start: bool,
+           as_json: bool) -> None:
     """Define VM NAME in a partition (and optionally start it).
 
     \b
@@ -119,7 +138,9 @@ def create(c: Ctx, name: str, partition: str, vcpus: int | None, memory_mib: int
       fusuma vm create web2 -p p1 --nic lan0 --port 0.0.0.0:8080:80 --start
       fusuma vm create web1 -p p0 --image debian --segment debian-root:/
       fusuma vm create k0 -p p1 --mergeable --start
-      fusuma vm create c0 -p p10 --template web --start"""
+      fusuma vm create c0 -p p10 --template web --start
+      fusuma vm create db0 -p p0 --image bookworm --disk-size 8G \\
+          --ssh-key ~/.ssh/id_ed25519.pub --user-data init.yaml --start"""
     from fusuma.spec import VmSpec, build
     from fusuma.undo import Reverter
 
@@ -132,6 +153,14 @@ def create(c: Ctx, name: str, partition: str, vcpus: int | None, memory_mib: int
             fields[key] = value
     if segments:
         fields["segments"] = list(segments)
+    if boot is not None:
+        fields["boot"] = boot
+    if disk_size is not None:
+        fields["disk_size"] = disk_size
+    if ssh_keys:
+        fields["ssh_keys"] = [read_text(f, "SSH key file", 16384) for f in ssh_keys]
+    if user_data is not None:
+        fields["user_data"] = read_text(user_data, "user-data file", 65536)
     if nics:
         from dataclasses import asdict
 
@@ -156,6 +185,43 @@ def create(c: Ctx, name: str, partition: str, vcpus: int | None, memory_mib: int
         emit_json(view.as_json())
     else:
         click.echo(f"vm {name}: {view.state} in partition {partition}")
+
+
+def read_text(path: str, what: str, limit: int) -> str:
+    """A small text file the user names, or one sentence."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise click.UsageError(f"cannot read {what} {path}: {exc.strerror}.") from exc
+    if len(data) > limit:
+        raise click.UsageError(f"{what} {path} is larger than {limit} bytes.")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as exc:
+        raise click.UsageError(f"{what} {path} is not UTF-8 text.") from exc
+
+
+@vm.command("resize")
+@click.argument("name")
+@click.option("--disk-size", "size", required=True, metavar="SIZE",
+              help="The new size, e.g. 16G: larger than now (a disk only grows).")
+@click.option("--disk", default=None, metavar="DISK",
+              help="One of its registered disks (default: its thin disk, for a VM of an "
+                   "imported image).")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def resize(c: Ctx, name: str, size: str, disk: str | None, as_json: bool) -> None:
+    """Grow a running VM's disk online (QMP block_resize); the guest sees the new size at
+    once and grows its partition and file system itself (cloud-init's growpart does at
+    the next boot)."""
+    from dataclasses import asdict
+
+    res = c.vms.resize_disk(name, size, disk)
+    if as_json:
+        emit_json(asdict(res))
+    else:
+        click.echo(f"vm {name}: {res.drive} {res.old_size} -> {res.size} bytes")
 
 
 @vm.command("start")

@@ -521,15 +521,3 @@ def first_managed(db: Database, nics: Sequence[NicRecord]) -> NicRecord | None:
         if rec is not None and rec.managed:
             return n
     return None
-
-
-def check_movable(db: Database, vm: str, what: str) -> None:
-    """Refuse ``what`` (a move, a template) of a VM with NICs on taps: this first part
-    of fusuma's networks does not hand a tap over yet (docs/architecture.md says how
-    moves will)."""
-    nics = db.nics(vm=vm)
-    if nics:
-        nets = ", ".join(sorted({n.network for n in nics}))
-        raise StateError(f"VM {vm!r} has NIC(s) on network(s) {nets}, and {what} of a VM "
-                         "with a tap NIC is not supported yet (the tap and its address "
-                         "would be lost); stop the VM and start it again instead.")

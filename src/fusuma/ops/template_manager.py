@@ -63,6 +63,9 @@ class TemplateManager:
         # NICs of its own there (a MAC, an address, a tap), given to its guest by its
         # identity step.
         refuse(rec, rec.qemu_version)
+        from fusuma.vm import boot
+
+        boot.check_movable(rec, "a template")
         capacity.check_template(self.db, self.parts.host, name, rec.memory_mib)
         return rec
 

@@ -89,6 +89,33 @@ class DiskConfig:
 
 
 @dataclass(frozen=True)
+class ThinDisk:
+    """A VM's boot disk: a qcow2 overlay of its own on a read-only base image (an
+    imported image, fusuma.images.store). QEMU gets both as descriptors; the base's
+    path recorded in the overlay is overridden by its fdset."""
+
+    path: Path
+    base: Path
+    base_format: str                 # "qcow2" | "raw"
+    fds: tuple[int, ...] = ()        # the overlay, read-write and read-only
+    base_fd: int | None = None       # the base, read-only
+
+
+@dataclass(frozen=True)
+class Uefi:
+    """OVMF: its code (read-only, shared by every VM) and the VM's own NVRAM
+    variables file (read-write)."""
+
+    code: Path
+    vars: Path
+    code_fd: int | None = None
+    vars_fds: tuple[int, ...] = ()   # read-write and read-only, as for disks
+
+
+BOOTS = ("kernel", "bios", "uefi")
+
+
+@dataclass(frozen=True)
 class SegmentConfig:
     """A shared segment: a read-only virtio-pmem device backed by ``path``."""
 
@@ -136,8 +163,8 @@ class VmConfig:
     vcpus: int
     memory_mib: int
     accel: Literal["kvm", "tcg"]
-    kernel: Path
-    initrd: Path
+    kernel: Path | None              # None: boot by firmware from ``thin_disk``
+    initrd: Path | None
     append: str
     qmp_socket: Path
     qga_socket: Path
@@ -190,6 +217,12 @@ class VmConfig:
     console_fifo: Path | None = None
     # NICs on taps (fusuma.network); none: the user-mode network when ``ports`` asks.
     nics: list[NicConfig] = field(default_factory=list)
+    # Boot by firmware (``kernel`` None): the thin disk SeaBIOS or OVMF boots, OVMF's
+    # files for "uefi", and the cloud-init seed (a read-only ISO labelled cidata).
+    thin_disk: ThinDisk | None = None
+    uefi: Uefi | None = None
+    seed: Path | None = None
+    seed_fd: int | None = None
     # Files opened for QEMU by the supervisor (None: QEMU opens the path itself).
     ram_fd: int | None = None
     kernel_fd: int | None = None
@@ -203,13 +236,19 @@ class VmConfig:
         """Every descriptor the argv names: QEMU must inherit exactly these."""
         fds = [self.ram_fd, self.kernel_fd, self.initrd_fd, self.console_log_fd,
                self.root_disk_fd, self.template_ram_fd, self.template_state_fd,
-               *(s.fd for s in self.segments)]
+               self.seed_fd, *(s.fd for s in self.segments)]
+        if self.thin_disk is not None:
+            fds += [*self.thin_disk.fds, self.thin_disk.base_fd]
+        if self.uefi is not None:
+            fds += [self.uefi.code_fd, *self.uefi.vars_fds]
         return [fd for fd in fds if fd is not None] + [fd for d in self.disks
                                                        for fd in d.fds] + [
             fd for n in self.nics for fd in n.fds]
 
 
 NET_ID = "net0"
+BOOT_DRIVE = "disk-fusuma-boot"
+SEED_DRIVE = "disk-fusuma-seed"
 VMGENID_ID = "vmgenid0"
 # The fdset a clone's QEMU reads its template's state file from: numbered apart from the
 # ones build_argv numbers in argv order, so ``migrate-incoming`` can name it.
@@ -305,6 +344,12 @@ def device_set(cfg: VmConfig) -> DeviceSet:
     if cfg.root_disk is not None:
         devs.append(Device("virtio-blk-pci", (("drive", "disk-fusuma-root"),
                                               ("serial", "fusuma-root"))))
+    # The thin disk first of the disks: with no bootindex, SeaBIOS and OVMF boot the
+    # first disk that has a boot sector or an EFI system partition.
+    if cfg.thin_disk is not None:
+        devs.append(Device("virtio-blk-pci", (("drive", BOOT_DRIVE), ("serial", "fusuma-boot"))))
+    if cfg.seed is not None:
+        devs.append(Device("virtio-blk-pci", (("drive", SEED_DRIVE), ("serial", "fusuma-seed"))))
     if cfg.ports and not cfg.nics:
         devs.append(Device("virtio-net-pci", (("netdev", NET_ID), ("romfile", ""))))
     devs += [nic.device() for nic in cfg.nics]
@@ -413,9 +458,16 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
     if cfg.nics:
         # The guest's /init asks DHCP for every NIC (fusuma.images lib.sh net_up).
         segs += " fusuma.net=dhcp"
-    argv += ["-kernel", fd_path(cfg.kernel_fd, cfg.kernel),
-             "-initrd", fd_path(cfg.initrd_fd, cfg.initrd),
-             "-append", f"{cfg.append} fusuma.name={cfg.name}{segs}"]
+    if cfg.kernel is not None and cfg.initrd is not None:
+        argv += ["-kernel", fd_path(cfg.kernel_fd, cfg.kernel),
+                 "-initrd", fd_path(cfg.initrd_fd, cfg.initrd),
+                 "-append", f"{cfg.append} fusuma.name={cfg.name}{segs}"]
+    if cfg.uefi is not None:
+        code = fdsets.path(cfg.uefi.code_fd, "uefi-code", cfg.uefi.code)
+        nvram = fdsets.path(cfg.uefi.vars_fds, "uefi-vars", cfg.uefi.vars)
+        lock = ",file.locking=off" if len(cfg.uefi.vars_fds) > 1 else ""  # as for disks
+        argv += ["-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={code}",
+                 "-drive", f"if=pflash,format=raw,unit=1,file={nvram}{lock}"]
     argv += ["-chardev", f"socket,id=qmp0,path={cfg.qmp_socket},server=on,wait=off",
              "-mon", "chardev=qmp0,mode=control"]
     logfile = fdsets.path(cfg.console_log_fd, "console-log", cfg.console_log)
@@ -434,6 +486,18 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
         root = fdsets.path(cfg.root_disk_fd, "disk-fusuma-root", cfg.root_disk)
         argv += ["-drive", f"file={root},format=raw,if=none,id=disk-fusuma-root,readonly=on"]
         backends.append("disk-fusuma-root")
+    if cfg.thin_disk is not None:
+        t = cfg.thin_disk
+        image = fdsets.path(t.fds, BOOT_DRIVE, t.path)
+        base = fdsets.path(t.base_fd, "disk-fusuma-base", t.base)
+        lock = ",file.locking=off" if len(t.fds) > 1 else ""   # see the disks below
+        argv += ["-drive", f"file={image},format=qcow2,if=none,id={BOOT_DRIVE}{lock},"
+                 f"backing.driver={t.base_format},backing.file.filename={base}"]
+        backends.append(BOOT_DRIVE)
+    if cfg.seed is not None:
+        seed = fdsets.path(cfg.seed_fd, SEED_DRIVE, cfg.seed)
+        argv += ["-drive", f"file={seed},format=raw,if=none,id={SEED_DRIVE},readonly=on"]
+        backends.append(SEED_DRIVE)
     # A clone of a template with a network card has it whether it forwards ports or not.
     if (cfg.ports and not cfg.nics) or any(NET_ID in dev.backends() for dev in ds.devices):
         fwd = "".join(f",hostfwd={hostfwd(h, g)}" for h, g in cfg.ports) \

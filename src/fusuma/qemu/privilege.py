@@ -34,7 +34,7 @@ from fusuma.errors import HostError, StateError
 from fusuma.host import storage
 from fusuma.paths import Paths
 from fusuma.qemu import consolelog
-from fusuma.qemu.cmdline import DiskConfig, VmConfig
+from fusuma.qemu.cmdline import DiskConfig, ThinDisk, Uefi, VmConfig
 from fusuma.state import VmRecord
 
 LOG = logging.getLogger(__name__)
@@ -218,8 +218,10 @@ def open_for_qemu(cfg: VmConfig, uid: int, *, new_ram: bool) -> tuple[VmConfig, 
         ram_fd = None
         if cfg.ram_file is not None:
             ram_fd = files.add(open_ram_file(cfg.ram_file, uid, create=new_ram))
-        kernel_fd = files.add(_open_public(cfg.name, "kernel", cfg.kernel))
-        initrd_fd = files.add(_open_public(cfg.name, "initrd", cfg.initrd))
+        kernel_fd = None if cfg.kernel is None else files.add(
+            _open_public(cfg.name, "kernel", cfg.kernel))
+        initrd_fd = None if cfg.initrd is None else files.add(
+            _open_public(cfg.name, "initrd", cfg.initrd))
         if cfg.console_fifo is not None:
             try:
                 files.console, writer = consolelog.open_pipe(cfg.console_fifo)
@@ -237,9 +239,38 @@ def open_for_qemu(cfg: VmConfig, uid: int, *, new_ram: bool) -> tuple[VmConfig, 
         disks = [replace(d, fds=_open_disk(cfg.name, files, d)) for d in cfg.disks]
         root_fd = None if cfg.root_disk is None else files.add(
             _open(cfg.name, "root image", cfg.root_disk, os.O_RDONLY))
+        thin, uefi, seed_fd = _open_boot(cfg, files)
     except BaseException:
         files.close()
         raise
     return replace(cfg, ram_fd=ram_fd, kernel_fd=kernel_fd, initrd_fd=initrd_fd,
                    console_log_fd=log_fd, segments=segments, disks=disks,
-                   root_disk_fd=root_fd), files
+                   root_disk_fd=root_fd, thin_disk=thin, uefi=uefi, seed_fd=seed_fd), files
+
+
+def _open_private(vm: str, what: str, path: Path, flags: int) -> int:
+    """Open a VM's own file (its thin disk, NVRAM, seed), never through a symlink."""
+    return _open(vm, what, path, flags | os.O_NOFOLLOW)
+
+
+def _open_boot(cfg: VmConfig, files: QemuFiles) -> tuple[ThinDisk | None, Uefi | None,
+                                                        int | None]:
+    """Open a firmware boot's files: the thin disk (read-write and read-only, as disks)
+    and its base (read-only), OVMF's code (public) and the VM's NVRAM, the seed."""
+    thin = cfg.thin_disk
+    if thin is not None:
+        fds = tuple(files.add(_open_private(cfg.name, "thin disk", thin.path, mode))
+                    for mode in (os.O_RDWR, os.O_RDONLY))
+        base_fd = files.add(_open(cfg.name, "base image", thin.base,
+                                  os.O_RDONLY | os.O_NOFOLLOW))
+        thin = replace(thin, fds=fds, base_fd=base_fd)
+    uefi = cfg.uefi
+    if uefi is not None:
+        uefi = replace(uefi, code_fd=files.add(_open_public(cfg.name, "UEFI firmware",
+                                                            uefi.code)),
+                       vars_fds=tuple(files.add(_open_private(
+                           cfg.name, "UEFI variables", uefi.vars, mode))
+                           for mode in (os.O_RDWR, os.O_RDONLY)))
+    seed_fd = None if cfg.seed is None else files.add(
+        _open_private(cfg.name, "cloud-init seed", cfg.seed, os.O_RDONLY))
+    return thin, uefi, seed_fd

@@ -14,11 +14,13 @@ from typing import Any
 from fusuma.errors import ConflictError, HostError, NotFoundError, StateError
 from fusuma.paths import DEFAULT_UID_BASE, legacy_uid_base, template_gids, vm_uids
 from fusuma.state import ids
+from fusuma.state.imagedb import ImageTables
 from fusuma.state.jobs import Job, JobKind, JobOwner, busy_sentence
 from fusuma.state.machine import DELETABLE, VmState, check_transition, lifecycle_action
 from fusuma.state.netdb import NetworkTables
 from fusuma.state.records import (
     DiskRecord,
+    ImageRecord,
     NetworkRecord,
     NicRecord,
     PartitionRecord,
@@ -34,11 +36,12 @@ from fusuma.state.schema import ADDED_COLUMNS, ID_INDEXES, SCHEMA, SCHEMA_VERSIO
 DEFAULT_VM_UIDS = vm_uids(DEFAULT_UID_BASE)
 DEFAULT_TEMPLATE_GIDS = template_gids(DEFAULT_UID_BASE)
 
-__all__ = ["Database", "DiskRecord", "NetworkRecord", "NicRecord", "PartitionRecord",
+__all__ = ["Database", "DiskRecord", "ImageRecord", "NetworkRecord", "NicRecord",
+           "PartitionRecord",
            "SegmentRecord", "TemplateRecord", "TokenRecord", "VmRecord"]
 
 
-class Database(NetworkTables):
+class Database(NetworkTables, ImageTables):
     """One connection to the state file; cheap to open, safe across processes."""
 
     def __init__(self, path: Path) -> None:
@@ -236,7 +239,8 @@ class Database(NetworkTables):
             qemu_version=row["qemu_version"], emulator=row["emulator"],
             page_reporting=(None if row["page_reporting"] is None
                             else bool(row["page_reporting"])),
-            template=row["template"], slot=row["rowid"], uid=row["uid"] or 0)
+            template=row["template"], slot=row["rowid"], uid=row["uid"] or 0,
+            boot=row["boot"])
 
     def vms(self, partition: str | None = None) -> list[VmRecord]:
         if partition is None:
@@ -269,15 +273,15 @@ class Database(NetworkTables):
                     "INSERT INTO vms (name, partition, vcpus, memory_mib, image, disks, "
                     "accel, autostart, state, pid, accel_used, qemu_binary, started_at, "
                     "error, created_at, shared_ram, ram_path, qos, segments, mergeable, "
-                    "ports, overhead_mib, machine, emulator, page_reporting, template, uid) "
-                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    "ports, overhead_mib, machine, emulator, page_reporting, template, uid, "
+                    "boot) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (v.name, v.partition, v.vcpus, v.memory_mib, v.image,
                      json.dumps(v.disks), v.accel, int(v.autostart), v.state.value, v.pid,
                      v.accel_used, v.qemu_binary, v.started_at, v.error, v.created_at,
                      int(v.shared_ram), v.ram_path, v.qos, json.dumps(v.segments),
                      int(v.mergeable), json.dumps(v.ports), v.overhead_mib, v.machine,
                      v.emulator, None if v.page_reporting is None else int(v.page_reporting),
-                     v.template, uid))
+                     v.template, uid, v.boot))
                 self._emit("lifecycle", "vm-created", f"/1.0/vms/{v.name}",
                            {"partition": v.partition})
         except sqlite3.IntegrityError as exc:

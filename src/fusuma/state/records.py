@@ -75,6 +75,10 @@ class VmRecord:
     # None: the host's default (on where guest RAM has a memory cgroup of its own).
     page_reporting: bool | None = None
     template: str | None = None      # the template a clone was started from
+    # How the guest boots: "kernel" (QEMU's direct kernel boot of fusuma's own image,
+    # ``image`` a built kind) or by firmware from a thin disk on an imported image
+    # (``image`` its name): "bios" (SeaBIOS) or "uefi" (OVMF, NVRAM of its own).
+    boot: str = "kernel"
     # SQLite rowid: unique among defined VMs, the number in its taps' names
     # (fusuma.network.ifnames). 0 until the record has been stored.
     slot: int = field(default=0, compare=False)
@@ -84,6 +88,21 @@ class VmRecord:
 
     def with_(self, **changes: object) -> VmRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """A disk image a user imported (fusuma.images.store): a read-only file in the
+    image store that VMs' thin disks are overlays of."""
+
+    name: str
+    path: str
+    format: str                      # "qcow2" | "raw"
+    virtual_size: int
+    file_size: int
+    sha256: str
+    source: str
+    created_at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)

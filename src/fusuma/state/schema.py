@@ -120,6 +120,16 @@ CREATE TABLE IF NOT EXISTS nics (
     PRIMARY KEY (vm, idx)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS nics_ip ON nics(network, ip);
+CREATE TABLE IF NOT EXISTS images (
+    name TEXT PRIMARY KEY,
+    path TEXT NOT NULL UNIQUE,       -- the read-only copy in the image store
+    format TEXT NOT NULL,            -- qcow2 | raw
+    virtual_size INTEGER NOT NULL,   -- bytes the guest sees
+    file_size INTEGER NOT NULL,      -- bytes of the stored file
+    sha256 TEXT NOT NULL,            -- of the stored file, checked when imported
+    source TEXT NOT NULL,            -- the file it was imported from
+    created_at REAL NOT NULL
+);
 """
 
 # Columns added after a table's first version: (table, column, definition). A state
@@ -145,6 +155,7 @@ ADDED_COLUMNS = (
     ("vms", "uid", "INTEGER"),
     ("templates", "gid", "INTEGER"),
     ("templates", "networks", "TEXT NOT NULL DEFAULT '[]'"),
+    ("vms", "boot", "TEXT NOT NULL DEFAULT 'kernel'"),
 )
 
 # One id is one record's: a VM's uid is no other VM's, a template's gid no other

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from fusuma.errors import HostError, SegmentError, StateError
 from fusuma.host import cgroups, storage
@@ -22,6 +22,8 @@ from fusuma.qemu.cmdline import (
     DiskConfig,
     NicConfig,
     SegmentConfig,
+    ThinDisk,
+    Uefi,
     VmConfig,
     device_set,
     new_vmgenid,
@@ -81,7 +83,7 @@ def devices(h: Where, vm: VmRecord, cfg: VmConfig, q: versions.Qemu,
 
 def vm_config(h: Where, vm: VmRecord, accel: str, run: Path, ram_file: Path | None,
               incoming: str | None = None, disk_owner: str | None = None) -> VmConfig:
-    image = find_image(h.paths.cache, kind=vm.image)
+    image = find_image(h.paths.cache, kind=vm.image) if vm.boot == "kernel" else None
     vdir = h.paths.vm_dir(vm.name)
     disks = []
     for dname in vm.disks:
@@ -110,7 +112,8 @@ def vm_config(h: Where, vm: VmRecord, accel: str, run: Path, ram_file: Path | No
         segments.append(SegmentConfig(sname, Path(seg.path), size, mount or
                                       f"/mnt/{sname}"))
     root_disk = None
-    if image.root is not None and not any(s.mount == "/" for s in segments):
+    if image is not None and image.root is not None and not any(
+            s.mount == "/" for s in segments):
         root_disk = image.root
     nics = nic_configs(h.db, vm)
     # Forwards of a VM with NICs are the network's (nftables DNAT: fusuma.network.nft);
@@ -124,13 +127,38 @@ def vm_config(h: Where, vm: VmRecord, accel: str, run: Path, ram_file: Path | No
     return VmConfig(
         name=vm.name, vcpus=vm.vcpus, memory_mib=vm.memory_mib,
         accel="kvm" if accel == "kvm" else "tcg",
-        kernel=image.kernel, initrd=image.initrd, append=image.append,
+        kernel=image.kernel if image else None, initrd=image.initrd if image else None,
+        append=image.append if image else "",
         qmp_socket=qmp, qga_socket=run / "qga.sock", console_socket=run / "console.sock",
         console_log=vdir / LOG_NAME, console_fifo=run / FIFO_NAME, pidfile=run / "qemu.pid",
         ram_file=ram_file, disks=disks, incoming=incoming, segments=segments,
         mergeable=vm.mergeable, ports=ports, bind_ports=incoming is None,
         page_reporting=reporting.wanted(vm, h.cg),
-        root_disk=root_disk, nics=nics)
+        root_disk=root_disk, nics=nics, **firmware_boot(h, vm))
+
+
+def firmware_boot(h: Where, vm: VmRecord) -> dict[str, Any]:
+    """A firmware boot's part of the config: the thin disk on its image, OVMF and the
+    VM's NVRAM for UEFI, the cloud-init seed (none for a kernel boot)."""
+    if vm.boot == "kernel":
+        return {}
+    from fusuma.images import store
+    from fusuma.qemu import firmware
+    from fusuma.vm import boot
+
+    base = h.db.imported(vm.image)
+    why = store.verify(base)
+    if why is not None:
+        raise StateError(f"VM {vm.name!r}: its image {base.name!r}: {why}; it cannot "
+                         "start on a base that changed.")
+    out: dict[str, Any] = {
+        "thin_disk": ThinDisk(boot.disk_path(h.paths, vm.name), Path(base.path),
+                              base.format),
+        "seed": boot.seed_path(h.paths, vm.name)}
+    if vm.boot == "uefi":
+        code, _ = firmware.ovmf()
+        out["uefi"] = Uefi(code, boot.nvram_path(h.paths, vm.name))
+    return out
 
 
 def nic_configs(db: Database, vm: VmRecord) -> list[NicConfig]:

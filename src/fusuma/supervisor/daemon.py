@@ -91,6 +91,7 @@ class Supervisor:
             route(rpc.Kill, lambda r: vms.kill(h, r)),
             route(rpc.Exec, lambda r: vms.exec_(h, r)),
             route(rpc.Trim, lambda r: vms.trim(h, r)),
+            route(rpc.ResizeDisk, lambda r: vms.resize_disk(h, r)),
             route(rpc.TemplateSave, lambda r: templates.save(h, r.vm, r.template, r.fault)),
             route(rpc.GovernorStatus, self.governor_status),
             route(rpc.Repin, self.repin),

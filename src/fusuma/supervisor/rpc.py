@@ -102,6 +102,14 @@ class Trimmed:
 
 
 @dataclass(frozen=True)
+class Resized:
+    vm: str
+    drive: str
+    old_size: int
+    size: int
+
+
+@dataclass(frozen=True)
 class TemplateSaved:
     template: str
     vm: str
@@ -256,6 +264,17 @@ class Trim(Request[Trimmed]):
 
 
 @dataclass(frozen=True)
+class ResizeDisk(Request[Resized]):
+    """Grow a running VM's disk (QMP ``block_resize``): its thin disk (``disk`` "") or
+    a registered disk attached to it."""
+
+    OP: ClassVar[str] = "resize-disk"
+    vm: str
+    disk: str
+    size: int
+
+
+@dataclass(frozen=True)
 class TemplateSave(Request[TemplateSaved]):
     OP: ClassVar[str] = "template-save"
     vm: str
@@ -389,8 +408,8 @@ class RemoteIncomingWait(Request[StreamState]):
 
 #: The one table from wire name to request class.
 REQUESTS: dict[str, type[Request[Any]]] = {cls.OP: cls for cls in (
-    Ping, Status, Start, WaitAgent, Stop, Kill, Exec, Trim, TemplateSave, GovernorStatus,
-    Repin, IncomingPrepare, MigrateOut, CprPrepare, CprTransfer, IncomingFinish,
+    Ping, Status, Start, WaitAgent, Stop, Kill, Exec, Trim, ResizeDisk, TemplateSave,
+    GovernorStatus, Repin, IncomingPrepare, MigrateOut, CprPrepare, CprTransfer, IncomingFinish,
     IncomingCommit, IncomingAbort, Release, ResumeSource, Settle, ListInstances,
     RemoteIncoming, RemoteIncomingWait)}
 

@@ -13,9 +13,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fusuma.errors import FusumaError, GuestAgentError, QemuError, StateError
+from fusuma.errors import FusumaError, GuestAgentError, QemuError, SpecError, StateError
 from fusuma.host.accel import probe_accel
 from fusuma.memshare import reporting
+from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import QemuInstance, remove_run_files
 from fusuma.state import ALIVE, Job, JobKind, VmRecord, VmState
 from fusuma.supervisor import rpc
@@ -205,6 +206,34 @@ async def trim(h: PartitionHost, req: rpc.Trim) -> rpc.Trimmed:
     return rpc.Trimmed(vm=vm, resident_before_mib=mib(before),
                        resident_after_mib=mib(after), returned_mib=mib(returned),
                        seconds=round(time.monotonic() - t0, 2))
+
+
+async def resize_disk(h: PartitionHost, req: rpc.ResizeDisk) -> rpc.Resized:
+    """Grow a running VM's disk by QMP ``block_resize``; the guest sees the new
+    capacity at once (virtio-blk's configuration change). Never shrinks: the size now
+    is QEMU's own (``query-block``), and a smaller or equal size is refused."""
+    rec, inst = h.running(req.vm)
+    h.no_job(req.vm)
+    if req.disk:
+        if req.disk not in rec.disks:
+            raise StateError(f"disk {req.disk!r} is not attached to VM {req.vm!r}.")
+        drive, what = f"disk-{req.disk}", f"disk {req.disk!r}"
+    else:
+        if rec.boot == "kernel":
+            raise StateError(f"VM {req.vm!r} runs an image fusuma builds and has no thin "
+                             "disk; name one of its disks.")
+        drive, what = BOOT_DRIVE, f"VM {req.vm!r}'s disk"
+    blocks = await inst.qmp.execute("query-block")
+    old = next((int(b["inserted"]["image"]["virtual-size"]) for b in blocks
+                if isinstance(b, dict) and b.get("device") == drive
+                and isinstance(b.get("inserted"), dict)), None)
+    if old is None:
+        raise StateError(f"VM {req.vm!r}'s QEMU has no drive {drive}; stop and start it.")
+    if req.size <= old:
+        raise SpecError(f"{what} is {old} bytes; a disk only grows (give more than that).")
+    await inst.qmp.execute("block_resize", {"device": drive, "size": req.size})
+    h.log.info("resized %s of %s: %d -> %d bytes", drive, req.vm, old, req.size)
+    return rpc.Resized(vm=req.vm, drive=drive, old_size=old, size=req.size)
 
 
 async def recover_local(h: PartitionHost, job: Job) -> None:

@@ -92,9 +92,18 @@ class VmManager:
         nets = self._networks()
         nics = nets.plan_nics(spec.name, [NicRequest(n.network, n.mac, n.ip)
                                           for n in spec.nics], spec.ports)
-        from fusuma.images import find_image
+        from fusuma.vm import boot as fwboot
 
-        find_image(self.paths.cache, kind=spec.image)
+        boot, base = fwboot.resolve(self.db, spec.image, spec.boot)
+        fwboot.check_spec_fields(boot, disk_size=spec.disk_size, ssh_keys=spec.ssh_keys,
+                                 user_data=spec.user_data, segments=spec.segments,
+                                 template=spec.template)
+        if base is None:
+            from fusuma.images import find_image
+
+            find_image(self.paths.cache, kind=spec.image)
+        else:
+            disk_size, keys = fwboot.check_inputs(base, spec.disk_size, spec.ssh_keys)
         machine = self._machine(part.name, part.qemu, spec.machine)
         from fusuma.memshare import reporting
 
@@ -109,7 +118,7 @@ class VmManager:
                        page_reporting=reporting.resolve(
                            spec.page_reporting, spec.shared_ram, spec.template,
                            self.parts.cg),
-                       template=spec.template)
+                       template=spec.template, boot=boot)
         from fusuma.governor.qos import check_admission, check_emulators
 
         check_admission(part.name, len(part.cpus), self.db.vms(part.name), rec)
@@ -119,12 +128,16 @@ class VmManager:
         capacity.check_host_ram(self.db, self.parts.host, [rec], f"VM {rec.name!r}",
                                 "give it less memory, delete a VM or shrink a partition")
         with self.db.transaction():
-            self.db.add_vm(rec, self.paths.vm_uids)
+            stored = self.db.add_vm(rec, self.paths.vm_uids)
             self.db.add_nics(nics)
         try:
+            if base is not None:
+                fwboot.prepare(self.paths, stored, base, disk_size, keys, spec.user_data,
+                               [n.mac for n in nics])
             for net in sorted({n.network for n in nics}):
                 nets.refresh(net)
         except BaseException:
+            fwboot.remove(self.paths, rec.name)
             self.db.remove_vm(rec.name)
             for net in sorted({n.network for n in nics}):
                 with contextlib.suppress(FusumaError):
@@ -186,9 +199,10 @@ class VmManager:
 
     def start(self, name: str, wait_agent: float = 0.0) -> VmRecord:
         vm = self.db.vm(name)
-        from fusuma.images import find_image
+        if vm.boot == "kernel":
+            from fusuma.images import find_image
 
-        find_image(self.paths.cache, kind=vm.image)
+            find_image(self.paths.cache, kind=vm.image)
         if VmView(vm).state in ("stopped", "crashed"):
             capacity.check_start(self.paths, vm)
         self._send(name, rpc.Start(name, wait_agent=wait_agent), 120 + wait_agent)
@@ -227,6 +241,13 @@ class VmManager:
         """Drop the guest's caches and wait for its free pages to be handed back."""
         return dataclasses.asdict(self._send(name, rpc.Trim(name, timeout=timeout),
                                              timeout + 60))
+
+    def resize_disk(self, name: str, size: str, disk: str | None = None) -> rpc.Resized:
+        """Grow running VM ``name``'s thin disk (``disk`` None) or its registered disk
+        ``disk``, online."""
+        from fusuma.images.store import parse_size
+
+        return self._send(name, rpc.ResizeDisk(name, disk or "", parse_size(size)))
 
     def wait_agent(self, name: str, timeout: float = 60.0) -> float:
         return self._send(name, rpc.WaitAgent(name, timeout=timeout), timeout + 10).seconds

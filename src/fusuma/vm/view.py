@@ -62,7 +62,8 @@ class VmView:
                 # The QEMU version running it (None when none does, or when an older
                 # fusuma started it), and the machine type it pinned.
                 "qemu": r.qemu_version if alive else None, "machine": r.machine,
-                "emulator": r.emulator, "template": r.template,
+                "emulator": r.emulator, "template": r.template, "image": r.image,
+                "boot": r.boot,
                 "host_memory": mem,
                 "disks": r.disks, "error": r.error}
 

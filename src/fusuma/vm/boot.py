@@ -1,0 +1,133 @@
+"""The files of a VM that boots by firmware from an imported image, kept with its
+state (FUSUMA_HOME/vms/NAME): its thin disk (a qcow2 overlay on the image), its NVRAM
+for UEFI (a copy of OVMF's variables template) and its cloud-init seed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from fusuma.errors import NotFoundError, SpecError, StateError
+from fusuma.images import seed, store
+from fusuma.paths import PRIVATE_DIR, Paths
+from fusuma.state import Database, VmRecord
+from fusuma.state.records import ImageRecord
+
+DISK = "disk.qcow2"
+NVRAM = "nvram.fd"
+SEED = "seed.iso"
+FILES = (DISK, NVRAM, SEED)
+
+
+def disk_path(paths: Paths, vm: str) -> Path:
+    return paths.vm_dir(vm) / DISK
+
+
+def nvram_path(paths: Paths, vm: str) -> Path:
+    return paths.vm_dir(vm) / NVRAM
+
+
+def seed_path(paths: Paths, vm: str) -> Path:
+    return paths.vm_dir(vm) / SEED
+
+
+def resolve(db: Database, image: str, boot: str | None) -> tuple[str, ImageRecord | None]:
+    """The boot of a VM of ``image`` and, for a firmware boot, the imported image;
+    one sentence when the two do not go together."""
+    from fusuma.images import KINDS
+
+    if image in KINDS:
+        if boot not in (None, "kernel"):
+            raise SpecError(f"image {image!r} is built by fusuma and boots its kernel "
+                            f"directly; --boot {boot} needs an imported disk image "
+                            "(`fusuma image import`).")
+        return "kernel", None
+    rec = db.find_imported(image)
+    if rec is None:
+        raise NotFoundError(f"there is no image named {image!r}: neither a kind fusuma "
+                            f"builds ({', '.join(sorted(KINDS))}) nor an imported one; "
+                            "see `fusuma image list`.")
+    if boot == "kernel":
+        raise SpecError(f"image {image!r} is an imported disk image, booted by firmware: "
+                        "use --boot bios or --boot uefi.")
+    return boot or "bios", rec
+
+
+def check_inputs(base: ImageRecord, disk_size: str | None,
+                 ssh_keys: Sequence[str]) -> tuple[int | None, list[str]]:
+    """The thin disk's size and the SSH keys, checked before anything is made."""
+    size = None if disk_size is None else store.parse_size(disk_size)
+    if size is not None and size < base.virtual_size:
+        raise SpecError(f"disk size {disk_size} is smaller than image {base.name!r} "
+                        f"({base.virtual_size / 2**30:.2f} GiB); a thin disk can only be "
+                        "as large or larger.")
+    why = store.verify(base)
+    if why is not None:
+        raise StateError(f"image {base.name!r}: {why}; delete it and import it again.")
+    return size, seed.check_keys(ssh_keys)
+
+
+def prepare(paths: Paths, rec: VmRecord, base: ImageRecord, size: int | None,
+            keys: Sequence[str], user_data: str | None, macs: Sequence[str]) -> None:
+    """Make ``rec``'s thin disk, NVRAM (UEFI) and seed; on failure remove them."""
+    vdir = paths.vm_dir(rec.name)
+    vdir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    try:
+        store.create_overlay(base, disk_path(paths, rec.name), size, rec.uid)
+        if rec.boot == "uefi":
+            from fusuma.qemu.firmware import ovmf
+
+            _, template = ovmf()
+            nvram = nvram_path(paths, rec.name)
+            shutil.copyfile(template, nvram)
+            os.chown(nvram, rec.uid, rec.uid)
+            os.chmod(nvram, 0o600)
+        seed.write(seed.Seed(instance_id=f"{rec.name}-{uuid.uuid4().hex[:12]}",
+                             hostname=rec.name, ssh_keys=tuple(keys),
+                             user_data=user_data, macs=tuple(macs)),
+                   seed_path(paths, rec.name))
+    except BaseException:
+        remove(paths, rec.name)
+        raise
+
+
+def remove(paths: Paths, vm: str) -> None:
+    """Remove what :func:`prepare` made (the VM's directory too, if nothing else is
+    in it)."""
+    for name in FILES:
+        with contextlib.suppress(FileNotFoundError):
+            (paths.vm_dir(vm) / name).unlink()
+    with contextlib.suppress(OSError):
+        paths.vm_dir(vm).rmdir()
+
+
+def check_spec_fields(boot: str, *, disk_size: str | None, ssh_keys: Sequence[str],
+                      user_data: str | None, segments: Sequence[str],
+                      template: str | None) -> None:
+    """Refuse the options that only one kind of boot has."""
+    if boot == "kernel":
+        given = [o for o, v in (("--disk-size", disk_size), ("--ssh-key", ssh_keys),
+                                ("--user-data", user_data)) if v]
+        if given:
+            raise SpecError(f"{', '.join(given)} apply to a VM of an imported image "
+                            "(cloud-init and a thin disk); fusuma's own images have "
+                            "neither.")
+        return
+    if segments:
+        raise SpecError("segments are mounted by fusuma's own images; a VM of an "
+                        "imported image cannot have them.")
+    if template is not None:
+        raise SpecError("a clone of a template has its template's image; leave out "
+                        "--boot and the image's options.")
+
+
+def check_movable(rec: VmRecord, what: str) -> None:
+    """Refuse ``what`` (a move, a template) of a VM that boots by firmware: its thin
+    disk, NVRAM and seed are not handed over by moves yet."""
+    if rec.boot != "kernel":
+        raise StateError(f"VM {rec.name!r} boots by firmware from a thin disk on image "
+                         f"{rec.image!r}, and {what} of such a VM is not supported yet.")
