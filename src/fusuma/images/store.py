@@ -309,3 +309,24 @@ def create_overlay(base: ImageRecord, path: Path, size: int | None, uid: int) ->
     os.chmod(path, 0o600)
     LOG.info("thin disk %s on image %s in %.1f ms", path, base.name,
              (time.monotonic() - t0) * 1000)
+
+
+# A firmware-booted VM's own files, in its directory: its thin disk on the image, its
+# NVRAM (UEFI) and its cloud-init seed. Here, below both fusuma.vm (which makes them)
+# and fusuma.supervisor (which opens them for QEMU).
+DISK = "disk.qcow2"
+NVRAM = "nvram.fd"
+SEED = "seed.iso"
+FILES = (DISK, NVRAM, SEED)
+
+
+def disk_path(paths: Paths, vm: str) -> Path:
+    return paths.vm_dir(vm) / DISK
+
+
+def nvram_path(paths: Paths, vm: str) -> Path:
+    return paths.vm_dir(vm) / NVRAM
+
+
+def seed_path(paths: Paths, vm: str) -> Path:
+    return paths.vm_dir(vm) / SEED

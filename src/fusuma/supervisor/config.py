@@ -144,7 +144,6 @@ def firmware_boot(h: Where, vm: VmRecord) -> dict[str, Any]:
         return {}
     from fusuma.images import store
     from fusuma.qemu import firmware
-    from fusuma.vm import boot
 
     base = h.db.imported(vm.image)
     why = store.verify(base)
@@ -152,12 +151,12 @@ def firmware_boot(h: Where, vm: VmRecord) -> dict[str, Any]:
         raise StateError(f"VM {vm.name!r}: its image {base.name!r}: {why}; it cannot "
                          "start on a base that changed.")
     out: dict[str, Any] = {
-        "thin_disk": ThinDisk(boot.disk_path(h.paths, vm.name), Path(base.path),
+        "thin_disk": ThinDisk(store.disk_path(h.paths, vm.name), Path(base.path),
                               base.format),
-        "seed": boot.seed_path(h.paths, vm.name)}
+        "seed": store.seed_path(h.paths, vm.name)}
     if vm.boot == "uefi":
         code, _ = firmware.ovmf()
-        out["uefi"] = Uefi(code, boot.nvram_path(h.paths, vm.name))
+        out["uefi"] = Uefi(code, store.nvram_path(h.paths, vm.name))
     return out
 
 

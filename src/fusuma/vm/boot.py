@@ -9,30 +9,18 @@ import os
 import shutil
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 
 from fusuma.errors import NotFoundError, SpecError, StateError
 from fusuma.images import seed, store
+from fusuma.images.store import (  # where a firmware VM's files live (the supervisor's too)
+    FILES,
+    disk_path,
+    nvram_path,
+    seed_path,
+)
 from fusuma.paths import PRIVATE_DIR, Paths
 from fusuma.state import Database, VmRecord
 from fusuma.state.records import ImageRecord
-
-DISK = "disk.qcow2"
-NVRAM = "nvram.fd"
-SEED = "seed.iso"
-FILES = (DISK, NVRAM, SEED)
-
-
-def disk_path(paths: Paths, vm: str) -> Path:
-    return paths.vm_dir(vm) / DISK
-
-
-def nvram_path(paths: Paths, vm: str) -> Path:
-    return paths.vm_dir(vm) / NVRAM
-
-
-def seed_path(paths: Paths, vm: str) -> Path:
-    return paths.vm_dir(vm) / SEED
 
 
 def resolve(db: Database, image: str, boot: str | None) -> tuple[str, ImageRecord | None]:
