@@ -339,6 +339,54 @@ isolated = true
     h.run("network", "delete", "lan2")
 
 
+# -- template clones (before the reboot and down below: they need lan0 as made) ----------
+def test_template_clones_get_nics_of_their_own(booted: tuple[Host, Net]) -> None:
+    """A template made from a VM on lan0; two clones of it, each with a MAC, an address
+    and a tap of its own, which they ping each other through (and the gateway)."""
+    h, net = booted
+    h.run("partition", "create", "p10", "--cpus", "1", "--memory", "1024", "--qemu", "10.0")
+    h.run("vm", "create", "t0", "-p", "p10", "--memory", "192", "--nic", "lan0", "--start")
+    t0 = {n["vm"]: n for n in h.run("network", "show", "lan0", "--json").json()["nics"]}["t0"]
+    wait_address(h, "t0", t0["ip"])
+    shown = h.run("template", "create", "tn", "--from", "t0", "--json").json()
+    assert shown["networks"] == ["lan0"] and shown["network"]
+    try:
+        for c in ("k1", "k2"):
+            h.run("vm", "create", c, "-p", "p10", "--template", "tn", "--start")
+        nics = {n["vm"]: n for n in h.run("network", "show", "lan0", "--json").json()["nics"]}
+        k1, k2 = nics["k1"], nics["k2"]
+        assert len({t0["mac"], k1["mac"], k2["mac"]}) == 3
+        assert len({t0["ip"], k1["ip"], k2["ip"]}) == 3
+        for c, n in (("k1", k1), ("k2", k2)):
+            # The guest has its record's MAC and address (the identity step, done
+            # before the first exec), its hostname, and dnsmasq leased it that address.
+            got = guest(h, c, "hostname; cat /sys/class/net/eth0/address; "
+                              "ip -4 -o addr show eth0").split()
+            assert got[:2] == [c, n["mac"]] and f"{n['ip']}/24" in got, got
+        leases = (h.home / "networks" / "lan0" / "leases").read_text()
+        for n in (k1, k2):
+            assert f"{n['mac']} {n['ip']} " in leases, leases
+        # Each its own tap (the kernel's view), a port of lan0's bridge.
+        taps = {link["ifname"]: link for link in net.links()
+                if link["ifname"].startswith("fzt-")}
+        for c in ("k1", "k2"):
+            pid = h.vm(c)["pid"]
+            held = {Path(f"/proc/{pid}/fdinfo/{fd}").read_text().split("iff:\t")[1].split()[0]
+                    for fd in os.listdir(f"/proc/{pid}/fd")
+                    if "iff:\t" in Path(f"/proc/{pid}/fdinfo/{fd}").read_text()}
+            assert len(held) == 1 and taps[held.pop()]["master"] == "fzb-lan0"
+        guest(h, "k1", f"ping -c 2 -W 3 {k2['ip']} && ping -c 1 -W 3 {LAN0}.1")
+        guest(h, "k2", f"ping -c 2 -W 3 {k1['ip']}")
+        res = h.fail("network", "delete", "lan0")
+        assert "used by VM(s)" in res.err
+    finally:
+        for c in ("k1", "k2"):
+            h.run("vm", "delete", c, "--force", check=False)
+        h.run("template", "delete", "tn", check=False)
+        h.run("vm", "delete", "t0", "--force", check=False)
+        h.run("partition", "delete", "p10", check=False)
+
+
 # -- shown everywhere ----------------------------------------------------------------
 def _kernel_taps(net: Net) -> set[str]:
     return {link["ifname"] for link in net.links() if link["ifname"].startswith("fzt-")}
@@ -669,50 +717,3 @@ def test_down_removes_what_it_made_and_nothing_else(booted: tuple[Host, Net],
             subprocess.run(["ip", "-n", net.ns, "link", "del", br], check=False)
         ns_run(net.ns, "nft", "delete", "table", "inet", "fusuma-other-lan0", check=False)
         ns_run(net.ns, "nft", "delete", "table", "bridge", f"{h.prefix}x-lan0", check=False)
-
-
-def test_template_clones_get_nics_of_their_own(booted: tuple[Host, Net]) -> None:
-    """A template made from a VM on lan0; two clones of it, each with a MAC, an address
-    and a tap of its own, which they ping each other through (and the gateway)."""
-    h, net = booted
-    h.run("partition", "create", "p10", "--cpus", "1", "--memory", "1024", "--qemu", "10.0")
-    h.run("vm", "create", "t0", "-p", "p10", "--memory", "192", "--nic", "lan0", "--start")
-    t0 = {n["vm"]: n for n in h.run("network", "show", "lan0", "--json").json()["nics"]}["t0"]
-    wait_address(h, "t0", t0["ip"])
-    shown = h.run("template", "create", "tn", "--from", "t0", "--json").json()
-    assert shown["networks"] == ["lan0"] and shown["network"]
-    try:
-        for c in ("k1", "k2"):
-            h.run("vm", "create", c, "-p", "p10", "--template", "tn", "--start")
-        nics = {n["vm"]: n for n in h.run("network", "show", "lan0", "--json").json()["nics"]}
-        k1, k2 = nics["k1"], nics["k2"]
-        assert len({t0["mac"], k1["mac"], k2["mac"]}) == 3
-        assert len({t0["ip"], k1["ip"], k2["ip"]}) == 3
-        for c, n in (("k1", k1), ("k2", k2)):
-            # The guest has its record's MAC and address (the identity step, done
-            # before the first exec), its hostname, and dnsmasq leased it that address.
-            got = guest(h, c, "hostname; cat /sys/class/net/eth0/address; "
-                              "ip -4 -o addr show eth0").split()
-            assert got[:2] == [c, n["mac"]] and f"{n['ip']}/24" in got, got
-        leases = (h.home / "networks" / "lan0" / "leases").read_text()
-        for n in (k1, k2):
-            assert f"{n['mac']} {n['ip']} " in leases, leases
-        # Each its own tap (the kernel's view), a port of lan0's bridge.
-        taps = {link["ifname"]: link for link in net.links()
-                if link["ifname"].startswith("fzt-")}
-        for c in ("k1", "k2"):
-            pid = h.vm(c)["pid"]
-            held = {Path(f"/proc/{pid}/fdinfo/{fd}").read_text().split("iff:\t")[1].split()[0]
-                    for fd in os.listdir(f"/proc/{pid}/fd")
-                    if "iff:\t" in Path(f"/proc/{pid}/fdinfo/{fd}").read_text()}
-            assert len(held) == 1 and taps[held.pop()]["master"] == "fzb-lan0"
-        guest(h, "k1", f"ping -c 2 -W 3 {k2['ip']} && ping -c 1 -W 3 {LAN0}.1")
-        guest(h, "k2", f"ping -c 2 -W 3 {k1['ip']}")
-        res = h.fail("network", "delete", "lan0")
-        assert "used by VM(s)" in res.err
-    finally:
-        for c in ("k1", "k2"):
-            h.run("vm", "delete", c, "--force", check=False)
-        h.run("template", "delete", "tn", check=False)
-        h.run("vm", "delete", "t0", "--force", check=False)
-        h.run("partition", "delete", "p10", check=False)
