@@ -122,6 +122,7 @@ class MovesResult:
     samples: list[MoveSample] = field(default_factory=list)
     downtime: list[DowntimeSample] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)   # kind -> why
+    error: str | None = None      # why the part stopped early (its figures stay)
 
 
 # -- arithmetic -----------------------------------------------------------------------
@@ -207,7 +208,7 @@ def summarize(res: MovesResult) -> dict[str, Any]:
         row["skipped"] = res.skipped.get(row["kind"])
     rows += [{"kind": k, "runs": 0, "failed": 0, "skipped": why, "qemu": None}
              for k, why in NOT_RUN.items()]
-    return {"kinds": rows, "qemu_kinds": res.qemu_kinds,
+    return {"kinds": rows, "qemu_kinds": res.qemu_kinds, "error": res.error,
             "nic_downtime": {**summarize_downtime(res.downtime),
                              "qemu": res.qemu_downtime, "mode": "zero-copy"},
             "samples": [s.as_json() for s in res.samples],
@@ -333,6 +334,17 @@ def run(w: World, move_runs: int = MOVE_RUNS, downtime_runs: int = DOWNTIME_RUNS
     """Both parts in ``w`` (partitions p0 and p1 exist, empty of VMs, on the system's
     QEMU; the network ``bench`` exists)."""
     res = MovesResult()
+    try:
+        _run(w, res, move_runs, downtime_runs, progress)
+    except (FusumaError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+        # The throughput figures and the moves measured so far stay in the result.
+        res.error = _said(exc)
+        progress(f"the moves part stopped: {res.error}")
+    return summarize(res)
+
+
+def _run(w: World, res: MovesResult, move_runs: int, downtime_runs: int,
+         progress: Progress) -> None:
     deadline = time.monotonic() + BUDGET_S
     common = ["--memory", str(MOVE_MEMORY_MIB)]
     w.fusuma("vm", "create", "mv", "-p", "p0", *common, "--nic", f"bench,ip={MOVE_IP}")
@@ -360,4 +372,3 @@ def run(w: World, move_runs: int = MOVE_RUNS, downtime_runs: int = DOWNTIME_RUNS
                                               f"`fusuma qemu install {CPR_QEMU}`")
     res.qemu_kinds = _show(w, "mv").get("qemu")
     move_kinds(w, res, move_runs, deadline, progress)
-    return summarize(res)

@@ -136,6 +136,8 @@ def moves_markdown(moves: dict[str, Any] | None, m: dict[str, Any]) -> list[str]
     if moves is None:
         return [*lines, "Not measured in this run (`--no-moves`).", ""]
     d = moves["nic_downtime"]
+    if moves.get("error"):
+        lines += [f"**The moves part stopped early**: {moves['error']}", ""]
     lines += [
         f"A guest of the default image ({m.get('move_guest_memory_mib')} MiB, one vCPU) "
         "with a tap NIC on the managed network moves while a TCP stream (a line every "

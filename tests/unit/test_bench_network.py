@@ -142,6 +142,7 @@ def test_every_kind_of_move_has_its_row() -> None:
     assert kinds["between hosts"]["skipped"] and kinds["copy"]["skipped"] is None
     assert kinds["copy"]["qemu"] == "10.0.2"
     assert out["nic_downtime"]["qemu"] == "7.2.22"
+    assert out["error"] is None
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the ICMP echo needs a raw socket (root)")
@@ -231,3 +232,13 @@ def test_report_refuses_another_benchmarks_file(tmp_path: Path) -> None:
     f.write_text(json.dumps(data))
     with pytest.raises(SpecError, match="not a `fusuma bench network` result file"):
         report_network.load(f)
+
+
+def test_report_says_when_the_moves_part_stopped_early(tmp_path: Path) -> None:
+    data = _result()
+    data["moves"]["error"] = "`fusuma vm start mv` exited 1: no such image"
+    f = tmp_path / "network.json"
+    f.write_text(json.dumps(data))
+    md = report_network.render(f, tmp_path / "out")[0].read_text()
+    assert ("**The moves part stopped early**: `fusuma vm start mv` exited 1: no such "
+            "image") in md
