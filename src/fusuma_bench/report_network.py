@@ -88,7 +88,8 @@ def _spread(lo: float | None, hi: float | None) -> str:
 def markdown(res: Result, result_file: Path) -> str:
     m = res.meta
     lines = [
-        "# fusuma bench network: a tap NIC against the user-mode network", "",
+        "# fusuma bench network: a tap NIC against the user-mode network, and what "
+        "moves cost it", "",
         f"From `{result_file.name}`: git {m['git_revision']}, {m['date']}, host "
         f"{m['host']} ({m['host_cpu']}, {m['host_cores']} cores), accelerator "
         f"**{m['accel']}**, {m['qemu']}, {m['iperf3']}.", "",

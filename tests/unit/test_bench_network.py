@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -242,3 +243,98 @@ def test_report_says_when_the_moves_part_stopped_early(tmp_path: Path) -> None:
     md = report_network.render(f, tmp_path / "out")[0].read_text()
     assert ("**The moves part stopped early**: `fusuma vm start mv` exited 1: no such "
             "image") in md
+
+
+class FakeWorld:
+    """fusuma's answers in the moves part, without a VM: where each VM is, what a move
+    returns; every command asked is kept."""
+
+    ns = "fzbn-test"
+
+    def __init__(self, cpr: bool = True) -> None:
+        self.asked: list[tuple[str, ...]] = []
+        self.where = {"mv": "p0", "bare": "p0"}
+        self.qemu = {"p0": "7.2.22", "p1": "7.2.22"}
+        self.cpr = cpr
+
+    def nsenter(self, ns: str) -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{ns}", "--"]
+
+    def fusuma(self, *args: str, timeout: float = 300, check: bool = True
+               ) -> subprocess.CompletedProcess[str]:
+        self.asked.append(args)
+        out: Any = {}
+        if args[:2] == ("vm", "show"):
+            out = {"partition": self.where[args[2]], "qemu": self.qemu[self.where[args[2]]]}
+        elif args[:2] == ("qemu", "list"):
+            out = [{"series": "7.2"}, *([{"series": "10.0"}] if self.cpr else [])]
+        elif args[0] == "migrate":
+            self.where[args[1]] = args[3]
+            out = {"downtime_ms": 3.0 if args[1] == "bare" else 3.5,
+                   "qemu_downtime_ms": 2.0, "total_ms": 50.0}
+        elif args[0] == "maintain":
+            out = {"moves": [{"downtime_ms": 4.0, "qemu_downtime_ms": 3.0}] *
+                   (2 if "--via" in args else 1)}
+        elif args[:2] == ("partition", "create"):
+            self.qemu[args[2]] = "10.0.2"
+        return subprocess.CompletedProcess(list(args), 0, json.dumps(out), "")
+
+    def guest(self, vm: str, script: str, timeout: float = 60) -> str:
+        return f"2: eth0    inet {network_moves.MOVE_IP}/24 brd ..."
+
+
+def _probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    def around(nsenter: list[str], host: str, port: int, span_s: float,
+               move: Any) -> netprobe.Seen[Any]:
+        assert nsenter[1] == "--net=/run/netns/fzbn-test" and host == network_moves.MOVE_IP
+        return _seen(move())
+    monkeypatch.setattr(netprobe, "around", around)
+
+
+def test_the_moves_part_asks_fusuma_for_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    _probes(monkeypatch)
+    w = FakeWorld()
+    out = network_moves.run(w, move_runs=3, downtime_runs=5)
+    assert out["error"] is None
+    migrations = [a for a in w.asked if a[0] == "migrate"]
+    # The NIC / no NIC comparison: in turn, 5 each, back and forth between p0 and p1.
+    firsts = [a[1] for a in migrations[:10]]
+    assert firsts == ["mv", "bare", "bare", "mv", "mv", "bare", "bare", "mv", "mv", "bare"]
+    assert [a[3] for a in migrations[:10] if a[1] == "mv"] == ["p1", "p0", "p1", "p0", "p1"]
+    assert all("zero-copy" in a for a in migrations[:10])
+    d = out["nic_downtime"]
+    assert (d["with_nic_moves"], d["without_nic_moves"]) == (5, 5)
+    assert d["nic_minus_no_nic_ms"] == 0.5 and d["qemu"] == "7.2.22"
+    # bare goes, both partitions are made again on QEMU 10.0, the empty one first.
+    i = w.asked.index(("vm", "delete", "bare", "--force"))
+    made = [a for a in w.asked[i:] if a[0] == "partition"]
+    assert made == [("partition", "delete", "p0"),
+                    ("partition", "create", "p0", "--cpus", "0", "--memory", "1024",
+                     "--qemu", "10.0"),
+                    ("partition", "delete", "p1"),
+                    ("partition", "create", "p1", "--cpus", "1", "--memory", "1024",
+                     "--qemu", "10.0")]
+    kinds = {k["kind"]: k for k in out["kinds"]}
+    for kind in network_moves.KINDS:
+        assert kinds[kind]["runs"] == 3 and kinds[kind]["qemu"] == "10.0.2", kinds[kind]
+    assert kinds["maintain --via"]["moves_per_run"] == 2
+    assert kinds["maintain --via"]["downtime_ms_median"] == 8.0
+    maint = [a for a in w.asked if a[0] == "maintain"]
+    assert ("maintain", "p0", "--via", "p1", "--json") in maint
+    assert ("maintain", "p0", "--in-place", "--json") in maint
+
+
+def test_the_moves_part_without_qemu_10_or_when_a_step_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _probes(monkeypatch)
+    out = network_moves.run(FakeWorld(cpr=False), move_runs=1, downtime_runs=1)
+    kinds = {k["kind"]: k for k in out["kinds"]}
+    assert "qemu install 10.0" in kinds["maintain --in-place"]["skipped"]
+    assert kinds["copy"]["runs"] == 1 and kinds["copy"]["qemu"] == "7.2.22"
+
+    class Broken(FakeWorld):
+        def guest(self, vm: str, script: str, timeout: float = 60) -> str:
+            raise network.BenchError("`fusuma vm exec mv` exited 1: no agent")
+    out = network_moves.run(Broken(), move_runs=1, downtime_runs=1)
+    assert out["error"] == "`fusuma vm exec mv` exited 1: no agent"
+    assert all(k["runs"] == 0 for k in out["kinds"])
