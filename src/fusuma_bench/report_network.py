@@ -204,9 +204,12 @@ def plot_moves(moves: dict[str, Any], png: Path) -> None:
         left.set_xticks(list(range(len(kinds))), [str(k["kind"]) for k in kinds],
                         fontsize=8)
         left.set_yscale("log")
+        tallest = max((k.get(key) or 0.0 for k in kinds for key, _ in series), default=0.0)
+        if tallest > 0:
+            left.set_ylim(top=tallest * 6)      # room for the legend above the bars
         left.set_ylabel("ms (median)")
         left.set_title("each kind of move, tap NIC")
-        left.legend(fontsize=8)
+        left.legend(fontsize=8, ncol=3, loc="upper center")
         samples = moves["downtime_samples"]
         top = 0.0
         for x, nic in enumerate((True, False)):
