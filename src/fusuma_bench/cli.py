@@ -571,41 +571,68 @@ def cluster_cmd(c: Ctx, hosts: int, vms: int, lease_seconds: int, qemu: str,
               help="iperf3 runs per path and kind; each figure is their median.")
 @click.option("--seconds", type=click.IntRange(1, 60), default=3, show_default=True,
               help="Length of each iperf3 run.")
+@click.option("--moves/--no-moves", default=True, show_default=True,
+              help="Also measure what each kind of move costs a VM with a tap NIC, and "
+                   "a zero-copy move's downtime with and without a NIC.")
+@click.option("--move-runs", type=click.IntRange(1, 10), default=3, show_default=True,
+              help="Moves per kind of move (each figure is their median).")
+@click.option("--downtime-runs", type=click.IntRange(1, 20), default=5, show_default=True,
+              help="Zero-copy moves each of the VM with a tap NIC and without a NIC.")
 @_json_option("network")
 @_report_option("network.png")
-def network_cmd(runs: int, seconds: int, json_file: Path | None,
-                report_dir: Path | None) -> None:
+def network_cmd(runs: int, seconds: int, moves: bool, move_runs: int, downtime_runs: int,
+                json_file: Path | None, report_dir: Path | None) -> None:
     """Throughput of a tap NIC on a fusuma network against QEMU's user-mode network,
-    measured in one run: host to VM, VM to VM, and VM out through NAT to a server.
+    and what each kind of move costs a VM's tap NIC, measured in one run.
 
     \b
     Builds its own world and removes it afterwards: a network namespace for a scratch
     fusuma (two partitions on cores 0 and 1, managed network `bench`, four Debian
     guests of 256 MiB: two with a tap NIC, two on the user-mode network) and an
-    "uplink" namespace behind a veth pair with an iperf3 server. Each figure is the
-    median of RUNS iperf3 TCP runs (interleaved); the ratio tap / user-mode is the
-    point (under TCG the absolute numbers are low). A row per kind of move holds the
-    columns ping_loss_packets and tcp_stall_ms, with fusuma's answer while moves of a
-    VM with a tap NIC are refused.
+    "uplink" namespace behind a veth pair with an iperf3 server. Throughput: host to
+    VM, VM to VM and VM out through NAT, each figure the median of RUNS iperf3 TCP
+    runs (interleaved); the ratio tap / user-mode is the point (under TCG the absolute
+    numbers are low).
 
     \b
-    Needs the debian image (`fusuma image build --kind debian`: it has iperf3),
-    iperf3 on the host and both cores free of other work while it runs.
+    Moves (unless --no-moves), once the Debian guests are deleted: a minimal guest
+    with a tap NIC and the same guest without any NIC move by zero-copy in turn
+    (DOWNTIME_RUNS each, the system's QEMU): their downtimes side by side. Then the
+    partitions are made again on QEMU 10.0 and the guest with the NIC moves by
+    zero-copy, copy, `maintain --via` and `maintain --in-place` (MOVE_RUNS each) while
+    a TCP stream and an ICMP echo every millisecond run from fusuma's namespace to it:
+    echoes lost, the longest outage, the stream's longest stall, the downtime.
+
+    \b
+    Needs the debian image (`fusuma image build --kind debian`: it has iperf3), the
+    default image, QEMU 10.0 for --in-place (`fusuma qemu install 10.0`), iperf3 on
+    the host and both cores free of other work while it runs (about 5 minutes).
 
     \b
     Example:
       fusuma bench network --report docs/results/network-report"""
     from fusuma_bench import network
 
-    data = network.run(runs=runs, seconds=seconds, progress=progress)
+    data = network.run(runs=runs, seconds=seconds, moves=moves, move_runs=move_runs,
+                       downtime_runs=downtime_runs, progress=progress)
 
     def summary(data: dict[str, Any]) -> Iterable[str]:
         for r in data["summary"]:
             yield (f"{r['path']:10} tap {r['tap_mbit_s_median']} Mbit/s, user-mode "
                    f"{r['user_mode_mbit_s_median']} Mbit/s: tap/user-mode "
                    f"{r['tap_over_user_mode']}")
-        for m in data["moves"]:
-            yield f"move {m['kind']:19} {m['status']}" + (
-                f" ({m['reason']})" if m["reason"] else "")
+        moved = data["moves"]
+        if moved is None:
+            return
+        for k in moved["kinds"]:
+            yield (f"move {k['kind']:19} " + (k["skipped"] or
+                   f"echoes lost {k.get('echoes_lost_median')} of "
+                   f"{k.get('echoes_sent_median')}, outage {k.get('outage_ms_median')} ms, "
+                   f"TCP stall {k.get('tcp_stall_ms_median')} ms, downtime "
+                   f"{k.get('downtime_ms_median')} ms ({k['runs']} runs)"))
+        d = moved["nic_downtime"]
+        yield (f"zero-copy downtime: tap NIC {d['with_nic_downtime_ms_median']} ms, no NIC "
+               f"{d['without_nic_downtime_ms_median']} ms (medians of "
+               f"{d['with_nic_moves']} and {d['without_nic_moves']})")
 
     publish(data, json_file, report_dir, "network", summary)

@@ -26,10 +26,10 @@ the machine touches both kinds alike; each figure is the median of RUNS runs, an
 ratio tap / user-mode of those medians is what the result says (under TCG the absolute
 numbers are low; the ratio is the point).
 
-Moves: ``moves`` has a row per kind of move with the columns ``ping_loss_packets``,
-``ping_sent`` and ``tcp_stall_ms`` (``measure_move``: a 1 ms ping and an iperf3 stream
-from the host to ``tap-a`` while the move runs). While fusuma refuses to move a VM with a
-tap NIC, each row says so (fusuma's own sentence) and holds no figures.
+Moves (``fusuma_bench.network_moves``, unless ``moves=False``): once the throughput runs
+are done and their guests deleted, the ping loss, outage and TCP stall of each kind of
+move of a VM with a tap NIC, and the zero-copy downtime of the same VM with a tap NIC
+and without any NIC, side by side.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from typing import Any
 from fusuma import spawn
 from fusuma.errors import FusumaError
 from fusuma.paths import UID_SPAN
+from fusuma_bench import network_moves
 from fusuma_bench.report import meta
 
 Progress = Callable[[str], None]
@@ -69,15 +70,6 @@ FORWARD_PORT = 15201            # user-a's iperf3 port on 127.0.0.1 (slirp hostf
 SLIRP_HOST = "10.0.2.2"         # what a user-mode guest reaches the host's loopback as
 KINDS = ("tap", "user-mode")
 PATHS = ("host_to_vm", "vm_to_vm", "vm_to_nat")
-# The kinds of move whose ping loss and TCP stall a NIC should survive, and how the
-# benchmark asks for each (fusuma's argv; None: not run from this benchmark).
-MOVE_KINDS: dict[str, list[str] | None] = {
-    "zero-copy": ["migrate", "tap-a", "--to", "p1", "--mode", "zero-copy"],
-    "copy": ["migrate", "tap-a", "--to", "p1", "--mode", "copy"],
-    "maintain --via": None,         # needs a partition of its own to empty
-    "maintain --in-place": None,    # needs QEMU >= 10.0 (cpr-transfer)
-    "between hosts": None,          # needs two hosts (`fusuma bench cluster`'s lab)
-}
 BOOT_TIMEOUT_S = 300.0
 
 
@@ -134,48 +126,6 @@ def iperf_mbit_s(text: str) -> float:
         return round(float(data["end"]["sum_received"]["bits_per_second"]) / 1e6, 2)
     except (KeyError, TypeError, ValueError) as exc:
         raise BenchError(f"iperf3's JSON has no end.sum_received: {exc}") from exc
-
-
-# -- the move hook ----------------------------------------------------------------------
-@dataclass
-class MoveRow:
-    """One kind of move of ``tap-a``: what a 1 ms ping lost and how long a TCP stream
-    stalled while it ran."""
-
-    kind: str
-    status: str = "not measured"
-    reason: str | None = None
-    ping_sent: int | None = None
-    ping_loss_packets: int | None = None
-    tcp_stall_ms: float | None = None
-
-    def as_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "status": self.status, "reason": self.reason,
-                "ping_sent": self.ping_sent, "ping_loss_packets": self.ping_loss_packets,
-                "tcp_stall_ms": self.tcp_stall_ms}
-
-
-def ping_counts(text: str) -> tuple[int, int]:
-    """(sent, lost) from ping's summary line."""
-    m = re.search(r"(\d+) packets transmitted, (\d+) (?:packets )?received", text)
-    if m is None:
-        raise BenchError(f"ping printed no summary: {text[-200:]!r}")
-    sent, got = int(m.group(1)), int(m.group(2))
-    return sent, sent - got
-
-
-def longest_stall_ms(intervals: Sequence[dict[str, Any]]) -> float:
-    """The longest stretch of ``iperf3 -J`` interval reports that carried no byte, in
-    ms (its resolution is the report interval)."""
-    worst = run = 0.0
-    for iv in intervals:
-        s = iv.get("sum", {})
-        if int(s.get("bytes", 0)) == 0:
-            run += float(s.get("seconds", 0.0)) * 1000
-            worst = max(worst, run)
-        else:
-            run = 0.0
-    return round(worst, 1)
 
 
 # -- the world ------------------------------------------------------------------------
@@ -333,30 +283,11 @@ def measure(w: World, path: str, kind: str, seconds: int) -> float:
     return iperf_mbit_s(out)
 
 
-def measure_move(w: World, kind: str, argv: list[str] | None) -> MoveRow:
-    """The hook for moves that keep a NIC: ask fusuma to move ``tap-a`` by ``kind``.
-    Refused (as today, for a VM with a tap NIC), the row says fusuma's sentence. Once a
-    move is accepted, this is where a 1 ms ping (``ping -i 0.001``) and an iperf3
-    stream with 0.1 s reports from the host to tap-a run around it, giving ping_sent,
-    ping_loss_packets (``ping_counts``) and tcp_stall_ms (``longest_stall_ms``)."""
-    row = MoveRow(kind)
-    if argv is None:
-        row.reason = "not run by this benchmark"
-        return row
-    p = w.fusuma(*argv, check=False)
-    if p.returncode != 0:
-        row.status = "refused"
-        said = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "refused"
-        row.reason = said.removeprefix("fusuma: error: ")
-        return row
-    row.status = "moved, not measured"
-    row.reason = ("the move ran; the ping and stream around it are not written yet "
-                  "(fusuma_bench.network.measure_move)")
-    return row
-
-
-def run(runs: int = RUNS, seconds: int = SECONDS,
+def run(runs: int = RUNS, seconds: int = SECONDS, moves: bool = True,
+        move_runs: int = network_moves.MOVE_RUNS,
+        downtime_runs: int = network_moves.DOWNTIME_RUNS,
         progress: Progress = lambda s: None) -> dict[str, Any]:
+    """Throughput, then (with ``moves``) the moves part, in one world."""
     from fusuma.host.accel import probe_accel
 
     for tool in ("iperf3", "nsenter", "ip"):
@@ -366,7 +297,7 @@ def run(runs: int = RUNS, seconds: int = SECONDS,
     accel = probe_accel("auto").name
     t0 = time.monotonic()
     samples: list[Sample] = []
-    moves: list[MoveRow] = []
+    moved: dict[str, Any] | None = None
     with world(progress) as (w, left):
         _boot(w, progress)
         for r in range(runs):
@@ -380,16 +311,22 @@ def run(runs: int = RUNS, seconds: int = SECONDS,
                     samples.append(s)
                     progress(f"run {r + 1}/{runs} {path:10} {kind:9}: "
                              + (f"{s.mbit_s} Mbit/s" if s.error is None else s.error))
-        for kind, argv in MOVE_KINDS.items():
-            moves.append(measure_move(w, kind, argv))
+        if moves:
+            # Both cores for the moves: the throughput guests go first.
+            for vm in ("tap-a", "tap-b", "user-a", "user-b"):
+                w.fusuma("vm", "delete", vm, "--force")
+            moved = network_moves.run(w, move_runs, downtime_runs, progress)
     return {"meta": meta(accel, benchmark="network", runs=runs, seconds_per_run=seconds,
                          guest_image=IMAGE, guest_memory_mib=MEMORY_MIB, vcpus=1,
                          tool="iperf3 (TCP, one stream, -J)",
+                         move_runs=move_runs if moves else 0,
+                         downtime_runs=downtime_runs if moves else 0,
+                         move_guest_memory_mib=network_moves.MOVE_MEMORY_MIB,
                          iperf3=_version(["iperf3", "--version"]),
                          duration_s=round(time.monotonic() - t0, 1)),
             "summary": summarize(samples),
             "samples": [s.as_json() for s in samples],
-            "moves": [m.as_json() for m in moves],
+            "moves": moved,
             "leftovers": left}
 
 

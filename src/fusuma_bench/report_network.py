@@ -2,7 +2,9 @@
 
 Made from the result file alone (`fusuma bench report network FILE DIR`): per path the
 median throughput of a tap NIC and of the user-mode network, their ratio, the spread of
-the runs, and per kind of move its ping loss and TCP stall (or why it has none).
+the runs; per kind of move the echoes lost, the longest outage, the TCP stream's longest
+stall and the downtime (or why it has none); and a zero-copy move's downtime with and
+without a NIC, side by side (DIR/network-moves.png).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class Row:
 class Result:
     meta: dict[str, Any]
     rows: list[Row]
-    moves: list[dict[str, Any]]
+    moves: dict[str, Any] | None     # None: run with --no-moves
     errors: list[str]
 
 
@@ -50,8 +52,17 @@ def parse(data: dict[str, Any]) -> Result:
             for r in data["summary"]]
     errors = [f"{s['path']} {s['kind']} run {s['run']}: {s['error']}"
               for s in data["samples"] if s.get("error")]
-    return Result(meta=dict(data["meta"]), rows=rows, moves=list(data["moves"]),
-                  errors=errors)
+    moves = data["moves"]
+    if moves is not None:
+        moves = dict(moves)
+        for k in moves["kinds"]:       # every row names its kind and its counts
+            if not isinstance(k["kind"], str) or int(k["runs"]) < 0 or int(k["failed"]) < 0:
+                raise ValueError(f"a move row is malformed: {k!r}")
+        errors += [f"move {m['kind']} run {m['run']}: {m['error']}"
+                   for m in moves["samples"] if m.get("error")]
+        errors += [f"zero-copy {'with' if m['nic'] else 'without'} a NIC, run {m['run']}: "
+                   f"{m['error']}" for m in moves["downtime_samples"] if m.get("error")]
+    return Result(meta=dict(data["meta"]), rows=rows, moves=moves, errors=errors)
 
 
 def load(path: Path) -> Result:
@@ -60,8 +71,10 @@ def load(path: Path) -> Result:
 
 def render(result_file: Path, out_dir: Path) -> list[Path]:
     res = load(result_file)
-    return write_report(out_dir, markdown(res, result_file),
-                        {"network.png": partial(plot, res)})
+    plots = {"network.png": partial(plot, res)}
+    if res.moves is not None:
+        plots["network-moves.png"] = partial(plot_moves, res.moves)
+    return write_report(out_dir, markdown(res, result_file), plots)
 
 
 def _num(x: float | None) -> str:
@@ -75,7 +88,8 @@ def _spread(lo: float | None, hi: float | None) -> str:
 def markdown(res: Result, result_file: Path) -> str:
     m = res.meta
     lines = [
-        "# fusuma bench network: a tap NIC against the user-mode network", "",
+        "# fusuma bench network: a tap NIC against the user-mode network, and what "
+        "moves cost it", "",
         f"From `{result_file.name}`: git {m['git_revision']}, {m['date']}, host "
         f"{m['host']} ({m['host_cpu']}, {m['host_cores']} cores), accelerator "
         f"**{m['accel']}**, {m['qemu']}, {m['iperf3']}.", "",
@@ -96,18 +110,123 @@ def markdown(res: Result, result_file: Path) -> str:
         "one slirp and into the other's port forward.",
         "- VM -> NAT: to a server in another namespace, through the network's nftables "
         "masquerade; out of slirp (QEMU's own sockets).", "",
-        "## Moves", "",
-        "Ping loss (a 1 ms ping from the host) and the longest TCP stall of a stream to "
-        "the guest while it moves, per kind of move:", "",
-        *table(["kind of move", "status", "pings sent", "lost", "TCP stall, ms", "why"],
-               [[str(mv["kind"]), str(mv["status"]), dash(mv["ping_sent"]),
-                 dash(mv["ping_loss_packets"]), dash(mv["tcp_stall_ms"]),
-                 str(mv.get("reason") or "")] for mv in res.moves]),
-        ""]
+        *moves_markdown(res.moves, m)]
     if res.errors:
         lines += ["## Failed runs", "", *(f"- {e}" for e in res.errors), ""]
     lines += ["![throughput](network.png)", ""]
+    if res.moves is not None:
+        lines += ["![moves](network-moves.png)", ""]
     return "\n".join(lines)
+
+
+def _lost(k: dict[str, Any]) -> str:
+    if k.get("echoes_lost_median") is None:
+        return "–"
+    return f"{k['echoes_lost_median']:g} of {k['echoes_sent_median']:g}"
+
+
+def _whole(k: dict[str, Any]) -> str:
+    if not k["runs"] and not k["failed"]:
+        return "–"
+    return "yes" if k.get("stream_whole") else "**no**"
+
+
+def moves_markdown(moves: dict[str, Any] | None, m: dict[str, Any]) -> list[str]:
+    """The moves' two tables, or why there are none."""
+    lines = ["## Moves", ""]
+    if moves is None:
+        return [*lines, "Not measured in this run (`--no-moves`).", ""]
+    d = moves["nic_downtime"]
+    if moves.get("error"):
+        lines += [f"**The moves part stopped early**: {moves['error']}", ""]
+    lines += [
+        f"A guest of the default image ({m.get('move_guest_memory_mib')} MiB, one vCPU) "
+        "with a tap NIC on the managed network moves while a TCP stream (a line every "
+        "5 ms, echoed by the guest) and an ICMP echo every millisecond run from "
+        "fusuma's namespace to it. Each figure is the median of a kind's runs "
+        f"({m.get('move_runs')} asked; the kinds interleaved): echoes lost of those "
+        "sent, the longest outage (echoes lost in a row, 1 ms each), the stream's "
+        "longest stall (its slowest line's round trip), fusuma's downtime (the "
+        "source's STOP to the destination's RESUME) and QEMU's own (`query-migrate`), "
+        "both summed over the moves of a run (`maintain --via` moves the guest out "
+        "and back: two). \"stream whole\": every run kept the connection with every "
+        "line back once and in order.", "",
+        *table(["kind of move", "QEMU", "runs", "echoes lost", "longest outage, ms",
+                "TCP stall, ms", "downtime, ms", "QEMU's downtime, ms", "stream whole"],
+               [[str(k["kind"]) + (f" ({k['moves_per_run']} moves)"
+                                   if (k.get("moves_per_run") or 1) > 1 else ""),
+                 dash(k.get("qemu")),
+                 str(k["runs"]) + (f" ({k['failed']} failed)" if k["failed"] else ""),
+                 _lost(k),
+                 *(_num(opt_float(k.get(f"{key}_ms_median")))
+                   for key in ("outage", "tcp_stall", "downtime", "qemu_downtime")),
+                 _whole(k)]
+                for k in moves["kinds"] if not k.get("skipped")]),
+        ""]
+    skipped = [k for k in moves["kinds"] if k.get("skipped")]
+    if skipped:
+        lines += ["Not run here: " + "; ".join(f"{k['kind']} ({k['skipped']})"
+                                                for k in skipped) + ".", ""]
+    diff = d.get("nic_minus_no_nic_ms")
+    overlap = d.get("ranges_overlap")
+    lines += [
+        "### A NIC and the downtime", "",
+        f"The same guest with a tap NIC and without any NIC, moved by {d['mode']} in "
+        f"turn (QEMU {d.get('qemu') or 'unknown'}; nothing else ran meanwhile):", "",
+        *table(["guest", "moves", "downtime median, ms", "range, ms",
+                "QEMU's downtime median, ms"],
+               [[label, str(d[f"{key}_moves"]), _num(opt_float(d[f"{key}_downtime_ms_median"])),
+                 _spread(d[f"{key}_downtime_ms_min"], d[f"{key}_downtime_ms_max"]),
+                 _num(opt_float(d[f"{key}_qemu_downtime_ms_median"]))]
+                for label, key in (("tap NIC", "with_nic"), ("no NIC", "without_nic"))]),
+        "",
+        "Median with a NIC minus without: " + ("–" if diff is None else f"{diff:g} ms")
+        + ("" if overlap is None else
+           ("; the two ranges overlap." if overlap else "; the two ranges do not overlap."))
+        , ""]
+    return lines
+
+
+def plot_moves(moves: dict[str, Any], png: Path) -> None:
+    """Left: per kind of move its outage, TCP stall and downtime (log scale: a paused
+    copy is two orders above the rest). Right: each zero-copy downtime with and without
+    a NIC, and their medians."""
+    kinds = [k for k in moves["kinds"] if not k.get("skipped") and k["runs"]]
+    with figure(png, figsize=(10, 4), ncols=2,
+                gridspec_kw={"width_ratios": [2, 1]}) as (_, (left, right)):
+        width = 0.27
+        series = (("outage_ms_median", "longest outage (echo)"),
+                  ("tcp_stall_ms_median", "TCP stall"),
+                  ("downtime_ms_median", "downtime"))
+        for i, (key, label) in enumerate(series):
+            left.bar([x + (i - 1) * width for x in range(len(kinds))],
+                     [k.get(key) or 0.0 for k in kinds], width, label=label)
+        left.set_xticks(list(range(len(kinds))), [str(k["kind"]) for k in kinds],
+                        fontsize=8)
+        left.set_yscale("log")
+        tallest = max((k.get(key) or 0.0 for k in kinds for key, _ in series), default=0.0)
+        if tallest > 0:
+            left.set_ylim(top=tallest * 6)      # room for the legend above the bars
+        left.set_ylabel("ms (median)")
+        left.set_title("each kind of move, tap NIC")
+        left.legend(fontsize=8, ncol=3, loc="upper center")
+        samples = moves["downtime_samples"]
+        top = 0.0
+        for x, nic in enumerate((True, False)):
+            ys = [s["downtime_ms"] for s in samples
+                  if s["nic"] is nic and s.get("downtime_ms") is not None
+                  and not s.get("error")]
+            right.scatter([x] * len(ys), ys, alpha=0.7)
+            top = max([top, *ys])
+            key = "with_nic" if nic else "without_nic"
+            med = moves["nic_downtime"][f"{key}_downtime_ms_median"]
+            if med is not None:
+                right.hlines(med, x - 0.25, x + 0.25)
+        right.set_xticks([0, 1], ["tap NIC", "no NIC"])
+        right.set_xlim(-0.6, 1.6)
+        right.set_ylim(0, top * 1.15 or 1.0)
+        right.set_ylabel("downtime, ms")
+        right.set_title("zero-copy: each move, median")
 
 
 def plot(res: Result, png: Path) -> None:

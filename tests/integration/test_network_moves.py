@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from typing import Any
 import pytest
 
 from fusuma.network import queues
+from fusuma_bench import netprobe
 from tests.conftest import Host
 from tests.integration.test_cpr import need_qemu_10
 from tests.integration.test_networks import LAN0, Net, guest, wait_address, world
@@ -38,80 +37,6 @@ PORT = 5000
 # How long the ping (one a millisecond) and the stream (a line every 5 ms both ways)
 # go on around each kind of move, in seconds: the move starts 0.8 s in.
 SPAN_S = {"zero-copy": 3.0, "copy": 5.0, "via": 10.0, "in-place": 4.0}
-
-CLIENT = textwrap.dedent("""
-    import json, socket, sys, time
-    host, port, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    sent = got = 0
-    gap = 0.0
-    err = None
-    local = None
-    end = time.monotonic() + secs
-    try:
-        s = socket.create_connection((host, port), timeout=10)
-        s.settimeout(10)
-        local = s.getsockname()[1]
-        f = s.makefile("rwb")
-        while time.monotonic() < end:
-            t = time.monotonic()
-            f.write(b"%d\\n" % sent); f.flush(); sent += 1
-            line = f.readline()
-            if int(line) != got:
-                err = f"line {got} came back as {line!r}"; break
-            got += 1
-            gap = max(gap, time.monotonic() - t)
-            time.sleep(0.005)
-    except (OSError, ValueError) as exc:
-        err = repr(exc)
-    print(json.dumps({"sent": sent, "echoed": got, "max_gap_ms": round(gap * 1000, 1),
-                      "local": local, "error": err}))
-""")
-
-
-# One ICMP echo a millisecond for N, replies counted by sequence (a raw socket: root;
-# no ping binary needed). Prints the count lost and the longest run of lost ones.
-PINGER = textwrap.dedent("""
-    import json, os, select, socket, struct, sys, time
-    host, count = sys.argv[1], int(sys.argv[2])
-    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
-    ident = os.getpid() & 0xFFFF
-    def csum(b):
-        b += b"\\0" * (len(b) % 2)
-        t = sum(struct.unpack("!%dH" % (len(b) // 2), b))
-        t = (t >> 16) + (t & 0xFFFF); t += t >> 16
-        return ~t & 0xFFFF
-    got = set()
-    t0 = time.monotonic()
-    seq = 0
-    end = None
-    while True:
-        now = time.monotonic()
-        if seq < count and now >= t0 + seq * 0.001:
-            body = struct.pack("!BBHHH", 8, 0, 0, ident, seq) + b"fusuma"
-            body = body[:2] + struct.pack("!H", csum(body)) + body[4:]
-            s.sendto(body, (host, 0))
-            seq += 1
-            continue
-        if seq >= count and end is None:
-            end = now + 1.0
-        if end is not None and now >= end:
-            break
-        wait = (t0 + seq * 0.001 - now) if seq < count else end - now
-        r, _, _ = select.select([s], [], [], max(0.0, wait))
-        while r:
-            pkt = s.recv(2048)
-            ihl = (pkt[0] & 15) * 4
-            typ, _, _, pid, n = struct.unpack("!BBHHH", pkt[ihl:ihl + 8])
-            if typ == 0 and pid == ident:
-                got.add(n)
-            r, _, _ = select.select([s], [], [], 0)
-    run = worst = 0
-    for i in range(count):
-        run = 0 if i in got else run + 1
-        worst = max(worst, run)
-    print(json.dumps({"sent": count, "received": len(got), "lost": count - len(got),
-                      "longest_lost_run": worst}))
-""")
 
 
 def in_ns(net: Net, *argv: str) -> list[str]:
@@ -153,24 +78,12 @@ def nic_guest(world: tuple[Host, Net]) -> Iterator[tuple[Host, Net, str]]:
 
 def moved(h: Host, net: Net, argv: list[str], tap: str, span: float) -> dict[str, Any]:
     """Run a move with the stream and the ping going; what each saw."""
-    client = subprocess.Popen(in_ns(net, "python3", "-c", CLIENT, GUEST_IP, str(PORT),
-                                    str(span)), stdout=subprocess.PIPE, text=True)
-    ping = subprocess.Popen(in_ns(net, "python3", "-c", PINGER, GUEST_IP,
-                                  str(int(span * 1000))), stdout=subprocess.PIPE, text=True)
-    try:
-        time.sleep(0.8)
-        index = tap_state(net, tap)["ifindex"]
-        res = h.run(*argv, "--json", timeout=300).json()
-        out, _ = ping.communicate(timeout=60)
-        stream = json.loads(client.communicate(timeout=60)[0])
-    finally:
-        for p in (ping, client):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    pinged = json.loads(out)
-    return {"result": res, "lost": pinged["lost"], "sent": pinged["sent"],
-            "longest_lost_run": pinged["longest_lost_run"], "stream": stream,
+    index = tap_state(net, tap)["ifindex"]
+    seen = netprobe.around(in_ns(net), GUEST_IP, PORT, span,
+                           lambda: h.run(*argv, "--json", timeout=300).json(),
+                           python="python3")
+    return {"result": seen.moved, "lost": seen.echo["lost"], "sent": seen.echo["sent"],
+            "longest_lost_run": seen.echo["longest_lost_run"], "stream": seen.stream,
             "same_tap": tap_state(net, tap)["ifindex"] == index}
 
 
@@ -212,7 +125,7 @@ def test_every_move_keeps_the_nic_and_its_tcp_stream(
     record = {"kind": kind, "lost": seen["lost"], "sent": seen["sent"],
               "longest_lost_run": seen["longest_lost_run"],
               "downtime_ms": pause, "moves": len(moves), "stream_max_gap_ms": stream["max_gap_ms"],
-              "qemu": after.get("qemu_version")}
+              "qemu": after.get("qemu")}
     print(json.dumps(record))
     out = Path(os.environ.get("FUSUMA_NET_MOVES_OUT", str(h.home.parent /
                                                          "network-moves.json")))

@@ -1,16 +1,21 @@
-"""The network benchmark's arithmetic (iperf3's JSON, medians, ratios, the move
-columns) and its report, on made-up numbers."""
+"""The network benchmark's arithmetic (iperf3's JSON, medians, ratios, each kind of
+move's figures, the downtime with and without a NIC) and its report, on made-up
+numbers; the move probes' scripts against a server on loopback."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fusuma.errors import SpecError
-from fusuma_bench import network, report_network
+from fusuma_bench import netprobe, network, network_moves, report_network
 
 
 def _iperf(bps: float) -> str:
@@ -47,23 +52,122 @@ def test_medians_and_the_ratio_per_path() -> None:
     assert rows["vm_to_nat"]["tap_over_user_mode"] is None
 
 
-def test_ping_loss_and_longest_tcp_stall() -> None:
-    out = ("--- 10.124.1.10 ping statistics ---\n"
-           "2000 packets transmitted, 1994 received, 0.3% packet loss, time 2210ms\n")
-    assert network.ping_counts(out) == (2000, 6)
-    with pytest.raises(network.BenchError, match="no summary"):
-        network.ping_counts("ping: connect: Network is unreachable")
-    iv = [{"sum": {"bytes": b, "seconds": 0.1}} for b in (5, 0, 0, 7, 0, 0, 0, 9, 0)]
-    assert network.longest_stall_ms(iv) == 300.0
-    assert network.longest_stall_ms([{"sum": {"bytes": 1, "seconds": 0.1}}]) == 0.0
+def _seen(moved: dict[str, Any], lost: int = 30, run: int = 25, gap: float = 41.5,
+          error: str | None = None, echoed: int | None = None
+          ) -> netprobe.Seen[dict[str, Any]]:
+    return netprobe.Seen(moved, {"sent": 3000, "received": 3000 - lost, "lost": lost,
+                                 "longest_lost_run": run},
+                         {"sent": 400, "echoed": 400 if echoed is None else echoed,
+                          "max_gap_ms": gap, "local": 40000, "error": error})
 
 
-def test_every_kind_of_move_has_its_row_and_columns() -> None:
-    row = network.MoveRow("zero-copy", status="refused", reason="not supported yet")
-    assert set(row.as_json()) == {"kind", "status", "reason", "ping_sent",
-                                  "ping_loss_packets", "tcp_stall_ms"}
-    assert {"zero-copy", "copy", "maintain --via", "maintain --in-place",
-            "between hosts"} == set(network.MOVE_KINDS)
+def test_a_runs_figures_from_the_probes_and_fusumas_answer() -> None:
+    s = network_moves.sample_of("zero-copy", 0, _seen({"downtime_ms": 8.5,
+                                                       "qemu_downtime_ms": 7}), 3.0, 1.2)
+    assert (s.echoes_sent, s.echoes_lost, s.outage_ms, s.tcp_stall_ms) == (3000, 30, 25.0,
+                                                                          41.5)
+    assert (s.moves, s.downtime_ms, s.qemu_downtime_ms, s.stream_whole) == (1, 8.5, 7.0,
+                                                                            True)
+    assert s.error is None
+    # maintain --via: two moves, their downtimes summed; one unknown leaves no sum.
+    via = {"moves": [{"downtime_ms": 9.0, "qemu_downtime_ms": 8.0},
+                     {"downtime_ms": 10.5, "qemu_downtime_ms": None}]}
+    s = network_moves.sample_of("maintain --via", 1, _seen(via), 10.0, 6.0)
+    assert (s.moves, s.downtime_ms, s.qemu_downtime_ms) == (2, 19.5, None)
+    # A move that outlasts the probes might hide its outage: the run fails.
+    s = network_moves.sample_of("copy", 0, _seen({"downtime_ms": 1}), 6.0, 5.2)
+    assert s.error is not None and "outlasted the probes" in s.error
+    # A stream that broke, or lost a line, fails the run and says so.
+    s = network_moves.sample_of("copy", 0, _seen({}, error="ConnectionResetError()"),
+                                6.0, 1.0)
+    assert s.stream_whole is False and s.error is not None and "Reset" in s.error
+    s = network_moves.sample_of("copy", 0, _seen({}, echoed=399), 6.0, 1.0)
+    assert s.stream_whole is False and s.error is not None
+
+
+def test_a_kinds_medians_leave_failed_runs_out() -> None:
+    mk = network_moves.MoveSample
+    samples = [mk("copy", 5000, 480, 470.0, 490.0, True, 1, run=0, downtime_ms=476.0,
+                  qemu_downtime_ms=470.0),
+               mk("copy", 5000, 500, 490.0, 505.0, True, 1, run=1, downtime_ms=493.0,
+                  qemu_downtime_ms=480.0),
+               mk("copy", 5000, 490, 480.0, 500.0, True, 1, run=2, downtime_ms=480.0),
+               mk("copy", run=3, error="the move took 6.0 s and outlasted the probes"),
+               mk("zero-copy", 3000, 30, 25.0, 40.0, True, 1, run=0, downtime_ms=8.0,
+                  qemu_downtime_ms=7.0)]
+    row = network_moves.summarize_kind("copy", samples)
+    assert (row["runs"], row["failed"], row["moves_per_run"]) == (3, 1, 1)
+    assert row["echoes_lost_median"] == 490 and row["echoes_lost_max"] == 500
+    assert (row["outage_ms_median"], row["outage_ms_max"]) == (480.0, 490.0)
+    assert (row["tcp_stall_ms_median"], row["downtime_ms_median"]) == (500.0, 480.0)
+    assert row["qemu_downtime_ms_median"] == 475.0   # the two QEMU reported
+    # A failed run's stream is unknown: the kind cannot claim every stream stayed whole.
+    assert row["stream_whole"] is False
+    assert network_moves.summarize_kind("zero-copy", samples)["stream_whole"] is True
+    empty = network_moves.summarize_kind("maintain --in-place", samples)
+    assert empty["runs"] == 0 and empty["downtime_ms_median"] is None
+    assert empty["stream_whole"] is False
+
+
+def test_downtime_with_and_without_a_nic_side_by_side() -> None:
+    ds = network_moves.DowntimeSample
+    samples = [ds(True, run=r, downtime_ms=v, qemu_downtime_ms=v - 1)
+               for r, v in enumerate((3.1, 3.4, 2.9, 3.3, 9.0))]
+    samples += [ds(False, run=r, downtime_ms=v, qemu_downtime_ms=v - 1)
+                for r, v in enumerate((2.8, 3.0, 3.2, 2.7, 3.1))]
+    samples.append(ds(False, run=5, error="fusuma: error: refused"))
+    d = network_moves.summarize_downtime(samples)
+    assert (d["with_nic_moves"], d["without_nic_moves"]) == (5, 5)
+    assert (d["with_nic_downtime_ms_median"], d["without_nic_downtime_ms_median"]) == (3.3,
+                                                                                       3.0)
+    assert (d["with_nic_downtime_ms_min"], d["with_nic_downtime_ms_max"]) == (2.9, 9.0)
+    assert d["with_nic_qemu_downtime_ms_median"] == 2.3
+    assert d["nic_minus_no_nic_ms"] == 0.3 and d["ranges_overlap"] is True
+    apart = [ds(nic, run=r, downtime_ms=v)
+             for nic, r, v in ((True, 0, 12.0), (True, 1, 14.0), (False, 0, 3.0),
+                               (False, 1, 4.0))]
+    d = network_moves.summarize_downtime(apart)
+    assert d["nic_minus_no_nic_ms"] == 9.5 and d["ranges_overlap"] is False
+    d = network_moves.summarize_downtime([ds(True, run=0, downtime_ms=3.0)])
+    assert d["nic_minus_no_nic_ms"] is None and d["ranges_overlap"] is None
+
+
+def test_every_kind_of_move_has_its_row() -> None:
+    res = network_moves.MovesResult(qemu_kinds="10.0.2", qemu_downtime="7.2.22")
+    res.skipped["maintain --in-place"] = "needs QEMU 10.0"
+    out = network_moves.summarize(res)
+    kinds = {k["kind"]: k for k in out["kinds"]}
+    assert list(kinds) == ["zero-copy", "copy", "maintain --via", "maintain --in-place",
+                           "between hosts"]
+    assert kinds["maintain --in-place"]["skipped"] == "needs QEMU 10.0"
+    assert kinds["between hosts"]["skipped"] and kinds["copy"]["skipped"] is None
+    assert kinds["copy"]["qemu"] == "10.0.2"
+    assert out["nic_downtime"]["qemu"] == "7.2.22"
+    assert out["error"] is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the ICMP echo needs a raw socket (root)")
+def test_the_probes_see_a_whole_stream_and_every_echo_on_loopback() -> None:
+    """The two probe scripts themselves, against a line echo server on 127.0.0.1."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        with conn, conn.makefile("rwb") as f:
+            for line in f:
+                f.write(line)
+                f.flush()
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        seen = netprobe.around([], "127.0.0.1", port, 1.2, lambda: {"moved": True})
+    finally:
+        srv.close()
+    assert seen.moved == {"moved": True}
+    assert seen.stream_whole and seen.stream["sent"] > 20, seen.stream
+    assert seen.echo["sent"] == 1200 and seen.echo["lost"] == 0, seen.echo
+    assert seen.outage_ms == 0.0
 
 
 def _result() -> dict[str, Any]:
@@ -77,7 +181,21 @@ def _result() -> dict[str, Any]:
                      "guest_memory_mib": 256, "vcpus": 1},
             "summary": network.summarize(samples),
             "samples": [s.as_json() for s in samples],
-            "moves": [network.MoveRow("zero-copy", "refused", "no").as_json()]}
+            "moves": _moves()}
+
+
+def _moves() -> dict[str, Any]:
+    mk = network_moves.MoveSample
+    res = network_moves.MovesResult(qemu_kinds="10.0.2", qemu_downtime="7.2.22")
+    res.samples = [mk("zero-copy", 3000, 30, 25.0, 41.5, True, 1, run=0, downtime_ms=8.5,
+                      qemu_downtime_ms=7.0, qemu="10.0.2"),
+                   mk("copy", run=0, error="the move took 6.0 s and outlasted the probes")]
+    res.skipped["maintain --in-place"] = "needs QEMU 10.0"
+    res.downtime = [network_moves.DowntimeSample(True, run=0, downtime_ms=3.5,
+                                                 qemu_downtime_ms=2.5),
+                    network_moves.DowntimeSample(False, run=0, downtime_ms=3.0,
+                                                 qemu_downtime_ms=2.0)]
+    return network_moves.summarize(res)
 
 
 def test_report_from_the_result_file(tmp_path: Path) -> None:
@@ -86,9 +204,26 @@ def test_report_from_the_result_file(tmp_path: Path) -> None:
     paths = report_network.render(f, tmp_path / "out")
     md = paths[0].read_text()
     assert "| host -> VM | 10 | 10–10 | 2.5 | 2.5–2.5 | **4x** |" in md
-    assert "| zero-copy | refused | – | – | – | no |" in md
+    assert ("| zero-copy | 10.0.2 | 1 | 30 of 3000 | 25 | 41.5 | 8.5 | 7 | yes |"
+            in md), md
+    assert "| copy | 10.0.2 | 0 (1 failed) | – | – | – | – | – | **no** |" in md
+    assert "maintain --in-place (needs QEMU 10.0)" in md
+    assert "move copy run 0: the move took 6.0 s" in md
+    assert "| tap NIC | 1 | 3.5 | 3.5–3.5 | 2.5 |" in md
+    assert "Median with a NIC minus without: 0.5 ms; the two ranges do not overlap." in md
+    assert [p.name for p in paths[1:]] == ["network.png", "network-moves.png"]
     assert "vm_to_nat tap run 1: iperf3: timed out" in md
-    assert paths[1].name == "network.png" and paths[1].stat().st_size > 0
+    assert all(p.stat().st_size > 0 for p in paths[1:])
+
+
+def test_report_of_a_run_without_moves(tmp_path: Path) -> None:
+    data = _result()
+    data["moves"] = None
+    f = tmp_path / "network.json"
+    f.write_text(json.dumps(data))
+    paths = report_network.render(f, tmp_path / "out")
+    assert "Not measured in this run (`--no-moves`)." in paths[0].read_text()
+    assert [p.name for p in paths[1:]] == ["network.png"]
 
 
 def test_report_refuses_another_benchmarks_file(tmp_path: Path) -> None:
@@ -98,3 +233,108 @@ def test_report_refuses_another_benchmarks_file(tmp_path: Path) -> None:
     f.write_text(json.dumps(data))
     with pytest.raises(SpecError, match="not a `fusuma bench network` result file"):
         report_network.load(f)
+
+
+def test_report_says_when_the_moves_part_stopped_early(tmp_path: Path) -> None:
+    data = _result()
+    data["moves"]["error"] = "`fusuma vm start mv` exited 1: no such image"
+    f = tmp_path / "network.json"
+    f.write_text(json.dumps(data))
+    md = report_network.render(f, tmp_path / "out")[0].read_text()
+    assert ("**The moves part stopped early**: `fusuma vm start mv` exited 1: no such "
+            "image") in md
+
+
+class FakeWorld:
+    """fusuma's answers in the moves part, without a VM: where each VM is, what a move
+    returns; every command asked is kept."""
+
+    ns = "fzbn-test"
+
+    def __init__(self, cpr: bool = True) -> None:
+        self.asked: list[tuple[str, ...]] = []
+        self.where = {"mv": "p0", "bare": "p0"}
+        self.qemu = {"p0": "7.2.22", "p1": "7.2.22"}
+        self.cpr = cpr
+
+    def nsenter(self, ns: str) -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{ns}", "--"]
+
+    def fusuma(self, *args: str, timeout: float = 300, check: bool = True
+               ) -> subprocess.CompletedProcess[str]:
+        self.asked.append(args)
+        out: Any = {}
+        if args[:2] == ("vm", "show"):
+            out = {"partition": self.where[args[2]], "qemu": self.qemu[self.where[args[2]]]}
+        elif args[:2] == ("qemu", "list"):
+            out = [{"series": "7.2"}, *([{"series": "10.0"}] if self.cpr else [])]
+        elif args[0] == "migrate":
+            self.where[args[1]] = args[3]
+            out = {"downtime_ms": 3.0 if args[1] == "bare" else 3.5,
+                   "qemu_downtime_ms": 2.0, "total_ms": 50.0}
+        elif args[0] == "maintain":
+            out = {"moves": [{"downtime_ms": 4.0, "qemu_downtime_ms": 3.0}] *
+                   (2 if "--via" in args else 1)}
+        elif args[:2] == ("partition", "create"):
+            self.qemu[args[2]] = "10.0.2"
+        return subprocess.CompletedProcess(list(args), 0, json.dumps(out), "")
+
+    def guest(self, vm: str, script: str, timeout: float = 60) -> str:
+        return f"2: eth0    inet {network_moves.MOVE_IP}/24 brd ..."
+
+
+def _probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    def around(nsenter: list[str], host: str, port: int, span_s: float,
+               move: Any) -> netprobe.Seen[Any]:
+        assert nsenter[1] == "--net=/run/netns/fzbn-test" and host == network_moves.MOVE_IP
+        return _seen(move())
+    monkeypatch.setattr(netprobe, "around", around)
+
+
+def test_the_moves_part_asks_fusuma_for_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    _probes(monkeypatch)
+    w = FakeWorld()
+    out = network_moves.run(w, move_runs=3, downtime_runs=5)
+    assert out["error"] is None
+    migrations = [a for a in w.asked if a[0] == "migrate"]
+    # The NIC / no NIC comparison: in turn, 5 each, back and forth between p0 and p1.
+    firsts = [a[1] for a in migrations[:10]]
+    assert firsts == ["mv", "bare", "bare", "mv", "mv", "bare", "bare", "mv", "mv", "bare"]
+    assert [a[3] for a in migrations[:10] if a[1] == "mv"] == ["p1", "p0", "p1", "p0", "p1"]
+    assert all("zero-copy" in a for a in migrations[:10])
+    d = out["nic_downtime"]
+    assert (d["with_nic_moves"], d["without_nic_moves"]) == (5, 5)
+    assert d["nic_minus_no_nic_ms"] == 0.5 and d["qemu"] == "7.2.22"
+    # bare goes, both partitions are made again on QEMU 10.0, the empty one first.
+    i = w.asked.index(("vm", "delete", "bare", "--force"))
+    made = [a for a in w.asked[i:] if a[0] == "partition"]
+    assert made == [("partition", "delete", "p0"),
+                    ("partition", "create", "p0", "--cpus", "0", "--memory", "1024",
+                     "--qemu", "10.0"),
+                    ("partition", "delete", "p1"),
+                    ("partition", "create", "p1", "--cpus", "1", "--memory", "1024",
+                     "--qemu", "10.0")]
+    kinds = {k["kind"]: k for k in out["kinds"]}
+    for kind in network_moves.KINDS:
+        assert kinds[kind]["runs"] == 3 and kinds[kind]["qemu"] == "10.0.2", kinds[kind]
+    assert kinds["maintain --via"]["moves_per_run"] == 2
+    assert kinds["maintain --via"]["downtime_ms_median"] == 8.0
+    maint = [a for a in w.asked if a[0] == "maintain"]
+    assert ("maintain", "p0", "--via", "p1", "--json") in maint
+    assert ("maintain", "p0", "--in-place", "--json") in maint
+
+
+def test_the_moves_part_without_qemu_10_or_when_a_step_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _probes(monkeypatch)
+    out = network_moves.run(FakeWorld(cpr=False), move_runs=1, downtime_runs=1)
+    kinds = {k["kind"]: k for k in out["kinds"]}
+    assert "qemu install 10.0" in kinds["maintain --in-place"]["skipped"]
+    assert kinds["copy"]["runs"] == 1 and kinds["copy"]["qemu"] == "7.2.22"
+
+    class Broken(FakeWorld):
+        def guest(self, vm: str, script: str, timeout: float = 60) -> str:
+            raise network.BenchError("`fusuma vm exec mv` exited 1: no agent")
+    out = network_moves.run(Broken(), move_runs=1, downtime_runs=1)
+    assert out["error"] == "`fusuma vm exec mv` exited 1: no agent"
+    assert all(k["runs"] == 0 for k in out["kinds"])
