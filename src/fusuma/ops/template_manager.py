@@ -65,7 +65,7 @@ class TemplateManager:
         refuse(rec, rec.qemu_version)
         from fusuma.vm import boot
 
-        boot.check_movable(rec, "a template")
+        boot.check_template(rec)
         capacity.check_template(self.db, self.parts.host, name, rec.memory_mib)
         return rec
 
