@@ -112,6 +112,8 @@ class Rec:
     state: VmState
     pid: int | None = 100
     error: str | None = None
+    boot: str = "kernel"
+    image: str = "minimal"
 
 
 class FakeHost:
@@ -216,6 +218,29 @@ def world(host: str, move: Obj | None, state: VmState | None) -> tuple[FakeAgent
 
 def recorded(a: FakeAgent, what: str = "move") -> Obj:
     return dict(a.kube.obj["status"].get(what) or {})
+
+
+@pytest.mark.parametrize("state", [VmState.RUNNING, VmState.STOPPED])
+def test_a_vm_booted_by_firmware_is_not_moved_between_hosts(
+        monkeypatch: pytest.MonkeyPatch, state: VmState) -> None:
+    """Its thin disk, NVRAM and seed are files of this host: one sentence, nothing
+    started, nothing deleted (a stopped one too: it would be defined anew there)."""
+    from fusuma.vm import view
+
+    monkeypatch.setattr(view.process, "pid_alive", lambda pid: True)
+    monkeypatch.setattr(view.process, "cmdline", lambda pid: "guest=vm0,debug-threads=on")
+    a, here = world("h0", None, state)
+    here.db.vms["vm0"] = replace(here.db.vms["vm0"], boot="uefi", image="deb")
+    failed: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(a, "fail", lambda *args, **kw: failed.append(args), raising=False)
+    hostmove.begin(a, a, VmView(a.kube.get(None, "vm0")), here.db.vms["vm0"])
+    [(_, reason, message)] = failed
+    assert reason == "MoveFailed"
+    assert message == ("VM 'vm0' boots by firmware from a thin disk on image 'deb' of "
+                       "this host, which host 'h1' does not have: it moves between "
+                       "partitions of this host only.")
+    assert here.db.jobs == [] and here.sent == [] and here.deleted == []
+    assert "vm0" in here.db.vms
 
 
 def test_the_source_half_runs_its_steps_and_records_each_phase(

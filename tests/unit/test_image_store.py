@@ -7,7 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,14 @@ from fusuma.errors import ConflictError, NotFoundError, SpecError, StateError
 from fusuma.images import seed, store
 from fusuma.paths import Paths
 from fusuma.qemu import recorded
-from fusuma.qemu.cmdline import ThinDisk, Uefi, VmConfig, build_argv, device_set
+from fusuma.qemu.cmdline import (
+    DeviceSetMismatch,
+    ThinDisk,
+    Uefi,
+    VmConfig,
+    build_argv,
+    device_set,
+)
 from fusuma.state import Database, PartitionRecord, VmRecord
 from fusuma.vm import boot
 from tests.unit import test_storage
@@ -271,12 +280,67 @@ def test_boot_follows_the_image(tmp_path: Path, paths: Paths, db: Database) -> N
                                segments=[], template=None)
 
 
-def test_moves_and_templates_of_a_firmware_vm_are_refused() -> None:
-    boot.check_movable(VmRecord("k", "p0", 1, 256), "a move")     # kernel boot: fine
+def test_templates_and_moves_between_hosts_of_a_firmware_vm_are_refused() -> None:
+    kernel = VmRecord("k", "p0", 1, 256)
+    boot.check_template(kernel)                                  # kernel boot: fine
+    boot.check_host_move(kernel, "h2")
+    fw = VmRecord("f", "p0", 1, 256, image="a", boot="uefi")
     with pytest.raises(StateError, match="boots by firmware from a thin disk on image "
                        "'a', and a template of such a VM is not supported yet"):
-        boot.check_movable(VmRecord("f", "p0", 1, 256, image="a", boot="uefi"),
-                           "a template")
+        boot.check_template(fw)
+    with pytest.raises(StateError, match="image 'a' of this host, which host 'h2' does "
+                       "not have: it moves between partitions of this host only"):
+        boot.check_host_move(fw, "h2")
+
+
+UEFI = Uefi(Path("/usr/share/OVMF/OVMF_CODE_4M.fd"), Path("/h/vms/vm0/nvram.fd"),
+            code_fd=20, vars_fds=(21, 22))
+
+
+def test_the_firmware_is_recorded_and_a_destination_must_boot_the_same() -> None:
+    bios = device_set(fw_cfg(machine="pc-q35-7.2"))
+    uefi = device_set(fw_cfg(machine="pc-q35-7.2", uefi=UEFI))
+    kernel = device_set(fw_cfg(machine="pc-q35-7.2", thin_disk=None, seed=None,
+                               seed_fd=None))
+    assert (bios.firmware, uefi.firmware, kernel.firmware) == ("bios", "uefi", None)
+    # A kernel boot's record is what it was (no field); a firmware's passes the list.
+    assert "firmware" not in kernel.as_json()
+    for ds in (bios, uefi, kernel):
+        assert recorded.parse_device_set(ds.dumps()) == ds
+        assert type(ds).loads(ds.dumps()) == ds
+    # A destination given the recorded set must have the same firmware: OVMF's pflash
+    # devices are part of what the guest sees.
+    argv = build_argv(fw_cfg(uefi=UEFI, devices=uefi, incoming="defer"))
+    assert "if=pflash,format=raw,unit=1,file=/dev/fdset/2,file.locking=off" in argv
+    with pytest.raises(DeviceSetMismatch, match="VM vm0 booted by uefi, and its "
+                       "definition now boots by bios"):
+        build_argv(fw_cfg(devices=uefi, incoming="defer"))
+    with pytest.raises(DeviceSetMismatch, match="booted by bios, and its definition "
+                       "now boots by uefi"):
+        build_argv(fw_cfg(uefi=UEFI, devices=bios, incoming="defer"))
+    # A set recorded before the field: no check (what the VM's record says is used).
+    build_argv(fw_cfg(uefi=UEFI, devices=replace(uefi, firmware=None), incoming="defer"))
+
+
+@pytest.mark.parametrize("firmware, says", [
+    ("pflash", "firmware 'pflash' is not bios or uefi"),
+    ("uefi,readonly=off", "firmware is longer than 8 characters"),
+    (7, "firmware is int, not a string"),
+])
+def test_a_recorded_firmware_is_one_of_fusumas(firmware: object, says: str) -> None:
+    d = device_set(fw_cfg(machine="pc-q35-7.2", uefi=UEFI)).as_json()
+    d["firmware"] = firmware
+    with pytest.raises(recorded.DeviceSetRefused, match=re.escape(says)):
+        recorded.parse_device_set(json.dumps(d))
+
+
+def test_a_recorded_firmware_needs_the_boot_disk() -> None:
+    d = device_set(fw_cfg(machine="pc-q35-7.2", thin_disk=None, seed=None,
+                          seed_fd=None)).as_json()
+    d["firmware"] = "bios"
+    with pytest.raises(recorded.DeviceSetRefused, match="it boots by bios but has no boot "
+                       "disk"):
+        recorded.parse_device_set(json.dumps(d))
 
 
 def test_a_killed_import_leaves_no_record_and_its_copy_is_swept(

@@ -68,11 +68,12 @@ from fusuma.cluster.resources import (
     now_iso,
     set_condition,
 )
-from fusuma.errors import FusumaError, MigrationError
+from fusuma.errors import FusumaError, MigrationError, StateError
 from fusuma.qemu import recorded
 from fusuma.state import Decision, JobKind, MovePhase, VmState, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.moves.source import MAX_CHANNELS
+from fusuma.vm import boot
 
 if TYPE_CHECKING:
     from fusuma.ops.context import Ctx
@@ -537,6 +538,13 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
     if a.host_lost(dest) or a.hosts_informer.get("", dest) is None:
         r.fail(v, "MoveFailed", f"cannot move {v.name!r} to host {dest!r}: it is not a "
                "registered, live host (kubectl get fusumahosts).", state=v.state)
+        return
+    try:
+        # Its thin disk, NVRAM and seed stay with this host: refused, running or not
+        # (a stopped VM would otherwise be defined anew there, on an empty disk).
+        boot.check_host_move(local, dest)
+    except StateError as exc:
+        r.fail(v, "MoveFailed", str(exc), state=v.state)
         return
     if state in ("stopped", "crashed"):
         # Nothing to carry: the destination defines it anew from the spec.

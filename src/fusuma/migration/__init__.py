@@ -108,9 +108,6 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
     db = parts.db
     rec = db.vm(vm)
     dest = db.partition(to)
-    from fusuma.vm import boot
-
-    boot.check_movable(rec, "a move")
     if mode == CPR_MODE:
         if rec.partition != to:
             raise StateError(f"{CPR_MODE} moves a VM to a new QEMU in its own partition "

@@ -58,14 +58,13 @@ class TemplateManager:
             raise StateError(f"VM {vm!r} is {state}; a template is made from a running "
                              f"VM: start it (`fusuma vm start {vm}`) and try again.")
         from fusuma.memshare.templates import refuse
+        from fusuma.vm import boot
 
+        boot.check_template(rec)
         # NICs on taps are fine: the template keeps their networks, and each clone gets
         # NICs of its own there (a MAC, an address, a tap), given to its guest by its
         # identity step.
         refuse(rec, rec.qemu_version)
-        from fusuma.vm import boot
-
-        boot.check_movable(rec, "a template")
         capacity.check_template(self.db, self.parts.host, name, rec.memory_mib)
         return rec
 

@@ -292,14 +292,22 @@ class DeviceSet:
     # The CPUID features the guest was shown (under TCG: ``max`` trimmed to what
     # every installed QEMU emulates); () when not recorded: plain ``cpu``.
     cpu_features: tuple[str, ...] = ()
+    # The firmware a guest booted from its disk by: "bios" (SeaBIOS) or "uefi" (OVMF
+    # in two pflash devices, code and the VM's NVRAM); None for a kernel boot or a set
+    # recorded before fusuma wrote it. A move's destination must boot the same.
+    firmware: str | None = None
 
     def as_json(self) -> dict[str, object]:
-        return {"version": DEVICE_SET_VERSION, "machine": self.machine,
-                "machine_props": [list(p) for p in self.machine_props], "cpu": self.cpu,
-                "smp": self.smp, "memory": self.memory, "serial": self.serial,
-                "devices": [{"driver": d.driver, "props": [list(p) for p in d.props]}
-                            for d in self.devices],
-                "cpu_features": list(self.cpu_features)}
+        out: dict[str, object] = {
+            "version": DEVICE_SET_VERSION, "machine": self.machine,
+            "machine_props": [list(p) for p in self.machine_props], "cpu": self.cpu,
+            "smp": self.smp, "memory": self.memory, "serial": self.serial,
+            "devices": [{"driver": d.driver, "props": [list(p) for p in d.props]}
+                        for d in self.devices],
+            "cpu_features": list(self.cpu_features)}
+        if self.firmware is not None:      # a kernel boot's record stays as it was
+            out["firmware"] = self.firmware
+        return out
 
     def dumps(self) -> str:
         return json.dumps(self.as_json(), separators=(",", ":"))
@@ -317,7 +325,8 @@ class DeviceSet:
                    devices=tuple(Device(str(x["driver"]),
                                         tuple((str(k), str(v)) for k, v in x["props"]))
                                  for x in d["devices"]),
-                   cpu_features=tuple(str(f) for f in d.get("cpu_features", ())))
+                   cpu_features=tuple(str(f) for f in d.get("cpu_features", ())),
+                   firmware=None if d.get("firmware") is None else str(d["firmware"]))
 
 
 def _pairs(opts: str) -> tuple[tuple[str, str], ...]:
@@ -363,7 +372,15 @@ def device_set(cfg: VmConfig) -> DeviceSet:
         devs.append(Device("vmgenid", (("id", VMGENID_ID), ("guid", cfg.vmgenid))))
     return DeviceSet(machine=cfg.machine, machine_props=_pairs(MACHINE_OPTS),
                      cpu="host" if cfg.accel == "kvm" else "max", smp=cfg.vcpus,
-                     memory=memory_arg(cfg), serial="con0", devices=tuple(devs))
+                     memory=memory_arg(cfg), serial="con0", devices=tuple(devs),
+                     firmware=firmware_of(cfg))
+
+
+def firmware_of(cfg: VmConfig) -> str | None:
+    """The firmware ``cfg`` boots its disk by (None: a kernel boot)."""
+    if cfg.uefi is not None:
+        return "uefi"
+    return "bios" if cfg.thin_disk is not None else None
 
 
 def has_page_reporting(ds: DeviceSet) -> bool:
@@ -527,6 +544,12 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
         raise DeviceSetMismatch(f"VM {cfg.name}'s recorded devices attach to "
                                 f"{', '.join(missing)}, which its definition no longer "
                                 "has")
+    if ds.firmware is not None and ds.firmware != firmware_of(cfg):
+        # The pflash devices (OVMF's) are guest-visible: a destination without them,
+        # or with them for a SeaBIOS guest, cannot take the guest's state.
+        raise DeviceSetMismatch(f"VM {cfg.name} booted by {ds.firmware}, and its "
+                                "definition now boots by "
+                                f"{firmware_of(cfg) or 'its kernel'}")
     # The guest-visible part, in the recorded order (the order fixes PCI addresses).
     if ds.serial is not None:
         argv += ["-serial", f"chardev:{ds.serial}"]

@@ -22,6 +22,7 @@ from typing import Any
 from fusuma.names import NAME
 from fusuma.qemu.cmdline import (
     BALLOON_ID,
+    BOOT_DRIVE,
     DEVICE_SET_VERSION,
     MACHINE_OPTS,
     NET_ID,
@@ -50,7 +51,11 @@ VECTORS = "(6|8|10|12|14|16|18)"
 CPUS = ("host", "max", f"max,{TCG_CPU_IDENTITY}")
 SERIALS = (None, "con0")
 FIELDS = {"version", "machine", "machine_props", "cpu", "smp", "memory", "serial",
-          "devices", "cpu_features"}
+          "devices", "cpu_features", "firmware"}
+OPTIONAL = {"cpu_features", "firmware"}
+# The firmware of a guest booted from its disk (SeaBIOS; OVMF in pflash): only these,
+# and only with the boot disk fusuma gives such a guest.
+FIRMWARES = ("bios", "uefi")
 # What a move carries from the source's VM record (fusuma.cluster.hostmove.CARRIED).
 CARRIED = ("machine", "devices", "accel_used")
 # ... and its NICs on fusuma's networks (index, network, MAC, address): the destination
@@ -251,7 +256,7 @@ def parse_device_set(text: object) -> DeviceSet:
     extra = sorted(set(d) - FIELDS)
     if extra:
         raise _refuse(f"it has fields fusuma does not write ({_names(extra)})")
-    missing = sorted(FIELDS - {"cpu_features"} - set(d))
+    missing = sorted(FIELDS - OPTIONAL - set(d))
     if missing:
         raise _refuse(f"it lacks {', '.join(missing)}")
     _int(d["version"], "version", DEVICE_SET_VERSION, DEVICE_SET_VERSION)
@@ -280,8 +285,22 @@ def parse_device_set(text: object) -> DeviceSet:
         raise _refuse("a CPU feature is named twice")
     if features and not cpu.startswith("max"):
         raise _refuse("CPU features are recorded for a CPU that is not TCG's max")
+    firmware = _firmware(d.get("firmware"), devices)
     return DeviceSet(machine=machine, machine_props=machine_props, cpu=cpu, smp=smp,
-                     memory=memory, serial=serial, devices=devices, cpu_features=features)
+                     memory=memory, serial=serial, devices=devices, cpu_features=features,
+                     firmware=firmware)
+
+
+def _firmware(value: object, devices: tuple[Device, ...]) -> str | None:
+    if value is None:
+        return None
+    firmware = _str(value, "firmware", 8)
+    if firmware not in FIRMWARES:
+        raise _refuse(f"firmware {firmware!r} is not bios or uefi")
+    if not any(("drive", BOOT_DRIVE) in d.props for d in devices
+               if d.driver == "virtio-blk-pci"):
+        raise _refuse(f"it boots by {firmware} but has no boot disk ({BOOT_DRIVE})")
+    return firmware
 
 
 def check_carried(record: Mapping[str, object]) -> dict[str, str]:

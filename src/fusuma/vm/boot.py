@@ -113,9 +113,20 @@ def check_spec_fields(boot: str, *, disk_size: str | None, ssh_keys: Sequence[st
                         "--boot and the image's options.")
 
 
-def check_movable(rec: VmRecord, what: str) -> None:
-    """Refuse ``what`` (a move, a template) of a VM that boots by firmware: its thin
-    disk, NVRAM and seed are not handed over by moves yet."""
+def check_template(rec: VmRecord) -> None:
+    """Refuse a template of a VM that boots by firmware: its clones would each need a
+    thin disk, NVRAM and seed of their own, which clones do not get yet."""
     if rec.boot != "kernel":
         raise StateError(f"VM {rec.name!r} boots by firmware from a thin disk on image "
-                         f"{rec.image!r}, and {what} of such a VM is not supported yet.")
+                         f"{rec.image!r}, and a template of such a VM is not supported "
+                         "yet.")
+
+
+def check_host_move(rec: VmRecord, host: str) -> None:
+    """Refuse a move to another host of a VM that boots by firmware: its thin disk,
+    NVRAM and seed are files of this host, and that host has not its image. (Moves on
+    one host keep them: every kind of move's destination opens the same files.)"""
+    if rec.boot != "kernel":
+        raise StateError(f"VM {rec.name!r} boots by firmware from a thin disk on image "
+                         f"{rec.image!r} of this host, which host {host!r} does not "
+                         "have: it moves between partitions of this host only.")
