@@ -371,9 +371,7 @@ def test_template_clones_get_nics_of_their_own(booted: tuple[Host, Net]) -> None
                 if link["ifname"].startswith("fzt-")}
         for c in ("k1", "k2"):
             pid = h.vm(c)["pid"]
-            held = {Path(f"/proc/{pid}/fdinfo/{fd}").read_text().split("iff:\t")[1].split()[0]
-                    for fd in os.listdir(f"/proc/{pid}/fd")
-                    if "iff:\t" in Path(f"/proc/{pid}/fdinfo/{fd}").read_text()}
+            held = _taps_of(pid)
             assert len(held) == 1 and taps[held.pop()]["master"] == "fzb-lan0"
         guest(h, "k1", f"ping -c 2 -W 3 {k2['ip']} && ping -c 1 -W 3 {LAN0}.1")
         guest(h, "k2", f"ping -c 2 -W 3 {k1['ip']}")
@@ -543,12 +541,20 @@ def _held_taps(h: Host) -> dict[str, int]:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
-                    if line.startswith("iff:\tfzt-"):
-                        held[line.split("\t", 1)[1].strip()] = pid
+        for tap in _taps_of(pid, fds):
+            held[tap] = pid
     return held
+
+
+def _taps_of(pid: int, fds: list[str] | None = None) -> set[str]:
+    """The taps QEMU ``pid`` holds a queue of (its descriptors' ``iff:`` lines)."""
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd") if fds is None else fds:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+                if line.startswith("iff:\tfzt-"):
+                    out.add(line.split("\t", 1)[1].strip())
+    return out
 
 
 def _settled(h: Host, vm: str, timeout: float = 30) -> dict[str, Any] | None:
