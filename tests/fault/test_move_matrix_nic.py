@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from fusuma_bench import netprobe
 from tests.conftest import Host
 from tests.fault.movekit import (
     Nic,
@@ -33,7 +34,7 @@ from tests.fault.movekit import (
     ready,
     wait_resolved,
 )
-from tests.integration.test_network_moves import PINGER, holders, in_ns
+from tests.integration.test_network_moves import holders, in_ns
 from tests.integration.test_networks import Net, world
 
 __all__ = ["world"]
@@ -53,7 +54,7 @@ def answers(net: Net, ip: str, timeout: float = 20) -> bool:
     """The guest answers echoes on its address (100 a second, from fusuma's namespace)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = subprocess.run(in_ns(net, "python3", "-c", PINGER, ip, "100"),
+        out = subprocess.run(in_ns(net, "python3", "-c", netprobe.ECHO, ip, "100"),
                              capture_output=True, text=True, timeout=30).stdout
         if json.loads(out)["received"] > 0:
             return True
