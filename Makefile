@@ -144,7 +144,8 @@ test-cgroup2: image-cgroup2
 
 # The 20 slowest tests close every run, so the suite's budget shows in every CI log.
 test: image kube lint test-cgroup2
-	$(VENV)/bin/pytest -q tests --ignore=tests/cgroup2 --durations=20
+	$(VENV)/bin/pytest -q tests --ignore=tests/cgroup2 --durations=20 \
+	  --junitxml=test-output/junit.xml
 
 bench-boot: image
 	$(FUSUMA) bench boot --vms 2 --runs 5 --json results/boot.json
