@@ -57,6 +57,9 @@ def test_the_manual_is_served_beside_the_dashboard(app: FastAPI) -> None:
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/css")
     r = c.get("/manual")
     assert r.status_code == 308 and r.headers["location"] == "/manual/"
+    # A page's directory without its slash: its relative links need the slash.
+    r = c.get("/manual/tutorials/first-host")
+    assert r.status_code == 308 and r.headers["location"] == "/manual/tutorials/first-host/"
     # Swagger UI stays where it was.
     r = c.get("/docs")
     assert r.status_code == 200 and "swagger-ui" in r.text

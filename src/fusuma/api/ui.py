@@ -323,6 +323,11 @@ def router(d: Daemon) -> APIRouter:
                 f"builds the site into {base}), or point FUSUMA_MANUAL_DIR at a built "
                 f"site.\n", status_code=404, headers={"Cache-Control": "no-store"})
         path = manual_file(base, rel)
+        if path is not None and path.name == "index.html" and rel and \
+                not rel.endswith(("/", "index.html")):
+            # A page's directory without its slash: the page's relative links need it.
+            return RedirectResponse("/manual/" + urllib.parse.quote(rel) + "/",
+                                    status_code=308)
         if path is None:
             return PlainTextResponse(f"No page /manual/{rel} in the manual.\n",
                                      status_code=404)
