@@ -2,7 +2,7 @@
 every command of the page against a real host (one partition, one busybox VM of 128
 MiB), each one's output compared with the page's for structure and words, not for pids,
 sizes or times (tests/docs_session.py). So the tutorial cannot rot: a command that
-changes its name, its options or what it prints fails here. About 40 s under TCG.
+changes its name, its options or what it prints fails here. About 10 s under TCG.
 
 FUSUMA_DOCS_RECORD=1 writes the real output into the page instead of comparing."""
 
