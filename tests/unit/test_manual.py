@@ -146,11 +146,12 @@ def test_every_route_spec_key_metric_and_error_is_in_the_reference(
 
 
 def test_no_issue_numbers_in_what_a_user_reads(pages: dict[str, str]) -> None:
-    """The manual and every --help name features, never issue numbers."""
+    """The manual, the README and every --help name features, never issue numbers."""
     import re
 
     pattern = re.compile(r"\bissues? ?#?\d+", re.IGNORECASE)
     texts = {name: text for name, text in pages.items()}
+    texts["README.md"] = (REPO / "README.md").read_text()
     for md in (REPO / "docs").rglob("*.md"):
         if "generated" not in md.parts:
             texts[str(md.relative_to(REPO))] = md.read_text()
