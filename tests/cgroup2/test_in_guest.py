@@ -46,8 +46,17 @@ def guest_tests() -> list[str]:
     return ids
 
 
+def chosen(session: pytest.Session) -> list[str]:
+    """The guest tests this session runs, when ``-k`` (or node ids) picked some: the
+    guest's pytest gets them, so that a targeted run runs only those; [] for all."""
+    picked = [str(item.callspec.params["test"]) for item in session.items
+              if isinstance(item, pytest.Function) and item.originalname == "test_in_guest"]
+    return [] if set(picked) == set(guest_tests()) else picked
+
+
 @pytest.fixture(scope="module")
-def guest_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def guest_run(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("cg2")
     h = Host(tmp)
     h.env["FUSUMA_TCG_TB_MIB"] = str(TB_MIB)
@@ -71,7 +80,7 @@ def guest_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
               timeout=330)
         timings["guest_boot_s"] = time.monotonic() - t0 - timings["images_and_disk_s"]
         run = h.run("vm", "exec", "g", "--timeout", "1500", "--", f"{guestkit.MOUNT}/run.sh",
-                    check=False, timeout=1560)
+                    *chosen(request.session), check=False, timeout=1560)
         timings["guest_tests_s"] = time.monotonic() - t0 - sum(timings.values())
         (OUT / "guest-pytest.txt").write_text(run.out + run.err)
         got = h.run("vm", "exec", "g", "--", "cat", guestkit.RESULTS, check=False)
