@@ -5,9 +5,11 @@ The guest is fusuma's own ``debian-host`` image (Debian 12, systemd as PID 1, th
 unified cgroup2 hierarchy with cpuset, cpu, memory and io; 2 vCPUs, 2 GiB), started by
 fusuma here like any VM, with fusuma installed on a disk of its own (guestkit). Inside,
 pytest drives fusuma's cgroup v2 driver, cpuset partitions, a partition's supervisor as
-a systemd unit, one real VM under nested TCG (the minimal image, 128 MiB), resize, QoS
-classes and the governor's caps, the per-RAM-file memory groups and the failure cases;
-the results come back through the guest agent, one host test per guest test.
+a systemd unit, real VMs under nested TCG (the minimal image, 128 MiB), resize, QoS
+classes and the governor's caps, the per-RAM-file memory groups, a managed network
+(its dnsmasq's keeper as a unit, in a network namespace) and the failure cases; the
+results come back through the guest agent, one host test per guest test. ``-k`` picks
+guest tests: the guest runs only those.
 
 Takes several minutes (nested TCG); the images are built once and cached.
 """

@@ -7,10 +7,11 @@ cgroup, bridge, tap, nftables table or dnsmasq.
 Everything fusuma makes lives in a network namespace of this module's (fusuma runs under
 ``nsenter --net``), never in the guest's own: the units get the namespace too
 (NetworkNamespacePath=), the partition's supervisor as well, which makes the VM's tap
-there. A DHCP client (busybox udhcpc) on a veth port of the bridge, in a second
-namespace, asks for the address fusuma recorded for its MAC. One `fusuma up` makes the
-network, the partition and the VMs (each CLI call costs seconds under TCG); the tests
-share them, in order."""
+there; that VM (the minimal image under nested TCG, 128 MiB) gets its lease. A DHCP
+client (busybox udhcpc) on a veth port of the bridge, in a second namespace, asks for
+the address fusuma recorded for its MAC. One `fusuma up` makes the network, the
+partition and the VMs (each CLI call costs seconds under TCG); the tests share them, in
+order."""
 
 from __future__ import annotations
 
@@ -156,7 +157,7 @@ def fz() -> Iterator[Fusuma]:
         if "down" not in SEEN:                          # a test failed half-way
             f.run("down", check=False)
         for ns in (CLIENT_NS, NS):
-            subprocess.run(["ip", "netns", "del", ns], check=False)
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
 
 
 def test_the_keeper_is_a_unit_in_the_slice_and_dnsmasq_runs_in_its_cgroup(
