@@ -266,6 +266,10 @@ async def recover_local(h: PartitionHost, job: Job) -> None:
                 h.settle_state(name, VmState.STOPPED, pid=None)
         elif job.kind == JobKind.TEMPLATE:
             await template_ops.recover(h, job)
+        elif job.kind == JobKind.BACKUP:
+            from fusuma.supervisor.backups import recover as recover_backup
+
+            await recover_backup(h, job, inst)
         elif job.kind == JobKind.START:
             status = None if inst is None else await inst.qmp.query_status()
             if inst is not None and status in ("inmigrate", "prelaunch"):
