@@ -536,15 +536,19 @@ def backup(c: Ctx, name: str, dest: str, incremental: bool, max_mib: int | None,
       fusuma vm restore db0-nightly db0-copy --start"""
     from fusuma.vm.backups import backup as run
 
+    shown: set[str] = set()
+
     def progress(phase: str, detail: dict[str, Any]) -> None:
         if as_json:
             return
         if phase == "copy" and detail.get("total"):
             done, total = int(detail.get("done", 0)), int(detail["total"])
-            click.echo(f"\r  copy {100 * done // total:3d}% of {_mib(total)}", nl=False,
-                       err=True)
-        elif phase in ("checksum", "commit"):
-            click.echo(f"\r  {phase}" + " " * 30, err=True)
+            line = f"... copy {10 * (10 * done // total)}% of {_mib(total)}"
+        else:
+            line = f"... {phase}"
+        if line not in shown:
+            shown.add(line)
+            click.echo(line, err=True)
 
     res = run(c.vms, name, dest, incremental=incremental, anywhere=True,
               max_bandwidth=(max_mib or 0) * 2**20, progress=progress)
@@ -594,7 +598,7 @@ def restore(c: Ctx, dest: str, new: str, partition: str | None, point: int | Non
 
     t0 = time.monotonic()
     res = run(c.vms, dest, new, partition, anywhere=True, point=point, start=start,
-              say=None if as_json else (lambda s: click.echo(f"  {s}", err=True)))
+              say=None if as_json else (lambda s: click.echo(f"... {s}", err=True)))
     if as_json:
         from dataclasses import asdict
 

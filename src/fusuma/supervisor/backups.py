@@ -220,8 +220,8 @@ async def _wait(h: PartitionHost, inst: QemuInstance, vm: str,
 
 
 async def backup(h: PartitionHost, req: rpc.Backup) -> rpc.BackedUp:
-    rec, inst = h.running(req.vm)
-    disks = drives(rec)
+    disks = drives(h.vm(req.vm))       # before "start it": a VM that never could
+    h.running(req.vm)
     chain_dir = bk.locate(h.paths, h.db, req.dest, anywhere=req.anywhere)
     async with h.job(req.vm, JobKind.BACKUP):
         rec, inst = h.running(req.vm)
