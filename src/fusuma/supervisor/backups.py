@@ -24,7 +24,7 @@ import contextlib
 import os
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,16 +108,18 @@ async def _sizes(inst: QemuInstance) -> dict[str, int]:
 async def _freeze(h: PartitionHost, inst: QemuInstance) -> bool:
     """Freeze the guest's filesystems through its agent; whether they are frozen (a
     guest without an answering agent is backed up as it runs, crash-consistent)."""
+    asked = False
     try:
-        async with asyncio.timeout(FREEZE_S):
-            async with h.agent(inst) as ga:
-                await ga.connect(timeout=3.0)
-                n = await ga.execute("guest-fsfreeze-freeze", timeout=FREEZE_S)
+        async with asyncio.timeout(FREEZE_S), h.agent_lock(inst.vm), h.agent(inst) as ga:
+            await ga.connect(timeout=3.0)
+            asked = True
+            n = await ga.execute("guest-fsfreeze-freeze", timeout=FREEZE_S)
         return isinstance(n, int) and not isinstance(n, bool) and n >= 0
     except (TimeoutError, GuestAgentError, FusumaError, OSError) as exc:
         h.log.info("%s: filesystems not frozen for the backup: %s", inst.vm,
                    type(exc).__name__)
-        await _thaw(h, inst)     # a freeze that timed out may have frozen some
+        if asked:
+            await _thaw(h, inst)     # a freeze that failed half-way may have frozen some
         return False
 
 
@@ -125,10 +127,10 @@ async def _thaw(h: PartitionHost, inst: QemuInstance) -> None:
     """Thaw the guest's filesystems (harmless when none is frozen); a few tries."""
     for _ in range(3):
         try:
-            async with asyncio.timeout(15.0):
-                async with h.agent(inst) as ga:
-                    await ga.connect(timeout=3.0)
-                    await ga.execute("guest-fsfreeze-thaw", timeout=10.0)
+            async with asyncio.timeout(15.0), h.agent_lock(inst.vm), \
+                    h.agent(inst) as ga:
+                await ga.connect(timeout=3.0)
+                await ga.execute("guest-fsfreeze-thaw", timeout=10.0)
             return
         except (TimeoutError, GuestAgentError, FusumaError, OSError) as exc:
             h.log.warning("%s: thaw failed (%s); trying again", inst.vm, type(exc).__name__)
@@ -339,10 +341,10 @@ async def recover(h: PartitionHost, job: Job, inst: QemuInstance | None) -> None
     nodes = [str(n) for n in job.detail.get("nodes") or []]
     whole = bool(point) and (Path(str(point)) / bk.MANIFEST).is_file()
     if inst is not None:
-        rec = h.vm(job.name)
         with contextlib.suppress(FusumaError):
-            ids = [d for d, _ in drives(rec)]
-            await _thaw(h, inst)
+            ids = [d for d, _ in drives(h.vm(job.name))]
+            if job.phase in ("prepare", "start"):     # it may have died while frozen
+                await _thaw(h, inst)
             await _cancel(inst, nodes)
             await _detach(inst, nodes)
             if isinstance(bitmap, str):
@@ -353,6 +355,7 @@ async def recover(h: PartitionHost, job: Job, inst: QemuInstance | None) -> None
     if point and not whole:
         p = Path(str(point))
         if bk.POINT_RE.fullmatch(p.name):
-            bk.abandon(replace(bk.NewPoint(p.parent, int(p.name), -1, False)))
+            bk.abandon(bk.NewPoint(p.parent, int(p.name), -1,
+                                   created_chain=not bk.points(p.parent)))
     h.log.info("recovered the backup of %s (point %s %s)", job.name, point,
                "kept: its manifest was written" if whole else "removed")
