@@ -503,18 +503,27 @@ def check_backing(chain: Chain) -> None:
 
 def flatten(chain: Chain, drive: str, out: Path, base: Path, base_format: str,
             uid: int) -> None:
-    """``qemu-img convert`` the chain's disk ``drive`` (its last point, which reads
-    through the earlier ones) into ``out``: a qcow2 on ``base`` (the image the VM's
-    thin disk is made on), owned by ``uid``."""
+    """The chain's disk ``drive`` (its last point, read through the earlier ones) as
+    ``out``: a qcow2 on ``base`` (the image the VM's thin disk is made on), owned by
+    ``uid``. Two steps: ``qemu-img convert`` flattens the chain into a qcow2 of its
+    own (``convert -B`` would copy only the top point's clusters), then a safe
+    ``qemu-img rebase`` puts it on the base, writing zeros wherever the guest's disk
+    reads zeros and the base does not."""
     entry = next(e for e in chain.last.disks if e.drive == drive)
     top = chain.file(chain.last, entry)
-    argv = ["qemu-img", "convert", "-q", "-f", "qcow2", "-O", "qcow2", "-B", str(base),
-            "-F", base_format, "-o", "lazy_refcounts=on", str(top), str(out)]
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        with contextlib.suppress(FileNotFoundError):
-            out.unlink()
-        raise HostError(f"cannot restore the disk from {top}: {proc.stderr.strip()}.")
+    steps = [
+        ["qemu-img", "convert", "-q", "-f", "qcow2", "-O", "qcow2", "-o",
+         "lazy_refcounts=on", str(top), str(out)],
+        ["qemu-img", "rebase", "-q", "-f", "qcow2", "-b", str(base), "-F", base_format,
+         str(out)],
+    ]
+    for argv in steps:
+        proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            with contextlib.suppress(FileNotFoundError):
+                out.unlink()
+            raise HostError(f"cannot restore the disk from {top}: "
+                            f"{proc.stderr.strip() or argv[1] + ' failed'}.")
     os.chown(out, uid, uid)
     os.chmod(out, 0o600)
 
