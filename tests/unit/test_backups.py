@@ -196,3 +196,60 @@ def test_the_api_names_backups_never_paths(tmp_path: Path) -> None:
         bk.locate(paths, db, "/etc/x", anywhere=False)
     with pytest.raises(SpecError, match="outside the storage directories"):
         bk.locate(paths, db, "/etc/x", anywhere=True)
+
+
+def _io(path: Path, *cmds: str, fmt: str = "qcow2") -> None:
+    argv = ["qemu-io", "-f", fmt]
+    for c in cmds:
+        argv += ["-c", c]
+    subprocess.run([*argv, str(path)], check=True, capture_output=True)
+
+
+def test_a_restore_flattens_every_point_onto_the_image(tmp_path: Path) -> None:
+    """What the restored disk reads is what the chain's last point reads: data of the
+    full point, of each incremental, and zeros the guest wrote over the image's data
+    (``convert -B`` alone would copy only the top point's clusters)."""
+    chain = tmp_path / "b"
+    size = 64 * 2**20
+    base = tmp_path / "base.raw"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "raw", str(base), str(size)],
+                   check=True)
+    _io(base, f"write -P 0x77 0 {size}", fmt="raw")
+    sums: list[str] = []
+    steps = [["write -P 0x11 0 8M", "write -z 8M 56M"],        # the full point
+             ["write -P 0x22 16M 4M"],                        # what changed since
+             ["write -z 0 1M", "write -P 0x33 32M 1M"]]
+    for n, cmds in enumerate(steps, 1):
+        pt, last = bk.begin(chain, incremental=n > 1)
+        backing = None if n == 1 else f"../{bk.point_name(n - 1)}/boot.qcow2"
+        os.close(bk.create_target(pt, "boot.qcow2", size, 0, backing))
+        _io(pt.path / "boot.qcow2", *cmds)
+        fd = os.open("boot.qcow2", os.O_RDONLY, dir_fd=pt.dir_fd)
+        digest, fsize = bk.digest_fd(fd)
+        os.close(fd)
+        m = bk.Manifest(chain="c" * 32, point=n, kind="full" if n == 1 else "incremental",
+                        taken_at=1.0, seconds=0.1, vm=_config(),
+                        disks=[bk.DiskEntry(BOOT_DRIVE, "boot.qcow2", size, digest, fsize,
+                                            backing)],
+                        nvram=None, bitmap=bk.bitmap_name("c" * 32, n), previous=sums[:],
+                        frozen=False)
+        bk.commit(pt, m)
+        pt.close()
+        sums.append(bk.read_point(chain, n)[1])
+    c = bk.load_chain(chain)
+    bk.check_backing(c)
+    out = tmp_path / "restored.qcow2"
+    bk.flatten(c, BOOT_DRIVE, out, base, "raw", 4242)
+    assert out.stat().st_uid == 4242 and out.stat().st_mode & 0o777 == 0o600
+    _io(out, "read -P 0 0 1M", "read -P 0x11 1M 7M", "read -P 0 8M 8M",
+        "read -P 0x22 16M 4M", "read -P 0 20M 12M", "read -P 0x33 32M 1M",
+        "read -P 0 33M 31M")
+    info = json.loads(subprocess.run(["qemu-img", "info", "--output=json", str(out)],
+                                     capture_output=True, text=True, check=True).stdout)
+    assert info["backing-filename"] == str(base)
+    # A file whose header names another backing file than its manifest: refused.
+    top = chain / "0003" / "boot.qcow2"
+    subprocess.run(["qemu-img", "rebase", "-u", "-b", "/etc/passwd", "-F", "raw",
+                    str(top)], check=True)
+    with pytest.raises(bk.CorruptManifest, match="is not the qcow2 its manifest"):
+        bk.check_backing(bk.load_chain(chain, verify_files=False))
