@@ -220,7 +220,7 @@ def test_a_restore_flattens_every_point_onto_the_image(tmp_path: Path) -> None:
              ["write -P 0x22 16M 4M"],                        # what changed since
              ["write -z 0 1M", "write -P 0x33 32M 1M"]]
     for n, cmds in enumerate(steps, 1):
-        pt, last = bk.begin(chain, incremental=n > 1)
+        pt, _ = bk.begin(chain, incremental=n > 1)
         backing = None if n == 1 else f"../{bk.point_name(n - 1)}/boot.qcow2"
         os.close(bk.create_target(pt, "boot.qcow2", size, 0, backing))
         _io(pt.path / "boot.qcow2", *cmds)

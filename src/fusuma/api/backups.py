@@ -12,14 +12,14 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from fusuma.api import models as m
 from fusuma.api.daemon import Daemon, not_busy
 from fusuma.api.http import NamePath, valid_name
 from fusuma.api.operations import Operation
 from fusuma.api.roles import OPERATOR, RoleRoute
-from fusuma.spec import Name
+from fusuma.spec import Name, _name_field
 from fusuma.state import vm_obj
 
 
@@ -31,6 +31,8 @@ class BackupRequest(m._Req):
     incremental: bool = False
     max_bandwidth_mib: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
 
+    _check = field_validator("backup")(_name_field)
+
 
 class RestoreRequest(m._Req):
     """Make VM ``vm`` from the backup (its last point, or ``point``), in ``partition``
@@ -40,6 +42,13 @@ class RestoreRequest(m._Req):
     partition: Name | None = None
     point: Annotated[int, Field(ge=1, le=9999)] | None = None
     start: bool = False
+
+    _check = field_validator("vm")(_name_field)
+
+    @field_validator("partition")
+    @classmethod
+    def _check_partition(cls, v: str | None) -> str | None:
+        return None if v is None else _name_field(v)
 
 
 def router(d: Daemon) -> APIRouter:
