@@ -34,6 +34,7 @@ import pytest
 
 from fusuma.images import diskimage
 from tests.conftest import FUSUMA, Host
+from tests.integration.test_firmware_moves import qemus_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -63,19 +64,6 @@ def qemu_check(path: Path) -> None:
     res = subprocess.run(["qemu-img", "check", "-f", "qcow2", str(path)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "No errors were found" in res.stdout, (path, res)
-
-
-def qemus_of(vm: str) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"guest={vm},debug-threads=on".encode() in argv:
-                out.append(int(name))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -360,9 +360,7 @@ def copy_nvram(pt: NewPoint, source: Path) -> DiskEntry:
             while chunk := os.read(src, CHUNK):
                 h.update(chunk)
                 size += len(chunk)
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(dst, view):]
+                write_all(dst, chunk)
             os.fsync(dst)
         finally:
             os.close(dst)
@@ -370,6 +368,12 @@ def copy_nvram(pt: NewPoint, source: Path) -> DiskEntry:
         os.close(src)
     return DiskEntry(drive="nvram", file=NVRAM, virtual_size=size, sha256=h.hexdigest(),
                      size=size)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def digest_fd(fd: int) -> tuple[str, int]:
@@ -389,10 +393,7 @@ def commit(pt: NewPoint, m: Manifest) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600, dir_fd=pt.dir_fd)
     try:
-        data = m.to_json().encode()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        write_all(fd, m.to_json().encode())
         os.fsync(fd)
     finally:
         os.close(fd)

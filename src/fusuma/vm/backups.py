@@ -130,9 +130,7 @@ def _copy_nvram(src: Path, dst: Path, uid: int) -> None:
                       | os.O_CLOEXEC, 0o600)
         try:
             while chunk := os.read(fd, bk.CHUNK):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(out, view):]
+                bk.write_all(out, chunk)
             os.fchown(out, uid, uid)
             os.fsync(out)
         finally:
