@@ -248,7 +248,9 @@ async def _backup(h: PartitionHost, rec: VmRecord, inst: QemuInstance,
     try:
         if last is not None:
             have = await _bitmaps(inst)
-            gone = [d for d, _ in disks if last.bitmap not in have.get(d, {})]
+            # A bitmap QEMU did not save whole (it was killed) loads "inconsistent".
+            gone = [d for d, _ in disks if last.bitmap not in have.get(d, {})
+                    or have[d][last.bitmap].get("inconsistent")]
             if gone or [e.drive for e in last.disks] != [d for d, _ in disks]:
                 raise StateError(
                     f"VM {vm!r} no longer tracks its writes since backup point "
