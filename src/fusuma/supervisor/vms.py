@@ -1,5 +1,6 @@
 """A supervisor's VM operations: start, stop, kill, exec, trim, wait for the agent, and
-the recovery of a local job (start, stop, kill, template save) whose supervisor died.
+the recovery of a local job (start, stop, kill, template save, backup) whose supervisor
+died.
 
 Each handler takes the partition (``PartitionHost``) and its typed request
 (``fusuma.supervisor.rpc``) and returns its typed reply."""
@@ -237,7 +238,7 @@ async def resize_disk(h: PartitionHost, req: rpc.ResizeDisk) -> rpc.Resized:
 
 
 async def recover_local(h: PartitionHost, job: Job) -> None:
-    """Finish a start, stop, kill or template save whose supervisor died, asking
+    """Finish a start, stop, kill, template save or backup whose supervisor died, asking
     QEMU (one entry point for every local job kind)."""
     if h.db.take_over(job.obj, job.owner, h.owner) is None:
         return
