@@ -367,3 +367,16 @@ def test_docs_page_needs_no_cdn(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
     assert "/1.0/vms/{name}/move" in spec["paths"]
     assert client.get("/redoc").status_code == 404     # it would need a CDN
+
+
+@pytest.mark.parametrize("backup", ["/etc/x", "../x", "a/b"])
+def test_a_backup_is_a_name_never_a_path(client: TestClient, backup: str) -> None:
+    msg = _error(client.post("/1.0/vms/v/backups", json={"backup": backup}), 400)
+    assert "'backup'" in msg and "not allowed" in msg
+    msg = _error(client.post("/1.0/backups/x/restore", json={"vm": backup}), 400)
+    assert "'vm'" in msg
+
+
+def test_backup_of_an_unknown_vm_and_restore_of_no_backup(client: TestClient) -> None:
+    assert "no VM named 'nope'" in _error(
+        client.post("/1.0/vms/nope/backups", json={"backup": "b"}), 404)

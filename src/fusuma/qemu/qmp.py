@@ -164,6 +164,13 @@ class Qmp:
                              transferred=int(ram.get("transferred", 0)),
                              error=r.get("error-desc"))
 
+    async def add_fd(self, fd: int, opaque: str) -> int:
+        """Pass descriptor ``fd`` to QEMU (SCM_RIGHTS) into a new fdset; its id (QEMU
+        opens it as ``/dev/fdset/ID``). ``fd`` stays open here: close it after."""
+        self._client.send_fd_scm(fd)
+        reply = await self.execute("add-fd", {"opaque": opaque})
+        return int(reply["fdset-id"])
+
     async def cont(self) -> None:
         await self.execute("cont")
 

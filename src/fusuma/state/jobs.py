@@ -75,12 +75,13 @@ class JobKind(enum.StrEnum):
     HOST_MOVE = "host-move"     # a move between hosts, the source's half
     HOST_MOVE_IN = "host-move-in"   # ... and the destination's
     IDENTITY = "identity"       # a clone's own identity, given once it runs
+    BACKUP = "backup"           # a running VM's disks copied into a backup point
 
 
 #: Jobs a partition's supervisor owns and recovers itself (the CLI, the API daemon and
 #: the agent own the others).
 LOCAL_JOBS = frozenset({JobKind.START, JobKind.STOP, JobKind.KILL, JobKind.TEMPLATE,
-                        JobKind.IDENTITY})
+                        JobKind.IDENTITY, JobKind.BACKUP})
 
 
 class Decision(enum.StrEnum):

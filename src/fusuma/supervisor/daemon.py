@@ -33,7 +33,7 @@ from fusuma.host import cgroups
 from fusuma.names import vm_leaf
 from fusuma.paths import Paths
 from fusuma.state import LOCAL_JOBS, Database
-from fusuma.supervisor import adopt, rpc, templates, vms
+from fusuma.supervisor import adopt, backups, rpc, templates, vms
 from fusuma.supervisor.host import PartitionHost
 from fusuma.supervisor.moves import cpr, dest, remote, source
 
@@ -92,6 +92,7 @@ class Supervisor:
             route(rpc.Exec, lambda r: vms.exec_(h, r)),
             route(rpc.Trim, lambda r: vms.trim(h, r)),
             route(rpc.ResizeDisk, lambda r: vms.resize_disk(h, r)),
+            route(rpc.Backup, lambda r: backups.backup(h, r)),
             route(rpc.TemplateSave, lambda r: templates.save(h, r.vm, r.template, r.fault)),
             route(rpc.GovernorStatus, self.governor_status),
             route(rpc.Repin, self.repin),

@@ -110,6 +110,22 @@ class Resized:
 
 
 @dataclass(frozen=True)
+class BackedUp:
+    """A backup point written whole (its manifest last)."""
+
+    vm: str
+    dest: str                  # the chain's directory
+    point: int
+    kind: str                  # full | incremental
+    chain: str
+    bytes: int                 # the point's files on disk
+    disk_bytes: int            # the disks' virtual sizes
+    seconds: float
+    frozen: bool               # the guest agent froze the filesystems at the point
+    files: list[str]
+
+
+@dataclass(frozen=True)
 class TemplateSaved:
     template: str
     vm: str
@@ -275,6 +291,19 @@ class ResizeDisk(Request[Resized]):
 
 
 @dataclass(frozen=True)
+class Backup(Request[BackedUp]):
+    """Back up a running VM's disks into backup ``dest`` (a name, or from root's CLI
+    a path in a storage directory: ``anywhere``), fully or on its last point."""
+
+    OP: ClassVar[str] = "backup"
+    vm: str
+    dest: str
+    incremental: bool = False
+    anywhere: bool = False
+    max_bandwidth: int = 0     # bytes/s for the copy; 0: no limit
+
+
+@dataclass(frozen=True)
 class TemplateSave(Request[TemplateSaved]):
     OP: ClassVar[str] = "template-save"
     vm: str
@@ -408,7 +437,7 @@ class RemoteIncomingWait(Request[StreamState]):
 
 #: The one table from wire name to request class.
 REQUESTS: dict[str, type[Request[Any]]] = {cls.OP: cls for cls in (
-    Ping, Status, Start, WaitAgent, Stop, Kill, Exec, Trim, ResizeDisk, TemplateSave,
+    Ping, Status, Start, WaitAgent, Stop, Kill, Exec, Trim, ResizeDisk, Backup, TemplateSave,
     GovernorStatus, Repin, IncomingPrepare, MigrateOut, CprPrepare, CprTransfer, IncomingFinish,
     IncomingCommit, IncomingAbort, Release, ResumeSource, Settle, ListInstances,
     RemoteIncoming, RemoteIncomingWait)}

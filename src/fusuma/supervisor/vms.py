@@ -1,5 +1,6 @@
 """A supervisor's VM operations: start, stop, kill, exec, trim, wait for the agent, and
-the recovery of a local job (start, stop, kill, template save) whose supervisor died.
+the recovery of a local job (start, stop, kill, template save, backup) whose supervisor
+died.
 
 Each handler takes the partition (``PartitionHost``) and its typed request
 (``fusuma.supervisor.rpc``) and returns its typed reply."""
@@ -237,7 +238,7 @@ async def resize_disk(h: PartitionHost, req: rpc.ResizeDisk) -> rpc.Resized:
 
 
 async def recover_local(h: PartitionHost, job: Job) -> None:
-    """Finish a start, stop, kill or template save whose supervisor died, asking
+    """Finish a start, stop, kill, template save or backup whose supervisor died, asking
     QEMU (one entry point for every local job kind)."""
     if h.db.take_over(job.obj, job.owner, h.owner) is None:
         return
@@ -266,6 +267,10 @@ async def recover_local(h: PartitionHost, job: Job) -> None:
                 h.settle_state(name, VmState.STOPPED, pid=None)
         elif job.kind == JobKind.TEMPLATE:
             await template_ops.recover(h, job)
+        elif job.kind == JobKind.BACKUP:
+            from fusuma.supervisor.backups import recover as recover_backup
+
+            await recover_backup(h, job, inst)
         elif job.kind == JobKind.START:
             status = None if inst is None else await inst.qmp.query_status()
             if inst is not None and status in ("inmigrate", "prelaunch"):

@@ -1,0 +1,140 @@
+"""Backups as the front doors run them: ``backup`` asks the VM's supervisor (which
+holds its QEMU) and reports the copy's progress while it waits; ``restore`` makes a
+new VM from a backup chain (fusuma.images.backup) in this process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fusuma.errors import NotFoundError, StateError
+from fusuma.images import backup as bk
+from fusuma.images.store import disk_path, nvram_path
+from fusuma.qemu.cmdline import BOOT_DRIVE
+from fusuma.state import JobKind, vm_obj
+from fusuma.supervisor import rpc
+
+if TYPE_CHECKING:
+    from fusuma.vm.manager import VmManager
+
+# A backup's copy may take long (its rate is the disk's, or --max-bandwidth's).
+BACKUP_TIMEOUT = 6 * 3600.0
+Progress = Callable[[str, dict[str, Any]], None]
+
+
+def backup(vms: VmManager, name: str, dest: str, *, incremental: bool = False,
+           anywhere: bool = False, max_bandwidth: int = 0,
+           progress: Progress | None = None) -> rpc.BackedUp:
+    """Back up running VM ``name`` into ``dest``; ``progress(phase, detail)`` is
+    called about twice a second while the supervisor works."""
+    vms.parts.ensure_recovered(vm_obj(name))
+    rec = vms.db.vm(name)
+    bk.locate(vms.paths, vms.db, dest, anywhere=anywhere)      # a bad DEST: refused here
+    req = rpc.Backup(name, dest, incremental=incremental, anywhere=anywhere,
+                     max_bandwidth=max_bandwidth)
+    client = vms.parts.client(rec.partition)
+    if progress is None:
+        return client.send(req, BACKUP_TIMEOUT)
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(client.send, req, BACKUP_TIMEOUT)
+        seen: tuple[str, str] | None = None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                return fut.result(timeout=0.5)
+            job = vms.db.find_job(vm_obj(name))
+            if job is not None and job.kind == JobKind.BACKUP:
+                key = (job.phase, str(job.detail.get("done")))
+                if key != seen:
+                    seen = key
+                    progress(job.phase, job.detail)
+
+
+@dataclass(frozen=True)
+class Restored:
+    vm: str
+    partition: str
+    source_vm: str
+    dest: str
+    point: int
+    points: int
+    seconds: float
+    disk_bytes: int
+
+
+def restore(vms: VmManager, dest: str, new: str, partition: str | None, *,
+            anywhere: bool = False, point: int | None = None, start: bool = False,
+            say: Callable[[str], None] | None = None) -> Restored:
+    """Make VM ``new`` from the backup at ``dest`` (its last point, or ``point``): the
+    chain's checksums first, then the VM defined as the backup's was (a new MAC per
+    NIC, a new cloud-init instance id), its disk flattened from the chain onto the
+    same image, its NVRAM the backup's. Nothing is left of a restore that fails."""
+    from fusuma.spec import VmSpec, build
+    from fusuma.undo import Reverter
+
+    t0 = time.monotonic()
+    chain_dir = bk.locate(vms.paths, vms.db, dest, anywhere=anywhere)
+    if say:
+        say(f"checking {chain_dir}")
+    chain = bk.load_chain(chain_dir, point)
+    bk.check_backing(chain)
+    m = chain.last
+    image = vms.db.find_imported(m.vm.image)
+    if image is None:
+        raise NotFoundError(f"the backup's VM was made on image {m.vm.image!r}, which "
+                            "this host does not have; import it again (`fusuma image "
+                            f"import {m.vm.image} FILE`) to restore.")
+    if image.sha256 != m.vm.image_sha256:
+        raise StateError(f"image {m.vm.image!r} here is not the one the backup's VM was "
+                         "made on (its checksum differs); import that image under its "
+                         "name to restore.")
+    entry = next((e for e in m.disks if e.drive == BOOT_DRIVE), None)
+    if entry is None or len(m.disks) != 1:
+        raise bk.CorruptManifest(f"backup {chain_dir} holds disks this fusuma cannot "
+                                 "restore.")
+    spec = build(VmSpec, "vm", name=new, partition=partition or m.vm.partition,
+                 vcpus=m.vm.vcpus, memory_mib=m.vm.memory_mib, image=m.vm.image,
+                 boot=m.vm.boot, disk_size=str(entry.virtual_size), qos=m.vm.qos,
+                 machine=m.vm.machine, nics=[{"network": n} for n in m.vm.networks])
+    vms.create(spec)
+    with Reverter() as rev:
+        rev.add(lambda: vms.delete(new, force=True), "the restored VM")
+        rec = vms.db.vm(new)
+        if say:
+            say(f"flattening {len(chain.manifests)} point(s) into VM {new}'s disk")
+        tmp = vms.paths.vm_dir(new) / ".restore.qcow2"
+        bk.flatten(chain, BOOT_DRIVE, tmp, Path(image.path), image.format, rec.uid)
+        os.replace(tmp, disk_path(vms.paths, new))
+        if m.nvram is not None:
+            _copy_nvram(chain.file(m, m.nvram), nvram_path(vms.paths, new), rec.uid)
+        if start:
+            if say:
+                say(f"starting VM {new}")
+            vms.start(new)
+        rev.commit()
+    return Restored(vm=new, partition=rec.partition, source_vm=m.vm.name,
+                    dest=str(chain_dir), point=m.point, points=len(chain.manifests),
+                    seconds=round(time.monotonic() - t0, 3), disk_bytes=entry.virtual_size)
+
+
+def _copy_nvram(src: Path, dst: Path, uid: int) -> None:
+    tmp = dst.with_name(".restore-nvram")
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                      | os.O_CLOEXEC, 0o600)
+        try:
+            while chunk := os.read(fd, bk.CHUNK):
+                bk.write_all(out, chunk)
+            os.fchown(out, uid, uid)
+            os.fsync(out)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+    os.replace(tmp, dst)
