@@ -118,7 +118,7 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	@# every test module imports (a name moved elsewhere fails here, not after the cgroup2 suite)
-	$(VENV)/bin/pytest -q --collect-only -p no:cacheprovider tests > /dev/null
+	PYTHONPATH=src $(VENV)/bin/pytest -q --collect-only -p no:cacheprovider tests > /dev/null
 
 unit: venv
 	$(VENV)/bin/pytest -q tests/unit
