@@ -477,3 +477,12 @@ def _bridge(s: socket.socket) -> None:
             termios.tcsetattr(fd, termios.TCSADRAIN, old)
         s.close()
         click.echo("", err=True)
+
+
+def _snapshot_group() -> None:
+    from fusuma.cli.snapshot import snapshot
+
+    vm.add_command(snapshot)
+
+
+_snapshot_group()
