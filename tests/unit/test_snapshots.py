@@ -327,3 +327,32 @@ def test_run_job_reports_qemus_error_and_dismisses_it() -> None:
     with pytest.raises(QemuError, match="snapshot-load failed: Snapshot does not exist"):
         asyncio.run(blocksnap.load(qmp, "nope", "#n", ["#n"], 5))  # type: ignore[arg-type]
     assert qmp.jobs == {} and "job-dismiss" in qmp.log
+
+
+def test_the_api_lists_snapshots_and_refuses_unknown_ones_at_once(tmp_path: Path) -> None:
+    from fusuma.api.app import create_app
+    from fusuma.state.roles import Role
+    from tests.unit.test_api_roles import client_as
+
+    paths = Paths(home=tmp_path / "home", runtime=tmp_path / "run", shm=tmp_path / "shm",
+                  cache=tmp_path / "cache", cgroup_prefix="t")
+    db = Database(paths.db)
+    db.add_partition(PartitionRecord(name="p0", cpus=[0], memory_mib=1024))
+    db.add_vm(VmRecord(name="v", partition="p0", vcpus=1, memory_mib=256, image="deb",
+                       boot="bios"))
+    db.add_snapshot(SnapshotRecord(vm="v", name="a", memory=True, disks=[BOOT_DRIVE]))
+    db.set_snapshot("v", "a", state=SnapState.READY, vmstate_bytes=9)
+    db.add_snapshot(SnapshotRecord(vm="v", name="half", memory=False, disks=[BOOT_DRIVE]))
+    with client_as(create_app(paths), Role.OPERATOR) as c:
+        listed = c.get("/1.0/vms/v/snapshots").json()
+        assert [(s["name"], s["memory"], s["vmstate_bytes"]) for s in listed] == \
+            [("a", True, 9)]
+        for r in (c.get("/1.0/vms/v/snapshots/half"),
+                  c.post("/1.0/vms/v/snapshots/nope/restore"),
+                  c.delete("/1.0/vms/v/snapshots/half")):
+            assert r.status_code == 404 and "has no snapshot named" in r.json()["error"]
+        r = c.post("/1.0/vms/v/snapshots", json={"name": "../x"})
+        assert r.status_code in (400, 422), r.text
+    with client_as(create_app(paths), Role.VIEWER) as c:
+        assert c.post("/1.0/vms/v/snapshots", json={"name": "b"}).status_code == 403
+    assert [s.name for s in db.snapshots("v", every=True)] == ["a", "half"]
