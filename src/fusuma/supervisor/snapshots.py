@@ -76,6 +76,7 @@ FREEZE_S = 60.0          # the agent's freeze (it syncs every filesystem first)
 AGENT_CONNECT_S = 3.0    # a guest without an agent is snapshotted without a freeze
 JOB_S = 900.0            # a snapshot-save/-load of the RAM under TCG
 STOP_S = 30.0
+EXIT_S = 10.0            # a QEMU that stopped answering, to be seen gone
 
 
 @dataclass(frozen=True)
@@ -269,10 +270,17 @@ async def _undo(h: PartitionHost, rec: VmRecord, disks: list[SnapDisk], name: st
     is logged and leaves the record (not ready: never listed) for the next job."""
     try:
         inst = h.instances.get(rec.name)
-        if inst is not None and inst.exited.is_set():
-            inst = None
         if inst is not None:
-            await blocksnap.wait_job(inst.qmp, JOB_S)
+            try:
+                await blocksnap.wait_job(inst.qmp, JOB_S)
+            except QemuError:
+                # Its QEMU died (killed while it wrote?): the disk is qemu-img's once
+                # the process is gone.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(inst.exited.wait(), EXIT_S)
+                if not inst.exited.is_set():
+                    raise
+                inst = None
         for d in disks:
             if inst is None:
                 # A QEMU or qemu-img killed while it wrote leaves clusters it allocated
@@ -306,6 +314,7 @@ async def restore(h: PartitionHost, req: rpc.SnapshotRestore) -> rpc.SnapshotDon
         rec = h.vm(req.vm)
         disks = disks_of(h, rec)
         inst = _live(h, rec)
+        await _purge_stale(h, rec, inst, disks)
         snap = h.db.snapshot(rec.name, req.name)
         if sorted(snap.disks) != sorted(d.drive for d in disks):
             raise StateError(f"snapshot {req.name!r} covers {', '.join(snap.disks)} and VM "
@@ -398,7 +407,7 @@ async def delete(h: PartitionHost, req: rpc.SnapshotDelete) -> rpc.SnapshotDone:
         rec = h.vm(req.vm)
         h.db.snapshot(rec.name, req.name)        # one sentence when there is none
         disks = disks_of(h, rec)
-        _live(h, rec)
+        await _purge_stale(h, rec, _live(h, rec), disks)
         job.phase(DELETE, op="delete", snapshot=req.name)
         h.db.set_snapshot(rec.name, req.name, state=SnapState.DELETING)
         await _undo(h, rec, disks, req.name)
