@@ -153,10 +153,11 @@ def kill_during_save(host: Host, name: str, victim: str) -> subprocess.Completed
 def test_refusals_change_nothing_and_a_stopped_vm_snapshots_by_qemu_img(
         g: Host, tmp_path: Path) -> None:
     t0 = time.monotonic()
-    g.run("vm", "create", "k0", "-p", "p0")                       # fusuma's own image
+    small = ("-p", "p0", "--memory", "128")                    # never started
+    g.run("vm", "create", "k0", *small)                          # fusuma's own image
     g.run("disk", "add", "d0", "-p", "p0", "--size-mib", "8")
-    g.run("vm", "create", "r0", "-p", "p0", "--image", "deb", "--disk", "d0")
-    g.run("vm", "create", "s0", "-p", "p0", "--image", "deb")    # stays stopped
+    g.run("vm", "create", "r0", *small, "--image", "deb", "--disk", "d0")
+    g.run("vm", "create", "s0", *small, "--image", "deb")
     cases = [
         (("create", "k0", "a"), "boots fusuma's own image 'minimal', whose disks are raw"),
         (("create", "r0", "a"), "has raw disk(s) d0 attached, which cannot hold snapshots"),

@@ -43,6 +43,7 @@ class FakeQmp:
         self.vm = vm
         self.drives: dict[str, list[dict[str, Any]]] = {BOOT_DRIVE: []}
         self.caps = {"x-ignore-shared": True, "multifd": False}
+        self.mode = "normal"
         self.jobs: dict[str, dict[str, Any]] = {}
         self.log: list[str] = []
         self.fail = fail               # a command that fails
@@ -76,12 +77,18 @@ class FakeQmp:
             for c in args["capabilities"]:
                 self.caps[c["capability"]] = c["state"]
             return {}
+        if command == "query-migrate-parameters":
+            return {"mode": self.mode}
+        if command == "migrate-set-parameters":
+            self.mode = args["mode"]
+            return {}
         if command in ("snapshot-save", "snapshot-load"):
             assert args["vmstate"] in args["devices"]
             err = None
             if command == "snapshot-save":
                 # RAM in a shared file is left out while x-ignore-shared is on.
-                size = 4096 if self.caps["x-ignore-shared"] else RAM
+                size = 4096 if self.caps["x-ignore-shared"] or self.mode != "normal" \
+                    else RAM
                 self.drives[BOOT_DRIVE].append({"name": args["tag"], "vm-state-size": size,
                                                 "date-sec": 1})
             elif not any(s["name"] == args["tag"] for s in self.drives[BOOT_DRIVE]):
@@ -101,6 +108,9 @@ class FakeQmp:
     async def migrate_set_capabilities(self, caps: dict[str, bool]) -> None:
         await self.execute("migrate-set-capabilities", {"capabilities": [
             {"capability": k, "state": v} for k, v in caps.items()]})
+
+    async def migrate_set_parameters(self, params: dict[str, Any]) -> None:
+        await self.execute("migrate-set-parameters", params)
 
     async def query_status(self) -> str:
         return self.status
@@ -223,12 +233,24 @@ def test_a_memory_snapshot_turns_x_ignore_shared_off_and_back(
     assert qmp.names() == set() and h.db.snapshots("v", every=True) == []
 
 
-def test_stream_capabilities_refuse_a_qemu_that_keeps_x_ignore_shared() -> None:
+def test_a_memory_snapshot_after_an_in_place_move_leaves_cpr_mode_meanwhile(
+        world: tuple[PartitionHost, list[str]]) -> None:
+    h, _ = world
+    qmp = FakeQmp()
+    qmp.mode = "cpr-transfer"
+    running(h, qmp)
+    res = asyncio.run(snapshots.create(h, rpc.SnapshotCreate("v", "m1", memory=True)))
+    assert res.vmstate_bytes == RAM and qmp.mode == "cpr-transfer"
+
+
+def test_a_qemu_that_keeps_x_ignore_shared_is_refused_a_memory_snapshot() -> None:
     class Stubborn(FakeQmp):
         async def migrate_set_capabilities(self, caps: dict[str, bool]) -> None:
             return None
     with pytest.raises(QemuError, match="would leave the RAM out"):
-        asyncio.run(blocksnap.stream_capabilities(Stubborn()))  # type: ignore[arg-type]
+        qmp = Stubborn()
+        asyncio.run(blocksnap.for_snapshot(
+            qmp, asyncio.run(blocksnap.stream_settings(qmp))))  # type: ignore[arg-type]
 
 
 def test_refusals_are_one_sentence_and_change_nothing(
@@ -291,9 +313,11 @@ def test_recovery_of_a_memory_snapshot_puts_the_capabilities_back(
     h.db.add_snapshot(SnapshotRecord(vm="v", name="m", memory=True, disks=[BOOT_DRIVE]))
     job = Job(vm_obj("v"), JobKind.SNAPSHOT, snapshots.SAVE, JobOwner.me(), source="p0",
               detail={"op": "create", "snapshot": "m", "memory": True,
-                      "caps": {"x-ignore-shared": True, "multifd": False}})
+                      "settings": {"caps": {"x-ignore-shared": True, "multifd": False},
+                                   "mode": "cpr-transfer"}})
     asyncio.run(snapshots.recover(h, job))
-    assert qmp.caps["x-ignore-shared"] is True and agent == []
+    assert qmp.caps["x-ignore-shared"] is True and qmp.mode == "cpr-transfer"
+    assert agent == []
     assert h.db.snapshots("v", every=True) == []
 
 

@@ -7,8 +7,9 @@
   ``snapshot-load`` and removed by ``snapshot-delete``. They write the migration stream
   into the qcow2 disk named ``vmstate``, so the migration capabilities apply to it:
   ``x-ignore-shared`` on would leave guest RAM in a shared file (fusuma's RAM file)
-  out of the state, and both ends must agree on it. :func:`stream_capabilities` turns
-  off those that change the stream and gives back what was set, to be put back after.
+  out of the state, and both ends must agree on it. :func:`for_snapshot` turns off
+  what changes the stream (:func:`stream_settings` reads it first, :func:`put_back`
+  sets it again after).
 """
 
 from __future__ import annotations
@@ -104,21 +105,42 @@ async def capabilities(qmp: Qmp) -> dict[str, bool]:
             if isinstance(c, dict) and c.get("capability") in STREAM_CAPS}
 
 
-async def set_capabilities(qmp: Qmp, caps: dict[str, bool]) -> None:
-    if caps:
-        await qmp.migrate_set_capabilities(caps)
+async def stream_settings(qmp: Qmp) -> dict[str, Any]:
+    """What of the migration settings changes a snapshot's stream, as set now: the
+    capabilities of :data:`STREAM_CAPS` and the migration mode (QEMU >= 8.2; a QEMU
+    made by an in-place move may be left in ``cpr-transfer``, which skips RAM)."""
+    params = await qmp.execute("query-migrate-parameters")
+    mode = params.get("mode") if isinstance(params, dict) else None
+    return {"caps": await capabilities(qmp), "mode": None if mode is None else str(mode)}
 
 
-async def stream_capabilities(qmp: Qmp) -> dict[str, bool]:
-    """Turn off the capabilities that would change a snapshot's stream (x-ignore-shared
-    above all); what was set before (put it back with :func:`set_capabilities`)."""
-    before = await capabilities(qmp)
-    await set_capabilities(qmp, {k: False for k, on in before.items() if on})
-    after = await capabilities(qmp)
-    if any(after.values()):
-        raise QemuError(f"QEMU kept {', '.join(k for k, v in after.items() if v)} on; a "
-                        "snapshot of the RAM would leave the RAM out.")
-    return before
+async def put_back(qmp: Qmp, settings: dict[str, Any]) -> None:
+    """Set what :func:`stream_settings` read (a job's record of it: checked)."""
+    caps = settings.get("caps")
+    if isinstance(caps, dict) and caps:
+        await qmp.migrate_set_capabilities({str(k): bool(v) for k, v in caps.items()
+                                            if k in STREAM_CAPS})
+    mode = settings.get("mode")
+    if isinstance(mode, str) and mode in ("normal", "cpr-reboot", "cpr-transfer",
+                                          "cpr-exec"):
+        await qmp.migrate_set_parameters({"mode": mode})
+
+
+async def for_snapshot(qmp: Qmp, before: dict[str, Any]) -> None:
+    """Turn off what would change a snapshot's stream (x-ignore-shared above all, a
+    cpr mode), given what is set now (:func:`stream_settings`); checked."""
+    caps = before["caps"]
+    if any(caps.values()):
+        await qmp.migrate_set_capabilities({k: False for k, on in caps.items() if on})
+    if before["mode"] not in (None, "normal"):
+        await qmp.migrate_set_parameters({"mode": "normal"})
+    after = await stream_settings(qmp)
+    if any(after["caps"].values()) or after["mode"] not in (None, "normal"):
+        kept = [k for k, v in after["caps"].items() if v]
+        if after["mode"] not in (None, "normal"):
+            kept.append(f"mode {after['mode']}")
+        raise QemuError(f"QEMU kept {', '.join(kept)}; a snapshot of the RAM would leave "
+                        "the RAM out.")
 
 
 async def _jobs(qmp: Qmp, timeout: float) -> dict[str, dict[str, Any]]:

@@ -14,9 +14,9 @@ part of a snapshot (its variables in the guest's memory are, with ``--memory``).
   filesystems (``guest-fsfreeze-freeze``), QEMU snapshots every disk in one
   ``transaction``, and the filesystems are thawed in ``finally`` (and by the recovery
   when the supervisor died meanwhile). With ``--memory``: the ``snapshot-save`` job,
-  with the stream capabilities off (fusuma.qemu.blocksnap: ``x-ignore-shared`` would
-  leave the RAM file out) and put back after; no freeze (the state holds the guest's
-  caches, and a restore must not bring back a frozen guest).
+  with the stream's settings off (fusuma.qemu.blocksnap: ``x-ignore-shared`` would
+  leave the RAM file out, as would a cpr mode) and put back after; no freeze (the
+  state holds the guest's caches, and a restore must not bring back a frozen guest).
 - **Create, stopped**: ``qemu-img snapshot -c`` on each disk, as the VM's uid.
 - **Restore**: with memory, ``snapshot-load`` into the VM's QEMU (started first if the
   VM was stopped): the guest runs on from the moment it was taken. Disks only, as
@@ -165,7 +165,8 @@ def _check_memory(h: PartitionHost, rec: VmRecord, inst: QemuInstance | None) ->
                         "snapshot; start it, or leave out --memory for a snapshot of its "
                         "disks.")
     version = inst.version or rec.qemu_version
-    if version is not None and parse_version(version) < blocksnap.SNAPSHOT_QEMU:
+    # (An unparsable version, (0,), is not refused: QEMU's own answer then decides.)
+    if version is not None and (0,) < parse_version(version) < blocksnap.SNAPSHOT_QEMU:
         raise SpecError(f"VM {rec.name!r} runs on QEMU {version}, which cannot snapshot "
                         "memory (QEMU 6.0 or later can); leave out --memory, or move it "
                         "to a partition with a newer QEMU (`fusuma maintain --via`).")
@@ -196,14 +197,14 @@ async def _take(h: PartitionHost, phase: Phase, rec: VmRecord, inst: QemuInstanc
             await asyncio.to_thread(offline.create, d.path, rec.uid, snap.name)
         return False, None
     if snap.memory:
-        caps = await blocksnap.capabilities(inst.qmp)
-        phase(SAVE, caps=caps)
-        await blocksnap.stream_capabilities(inst.qmp)
+        settings = await blocksnap.stream_settings(inst.qmp)
+        phase(SAVE, settings=settings)
         try:
+            await blocksnap.for_snapshot(inst.qmp, settings)
             nodes = await _nodes(inst, disks)
             await blocksnap.save(inst.qmp, snap.name, nodes[0], nodes, JOB_S)
         finally:
-            await asyncio.shield(blocksnap.set_capabilities(inst.qmp, caps))
+            await asyncio.shield(blocksnap.put_back(inst.qmp, settings))
         top = (await blocksnap.drives(inst.qmp))[disks[0].drive]
         size = next((s.vm_state_size for s in top.snapshots if s.name == snap.name), 0)
         if size <= 0:
@@ -359,14 +360,14 @@ async def _load(h: PartitionHost, phase: Phase, inst: QemuInstance, disks: list[
                 name: str, running: bool) -> None:
     """Load snapshot ``name`` (disks, RAM, devices) into ``inst``; the guest runs on
     from there (``running``: it ran when it was taken)."""
-    caps = await blocksnap.capabilities(inst.qmp)
-    phase(LOAD, caps=caps)
-    await blocksnap.stream_capabilities(inst.qmp)
+    settings = await blocksnap.stream_settings(inst.qmp)
+    phase(LOAD, settings=settings)
     try:
+        await blocksnap.for_snapshot(inst.qmp, settings)
         nodes = await _nodes(inst, disks)
         await blocksnap.load(inst.qmp, name, nodes[0], nodes, JOB_S)
     finally:
-        await asyncio.shield(blocksnap.set_capabilities(inst.qmp, caps))
+        await asyncio.shield(blocksnap.put_back(inst.qmp, settings))
     status = await inst.qmp.query_status()
     if status == "paused" and running:
         await inst.qmp.cont()
@@ -432,11 +433,10 @@ async def recover(h: PartitionHost, job: Job) -> None:
     if inst is not None:
         with contextlib.suppress(FusumaError):
             await blocksnap.wait_job(inst.qmp, JOB_S)      # a save/load QEMU still runs
-        caps = job.detail.get("caps")
-        if isinstance(caps, dict):
+        settings = job.detail.get("settings")
+        if isinstance(settings, dict):
             with contextlib.suppress(FusumaError):
-                await blocksnap.set_capabilities(inst.qmp, {str(k): bool(v)
-                                                            for k, v in caps.items()})
+                await blocksnap.put_back(inst.qmp, settings)
         if job.phase in (FREEZE, SAVE, THAW) and not job.detail.get("memory"):
             async with h.agent_lock(rec.name):
                 await _thaw(h, inst)
