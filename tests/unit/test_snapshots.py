@@ -380,3 +380,25 @@ def test_the_api_lists_snapshots_and_refuses_unknown_ones_at_once(tmp_path: Path
     with client_as(create_app(paths), Role.VIEWER) as c:
         assert c.post("/1.0/vms/v/snapshots", json={"name": "b"}).status_code == 403
     assert [s.name for s in db.snapshots("v", every=True)] == ["a", "half"]
+
+
+@pytest.mark.parametrize(("found", "repair"), [(0, None), (3, "leaks"), (2, "all")])
+def test_a_disk_is_repaired_only_as_far_as_its_check_says(
+        monkeypatch: pytest.MonkeyPatch, found: int, repair: str | None) -> None:
+    import subprocess
+
+    from fusuma.images import snapshots as offline
+
+    calls: list[list[str]] = []
+
+    def run(path: Path, uid: int, args: list[str], *, write: bool,
+            ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
+        calls.append(args)
+        assert write == ("-r" in args) and uid == 7
+        code = found if args == ["check"] else 0
+        assert code in ok
+        return subprocess.CompletedProcess(args, code, "Leaked cluster 9 fixed\n", "")
+    monkeypatch.setattr(offline, "run", run)
+    said = offline.repair(Path("/nowhere"), 7)
+    assert calls == [["check"]] + ([["check", "-r", repair]] if repair else [])
+    assert (said is None) == (repair is None)

@@ -100,10 +100,24 @@ def delete(path: Path, uid: int, name: str) -> None:
     run(path, uid, ["snapshot", "-d", name], write=True)
 
 
-def repair_leaks(path: Path, uid: int) -> str:
-    """``qemu-img check -r leaks``: clusters a killed writer allocated and never used
-    are freed (never data); its report's last line."""
-    # 0: clean; 1: check not completed; 2: corruption left; 3: leaks left.
-    proc = run(path, uid, ["check", "-r", "leaks"], write=True, ok=(0, 3))
-    lines = proc.stdout.strip().splitlines()
-    return lines[-1] if lines else ""
+def repair(path: Path, uid: int) -> str | None:
+    """Make the disk's metadata whole after a writer was killed in the middle of an
+    internal snapshot; what was repaired (None: it was clean).
+
+    QEMU creates a snapshot by raising the refcount of every cluster the disk uses,
+    clearing their "copied" flags and only then writing the snapshot's entry; killed
+    in between, it leaves refcounts one too high and flags out of step (``qemu-img
+    check``: ERROR OFLAG_COPIED, leaked clusters), and killed while it wrote the memory
+    state, clusters allocated for it and never referenced. Neither touches the guest's
+    data: ``qemu-img check -r`` recomputes refcounts and flags from the tables that map
+    it. Only leaks: ``-r leaks``; anything else: ``-r all``, after which the check must
+    be clean."""
+    # Exit status 0: clean; 2: errors; 3: only leaked clusters.
+    found = run(path, uid, ["check"], write=False, ok=(0, 2, 3))
+    if found.returncode == 0:
+        return None
+    mode = "leaks" if found.returncode == 3 else "all"
+    fixed = run(path, uid, ["check", "-r", mode], write=True, ok=(0,))
+    lines = [ln for ln in fixed.stdout.strip().splitlines() if ln.strip()]
+    return f"-r {mode}: " + ("; ".join(ln for ln in lines if "fixed" in ln.lower())
+                             or (lines[-1] if lines else "repaired"))

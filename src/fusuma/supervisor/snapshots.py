@@ -284,9 +284,12 @@ async def _undo(h: PartitionHost, rec: VmRecord, disks: list[SnapDisk], name: st
                 inst = None
         for d in disks:
             if inst is None:
-                # A QEMU or qemu-img killed while it wrote leaves clusters it allocated
-                # and never used (never data): freed first, so `qemu-img check` is clean.
-                await asyncio.to_thread(offline.repair_leaks, d.path, rec.uid)
+                # A QEMU or qemu-img killed while it wrote leaves the disk's refcounts
+                # out of step (never its data): repaired first (fusuma.images.snapshots).
+                how = await asyncio.to_thread(offline.repair, d.path, rec.uid)
+                if how is not None:
+                    h.log.warning("%s's disk %s after an unfinished snapshot: %s",
+                                  rec.name, d.path, how)
             if name not in await _names_on(h, rec, inst, d):
                 continue
             if inst is not None:
