@@ -111,11 +111,13 @@ def read_disk(host: Host, where: list[tuple[int, int]], size: int, tmp: Path) ->
     for off, length in where:
         assert off % 512 == 0 and length % 512 == 0
         out = tmp / "dd.raw"
+        # qemu-img 7.2's dd counts ``count`` from the input's start, not from ``skip``.
         subprocess.run(["qemu-img", "dd", "-U", "-f", "qcow2", "-O", "raw", "bs=512",
-                        f"skip={off // 512}", f"count={length // 512}",
+                        f"skip={off // 512}", f"count={(off + length) // 512}",
                         f"if={disk(host)}", f"of={out}"], check=True, capture_output=True)
         data += out.read_bytes()
         out.unlink()
+    assert len(data) >= size, len(data)
     return data[:size]
 
 
