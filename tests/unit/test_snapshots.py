@@ -402,3 +402,30 @@ def test_a_disk_is_repaired_only_as_far_as_its_check_says(
     said = offline.repair(Path("/nowhere"), 7)
     assert calls == [["check"]] + ([["check", "-r", repair]] if repair else [])
     assert (said is None) == (repair is None)
+
+
+@pytest.mark.parametrize("was_running", [True, False])
+def test_recovery_finishes_a_disk_restore_whose_supervisor_died_after_the_stop(
+        world: tuple[PartitionHost, list[str]], monkeypatch: pytest.MonkeyPatch,
+        was_running: bool) -> None:
+    """Killed between the stop and the start: the disk is reverted again (the same
+    result however often) and the VM started if it ran."""
+    from fusuma.images import snapshots as offline
+    from fusuma.supervisor import vms
+
+    h, _ = world
+    h.db.transition("v", VmState.STOPPING)
+    h.db.add_snapshot(SnapshotRecord(vm="v", name="d", memory=False, disks=[BOOT_DRIVE]))
+    h.db.set_snapshot("v", "d", state=SnapState.READY)
+    done: list[str] = []
+    monkeypatch.setattr(offline, "apply", lambda path, uid, name: done.append(f"apply {name}"))
+
+    async def start_held(h_: PartitionHost, rec: VmRecord, requested: float) -> None:
+        done.append(f"start {rec.state.value}")
+    monkeypatch.setattr(vms, "start_held", start_held)
+    job = Job(vm_obj("v"), JobKind.SNAPSHOT, snapshots.REVERT, JobOwner.me(), source="p0",
+              detail={"op": "restore", "snapshot": "d", "memory": False,
+                      "was_running": was_running})
+    asyncio.run(snapshots.recover(h, job))
+    assert done == ["apply d"] + (["start stopped"] if was_running else [])
+    assert [s.name for s in h.db.snapshots("v")] == ["d"]

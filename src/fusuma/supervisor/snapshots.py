@@ -120,15 +120,23 @@ def _live(h: PartitionHost, rec: VmRecord) -> QemuInstance | None:
                      "running or stopped.")
 
 
+async def _begin(h: PartitionHost, vm: str) -> tuple[VmRecord, list[SnapDisk],
+                                                    QemuInstance | None]:
+    """Under the VM's job: its record, the disks a snapshot covers, its QEMU (None:
+    stopped); records a job left unfinished are cleared first."""
+    rec = h.vm(vm)
+    disks = disks_of(h, rec)
+    inst = _live(h, rec)
+    await _purge_stale(h, rec, inst, disks)
+    return rec, disks, inst
+
+
 # -- create -------------------------------------------------------------------------
 async def create(h: PartitionHost, req: rpc.SnapshotCreate) -> rpc.Snapshot:
     check_name("snapshot", req.name)
     t0 = time.monotonic()
     async with h.lock(req.vm), h.job(req.vm, JobKind.SNAPSHOT) as job:
-        rec = h.vm(req.vm)
-        disks = disks_of(h, rec)
-        inst = _live(h, rec)
-        await _purge_stale(h, rec, inst, disks)
+        rec, disks, inst = await _begin(h, req.vm)
         if req.memory:
             _check_memory(h, rec, inst)
         if h.db.find_snapshot(rec.name, req.name) is not None:
@@ -315,10 +323,7 @@ async def _purge_stale(h: PartitionHost, rec: VmRecord, inst: QemuInstance | Non
 async def restore(h: PartitionHost, req: rpc.SnapshotRestore) -> rpc.SnapshotDone:
     t0 = time.monotonic()
     async with h.lock(req.vm), h.job(req.vm, JobKind.SNAPSHOT) as job:
-        rec = h.vm(req.vm)
-        disks = disks_of(h, rec)
-        inst = _live(h, rec)
-        await _purge_stale(h, rec, inst, disks)
+        rec, disks, inst = await _begin(h, req.vm)
         snap = h.db.snapshot(rec.name, req.name)
         if sorted(snap.disks) != sorted(d.drive for d in disks):
             raise StateError(f"snapshot {req.name!r} covers {', '.join(snap.disks)} and VM "
@@ -408,10 +413,8 @@ async def _wait_stopped(h: PartitionHost, vm: str, timeout: float = STOP_S) -> N
 async def delete(h: PartitionHost, req: rpc.SnapshotDelete) -> rpc.SnapshotDone:
     t0 = time.monotonic()
     async with h.lock(req.vm), h.job(req.vm, JobKind.SNAPSHOT) as job:
-        rec = h.vm(req.vm)
-        h.db.snapshot(rec.name, req.name)        # one sentence when there is none
-        disks = disks_of(h, rec)
-        await _purge_stale(h, rec, _live(h, rec), disks)
+        h.db.snapshot(req.vm, req.name)          # one sentence when there is none
+        rec, disks, _ = await _begin(h, req.vm)
         job.phase(DELETE, op="delete", snapshot=req.name)
         h.db.set_snapshot(rec.name, req.name, state=SnapState.DELETING)
         await _undo(h, rec, disks, req.name)
