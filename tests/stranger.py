@@ -16,7 +16,7 @@ CLONE_NEWNET = 0x40000000
 QEVM = b"QEVM\x00\x00\x00\x03"
 
 
-def _enter(netns: str) -> None:
+def enter_netns(netns: str) -> None:
     fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -34,7 +34,7 @@ def connect_first(netns: str, addr: str, port: int, pem: bytes | None = None,
     out: list[str] = []
 
     def attempt() -> None:
-        _enter(netns)
+        enter_netns(netns)
         try:
             s = socket.create_connection((addr, port), timeout=timeout)
         except OSError as exc:

@@ -176,7 +176,7 @@ def api_cmd(c: Ctx, n: int, json_file: Path | None) -> None:
                                           the event's timestamp (written when the move
                                           ended); event_after_op_end_ms_median: minus
                                           the move operation's end instead
-    Targets (issue 11): get_vms_p99_ms <= 20, scrape_p99_ms <= 100,
+    Targets: get_vms_p99_ms <= 20, scrape_p99_ms <= 100,
     event_after_move_ms_median <= 100; the result file says which were met.
 
     \b
@@ -546,8 +546,8 @@ def cluster_cmd(c: Ctx, hosts: int, vms: int, lease_seconds: int, qemu: str,
                                       blocks of the same run: how much slower TLS is
       failover_after_expiry_s         a host killed: its restartable VMs running
                                       elsewhere, less the Lease duration
-    Targets (issue 16, TCG): in-host downtime <= 10 ms, between hosts <= 2 s total,
-    failover <= 30 s after the Lease expires; (issue 24) TLS no more than 10 % slower.
+    Targets (TCG): in-host downtime <= 10 ms, between hosts <= 2 s total,
+    failover <= 30 s after the Lease expires; TLS no more than 10 % slower.
     Everything made is removed afterwards.
 
     \b

@@ -24,7 +24,7 @@ dir and cgroup prefix, an agent on each) and, measured from outside like a user:
                             under TLS over the same in the clear, less 1
   failover_s                a host's agent, supervisors and QEMUs killed (SIGKILL) to
                             each of its restartable VMs Running on another host;
-  failover_after_expiry_s   the same less the Lease duration (what the issue targets)
+  failover_after_expiry_s   the same less the Lease duration (what the target bounds)
 
 Everything the lab made is removed at the end (processes by pid, namespaces, cgroups).
 """

@@ -5,9 +5,11 @@ The guest is fusuma's own ``debian-host`` image (Debian 12, systemd as PID 1, th
 unified cgroup2 hierarchy with cpuset, cpu, memory and io; 2 vCPUs, 2 GiB), started by
 fusuma here like any VM, with fusuma installed on a disk of its own (guestkit). Inside,
 pytest drives fusuma's cgroup v2 driver, cpuset partitions, a partition's supervisor as
-a systemd unit, one real VM under nested TCG (the minimal image, 128 MiB), resize, QoS
-classes and the governor's caps, the per-RAM-file memory groups and the failure cases;
-the results come back through the guest agent, one host test per guest test.
+a systemd unit, real VMs under nested TCG (the minimal image, 128 MiB), resize, QoS
+classes and the governor's caps, the per-RAM-file memory groups, a managed network
+(its dnsmasq's keeper as a unit, in a network namespace) and the failure cases; the
+results come back through the guest agent, one host test per guest test. ``-k`` picks
+guest tests: the guest runs only those.
 
 Takes several minutes (nested TCG); the images are built once and cached.
 """
@@ -46,8 +48,17 @@ def guest_tests() -> list[str]:
     return ids
 
 
+def chosen(session: pytest.Session) -> list[str]:
+    """The guest tests this session runs, when ``-k`` (or node ids) picked some: the
+    guest's pytest gets them, so that a targeted run runs only those; [] for all."""
+    picked = [str(item.callspec.params["test"]) for item in session.items
+              if isinstance(item, pytest.Function) and item.originalname == "test_in_guest"]
+    return [] if set(picked) == set(guest_tests()) else picked
+
+
 @pytest.fixture(scope="module")
-def guest_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def guest_run(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("cg2")
     h = Host(tmp)
     h.env["FUSUMA_TCG_TB_MIB"] = str(TB_MIB)
@@ -71,7 +82,7 @@ def guest_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
               timeout=330)
         timings["guest_boot_s"] = time.monotonic() - t0 - timings["images_and_disk_s"]
         run = h.run("vm", "exec", "g", "--timeout", "1500", "--", f"{guestkit.MOUNT}/run.sh",
-                    check=False, timeout=1560)
+                    *chosen(request.session), check=False, timeout=1560)
         timings["guest_tests_s"] = time.monotonic() - t0 - sum(timings.values())
         (OUT / "guest-pytest.txt").write_text(run.out + run.err)
         got = h.run("vm", "exec", "g", "--", "cat", guestkit.RESULTS, check=False)

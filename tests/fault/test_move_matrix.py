@@ -3,8 +3,8 @@ boundary (25 cases, real processes, real QEMU). After each: at most one QEMU run
 guest; if it runs, data written before the move is intact; `ps` is true; the next move
 works. The cases share one host and guest (``module_host``): each starts from the guest
 running in p0 with its data, made again only where the case before lost it. Each
-case's outcome and time to recover is written to
-test-output/move-matrix.jsonl (the README's table comes from there)."""
+case's outcome and time to recover is written to test-output/move-matrix.jsonl (the
+table of docs/results/move-fault-matrix.md comes from there)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ import pytest
 
 from fusuma.images import diskimage
 from tests.conftest import FUSUMA, Host
-from tests.integration.test_firmware_moves import qemus_of, sh
+from tests.integration.test_firmware_vms import qemus_of, sh
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import lzma
@@ -157,12 +158,49 @@ def test_digest_is_stable_and_changes_with_every_input() -> None:
         "kind": "other",
         "scripts_sha256": "e" * 64,
         "rootfs": "bookworm http://deb.debian.org/debian apache2",
+        "module_tree": True,
     }
     assert set(changed) == {f.name for f in dataclasses.fields(base)}
     digests = {base.digest()}
     for field, value in changed.items():
         digests.add(dataclasses.replace(base, **{field: value}).digest())
     assert len(digests) == len(changed) + 1
+
+
+def test_digest_of_a_kind_without_the_module_tree_is_what_it_was() -> None:
+    # Images cached before the field existed keep their names (no rebuild of them).
+    base = _inputs()
+    before = {k: v for k, v in dataclasses.asdict(base).items() if k != "module_tree"}
+    assert base.digest() == hashlib.sha256(
+        json.dumps(before, sort_keys=True).encode()).hexdigest()
+    assert [k.name for k in builder.KINDS.values() if k.module_tree] == ["debian-host"]
+
+
+@pytest.mark.skipif(shutil.which("depmod") is None, reason="needs kmod's depmod")
+def test_module_tree_goes_into_the_root_indexed_for_modprobe(tmp_path: Path) -> None:
+    moddir = tmp_path / "deb" / "lib" / "modules" / "6.1.0-9-cloud-amd64"
+    for rel, alias in (("kernel/net/bridge/bridge.ko", "rtnl-link-bridge"),
+                       ("kernel/drivers/net/tun.ko", "char-major-10-200")):
+        (moddir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (moddir / rel).write_bytes(fake_elf({"license": "GPL", "alias": alias,
+                                             "name": modules.module_name(rel)}))
+    (moddir / "modules.builtin").write_text(FAKE_BUILTIN)
+    root = tmp_path / "root"
+    (root / "usr" / "lib").mkdir(parents=True)
+    (root / "lib").symlink_to("usr/lib")          # a merged /usr, as Debian 12's
+    old = os.umask(0o077)                         # as fusuma runs
+    try:
+        target = modules.install_tree(moddir, root)
+    finally:
+        os.umask(old)
+    assert target == root / "usr" / "lib" / "modules" / "6.1.0-9-cloud-amd64"
+    assert (target / "kernel/net/bridge/bridge.ko").read_bytes() == \
+        (moddir / "kernel/net/bridge/bridge.ko").read_bytes()
+    assert "alias rtnl-link-bridge bridge" in (target / "modules.alias").read_text()
+    assert "kernel/drivers/net/tun.ko:" in (target / "modules.dep").read_text()
+    for name in ("modules.dep.bin", "modules.alias.bin", "modules.builtin.bin"):
+        assert stat.S_IMODE((target / name).stat().st_mode) == 0o644, name
+    assert stat.S_IMODE(target.parent.stat().st_mode) == 0o755
 
 
 def test_digest_covers_the_shipped_init_script() -> None:

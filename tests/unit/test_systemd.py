@@ -274,6 +274,8 @@ def test_manager_starts_the_supervisor_as_a_unit_or_says_why_not(
     u = units(tmp_path, run=run)
     monkeypatch.setattr(PartitionManager, "units", property(lambda self: u))
     mgr = PartitionManager(paths, db)
+    # fusuma in a named network namespace: the supervisor's unit runs there too.
+    monkeypatch.setattr(systemd, "named_netns", lambda what: Path("/run/netns/t-1"))
     with pytest.raises(SupervisorError) as err:
         mgr.start_supervisor("p0")
     assert str(err.value) == ("the supervisor of partition 'p0' did not start: systemd "
@@ -283,6 +285,7 @@ def test_manager_starts_the_supervisor_as_a_unit_or_says_why_not(
         == ["stop fusuma-supervisor@p0.service", "reset-failed fusuma-supervisor@p0.service"]
     dropin = u.dropin_path("fusuma-supervisor@p0.service").read_text()
     assert f'Environment="FUSUMA_HOME={paths.home}"' in dropin
+    assert "NetworkNamespacePath=/run/netns/t-1" in dropin.splitlines()
     # Stopping: systemctl stop (KillMode=process spares the VMs), only when it runs.
     assert mgr.stop_supervisor("p0") is False
     run.active.add("fusuma-supervisor@p0.service")
@@ -346,23 +349,30 @@ def test_a_networks_keeper_runs_as_a_unit_or_says_why_not(
                               "fusuma-test-ab12.slice is masked.")
 
 
-def test_a_keeper_unit_runs_in_fusumas_named_network_namespace(tmp_path: Path) -> None:
-    from fusuma.errors import NetworkError
-    from fusuma.network.manager import named_netns
-
+def test_keeper_and_supervisor_units_run_in_fusumas_named_network_namespace(
+        tmp_path: Path) -> None:
     proc, run = tmp_path / "proc", tmp_path / "netns"
     for d in (proc / "self" / "ns", proc / "1" / "ns", run):
         d.mkdir(parents=True)
     (proc / "1" / "ns" / "net").write_text("host")
     (proc / "self" / "ns" / "net").write_text("test")
-    with pytest.raises(NetworkError, match="a network namespace without a name"):
-        named_netns(proc, run)
+    with pytest.raises(HostError) as err:
+        systemd.named_netns("a partition's supervisor", proc, run)
+    assert str(err.value) == (
+        "fusuma runs in a network namespace without a name, and systemd starts a "
+        "partition's supervisor only in the host's or a named one (`ip netns add NAME`, "
+        "then `nsenter --net=/run/netns/NAME`); or set FUSUMA_SYSTEMD=0")
     os.link(proc / "self" / "ns" / "net", run / "fusuma-t-1")    # the same inode
-    assert named_netns(proc, run) == run / "fusuma-t-1"
+    assert systemd.named_netns("x", proc, run) == run / "fusuma-t-1"
     (proc / "self" / "ns" / "net").unlink()
     os.link(proc / "1" / "ns" / "net", proc / "self" / "ns" / "net")
-    assert named_netns(proc, run) is None                        # the host's own
+    assert systemd.named_netns("x", proc, run) is None             # the host's own
     u = units(tmp_path)
+    line = f"NetworkNamespacePath={run / 'fusuma-t-1'}"
     u.write_network("lan0", {}, tmp_path / "log", run / "fusuma-t-1")
-    assert f"NetworkNamespacePath={run / 'fusuma-t-1'}" in \
-        u.dropin_path(u.network("lan0")).read_text().splitlines()
+    assert line in u.dropin_path(u.network("lan0")).read_text().splitlines()
+    # The supervisor too: it makes the taps and puts them on the bridges there.
+    u.write_supervisor("p0", {}, tmp_path / "log", run / "fusuma-t-1")
+    assert line in u.dropin_path(u.supervisor("p0")).read_text().splitlines()
+    u.write_supervisor("p1", {}, tmp_path / "log")
+    assert "NetworkNamespacePath" not in u.dropin_path(u.supervisor("p1")).read_text()

@@ -12,6 +12,8 @@
 - The daemon's sampler (``fusuma.api.sampler``) keeps each running VM's CPU %, vCPU
   wait % and host memory for the last five minutes, for the sparklines.
 - ``/ui/results`` renders the benchmark reports in ``docs/results`` with their plots.
+- ``/manual/`` serves the manual (the MkDocs site `make docs` builds into ``build/site``)
+  of the fusuma that runs, beside the dashboard; the API's Swagger UI stays at ``/docs``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+)
 
 from fusuma.api.daemon import Daemon
 from fusuma.api.roles import ADMIN, PUBLIC, VIEWER, RoleRoute, identity_of
@@ -49,6 +57,38 @@ def results_dir() -> Path:
     if env:
         return Path(env)
     return Path(__file__).resolve().parents[3] / "docs" / "results"
+
+
+def manual_dir() -> Path:
+    """Where the built manual is: FUSUMA_MANUAL_DIR, else the source tree's build/site
+    (what `make docs` builds), so the daemon serves the manual of its own version."""
+    env = os.environ.get("FUSUMA_MANUAL_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[3] / "build" / "site"
+
+
+# The site's theme has inline scripts and styles of its own; nothing may come from
+# elsewhere.
+MANUAL_CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; "
+              "style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+              "frame-ancestors 'none'")
+
+
+def manual_file(base: Path, rel: str) -> Path | None:
+    """The file of the built manual that ``/manual/REL`` names (a directory's
+    index.html), or None: nothing outside ``base`` is ever named, whatever REL holds
+    (``..``, a symbolic link out)."""
+    root = base.resolve()
+    try:
+        target = (root / rel).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return None
+    if not target.is_relative_to(root):
+        return None
+    if target.is_dir():
+        target = target / "index.html"
+    return target if target.is_file() else None
 
 
 # -- the state the page shows -----------------------------------------------------------
@@ -269,6 +309,31 @@ def router(d: Daemon) -> APIRouter:
         if not ok or not path.is_file():
             raise NotFoundError(f"no plot {plot!r} in report {name!r}.")
         return FileResponse(path)
+
+    @r.get("/manual", dependencies=[VIEWER])
+    def manual_root() -> Response:
+        return RedirectResponse("/manual/", status_code=308)
+
+    @r.get("/manual/{rel:path}", dependencies=[VIEWER])
+    def manual(rel: str) -> Response:
+        base = manual_dir()
+        if not (base / "index.html").is_file():
+            return PlainTextResponse(
+                f"The manual is not built: run `make docs` in fusuma's source tree (it "
+                f"builds the site into {base}), or point FUSUMA_MANUAL_DIR at a built "
+                f"site.\n", status_code=404, headers={"Cache-Control": "no-store"})
+        path = manual_file(base, rel)
+        if path is not None and path.name == "index.html" and rel and \
+                not rel.endswith(("/", "index.html")):
+            # A page's directory without its slash: the page's relative links need it.
+            return RedirectResponse("/manual/" + urllib.parse.quote(rel) + "/",
+                                    status_code=308)
+        if path is None:
+            return PlainTextResponse(f"No page /manual/{rel} in the manual.\n",
+                                     status_code=404)
+        return FileResponse(path, headers={"Cache-Control": "no-cache",
+                                           "Content-Security-Policy": MANUAL_CSP,
+                                           "X-Content-Type-Options": "nosniff"})
 
     @r.put("/1.0/share/ksm", dependencies=[ADMIN])
     def ksm(body: dict[str, Any]) -> dict[str, Any]:

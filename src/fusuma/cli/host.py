@@ -36,7 +36,8 @@ def up(c: Ctx, spec: Path | None, accel: str | None, wait: bool, timeout: float,
     already taken is undone.
 
     \b
-    Spec format (see README.md for all keys):
+    Spec format (every key: the manual's host spec reference, at /manual/ of
+    `fusuma serve`; also [[storage]] and [[network]]):
       [[partition]]  name, cpus ("0-1" or [0,1]), memory_mib, io_weight?, qemu?
       [[disk]]       name, path, partition, size_mib?
       [[vm]]         name, partition, vcpus=1, memory_mib=256, image="minimal",

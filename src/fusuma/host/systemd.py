@@ -38,6 +38,7 @@ with a plain cpuset (AllowedCPUs=), and fusuma says so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -117,12 +118,42 @@ def wanted(setting: str, unified: bool, proc: Path = Path("/proc"),
     return unified and booted(proc, run)
 
 
+def named_netns(what: str, proc: Path = Path("/proc"),
+                run: Path = Path("/run/netns")) -> Path | None:
+    """The path (``/run/netns/NAME``) of the network namespace this process runs in,
+    None when it is PID 1's; one sentence when it is another without a name: systemd
+    starts a unit (``what``) in a namespace only if it can open it by path, and a
+    unit that ran in PID 1's instead would make its taps, or bind its dnsmasq, where
+    fusuma's bridges are not."""
+    def ident(path: Path) -> tuple[int, int]:
+        st = path.stat()
+        return st.st_dev, st.st_ino
+
+    try:
+        mine = ident(proc / "self" / "ns" / "net")
+        if mine == ident(proc / "1" / "ns" / "net"):
+            return None
+    except OSError:
+        return None
+    for named in sorted(run.glob("*")) if run.is_dir() else []:
+        with contextlib.suppress(OSError):
+            if ident(named) == mine:
+                return named
+    raise HostError(f"fusuma runs in a network namespace without a name, and systemd "
+                    f"starts {what} only in the host's or a named one (`ip netns add "
+                    "NAME`, then `nsenter --net=/run/netns/NAME`); or set FUSUMA_SYSTEMD=0")
+
+
 def slice_path(name: str) -> str:
     """The cgroup path of slice ``name`` below the root: each dash opens a level
     (``a-b.slice`` is ``a.slice/a-b.slice``)."""
     stem = name.removesuffix(".slice")
     parts = stem.split("-")
     return "/".join("-".join(parts[:i + 1]) + ".slice" for i in range(len(parts)))
+
+
+def _netns(netns: Path | None) -> list[str]:
+    return [f"NetworkNamespacePath={netns}"] if netns is not None else []
 
 
 def _quote(value: str) -> str:
@@ -337,12 +368,16 @@ Before=slices.target
     def dropin_path(self, unit: str, name: str = DROPIN) -> Path:
         return self.runtime_dir / f"{unit}.d" / name
 
-    def write_supervisor(self, partition: str, env: dict[str, str], log: Path) -> None:
+    def write_supervisor(self, partition: str, env: dict[str, str], log: Path,
+                         netns: Path | None = None) -> None:
         """The drop-in that makes ``fusuma-supervisor@INSTANCE`` run ``partition``'s
-        supervisor in this prefix's slice, with this namespace's environment."""
+        supervisor in this prefix's slice, with this namespace's environment, and in
+        network namespace ``netns`` (a path under /run/netns) when fusuma runs in one:
+        the supervisor makes its VMs' taps and puts them on the networks' bridges,
+        which live there."""
         self._write_service(self.supervisor(partition), "partition",
                             f"fusuma supervisor of partition {partition}",
-                            "fusuma.supervisor", partition, env, log)
+                            "fusuma.supervisor", partition, env, log, _netns(netns))
 
     def write_network(self, network: str, env: dict[str, str], log: Path,
                       netns: Path | None = None) -> None:
@@ -350,10 +385,9 @@ Before=slices.target
         ``network``'s keeper in this prefix's slice, with this namespace's environment,
         and in network namespace ``netns`` (a path under /run/netns) when fusuma runs in
         one: dnsmasq binds the network's bridge, which lives there."""
-        extra = [f"NetworkNamespacePath={netns}"] if netns is not None else []
         self._write_service(self.network(network), "network",
                             f"fusuma network {network}: the keeper of its dnsmasq",
-                            "fusuma.network.keeper", network, env, log, extra)
+                            "fusuma.network.keeper", network, env, log, _netns(netns))
 
     def _write_service(self, unit: str, what: str, description: str, module: str,
                        arg: str, env: dict[str, str], log: Path,

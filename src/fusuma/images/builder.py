@@ -70,6 +70,11 @@ class ImageKind:
     packages: tuple[str, ...] = ()
     # A rootfs kind's /init; "init-debian-host.sh" hands PID 1 to the guest's systemd.
     init: str = "init-debian.sh"
+    # A rootfs kind with the kernel's whole module tree in its root (/usr/lib/modules,
+    # indexed by depmod): the guest's kernel loads what it asks for through modprobe,
+    # as a stock host's does (nftables' expressions, bridge, tun). ``modules`` are
+    # still loaded by /init, before the root is there.
+    module_tree: bool = False
 
     @property
     def systemd(self) -> bool:
@@ -107,8 +112,8 @@ KINDS: dict[str, ImageKind] = {
         name="debian-host", modules=_MODULES,
         append=_APPEND + " systemd.unified_cgroup_hierarchy=1 systemd.show_status=0",
         packages=("systemd-sysv", "udev", "qemu-guest-agent", "qemu-system-x86",
-                  "python3", "iproute2", "procps", "kmod"),
-        init="init-debian-host.sh",
+                  "python3", "iproute2", "procps", "kmod", "dnsmasq-base", "nftables"),
+        init="init-debian-host.sh", module_tree=True,
     ),
 }
 # The guest scripts that go into every image (their hashes name the image); a kind's
@@ -129,6 +134,10 @@ class GuestImage:
     root: Path | None = None    # debian kinds: the erofs image of Debian's whole root
 
 
+# Inputs added after images were cached (see Inputs.digest).
+_LATER_FIELDS = ("module_tree",)
+
+
 @dataclass(frozen=True)
 class Inputs:
     """Everything that decides an image's bytes; its hash names the image."""
@@ -145,9 +154,16 @@ class Inputs:
     scripts_sha256: str = ""
     rootfs: str = ""            # debian kind: "suite mirror pkg,pkg,..."
     builder_version: int = BUILDER_VERSION
+    module_tree: bool = False   # ImageKind.module_tree
 
     def digest(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        # Added after images were cached: left out while unset, so that the kinds
+        # without it keep their images (and their names).
+        for name in _LATER_FIELDS:
+            if not fields[name]:
+                del fields[name]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
 
 
@@ -290,7 +306,7 @@ def _inputs(spec: ImageKind, debs: Path,
         shutdown_sha256=hashlib.sha256(guest_script("shutdown.sh")).hexdigest(),
         probe_sha256=guest.source_sha256(),
         modules=spec.modules, append=spec.append,
-        scripts_sha256=scripts.hexdigest(), rootfs=rootfs)
+        scripts_sha256=scripts.hexdigest(), rootfs=rootfs, module_tree=spec.module_tree)
     return inputs, deb
 
 
@@ -441,6 +457,9 @@ def _debian(spec: ImageKind, inputs: Inputs, moddir: Path, digest: str, tmp: Pat
         conf.write_text("ServerName localhost\n")
         (rootfs / "etc/apache2/conf-enabled/fusuma.conf").symlink_to(
             "../conf-available/fusuma.conf")
+    if spec.module_tree:
+        say(f"installing the kernel's modules ({moddir.name}) and indexing them")
+        modules.install_tree(moddir, rootfs)
     shutil.copyfile(tmp / "probe", rootfs / "usr/local/bin/probe")
     (rootfs / "usr/local/bin/probe").chmod(0o755)
     if not spec.systemd:    # with systemd as init, its own shutdown is the right one

@@ -5,6 +5,9 @@ file is absent the dependencies are read from each module's ``.modinfo`` ``depen
 line, which is what depmod itself uses. Modules compiled into the kernel (listed in
 ``modules.builtin``) need no file. Compressed modules (.ko.xz/.zst/.gz) are decompressed
 at build time because busybox ``insmod`` cannot always read them.
+
+A root filesystem can instead get the whole tree (:func:`install_tree`), indexed by
+depmod, for the guest's kmod to load modules on demand as a stock host does.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import gzip
 import logging
 import lzma
+import os
+import shutil
 import subprocess
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -172,3 +177,35 @@ class _ModinfoDeps(Mapping[str, list[str]]):
 
     def __len__(self) -> int:
         return len(self._files)
+
+
+def install_tree(moddir: Path, root: Path) -> Path:
+    """Copy the module tree ``moddir`` (``.../lib/modules/VERSION``) into the root
+    filesystem ``root`` at ``usr/lib/modules/VERSION`` and index it there with the
+    host's depmod (modules.dep, modules.alias, modules.devname: what the guest's modprobe
+    and its kernel's requests for aliases such as ``nft-expr-masq`` or
+    ``rtnl-link-bridge`` read, and what systemd's kmod-static-nodes makes /dev/net/tun
+    from). Returns the installed directory."""
+    version = moddir.name
+    target = root / "usr" / "lib" / "modules" / version
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.chmod(0o755)
+        shutil.copytree(moddir, target, symlinks=True, dirs_exist_ok=True)
+    except (OSError, shutil.Error) as exc:
+        raise ImageError(f"cannot copy the kernel modules into {target}: {exc}") from exc
+    # depmod -b reads BASE/lib/modules/VERSION: /usr/lib through a merged /usr's /lib.
+    base = root if (root / "lib" / "modules" / version).is_dir() else root / "usr"
+    try:
+        proc = subprocess.run(["depmod", "-b", str(base), version], capture_output=True,
+                              text=True, check=False)
+    except FileNotFoundError:
+        raise ImageError("depmod is not on this host: run `apt-get install kmod`") from None
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        raise ImageError(f"depmod could not index the modules in {target}: "
+                         f"{lines[-1] if lines else f'exit status {proc.returncode}'}")
+    # Readable like the rest of /usr (the builder runs with umask 077).
+    for path in target.glob("modules.*"):
+        os.chmod(path, 0o644)
+    return target

@@ -345,6 +345,8 @@ class NetworkManager:
                            timeout: float) -> int:
         """Start the keeper as ``fusuma-network@INSTANCE`` and wait for its dnsmasq; a
         unit that fails is stopped again and says why."""
+        from fusuma.host import systemd
+
         unit = units.network(rec.name)
         # The unit gets this namespace's settings (and a checkout's PYTHONPATH), not
         # the CLI's whole environment.
@@ -353,7 +355,8 @@ class NetworkManager:
         env.update(self.paths.as_env())
         try:
             units.install()
-            units.write_network(rec.name, env, log, named_netns())
+            units.write_network(rec.name, env, log,
+                                systemd.named_netns("a network's dnsmasq keeper"))
             units.start(unit)
         except HostError as exc:
             units.forget(unit)
@@ -488,30 +491,6 @@ class NetworkManager:
         addr.check_forwards(mine, others, local)
         if nics:
             addr.check_free(mine, addr.host_listeners())
-
-
-def named_netns(proc: Path = Path("/proc"), run: Path = Path("/run/netns")) -> Path | None:
-    """The name (``/run/netns/NAME``) of the network namespace this process runs in,
-    None when it is PID 1's; one sentence when it is another without a name (systemd
-    can start a unit only in a namespace it can open by path)."""
-    def ident(path: Path) -> tuple[int, int]:
-        st = path.stat()
-        return st.st_dev, st.st_ino
-
-    try:
-        mine = ident(proc / "self" / "ns" / "net")
-        if mine == ident(proc / "1" / "ns" / "net"):
-            return None
-    except OSError:
-        return None
-    for named in sorted(run.glob("*")) if run.is_dir() else []:
-        with contextlib.suppress(OSError):
-            if ident(named) == mine:
-                return named
-    raise NetworkError("fusuma runs in a network namespace without a name, and systemd "
-                       "starts a network's dnsmasq keeper only in the host's or a named "
-                       "one (`ip netns add NAME`, then `nsenter --net=/run/netns/NAME`); "
-                       "or set FUSUMA_SYSTEMD=0.")
 
 
 def first_managed(db: Database, nics: Sequence[NicRecord]) -> NicRecord | None:

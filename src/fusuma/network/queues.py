@@ -181,6 +181,69 @@ def attach_first(pid: int, firsts: dict[str, int]) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class Switch:
+    """A handover worked out before a move's pause: the descriptor numbers of every
+    queue the leaving QEMUs hold of the VM's taps, and of each tap's queue 0 in the
+    arriving QEMU, each as (pid, fd, tap). ``switch`` acts on exactly these, so the
+    pause pays for a few system calls, not for reading every descriptor of two QEMUs."""
+
+    leaving: tuple[tuple[int, int, str], ...]
+    arriving: tuple[tuple[int, int, str], ...]
+
+    @property
+    def taps(self) -> set[str]:
+        return {tap for _, _, tap in self.leaving + self.arriving}
+
+
+def plan(leaving: list[int], arriving: int, taps: set[str], firsts: dict[str, int]
+         ) -> Switch:
+    """The handover from the QEMUs ``leaving`` to ``arriving`` (whose queue 0 of each
+    tap is descriptor ``firsts[tap]``), as the kernel sees them now."""
+    return Switch(tuple((pid, q.fd, q.tap) for pid in leaving for q in queues_of(pid, taps)),
+                  tuple((arriving, fd, tap) for tap, fd in sorted(firsts.items())
+                        if tap in taps))
+
+
+def _switch_one(pid: int, fds: list[tuple[int, str]], attach: bool) -> bool:
+    """Set each planned queue of ``pid``; False (having changed nothing more) at the
+    first descriptor that is not the queue the plan names."""
+    with _pidfd(pid) as pfd:
+        if pfd is None:
+            return not attach       # a leaving QEMU that is gone holds no queue
+        for fd, tap in fds:
+            dup = _getfd(pfd, fd)
+            if dup is None:
+                return False
+            try:
+                name, attached = get_iff(dup)
+                if name != tap:
+                    return False
+                if attached != attach:
+                    set_queue(dup, attach=attach)
+            except OSError:
+                return False
+            finally:
+                os.close(dup)
+    return True
+
+
+def switch(s: Switch) -> bool:
+    """Detach the leaving QEMUs' queues and attach the arriving one's queue 0, as
+    ``s`` planned. True if every descriptor was the queue the plan says; False if one
+    was not (a QEMU ended or changed meanwhile): the caller then hands over by reading
+    the QEMUs' descriptors afresh (``detach_all``, ``attach_first``), which is
+    idempotent over whatever this did."""
+    by_pid: dict[tuple[int, bool], list[tuple[int, str]]] = {}
+    for pid, fd, tap in s.leaving:
+        by_pid.setdefault((pid, False), []).append((fd, tap))
+    for pid, fd, tap in s.arriving:
+        by_pid.setdefault((pid, True), []).append((fd, tap))
+    # Every leaving queue first: never two QEMUs' queues attached at once.
+    order = sorted(by_pid, key=lambda k: k[1])
+    return all(_switch_one(pid, by_pid[(pid, attach)], attach) for pid, attach in order)
+
+
 def restore_header(pid: int, sizes: dict[str, int]) -> None:
     """Put each tap's virtio-net header size back to ``sizes[tap]`` (what the source
     QEMU uses), through one of ``pid``'s queues of it."""

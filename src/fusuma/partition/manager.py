@@ -353,6 +353,8 @@ class PartitionManager:
     def _start_unit(self, units: Units, name: str, logf: Path, timeout: float) -> int:
         """Start the supervisor as ``fusuma-supervisor@INSTANCE`` and wait for its socket;
         a unit that fails is stopped again and says why."""
+        from fusuma.host import systemd
+
         unit = units.supervisor(name)
         # The unit gets this namespace's settings (and a checkout's PYTHONPATH), not
         # the CLI's whole environment.
@@ -361,7 +363,8 @@ class PartitionManager:
         env.update(self.paths.as_env())
         try:
             units.install()
-            units.write_supervisor(name, env, logf)
+            units.write_supervisor(name, env, logf,
+                                   systemd.named_netns("a partition's supervisor"))
             units.start(unit)
         except HostError as exc:
             units.run(["systemctl", "stop", unit])

@@ -28,12 +28,14 @@ class Result:
 
 @dataclass
 class Fusuma:
-    """The fusuma CLI with one namespace's environment."""
+    """The fusuma CLI with one namespace's environment (run under ``wrap``, e.g.
+    ``nsenter --net=...``, when set)."""
 
     env: dict[str, str] = field(default_factory=dict)
+    wrap: list[str] = field(default_factory=list)
 
     def run(self, *args: str, check: bool = True, timeout: float = 600) -> Result:
-        p = subprocess.run([*FUSUMA, *args], env={**os.environ, **self.env},
+        p = subprocess.run([*self.wrap, *FUSUMA, *args], env={**os.environ, **self.env},
                            capture_output=True, text=True, timeout=timeout)
         res = Result(p.returncode, p.stdout, p.stderr)
         if check and p.returncode != 0:

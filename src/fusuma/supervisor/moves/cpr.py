@@ -65,6 +65,7 @@ from fusuma.supervisor.moves.dest import (
     MoveIn,
     incoming,
     incoming_run_dir,
+    planned_handover,
     resume_when_complete,
     taps_of,
 )
@@ -128,6 +129,7 @@ async def prepare(h: PartitionHost, vm: str, fault_decide_delay: float = 0.0) ->
     new.move = MoveIn(None, MODE, h.partition,
                       done=asyncio.get_running_loop().create_future(),
                       fault_decide_delay=fault_decide_delay, cpr_socket=run / CPR_SOCKET)
+    new.move.handover = planned_handover(h, vm, new)
     prepare_ms = (time.monotonic() - t0) * 1000
     h.log.info("new QEMU of %s (pid %d, QEMU %s) waits for its descriptors on %s", vm,
                new.pid, q.version, run / CPR_SOCKET)

@@ -59,6 +59,8 @@ class MoveIn:
     # A move from another host: the TLS objects of its stream, dropped at the commit.
     tls: tlscreds.MoveTls | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # The taps' handover at the decision, worked out before the pause (NICs only).
+    handover: queues.Switch | None = None
 
 
 def incoming_run_dir(h: PartitionHost, vm: str) -> Path:
@@ -115,6 +117,7 @@ async def prepare(h: PartitionHost, vm: str, mode: str,
                   done=asyncio.get_running_loop().create_future(),
                   fault_decide_delay=fault_decide_delay)
     inst.move = move
+    move.handover = planned_handover(h, vm, inst)
     move.task = asyncio.ensure_future(resume_when_complete(h, inst, move))
     prepare_ms = (time.monotonic() - t0) * 1000
     h.log.info("waiting for %s (%s) from %s on %s", vm, mode, rec.partition, uri)
@@ -177,7 +180,7 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
     resume_ts = time.time()
     if status != "running":
         try:
-            hand_over_taps(h, vm, inst)
+            hand_over_taps(h, vm, inst, move.handover)
         except (FusumaError, OSError) as exc:
             # The guest runs here whatever the tap says: a paused guest helps no one.
             h.log.warning("%s: its taps could not be handed over: %s", vm, exc)
@@ -235,28 +238,51 @@ def taps_of(h: PartitionHost, vm: str) -> set[str]:
     return set(nic_taps(h, vm).values())
 
 
-def hand_over_taps(h: PartitionHost, vm: str, inst: QemuInstance) -> set[str]:
-    """The decision is "forward": the kernel steers the VM's frames to ``inst`` from
-    now on. Every queue of the VM's taps that another QEMU holds (the source, paused
-    for good) is detached, then ``inst``'s queue 0 attached (``fusuma.network.queues``:
-    QEMU switches its other queues itself). Idempotent, so a recovery that commits
-    again does the same. The taps' names."""
+def handover_plan(h: PartitionHost, vm: str, inst: QemuInstance) -> queues.Switch | None:
+    """The handover ``hand_over_taps`` will do, worked out now, before the move's
+    pause (``queues.switch``); None if the VM has no NIC."""
     rec = h.db.vm(vm)
     nics = nic_taps(h, vm)
     if not nics:
-        return set()
-    taps = set(nics.values())
+        return None
     # The source: the QEMU the record names until this commit, or in place the other
     # QEMU of this partition. Only fds of the VM's own taps are touched in it.
     others = {rec.pid} | {i.pid for i in h.instances.of(vm)}
-    for pid in sorted(p for p in others - {inst.pid} if p):
-        n = queues.detach_all(pid, taps)
-        h.log.info("%s: detached %d queue(s) of QEMU %d from %s", vm, n, pid,
-                   ", ".join(sorted(taps)))
     firsts = {nics[i]: fd for i, fd in queues.first_fds(queues.argv_of(inst.pid)).items()
               if i in nics}
-    queues.attach_first(inst.pid, firsts)
-    return taps
+    return queues.plan(sorted(p for p in others - {inst.pid} if p), inst.pid,
+                       set(nics.values()), firsts)
+
+
+def planned_handover(h: PartitionHost, vm: str, inst: QemuInstance) -> queues.Switch | None:
+    """``handover_plan``, or None (the commit then reads the QEMUs' descriptors
+    itself) if the QEMUs cannot be read now."""
+    try:
+        return handover_plan(h, vm, inst)
+    except (FusumaError, OSError) as exc:
+        h.log.warning("%s: its taps' handover not planned ahead: %s", vm, exc)
+        return None
+
+
+def hand_over_taps(h: PartitionHost, vm: str, inst: QemuInstance,
+                   planned: queues.Switch | None = None) -> set[str]:
+    """The decision is "forward": the kernel steers the VM's frames to ``inst`` from
+    now on. Every queue of the VM's taps that another QEMU holds (the source, paused
+    for good) is detached, then ``inst``'s queue 0 attached (``fusuma.network.queues``:
+    QEMU switches its other queues itself). ``planned``: the same worked out before the
+    pause, done as planned if every descriptor is still what it was. Idempotent, so a
+    recovery that commits again does the same. The taps' names."""
+    if planned is not None and queues.switch(planned):
+        return planned.taps
+    now = handover_plan(h, vm, inst)
+    if now is None:
+        return set()
+    for pid in sorted({pid for pid, _, _ in now.leaving}):
+        n = queues.detach_all(pid, now.taps)
+        h.log.info("%s: detached %d queue(s) of QEMU %d from %s", vm, n, pid,
+                   ", ".join(sorted(now.taps)))
+    queues.attach_first(inst.pid, {tap: fd for _, fd, tap in now.arriving})
+    return now.taps
 
 
 async def finish(h: PartitionHost, vm: str, timeout: float = 30.0) -> rpc.Resumed:

@@ -1,0 +1,360 @@
+"""A user's own disk image, booted by firmware, kept whole by every kind of move on one
+host: a Debian disk with cloud-init, extlinux and GRUB, built from Debian packages
+(fusuma.images.diskimage, cached in FUSUMA_CACHE) and imported like any user's image.
+
+Two guests on the one read-only base, one booted by OVMF and one by SeaBIOS, boot at
+once and once for the whole module (a Debian with systemd and cloud-init takes about a
+minute under TCG); the tests run against them in order:
+
+1. The image and the boot: cloud-init gives each its hostname and the SSH key and runs
+   the user-data; each booted by the firmware it asked for, under its own uid; the thin
+   disk grows online; a template of such a VM, and deleting the image they use, are
+   refused; both QEMUs hold the base's one inode. Bad input to ``vm create`` first: one
+   sentence each, nothing made.
+2. Every move keeps them whole: zero-copy, copy (the UEFI one), ``maintain --via``
+   (which also takes both from QEMU 7.2 to 10.0, their machine type kept) and
+   ``maintain --in-place`` (cpr-transfer, 10.0 to 10.0). Before the moves each guest
+   writes a file, and the UEFI one an EFI variable (which OVMF stores in the VM's NVRAM
+   file). After each move, for each guest moved:
+
+   - it was not rebooted (its boot id), and one QEMU runs it, a new one;
+   - that QEMU holds the same overlay, base, seed, and NVRAM and OVMF code (their
+     inodes: the kernel's view), on the machine type the guest booted with;
+   - the file reads back intact with the guest's page cache dropped (so from the disk,
+     through the new QEMU), and the guest writes another (it has the disk read-write);
+   - the EFI variable reads back through the firmware, and the NVRAM file's bytes are
+     what they were before the first move.
+
+   Then the destination QEMU of a zero-copy move of the UEFI guest is killed before the
+   stream: the guest runs on in its QEMU, its data and NVRAM as they were.
+3. The end: each guest stopped, ``qemu-img check`` finds its overlay clean, the variable
+   is in the NVRAM file, the base's checksum is unchanged, and the image is deleted."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from fusuma.images import diskimage, store
+from tests.conftest import FUSUMA, Host
+from tests.integration.test_cpr import need_qemu_10
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl t@fz"
+USER_DATA = """#!/bin/sh
+echo "user-data ran on $(hostname)" > /var/lib/fusuma-user-data
+echo FUSUMA-USER-DATA-DONE > /dev/ttyS0
+"""
+# Two guests on the one base, one by each firmware, booted at once (one per core).
+VMS = {"vu": ("uefi", "p0"), "vb": ("bios", "p1")}
+# A vendor GUID of the test's own, for the EFI variable the guest writes.
+VAR = "/sys/firmware/efi/efivars/FusumaMark-5f0c2a7e-8d1b-4e6f-9a3c-2b7d1e0f4a59"
+MARK = "/var/tmp/fusuma-mark"
+# Each kind of move: the commands, and the partition each guest is in after them.
+# vb (SeaBIOS) joins vu in p0 at the first, so both cross 7.2 -> 10.0 and cpr-transfer.
+KINDS = [
+    ("zero-copy", [["migrate", "vu", "--to", "p1"], ["migrate", "vb", "--to", "p0"]],
+     {"vu": "p1", "vb": "p0"}),
+    ("copy", [["migrate", "vu", "--to", "p0", "--mode", "copy"]], {"vu": "p0"}),
+    ("via", [["maintain", "p0", "--via", "p1", "--qemu", "10.0"]], {"vu": "p0", "vb": "p0"}),
+    ("in-place", [["maintain", "p0", "--in-place"]], {"vu": "p0", "vb": "p0"}),
+]
+
+
+@pytest.fixture(scope="module")
+def disk_image() -> Path:
+    cache = Path(os.environ.get("FUSUMA_CACHE", "/var/cache/fusuma"))
+    return diskimage.build(cache)
+
+
+@dataclass
+class Booted:
+    """The module's two guests, booted on the imported image."""
+
+    host: Host
+    imported: dict[str, object]
+    base: Path
+    import_s: float
+    boot_s: float
+
+
+@pytest.fixture(scope="module")
+def booted(module_host: Host, disk_image: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted]:
+    host = module_host
+    need_qemu_10(host)
+    t0 = time.monotonic()
+    imported = host.run("image", "import", "deb", str(disk_image), "--json").json()
+    import_s = time.monotonic() - t0
+    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "2048")
+    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "2048")
+    tmp = tmp_path_factory.mktemp("seed")
+    key = tmp / "id.pub"
+    key.write_text(KEY + "\n")
+    ud = tmp / "user-data"
+    ud.write_text(USER_DATA)
+    # Bad input: one sentence each, nothing made.
+    priv = tmp / "id"
+    priv.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nb3Blbn\n")
+    for args, says in (
+            (("--boot", "kernel"), "is an imported disk image, booted by firmware"),
+            (("--ssh-key", str(priv)), "SSH key 1 is a private key"),
+            (("--disk-size", "1G"), "disk size 1G is smaller than image 'deb'"),
+            (("--image", "nope"), "there is no image named 'nope'")):
+        err = host.fail("vm", "create", "bad", "-p", "p0", "--image", "deb", *args).err
+        assert says in err, err
+    assert "bad" not in [v["name"] for v in host.ps()["vms"]]
+    assert not (host.home / "vms" / "bad").exists()
+
+    t0 = time.monotonic()
+    for vm, (fw, part) in VMS.items():
+        t = time.monotonic()
+        host.run("vm", "create", vm, "-p", part, "--image", "deb", "--memory", "384",
+                 "--boot", fw, "--disk-size", "3G", "--ssh-key", str(key),
+                 "--user-data", str(ud))
+        assert time.monotonic() - t < 10          # a thin disk: made in no time
+    with ThreadPoolExecutor(len(VMS)) as pool:     # both boot at once, one per core
+        list(pool.map(lambda vm: host.run("vm", "start", vm, "--wait", "--timeout", "400",
+                                          timeout=450), VMS))
+    boot_s = time.monotonic() - t0
+    yield Booted(host, imported, Path(str(imported["path"])), import_s, boot_s)
+
+
+def holds_inode(pid: int, st: os.stat_result) -> bool:
+    """Whether process ``pid`` has the file ``st`` open (the kernel's view)."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            s = fd.stat()
+        except OSError:
+            continue
+        if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+def guest_file(host: Host, vm: str, path: str, deadline: float) -> str:
+    """A file's text in the guest, once it exists (cloud-init's final stage runs after
+    the agent answers)."""
+    while True:
+        res = host.run("vm", "exec", vm, "--", "/bin/cat", path, check=False, timeout=60)
+        if res.code == 0 or time.monotonic() > deadline:
+            return res.out
+        time.sleep(2)
+
+
+def sh(host: Host, vm: str, script: str) -> str:
+    """``script`` run by the guest's shell through the guest agent (its stdout)."""
+    return host.run("vm", "exec", vm, "--", "/bin/sh", "-c", script, timeout=120).out
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def qemus_of(vm: str) -> list[int]:
+    """Every QEMU process running guest ``vm`` (the kernel's view)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"guest={vm},debug-threads=on".encode() in argv:
+                out.append(int(name))
+    return out
+
+
+def marked(host: Host, vm: str) -> str:
+    """The guest's check of its file, read from its disk (page cache dropped)."""
+    return sh(host, vm, f"sync; echo 3 > /proc/sys/vm/drop_caches; sha256sum -c "
+                        f"{MARK}.sum").strip()
+
+
+def test_imported_image_boots_by_bios_and_uefi_with_cloud_init_on_a_shared_base(
+        booted: Booted, disk_image: Path) -> None:
+    host, imported, base = booted.host, booted.imported, booted.base
+    st = base.stat()
+    assert (st.st_mode & 0o777, st.st_uid) == (0o444, 0)
+    assert imported["format"] == "qcow2" and imported["virtual_size"] == diskimage.SIZE
+    assert imported["sha256"] == store.sha256_of(disk_image) == store.sha256_of(base)
+    for vm in VMS:
+        assert (host.home / "vms" / vm / "disk.qcow2").stat().st_mode & 0o777 == 0o600
+    assert (host.home / "vms" / "vu" / "nvram.fd").stat().st_mode & 0o777 == 0o600
+    assert not (host.home / "vms" / "vb" / "nvram.fd").exists()
+
+    deadline = time.monotonic() + 300
+    pids = []
+    for vm, (fw, _) in VMS.items():
+        v = host.vm(vm)
+        pids.append(v["pid"])
+        # cloud-init: the hostname, the key for the image's default user, the user-data.
+        assert host.run("vm", "exec", vm, "--", "/bin/hostname").out.strip() == vm
+        assert guest_file(host, vm, "/var/lib/fusuma-user-data", deadline) == \
+            f"user-data ran on {vm}\n"
+        keys = guest_file(host, vm, "/home/debian/.ssh/authorized_keys", deadline)
+        assert KEY in keys
+        # The thin disk is 3G; QEMU runs as the VM's own uid, which owns its disk.
+        size = host.run("vm", "exec", vm, "--", "/bin/cat", "/sys/block/vda/size").out
+        assert int(size) * 512 == 3 * 2**30
+        uid = int(next(line.split()[1] for line in
+                       Path(f"/proc/{v['pid']}/status").read_text().splitlines()
+                       if line.startswith("Uid:")))
+        assert uid != 0 and (host.home / "vms" / vm / "disk.qcow2").stat().st_uid == uid
+        # The guest booted by the firmware asked for.
+        efi = host.run("vm", "exec", vm, "--", "/usr/bin/test", "-d", "/sys/firmware/efi",
+                       check=False).code == 0
+        assert efi == (fw == "uefi")
+        if efi:
+            assert (host.home / "vms" / vm / "nvram.fd").stat().st_uid == uid
+        # The serial console (fusuma's console log) shows the user-data's line too.
+        log = host.home / "vms" / vm / "console.log"
+        while "FUSUMA-USER-DATA-DONE" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
+            time.sleep(1)
+    # The thin disk grows online; the guest sees it at once. It never shrinks.
+    res = host.run("vm", "resize", "vb", "--disk-size", "4G", "--json").json()
+    assert (res["old_size"], res["size"]) == (3 * 2**30, 4 * 2**30)
+    size = host.run("vm", "exec", "vb", "--", "/bin/cat", "/sys/block/vda/size").out
+    assert int(size) * 512 == 4 * 2**30
+    assert "a disk only grows" in host.fail("vm", "resize", "vb", "--disk-size", "2G").err
+    # A template of a firmware VM is refused (its clones would need thin disks, NVRAM
+    # and seeds of their own); the VM runs on.
+    err = host.fail("template", "create", "t", "--from", "vb").err
+    assert "boots by firmware from a thin disk on image 'deb', and a template" in err, err
+    assert host.vm("vb")["state"] == "running"
+    # Both QEMUs read the one base file (its inode), and it is unchanged.
+    assert all(holds_inode(pid, st) for pid in pids)
+    err = host.fail("image", "delete", "deb").err
+    assert "base of VM(s) vb, vu; delete them first" in err
+    assert store.sha256_of(base) == imported["sha256"]
+    print(f"\nimport {booted.import_s:.1f} s; two VMs (SeaBIOS, OVMF) created and booted "
+          f"to the agent together in {booted.boot_s:.1f} s")
+
+
+def test_every_move_keeps_a_firmware_vm_its_disk_nvram_and_seed(booted: Booted) -> None:
+    host, imported = booted.host, booted.imported
+    files: dict[str, dict[str, Path]] = {}
+    inodes: dict[str, dict[str, os.stat_result]] = {}
+    machine, boot_id = {}, {}
+    for vm, (fw, _) in VMS.items():
+        vdir = host.home / "vms" / vm
+        files[vm] = {"overlay": vdir / "disk.qcow2", "base": booted.base,
+                     "seed": vdir / "seed.iso"}
+        if fw == "uefi":
+            files[vm]["nvram"] = vdir / "nvram.fd"
+        inodes[vm] = {k: p.stat() for k, p in files[vm].items()}
+        first = host.vm(vm)
+        machine[vm] = first["machine"]
+        assert machine[vm] and machine[vm].startswith("pc-q35-"), first
+        if fw == "uefi":
+            fds = [Path(f"/proc/{first['pid']}/fd", fd).resolve()
+                   for fd in os.listdir(f"/proc/{first['pid']}/fd")]
+            inodes[vm]["ovmf code"] = next(p for p in fds if "OVMF_CODE" in p.name).stat()
+        # Each guest writes a file (synced to its disk): what every move must keep.
+        boot_id[vm] = sh(host, vm, "cat /proc/sys/kernel/random/boot_id").strip()
+        sh(host, vm, f"head -c 4194304 /dev/urandom > {MARK} && sha256sum {MARK} > "
+                     f"{MARK}.sum && sync")
+    # The UEFI guest writes an EFI variable, which OVMF stores in the NVRAM file
+    # (systemd mounts efivarfs; its module loads on the first mount). Attributes
+    # NON_VOLATILE | BOOTSERVICE_ACCESS | RUNTIME_ACCESS, then the data.
+    token = secrets.token_hex(8)
+    sh(host, "vu", "mountpoint -q /sys/firmware/efi/efivars || mount -t efivarfs "
+                   "efivarfs /sys/firmware/efi/efivars")
+    sh(host, "vu", f"printf '\\007\\000\\000\\000FUSUMA-{token}' > {VAR}")
+    assert sh(host, "vu", f"cat {VAR} | tail -c +5") == f"FUSUMA-{token}"
+    nvram_file = files["vu"]["nvram"]
+    nvram = sha256(nvram_file)
+    assert f"FUSUMA-{token}".encode() in nvram_file.read_bytes()
+
+    timings = {}
+    for kind, commands, where in KINDS:
+        before = {vm: host.vm(vm)["pid"] for vm in where}
+        t = time.monotonic()
+        for argv in commands:
+            host.run(*argv, "--json", timeout=400)
+        timings[kind] = time.monotonic() - t
+        for vm, part in where.items():
+            after = host.vm(vm)
+            pid = after["pid"]
+            # One QEMU runs the guest: a new one, in the partition the move names.
+            assert (after["state"], after["partition"]) == ("running", part), after
+            assert pid != before[vm] and qemus_of(vm) == [pid], (kind, vm, qemus_of(vm))
+            if kind in ("via", "in-place"):
+                assert after["qemu"].startswith("10.0"), after
+            # The machine type the guest booted with, on QEMU 7.2 and 10.0 alike.
+            assert after["machine"] == machine[vm]
+            argv_now = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert any(a.startswith(f"{machine[vm]},".encode()) for a in argv_now)
+            # The same files: the overlay, its base, the seed, the NVRAM, OVMF's code.
+            for what, st in inodes[vm].items():
+                assert holds_inode(pid, st), f"after {kind}, {vm}'s QEMU lacks its {what}"
+            assert {k: (p.stat().st_dev, p.stat().st_ino) for k, p in files[vm].items()} \
+                == {k: (inodes[vm][k].st_dev, inodes[vm][k].st_ino) for k in files[vm]}
+            # The same guest, not rebooted; its disk's data intact; it writes more.
+            assert sh(host, vm, "cat /proc/sys/kernel/random/boot_id").strip() == \
+                boot_id[vm]
+            assert marked(host, vm) == f"{MARK}: OK", (kind, vm)
+            sh(host, vm, f"echo {kind}-{token} > {MARK}-{kind} && sync")
+        # The firmware reads the variable back; the NVRAM file is as it was.
+        assert sh(host, "vu", f"cat {VAR} | tail -c +5") == f"FUSUMA-{token}", kind
+        assert sha256(nvram_file) == nvram, f"the NVRAM changed in the {kind} move"
+
+    # A kill: the destination QEMU of a zero-copy move, after it opened the files and
+    # before the stream (the CLI holds there): the move goes back, the guest runs on
+    # in its QEMU with its disk and NVRAM as they were.
+    src = host.vm("vu")["pid"]
+    proc = subprocess.Popen([*host.wrap, *FUSUMA, "migrate", "vu", "--to", "p1"],
+                            env={**host.env, "FUSUMA_FAULT_SLEEP_BEFORE_STREAM": "3"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (dest := [p for p in qemus_of("vu") if p != src]):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(dest[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0 and "p0" in err, err
+    vm_now = host.vm("vu")
+    assert (vm_now["partition"], vm_now["state"], vm_now["pid"]) == ("p0", "running", src)
+    assert qemus_of("vu") == [src]
+    assert marked(host, "vu") == f"{MARK}: OK"
+    assert sha256(nvram_file) == nvram
+
+    for vm in VMS:
+        moved = [kind for kind, _, parts in KINDS if vm in parts]
+        got = sh(host, vm, "sync; echo 3 > /proc/sys/vm/drop_caches; cat " +
+                 " ".join(f"{MARK}-{kind}" for kind in moved))
+        assert got.split() == [f"{kind}-{token}" for kind in moved], (vm, got)
+        host.run("vm", "stop", vm, "--timeout", "60", timeout=120)
+        assert qemus_of(vm) == []
+        check = subprocess.run(["qemu-img", "check", "-f", "qcow2",
+                                str(files[vm]["overlay"])],
+                               capture_output=True, text=True, timeout=120)
+        assert check.returncode == 0 and "No errors were found" in check.stdout, check
+        if vm == "vu":      # the variable is in the NVRAM file the VM keeps
+            assert f"FUSUMA-{token}".encode() in nvram_file.read_bytes()
+        host.run("vm", "delete", vm)
+    # The base is as it was imported; with no VM on it, the image goes.
+    assert store.sha256_of(booted.base) == imported["sha256"]
+    assert booted.base.stat().st_mode & 0o777 == 0o444
+    host.run("image", "delete", "deb")
+    assert not booted.base.exists()
+    print("\nmoves (s): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
