@@ -63,7 +63,7 @@ def test_every_error_is_an_error_info_and_every_202_an_operation(
                 if getattr(ctx.original_route, "status_code", None) == 202
                 for method in ctx.methods or ()}
     assert accepted == {(m, p) for m, p, op in operations(spec) if "202" in op["responses"]}
-    assert len(accepted) == 17
+    assert len(accepted) == 20
     # Answers that are not JSON name their media type.
     assert list(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == [
         "text/plain"]
@@ -75,14 +75,15 @@ def test_names_state_their_pattern(spec: dict[str, Any]) -> None:
     named = 0
     for method, path, op in operations(spec):
         for param in op.get("parameters", []):
-            if param["name"] in ("name", "partition", "vm"):
+            if param["name"] in ("name", "partition", "vm", "snapshot"):
                 assert param["schema"]["pattern"] == NAME_PATTERN, (method, path, param)
                 named += 1
-    assert named == 30
+    assert named == 38
     schemas = spec["components"]["schemas"]
     for model, field in (("VmCreate", "name"), ("PartitionCreate", "name"),
                          ("DiskCreate", "name"), ("VmMove", "partition"),
-                         ("TemplateCreate", "from_vm"), ("SegmentCreate", "name")):
+                         ("TemplateCreate", "from_vm"), ("SegmentCreate", "name"),
+                         ("SnapshotCreate", "name")):
         assert schemas[model]["properties"][field]["pattern"] == NAME_PATTERN, model
     # The document's pattern (ECMA) and fusuma's check agree, on the edges too.
     for name in ("0", "a-b_c", "x" * 32, "", "-a", "A", "x" * 33, "a b", "a\n", "é"):

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from fusuma import __version__
-from fusuma.api import backups, images, memshare, networks, partitions, ui, vms
+from fusuma.api import backups, images, memshare, networks, partitions, snapshots, ui, vms
 from fusuma.api import models as m
 from fusuma.api.daemon import Daemon
 from fusuma.api.events import TYPES
@@ -148,6 +148,7 @@ def create_app(paths: Paths, daemon: Daemon | None = None) -> FastAPI:
 
     app.include_router(partitions.router(d))
     app.include_router(vms.router(d))
+    app.include_router(snapshots.router(d))
     app.include_router(memshare.router(d))
     app.include_router(networks.router(d))
     app.include_router(images.router(d))

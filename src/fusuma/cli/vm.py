@@ -607,3 +607,10 @@ def restore(c: Ctx, dest: str, new: str, partition: str | None, point: int | Non
     click.echo(f"vm {new}: restored from point {res.point} of {res.dest} (VM "
                f"{res.source_vm}, {res.points} point(s)) in partition {res.partition} in "
                f"{time.monotonic() - t0:.1f} s" + ("; started" if start else ""))
+def _snapshot_group() -> None:
+    from fusuma.cli.snapshot import snapshot
+
+    vm.add_command(snapshot)
+
+
+_snapshot_group()

@@ -31,6 +31,7 @@ from fusuma.state.records import (
 )
 from fusuma.state.roles import Role
 from fusuma.state.schema import ADDED_COLUMNS, ID_INDEXES, SCHEMA, SCHEMA_VERSION
+from fusuma.state.snapdb import SnapshotTables
 
 # The ranges of the default FUSUMA_UID_BASE (callers pass their Paths' own).
 DEFAULT_VM_UIDS = vm_uids(DEFAULT_UID_BASE)
@@ -41,7 +42,7 @@ __all__ = ["Database", "DiskRecord", "ImageRecord", "NetworkRecord", "NicRecord"
            "SegmentRecord", "TemplateRecord", "TokenRecord", "VmRecord"]
 
 
-class Database(NetworkTables, ImageTables):
+class Database(NetworkTables, ImageTables, SnapshotTables):
     """One connection to the state file; cheap to open, safe across processes."""
 
     def __init__(self, path: Path) -> None:

@@ -76,12 +76,13 @@ class JobKind(enum.StrEnum):
     HOST_MOVE_IN = "host-move-in"   # ... and the destination's
     IDENTITY = "identity"       # a clone's own identity, given once it runs
     BACKUP = "backup"           # a running VM's disks copied into a backup point
+    SNAPSHOT = "snapshot"       # a snapshot taken, restored or deleted
 
 
 #: Jobs a partition's supervisor owns and recovers itself (the CLI, the API daemon and
 #: the agent own the others).
 LOCAL_JOBS = frozenset({JobKind.START, JobKind.STOP, JobKind.KILL, JobKind.TEMPLATE,
-                        JobKind.IDENTITY, JobKind.BACKUP})
+                        JobKind.IDENTITY, JobKind.BACKUP, JobKind.SNAPSHOT})
 
 
 class Decision(enum.StrEnum):
@@ -109,6 +110,7 @@ DOING: dict[str, str] = {
     JobKind.DELETE: "being deleted", JobKind.RESIZE: "being resized",
     JobKind.MAINTAIN: "under maintenance", JobKind.RECOVER: "being recovered",
     JobKind.TEMPLATE: "being made into a template",
+    JobKind.SNAPSHOT: "busy with a snapshot",
 }
 
 

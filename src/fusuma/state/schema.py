@@ -130,6 +130,19 @@ CREATE TABLE IF NOT EXISTS images (
     source TEXT NOT NULL,            -- the file it was imported from
     created_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS snapshots (
+    vm TEXT NOT NULL REFERENCES vms(name) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    memory INTEGER NOT NULL,         -- the RAM and device state too
+    disks TEXT NOT NULL,             -- JSON: the drives whose qcow2 holds it
+    state TEXT NOT NULL,             -- creating | ready | deleting (fusuma.state.snapdb)
+    created_at REAL NOT NULL,
+    running INTEGER NOT NULL,        -- the VM ran when it was taken
+    frozen INTEGER NOT NULL,         -- the guest agent froze its filesystems
+    devices TEXT,                    -- a memory snapshot: the guest's device set
+    vmstate_bytes INTEGER,
+    PRIMARY KEY (vm, name)
+);
 """
 
 # Columns added after a table's first version: (table, column, definition). A state

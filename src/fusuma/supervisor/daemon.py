@@ -32,8 +32,8 @@ from fusuma.governor.loop import Governor
 from fusuma.host import cgroups
 from fusuma.names import vm_leaf
 from fusuma.paths import Paths
-from fusuma.state import LOCAL_JOBS, Database
-from fusuma.supervisor import adopt, backups, rpc, templates, vms
+from fusuma.state import LOCAL_JOBS, Database, JobKind
+from fusuma.supervisor import adopt, backups, rpc, snapshots, templates, vms
 from fusuma.supervisor.host import PartitionHost
 from fusuma.supervisor.moves import cpr, dest, remote, source
 
@@ -60,6 +60,7 @@ class Supervisor:
         self.host = h = PartitionHost(paths, partition, Database(paths.db),
                                       cgroups.for_paths(paths), self.log)
         h.recover_local = functools.partial(vms.recover_local, h)
+        h.local_recoverers[JobKind.SNAPSHOT] = functools.partial(snapshots.recover, h)
         self.governor = Governor(
             partition, h.cg, h.db,
             pids=lambda: {n: i.pid for n, i in h.instances.running().items()},
@@ -93,6 +94,9 @@ class Supervisor:
             route(rpc.Trim, lambda r: vms.trim(h, r)),
             route(rpc.ResizeDisk, lambda r: vms.resize_disk(h, r)),
             route(rpc.Backup, lambda r: backups.backup(h, r)),
+            route(rpc.SnapshotCreate, lambda r: snapshots.create(h, r)),
+            route(rpc.SnapshotRestore, lambda r: snapshots.restore(h, r)),
+            route(rpc.SnapshotDelete, lambda r: snapshots.delete(h, r)),
             route(rpc.TemplateSave, lambda r: templates.save(h, r.vm, r.template, r.fault)),
             route(rpc.GovernorStatus, self.governor_status),
             route(rpc.Repin, self.repin),

@@ -83,6 +83,8 @@ class PartitionHost:
         # Set by the daemon: finish a local job whose owner died (fusuma.supervisor.
         # recover), and the governor's class of a QEMU, and its pinning.
         self.recover_local: Callable[[Job], Awaitable[None]] | None = None
+        # The recovery of a local job kind kept in its own module (snapshots), by kind.
+        self.local_recoverers: dict[str, Callable[[Job], Awaitable[None]]] = {}
         self.apply_class: Callable[[VmRecord, int], None] = lambda rec, pid: None
         self.pin_guaranteed: Callable[[], object] = lambda: None
 

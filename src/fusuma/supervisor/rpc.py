@@ -126,6 +126,31 @@ class BackedUp:
 
 
 @dataclass(frozen=True)
+class Snapshot:
+    """A snapshot taken (fusuma.supervisor.snapshots), as recorded."""
+
+    vm: str
+    name: str
+    memory: bool
+    disks: list[str]
+    created_at: float
+    running: bool
+    frozen: bool
+    vmstate_bytes: int | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class SnapshotDone:
+    """A snapshot restored or deleted; ``state``: the VM's state after it."""
+
+    vm: str
+    name: str
+    state: str
+    seconds: float
+
+
+@dataclass(frozen=True)
 class TemplateSaved:
     template: str
     vm: str
@@ -304,6 +329,30 @@ class Backup(Request[BackedUp]):
 
 
 @dataclass(frozen=True)
+class SnapshotCreate(Request[Snapshot]):
+    """Snapshot a VM's qcow2 disks (``memory``: its RAM and device state too)."""
+
+    OP: ClassVar[str] = "snapshot-create"
+    vm: str
+    name: str
+    memory: bool = False
+
+
+@dataclass(frozen=True)
+class SnapshotRestore(Request[SnapshotDone]):
+    OP: ClassVar[str] = "snapshot-restore"
+    vm: str
+    name: str
+
+
+@dataclass(frozen=True)
+class SnapshotDelete(Request[SnapshotDone]):
+    OP: ClassVar[str] = "snapshot-delete"
+    vm: str
+    name: str
+
+
+@dataclass(frozen=True)
 class TemplateSave(Request[TemplateSaved]):
     OP: ClassVar[str] = "template-save"
     vm: str
@@ -440,7 +489,7 @@ REQUESTS: dict[str, type[Request[Any]]] = {cls.OP: cls for cls in (
     Ping, Status, Start, WaitAgent, Stop, Kill, Exec, Trim, ResizeDisk, Backup, TemplateSave,
     GovernorStatus, Repin, IncomingPrepare, MigrateOut, CprPrepare, CprTransfer, IncomingFinish,
     IncomingCommit, IncomingAbort, Release, ResumeSource, Settle, ListInstances,
-    RemoteIncoming, RemoteIncomingWait)}
+    RemoteIncoming, RemoteIncomingWait, SnapshotCreate, SnapshotRestore, SnapshotDelete)}
 
 
 # -- the wire -----------------------------------------------------------------------------

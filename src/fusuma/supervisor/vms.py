@@ -30,13 +30,14 @@ async def start(h: PartitionHost, req: rpc.Start) -> rpc.VmPid:
     vm = req.vm
     requested = time.time()
     async with h.lock(vm), h.job(vm, JobKind.START):
-        inst = await _start(h, h.vm(vm), requested)
+        inst = await start_held(h, h.vm(vm), requested)
     if req.wait_agent > 0:
         await wait_agent(h, rpc.WaitAgent(vm, timeout=req.wait_agent))
     return rpc.VmPid(vm, inst.pid)
 
 
-async def _start(h: PartitionHost, vm: VmRecord, requested: float) -> QemuInstance:
+async def start_held(h: PartitionHost, vm: VmRecord, requested: float) -> QemuInstance:
+    """Start ``vm``'s QEMU under a job its caller holds."""
     running = h.instances.get(vm.name)
     if running is not None:
         raise StateError(f"VM {vm.name!r} is already running (pid {running.pid}).")
@@ -101,20 +102,26 @@ async def stop(h: PartitionHost, req: rpc.Stop) -> rpc.Ended:
             h.end_unmanaged(rec)
             return rpc.Ended(vm, was="killed", pid=rec.pid)
         async with h.job(vm, JobKind.STOP):
-            h.db.transition(vm, VmState.STOPPING, expect={VmState.RUNNING, VmState.PAUSED})
-            inst.stopping = True
-            try:
-                h.phase(vm, "sync")
-                why = await _flush_guest(h, inst, min(timeout, SYNC_S))
-                if why is not None:
-                    inst.stop_note = (f"stopped without flushing the guest's filesystems: "
-                                      f"{why}")
-                    h.log.warning("%s: %s", vm, inst.stop_note)
-            finally:
-                # Whatever the guest did, QEMU is ended (quit, then SIGKILL).
-                h.phase(vm, "quit")
-                await inst.stop(timeout)
+            await shut_down(h, inst, timeout)
     return rpc.Ended(vm, was="running", pid=inst.pid)
+
+
+async def shut_down(h: PartitionHost, inst: QemuInstance, timeout: float) -> None:
+    """Stop VM ``inst.vm``'s QEMU under a job its caller holds: flush the guest's
+    filesystems, then quit QEMU (killed after ``timeout``)."""
+    vm = inst.vm
+    h.db.transition(vm, VmState.STOPPING, expect={VmState.RUNNING, VmState.PAUSED})
+    inst.stopping = True
+    try:
+        h.phase(vm, "sync")
+        why = await _flush_guest(h, inst, min(timeout, SYNC_S))
+        if why is not None:
+            inst.stop_note = f"stopped without flushing the guest's filesystems: {why}"
+            h.log.warning("%s: %s", vm, inst.stop_note)
+    finally:
+        # Whatever the guest did, QEMU is ended (quit, then SIGKILL).
+        h.phase(vm, "quit")
+        await inst.stop(timeout)
 
 
 # At most this long for the guest to flush its filesystems when it stops.
@@ -241,6 +248,13 @@ async def recover_local(h: PartitionHost, job: Job) -> None:
     """Finish a start, stop, kill, template save or backup whose supervisor died, asking
     QEMU (one entry point for every local job kind)."""
     if h.db.take_over(job.obj, job.owner, h.owner) is None:
+        return
+    other = h.local_recoverers.get(job.kind)
+    if other is not None:       # a kind whose module registered its own recovery
+        try:
+            await other(replace(job, owner=h.owner))
+        finally:
+            h.db.end_job(job.obj, h.owner)
         return
     name = job.name
     inst = h.instances.get(name)

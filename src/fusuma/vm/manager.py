@@ -221,6 +221,10 @@ class VmManager:
                     raise
         raise AssertionError("unreachable")
 
+    def send(self, name: str, req: rpc.Request[R], timeout: float = 60.0) -> R:
+        """Ask the supervisor that runs VM ``name`` (fusuma.vm.snapshots, ...)."""
+        return self._send(name, req, timeout)
+
     def stop(self, name: str, timeout: float = 10.0) -> VmRecord:
         self._send(name, rpc.Stop(name, timeout=timeout), timeout + 30)
         return self.db.vm(name)

@@ -1,0 +1,123 @@
+"""Internal snapshots of a stopped VM's qcow2 disks, by ``qemu-img``.
+
+A disk is a file the VM's QEMU writes, so its contents are the guest's word: qemu-img
+runs as the VM's own uid (never root), with bounded memory and time, and reaches the
+file only through a descriptor root opened without following a symlink
+(``/dev/fd/N``). The overlay's backing file is never opened (``"backing": null``): a
+snapshot lives in the overlay alone (its tables point at its own clusters; unallocated
+ones read from the base, which is read-only and never changes), so neither the base
+nor its directory is given to qemu-img. A running VM's disks are snapshotted by its
+QEMU instead (fusuma.supervisor.snapshots)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from fusuma.errors import HostError, ImageError
+from fusuma.qemu.blocksnap import DiskSnapshot, parse_snapshots
+
+# As for an untrusted image's probe (fusuma.images.store): bounded address space and CPU.
+LIMITS = ("--as=1073741824", "--cpu=600")
+TIMEOUT_S = 600.0
+# A qemu-img left running by a killed supervisor holds the image's lock; how long a
+# recovery waits for it.
+LOCKED_WAIT_S = 60.0
+
+
+def _spec(fd: int) -> str:
+    return "json:" + json.dumps({"driver": "qcow2", "backing": None,
+                                 "file": {"driver": "file", "filename": f"/dev/fd/{fd}"}})
+
+
+def _open(path: Path, write: bool) -> int:
+    try:
+        return os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW
+                       | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HostError(f"cannot open the disk {path}: {exc.strerror}.") from exc
+
+
+def run(path: Path, uid: int, args: list[str], *, write: bool,
+        ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
+    """``qemu-img ARGS <disk>`` as ``uid`` on the disk at ``path``; one sentence if it
+    fails (an exit status outside ``ok``). A disk locked by another qemu-img (one a
+    killed supervisor left running) is waited for, up to :data:`LOCKED_WAIT_S`."""
+    deadline = time.monotonic() + LOCKED_WAIT_S
+    while True:
+        fd = _open(path, write)
+        try:
+            # setpriv, not a preexec_fn: the supervisor calls this from a thread.
+            argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                    "prlimit", *LIMITS, "qemu-img", *args, _spec(fd)]
+            try:
+                proc = subprocess.run(argv, capture_output=True, text=True, check=False,
+                                      timeout=TIMEOUT_S, pass_fds=(fd,))
+            except FileNotFoundError as exc:
+                raise HostError("qemu-img is not on this host: apt-get install "
+                                "qemu-utils.") from exc
+            except subprocess.TimeoutExpired as exc:
+                raise ImageError(f"qemu-img {args[0]} on {path} did not finish in "
+                                 f"{TIMEOUT_S:.0f} s.") from exc
+        finally:
+            os.close(fd)
+        if proc.returncode in ok:
+            return proc
+        if "lock" in proc.stderr and time.monotonic() < deadline:
+            time.sleep(0.5)
+            continue
+        lines = proc.stderr.strip().splitlines()
+        raise ImageError(f"qemu-img {args[0]} on {path} failed: "
+                         f"{lines[-1] if lines else 'exit status ' + str(proc.returncode)}.")
+
+
+def list_(path: Path, uid: int) -> list[DiskSnapshot]:
+    """The internal snapshots of the qcow2 disk at ``path``."""
+    proc = run(path, uid, ["info", "--output=json"], write=False)
+    try:
+        info = json.loads(proc.stdout)
+    except ValueError as exc:
+        raise ImageError(f"qemu-img info on {path} gave an answer fusuma cannot "
+                         "read.") from exc
+    if not isinstance(info, dict) or info.get("format") != "qcow2":
+        raise ImageError(f"{path} is not a qcow2 disk.")
+    return parse_snapshots(info.get("snapshots"))
+
+
+def create(path: Path, uid: int, name: str) -> None:
+    run(path, uid, ["snapshot", "-c", name], write=True)
+
+
+def apply(path: Path, uid: int, name: str) -> None:
+    """Revert the disk to snapshot ``name`` (the same result however often it runs)."""
+    run(path, uid, ["snapshot", "-a", name], write=True)
+
+
+def delete(path: Path, uid: int, name: str) -> None:
+    run(path, uid, ["snapshot", "-d", name], write=True)
+
+
+def repair(path: Path, uid: int) -> str | None:
+    """Make the disk's metadata whole after a writer was killed in the middle of an
+    internal snapshot; what was repaired (None: it was clean).
+
+    QEMU creates a snapshot by raising the refcount of every cluster the disk uses,
+    clearing their "copied" flags and only then writing the snapshot's entry; killed
+    in between, it leaves refcounts one too high and flags out of step (``qemu-img
+    check``: ERROR OFLAG_COPIED, leaked clusters), and killed while it wrote the memory
+    state, clusters allocated for it and never referenced. Neither touches the guest's
+    data: ``qemu-img check -r`` recomputes refcounts and flags from the tables that map
+    it. Only leaks: ``-r leaks``; anything else: ``-r all``, after which the check must
+    be clean."""
+    # Exit status 0: clean; 2: errors; 3: only leaked clusters.
+    found = run(path, uid, ["check"], write=False, ok=(0, 2, 3))
+    if found.returncode == 0:
+        return None
+    mode = "leaks" if found.returncode == 3 else "all"
+    fixed = run(path, uid, ["check", "-r", mode], write=True, ok=(0,))
+    lines = [ln for ln in fixed.stdout.strip().splitlines() if ln.strip()]
+    return f"-r {mode}: " + ("; ".join(ln for ln in lines if "fixed" in ln.lower())
+                             or (lines[-1] if lines else "repaired"))
