@@ -28,17 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fusuma.errors import FusumaError, GuestAgentError, QemuError, StateError
+from fusuma.errors import FusumaError, QemuError, StateError
 from fusuma.images import backup as bk
 from fusuma.images.store import nvram_path
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import QemuInstance
 from fusuma.state import Job, JobKind, VmRecord
-from fusuma.supervisor import rpc
+from fusuma.supervisor import freeze, rpc
 from fusuma.supervisor.host import PartitionHost
 
 FDSET_OPAQUE = "fusuma-backup"
-FREEZE_S = 30.0
 POLL_S = 0.5
 
 
@@ -103,38 +102,6 @@ async def _sizes(inst: QemuInstance) -> dict[str, int]:
         if isinstance(b, dict) and isinstance(b.get("inserted"), dict):
             out[str(b.get("device"))] = int(b["inserted"]["image"]["virtual-size"])
     return out
-
-
-async def _freeze(h: PartitionHost, inst: QemuInstance) -> bool:
-    """Freeze the guest's filesystems through its agent; whether they are frozen (a
-    guest without an answering agent is backed up as it runs, crash-consistent)."""
-    asked = False
-    try:
-        async with asyncio.timeout(FREEZE_S), h.agent_lock(inst.vm), h.agent(inst) as ga:
-            await ga.connect(timeout=3.0)
-            asked = True
-            n = await ga.execute("guest-fsfreeze-freeze", timeout=FREEZE_S)
-        return isinstance(n, int) and not isinstance(n, bool) and n >= 0
-    except (TimeoutError, GuestAgentError, FusumaError, OSError) as exc:
-        h.log.info("%s: filesystems not frozen for the backup: %s", inst.vm,
-                   type(exc).__name__)
-        if asked:
-            await _thaw(h, inst)     # a freeze that failed half-way may have frozen some
-        return False
-
-
-async def _thaw(h: PartitionHost, inst: QemuInstance) -> None:
-    """Thaw the guest's filesystems (harmless when none is frozen); a few tries."""
-    for _ in range(3):
-        try:
-            async with asyncio.timeout(15.0), h.agent_lock(inst.vm), \
-                    h.agent(inst) as ga:
-                await ga.connect(timeout=3.0)
-                await ga.execute("guest-fsfreeze-thaw", timeout=10.0)
-            return
-        except (TimeoutError, GuestAgentError, FusumaError, OSError) as exc:
-            h.log.warning("%s: thaw failed (%s); trying again", inst.vm, type(exc).__name__)
-            await asyncio.sleep(0.5)
 
 
 async def _attach(inst: QemuInstance, pt: bk.NewPoint, t: Target, size: int, uid: int,
@@ -265,20 +232,21 @@ async def _backup(h: PartitionHost, rec: VmRecord, inst: QemuInstance,
             backing = None if last is None else \
                 f"../{bk.point_name(last.point)}/{t.file}"
             await _attach(inst, pt, t, sizes[t.drive], rec.uid, backing)
-        frozen = await _freeze(h, inst)
-        try:
-            h.phase(vm, "start", frozen=frozen)
-            await inst.qmp.execute("transaction", {"actions": plan(
-                targets, new_bitmap, None if last is None else last.bitmap,
-                req.max_bandwidth)})
-            started = True
-            nvram = None
-            if rec.boot == "uefi":
-                nvram = await asyncio.to_thread(bk.copy_nvram, pt,
-                                                nvram_path(h.paths, vm))
-        finally:
-            if frozen:
-                await _thaw(h, inst)
+        async with h.agent_lock(vm):
+            frozen = await freeze.freeze(h, inst, "backup")
+            try:
+                h.phase(vm, "start", frozen=frozen)
+                await inst.qmp.execute("transaction", {"actions": plan(
+                    targets, new_bitmap, None if last is None else last.bitmap,
+                    req.max_bandwidth)})
+                started = True
+                nvram = None
+                if rec.boot == "uefi":
+                    nvram = await asyncio.to_thread(bk.copy_nvram, pt,
+                                                    nvram_path(h.paths, vm))
+            finally:
+                if frozen:
+                    await freeze.thaw(h, inst)
         await _wait(h, inst, vm, targets)
         await _detach(inst, [t.node for t in targets])
         h.phase(vm, "checksum")
@@ -346,7 +314,8 @@ async def recover(h: PartitionHost, job: Job, inst: QemuInstance | None) -> None
         with contextlib.suppress(FusumaError):
             ids = [d for d, _ in drives(h.vm(job.name))]
             if job.phase in ("prepare", "start"):     # it may have died while frozen
-                await _thaw(h, inst)
+                async with h.agent_lock(inst.vm):
+                    await freeze.thaw(h, inst)
             await _cancel(inst, nodes)
             await _detach(inst, nodes)
             if isinstance(bitmap, str):

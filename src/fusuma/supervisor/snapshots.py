@@ -45,7 +45,6 @@ from pathlib import Path
 from fusuma.errors import (
     ConflictError,
     FusumaError,
-    GuestAgentError,
     QemuError,
     SpecError,
     StateError,
@@ -59,7 +58,7 @@ from fusuma.qemu.instance import QemuInstance
 from fusuma.qemu.versions import parse_version
 from fusuma.state import Job, JobKind, VmRecord, VmState
 from fusuma.state.snapdb import SnapshotRecord, SnapState
-from fusuma.supervisor import rpc, vms
+from fusuma.supervisor import freeze, rpc, vms
 from fusuma.supervisor.host import PartitionHost
 
 # A job's phases, each recorded before its step.
@@ -72,8 +71,6 @@ Phase = Callable[..., object]
 #: The phases of a restore's start (``vms.start_held`` records its own steps).
 START_PHASES = frozenset({START, "launch", "pin", "restore"})
 
-FREEZE_S = 60.0          # the agent's freeze (it syncs every filesystem first)
-AGENT_CONNECT_S = 3.0    # a guest without an agent is snapshotted without a freeze
 JOB_S = 900.0            # a snapshot-save/-load of the RAM under TCG
 STOP_S = 30.0
 EXIT_S = 10.0            # a QEMU that stopped answering, to be seen gone
@@ -223,13 +220,13 @@ async def _take(h: PartitionHost, phase: Phase, rec: VmRecord, inst: QemuInstanc
         phase(FREEZE)
         frozen = False
         try:
-            frozen = await _freeze(h, inst)
+            frozen = await freeze.freeze(h, inst, "snapshot")
             phase(SAVE, frozen=frozen)
             await blocksnap.snapshot_disks(inst.qmp, [d.drive for d in disks], snap.name)
         finally:
             if frozen:
                 phase(THAW)
-                await asyncio.shield(_thaw(h, inst))
+                await asyncio.shield(freeze.thaw(h, inst))
     return frozen, None
 
 
@@ -241,36 +238,6 @@ async def _nodes(inst: QemuInstance, disks: list[SnapDisk]) -> list[str]:
         raise StateError(f"VM {inst.vm!r}'s QEMU has no node for {', '.join(missing)}; "
                          "stop and start it.")
     return [found[d.drive].node for d in disks]
-
-
-async def _freeze(h: PartitionHost, inst: QemuInstance) -> bool:
-    """Freeze the guest's filesystems through its agent (its caller holds the agent's
-    lock); False when the guest has no agent that answers, or it cannot freeze."""
-    try:
-        async with h.agent(inst) as ga:
-            await ga.connect(timeout=AGENT_CONNECT_S)
-            count = await ga.execute("guest-fsfreeze-freeze", timeout=FREEZE_S)
-    except (GuestAgentError, QemuError, OSError, TimeoutError) as exc:
-        h.log.warning("snapshot of %s without a freeze: %s", inst.vm,
-                      getattr(exc, "summary", None) or type(exc).__name__)
-        # A freeze that timed out may still have happened in the guest.
-        await _thaw(h, inst)
-        return False
-    if type(count) is not int or count < 0:
-        await _thaw(h, inst)
-        raise GuestAgentError(f"VM {inst.vm}: the guest agent answered its freeze with "
-                              "something other than a count; not used.")
-    return True
-
-
-async def _thaw(h: PartitionHost, inst: QemuInstance) -> None:
-    """Thaw the guest's filesystems, whatever state they are in; never raises."""
-    try:
-        async with h.agent(inst) as ga:
-            await ga.connect(timeout=AGENT_CONNECT_S)
-            await ga.execute("guest-fsfreeze-thaw", timeout=FREEZE_S)
-    except (FusumaError, OSError, TimeoutError) as exc:
-        h.log.warning("thawing %s's filesystems: %s", inst.vm, exc)
 
 
 # -- undo, and stale records ----------------------------------------------------------
@@ -445,7 +412,7 @@ async def recover(h: PartitionHost, job: Job) -> None:
                 await blocksnap.put_back(inst.qmp, settings)
         if job.phase in (FREEZE, SAVE, THAW) and not job.detail.get("memory"):
             async with h.agent_lock(rec.name):
-                await _thaw(h, inst)
+                await freeze.thaw(h, inst)
     disks = [SnapDisk(BOOT_DRIVE, disk_path(h.paths, rec.name))]
     op = job.detail.get("op")
     if op in ("create", "delete"):
