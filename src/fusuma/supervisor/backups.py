@@ -302,10 +302,12 @@ def _config(h: PartitionHost, rec: VmRecord) -> bk.VmConfig:
                                                            key=lambda n: n.index)])
 
 
-async def recover(h: PartitionHost, job: Job, inst: QemuInstance | None) -> None:
-    """A backup whose supervisor died: thaw the guest, end QEMU's jobs, remove the
-    target nodes and the point's bitmap, and delete the point unless its manifest
-    was written (then only the bitmaps older than it go)."""
+async def recover(h: PartitionHost, job: Job) -> None:
+    """A backup whose supervisor died (this supervisor has taken the job over; its
+    caller ends it): thaw the guest, end QEMU's jobs, remove the target nodes and the
+    point's bitmap, and delete the point unless its manifest was written (then only
+    the bitmaps older than it go)."""
+    inst = h.instances.get(job.name)
     point = job.detail.get("point")
     bitmap = job.detail.get("bitmap")
     nodes = [str(n) for n in job.detail.get("nodes") or []]

@@ -61,6 +61,7 @@ class Supervisor:
                                       cgroups.for_paths(paths), self.log)
         h.recover_local = functools.partial(vms.recover_local, h)
         h.local_recoverers[JobKind.SNAPSHOT] = functools.partial(snapshots.recover, h)
+        h.local_recoverers[JobKind.BACKUP] = functools.partial(backups.recover, h)
         self.governor = Governor(
             partition, h.cg, h.db,
             pids=lambda: {n: i.pid for n, i in h.instances.running().items()},

@@ -245,8 +245,9 @@ async def resize_disk(h: PartitionHost, req: rpc.ResizeDisk) -> rpc.Resized:
 
 
 async def recover_local(h: PartitionHost, job: Job) -> None:
-    """Finish a start, stop, kill, template save or backup whose supervisor died, asking
-    QEMU (one entry point for every local job kind)."""
+    """Finish a start, stop, kill or template save whose supervisor died, asking QEMU
+    (one entry point for every local job kind; a kind whose module keeps its own
+    recovery, a backup or a snapshot, is registered in ``h.local_recoverers``)."""
     if h.db.take_over(job.obj, job.owner, h.owner) is None:
         return
     other = h.local_recoverers.get(job.kind)
@@ -281,10 +282,6 @@ async def recover_local(h: PartitionHost, job: Job) -> None:
                 h.settle_state(name, VmState.STOPPED, pid=None)
         elif job.kind == JobKind.TEMPLATE:
             await template_ops.recover(h, job)
-        elif job.kind == JobKind.BACKUP:
-            from fusuma.supervisor.backups import recover as recover_backup
-
-            await recover_backup(h, job, inst)
         elif job.kind == JobKind.START:
             status = None if inst is None else await inst.qmp.query_status()
             if inst is not None and status in ("inmigrate", "prelaunch"):
