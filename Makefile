@@ -151,9 +151,15 @@ docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # The 20 slowest tests close every run, so the suite's budget shows in every CI log.
-test: image kube lint docs test-cgroup2
-	$(VENV)/bin/pytest -q tests --ignore=tests/cgroup2 --durations=20 \
-	  --junitxml=test-output/junit.xml
+# The suite on TEST_JOBS workers, a test module at a time per worker, the longest first
+# (tests/conftest.py): the tests spend much of their time waiting on guests. Then the
+# tests marked `serial`, alone. Per-test times land in test-output/junit*.xml; after a
+# full run, `python tools/suite_costs.py test-output/junit*.xml` refreshes the order.
+TEST_JOBS ?= 2
+test: image image-cgroup2 kube lint docs
+	$(VENV)/bin/pytest -q tests -n $(TEST_JOBS) --dist loadscope -m "not serial" \
+	  --durations=20 --junitxml=test-output/junit.xml
+	$(VENV)/bin/pytest -q tests -m serial --junitxml=test-output/junit-serial.xml
 
 bench-boot: image
 	$(FUSUMA) bench boot --vms 2 --runs 5 --json results/boot.json

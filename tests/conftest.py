@@ -30,6 +30,60 @@ FUSUMA = [sys.executable, "-m", "fusuma.cli.main"]
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
+# -- running on several workers (make test: pytest -n 2) -------------------------------
+# Each worker takes a whole test module at a time, so that a module's shared guest or
+# cluster lab is set up once, in one worker. The longest modules go first (by
+# tests/suite_costs.json, written by tools/suite_costs.py) so that the workers finish
+# together. What cannot share the machine is marked `serial` and runs after, alone.
+COSTS = REPO / "tests" / "suite_costs.json"
+DEFAULT_S = 20
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit of work a worker takes: the test module, except that the cluster modules
+    are one unit (a kube-apiserver, etcd and three hosts each; two at once would starve
+    the leases on two cores)."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/cluster" if path.startswith("tests/cluster/") else path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Kernel-exclusive cpusets: no other namespace may hold a core meanwhile.
+    for item in items:
+        if "exclusive_host" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.serial)
+    try:
+        costs: dict[str, float] = json.loads(COSTS.read_text())
+    except (OSError, ValueError):
+        costs = {}
+    weight: dict[str, float] = {}
+    seen: set[str] = set()
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if path not in seen:
+            seen.add(path)
+            scope = scope_of(path)
+            weight[scope] = weight.get(scope, 0) + costs.get(path, DEFAULT_S)
+    order = {id(item): n for n, item in enumerate(items)}
+    items.sort(key=lambda it: (-weight[scope_of(it.nodeid)], scope_of(it.nodeid),
+                               order[id(it)]))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Whole modules (cluster: the whole directory) per worker, in collection order."""
+    if config.getoption("dist") not in ("loadscope", "loadfile"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByModule(config, log)
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     rep = yield
