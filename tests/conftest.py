@@ -37,6 +37,10 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # together. What cannot share the machine is marked `serial` and runs after, alone.
 COSTS = REPO / "tests" / "suite_costs.json"
 DEFAULT_S = 20
+# A test that asks for one of these cannot share the machine: kernel-exclusive cpusets
+# (no other namespace may hold a core meanwhile) and the host's KSM settings (a test
+# beside it could turn KSM off, or put back what it found, mid-way).
+SERIAL_FIXTURES = {"exclusive_host", "ksm_restored"}
 
 
 def scope_of(nodeid: str) -> str:
@@ -49,9 +53,8 @@ def scope_of(nodeid: str) -> str:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Kernel-exclusive cpusets: no other namespace may hold a core meanwhile.
     for item in items:
-        if "exclusive_host" in getattr(item, "fixturenames", ()):
+        if SERIAL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.serial)
     try:
         costs: dict[str, float] = json.loads(COSTS.read_text())

@@ -166,7 +166,9 @@ def run(parts: PartitionManager, vms: VmManager, segs: SegmentManager,
     accel = probe_accel("auto").name
     counts = sorted(set(counts))
     cores = _check_host(parts, counts, memory_mib, accel, modes, loads, ksm)
-    saved = ksm.read_settings() if ksm.available() else None
+    # KSM is the host's: put back only what a ksm mode of this run changes.
+    saved = (ksm.read_settings()
+             if ksm.available() and any("ksm" in m for m in modes) else None)
     started = meta(accel)      # the revision and date the run started with
     points: list[Point] = []
     try:

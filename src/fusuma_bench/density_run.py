@@ -117,7 +117,10 @@ class Bench:
         accel = probe_accel("auto").name
         started_meta = meta(accel)
         started = time.monotonic()
-        saved = self.ksm.read_settings() if self.ksm.available() else None
+        # KSM is the host's: put back only what a ksm mode of this run changed, so a
+        # run without one never writes settings someone else may have set meanwhile.
+        saved = (self.ksm.read_settings()
+                 if self.ksm.available() and any("ksm" in m for m in cfg.modes) else None)
         runs: list[ModeRun] = []
         try:
             if any("segment" in m for m in cfg.modes):
