@@ -97,8 +97,9 @@ class PartitionSpec(_Model):
     """The host cores it owns, no other partition's: a list (`[0, 1]`), one number or
     a cpulist string (`"0-3,6"`)."""
     memory_mib: Annotated[int, Field(gt=0)]
-    """Its memory budget in MiB: the supervisor, the VMs' QEMU processes and their guest
-    RAM must fit in it (a VM that would not fit is refused)."""
+    """Its memory budget in MiB for what runs in it beyond guest RAM: 64 MiB for its
+    supervisor plus each VM's QEMU overhead (a VM with private RAM counts its RAM here
+    too); guest RAM is admitted host-wide. A VM that would not fit is refused."""
     io_weight: Annotated[int, Field(ge=1, le=10000)] | None = None
     """Its share of disk bandwidth against the other partitions (cgroup `io.weight`,
     best effort); unset: the kernel's default (100)."""
