@@ -60,6 +60,29 @@ def parse(text: str) -> list[Step]:
     return steps
 
 
+_TITLED = re.compile(r'^```\w+\s+title="([^"]+)"\s*$')
+
+
+def files(text: str) -> dict[str, str]:
+    """The files a page shows for its session to use: each code block with a title
+    (```yaml title="web0.yaml"), by its title."""
+    out: dict[str, str] = {}
+    name: str | None = None
+    body: list[str] = []
+    for line in text.splitlines():
+        if name is None:
+            m = _TITLED.match(line)
+            if m:
+                name, body = m.group(1), []
+            continue
+        if line.startswith("```"):
+            out[name] = "\n".join(body) + "\n"
+            name = None
+            continue
+        body.append(line)
+    return out
+
+
 def normal(line: str) -> str:
     return " ".join(_NUMBER.sub("N", _AGE.sub("0", line)).split())
 

@@ -226,6 +226,17 @@ def test_the_first_host_tutorial_has_its_session() -> None:
     assert all(s.argv[0] == "fusuma" and s.expected for s in steps)
 
 
+def test_the_cluster_tutorial_has_its_session_and_files() -> None:
+    text = (REPO / "docs" / "tutorials" / "first-cluster.md").read_text()
+    steps = docs_session.parse(text)
+    assert all(s.argv[0] == "kubectl" and s.expected for s in steps)
+    shown = docs_session.files(text)
+    assert set(shown) == {"partitions.yaml", "web0.yaml"}
+    used = {a for s in steps for a in s.argv if a.endswith(".yaml")}
+    assert used == {"web0.yaml"}, "the session uses a file the page does not show"
+    assert "kind: FusumaVM" in shown["web0.yaml"] and shown["web0.yaml"].endswith("}\n")
+
+
 def test_an_age_as_kubectl_prints_it_matches_any_age() -> None:
     assert docs_session.matches(["h0  True  5m12s"], ["h0  True  7s"])
     assert docs_session.matches(["h0  True  2d"], ["h1  True  40h"])
