@@ -206,6 +206,11 @@ def _limits(schema: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _md(text: str) -> str:
+    """A docstring's reST literals (``x``) as markdown's (`x`)."""
+    return text.replace("``", "`")
+
+
 def spec_page() -> str:
     from fusuma import spec
 
@@ -216,14 +221,15 @@ def spec_page() -> str:
            "worked example is in [Write a host spec](../../how-to/host-spec.md).\n\n"]
     schema = spec.HostSpec.model_json_schema(by_alias=True)
     defs: dict[str, Any] = schema.get("$defs", {})
-    out.append("## The file\n\n| table | each entry is a |\n|---|---|\n")
+    out.append("## The file\n\n| table | each entry is a | description |\n|---|---|---|\n")
     for key, prop in schema["properties"].items():
-        out.append(f"| `[[{key}]]` | {_type(prop.get('items', prop))} |\n")
+        out.append(f"| `[[{key}]]` | {_type(prop.get('items', prop))} | "
+                   f"{_esc(_md(prop.get('description', '')))} |\n")
     out.append("\n")
     for name, model in defs.items():
         out.append(f"## {name} {{#{name.lower()}}}\n\n")
         if model.get("description"):
-            out.append(" ".join(model["description"].replace("``", "`").split()) + "\n\n")
+            out.append(" ".join(_md(model["description"]).split()) + "\n\n")
         if "properties" not in model:
             out.append(f"{_type(model)}\n\n")
             continue
@@ -234,7 +240,7 @@ def spec_page() -> str:
             default = ("required" if key in required
                        else f"`{json.dumps(prop.get('default'))}`")
             out.append(f"| `{key}` | {_esc(_type(prop))} | {_esc(default)} | "
-                       f"{_esc(_limits(prop))} | {_esc(prop.get('description', ''))} |\n")
+                       f"{_esc(_limits(prop))} | {_esc(_md(prop.get('description', '')))} |\n")
         out.append("\n")
     return "".join(out)
 

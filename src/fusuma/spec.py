@@ -73,7 +73,9 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Each key's docstring is its description: in the spec reference, the OpenAPI
+    # document and `kubectl explain`-like tools (a unit test wants one on every key).
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 # A name as the API's OpenAPI document states it (what _name_field checks).
@@ -90,13 +92,23 @@ class PartitionSpec(_Model):
     """A partition: exclusive cores, a memory limit, an I/O weight, its own supervisor."""
 
     name: Name
+    """The partition's name, unique on the host."""
     cpus: list[int]
+    """The host cores it owns, no other partition's: a list (`[0, 1]`), one number or
+    a cpulist string (`"0-3,6"`)."""
     memory_mib: Annotated[int, Field(gt=0)]
+    """Its memory budget in MiB for what runs in it beyond guest RAM: 64 MiB for its
+    supervisor plus each VM's QEMU overhead (a VM with private RAM counts its RAM here
+    too); guest RAM is admitted host-wide. A VM that would not fit is refused."""
     io_weight: Annotated[int, Field(ge=1, le=10000)] | None = None
+    """Its share of disk bandwidth against the other partitions (cgroup `io.weight`,
+    best effort); unset: the kernel's default (100)."""
     qemu: str | None = None
-    # On an SMT host: "cores" hands out whole physical cores (the cpus listed plus their
-    # sibling threads); "threads" takes exactly the threads listed.
+    """The QEMU its VMs run: a version from `fusuma qemu list` (`"10.0"`) or, from
+    root's spec or the CLI only, a binary's path; unset: the system's QEMU."""
     smt: Literal["cores", "threads"] = "cores"
+    """On an SMT host: `cores` hands out whole physical cores (the cpus listed plus
+    their sibling threads); `threads` takes exactly the threads listed."""
 
     _check_name = field_validator("name")(_name_field)
 
@@ -128,6 +140,8 @@ class StorageSpec(_Model):
     """A directory root declares for disk files (`fusuma storage add`)."""
 
     path: str
+    """The directory's absolute path; disks' files must lie inside a storage directory
+    (FUSUMA_HOME/disks always is one)."""
 
     @field_validator("path")
     @classmethod
@@ -141,9 +155,14 @@ class DiskSpec(_Model):
     """A disk owned by one partition: a raw image file inside a storage directory."""
 
     name: Name
+    """The disk's name, unique on the host; VMs list it in their `disks`."""
     path: str
+    """The raw image file's absolute path, inside a storage directory (no comma)."""
     partition: str
+    """The partition that owns it: only that partition's VMs may use it."""
     size_mib: Annotated[int, Field(gt=0)] | None = None
+    """Its size in MiB when fusuma creates the file (sparse); unset: the file must
+    exist."""
 
     _check_name = field_validator("name")(_name_field)
 
@@ -164,12 +183,25 @@ class NetworkSpec(_Model):
     has, named by ``parent``)."""
 
     name: Name
+    """The network's name, unique on the host; NICs name it."""
     type: Literal["managed", "bridged"] = "managed"
+    """`managed`: a bridge fusuma makes, with DHCP, DNS and NAT; `bridged`: a bridge
+    the host already has (`parent`)."""
     subnet: str | None = None
-    nat: bool | None = None           # managed: default true
+    """A managed network's private IPv4 subnet, /16 to /29, that no host route overlaps
+    (`"10.0.5.0/24"`; the gateway is its first address); unset: the first free
+    10.x.y.0/24."""
+    nat: bool | None = None
+    """Managed: masquerade the VMs' traffic that leaves by another interface (unset:
+    true); false: routed only."""
     isolated: bool = False
-    filtering: bool | None = None     # managed: default true
+    """Managed: VMs see only the gateway (and through it, the NAT), never each
+    other."""
+    filtering: bool | None = None
+    """Managed: drop frames a VM sends from another MAC or IPv4 address than its own,
+    and IPv6 (unset: true)."""
     parent: str | None = None
+    """Bridged: the host's bridge to attach to (it must exist)."""
 
     _check_name = field_validator("name")(_name_field)
 
@@ -188,8 +220,12 @@ class NicSpec(_Model):
     """A VM's NIC: its network, and optionally its MAC and (managed) address."""
 
     network: str
+    """The network it joins (a `[[network]]` or one made with `fusuma network`)."""
     mac: str | None = None
+    """Its MAC address; unset: one generated once (52:54:00:..)."""
     ip: str | None = None
+    """On a managed network, its IPv4 address (inside the subnet, not in use), handed
+    out by DHCP; unset: the subnet's next free one."""
 
     _check_network = field_validator("network")(_name_field)
 
@@ -208,55 +244,69 @@ class VmSpec(_Model):
     """A VM: one QEMU process inside its partition's cgroup."""
 
     name: Name
+    """The VM's name, unique on the host (a clone's is its hostname too)."""
     partition: str
+    """The partition it runs in: its QEMU lives in that partition's cgroup, on its
+    cores, under its supervisor."""
     vcpus: Annotated[int, Field(ge=1, le=64)] = 1
+    """Its virtual CPUs (a clone: its template's)."""
     memory_mib: Annotated[int, Field(ge=64)] = 256
+    """Guest RAM in MiB (a clone: its template's)."""
     image: str = "minimal"
+    """What it boots: a kind fusuma builds (`minimal`, `debian`) or an imported image
+    (`fusuma image list`)."""
     disks: list[str] = []
+    """Disks of its partition to attach (`[[disk]]` names), each to one VM only."""
     accel: Accel = "auto"
+    """The accelerator: `auto` is KVM when usable, else TCG (software emulation)."""
     autostart: bool = True
-    # Guest RAM in a named shared file: needed for zero-copy migration. False gives
-    # private anonymous RAM (migration by copy only).
+    """Start it (when it is not running) each time `fusuma up` applies the spec."""
     shared_ram: bool = True
-    # The governor's QoS class: guaranteed (its vCPUs' worth of CPU reserved),
-    # burstable (a weight, may use idle CPU) or best-effort (only otherwise idle CPU).
+    """Guest RAM in a named shared file, which zero-copy moves need; false: private
+    anonymous RAM, moved by copy only."""
     qos: Qos = "burstable"
-    # Shared read-only segments, each "NAME" (mounted at /mnt/NAME) or "NAME:/DIR".
+    """The governor's CPU class: `guaranteed` (its vCPUs' worth of CPU reserved; a
+    partition's guaranteed vCPUs may not exceed its cores), `burstable` (a weight, may
+    use idle CPU) or `best-effort` (only otherwise idle CPU)."""
     segments: list[str] = []
-    # KSM: private RAM marked mergeable. Needs private RAM, so such a VM migrates by
-    # copy only; mergeable = true alone implies shared_ram = false.
+    """Shared read-only segments to attach, each `"NAME"` (mounted at /mnt/NAME with
+    DAX) or `"NAME:/DIR"` (`fusuma segment`)."""
     mergeable: bool = False
-    # TCP ports forwarded to the guest: "[ADDR:]HOSTPORT:GUESTPORT" (ADDR 127.0.0.1
-    # when left out; another address needs a NIC on a managed network).
+    """Private guest RAM marked mergeable for KSM; implies `shared_ram = false`, so
+    the VM moves by copy only. KSM opens a side channel between guests."""
     ports: list[str] = []
-    # NICs on fusuma's networks; none: QEMU's user-mode network (when ports ask).
+    """TCP ports forwarded to the guest, each `"[ADDR:]HOSTPORT:GUESTPORT"` (ADDR
+    127.0.0.1 when left out; another address needs a NIC on a managed network)."""
     nics: list[NicSpec] = []
-    # The versioned machine type it pins (None: the q35 machine type of the oldest
-    # installed QEMU, so that it can move to every QEMU installed here).
+    """NICs on fusuma's networks (a tap each); none: QEMU's user-mode network."""
     machine: str | None = None
-    # Where QEMU's emulator threads (all but the vCPUs) run: "shared" (the partition's
-    # cores), "isolated" (a core of the partition that holds no guaranteed vCPU) or an
-    # explicit core list of the partition such as "1" (libvirt's <emulatorpin>).
+    """The versioned machine type it pins (`"pc-q35-7.2"`); unset: the q35 type of the
+    oldest installed QEMU, so that it can move to every QEMU installed here."""
     emulator: str = "shared"
-    # Free page reporting (virtio-balloon free-page-reporting): pages the guest frees
-    # are handed back to the host. None: on wherever guest RAM has a memory cgroup of
-    # its own (cgroup v1 hosts), off where it cannot (see `fusuma vm create --help`).
+    """Where QEMU's emulator threads (all but the vCPUs) run: `shared` (the
+    partition's cores), `isolated` (a core of the partition that holds no guaranteed
+    vCPU) or a core list of the partition such as `"1"`."""
     page_reporting: bool | None = None
-    # Start from a template's RAM and device state instead of booting (`fusuma
-    # template`): the clone maps the template's RAM copy-on-write.
+    """Free page reporting: memory the guest frees goes back to the host. Unset: on
+    where the RAM's pages can be charged to a cgroup of their own (cgroup v1) or the
+    RAM is private, off otherwise (see `fusuma vm create --help`)."""
     template: str | None = None
-    # How it boots: "kernel" (QEMU's direct kernel boot of an image fusuma builds),
-    # "bios" (SeaBIOS) or "uefi" (OVMF) from a thin disk on an imported image. None:
-    # kernel for the built images, bios for an imported one.
+    """Start as a clone of this template (`fusuma template`): from its RAM (mapped
+    copy-on-write) and device state, in milliseconds, instead of booting."""
     boot: Literal["kernel", "bios", "uefi"] | None = None
-    # An imported image's thin disk size ("8G", "512M"); None: the image's own size.
+    """How it boots: `kernel` (QEMU's direct boot of an image fusuma builds), `bios`
+    (SeaBIOS) or `uefi` (OVMF) from a thin disk on an imported image; unset: kernel
+    for fusuma's images, bios for imported ones."""
     disk_size: str | None = None
-    # cloud-init (an imported image): SSH public keys for the image's default user,
-    # and the user's own user-data (a #cloud-config, a script or a MIME multipart),
-    # both as text: the VM's seed disk carries them.
+    """An imported image's thin disk size (`"8G"`, `"512M"`), at least the image's;
+    unset: the image's own size."""
     ssh_keys: Annotated[list[Annotated[str, Field(max_length=16384)]],
                         Field(max_length=64)] = []
+    """An imported image: SSH public keys (the keys' text) cloud-init authorizes for
+    the image's default user."""
     user_data: Annotated[str, Field(max_length=65536)] | None = None
+    """An imported image: cloud-init user-data as text (a #cloud-config, a script or a
+    MIME multipart), run at its first boot."""
 
     _check_name = field_validator("name")(_name_field)
 
@@ -330,10 +380,15 @@ class HostSpec(_Model):
     """The whole host: the unit that ``fusuma up`` applies."""
 
     storage: list[StorageSpec] = []
+    """Directories root declares for disk files."""
     network: list[NetworkSpec] = []
+    """Networks VMs' NICs join."""
     partition: list[PartitionSpec] = []
+    """Partitions: cores, a memory budget and a supervisor each."""
     disk: list[DiskSpec] = []
+    """Disks, each owned by one partition."""
     vm: list[VmSpec] = []
+    """VMs, each in one partition."""
 
 
 def _loc(path: str, loc: tuple[int | str, ...]) -> str:

@@ -8,11 +8,14 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 
+from tests import docs_session
 from tests.cluster.conftest import QEMU, Cluster, wait_for
+from tests.conftest import REPO
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -435,3 +438,30 @@ def test_a_tampered_device_record_is_refused_and_the_guest_stays(clean: Cluster)
     assert guest_md5(c, "h0", "tampered") == before
     lab.kubectl("patch", "fusumavm", "tampered", "--type=merge",
                 "-p", json.dumps({"spec": {"host": "h0"}}))
+
+
+def test_the_first_cluster_tutorial_runs_as_printed(clean: Cluster, tmp_path: Path) -> None:
+    """docs/tutorials/first-cluster.md on this lab: the lab is set up as the page's set-up
+    says (install, certificates, one identity per host, an agent each, the page's
+    partitions.yaml, checked here), then every command of the page's session runs as
+    the admin, each output compared with the page's (tests/docs_session.py)."""
+    page = REPO / "docs" / "tutorials" / "first-cluster.md"
+    shown = docs_session.files(page.read_text())
+    applied = {p["metadata"]["name"]: p["spec"]
+               for p in clean.lab.get("fusumapartition", namespace=None)["items"]}
+    wanted = {d["metadata"]["name"]: d["spec"]
+              for d in yaml.safe_load_all(shown["partitions.yaml"]) if d}
+    if QEMU is None:
+        wanted = {k: {f: x for f, x in v.items() if f != "qemu"} for k, v in wanted.items()}
+    assert applied == wanted, "the lab's partitions are not the tutorial's partitions.yaml"
+    for name, text in shown.items():
+        (tmp_path / name).write_text(text)
+
+    def run(step: docs_session.Step) -> tuple[int, str, str]:
+        argv = step.argv
+        assert argv[0] == "kubectl", f"the session runs kubectl only: {step.command}"
+        args = [str(tmp_path / a) if a in shown else a for a in argv[1:]]
+        p = clean.lab.kubectl(*args, check=False, timeout=240)
+        return p.returncode, p.stdout, p.stderr
+
+    docs_session.check_page(page, run, min_steps=12)

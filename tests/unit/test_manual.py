@@ -145,6 +145,22 @@ def test_every_route_spec_key_metric_and_error_is_in_the_reference(
             assert f"| {cls.exit_code} | `{cls.__name__}` |" in pages["errors.md"], cls
 
 
+def test_every_spec_key_has_a_description(pages: dict[str, str]) -> None:
+    """A key of the host spec without a description fails here: the reference shows
+    each key's description beside its type and limits."""
+    from fusuma import spec
+
+    schema = spec.HostSpec.model_json_schema(by_alias=True)
+    models = {"HostSpec": schema, **schema["$defs"]}
+    bare = [f"{name}.{key}" for name, model in models.items()
+            for key, prop in model.get("properties", {}).items()
+            if len(prop.get("description", "").split()) < 3]
+    assert not bare, f"spec keys without a description (a docstring under the key): {bare}"
+    assert len(models) >= 7
+    described = models["VmSpec"]["properties"]["qos"]["description"]
+    assert " ".join(described.split()).replace("|", "\\|") in pages["spec.md"]
+
+
 def test_no_issue_numbers_in_what_a_user_reads(pages: dict[str, str]) -> None:
     """The manual, the README and every --help name features, never issue numbers."""
     import re
@@ -205,3 +221,23 @@ def test_the_first_host_tutorial_has_its_session() -> None:
     assert [s.argv[:3] for s in steps][:2] == [["fusuma", "partition", "create"],
                                                ["fusuma", "vm", "create"]]
     assert all(s.argv[0] == "fusuma" for s in steps)
+    steps = docs_session.parse((REPO / "docs" / "tutorials" / "first-template.md").read_text())
+    assert ["fusuma", "template", "create"] in [s.argv[:3] for s in steps]
+    assert all(s.argv[0] == "fusuma" and s.expected for s in steps)
+
+
+def test_the_cluster_tutorial_has_its_session_and_files() -> None:
+    text = (REPO / "docs" / "tutorials" / "first-cluster.md").read_text()
+    steps = docs_session.parse(text)
+    assert all(s.argv[0] == "kubectl" and s.expected for s in steps)
+    shown = docs_session.files(text)
+    assert set(shown) == {"partitions.yaml", "web0.yaml"}
+    used = {a for s in steps for a in s.argv if a.endswith(".yaml")}
+    assert used == {"web0.yaml"}, "the session uses a file the page does not show"
+    assert "kind: FusumaVM" in shown["web0.yaml"] and shown["web0.yaml"].endswith("}\n")
+
+
+def test_an_age_as_kubectl_prints_it_matches_any_age() -> None:
+    assert docs_session.matches(["h0  True  5m12s"], ["h0  True  7s"])
+    assert docs_session.matches(["h0  True  2d"], ["h1  True  40h"])
+    assert not docs_session.matches(["h0  True  5m"], ["h0  False  5m"])
