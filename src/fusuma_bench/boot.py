@@ -8,10 +8,11 @@ afterwards, also when it fails.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fusuma.capacity import SUPERVISOR_MIB
@@ -27,32 +28,49 @@ from fusuma_bench.report import meta
 PARTITION = "bench-boot"
 
 
+def free_cores(parts: PartitionManager, who: str) -> list[int]:
+    """The cores no partition holds; one sentence naming ``who`` if there are none."""
+    used = {c for p in parts.db.partitions() for c in p.cpus}
+    free = [c for c in parts.host.cpus if c not in used]
+    if not free:
+        raise ResourceError(f"every core belongs to a partition; {who} needs a free core "
+                            "(run `fusuma down` first).")
+    return free
+
+
+@contextlib.contextmanager
+def scratch_partition(parts: PartitionManager, name: str, vms: int, memory_mib: int,
+                      who: str, progress: Callable[[str], None]) -> Iterator[list[int]]:
+    """A partition ``name`` on the free cores, sized for ``vms`` VMs of ``memory_mib``;
+    its cores. Deleted with its VMs when the block ends, also on failure."""
+    free = free_cores(parts, who)
+    accel = probe_accel("auto").name
+    mem = SUPERVISOR_MIB + vms * (memory_mib + overhead_mib(accel)) + 64
+    parts.create(PartitionSpec(name=name, cpus=free, memory_mib=mem))
+    try:
+        yield free
+    finally:
+        try:
+            parts.delete(name, force=True)
+        except FusumaError as exc:
+            progress(f"cleanup failed: {exc}")
+
+
 def run(parts: PartitionManager, vms: VmManager, n: int, runs: int = 3,
         memory_mib: int = 256, timeout: float = 180.0,
         progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     accel = probe_accel("auto").name
-    used = {c for p in parts.db.partitions() for c in p.cpus}
-    free = [c for c in parts.host.cpus if c not in used]
-    if not free:
-        raise ResourceError("every core belongs to a partition; the boot benchmark needs a "
-                            "free core (run `fusuma down` first).")
-    mem = SUPERVISOR_MIB + n * (memory_mib + overhead_mib(accel)) + 64
     names = [f"bench-boot-{i}" for i in range(n)]
     results: list[dict[str, Any]] = []
-    parts.create(PartitionSpec(name=PARTITION, cpus=free, memory_mib=mem))
-    try:
+    with scratch_partition(parts, PARTITION, n, memory_mib, "the boot benchmark",
+                           progress) as free:
         for name in names:
             vms.create(VmSpec(name=name, partition=PARTITION, memory_mib=memory_mib))
         for r in range(runs):
             progress(f"run {r + 1}/{runs}: starting {n} VM(s) on cores {free}")
-            results += _one_run(vms, names, r, timeout)
+            results += one_run(vms, PARTITION, names, r, timeout)
             for name in names:
                 vms.stop(name, timeout=5)
-    finally:
-        try:
-            parts.delete(PARTITION, force=True)
-        except FusumaError as exc:
-            progress(f"cleanup failed: {exc}")
     times = [x["boot_ms"] for x in results]
     return {"meta": meta(accel, benchmark="boot", vms=n, runs=runs,
                          guest_memory_mib=memory_mib, cores=free),
@@ -62,13 +80,15 @@ def run(parts: PartitionManager, vms: VmManager, n: int, runs: int = 3,
                         "max_boot_ms": round(max(times), 1)}}
 
 
-def _one_run(vms: VmManager, names: list[str], run: int,
-             timeout: float) -> list[dict[str, Any]]:
+def one_run(vms: VmManager, partition: str, names: list[str], run: int,
+            timeout: float) -> list[dict[str, Any]]:
+    """Start the VMs ``names`` of ``partition`` together; each one's time from its start
+    request to its guest agent answering."""
     t0: dict[str, float] = {}
     done: dict[str, float] = {}
     errors: list[BaseException] = []
 
-    client = vms.parts.client(PARTITION)   # threads must not share the DB connection
+    client = vms.parts.client(partition)   # threads must not share the DB connection
 
     def wait(name: str) -> None:
         try:

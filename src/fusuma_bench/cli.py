@@ -636,3 +636,76 @@ def network_cmd(runs: int, seconds: int, moves: bool, move_runs: int, downtime_r
                f"{d['with_nic_moves']} and {d['without_nic_moves']})")
 
     publish(data, json_file, report_dir, "network", summary)
+
+
+@bench.command("images")
+@click.option("--quick", is_flag=True,
+              help="A small generated image (64 MiB, 48 MiB of data), no boot: seconds.")
+@click.option("--runs", type=click.IntRange(1, 50), default=5, show_default=True,
+              help="Imports (and checksums, qemu-img info) timed; each figure is their "
+                   "median. Thin disks: at least 5.")
+@click.option("--readers", type=click.IntRange(1, 16), default=3, show_default=True,
+              help="Processes reading the whole disk through a thin disk each on the one "
+                   "base, then through a full copy each.")
+@click.option("--boot-vms", type=click.IntRange(0, 8), default=None,
+              help="VMs made from the image booted together by SeaBIOS to their guest "
+                   "agent [default: 2, 0 with --quick].")
+@click.option("--image", "image", type=click.Path(exists=True, dir_okay=False,
+                                                 path_type=Path), default=None,
+              help="Measure this image file (qcow2 or raw) instead of the bootable "
+                   "Debian disk the tests build.")
+@_json_option()
+@pass_ctx
+def images_cmd(c: Ctx, quick: bool, runs: int, readers: int, boot_vms: int | None,
+               image: Path | None, json_file: Path | None) -> None:
+    """Importing a disk image, thin disks on it, and the page cache VMs on one base share.
+
+    \b
+    Figures (medians of RUNS; see fusuma_bench/images.py for exactly what each covers):
+      import_ms, import_s_per_gib  `image import` (copy with SHA-256, qemu-img info),
+                                   the file in the page cache; sha256_s_per_gib and
+                                   probe_ms: its two parts alone
+      overlay_create_ms            a thin disk (qcow2 overlay) on the imported base
+      sharing                      READERS readers on the one base: its resident bytes
+                                   (mincore) after each; then a full copy per reader:
+                                   the copies' resident bytes; saved_bytes =
+                                   (READERS - 1) x base resident, beside the measured
+                                   copies_minus_shared_bytes
+      boot_to_agent_ms             BOOT_VMS VMs booted together by SeaBIOS, and what
+                                   `share report` says of their base afterwards
+    The image: the bootable Debian disk the tests build (cached in FUSUMA_CACHE;
+    `python -m fusuma.images.diskimage` builds it), --image FILE, or with --quick a
+    small generated qcow2. Booting needs a free core; a scratch partition is made on
+    the free cores. Everything made is removed afterwards.
+
+    \b
+    Example:
+      fusuma bench images --json docs/results/images.json"""
+    from fusuma_bench import images
+
+    n = boot_vms if boot_vms is not None else (0 if quick else 2)
+    if n:
+        c.accel_notice("auto")
+    data = images.run(c.paths, c.db, c.parts, c.vms, quick=quick, runs=runs,
+                      readers=readers, boot_vms=n, image=image, progress=progress)
+
+    def summary(data: dict[str, Any]) -> Iterable[str]:
+        s, sh = data["summary"], data["sharing"]
+        yield (f"import {s['import_ms_median']} ms ({s['import_s_per_gib']} s/GiB; "
+               f"sha256 {s['sha256_s_per_gib']} s/GiB, qemu-img info "
+               f"{s['probe_ms_median']} ms)")
+        yield f"thin disk {s['overlay_create_ms_median']} ms"
+        yield (f"{sh['readers']} readers on one base: base resident "
+               f"{sh['base_resident_bytes'] / 2**20:.1f} MiB, saved "
+               f"{sh['saved_bytes'] / 2**20:.1f} MiB ((readers - 1) x resident); a copy "
+               f"each: {sh['copies_resident_bytes'][-1] / 2**20:.1f} MiB resident")
+        b = data["boot"]
+        if b is not None and "failed" in b:
+            yield f"boot of {b['vms']} VM(s) FAILED: {b['failed']}"
+        elif b is not None:
+            yield (f"{b['vms']} VM(s) by SeaBIOS: boot to agent median "
+                   f"{b['boot_to_agent_ms_median']} ms; base resident "
+                   f"{(b['base_resident_bytes'] or 0) / 2**20:.1f} MiB held by "
+                   f"{b['vms_holding_base']}, saved {b['saved_bytes'] / 2**20:.1f} MiB")
+
+    publish(data, json_file, None, "images", summary)

@@ -9,7 +9,8 @@ minute under TCG); the tests run against them in order:
 1. The image and the boot: cloud-init gives each its hostname and the SSH key and runs
    the user-data; each booted by the firmware it asked for, under its own uid; the thin
    disk grows online; a template of such a VM, and deleting the image they use, are
-   refused; both QEMUs hold the base's one inode. Bad input to ``vm create`` first: one
+   refused; both QEMUs hold the base's one inode, and `share report` counts its cached
+   pages shared by the two. Bad input to ``vm create`` first: one
    sentence each, nothing made.
 2. Every move keeps them whole: zero-copy, copy (the UEFI one), ``maintain --via``
    (which also takes both from QEMU 7.2 to 10.0, their machine type kept) and
@@ -236,6 +237,11 @@ def test_imported_image_boots_by_bios_and_uefi_with_cloud_init_on_a_shared_base(
     assert host.vm("vb")["state"] == "running"
     # Both QEMUs read the one base file (its inode), and it is unchanged.
     assert all(holds_inode(pid, st) for pid in pids)
+    # share report: the two share the base's cached pages (mincore), one copy saved.
+    shared = host.run("share", "report", "--json").json()["bases"]["deb"]
+    assert (shared["vms"], shared["vm_names"], shared["error"]) == (2, ["vb", "vu"], None)
+    assert 0 < shared["resident_bytes"] <= st.st_size + 4096
+    assert shared["saved_bytes"] == shared["resident_bytes"]
     err = host.fail("image", "delete", "deb").err
     assert "base of VM(s) vb, vu; delete them first" in err
     assert store.sha256_of(base) == imported["sha256"]

@@ -214,11 +214,14 @@ def test_host_report_totals_and_savings(tmp_path: Path) -> None:
     # two copies of 8 MiB resident, 8 MiB of PSS: one copy (8 MiB) saved
     assert rep.segments_saved_kib == 2 * 8192 - 2 * 4096
     out = rep.as_json()
-    assert set(out) == {"vms", "totals", "savings_mib", "segments", "ksm", "skipped"}
+    assert set(out) == {"vms", "totals", "savings_mib", "segments", "bases", "ksm",
+                        "skipped"}
     assert out["totals"] == {"vms": 2, "pss_mib": round(2 * TOTAL_PSS / 1024, 1),
                              "rss_mib": round(2 * TOTAL_RSS / 1024, 1)}
     assert out["savings_mib"] == {"segments": 8.0, "ksm": 10.0, "templates": 0.0,
-                                  "ksm_vm_profit": round(4_000_000 / 2**20, 1)}
+                                  "ksm_vm_profit": round(4_000_000 / 2**20, 1),
+                                  "bases": 0.0}
+    assert out["bases"] == {}
     assert out["segments"] == {"usr": {"vms": 2, "rss_mib": 16.0, "pss_mib": 8.0,
                                        "saved_mib": 8.0}}
     assert out["ksm"]["pages_sharing"] == 2560 and out["ksm"]["state"] == "running"
@@ -233,5 +236,5 @@ def test_host_report_without_ksm_or_vms(tmp_path: Path) -> None:
     out = rep.as_json()
     assert out["ksm"] is None and out["vms"] == []
     assert out["savings_mib"] == {"segments": 0.0, "ksm": None, "ksm_vm_profit": None,
-                                  "templates": 0.0}
+                                  "templates": 0.0, "bases": 0.0}
     assert out["totals"] == {"vms": 0, "pss_mib": 0.0, "rss_mib": 0.0}

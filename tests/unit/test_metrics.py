@@ -360,3 +360,37 @@ def test_build_registry_and_render(paths: Paths, db: Database, procfs: Path) -> 
     # The partition comes from the source when the context lacks it.
     assert get(s, "fusuma_governor_actions_total", partition="p0", action="boost") == 1
     assert b"# TYPE fusuma_vm_cpu_seconds_total counter" in body
+
+
+def test_shared_base_images(tmp_path: Path, paths: Paths, db: Database,
+                            procfs: Path) -> None:
+    """Two running VMs on one imported image, their QEMUs holding its file (a link in
+    their fake fd tables, which os.stat follows to the real file): its size, cached
+    bytes (mincore on the real file), VMs and saving."""
+    from fusuma.state.records import ImageRecord
+
+    base = tmp_path / "deb.raw"
+    base.write_bytes(os.urandom(2**20))
+    base.chmod(0o444)
+    base.read_bytes()
+    db.add_image(ImageRecord(name="deb", path=str(base), format="raw",
+                             virtual_size=2**20, file_size=2**20, sha256="0" * 64,
+                             source="t"))
+    for pid, vm in ((4400, "f1"), (4401, "f2"), (4402, "f3")):
+        d = fake_qemu(procfs, pid, vm, threads=VM1_THREADS[1:2], utime=1, stime=1)
+        (d / "fd").mkdir()
+        if vm != "f3":                       # f3's QEMU does not hold the base
+            (d / "fd" / "7").symlink_to(base)
+        add_running(db, vm, pid, image="deb", boot="bios")
+    s = scrape(collector(paths, db, procfs))
+    cached = get(s, "fusuma_base_image_cached_bytes", image="deb")
+    assert 0 < cached <= 2**20
+    assert get(s, "fusuma_base_image_file_bytes", image="deb") == 2**20
+    assert get(s, "fusuma_base_image_vms", image="deb") == 2
+    assert get(s, "fusuma_base_image_saved_bytes", image="deb") == cached
+    # A base that is not the file imported has its size and VMs, not its cache.
+    base.chmod(0o644)
+    s = scrape(collector(paths, db, procfs))
+    assert names(s, "fusuma_base_image_cached_bytes") == []
+    assert names(s, "fusuma_base_image_saved_bytes") == []
+    assert get(s, "fusuma_base_image_vms", image="deb") == 2

@@ -26,6 +26,12 @@ Read at scrape time by :class:`HostCollector` (nothing cached between scrapes):
   PSI "some" of its cgroup, on cgroup v2 only (v1 has no per-group PSI: no samples);
   ``fusuma_partition_supervisor_up{partition}``: 1 while its supervisor is alive.
 - ``fusuma_host_ksm_pages_sharing``: pages KSM saves host-wide (sysfs).
+- ``fusuma_base_image_file_bytes{image}``, ``fusuma_base_image_cached_bytes{image}``,
+  ``fusuma_base_image_vms{image}``, ``fusuma_base_image_saved_bytes{image}``: for each
+  imported image that running VMs boot from, its file's size, its bytes in the host's
+  page cache (mincore), the VMs whose QEMU holds it open and the saving of sharing its
+  cached pages, (VMs - 1) x cached (fusuma.memshare.bases); an image whose file is not
+  the one imported has no cached or saved sample.
 
 Only a VM whose state is running, paused, migrating or stopping has per-process
 samples; a QEMU that ends during the scrape just has none.
@@ -63,6 +69,7 @@ from prometheus_client.registry import Collector
 from fusuma.errors import FusumaError
 from fusuma.governor.measure import ThreadStat, read_threads
 from fusuma.host.cgroups import CgroupDriver, CgroupV2Driver, parse_pressure_total
+from fusuma.memshare.bases import BaseUser, bases_in_use
 from fusuma.memshare.report import VmMemory, vm_memory
 from fusuma.partition.liveness import supervisor_pid
 from fusuma.paths import Paths
@@ -123,6 +130,10 @@ class _Families:
     partition_pressure: CounterMetricFamily
     partition_supervisor: GaugeMetricFamily
     host_ksm_sharing: GaugeMetricFamily
+    base_file: GaugeMetricFamily
+    base_cached: GaugeMetricFamily
+    base_vms: GaugeMetricFamily
+    base_saved: GaugeMetricFamily
 
     @classmethod
     def new(cls) -> _Families:
@@ -159,6 +170,15 @@ class _Families:
                                    "partition's supervisor is alive.", labels=["partition"]),
             host_ksm_sharing=g("fusuma_host_ksm_pages_sharing", "Pages KSM saves host-wide "
                                "(/sys/kernel/mm/ksm/pages_sharing)."),
+            base_file=g("fusuma_base_image_file_bytes", "Size of the file of an imported "
+                        "image that running VMs boot from (their shared base).",
+                        labels=["image"]),
+            base_cached=g("fusuma_base_image_cached_bytes", "Bytes of a shared base image "
+                          "in the host's page cache (mincore).", labels=["image"]),
+            base_vms=g("fusuma_base_image_vms", "Running VMs whose QEMU holds the base "
+                       "image open.", labels=["image"]),
+            base_saved=g("fusuma_base_image_saved_bytes", "Page cache saved by sharing the "
+                         "base: (VMs - 1) x its cached bytes.", labels=["image"]),
         )
 
     def all(self) -> list[Metric]:
@@ -257,6 +277,19 @@ class HostCollector(Collector):
         sharing = _read_int(self.ksm_root / "pages_sharing")
         if sharing is not None:
             f.host_ksm_sharing.add_metric([], sharing)
+        self._bases(f, db, samples)
+
+    def _bases(self, f: _Families, db: Database, samples: list[_VmSample]) -> None:
+        users = [BaseUser(s.record.name, s.process.pid, s.record.image) for s in samples
+                 if s.process is not None and s.record.boot != "kernel"]
+        if not users:
+            return
+        for use in bases_in_use(db.images(), users, self.procfs):
+            f.base_file.add_metric([use.image], use.file_bytes)
+            f.base_vms.add_metric([use.image], len(use.vms))
+            if use.resident_bytes is not None:
+                f.base_cached.add_metric([use.image], use.resident_bytes)
+                f.base_saved.add_metric([use.image], use.saved_bytes)
 
     def _partition(self, f: _Families, p: PartitionRecord, driver: CgroupDriver | None) -> None:
         name = p.name

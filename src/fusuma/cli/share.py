@@ -46,6 +46,14 @@ def _report_text(rep: dict[str, Any]) -> str:
               for n, s in rep["segments"].items()]
     lines.append(f"saved by templates: {_mib(sav['templates'])} MiB (template pages mapped "
                  "by each clone, minus their PSS)")
+    lines.append(f"saved by shared bases: {_mib(sav['bases'])} MiB ((VMs - 1) × the base "
+                 "image's bytes in the host's page cache)")
+    for n, b in rep["bases"].items():
+        if b["error"] is not None:
+            lines.append(f"  {n}: {b['vms']} VM(s), not counted: {b['error']}")
+            continue
+        lines.append(f"  {n}: {b['vms']} VM(s), file {_mib(b['file_bytes'] / 2**20)} MiB, "
+                     f"cached {_mib(b['resident_mib'])} MiB, saved {_mib(b['saved_mib'])} MiB")
     if ksm is None:
         lines.append("saved by KSM: - (KSM is not available on this host)")
     else:
@@ -72,7 +80,14 @@ def report(c: Ctx, as_json: bool) -> None:
     and ksm (its part of the pages KSM merged); and by page kind: anon, file, shmem.
     Savings: segments and templates = their pages resident in each VM minus their PSS
     (what separate copies would cost beyond the shared one); KSM = pages_sharing * page
-    size, host-wide, and the VMs' own KSM profit (saving minus KSM's metadata)."""
+    size, host-wide, and the VMs' own KSM profit (saving minus KSM's metadata).
+
+    Shared bases: for each imported image that running VMs boot from (each on a thin
+    disk of its own over the one read-only base file), its size, how much of it is in
+    the host's page cache (mincore, which reads nothing in) and the VMs whose QEMU holds
+    it open; saved = (VMs - 1) x cached: what a full copy of the image per VM would
+    cache beyond the one shared copy if each VM read the same blocks (an upper bound
+    when they read different ones; page cache is reclaimable memory)."""
     data = report_data(c)
     if as_json:
         emit_json(data)

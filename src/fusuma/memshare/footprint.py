@@ -132,30 +132,40 @@ def _libc() -> ctypes.CDLL:
 def resident_bytes(path: Path) -> int:
     """Bytes of ``path`` in the host's page cache (mincore over a mapping that is never
     touched, so measuring reads nothing in)."""
-    page = os.sysconf("SC_PAGE_SIZE")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         raise HostError(f"cannot open {path} to count its cached pages: "
                         f"{exc.strerror}.") from exc
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return 0
-        libc = _libc()
-        addr = libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
-        if addr is None or addr == ctypes.c_void_p(-1).value:
-            raise HostError(f"cannot map {path}: {os.strerror(ctypes.get_errno())}.")
-        try:
-            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-            if libc.mincore(addr, size, vec) != 0:
-                raise HostError(f"mincore on {path} failed: "
-                                f"{os.strerror(ctypes.get_errno())}.")
-            return sum(1 for b in bytes(vec) if b & 1) * page
-        finally:
-            libc.munmap(addr, size)
+        return resident_bytes_fd(fd, path)
     finally:
         os.close(fd)
+
+
+# mincore sets the low bit of a page's byte when it is resident; the others are undefined.
+_LOW_BIT = bytes(i & 1 for i in range(256))
+
+
+def resident_bytes_fd(fd: int, what: Path | str) -> int:
+    """Bytes of the file open as ``fd`` (named ``what`` in errors) in the host's page
+    cache: mincore over a read-only shared mapping that is never touched."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return 0
+    libc = _libc()
+    addr = libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        raise HostError(f"cannot map {what}: {os.strerror(ctypes.get_errno())}.")
+    try:
+        vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+        if libc.mincore(addr, size, vec) != 0:
+            raise HostError(f"mincore on {what} failed: "
+                            f"{os.strerror(ctypes.get_errno())}.")
+        return bytes(vec).translate(_LOW_BIT).count(1) * page
+    finally:
+        libc.munmap(addr, size)
 
 
 def drop_cache(path: Path) -> None:

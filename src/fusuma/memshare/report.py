@@ -11,7 +11,10 @@ each mechanism:
 - ``ksm_vm_profit``: the sum of the VMs' ``ksm_process_profit`` (saving minus KSM's
   metadata), when the kernel reports it;
 - ``templates``: sum over clones of template-file RSS minus PSS (what separate copies
-  of the pages they share would cost).
+  of the pages they share would cost);
+- ``bases``: sum over the imported images that running VMs boot from of (n - 1) x the
+  base file's bytes in the host's page cache, for n VMs whose QEMU holds it
+  (fusuma.memshare.bases says exactly what this counts).
 
 Each VM's PSS is also split by where its pages come from (``split_mib``): ``template``
 (its part of its template's file), ``segments`` (its part of the segments), ``ksm``
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fusuma.errors import NotFoundError
+from fusuma.memshare.bases import BaseUse, bases_json, bases_saved_bytes
 from fusuma.memshare.ksm import DEFAULT_ROOT, Ksm, KsmSettings, ProcessKsm, process_ksm
 from fusuma.memshare.smaps import (
     PssSplit,
@@ -135,6 +139,7 @@ class HostReport:
     vms: list[VmRow]
     skipped: list[Skipped]
     ksm: KsmSettings | None      # None: no KSM on this host
+    bases: tuple[BaseUse, ...] = ()
 
     @property
     def total_pss_kib(self) -> int:
@@ -183,17 +188,21 @@ class HostReport:
                 "savings_mib": {"segments": _mib_kib(self.segments_saved_kib),
                                 "templates": _mib_kib(self.templates_saved_kib),
                                 "ksm": _mib_b(self.ksm_saved_bytes),
-                                "ksm_vm_profit": _mib_b(self.ksm_vm_profit_bytes)},
+                                "ksm_vm_profit": _mib_b(self.ksm_vm_profit_bytes),
+                                "bases": _mib_b(bases_saved_bytes(self.bases))},
                 "segments": self.segment_totals(),
+                "bases": bases_json(self.bases),
                 "ksm": None if self.ksm is None else self.ksm.as_json(),
                 "skipped": [{"vm": s.name, "reason": s.reason} for s in self.skipped]}
 
 
 def host_report(vms: list[tuple[str, int]], segment_files: dict[str, Path],
                 ksm_root: Path = DEFAULT_ROOT, procfs: Path = Path("/proc"),
-                page_size: int | None = None) -> HostReport:
+                page_size: int | None = None, bases: tuple[BaseUse, ...] = ()
+                ) -> HostReport:
     """The report for ``vms`` (name, QEMU pid). A VM whose process ended meanwhile is
-    listed under ``skipped``; a host without KSM has ``ksm`` None."""
+    listed under ``skipped``; a host without KSM has ``ksm`` None; ``bases``: the
+    imported images in use (fusuma.memshare.bases.bases_in_use)."""
     size = page_size or os.sysconf("SC_PAGE_SIZE")
     ksm = Ksm(ksm_root, page_size=size)
     settings = ksm.read_settings() if ksm.available() else None
@@ -209,4 +218,4 @@ def host_report(vms: list[tuple[str, int]], segment_files: dict[str, Path],
                                               clone=True, ksm_sharers=sharers)))
         except NotFoundError as exc:
             skipped.append(Skipped(name, str(exc)))
-    return HostReport(vms=rows, skipped=skipped, ksm=settings)
+    return HostReport(vms=rows, skipped=skipped, ksm=settings, bases=bases)

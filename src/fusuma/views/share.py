@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fusuma.errors import SpecError, StateError
+from fusuma.memshare.bases import BaseUse, BaseUser, bases_in_use
 from fusuma.memshare.ksm import DEFAULT_ROOT, Ksm
 from fusuma.memshare.report import HostReport, host_report
 from fusuma.memshare.smaps import ModeAnalysis, analyze
@@ -41,6 +42,17 @@ def running_vms(c: Ctx) -> list[tuple[str, int]]:
     return out
 
 
+def base_users(c: Ctx) -> list[BaseUser]:
+    """Every running VM that boots from a thin disk on an imported image."""
+    return [BaseUser(rec.name, rec.pid, rec.image) for rec in c.db.vms()
+            if rec.pid is not None and rec.boot != "kernel" and VmView(rec).state in LIVE]
+
+
+def bases(c: Ctx) -> tuple[BaseUse, ...]:
+    """The page-cache sharing of each imported image that running VMs boot from."""
+    return tuple(bases_in_use(c.db.images(), base_users(c)))
+
+
 def segment_files(c: Ctx) -> dict[str, Path]:
     """Each segment's erofs file, by name."""
     d = c.paths.segments_dir
@@ -49,7 +61,8 @@ def segment_files(c: Ctx) -> dict[str, Path]:
 
 def report_data(c: Ctx) -> dict[str, Any]:
     """What `share report --json` prints."""
-    rep: HostReport = host_report(running_vms(c), segment_files(c), ksm_root=ksm_root())
+    rep: HostReport = host_report(running_vms(c), segment_files(c), ksm_root=ksm_root(),
+                                  bases=bases(c))
     return rep.as_json()
 
 

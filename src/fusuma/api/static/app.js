@@ -593,7 +593,9 @@
         el("div", {}, "PSS of all VMs ", el("b", { text: mib(sh.totals ? sh.totals.pss_mib : null) })),
         el("div", {}, el("span", { class: "key key-segment" }), " saved by segments ", el("b", { class: "saved-segments", text: mib(sv.segments) })),
         el("div", {}, el("span", { class: "key key-ksm" }), " saved by KSM ", el("b", { class: "saved-ksm", text: sv.ksm === null || sv.ksm === undefined ? "n/a" : mib(sv.ksm) }),
-          sv.ksm_vm_profit !== null && sv.ksm_vm_profit !== undefined ? el("span", { class: "muted", text: " (VMs' profit " + mib(sv.ksm_vm_profit) + ")" }) : null));
+          sv.ksm_vm_profit !== null && sv.ksm_vm_profit !== undefined ? el("span", { class: "muted", text: " (VMs' profit " + mib(sv.ksm_vm_profit) + ")" }) : null),
+        Object.keys(sh.bases || {}).length ? el("div", {}, "saved by shared base images ", el("b", { class: "saved-bases", text: mib(sv.bases) }),
+          el("span", { class: "muted", text: " (page cache of " + Object.keys(sh.bases).join(", ") + ")" })) : null);
       const rows = (state.vms || []).map((v) => ({ name: v.name, split: memSplit(v) })).filter((r) => r.split);
       const scale = Math.max(1, ...rows.map((r) => r.split.private + r.split.segment + r.split.ksm));
       fill($("share-bars"), rows.length ? rows.map((r) => el("div", { class: "share-row", "data-vm": r.name },
