@@ -28,15 +28,17 @@ def job_of(host: Host, obj: str) -> Phase | None:
 
 
 def kill_when(victim: int, window: Callable[[], bool], cli: subprocess.Popen[str],
-              timeout: float = 120) -> None:
-    """Kill -9 process ``victim`` once ``window()`` holds while it is stopped. ``cli``
-    is the command under test: it must still run (else the window was missed and the
-    test says so)."""
+              timeout: float = 120, stopped: Callable[[], None] | None = None) -> None:
+    """Kill -9 process ``victim`` once ``window()`` holds while it is stopped (and
+    ``stopped()`` has looked at the world as it is then). ``cli`` is the command under
+    test: it must still run (else the window was missed and the test says so)."""
     deadline = time.monotonic() + timeout
     while True:
         if window():
             os.kill(victim, signal.SIGSTOP)
             if window():
+                if stopped is not None:
+                    stopped()
                 os.kill(victim, signal.SIGKILL)
                 return
             os.kill(victim, signal.SIGCONT)
