@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fusuma import recovery
-from fusuma.errors import StateError
+from fusuma.errors import NotFoundError, StateError
 from fusuma.partition.manager import PartitionManager
 from fusuma.paths import Paths
 from fusuma.spec import VmSpec, build
@@ -99,3 +99,14 @@ def test_a_failed_restore_removes_its_vm_under_its_own_job(
     undo(VmManager(parts.paths, parts.db, parts), "half")
     assert parts.db.find_vm("half") is None and not parts.paths.vm_dir("half").exists()
     parts.db.end_job(vm_obj("half"), me)
+
+
+def test_vm_delete_of_a_vm_a_dead_restore_was_making_removes_it(
+        parts: PartitionManager) -> None:
+    """What a user would type: the dead restore is undone and the delete succeeds."""
+    define(parts, "half")
+    dead_restore(parts, "half", "nvram")
+    VmManager(parts.paths, parts.db, parts).delete("half")
+    assert parts.db.find_vm("half") is None and not parts.paths.vm_dir("half").exists()
+    with pytest.raises(NotFoundError):
+        VmManager(parts.paths, parts.db, parts).delete("half")

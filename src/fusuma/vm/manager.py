@@ -281,7 +281,11 @@ class VmManager:
 
     @locked
     def delete(self, name: str, force: bool = False) -> None:
+        held = self.db.find_job(vm_obj(name))
         self.parts.ensure_recovered(vm_obj(name))
+        if held is not None and held.kind == JobKind.RESTORE \
+                and self.db.find_vm(name) is None:
+            return      # a restore killed while making it was undone: gone, as asked
         vm = self.db.vm(name)
         view = VmView(vm)
         if view.state not in ("stopped", "crashed") and not force:
