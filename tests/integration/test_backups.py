@@ -27,8 +27,8 @@ p0. In order:
 - the restored VM, booted: both files are there (checksums), the one written after
   the backups is not, cloud-init gave it its own hostname; its disk checks clean.
 
-Measured (2 cores, TCG): 147 s in all (171-175 s in earlier layouts), 111 s of it the
-two boots.
+Measured (2 cores, TCG): 183 s in all (147 s before the restore and QEMU kill cases),
+75 s of it the first boot (the restored VM boots beside the other cases).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ it, in order:
 
 Data are checked from the disk itself where the guest cannot: the guest names its
 file's extents (``filefrag``) and the test reads those bytes with ``qemu-img dd``.
-The module takes about 2½ minutes, 1 of it the one boot."""
+The module takes about 2¼ minutes (133 s), 1 of it the one boot."""
 
 from __future__ import annotations
 

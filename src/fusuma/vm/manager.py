@@ -18,16 +18,8 @@ from fusuma.errors import ConflictError, FusumaError, NotFoundError, SpecError, 
 from fusuma.names import check_name
 from fusuma.paths import Paths
 from fusuma.qemu import process
-from fusuma.state import (
-    ALIVE,
-    Database,
-    JobKind,
-    JobOwner,
-    VmRecord,
-    VmState,
-    busy_sentence,
-    vm_obj,
-)
+from fusuma.state import ALIVE, Database, JobKind, VmRecord, VmState, busy_sentence, vm_obj
+from fusuma.state.jobs import JobOwner
 from fusuma.state.lock import locked
 from fusuma.supervisor import rpc
 from fusuma.vm.view import VmView
