@@ -9,6 +9,7 @@ the record:
   them itself (its sweep, or its adoption when it starts): make sure it runs, and wait;
 - migrate: ``fusuma.migration.resolve`` brings the VM to exactly one QEMU;
 - delete: the VM's QEMU is ended and its record and files removed;
+- restore (a new VM made from a backup): the half-made VM is removed;
 - resize: the partition's cgroup gets the limits its record names;
 - maintain: nothing (its moves are jobs of their own);
 - host-move, host-move-in: the cluster agent resolves them from the FusumaVM.
@@ -87,6 +88,15 @@ def _delete(parts: PartitionManager, j: Job) -> None:
         VmManager(parts.paths, parts.db, parts).finish_delete(j.name)
 
 
+def _restore(parts: PartitionManager, j: Job) -> None:
+    """A restore into a new VM whose process died: the VM it was making is removed
+    (in phase ``begin`` it had made none, and a VM of that name is another's)."""
+    if j.phase != "begin":
+        from fusuma.vm.backups import undo
+
+        undo(VmManager(parts.paths, parts.db, parts), j.name)
+
+
 def _resize(parts: PartitionManager, j: Job) -> None:
     rec = parts.db.find_partition(j.name)
     if rec is not None:
@@ -102,6 +112,7 @@ def _nothing(parts: PartitionManager, j: Job) -> None:
 RECOVERERS: dict[str, Callable[[PartitionManager, Job], None]] = {
     JobKind.MIGRATE: _move,
     JobKind.DELETE: _delete,
+    JobKind.RESTORE: _restore,
     JobKind.RESIZE: _resize,
     JobKind.MAINTAIN: _nothing,
     JobKind.HOST_MOVE: _nothing,

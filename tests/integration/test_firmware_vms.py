@@ -183,6 +183,40 @@ def marked(host: Host, vm: str) -> str:
                         f"{MARK}.sum").strip()
 
 
+def test_an_import_killed_mid_copy_leaves_nothing(module_host: Host,
+                                                  disk_image: Path) -> None:
+    """``image import`` killed -9 while it copies and hashes the file: no image is
+    registered, and the next image command removes its partial copy from the store
+    (a later import of that name works). Runs before the guests boot, on the module's
+    host."""
+    from tests.integration.phasekill import finish, kill_when
+
+    host = module_host
+    t0 = time.monotonic()
+    images = host.home / "images"
+    before = sorted(os.listdir(images)) if images.exists() else []
+    size = disk_image.stat().st_size
+    cli = subprocess.Popen([*FUSUMA, "image", "import", "half", str(disk_image)],
+                           env=host.env, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+
+    def copying() -> bool:
+        parts = list(images.glob(".import-half-*")) if images.exists() else []
+        return len(parts) == 1 and 0 < parts[0].stat().st_size < size
+
+    kill_when(cli.pid, copying, cli)
+    finish(cli)
+    assert [i["name"] for i in host.run("image", "list", "--json").json()
+            if i["name"] == "half"] == []
+    assert sorted(os.listdir(images)) == before          # `image list` swept it
+    host.fail("image", "show", "half")
+    host.run("image", "import", "half", str(disk_image))
+    assert sorted(os.listdir(images)) == sorted([*before, "half.qcow2"])
+    host.run("image", "delete", "half")
+    assert sorted(os.listdir(images)) == before
+    print(f"\nimport killed mid-copy: {time.monotonic() - t0:.1f} s")
+
+
 def test_imported_image_boots_by_bios_and_uefi_with_cloud_init_on_a_shared_base(
         booted: Booted, disk_image: Path) -> None:
     host, imported, base = booted.host, booted.imported, booted.base

@@ -12,31 +12,36 @@ it, in order:
 3. a zero-copy move, ``maintain --via`` (QEMU 7.2 -> 10.0) and ``maintain --in-place``
    keep every snapshot; a ``--memory`` snapshot taken after them (x-ignore-shared on
    in the QEMU a move made) holds the RAM, and the one taken on 7.2 loads into 10.0;
-4. kill -9 of the supervisor, then of QEMU, while a ``--memory`` snapshot is written:
+4. kill -9 of the supervisor while the ``--memory`` snapshot is loaded into the
+   running guest, then while it is deleted: the next supervisor finishes the restore
+   (the guest's RAM and file as they were, in the same QEMU) and completes the delete
+   (gone from the record and the disk);
+5. kill -9 of the supervisor, then of QEMU, while a ``--memory`` snapshot is written:
    no half snapshot is listed, ``ps`` is true, the guest's data is intact, and
    ``qemu-img check`` finds the disk clean;
-5. the disk snapshot restored, running (stop, revert, start) and stopped.
+6. the disk snapshot restored, running (stop, revert, start) and stopped.
 
 Data are checked from the disk itself where the guest cannot: the guest names its
 file's extents (``filefrag``) and the test reads those bytes with ``qemu-img dd``.
-The module takes about 2 minutes, 1 of it the one boot."""
+The module takes about 2¼ minutes (133 s), 1 of it the one boot."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 import signal
 import sqlite3
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from fusuma.images import diskimage
 from tests.conftest import FUSUMA, Host
+from tests.integration import guestdisk
+from tests.integration.phasekill import finish, job_of, kill_in_phase
 from tests.integration.test_firmware_vms import qemus_of, sh
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -47,6 +52,8 @@ RAM_MARK = "/run/fz-ram"           # on a tmpfs: only in the guest's RAM
 TIMES: dict[str, float] = {}
 # What a case leaves the next: the extents and checksum of the guest's file at d1.
 AT_D1: dict[str, object] = {}
+# ... and of m1: the token in the guest's RAM, the checksum of its file.
+AT_M1: dict[str, str] = {}
 
 
 def took(what: str, since: float) -> None:
@@ -93,39 +100,16 @@ def listed(host: Host, vm: str = VM) -> list[str]:
 
 
 def extents(host: Host, path: str) -> list[tuple[int, int]]:
-    """(byte offset in the disk, length) of each extent of the guest's file ``path``."""
-    root = sh(host, VM, "findmnt -n -o SOURCE /").strip().rsplit("/", 1)[1]
-    start = int(sh(host, VM, f"cat /sys/class/block/{root}/start")) * 512
-    bs = int(sh(host, VM, f"stat -f -c %S {path}"))
-    out = []
-    for line in sh(host, VM, f"filefrag -v -b{bs} {path}").splitlines():
-        m = re.match(r"\s*\d+:\s+\d+\.\.\s*\d+:\s+(\d+)\.\.\s*\d+:\s+(\d+):", line)
-        if m:
-            out.append((start + int(m.group(1)) * bs, int(m.group(2)) * bs))
-    assert out, f"no extents of {path}"
-    return out
+    return guestdisk.extents(host, VM, path)
 
 
 def read_disk(host: Host, where: list[tuple[int, int]], size: int, tmp: Path) -> bytes:
-    """The bytes at ``where`` in the VM's disk (through its base), cut to ``size``."""
-    data = b""
-    for off, length in where:
-        assert off % 512 == 0 and length % 512 == 0
-        out = tmp / "dd.raw"
-        # qemu-img 7.2's dd counts ``count`` from the input's start, not from ``skip``.
-        subprocess.run(["qemu-img", "dd", "-U", "-f", "qcow2", "-O", "raw", "bs=512",
-                        f"skip={off // 512}", f"count={(off + length) // 512}",
-                        f"if={disk(host)}", f"of={out}"], check=True, capture_output=True)
-        data += out.read_bytes()
-        out.unlink()
-    assert len(data) >= size, len(data)
-    return data[:size]
+    return guestdisk.read_disk(disk(host), where, size, tmp)
 
 
 def job_phase(host: Host, vm: str = VM) -> str | None:
-    with sqlite3.connect(host.home / "state.db", timeout=5) as db:
-        row = db.execute("SELECT phase FROM jobs WHERE obj=?", (f"vm:{vm}",)).fetchone()
-    return None if row is None else str(row[0])
+    job = job_of(host, f"vm:{vm}")
+    return None if job is None else job[0]
 
 
 def kill_during_save(host: Host, name: str, victim: str) -> subprocess.CompletedProcess[str]:
@@ -151,6 +135,37 @@ def kill_during_save(host: Host, name: str, victim: str) -> subprocess.Completed
             proc.kill()
             proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def snapshot_row(host: Host, name: str, vm: str = VM) -> str | None:
+    """The state of snapshot ``name``'s record, whatever it is (None: no record)."""
+    with sqlite3.connect(host.home / "state.db", timeout=5) as db:
+        row = db.execute("SELECT state FROM snapshots WHERE vm=? AND name=?",
+                         (vm, name)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def kill_supervisor_during(host: Host, ready: Callable[[tuple[str, dict[str, object]]],
+                                                       bool], *args: str) -> str:
+    """``vm snapshot ARGS`` with the VM's supervisor killed -9 inside the window
+    ``ready`` names; its one-line error."""
+    sup = int(host.part(host.vm(VM)["partition"])["supervisor_pid"])
+    cli = subprocess.Popen([*FUSUMA, "vm", "snapshot", *args], env=host.env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    kill_in_phase(host, f"vm:{VM}", sup, ready, cli)
+    code, err = finish(cli)
+    assert code != 0 and len(err.strip().splitlines()) == 1, (code, err)
+    return err
+
+
+def recovered(host: Host) -> None:
+    """The next command on the VM has the next supervisor take the dead job over;
+    wait until its recovery ended it."""
+    host.run("vm", "exec", VM, "--", "/bin/true", check=False, timeout=400)
+    deadline = time.monotonic() + 300
+    while job_of(host, f"vm:{VM}") is not None:
+        assert time.monotonic() < deadline, job_of(host, f"vm:{VM}")
+        time.sleep(0.2)
 
 
 def test_refusals_change_nothing_and_a_stopped_vm_snapshots_by_qemu_img(
@@ -211,6 +226,7 @@ def test_running_guest_disk_snapshot_frozen_and_memory_snapshot_brings_back_its_
     boot_id = sh(g, VM, "cat /proc/sys/kernel/random/boot_id").strip()
     token = os.urandom(8).hex()
     sh(g, VM, f"echo {token} > {RAM_MARK}")
+    AT_M1.update(ram=token, sha=sh(g, VM, f"sha256sum < {MARK}").split()[0])
     t = time.monotonic()
     m1 = g.run("vm", "snapshot", "create", VM, "m1", "--memory", "--json").json()
     took("memory snapshot (320 MiB guest)", t)
@@ -264,6 +280,41 @@ def test_moves_keep_snapshots_and_a_memory_snapshot_after_a_zero_copy_move(g: Ho
     took("memory snapshots after the moves", t)
 
 
+def test_kill_supervisor_during_a_snapshot_restore_and_delete(g: Host) -> None:
+    """The memory snapshot m1 restored into the running guest: killed while QEMU loads
+    it, the next supervisor loads it again (the restore is finished, not undone), in
+    the same QEMU. Then m1 deleted: killed while its record says deleting, the next
+    supervisor removes it from the disk and the record."""
+    assert AT_M1, "runs after the memory snapshot's case"
+    t0 = time.monotonic()
+    pid = g.vm(VM)["pid"]
+    sh(g, VM, f"rm -f {RAM_MARK} && echo later > {RAM_MARK}.later")
+    kill_supervisor_during(g, lambda j: j[0] == "load" and "settings" in j[1],
+                           "restore", VM, "m1")
+    recovered(g)
+    v = g.vm(VM)
+    assert (v["state"], v["job"], v["pid"]) == ("running", None, pid), v
+    assert qemus_of(VM) == [pid]
+    assert sh(g, VM, f"test -e {RAM_MARK}.later && echo yes || echo no").strip() == "no"
+    # The guest runs on from m1: its RAM and its file as they were then.
+    assert sh(g, VM, f"cat {RAM_MARK}").strip() == AT_M1["ram"]
+    assert sh(g, VM, f"sync; echo 3 > /proc/sys/vm/drop_caches; sha256sum < {MARK}"
+              ).split()[0] == AT_M1["sha"]
+    took("supervisor killed during a memory restore", t0)
+
+    t = time.monotonic()
+    kill_supervisor_during(g, lambda j: j[0] == "delete" and
+                           snapshot_row(g, "m1") == "deleting", "delete", VM, "m1")
+    assert listed(g) == ["d1"]           # being deleted: never listed
+    recovered(g)
+    assert snapshot_row(g, "m1") is None and listed(g) == ["d1"]
+    assert on_disk(g) == {"d1"}
+    v = g.vm(VM)
+    assert v["state"] == "running" and qemus_of(VM) == [v["pid"]], v
+    assert sh(g, VM, "echo alive").strip() == "alive"
+    took("supervisor killed during a snapshot delete", t)
+
+
 def test_kill_supervisor_then_qemu_during_a_snapshot_leaves_no_half_snapshot(
         g: Host, tmp_path: Path) -> None:
     t0 = time.monotonic()
@@ -292,7 +343,7 @@ def test_kill_supervisor_then_qemu_during_a_snapshot_leaves_no_half_snapshot(
         time.sleep(0.2)
     assert sh(g, VM, "echo alive").strip() == "alive"
     assert g.run("vm", "show", VM, "--json").json()["job"] is None
-    assert listed(g) == ["d1", "m1"] and on_disk(g) == {"d1", "m1"}
+    assert listed(g) == ["d1"] and on_disk(g) == {"d1"}
     v = g.vm(VM)
     assert (v["state"], v["pid"]) == ("running", pid) and qemus_of(VM) == [pid]
     assert sh(g, VM, f"sync; echo 3 > /proc/sys/vm/drop_caches; sha256sum < {MARK}.g"
@@ -306,7 +357,7 @@ def test_kill_supervisor_then_qemu_during_a_snapshot_leaves_no_half_snapshot(
     v = g.vm(VM)
     assert (v["state"], v["pid"]) == ("crashed", None) and qemus_of(VM) == [], v
     assert g.run("vm", "show", VM, "--json").json()["job"] is None
-    assert listed(g) == ["d1", "m1"] and on_disk(g) == {"d1", "m1"}
+    assert listed(g) == ["d1"] and on_disk(g) == {"d1"}
     check = subprocess.run(["qemu-img", "check", str(disk(g))], capture_output=True,
                            text=True)
     assert check.returncode == 0 and "No errors were found" in check.stdout, check
@@ -339,7 +390,7 @@ def test_disk_snapshot_restored_running_and_stopped(g: Host, tmp_path: Path) -> 
     assert g.run("vm", "snapshot", "restore", VM, "d1", "--json").json()["state"] == \
         "stopped"
     assert g.vm(VM)["state"] == "stopped" and qemus_of(VM) == [] and file_at_d1()
-    assert listed(g) == ["d1", "m1"] and on_disk(g) == {"d1", "m1"}
+    assert listed(g) == ["d1"] and on_disk(g) == {"d1"}
     check = subprocess.run(["qemu-img", "check", str(disk(g))], capture_output=True,
                            text=True)
     assert check.returncode == 0 and "No errors were found" in check.stdout, check

@@ -4,6 +4,7 @@ image, thin disks, the cloud-init seed and the argv of a firmware boot."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -345,18 +346,27 @@ def test_a_recorded_firmware_needs_the_boot_disk() -> None:
 
 def test_a_killed_import_leaves_no_record_and_its_copy_is_swept(
         tmp_path: Path, paths: Paths, db: Database) -> None:
-    """An import killed mid-copy leaves a partial file named after its pid and no
-    record; the next import removes it (its pid is gone), never a live one's."""
+    """An import killed mid-copy leaves a partial file and no record; the next import
+    (or `image list`) removes it, never one a live import holds (its flock), whatever
+    pid its name carries; an image file without a record (an import killed between
+    its rename and its commit) goes too."""
     d = store.store_dir(paths)
     d.mkdir(parents=True)
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    (d / f"{store.TMP_PREFIX}x-{dead.pid}").write_bytes(b"partial")
-    live = d / f"{store.TMP_PREFIX}y-{os.getpid()}"
+    (d / f"{store.TMP_PREFIX}x-{os.getpid()}-1").write_bytes(b"partial")   # pid alive
+    live = d / f"{store.TMP_PREFIX}y-1-1"
     live.write_bytes(b"busy")
-    store.import_image(paths, db, "a", str(raw_image(tmp_path / "a.raw")), anywhere=True)
-    assert left_in_store(paths) == [live.name, "a.raw"]
-    assert [i.name for i in db.images()] == ["a"]
+    (d / "orphan.qcow2").write_bytes(b"renamed, never recorded")
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        store.import_image(paths, db, "a", str(raw_image(tmp_path / "a.raw")),
+                           anywhere=True)
+        assert left_in_store(paths) == [live.name, "a.raw"]
+        assert [i.name for i in db.images()] == ["a"]
+    finally:
+        os.close(fd)
+    assert store.sweep(paths, db) == [live.name]
+    assert left_in_store(paths) == ["a.raw"]
 
 
 def test_api_import_names_only_files_in_storage_directories(paths: Paths) -> None:

@@ -24,7 +24,7 @@ from fusuma.errors import (
     StateError,
 )
 from fusuma.paths import Paths
-from fusuma.qemu import blocksnap
+from fusuma.qemu import block, blocksnap
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import Role
 from fusuma.state import Database, Job, JobKind, JobOwner, VmRecord, VmState, vm_obj
@@ -58,6 +58,7 @@ class FakeQmp:
         if command == "query-block":
             return [{"device": d, "inserted": {"node-name": f"#node-{d}", "drv": "qcow2",
                                                "image": {"format": "qcow2",
+                                                         "virtual-size": 2**30,
                                                          "snapshots": list(s)}}}
                     for d, s in self.drives.items()]
         if command == "transaction":
@@ -94,6 +95,8 @@ class FakeQmp:
             elif not any(s["name"] == args["tag"] for s in self.drives[BOOT_DRIVE]):
                 err = "Snapshot does not exist"
             self.jobs[args["job-id"]] = {"id": args["job-id"], "status": "concluded",
+                                         "type": command, "current-progress": 1,
+                                         "total-progress": 1,
                                          **({"error": err} if err else {})}
             return {}
         if command == "query-jobs":
@@ -343,7 +346,7 @@ def test_records_list_only_whole_snapshots_and_go_with_their_vm(tmp_path: Path) 
                                    [{"name": "a", "date-sec": "1"}]])
 def test_a_snapshot_table_of_the_wrong_shape_is_refused(items: object) -> None:
     with pytest.raises(ImageError):
-        blocksnap.parse_snapshots(items)
+        block.parse_snapshots(items)
 
 
 def test_run_job_reports_qemus_error_and_dismisses_it() -> None:

@@ -118,7 +118,11 @@ def show(c: Ctx, name: str | None, kind: str, as_json: bool) -> None:
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
     """List the image kinds fusuma builds (and whether each is built), then the
-    imported images."""
+    imported images. What an import killed mid-way left in the image store is removed
+    first."""
+    from fusuma.images import store
+
+    store.sweep(c.paths, c.db)
     rows = images_data(c)
     if as_json:
         emit_json(rows)

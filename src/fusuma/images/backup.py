@@ -519,7 +519,10 @@ def flatten(chain: Chain, drive: str, out: Path, base: Path, base_format: str,
          str(out)],
     ]
     for argv in steps:
-        proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+        # It ends with its caller: a restore killed mid-way leaves no qemu-img writing
+        # into the VM directory its recovery removes.
+        proc = subprocess.run(["setpriv", "--pdeathsig", "KILL", *argv],
+                              capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             with contextlib.suppress(FileNotFoundError):
                 out.unlink()

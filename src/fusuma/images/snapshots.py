@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from fusuma.errors import HostError, ImageError
-from fusuma.qemu.blocksnap import DiskSnapshot, parse_snapshots
+from fusuma.qemu.block import DiskSnapshot, parse_snapshots
 
 # As for an untrusted image's probe (fusuma.images.store): bounded address space and CPU.
 LIMITS = ("--as=1073741824", "--cpu=600")

@@ -17,12 +17,14 @@ without following a symlink, as for disks.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import stat
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,13 +174,44 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def _sweep(directory: Path) -> None:
-    """Remove the partial copies of imports whose process is gone."""
+def sweep(paths: Paths, db: Database) -> list[str]:
+    """Remove what imports killed mid-way left in the store (each run of ``image
+    import`` and ``image list`` does it first): a partial copy no live import holds
+    (an import holds its copy's flock until it ends), and an image file no record
+    names (an import killed between its rename and its commit). The file names
+    removed."""
+    directory = store_dir(paths)
+    if not directory.is_dir():
+        return []
+    gone = []
     for p in directory.glob(f"{TMP_PREFIX}*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            with contextlib.suppress(OSError):
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue                   # an import copies into it now
+        else:
+            with contextlib.suppress(FileNotFoundError):
                 p.unlink()
+                gone.append(p.name)
+        finally:
+            os.close(fd)
+    # Inside a write transaction: an import between its rename and its commit holds
+    # one, so its file has its record by the time this looks.
+    with db.transaction():
+        kept = {Path(r.path).name for r in db.images()}
+        for p in directory.iterdir():
+            if p.suffix.lstrip(".") in FORMATS and p.name not in kept \
+                    and not p.name.startswith(TMP_PREFIX) and p.is_file():
+                p.unlink()
+                gone.append(p.name)
+    for name in gone:
+        LOG.warning("removed %s from the image store: left by an import that did not "
+                    "finish", name)
+    return gone
 
 
 def check_new_name(db: Database, name: str) -> None:
@@ -204,16 +237,16 @@ def import_image(paths: Paths, db: Database, name: str, source: str, *,
     directory = store_dir(paths)
     directory.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     os.chmod(directory, PRIVATE_DIR)
-    _sweep(directory)
+    sweep(paths, db)
     src = _open_source(paths, db, source, anywhere)
-    tmp = directory / f"{TMP_PREFIX}{name}-{os.getpid()}"
+    tmp = directory / f"{TMP_PREFIX}{name}-{os.getpid()}-{threading.get_native_id()}"
+    dst = -1
     try:
         dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                       | os.O_CLOEXEC, 0o600)
-        try:
-            digest, size = _copy(src, dst)
-        finally:
-            os.close(dst)
+        # Held until the copy is renamed or removed: a sweep leaves it alone.
+        fcntl.flock(dst, fcntl.LOCK_EX)
+        digest, size = _copy(src, dst)
         info = probe(tmp, fmt)
         if info.refused is not None:
             raise SpecError(f"image {source} {info.refused}.")
@@ -234,6 +267,8 @@ def import_image(paths: Paths, db: Database, name: str, source: str, *,
         os.close(src)
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if dst >= 0:
+            os.close(dst)
     LOG.info("imported image %s from %s (%s, %d bytes)", name, source, info.format, size)
     return rec
 

@@ -10,15 +10,16 @@
   out of the state, and both ends must agree on it. :func:`for_snapshot` turns off
   what changes the stream (:func:`stream_settings` reads it first, :func:`put_back`
   sets it again after).
+
+The drives and their snapshots are read, and the job awaited, by fusuma.qemu.block.
 """
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass
 from typing import Any
 
-from fusuma.errors import ImageError, QemuError
+from fusuma.errors import QemuError
+from fusuma.qemu import block
 from fusuma.qemu.qmp import Qmp
 
 #: The one QMP job of fusuma's snapshots (one at a time per VM: its job lock).
@@ -27,62 +28,6 @@ JOB_ID = "fusuma-snapshot"
 #: or read.
 STREAM_CAPS = ("x-ignore-shared", "multifd", "mapped-ram")
 SNAPSHOT_QEMU = (6, 0)
-
-
-@dataclass(frozen=True)
-class DiskSnapshot:
-    """One internal snapshot of a qcow2 disk, as qemu-img or QEMU lists it."""
-
-    name: str
-    vm_state_size: int          # bytes of RAM and device state (0: disk only)
-    date: float                 # when it was taken (seconds since the epoch)
-
-
-def parse_snapshots(items: object) -> list[DiskSnapshot]:
-    """``snapshots`` of ``qemu-img info --output=json`` or of QMP ``query-block``'s
-    image, checked (none listed: none)."""
-    if items is None:
-        return []
-    if not isinstance(items, list):
-        raise ImageError("the disk's snapshot table is not a list.")
-    out = []
-    for s in items:
-        if not isinstance(s, dict) or not isinstance(s.get("name"), str):
-            raise ImageError("the disk's snapshot table has an entry without a name.")
-        size, sec = s.get("vm-state-size", 0), s.get("date-sec", 0)
-        if type(size) is not int or type(sec) is not int:
-            raise ImageError(f"snapshot {s['name']!r} of the disk has malformed fields.")
-        out.append(DiskSnapshot(s["name"], size, float(sec)))
-    return out
-
-
-@dataclass(frozen=True)
-class Drive:
-    """A drive as ``query-block`` shows it: its id, its top node and format, and the
-    internal snapshots its image holds."""
-
-    id: str
-    node: str
-    format: str
-    snapshots: tuple[DiskSnapshot, ...]
-
-    def has(self, name: str) -> bool:
-        return any(s.name == name for s in self.snapshots)
-
-
-async def drives(qmp: Qmp) -> dict[str, Drive]:
-    """Every drive with a medium, by id."""
-    out = {}
-    for b in await qmp.execute("query-block"):
-        ins = b.get("inserted") if isinstance(b, dict) else None
-        if not isinstance(ins, dict):
-            continue
-        image = ins.get("image") or {}
-        out[str(b["device"])] = Drive(
-            id=str(b["device"]), node=str(ins.get("node-name", "")),
-            format=str(image.get("format", ins.get("drv", ""))),
-            snapshots=tuple(parse_snapshots(image.get("snapshots"))))
-    return out
 
 
 async def snapshot_disks(qmp: Qmp, ids: list[str], name: str) -> None:
@@ -143,41 +88,11 @@ async def for_snapshot(qmp: Qmp, before: dict[str, Any]) -> None:
                         "the RAM out.")
 
 
-async def _jobs(qmp: Qmp, timeout: float) -> dict[str, dict[str, Any]]:
-    # A snapshot job runs in QEMU's main loop: its monitor answers only between steps,
-    # or after the whole save or load.
-    return {str(j["id"]): j for j in await qmp.execute("query-jobs", timeout=timeout)
-            if isinstance(j, dict) and "id" in j}
-
-
-async def wait_job(qmp: Qmp, timeout: float, job_id: str = JOB_ID) -> str | None:
-    """Wait until QEMU's job ``job_id`` concludes and dismiss it; its error (None: it
-    succeeded or there was no such job)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    delay = 0.05
-    while True:
-        job = (await _jobs(qmp, max(30.0, deadline - loop.time()))).get(job_id)
-        if job is None:
-            return None
-        if job.get("status") == "concluded":
-            await qmp.execute("job-dismiss", {"id": job_id})
-            err = job.get("error")
-            return str(err) if err is not None else None
-        if loop.time() > deadline:
-            raise QemuError(f"VM {qmp.vm}: QEMU's snapshot job did not end within "
-                            f"{timeout:.0f} s.")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.5)
-
-
 async def run_job(qmp: Qmp, command: str, args: dict[str, Any], timeout: float) -> None:
     """Run a snapshot job (``snapshot-save``, ``-load``, ``-delete``) to its end; its
-    failure as a QemuError with QEMU's words."""
+    failure as one sentence with QEMU's words (``block.JobFailed``)."""
     await qmp.execute(command, {"job-id": JOB_ID, **args})
-    err = await wait_job(qmp, timeout)
-    if err is not None:
-        raise QemuError(f"VM {qmp.vm}: {command} failed: {err}")
+    await block.wait(qmp, [JOB_ID], timeout, command)
 
 
 async def save(qmp: Qmp, name: str, vmstate: str, nodes: list[str], timeout: float) -> None:

@@ -361,18 +361,20 @@ class Database(NetworkTables, ImageTables, SnapshotTables):
         return self.vm(name)
 
     def remove_vm(self, name: str) -> None:
-        """Delete a VM's record: only while it is stopped or crashed and has no job."""
+        """Delete a VM's record: only while it is stopped or crashed and has no job
+        (but its delete's, or the restore's that was making it)."""
         states = ",".join("?" * len(DELETABLE))
         cur = self._conn.execute(
             f"DELETE FROM vms WHERE name=? AND state IN ({states}) AND NOT EXISTS "
-            "(SELECT 1 FROM jobs WHERE obj=? AND kind != 'delete')",
-            (name, *(s.value for s in DELETABLE), f"vm:{name}"))
+            "(SELECT 1 FROM jobs WHERE obj=? AND kind NOT IN (?, ?))",
+            (name, *(s.value for s in DELETABLE), f"vm:{name}", JobKind.DELETE.value,
+             JobKind.RESTORE.value))
         if cur.rowcount:
             self.emit("lifecycle", "vm-deleted", f"/1.0/vms/{name}")
         if cur.rowcount == 0 and self.find_vm(name) is not None:
             rec = self.vm(name)
             job = self.find_job(f"vm:{name}")
-            if job is not None and job.kind != JobKind.DELETE:
+            if job is not None and job.kind not in (JobKind.DELETE, JobKind.RESTORE):
                 raise StateError(busy_sentence(job))
             raise StateError(f"VM {name!r} is {rec.state.value}; stop it before deleting it.")
 

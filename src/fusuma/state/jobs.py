@@ -77,6 +77,7 @@ class JobKind(enum.StrEnum):
     IDENTITY = "identity"       # a clone's own identity, given once it runs
     BACKUP = "backup"           # a running VM's disks copied into a backup point
     SNAPSHOT = "snapshot"       # a snapshot taken, restored or deleted
+    RESTORE = "restore"         # a new VM made from a backup
 
 
 #: Jobs a partition's supervisor owns and recovers itself (the CLI, the API daemon and
@@ -111,6 +112,7 @@ DOING: dict[str, str] = {
     JobKind.MAINTAIN: "under maintenance", JobKind.RECOVER: "being recovered",
     JobKind.TEMPLATE: "being made into a template",
     JobKind.SNAPSHOT: "busy with a snapshot",
+    JobKind.BACKUP: "being backed up", JobKind.RESTORE: "being restored from a backup",
 }
 
 

@@ -31,6 +31,7 @@ from typing import Any
 from fusuma.errors import FusumaError, QemuError, StateError
 from fusuma.images import backup as bk
 from fusuma.images.store import nvram_path
+from fusuma.qemu import block
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import QemuInstance
 from fusuma.state import Job, JobKind, VmRecord
@@ -38,7 +39,8 @@ from fusuma.supervisor import freeze, rpc
 from fusuma.supervisor.host import PartitionHost
 
 FDSET_OPAQUE = "fusuma-backup"
-POLL_S = 0.5
+COPY_S = 6 * 3600.0       # a backup's copy (its rate is the disk's or --max-bandwidth's)
+CANCEL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -84,26 +86,6 @@ def plan(targets: list[Target], new_bitmap: str, previous_bitmap: str | None,
     return actions
 
 
-async def _bitmaps(inst: QemuInstance) -> dict[str, dict[str, dict[str, Any]]]:
-    """Each drive's dirty bitmaps by name, as QEMU says (query-block)."""
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for b in await inst.qmp.execute("query-block"):
-        if not isinstance(b, dict) or not isinstance(b.get("inserted"), dict):
-            continue
-        maps = b["inserted"].get("dirty-bitmaps") or b.get("dirty-bitmaps") or []
-        out[str(b.get("device"))] = {str(m.get("name")): m for m in maps
-                                     if isinstance(m, dict)}
-    return out
-
-
-async def _sizes(inst: QemuInstance) -> dict[str, int]:
-    out = {}
-    for b in await inst.qmp.execute("query-block"):
-        if isinstance(b, dict) and isinstance(b.get("inserted"), dict):
-            out[str(b.get("device"))] = int(b["inserted"]["image"]["virtual-size"])
-    return out
-
-
 async def _attach(inst: QemuInstance, pt: bk.NewPoint, t: Target, size: int, uid: int,
                   backing: str | None) -> None:
     """Root creates the target file; QEMU gets it as a descriptor and opens it as a
@@ -131,30 +113,23 @@ async def _detach(inst: QemuInstance, nodes: list[str]) -> None:
 
 
 async def _cancel(inst: QemuInstance, jobs: list[str]) -> None:
-    """End backup jobs that may still run, and dismiss them."""
+    """End backup jobs that may still run, and dismiss them (a job QEMU never
+    started, or ended and dismissed, is no matter)."""
     for job in jobs:
         with contextlib.suppress(QemuError):
-            await inst.qmp.execute("block-job-cancel", {"device": job, "force": True})
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        left = [j for j in await inst.qmp.execute("query-block-jobs")
-                if j.get("device") in jobs]
-        for j in left:
-            if j.get("status") == "concluded":
-                with contextlib.suppress(QemuError):
-                    await inst.qmp.execute("block-job-dismiss", {"id": j["device"]})
-        if not left:
-            return
-        await asyncio.sleep(0.1)
+            await inst.qmp.execute("job-cancel", {"id": job})
+    with contextlib.suppress(QemuError):     # a cancelled job ends with an error
+        await block.wait(inst.qmp, jobs, CANCEL_S, "the cancelled backup",
+                         missing_ok=True)
 
 
 async def _drop_bitmaps(inst: QemuInstance, drive_ids: list[str], keep: str | None,
                         only: str | None = None) -> None:
     """Remove fusuma's backup bitmaps from the drives: ``only`` that one, else every
     one but ``keep``."""
-    maps = await _bitmaps(inst)
+    found = await block.drives(inst.qmp)
     for d in drive_ids:
-        for name in maps.get(d, {}):
+        for name in [m.name for m in found[d].bitmaps] if d in found else []:
             if not name.startswith(bk.BITMAP_PREFIX) or name == keep:
                 continue
             if only is not None and name != only:
@@ -168,24 +143,9 @@ async def _wait(h: PartitionHost, inst: QemuInstance, vm: str,
                 targets: list[Target]) -> None:
     """Wait for every job to end, writing its progress into the job's phase; one
     sentence if one failed."""
-    ids = {t.job for t in targets}
-    while True:
-        jobs = [j for j in await inst.qmp.execute("query-block-jobs")
-                if j.get("device") in ids]
-        if len(jobs) != len(ids):
-            raise QemuError(f"VM {vm!r}: QEMU lost a backup job.")
-        done = sum(int(j.get("offset", 0)) for j in jobs)
-        total = sum(int(j.get("len", 0)) for j in jobs)
-        h.phase(vm, "copy", done=done, total=total)
-        if all(j.get("status") == "concluded" for j in jobs):
-            errors = [str(j["error"]) for j in jobs if j.get("error")]
-            for j in jobs:
-                with contextlib.suppress(QemuError):
-                    await inst.qmp.execute("block-job-dismiss", {"id": j["device"]})
-            if errors:
-                raise QemuError(f"VM {vm!r}: the backup failed: {errors[0]}.")
-            return
-        await asyncio.sleep(POLL_S)
+    await block.wait(inst.qmp, [t.job for t in targets], COPY_S, "the backup",
+                     progress=lambda done, total: h.phase(vm, "copy", done=done,
+                                                          total=total))
 
 
 async def backup(h: PartitionHost, req: rpc.Backup) -> rpc.BackedUp:
@@ -213,11 +173,15 @@ async def _backup(h: PartitionHost, rec: VmRecord, inst: QemuInstance,
     started = False
     frozen = False
     try:
+        found = await block.drives(inst.qmp)
+        missing = [d for d, _ in disks if d not in found]
+        if missing:
+            raise StateError(f"VM {vm!r}'s QEMU has no drive {', '.join(missing)}; stop "
+                             "and start it.")
         if last is not None:
-            have = await _bitmaps(inst)
             # A bitmap QEMU did not save whole (it was killed) loads "inconsistent".
-            gone = [d for d, _ in disks if last.bitmap not in have.get(d, {})
-                    or have[d][last.bitmap].get("inconsistent")]
+            kept = {d: found[d].bitmap(last.bitmap) for d, _ in disks}
+            gone = [d for d, m in kept.items() if m is None or m.inconsistent]
             if gone or [e.drive for e in last.disks] != [d for d, _ in disks]:
                 raise StateError(
                     f"VM {vm!r} no longer tracks its writes since backup point "
@@ -227,7 +191,7 @@ async def _backup(h: PartitionHost, rec: VmRecord, inst: QemuInstance,
             if last.vm.name != vm:
                 raise StateError(f"{chain_dir} is a backup of VM {last.vm.name!r}, not of "
                                  f"{vm!r}; give a new directory for a full backup.")
-        sizes = await _sizes(inst)
+        sizes = {d: found[d].virtual_size for d, _ in disks}
         for t in targets:
             backing = None if last is None else \
                 f"../{bk.point_name(last.point)}/{t.file}"

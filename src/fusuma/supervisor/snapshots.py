@@ -52,7 +52,7 @@ from fusuma.errors import (
 from fusuma.images import snapshots as offline
 from fusuma.images.store import disk_path
 from fusuma.names import check_name
-from fusuma.qemu import blocksnap
+from fusuma.qemu import block, blocksnap
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import QemuInstance
 from fusuma.qemu.versions import parse_version
@@ -181,7 +181,7 @@ async def _names_on(h: PartitionHost, rec: VmRecord, inst: QemuInstance | None,
                     d: SnapDisk) -> set[str]:
     """The internal snapshots the disk holds now, by QEMU or qemu-img."""
     if inst is not None:
-        drive = (await blocksnap.drives(inst.qmp)).get(d.drive)
+        drive = (await block.drives(inst.qmp)).get(d.drive)
         if drive is None:
             raise StateError(f"VM {rec.name!r}'s QEMU has no drive {d.drive}; stop and "
                              "start it.")
@@ -210,7 +210,7 @@ async def _take(h: PartitionHost, phase: Phase, rec: VmRecord, inst: QemuInstanc
             await blocksnap.save(inst.qmp, snap.name, nodes[0], nodes, JOB_S)
         finally:
             await asyncio.shield(blocksnap.put_back(inst.qmp, settings))
-        top = (await blocksnap.drives(inst.qmp))[disks[0].drive]
+        top = (await block.drives(inst.qmp))[disks[0].drive]
         size = next((s.vm_state_size for s in top.snapshots if s.name == snap.name), 0)
         if size <= 0:
             raise QemuError(f"VM {rec.name!r}: QEMU saved no memory state into snapshot "
@@ -232,7 +232,7 @@ async def _take(h: PartitionHost, phase: Phase, rec: VmRecord, inst: QemuInstanc
 
 async def _nodes(inst: QemuInstance, disks: list[SnapDisk]) -> list[str]:
     """The top node names of ``disks`` (``snapshot-save`` names nodes, not drives)."""
-    found = await blocksnap.drives(inst.qmp)
+    found = await block.drives(inst.qmp)
     missing = [d.drive for d in disks if d.drive not in found or not found[d.drive].node]
     if missing:
         raise StateError(f"VM {inst.vm!r}'s QEMU has no node for {', '.join(missing)}; "
@@ -248,7 +248,10 @@ async def _undo(h: PartitionHost, rec: VmRecord, disks: list[SnapDisk], name: st
         inst = h.instances.get(rec.name)
         if inst is not None:
             try:
-                await blocksnap.wait_job(inst.qmp, JOB_S)
+                await block.wait(inst.qmp, [blocksnap.JOB_ID], JOB_S, "a snapshot job",
+                                 missing_ok=True)
+            except block.JobFailed:
+                pass                   # it ended: what it left is removed below
             except QemuError:
                 # Its QEMU died (killed while it wrote?): the disk is qemu-img's once
                 # the process is gone.
@@ -405,7 +408,9 @@ async def recover(h: PartitionHost, job: Job) -> None:
     inst = h.instances.get(rec.name)
     if inst is not None:
         with contextlib.suppress(FusumaError):
-            await blocksnap.wait_job(inst.qmp, JOB_S)      # a save/load QEMU still runs
+            # A save or load QEMU still runs.
+            await block.wait(inst.qmp, [blocksnap.JOB_ID], JOB_S, "a snapshot job",
+                             missing_ok=True)
         settings = job.detail.get("settings")
         if isinstance(settings, dict):
             with contextlib.suppress(FusumaError):

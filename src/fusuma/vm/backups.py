@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fusuma.errors import NotFoundError, StateError
+from fusuma.errors import ConflictError, FusumaError, NotFoundError, StateError
 from fusuma.images import backup as bk
 from fusuma.images.store import disk_path, nvram_path
 from fusuma.qemu.cmdline import BOOT_DRIVE
@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 # A backup's copy may take long (its rate is the disk's, or --max-bandwidth's).
 BACKUP_TIMEOUT = 6 * 3600.0
 Progress = Callable[[str, dict[str, Any]], None]
+# A restore's phases (its job, ``JobKind.RESTORE``, on the new VM), each recorded
+# before its step.
+DEFINE, FLATTEN, NVRAM = "define", "flatten", "nvram"
 
 
 def backup(vms: VmManager, name: str, dest: str, *, incremental: bool = False,
@@ -73,9 +76,9 @@ def restore(vms: VmManager, dest: str, new: str, partition: str | None, *,
     """Make VM ``new`` from the backup at ``dest`` (its last point, or ``point``): the
     chain's checksums first, then the VM defined as the backup's was (a new MAC per
     NIC, a new cloud-init instance id), its disk flattened from the chain onto the
-    same image, its NVRAM the backup's. Nothing is left of a restore that fails."""
+    same image, its NVRAM the backup's. Nothing is left of a restore that fails, nor,
+    once it is recovered, of one whose process was killed."""
     from fusuma.spec import VmSpec, build
-    from fusuma.undo import Reverter
 
     t0 = time.monotonic()
     chain_dir = bk.locate(vms.paths, vms.db, dest, anywhere=anywhere)
@@ -101,25 +104,57 @@ def restore(vms: VmManager, dest: str, new: str, partition: str | None, *,
                  vcpus=m.vm.vcpus, memory_mib=m.vm.memory_mib, image=m.vm.image,
                  boot=m.vm.boot, disk_size=str(entry.virtual_size), qos=m.vm.qos,
                  machine=m.vm.machine, nics=[{"network": n} for n in m.vm.networks])
-    vms.create(spec)
-    with Reverter() as rev:
-        rev.add(lambda: vms.delete(new, force=True), "the restored VM")
-        rec = vms.db.vm(new)
-        if say:
-            say(f"flattening {len(chain.manifests)} point(s) into VM {new}'s disk")
-        tmp = vms.paths.vm_dir(new) / ".restore.qcow2"
-        bk.flatten(chain, BOOT_DRIVE, tmp, Path(image.path), image.format, rec.uid)
-        os.replace(tmp, disk_path(vms.paths, new))
-        if m.nvram is not None:
-            _copy_nvram(chain.file(m, m.nvram), nvram_path(vms.paths, new), rec.uid)
-        if start:
+    _absent(vms, new)
+    # The new VM's job from before its record exists to after its files are whole: its
+    # state says "being restored" meanwhile, and a restore whose process dies is undone
+    # by the next command on the VM or its partition's supervisor (fusuma.recovery).
+    with vms.parts.job(vm_obj(new), JobKind.RESTORE, source=spec.partition) as jh:
+        _absent(vms, new)                  # (made while the job was taken)
+        jh.phase(DEFINE, backup=str(chain_dir), point=m.point)
+        rec = vms.create(spec)
+        made = False
+        try:
             if say:
-                say(f"starting VM {new}")
+                say(f"flattening {len(chain.manifests)} point(s) into VM {new}'s disk")
+            jh.phase(FLATTEN)
+            tmp = vms.paths.vm_dir(new) / ".restore.qcow2"
+            bk.flatten(chain, BOOT_DRIVE, tmp, Path(image.path), image.format, rec.uid)
+            jh.phase(NVRAM)
+            os.replace(tmp, disk_path(vms.paths, new))
+            if m.nvram is not None:
+                _copy_nvram(chain.file(m, m.nvram), nvram_path(vms.paths, new), rec.uid)
+            made = True
+        finally:
+            if not made:
+                undo(vms, new)
+    if start:
+        if say:
+            say(f"starting VM {new}")
+        try:
             vms.start(new)
-        rev.commit()
+        except BaseException:
+            with contextlib.suppress(FusumaError):
+                vms.delete(new, force=True)
+            raise
     return Restored(vm=new, partition=rec.partition, source_vm=m.vm.name,
                     dest=str(chain_dir), point=m.point, points=len(chain.manifests),
                     seconds=round(time.monotonic() - t0, 3), disk_bytes=entry.virtual_size)
+
+
+def _absent(vms: VmManager, new: str) -> None:
+    if vms.db.find_vm(new) is not None:
+        raise ConflictError(f"a VM named {new!r} already exists; give the restored VM "
+                            "another name.")
+
+
+def undo(vms: VmManager, new: str) -> None:
+    """Remove VM ``new`` that a restore was making (under that restore's job, or by
+    the recovery of one whose process died: ``fusuma.recovery``)."""
+    from fusuma.state.lock import host_lock
+
+    with host_lock(vms.paths.home):
+        if vms.db.find_vm(new) is not None:
+            vms.finish_delete(new)
 
 
 def _copy_nvram(src: Path, dst: Path, uid: int) -> None:

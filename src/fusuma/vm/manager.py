@@ -19,6 +19,7 @@ from fusuma.names import check_name
 from fusuma.paths import Paths
 from fusuma.qemu import process
 from fusuma.state import ALIVE, Database, JobKind, VmRecord, VmState, busy_sentence, vm_obj
+from fusuma.state.jobs import JobOwner
 from fusuma.state.lock import locked
 from fusuma.supervisor import rpc
 from fusuma.vm.view import VmView
@@ -73,6 +74,7 @@ class VmManager:
         check_name("VM", spec.name)
         if self.db.find_vm(spec.name) is not None:
             raise ConflictError(f"a VM named {spec.name!r} already exists.")
+        self._name_free(spec.name)
         part = self.db.partition(spec.partition)
         if spec.template is not None:
             spec = self._clone_spec(spec, part.qemu)
@@ -144,6 +146,19 @@ class VmManager:
                     nets.refresh(net)
             raise
         return self.db.vm(rec.name)
+
+    def _name_free(self, name: str) -> None:
+        """Refuse a name another operation holds (a restore making a VM of that name,
+        which would otherwise take this one for its own); a dead holder's job is
+        recovered first. A restore's own create passes."""
+        held = self.db.find_job(vm_obj(name))
+        if held is None or (held.kind == JobKind.RESTORE and held.owner == JobOwner.me()):
+            return
+        if held.owner.alive():
+            raise StateError(busy_sentence(held))
+        self.parts.ensure_recovered(vm_obj(name))
+        if self.db.find_vm(name) is not None:
+            raise ConflictError(f"a VM named {name!r} already exists.")
 
     def _networks(self) -> NetworkManager:
         from fusuma.network.manager import NetworkManager
@@ -258,7 +273,11 @@ class VmManager:
 
     @locked
     def delete(self, name: str, force: bool = False) -> None:
+        held = self.db.find_job(vm_obj(name))
         self.parts.ensure_recovered(vm_obj(name))
+        if held is not None and held.kind == JobKind.RESTORE \
+                and self.db.find_vm(name) is None:
+            return      # a restore killed while making it was undone: gone, as asked
         vm = self.db.vm(name)
         view = VmView(vm)
         if view.state not in ("stopped", "crashed") and not force:
