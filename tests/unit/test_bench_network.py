@@ -132,6 +132,18 @@ def test_downtime_with_and_without_a_nic_side_by_side() -> None:
     assert d["nic_minus_no_nic_ms"] is None and d["ranges_overlap"] is None
 
 
+def test_each_downtime_steps_median_per_side() -> None:
+    ds = network_moves.DowntimeSample
+    samples = [ds(True, run=r, downtime_ms=5.0, steps_ms={"source_saved": a, "cont": b})
+               for r, (a, b) in enumerate(((2.0, 0.5), (3.0, 0.7), (4.0, 0.6)))]
+    samples += [ds(False, run=0, downtime_ms=3.0, steps_ms=None),
+                ds(False, run=1, downtime_ms=3.0, steps_ms={"source_saved": 1.5})]
+    d = network_moves.summarize_downtime(samples)
+    assert d["with_nic_steps_ms_median"] == {"source_saved": 3.0, "cont": 0.6}
+    assert list(d["with_nic_steps_ms_median"]) == ["source_saved", "cont"]
+    assert d["without_nic_steps_ms_median"] == {"source_saved": 1.5}
+
+
 def test_every_kind_of_move_has_its_row() -> None:
     res = network_moves.MovesResult(qemu_kinds="10.0.2", qemu_downtime="7.2.22")
     res.skipped["maintain --in-place"] = "needs QEMU 10.0"
