@@ -6,7 +6,8 @@ zero-copy, copy, `maintain --via` (which also moves it from QEMU 7.2 to 10.0) an
 namespace keeps a TCP stream open to it and pings it every millisecond. Each move: the
 stream's connection is the same and every line comes back in order, the ping loss is
 what the guest's downtime allows, the kernel's tap is the same device on the same
-bridge with one QEMU holding its queues.
+bridge with one QEMU holding its queues. Last, a guest of 2 vCPUs in a partition of both
+cores: its tap has 2 queues, kept across `maintain --in-place`.
 
 The figures (ping loss per kind of move) are written to ``network-moves.json`` in the
 test's directory and printed; ``pytest -s`` shows them.
