@@ -113,6 +113,7 @@ class DowntimeSample(_Moved):
 
     nic: bool
     total_ms: float | None = None
+    steps_ms: dict[str, float] | None = None    # where the downtime went, per step
 
 
 @dataclass
@@ -176,9 +177,16 @@ def summarize_kind(kind: str, samples: Sequence[MoveSample]) -> dict[str, Any]:
             "qemu": good[0].qemu if good else None}
 
 
+def _step_medians(steps: Sequence[dict[str, float] | None]) -> dict[str, float | None]:
+    """Each downtime step's median over the moves that timed it, in the steps' order."""
+    names = list(dict.fromkeys(k for one in steps if one for k in one))
+    return {k: _median([one.get(k) for one in steps if one]) for k in names}
+
+
 def summarize_downtime(samples: Sequence[DowntimeSample]) -> dict[str, Any]:
     """Per side (NIC or not) the median, min and max of the downtime (fusuma's, STOP to
-    RESUME, and QEMU's own) over the good moves; the difference NIC minus no NIC of
+    RESUME, and QEMU's own) over the good moves, and each of its steps' median; the
+    difference NIC minus no NIC of
     the medians, and whether the two sides' ranges overlap."""
     out: dict[str, Any] = {}
     ranges = {}
@@ -191,6 +199,7 @@ def summarize_downtime(samples: Sequence[DowntimeSample]) -> dict[str, Any]:
         out[f"{key}_downtime_ms_min"] = min(downs) if downs else None
         out[f"{key}_downtime_ms_max"] = max(downs) if downs else None
         out[f"{key}_qemu_downtime_ms_median"] = _median([s.qemu_downtime_ms for s in good])
+        out[f"{key}_steps_ms_median"] = _step_medians([s.steps_ms for s in good])
         ranges[nic] = (min(downs), max(downs)) if downs else None
     a, b = out["with_nic_downtime_ms_median"], out["without_nic_downtime_ms_median"]
     out["nic_minus_no_nic_ms"] = round(a - b, 2) if a is not None and b is not None \
@@ -274,6 +283,7 @@ def compare_downtime(w: World, res: MovesResult, runs: int, deadline: float,
                     s.downtime_ms = got.get("downtime_ms")
                     s.qemu_downtime_ms = got.get("qemu_downtime_ms")
                     s.total_ms = got.get("total_ms")
+                    s.steps_ms = got.get("steps_ms")
                 except (FusumaError, subprocess.SubprocessError, ValueError) as exc:
                     s.error = _said(exc)
                     where[vm] = str(_show(w, vm)["partition"])

@@ -183,8 +183,35 @@ def moves_markdown(moves: dict[str, Any] | None, m: dict[str, Any]) -> list[str]
         "Median with a NIC minus without: " + ("–" if diff is None else f"{diff:g} ms")
         + ("" if overlap is None else
            ("; the two ranges overlap." if overlap else "; the two ranges do not overlap."))
-        , ""]
+        , "", *_steps(d)]
     return lines
+
+
+# What each step of a move's downtime is (fusuma.migration.DOWNTIME_STEPS).
+STEP_TEXT = {"source_saved": "source QEMU: STOP to its stream's end (device state sent)",
+             "dest_loaded": "destination QEMU: to the device state loaded",
+             "event": "destination supervisor: to seeing it (QMP event)",
+             "decision": "the decision recorded", "taps": "the taps' handover",
+             "cont": "`cont` to the guest running (RESUME)"}
+
+
+def _steps(d: dict[str, Any]) -> list[str]:
+    """Where the downtime went, per step, each side's median (older files: nothing)."""
+    yes, no = d.get("with_nic_steps_ms_median"), d.get("without_nic_steps_ms_median")
+    if not yes and not no:
+        return []
+    yes, no = yes or {}, no or {}
+    names = list(dict.fromkeys([*yes, *no]))
+
+    def diff(k: str) -> str:
+        a, b = opt_float(yes.get(k)), opt_float(no.get(k))
+        return "–" if a is None or b is None else f"{a - b:+.2f}"
+
+    return ["Where the downtime went: each step's median, from the end of the one "
+            "before (the medians need not add up to the downtime's).", "",
+            *table(["step", "tap NIC, ms", "no NIC, ms", "difference, ms"],
+                   [[STEP_TEXT.get(k, k), _num(opt_float(yes.get(k))),
+                     _num(opt_float(no.get(k))), diff(k)] for k in names]), ""]
 
 
 def plot_moves(moves: dict[str, Any], png: Path) -> None:

@@ -6,7 +6,8 @@ zero-copy, copy, `maintain --via` (which also moves it from QEMU 7.2 to 10.0) an
 namespace keeps a TCP stream open to it and pings it every millisecond. Each move: the
 stream's connection is the same and every line comes back in order, the ping loss is
 what the guest's downtime allows, the kernel's tap is the same device on the same
-bridge with one QEMU holding its queues.
+bridge with one QEMU holding its queues. Last, a guest of 2 vCPUs in a partition of both
+cores: its tap has 2 queues, kept across `maintain --in-place`.
 
 The figures (ping loss per kind of move) are written to ``network-moves.json`` in the
 test's directory and printed; ``pytest -s`` shows them.
@@ -33,6 +34,7 @@ __all__ = ["world"]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 GUEST_IP = f"{LAN0}.40"
+MQ_IP = f"{LAN0}.41"      # the 2-vCPU guest's
 PORT = 5000
 # How long the ping (one a millisecond) and the stream (a line every 5 ms both ways)
 # go on around each kind of move, in seconds: the move starts 0.8 s in.
@@ -132,3 +134,38 @@ def test_every_move_keeps_the_nic_and_its_tcp_stream(
     rows = json.loads(out.read_text()) if out.exists() else []
     out.write_text(json.dumps([r for r in rows if r["kind"] != kind] + [record], indent=1))
     assert seen["lost"] <= allowed, (record, seen)
+
+
+def test_two_vcpus_get_two_queues_kept_across_in_place(
+        nic_guest: tuple[Host, Net, str]) -> None:
+    """A VM with 2 vCPUs gets a multiqueue tap (2 queues, virtio-net ``mq``) and keeps
+    both queues, attached and held by its one QEMU, across `maintain --in-place`. This
+    2-core host cannot move a 2-vCPU VM into a 1-core partition, so this runs last: it
+    takes both partitions' cores for one partition of two."""
+    h, net, _ = nic_guest
+    h.run("vm", "delete", "a", "--force")
+    for name in ("p0", "p1"):
+        h.run("partition", "delete", name)
+    h.run("partition", "create", "pm", "--cpus", "0-1", "--memory", "1024", "--qemu",
+          "10.0")
+    h.run("vm", "create", "m", "-p", "pm", "--vcpus", "2", "--memory", "128", "--nic",
+          f"lan0,ip={MQ_IP}", "--start")
+    wait_address(h, "m", MQ_IP)
+    tap = next(n for n in (link["ifname"] for link in net.links())
+               if n.startswith("fzt-"))
+
+    def two_queues() -> int:
+        pid = int(h.vm("m")["pid"])
+        held = holders(tap)
+        assert list(held) == [pid], held
+        assert len(held[pid]) == 2 and all(q.attached for q in held[pid]), held
+        # The guest uses both queue pairs (one per vCPU) and still answers on them.
+        got = guest(h, "m", "ls /sys/class/net/eth0/queues")
+        assert got.split() == ["rx-0", "rx-1", "tx-0", "tx-1"], got
+        guest(h, "m", f"ping -c 1 -W 5 {LAN0}.1")
+        return pid
+
+    before = two_queues()
+    moved = h.run("maintain", "pm", "--in-place", "--json").json()
+    assert [m["method"] for m in moved["moves"]] == ["cpr-transfer"], moved
+    assert two_queues() != before

@@ -132,6 +132,18 @@ def test_downtime_with_and_without_a_nic_side_by_side() -> None:
     assert d["nic_minus_no_nic_ms"] is None and d["ranges_overlap"] is None
 
 
+def test_each_downtime_steps_median_per_side() -> None:
+    ds = network_moves.DowntimeSample
+    samples = [ds(True, run=r, downtime_ms=5.0, steps_ms={"source_saved": a, "cont": b})
+               for r, (a, b) in enumerate(((2.0, 0.5), (3.0, 0.7), (4.0, 0.6)))]
+    samples += [ds(False, run=0, downtime_ms=3.0, steps_ms=None),
+                ds(False, run=1, downtime_ms=3.0, steps_ms={"source_saved": 1.5})]
+    d = network_moves.summarize_downtime(samples)
+    assert d["with_nic_steps_ms_median"] == {"source_saved": 3.0, "cont": 0.6}
+    assert list(d["with_nic_steps_ms_median"]) == ["source_saved", "cont"]
+    assert d["without_nic_steps_ms_median"] == {"source_saved": 1.5}
+
+
 def test_every_kind_of_move_has_its_row() -> None:
     res = network_moves.MovesResult(qemu_kinds="10.0.2", qemu_downtime="7.2.22")
     res.skipped["maintain --in-place"] = "needs QEMU 10.0"
@@ -192,9 +204,11 @@ def _moves() -> dict[str, Any]:
                    mk("copy", run=0, error="the move took 6.0 s and outlasted the probes")]
     res.skipped["maintain --in-place"] = "needs QEMU 10.0"
     res.downtime = [network_moves.DowntimeSample(True, run=0, downtime_ms=3.5,
-                                                 qemu_downtime_ms=2.5),
+                                                 qemu_downtime_ms=2.5,
+                                                 steps_ms={"dest_loaded": 2.0, "taps": 0.3}),
                     network_moves.DowntimeSample(False, run=0, downtime_ms=3.0,
-                                                 qemu_downtime_ms=2.0)]
+                                                 qemu_downtime_ms=2.0,
+                                                 steps_ms={"dest_loaded": 1.5, "taps": 0.1})]
     return network_moves.summarize(res)
 
 
@@ -211,6 +225,8 @@ def test_report_from_the_result_file(tmp_path: Path) -> None:
     assert "move copy run 0: the move took 6.0 s" in md
     assert "| tap NIC | 1 | 3.5 | 3.5–3.5 | 2.5 |" in md
     assert "Median with a NIC minus without: 0.5 ms; the two ranges do not overlap." in md
+    assert "| destination QEMU: to the device state loaded | 2 | 1.5 | +0.50 |" in md, md
+    assert "| the taps' handover | 0.3 | 0.1 | +0.20 |" in md
     assert [p.name for p in paths[1:]] == ["network.png", "network-moves.png"]
     assert "vm_to_nat tap run 1: iperf3: timed out" in md
     assert all(p.stat().st_size > 0 for p in paths[1:])

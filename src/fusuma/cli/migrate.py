@@ -19,7 +19,8 @@ from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress
                    "guest writes).")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"vm", "from", "to", "mode", "total_ms", "downtime_ms", '
-                   '"bytes_sent", ...}.')
+                   '"steps_ms", "bytes_sent", ...}; steps_ms: where the downtime went, '
+                   'ms per step.')
 @pass_ctx
 def migrate(c: Ctx, vm: str, to: str, mode: str, as_json: bool) -> None:
     """Move running VM to another partition's hypervisor on this host.
@@ -28,7 +29,10 @@ def migrate(c: Ctx, vm: str, to: str, mode: str, as_json: bool) -> None:
     now belong to the destination partition. If the move fails at any step the VM keeps
     running where it was. total_ms counts from the migrate command to the guest running
     at the destination; downtime_ms from the guest's stop at the source to that moment
-    (both from QEMU's own event timestamps)."""
+    (both from QEMU's own event timestamps). steps_ms splits the downtime: the source
+    QEMU sending the device state (source_saved), the destination QEMU loading it
+    (dest_loaded), its supervisor seeing that (event), recording the decision
+    (decision), handing the taps over (taps) and running the guest (cont)."""
     from fusuma.migration import migrate as do_migrate
 
     res = do_migrate(c.parts, vm, to, mode, progress=progress)

@@ -86,6 +86,8 @@ class MigrationResult:
     qemu_mode: str | None = None
     source_pid: int | None = None
     dest_pid: int | None = None
+    # Where the downtime went (ms per step, in order; ``downtime_steps``).
+    steps_ms: dict[str, float] | None = None
 
     def as_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -284,7 +286,31 @@ def _migrate(parts: PartitionManager, jh: JobLock, vm: str, to: str, mode: str,
         bytes_sent=out.bytes_sent, prepare_ms=prep.prepare_ms,
         cpu_s=round(cpu1 - cpu0, 3), qemu_total_ms=out.qemu_total_ms,
         qemu_downtime_ms=out.qemu_downtime_ms, paused=out.paused,
-        qemu_mode=out.source_mode, source_pid=src_pid, dest_pid=dst_pid)
+        qemu_mode=out.source_mode, source_pid=src_pid, dest_pid=dst_pid,
+        steps_ms=downtime_steps(out, fin))
+
+
+# The steps of a move's downtime: the source QEMU stopped the guest and sent the
+# device state (STOP to its "completed"), the destination QEMU finished loading it,
+# then the destination's steps (``fusuma.supervisor.moves.dest.STEPS``).
+DOWNTIME_STEPS = {"completed": "source_saved", "loaded": "dest_loaded", "seen": "event",
+                  "decided": "decision", "taps": "taps", "resumed": "cont"}
+
+
+def downtime_steps(out: rpc.Streamed, fin: rpc.Resumed) -> dict[str, float] | None:
+    """How long each step between the source's STOP and the destination's RESUME
+    took, in ms (``DOWNTIME_STEPS``), each from the end of the one before; None when
+    a side did not say (an in-place move, an older supervisor)."""
+    if out.stop_ts is None or "loaded" not in fin.steps:
+        return None
+    marks = {"completed": out.completed_ts, **fin.steps}
+    steps, last = {}, out.stop_ts
+    for key, name in DOWNTIME_STEPS.items():
+        at = marks.get(key)
+        if at is not None:
+            steps[name] = round((at - last) * 1000, 2)
+            last = at
+    return steps
 
 
 def _resolve_failed(parts: PartitionManager, vm: str, source: str, exc: FusumaError, *,

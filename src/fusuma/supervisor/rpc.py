@@ -205,6 +205,8 @@ class Streamed:
     connected_ts: float | None = None
     source_mode: str | None = None
     resume_ts: float | None = None
+    # When the source QEMU said its stream completed (its MIGRATION event's time).
+    completed_ts: float | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,9 @@ class Resumed:
     pid: int
     resume_ts: float
     already: bool = False
+    # A destination's steps between the stream's end and the guest's run, each the
+    # host's realtime (seconds) when it ended (``fusuma.supervisor.moves.dest.STEPS``).
+    steps: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

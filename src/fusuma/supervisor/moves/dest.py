@@ -43,6 +43,12 @@ from fusuma.supervisor.host import PartitionHost
 from fusuma.supervisor.moves.source import MODES, capabilities
 from fusuma.undo import Reverter
 
+# A zero-copy or copy move's steps at the destination, in order, each recorded (host
+# realtime) when it ended: the incoming QEMU loaded the stream (its MIGRATION
+# "completed" event's time), this supervisor saw that, recorded the decision, handed
+# the taps over, and the guest ran (the RESUME event's time).
+STEPS = ("loaded", "seen", "decided", "taps", "resumed")
+
 
 @dataclass
 class MoveIn:
@@ -61,6 +67,8 @@ class MoveIn:
     extra: dict[str, Any] = field(default_factory=dict)
     # The taps' handover at the decision, worked out before the pause (NICs only).
     handover: queues.Switch | None = None
+    # The steps of the commit so far (``STEPS``), realtime seconds.
+    steps: dict[str, float] = field(default_factory=dict)
 
 
 def incoming_run_dir(h: PartitionHost, vm: str) -> Path:
@@ -135,6 +143,8 @@ async def resume_when_complete(h: PartitionHost, inst: QemuInstance, move: MoveI
             ev: Any = await move.listener.get()
             status = ev.get("data", {}).get("status")
             if status == "completed":
+                move.steps["loaded"] = event_time(ev)
+                move.steps["seen"] = time.time()
                 break
             if status in ("failed", "cancelled"):
                 raise MigrationError(f"the stream of {vm!r} into partition "
@@ -172,10 +182,12 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
             return rpc.Resumed(pid=running.pid, resume_ts=time.time(), already=True)
         raise NotFoundError(f"no incoming QEMU of {vm!r} in partition {h.partition!r}.")
     inst, move = found
+    steps = move.steps
     decision = h.db.decide(vm_obj(vm), Decision.FORWARD)
     if decision != Decision.FORWARD:
         raise MigrationError(f"the move of {vm!r} was decided {decision!r}: the guest "
                              f"stays at its source.")
+    steps["decided"] = time.time()
     status = "paused" if paused else await inst.qmp.query_status()
     resume_ts = time.time()
     if status != "running":
@@ -184,11 +196,13 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
         except (FusumaError, OSError) as exc:
             # The guest runs here whatever the tap says: a paused guest helps no one.
             h.log.warning("%s: its taps could not be handed over: %s", vm, exc)
+        steps["taps"] = time.time()
         listener = inst.qmp.listener(EVENT_RESUME)
         try:
             await inst.qmp.cont()
             with contextlib.suppress(QemuError):
                 resume_ts = event_time(await inst.qmp.wait_event(listener, 5.0))
+                steps["resumed"] = resume_ts
         finally:
             inst.qmp.drop_listener(listener)
     old = h.instances.get(vm)
@@ -225,7 +239,7 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
     await h.repin_all()
     if move.tls is not None:     # after the guest runs: not in the downtime
         await tlscreds.drop(inst.qmp, move.tls)
-    return rpc.Resumed(pid=inst.pid, resume_ts=resume_ts)
+    return rpc.Resumed(pid=inst.pid, resume_ts=resume_ts, steps=dict(steps))
 
 
 def nic_taps(h: PartitionHost, vm: str) -> dict[str, str]:

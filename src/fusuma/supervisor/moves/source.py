@@ -13,10 +13,12 @@ import contextlib
 import time
 from typing import Any
 
+from qemu.qmp import EventListener
+
 from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
 from fusuma.qemu import privilege, tlscreds
 from fusuma.qemu.instance import QemuInstance, Role
-from fusuma.qemu.qmp import EVENT_STOP, Qmp, event_time
+from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_STOP, Qmp, event_time
 from fusuma.state import Decision, VmState, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
@@ -84,7 +86,7 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
             raise StateError(f"the stream of {vm!r} to {uri} leaves this host: it must be "
                              "encrypted to a named destination host.")
         creds = tlscreds.require(h.paths)
-    listener = inst.qmp.listener(EVENT_STOP)
+    listener = inst.qmp.listener(EVENT_STOP, EVENT_MIGRATION)
     paused = False
     move_tls = None
     try:
@@ -106,9 +108,7 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
         info = await inst.wait_migration(timeout)
         if info.status != "completed":
             raise MigrationError(f"migration of {vm!r} failed ({info.error or info.status}).")
-        stop_ts = None
-        with contextlib.suppress(QemuError):
-            stop_ts = event_time(await inst.qmp.wait_event(listener, 5.0))
+        stop_ts, completed_ts = await stop_and_completion(inst.qmp, listener)
     finally:
         inst.qmp.drop_listener(listener)
         if move_tls is not None:
@@ -118,7 +118,23 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
     leaving(h, inst, owns_ram=mode == "copy")
     return rpc.Streamed(t0=t0, stop_ts=stop_ts, qemu_total_ms=info.total_ms,
                         qemu_downtime_ms=info.downtime_ms, bytes_sent=info.transferred,
-                        source_pid=inst.pid, paused=paused)
+                        source_pid=inst.pid, paused=paused, completed_ts=completed_ts)
+
+
+async def stop_and_completion(qmp: Qmp, listener: EventListener
+                              ) -> tuple[float | None, float | None]:
+    """When a source QEMU whose stream completed stopped the guest and when it said
+    the stream completed (its STOP and MIGRATION events' own times); None for one
+    it did not send within a few seconds."""
+    stop_ts = completed_ts = None
+    with contextlib.suppress(QemuError):
+        while stop_ts is None or completed_ts is None:
+            ev = await qmp.wait_event(listener, 5.0)
+            if ev.get("event") == EVENT_STOP:
+                stop_ts = event_time(ev)
+            elif ev.get("data", {}).get("status") == "completed":
+                completed_ts = event_time(ev)
+    return stop_ts, completed_ts
 
 
 def leaving(h: PartitionHost, inst: QemuInstance, owns_ram: bool) -> None:
