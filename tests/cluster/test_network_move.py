@@ -212,10 +212,12 @@ def addresses_and_their_holders(c: Cluster, vm_ip: str) -> str:
                     kubeconfig=lab.hosts[0].kubeconfig, check=False)
     assert p.returncode != 0 and "(Forbidden)" in p.stderr, p.stderr
     assert "is held by host h1" in p.stderr, p.stderr
-    p = lab.kubectl("patch", "fusumaaddress", f"lan.{ip}", "--type=merge", "-p",
-                    json.dumps({"spec": {"host": "h0"}}),
+    theirs = lab.get("fusumaaddress", f"lan.{ip}", None)
+    theirs["spec"]["host"] = theirs["metadata"]["labels"]["fusuma.io/host"] = "h0"
+    p = lab.kubectl("replace", "-f", "-", input=json.dumps(theirs),
                     kubeconfig=lab.hosts[0].kubeconfig, check=False)
     assert p.returncode != 0 and "(Forbidden)" in p.stderr, p.stderr
+    assert "may change or free only the addresses it holds" in p.stderr, p.stderr
     lab.kubectl("delete", "fusumavm", "sitter", "thief", "--wait=false")
     wait_for(lambda: held(c) == {f"lan.{vm_ip}": ("roamer", "h0")}, 60,
              "sitter's address freed with it")
