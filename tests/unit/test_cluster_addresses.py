@@ -214,3 +214,17 @@ def test_the_address_policy_lets_a_host_hold_hand_on_and_free_only_its_own() -> 
                    "object.metadata.name == object.spec.network + '.' + object.spec.address",
                    f"labels[?'{A.VM_UID_LABEL}']"):
         assert needle in rules, needle
+
+
+def test_the_host_defines_the_vm_with_the_addresses_it_holds() -> None:
+    o = vm("a", {"network": "lan"},
+           {"network": "lan", "ip": "10.9.0.6", "mac": "52:54:00:00:00:01"})
+    v = VmView(o)
+    assert v.vm_spec_fields("p0", {0: "10.9.0.2", 1: "10.9.0.6"})["nics"] == [
+        {"network": "lan", "ip": "10.9.0.2"},
+        {"network": "lan", "mac": "52:54:00:00:00:01", "ip": "10.9.0.6"}]
+    # Later passes (a stopped VM redefined, another host after a handover) read
+    # status.nics.
+    o["status"]["nics"] = [{"index": 0, "network": "lan", "ip": "10.9.0.3"}]
+    assert VmView(o).vm_spec_fields("p0")["nics"][0] == {"network": "lan", "ip": "10.9.0.3"}
+    assert VmView(vm("b")).vm_spec_fields("p0").get("nics") is None
