@@ -245,7 +245,9 @@ class VmReconciler:
                 local.setdefault(n.network, []).append(n.ip)
         ips = addresses.allocate(self.a.kube, self.a.host, v, local)
         if ips:
-            self.write_status(v, {"nics": addresses.status_nics(ips, v)}, [])
+            # The object as last written (Creating), so its conditions stay.
+            now = VmView(self.a.vms_informer.get(v.namespace, v.name) or v.obj)
+            self.write_status(now, {"nics": addresses.status_nics(ips, v)}, [])
         return ips
 
     def _move_partition(self, c: Ctx, v: VmView, rec: VmRecord,
