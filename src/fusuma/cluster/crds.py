@@ -342,9 +342,9 @@ def crds() -> list[Obj]:
         _col("Ready", ".status.conditions[?(@.type==\"Ready\")].status"),
         _col("vCPUs", ".spec.vcpus", "integer"),
         _col("Memory", ".spec.memoryMiB", "integer", desc="Guest RAM, MiB"),
-        _col("IP", ".status.nics[0].ip", desc="The first NIC's address"),
         _col("Downtime-ms", ".status.lastMove.downtimeMs", "number",
              desc="The last move's downtime"),
+        _col("IP", ".status.nics[0].ip", priority=1, desc="The first NIC's address"),
         _col("PID", ".status.pid", "integer", priority=1),
         _col("Message", ".status.message", priority=1),
     ]
