@@ -39,7 +39,7 @@ def test_install_prints_crds_and_explain_works(cluster: Cluster) -> None:
     out = cluster.hosts[0].run("cluster", "install").out
     docs = [d for d in yaml.safe_load_all(out) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds.count("CustomResourceDefinition") == 5
+    assert kinds.count("CustomResourceDefinition") == 6
     assert {"Namespace", "ClusterRole", "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding"} <= set(kinds)
     out = cluster.lab.kubectl("explain", "fusumavm.spec.memoryMiB").stdout

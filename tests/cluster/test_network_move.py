@@ -1,7 +1,10 @@
 """A network that spans the lab's hosts (FusumaNetwork: a managed network on each host,
 a VXLAN between their bridges, only between the hosts' namespaces) and a VM on it that
-moves live from h0 to h1 keeping its MAC, its address and an open TCP connection to a
-client on h2's bridge. One test (the lab and a guest cost minutes); see conftest.py."""
+moves live from h0 to h1 keeping its MAC, its address (allocated cluster-wide: a
+FusumaAddress, handed to h1 with it) and an open TCP connection to a client on h2's
+bridge; a stopped VM on h1 gets another address, a static one that is held is refused,
+a host cannot free another's, deleting a VM frees its address. One test (the lab and a
+guest cost minutes); see conftest.py."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from tests.cluster.conftest import Cluster, wait_for
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 SUBNET = "10.124.0"
-VM_IP, CLIENT_IP = f"{SUBNET}.10", f"{SUBNET}.200"
+CLIENT_IP = f"{SUBNET}.200"
 PORT = 5000
 # The client's end of the guest's stream: one connection accepted, each line's arrival
 # time written down, until the connection ends or the file ``stop`` appears.
@@ -103,9 +106,13 @@ def test_a_vm_moves_between_hosts_keeping_its_nic_and_tcp_connection(
         "apiVersion": "fusuma.io/v1alpha1", "kind": "FusumaVM",
         "metadata": {"name": "roamer", "namespace": "default"},
         "spec": {"memoryMiB": 192, "vcpus": 1, "host": "h0", "partition": "p0",
-                 "nics": [{"network": "lan", "ip": VM_IP}]}}))
+                 "nics": [{"network": "lan"}]}}))
     wait_for(lambda: c.running("roamer"), 180, "roamer running on h0")
     h0, h1 = c.host("h0"), c.host("h1")
+    VM_IP = c.vm("roamer")["status"]["nics"][0]["ip"]
+    t_addr = time.monotonic()
+    other_ip = addresses_and_their_holders(c, VM_IP)
+    t_addr = time.monotonic() - t_addr
     wait_for(lambda: f"inet {VM_IP}/24" in h0.run(
         "vm", "exec", "roamer", "--", "/bin/sh", "-c", "ip -4 -o addr show eth0",
         check=False).out, 60, "roamer's lease from h0's dnsmasq")
@@ -157,6 +164,69 @@ def test_a_vm_moves_between_hosts_keeping_its_nic_and_tcp_connection(
     assert not [n for n in links(lab.hosts[0].netns) if n.startswith("fzt-")]
     assert f"inet {VM_IP}/24" in h1.run("vm", "exec", "roamer", "--", "/bin/sh", "-c",
                                         "ip -4 -o addr show eth0").out
+    # Its address went with it: h1 holds it now (h0 handed it on, through the policy).
+    t_hand = time.monotonic()
+    wait_for(lambda: held(c) == {f"lan.{VM_IP}": ("roamer", "h1")}, 60,
+             "roamer's address handed to h1")
+    t_addr += time.monotonic() - t_hand
+    assert other_ip != VM_IP
+    print(f"cluster-wide addresses: {VM_IP} and {other_ip}; their checks took "
+          f"{t_addr:.1f} s")
     ns(client, "busybox", "ping", "-c", "2", "-W", "3", VM_IP)
     print(f"between hosts with a NIC: {move['downtimeMs']} ms downtime, "
           f"{move['totalMs']} ms total; the TCP stream's longest gap {gap * 1000:.0f} ms")
+
+
+def held(c: Cluster) -> dict[str, tuple[str, str]]:
+    """FusumaAddress name -> (VM, holder host)."""
+    items = json.loads(c.lab.kubectl("get", "fusumaaddresses", "-o", "json").stdout)["items"]
+    return {o["metadata"]["name"]: (o["spec"]["vm"]["name"], o["spec"]["host"])
+            for o in items}
+
+
+def addresses_and_their_holders(c: Cluster, vm_ip: str) -> str:
+    """Addresses allocated cluster-wide, checked beside the running roamer (h0): a
+    stopped VM on h1 gets another, a static address roamer holds is refused on h2, h0's
+    identity cannot free h1's address, deleting the VM frees it. Stopped VMs only: no
+    guest boots here. Returns the address the second VM had."""
+    lab = c.lab
+    assert held(c) == {f"lan.{vm_ip}": ("roamer", "h0")}
+    assert c.host("h0").run("network", "show", "lan", "--json").json()["nics"][0]["ip"] \
+        == vm_ip
+    docs = [{"apiVersion": "fusuma.io/v1alpha1", "kind": "FusumaVM",
+             "metadata": {"name": name, "namespace": "default"},
+             "spec": {"memoryMiB": 128, "host": host, "partition": "p0", "running": False,
+                      "nics": [nic]}}
+            for name, host, nic in (("sitter", "h1", {"network": "lan"}),
+                                    ("thief", "h2", {"network": "lan", "ip": vm_ip}))]
+    c.apply(yaml.safe_dump_all(docs))
+    o = wait_for(lambda: (v := c.vm("sitter"))["status"].get("state") == "Stopped" and v,
+                 60, "sitter defined, stopped, on h1")
+    ip = o["status"]["nics"][0]["ip"]
+    assert ip != vm_ip and ip.startswith(f"{SUBNET}.")
+    assert [(n["vm"], n["ip"]) for n in c.host("h1").run(
+        "network", "show", "lan", "--json").json()["nics"]] == [("sitter", ip)]
+    t = wait_for(lambda: (v := c.vm("thief"))["status"].get("state") == "Failed" and v,
+                 60, "thief refused")
+    assert c.cond(t, "Ready")["message"] == (
+        f"spec.nics[0].ip: address {vm_ip} of network lan is held by FusumaVM "
+        "default/roamer (its NIC 0); pick another or leave it out to have one allocated.")
+    assert c.local_vms("thief") == {}
+    assert held(c) == {f"lan.{vm_ip}": ("roamer", "h0"), f"lan.{ip}": ("sitter", "h1")}
+    # h0's identity may neither free nor take h1's VM's address.
+    p = lab.kubectl("delete", "fusumaaddress", f"lan.{ip}",
+                    kubeconfig=lab.hosts[0].kubeconfig, check=False)
+    assert p.returncode != 0 and "(Forbidden)" in p.stderr, p.stderr
+    assert "is held by host h1" in p.stderr, p.stderr
+    theirs = lab.get("fusumaaddress", f"lan.{ip}", None)
+    theirs["spec"]["host"] = theirs["metadata"]["labels"]["fusuma.io/host"] = "h0"
+    p = lab.kubectl("replace", "-f", "-", input=json.dumps(theirs),
+                    kubeconfig=lab.hosts[0].kubeconfig, check=False)
+    assert p.returncode != 0 and "(Forbidden)" in p.stderr, p.stderr
+    assert "may change or free only the addresses it holds" in p.stderr, p.stderr
+    lab.kubectl("delete", "fusumavm", "sitter", "thief", "--wait=false")
+    wait_for(lambda: held(c) == {f"lan.{vm_ip}": ("roamer", "h0")}, 60,
+             "sitter's address freed with it")
+    wait_for(lambda: not [v for v in c.vms() if v["metadata"]["name"] != "roamer"], 60,
+             "sitter and thief deleted")
+    return str(ip)

@@ -37,7 +37,7 @@ def walk(schema: dict[str, Any], path: str = "") -> list[str]:
 def test_every_crd_has_status_columns_and_described_fields() -> None:
     kinds = {c["spec"]["names"]["kind"]: c for c in crds()}
     assert set(kinds) == {"FusumaHost", "FusumaPartition", "FusumaVM", "FusumaSegment",
-                          "FusumaNetwork"}
+                          "FusumaNetwork", "FusumaAddress"}
     for kind, crd in kinds.items():
         v = crd["spec"]["versions"][0]
         assert v["subresources"] == {"status": {}}, kind
@@ -73,16 +73,17 @@ def test_install_yaml_is_one_document_per_object() -> None:
     assert docs == manifests()
     # No identity that every agent shares: each host joins with its own.
     assert not [d for d in docs if d["kind"] in ("ClusterRoleBinding", "ServiceAccount")]
-    policy, binding = docs[-2:]
-    assert (policy["kind"], binding["kind"]) == ("ValidatingAdmissionPolicy",
-                                                 "ValidatingAdmissionPolicyBinding")
-    assert binding["spec"] == {"policyName": policy["metadata"]["name"],
-                               "validationActions": ["Deny"]}
-    assert policy["spec"]["failurePolicy"] == "Fail"
-    # Every refusal is a 403 with a sentence naming the host.
-    for v in policy["spec"]["validations"]:
-        assert v["reason"] == "Forbidden"
-        assert v["messageExpression"].startswith("'host ' + variables.me + ' ' + '")
+    # The objects' policy and the addresses' policy, each with its binding.
+    for policy, binding in (docs[-4:-2], docs[-2:]):
+        assert (policy["kind"], binding["kind"]) == ("ValidatingAdmissionPolicy",
+                                                     "ValidatingAdmissionPolicyBinding")
+        assert binding["spec"] == {"policyName": policy["metadata"]["name"],
+                                   "validationActions": ["Deny"]}
+        assert policy["spec"]["failurePolicy"] == "Fail"
+        # Every refusal is a 403 with a sentence naming the host.
+        for v in policy["spec"]["validations"]:
+            assert v["reason"] == "Forbidden"
+            assert v["messageExpression"].startswith("'host ' + variables.me + ' ' + '")
 
 
 def test_the_policy_knows_who_writes_every_field_of_a_move() -> None:
@@ -110,9 +111,11 @@ def test_a_host_identity_is_its_own_account_and_roles_by_name() -> None:
              for r in objs["Role"]["rules"] if "resourceNames" in r}
     assert named == {("leases", ("fusuma-host-h0", "fusuma-placement")),
                      ("secrets", ("fusuma-host-h0",))}
-    # Nothing that deletes, and no Secret of anyone else.
+    # Nothing that deletes but addresses (the policy: only those it holds), and no
+    # Secret of anyone else.
     for rule in objs["ClusterRole"]["rules"] + objs["Role"]["rules"]:
-        assert "delete" not in rule["verbs"] and "*" not in rule["verbs"]
+        assert "*" not in rule["verbs"]
+        assert "delete" not in rule["verbs"] or rule["resources"] == ["fusumaaddresses"]
         assert "secrets" not in rule["resources"] or rule.get("resourceNames")
     assert host_of("fusuma:host:h0") == "h0"
     assert host_of("system:serviceaccount:fusuma-system:fusuma-host-h1") == "h1"

@@ -11,7 +11,7 @@ import pytest
 
 from fusuma.cluster import hostmove
 from fusuma.cluster.context import AgentConfig
-from fusuma.cluster.kube import HOST
+from fusuma.cluster.kube import ADDRESS, HOST
 from fusuma.cluster.owners import Owner
 from fusuma.cluster.resources import VmView
 from fusuma.state import Decision, JobKind, MovePhase, VmState
@@ -39,6 +39,7 @@ class FakeKube:
     def __init__(self, obj: Obj) -> None:
         self.obj = obj
         self.on_write: Any = lambda obj: None
+        self.address_lists: list[str] = []
 
     def get(self, kind: Any, name: str, ns: str | None = None) -> Obj:
         return copy.deepcopy(self.obj)
@@ -58,6 +59,14 @@ class FakeKube:
         self.obj = copy.deepcopy(obj)
         self.on_write(self.obj)
         return copy.deepcopy(self.obj)
+
+    def list(self, kind: Any, namespace: str | None = None,
+             label_selector: str | None = None) -> tuple[list[Obj], str]:
+        """The FusumaAddresses the source hands on after the move: none here
+        (tests/unit/test_cluster_addresses.py checks the handing on)."""
+        assert kind is ADDRESS
+        self.address_lists.append(str(label_selector))
+        return [], "1"
 
 
 @dataclass
@@ -283,6 +292,9 @@ def test_the_source_half_runs_its_steps_and_records_each_phase(
         ("ok", "Done", "forward", "h0/p0", "h1/p0")
     assert last["downtimeMs"] == 100.0 and last["totalMs"] == 600.0
     assert [r for r, _ in a.emitted] == ["MoveStarted", "Moved"]
+    # Then the addresses this host holds for the VM go to the destination.
+    assert a.kube.address_lists == [
+        f"fusuma.io/vm-uid={a.kube.obj['metadata']['uid']},fusuma.io/host=h0"]
 
 
 MID_MOVE = {"id": "m1", "kind": "between-hosts", "mode": "copy", "fromHost": "h0",

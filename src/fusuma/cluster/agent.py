@@ -62,6 +62,8 @@ LOG = logging.getLogger(__name__)
 RESYNC_S = 5.0
 STATUS_EVERY_S = 10.0
 PLACEMENT_EVERY_S = 1.0
+# How often an agent looks over the addresses it holds (fusuma.cluster.addresses.sweep).
+ADDRESS_SWEEP_S = 30.0
 
 
 class Agent:
@@ -90,6 +92,7 @@ class Agent:
         self._inflight: set[tuple[str, ...]] = set()
         self._dirty: set[tuple[str, ...]] = set()
         self._lock = threading.Lock()
+        self._swept_at = 0.0
         self._qemu_versions: dict[str, str | None] = {}
         self._tls_lock = threading.Lock()
         self._tls_reported: dict[str, Any] | None = None
@@ -196,6 +199,16 @@ class Agent:
             if self._concerns(v):
                 self.submit(("vm", v.namespace, v.name), self._vm)
         self._orphans(uids)
+        if time.monotonic() - self._swept_at >= ADDRESS_SWEEP_S:
+            self._swept_at = time.monotonic()
+            self.submit(("addresses",), self._sweep_addresses)
+
+    def _sweep_addresses(self, k: tuple[str, ...]) -> None:
+        from fusuma.cluster import addresses
+
+        for line in addresses.sweep(self.kube, self.host, self.vms_informer.get,
+                                    self.cfg.namespace):
+            LOG.info("addresses: %s", line)
 
     def _concerns(self, v: VmView) -> bool:
         if self.host in (v.want_host, v.host):

@@ -136,10 +136,13 @@ VM_SPEC = _obj("The VM as asked for: fusuma's VM spec, plus where it runs.", {
                  "each keeps its MAC and address wherever the VM moves.",
                  _obj("One NIC.", {
                      "network": _s("A FusumaNetwork's name."),
-                     "ip": _s("Its address in the network's subnet (required: "
-                              "addresses are not allocated across hosts yet)."),
+                     "ip": _s("Its address in the network's subnet. Empty: one is "
+                              "allocated cluster-wide when the VM is first defined "
+                              "(status.nics shows it; a FusumaAddress holds it). Either "
+                              "way it stays the VM's until the FusumaVM is deleted; an "
+                              "address another VM holds is refused."),
                      "mac": _s("Its MAC (default: generated once).")},
-                      required=["network", "ip"]), maxItems=8),
+                      required=["network"]), maxItems=8),
     "restartable": _b("Start it again from its image on another host when its host is "
                       "lost (its RAM and any disk local to the lost host are gone).",
                       default=False),
@@ -166,6 +169,14 @@ VM_STATUS = _obj("What the agents and the placement controller observed and did.
     "lostAt": _s("When its host's Lease expired.", format="date-time"),
     "lostFrom": _s("The lost host."),
     "ownerUID": _s("UID of the object the host's VM belongs to (one name per host)."),
+    "nics": _arr("Its NICs on the cluster's networks as defined: the address each holds "
+                 "(given in spec.nics or allocated), written by its host's agent.",
+                 _obj("One NIC.", {
+                     "index": _i("Its place (nic0, ...)."),
+                     "network": _s("FusumaNetwork."),
+                     "ip": _s("Its address (a FusumaAddress named NETWORK.ADDRESS holds "
+                              "it)."),
+                     "mac": _s("Its MAC, once the VM is defined.")})),
     "observedGeneration": _i("The metadata.generation the status is about."),
     "conditions": CONDITIONS,
 })
@@ -246,6 +257,30 @@ NETWORK_STATUS = _obj("Per-host state, written by each agent.", {
     "conditions": CONDITIONS,
 })
 
+ADDRESS_SPEC = _obj("An address of a FusumaNetwork held by one NIC of one FusumaVM. Its "
+                    "name is NETWORK.ADDRESS, so the API server's rule that a name exists "
+                    "once makes two holders impossible; made by the agent of the host "
+                    "that defines the VM, freed (deleted) by the agent of the host "
+                    "that holds it once the FusumaVM is gone.", {
+                        "network": _s("The FusumaNetwork."),
+                        "address": _s("The IPv4 address, inside the network's subnet."),
+                        "vm": _obj("The FusumaVM that holds it.", {
+                            "namespace": _s("Its namespace."), "name": _s("Its name."),
+                            "uid": _s("Its metadata.uid (a VM made again under the "
+                                      "same name is another VM).")},
+                                   required=["namespace", "name", "uid"]),
+                        "nic": _i("The index of the VM's NIC (nic0, ...).", minimum=0),
+                        "static": _b("Asked for in the VM's spec.nics[].ip (else "
+                                     "allocated).", default=False),
+                        "host": _s("The host whose agent may hand it on or free it: the "
+                                   "one that made it, then the host the VM runs on "
+                                   "(handed on after a move by the host that had it)."),
+                    }, required=["network", "address", "vm", "nic", "host"])
+
+ADDRESS_STATUS = _obj("Nothing is written here: an address is held while it exists.", {
+    "conditions": CONDITIONS,
+})
+
 SEGMENT_STATUS = _obj("Per-host state, written by each agent.", {
     "hosts": _arr("One entry per host.", _obj("One host's copy.", {
         "host": _s("Host."), "ready": _b("Built."), "sizeMiB": _i("Its size."),
@@ -309,6 +344,7 @@ def crds() -> list[Obj]:
         _col("Memory", ".spec.memoryMiB", "integer", desc="Guest RAM, MiB"),
         _col("Downtime-ms", ".status.lastMove.downtimeMs", "number",
              desc="The last move's downtime"),
+        _col("IP", ".status.nics[0].ip", priority=1, desc="The first NIC's address"),
         _col("PID", ".status.pid", "integer", priority=1),
         _col("Message", ".status.message", priority=1),
     ]
@@ -358,6 +394,16 @@ def crds() -> list[Obj]:
              "A managed network that spans the hosts (bridge, DHCP, NAT on each, a VXLAN "
              "between them): VMs on it keep their MAC, address and connections when they "
              "move between hosts."),
+        _crd("FusumaAddress", "fusumaaddresses", "fusumaaddress", ["faddr"], "Cluster",
+             ADDRESS_SPEC, ADDRESS_STATUS, [
+                 _col("Network", ".spec.network"), _col("Address", ".spec.address"),
+                 _col("Namespace", ".spec.vm.namespace"), _col("VM", ".spec.vm.name"),
+                 _col("NIC", ".spec.nic", "integer"), _col("Host", ".spec.host"),
+                 _col("Static", ".spec.static", "boolean", priority=1)],
+             "An address of a FusumaNetwork held by a FusumaVM's NIC: the cluster's "
+             "allocation record (one object per address, named NETWORK.ADDRESS). The "
+             "agents make and free them; delete one by hand only for a host that left "
+             "the cluster for good."),
         _crd("FusumaSegment", "fusumasegments", "fusumasegment", ["fseg"], "Cluster",
              SEGMENT_SPEC, SEGMENT_STATUS, seg_cols,
              "A shared read-only segment (z/VM's DCSS) built on each host, attached to "
@@ -370,7 +416,7 @@ def rbac() -> list[Obj]:
     ``view`` and ``edit``. Each host's own roles come with its identity
     (``fusuma.cluster.identity``, `fusuma cluster join`)."""
     ours = ["fusumahosts", "fusumapartitions", "fusumavms", "fusumasegments",
-            "fusumanetworks"]
+            "fusumanetworks", "fusumaaddresses"]
     status = [f"{r}/status" for r in ours]
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SYSTEM_NAMESPACE}},

@@ -54,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fusuma.cluster import ConflictApiError, NotFoundApiError
+from fusuma.cluster import ConflictApiError, NotFoundApiError, addresses
 from fusuma.cluster.context import PLAIN_MOVES_ENV, AgentContext, VmMoves
 from fusuma.cluster.events import WARNING
 from fusuma.cluster.kube import HOST, VM, Obj
@@ -553,6 +553,7 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
         new = a.kube.patch_status(VM, v.name, {"host": None, "partition": None, "pid": None,
                                                "state": PLACED}, v.namespace)
         a.vms_informer.put(new)
+        addresses.hand_on(a.kube, a.host, v.uid, dest)
         a.events.emit(v.obj, "Moved", f"stopped VM handed from {a.host} to {dest}")
         return
     if state != "running":
@@ -581,6 +582,8 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
         if not src.confirm(decision, why):
             return
     src.forget(out, started, began)
+    # The guest runs there now: so do its addresses' holder (else the next sweep).
+    addresses.hand_on(a.kube, a.host, v.uid, dest)
 
 
 def step(a: AgentContext, r: VmMoves, v: VmView) -> None:

@@ -81,6 +81,9 @@ def cluster_rules() -> list[Obj]:
          "verbs": ["update", "patch"]},
         {"apiGroups": [GROUP], "resources": [f"{r}/status" for r in ours],
          "verbs": ["get", "update", "patch"]},
+        # Addresses on the cluster's networks (the policy: only those it holds).
+        {"apiGroups": [GROUP], "resources": ["fusumaaddresses"],
+         "verbs": ["get", "list", "watch", "create", "update", "delete"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"],
          "verbs": ["create", "patch"]},

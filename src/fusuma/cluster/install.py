@@ -22,7 +22,8 @@ LEGACY = [("ClusterRoleBinding", "fusuma-agent", None), ("ClusterRole", "fusuma-
 
 def manifests() -> list[Obj]:
     """Everything `fusuma cluster install` makes: the CRDs, the namespace, the view and
-    edit roles, and the admission policy that keeps each host to its own objects."""
+    edit roles, and the admission policies that keep each host to its own objects and
+    the addresses it holds."""
     return [*crds(), *rbac(), *admission_policy()]
 
 

@@ -19,6 +19,8 @@ requesting user's host name (``fusuma:host:NAME``, or the ServiceAccount
   at the destination, only its fields and the end of the record (``lastMove``). Nobody
   rewrites the move's identity or its record (the source's device set) as a peer, and a
   recorded decision is never changed;
+- **the addresses it holds** (FusumaAddress, a second policy: ``address_policy``):
+  taken only in its own name, handed on or freed only by their holder;
 - **the placement controller's writes** (it runs in every agent; one acts): a VM's
   placement while it has none (or is Lost), its conditions, ``state`` Placed, Pending
   or Lost, ``lostAt``/``lostFrom``, and clearing its host; another FusumaHost's
@@ -32,8 +34,10 @@ than fusuma's own. Every refusal is a 403 (``reason: Forbidden``) with one sente
 from __future__ import annotations
 
 from fusuma.cluster import FINALIZER, GROUP, SYSTEM_NAMESPACE
+from fusuma.cluster.addresses import HOST_LABEL, NETWORK_LABEL, VM_UID_LABEL
 from fusuma.cluster.crds import HOST_STATUS, VM_STATUS, Obj
 from fusuma.cluster.identity import HOST_USER_PREFIX, SA_USER_PREFIX
+from fusuma.cluster.kube import ADDRESS
 from fusuma.cluster.lease import PLACEMENT_LEASE, host_lease_name
 
 POLICY = "fusuma-host-restriction"
@@ -225,29 +229,86 @@ def _validations() -> list[Obj]:
     ]
 
 
-def admission_policy() -> list[Obj]:
-    """The policy and its binding (``fusuma cluster install``)."""
-    hosts = (f"request.userInfo.username.startsWith('{HOST_USER_PREFIX}') || "
-             f"request.userInfo.username.startsWith('{SA_USER_PREFIX}')")
-    ours = ["fusumahosts", "fusumapartitions", "fusumavms", "fusumasegments",
-            "fusumanetworks"]
+HOSTS = (f"request.userInfo.username.startsWith('{HOST_USER_PREFIX}') || "
+         f"request.userInfo.username.startsWith('{SA_USER_PREFIX}')")
+ADDRESS_POLICY = "fusuma-host-addresses"
+# A dotted quad without leading zeros: one spelling per address, so one name.
+DOTTED_QUAD = r"^(0|[1-9][0-9]{0,2})([.](0|[1-9][0-9]{0,2})){3}$"
+
+
+def _label(o: str, label: str) -> str:
+    return f"{o}.metadata.?labels[?'{label}'].orValue('')"
+
+
+def _address_validations() -> list[Obj]:
+    """A FusumaAddress (fusuma.cluster.addresses) names its holder host: a host creates
+    addresses only in its own name, named NETWORK.ADDRESS (so one name per address) and
+    labelled as its spec says (the agents find them by label); it changes only the
+    holder of those it holds (handing one on after its VM moved) and deletes only
+    those. So it can neither take another host's VM's address (the name exists) nor
+    free it."""
+    op = "request.operation"
+    labels = " && ".join([
+        f"{_label('object', HOST_LABEL)} == object.spec.host",
+        f"{_label('object', NETWORK_LABEL)} == object.spec.network",
+        f"{_label('object', VM_UID_LABEL)} == object.spec.vm.uid"])
+    fixed = _same_all("object.spec", "oldObject.spec",
+                      ["network", "address", "vm", "nic", "static"])
+    return [
+        _check(f"{op} != 'CREATE' || (object.spec.host == variables.me && "
+               "!object.spec.network.contains('.') && "
+               f"object.spec.address.matches('{DOTTED_QUAD}') && "
+               "object.metadata.name == object.spec.network + '.' + object.spec.address)",
+               "'may take an address only in its own name (spec.host), as an object "
+               "named NETWORK.ADDRESS; ' + request.name + ' is not that.'"),
+        _check(f"{op} == 'DELETE' || ({labels})",
+               "'must label FusumaAddress ' + request.name + ' with its network, holder "
+               "host and VM uid as its spec says.'"),
+        _check(f"{op} == 'CREATE' || oldObject.spec.host == variables.me",
+               "'may change or free only the addresses it holds; ' + request.name + "
+               "' is held by host ' + oldObject.spec.host + '.'"),
+        _check(f"{op} != 'UPDATE' || ({fixed})",
+               "'may change only the holder host of FusumaAddress ' + request.name + "
+               "', never its network, address, VM or NIC.'"),
+    ]
+
+
+def _policy(name: str, rules: list[Obj], variables: list[Obj],
+            validations: list[Obj]) -> list[Obj]:
+    """A ValidatingAdmissionPolicy for the host identities, and its binding."""
     policy = {
         "apiVersion": ADMISSION, "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": POLICY},
+        "metadata": {"name": name},
         "spec": {
             "failurePolicy": "Fail",
-            "matchConstraints": {"resourceRules": [
-                {"apiGroups": [GROUP], "apiVersions": ["*"],
-                 "operations": ["CREATE", "UPDATE"],
-                 "resources": ours + [f"{r}/status" for r in ours]},
-                {"apiGroups": ["coordination.k8s.io"], "apiVersions": ["*"],
-                 "operations": ["CREATE", "UPDATE"], "resources": ["leases"]}]},
-            "matchConditions": [{"name": "a-fusuma-host", "expression": hosts}],
-            "variables": _variables(),
-            "validations": _validations(),
+            "matchConstraints": {"resourceRules": rules},
+            "matchConditions": [{"name": "a-fusuma-host", "expression": HOSTS}],
+            "variables": variables,
+            "validations": validations,
         }}
     binding = {
         "apiVersion": ADMISSION, "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": POLICY},
-        "spec": {"policyName": POLICY, "validationActions": ["Deny"]}}
+        "metadata": {"name": name},
+        "spec": {"policyName": name, "validationActions": ["Deny"]}}
     return [policy, binding]
+
+
+def address_policy() -> list[Obj]:
+    """The policy on FusumaAddresses and its binding."""
+    return _policy(ADDRESS_POLICY, [
+        {"apiGroups": [GROUP], "apiVersions": ["*"],
+         "operations": ["CREATE", "UPDATE", "DELETE"], "resources": [ADDRESS.plural]}],
+        [v for v in _variables() if v["name"] == "me"], _address_validations())
+
+
+def admission_policy() -> list[Obj]:
+    """The policies and their bindings (``fusuma cluster install``): the objects' and
+    the addresses' (last)."""
+    ours = ["fusumahosts", "fusumapartitions", "fusumavms", "fusumasegments",
+            "fusumanetworks"]
+    return [*_policy(POLICY, [
+        {"apiGroups": [GROUP], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE"],
+         "resources": ours + [f"{r}/status" for r in ours]},
+        {"apiGroups": ["coordination.k8s.io"], "apiVersions": ["*"],
+         "operations": ["CREATE", "UPDATE"], "resources": ["leases"]}],
+        _variables(), _validations()), *address_policy()]

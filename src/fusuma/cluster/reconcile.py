@@ -137,7 +137,10 @@ class VmReconciler:
         else:
             cond = ("Ready", False, state, rec.error or f"{v.name} is {state.lower()}")
         pid = rec.pid if state in (RUNNING, MOVING) else None
+        nics = [{"index": n.index, "network": n.network, "ip": n.ip, "mac": n.mac}
+                for n in sorted(self.a.ctx().db.nics(vm=rec.name), key=lambda n: n.index)]
         self.write_status(v, {
+            "nics": nics or v.status.get("nics"),
             "state": state, "host": self.a.host, "partition": rec.partition,
             "pid": pid, "accelerator": rec.accel_used, "message": None if ok else
             (rec.error or None), "memoryMiB": resident_mib(pid), "ownerUID": v.uid,
@@ -210,7 +213,8 @@ class VmReconciler:
                           [("Ready", False, "Creating", f"creating on {self.a.host}")])
         self.a.owners.set("vms", v.name, Owner(v.uid, v.namespace, v.name))
         try:
-            spec = VmSpec.model_validate(v.vm_spec_fields(part))
+            ips = self._addresses(c, v)
+            spec = VmSpec.model_validate(v.vm_spec_fields(part, ips))
             rec = c.vms.create(spec)
         except FusumaError as exc:
             self.a.owners.remove("vms", v.name)
@@ -226,6 +230,25 @@ class VmReconciler:
         self.a.events.emit(v.obj, "Created", f"defined on host {self.a.host} in partition "
                            f"{part} ({v.vcpus} vCPU, {v.memory_mib} MiB)")
         return rec
+
+    def _addresses(self, c: Ctx, v: VmView) -> dict[int, str]:
+        """Hold an address cluster-wide for each NIC on a FusumaNetwork (its own when
+        it holds one already) and show them in status.nics, before anything is defined
+        here (fusuma.cluster.addresses)."""
+        from fusuma.cluster import addresses
+
+        if not v.spec.get("nics"):
+            return {}
+        local: dict[str, list[str]] = {}
+        for n in c.db.nics():
+            if n.ip:
+                local.setdefault(n.network, []).append(n.ip)
+        ips = addresses.allocate(self.a.kube, self.a.host, v, local)
+        if ips:
+            # The object as last written (Creating), so its conditions stay.
+            now = VmView(self.a.vms_informer.get(v.namespace, v.name) or v.obj)
+            self.write_status(now, {"nics": addresses.status_nics(ips, v)}, [])
+        return ips
 
     def _move_partition(self, c: Ctx, v: VmView, rec: VmRecord,
                         part: str) -> VmRecord | None:
@@ -309,6 +332,13 @@ class VmReconciler:
             self.a.events.emit(v.obj, "Deleted", f"deleted on host {self.a.host}")
         if mine:
             self.a.owners.remove("vms", v.name)
+        if mine or v.host in (None, self.a.host):
+            from fusuma.cluster import addresses
+
+            # Its addresses this host holds; another holder frees its own (sweep).
+            for name in addresses.free(self.a.kube, self.a.host, v.uid):
+                LOG.info("address %s freed with FusumaVM %s/%s", name, v.namespace,
+                         v.name)
         if has_finalizer(v.obj) and (mine or v.host in (None, self.a.host)):
             self.a.remove_finalizer(VM, v.obj)
 

@@ -160,8 +160,17 @@ class VmView:
     def accel(self) -> str:
         return str(self.spec.get("accel") or "auto")
 
-    def vm_spec_fields(self, partition: str) -> dict[str, Any]:
-        """fusuma's VmSpec fields (fusuma.spec.VmSpec) for this VM in ``partition``."""
+    @property
+    def nic_ips(self) -> dict[int, str]:
+        """The address each NIC holds, as its host wrote it (status.nics)."""
+        return {int(n["index"]): str(n["ip"]) for n in self.status.get("nics") or []
+                if n.get("ip") and n.get("index") is not None}
+
+    def vm_spec_fields(self, partition: str,
+                       ips: dict[int, str] | None = None) -> dict[str, Any]:
+        """fusuma's VmSpec fields (fusuma.spec.VmSpec) for this VM in ``partition``;
+        each NIC's address from ``ips`` (index -> address; default: what status.nics
+        says it holds), else the spec's."""
         s = self.spec
         fields: dict[str, Any] = {
             "name": self.name, "partition": partition, "vcpus": self.vcpus,
@@ -172,6 +181,8 @@ class VmView:
         }
         if s.get("nics"):
             # NICs on the cluster's networks (FusumaNetwork), as `vm create --nic`.
+            held = self.nic_ips if ips is None else ips
             fields["nics"] = [{k: n[k] for k in ("network", "mac", "ip") if n.get(k)}
-                              for n in s["nics"]]
+                              | ({"ip": held[i]} if i in held else {})
+                              for i, n in enumerate(s["nics"])]
         return fields
