@@ -48,6 +48,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fusuma.errors import SpecError, StateError, TemplateError
+from fusuma.images.store import DISK, NVRAM, SEED_INPUTS
 from fusuma.memshare.smaps import TEMPLATE_SUFFIX
 from fusuma.paths import Paths
 from fusuma.qemu.cmdline import NET_ID, DeviceSet
@@ -61,6 +62,17 @@ MIN_QEMU_TEXT = "8.2"
 RAM_SUFFIX = TEMPLATE_SUFFIX        # what the smaps reader attributes to templates
 RAM_MODE = 0o640
 STATE_NAME = "state"
+# What a template of a VM that boots by firmware keeps beside its state
+# (fusuma.images.layers): its disk layer, its NVRAM (UEFI), its seed's inputs.
+FIRMWARE_FILES = (DISK, NVRAM, SEED_INPUTS)
+# cloud-init's stages, as at a boot: ``init --local`` finds the seed's new instance id
+# (NoCloud checks it against the seed, not against its cache), makes the instance's
+# directory, sets the hostname; then the per-instance modules of the later stages run
+# (new SSH host keys, the user-data), the per-once ones not again. The guest's caches
+# are dropped first, so the seed is read from the clone's disk, not from memory.
+CLOUD_INIT_STAGES = ("echo 3 > /proc/sys/vm/drop_caches; "
+                     "cloud-init init --local && cloud-init init && "
+                     "cloud-init modules --mode config && cloud-init modules --mode final")
 # The guest image's udhcpc event script (fusuma.images lib.sh, written at boot).
 UDHCPC_SCRIPT = "/run/fusuma-udhcpc.sh"
 _MAC = re.compile(r"[0-9a-f]{2}(?::[0-9a-f]{2}){5}")

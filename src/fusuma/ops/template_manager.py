@@ -60,7 +60,7 @@ class TemplateManager:
         from fusuma.memshare.templates import refuse
         from fusuma.vm import boot
 
-        boot.check_template(rec)
+        boot.check_template(rec, len(self.db.nics(vm=vm)))
         # NICs on taps are fine: the template keeps their networks, and each clone gets
         # NICs of its own there (a MAC, an address, a tap), given to its guest by its
         # identity step.
@@ -88,6 +88,9 @@ class TemplateManager:
         process.remove_unmapped(t.ram_path, self.paths)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(t.state_path)
+        for left in templates.FIRMWARE_FILES:      # a firmware VM's disk layer and more
+            with contextlib.suppress(FileNotFoundError):
+                (templates.template_dir(self.paths, name) / left).unlink()
         with contextlib.suppress(OSError):
             templates.template_dir(self.paths, name).rmdir()
         with contextlib.suppress(OSError):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fusuma.errors import FusumaError, GuestAgentError, QemuError, SpecError, StateError
 from fusuma.host.accel import probe_accel
-from fusuma.memshare import reporting
+from fusuma.memshare import clones, reporting
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import QemuInstance, remove_run_files
 from fusuma.state import ALIVE, Job, JobKind, VmRecord, VmState
@@ -49,6 +49,7 @@ async def start_held(h: PartitionHost, vm: VmRecord, requested: float) -> QemuIn
         h.log.info("%s", accel.notice)
     run = h.paths.vm_run_dir(vm.name)
     ram = h.paths.ram_file(vm.name) if vm.shared_ram else None
+    resume = clones.resumes(h.paths, vm)     # a clone: from its template's guest
     try:
         with Reverter() as rev:
             h.db.transition(vm.name, VmState.STARTING,
@@ -58,7 +59,7 @@ async def start_held(h: PartitionHost, vm: VmRecord, requested: float) -> QemuIn
             h.phase(vm.name, "launch")
             inst = await h.launch(vm, accel.name, run, ram, None, rev)
             restore_ms = None
-            if vm.template is not None:
+            if resume:
                 h.phase(vm.name, "restore", pid=inst.pid)
                 restore_ms = await template_ops.restore(h, vm, inst)
             h.phase(vm.name, "pin", pid=inst.pid)

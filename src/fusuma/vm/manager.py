@@ -96,8 +96,7 @@ class VmManager:
 
         boot, base = fwboot.resolve(self.db, spec.image, spec.boot)
         fwboot.check_spec_fields(boot, disk_size=spec.disk_size, ssh_keys=spec.ssh_keys,
-                                 user_data=spec.user_data, segments=spec.segments,
-                                 template=spec.template)
+                                 user_data=spec.user_data, segments=spec.segments)
         if base is None:
             from fusuma.images import find_image
 
@@ -131,7 +130,13 @@ class VmManager:
             stored = self.db.add_vm(rec, self.paths.vm_uids)
             self.db.add_nics(nics)
         try:
-            if base is not None:
+            if base is not None and spec.template is not None:
+                from fusuma.memshare.templates import template_dir
+
+                fwboot.prepare_clone(self.paths, stored,
+                                     template_dir(self.paths, spec.template),
+                                     [n.mac for n in nics])
+            elif base is not None:
                 fwboot.prepare(self.paths, stored, base, disk_size, keys, spec.user_data,
                                [n.mac for n in nics])
             for net in sorted({n.network for n in nics}):
@@ -156,10 +161,14 @@ class VmManager:
         from fusuma.memshare import templates
         from fusuma.qemu import versions
         from fusuma.spec import NicSpec
+        from fusuma.vm import boot as fwboot
 
         t = self.db.template(str(spec.template))
         templates.check_clone_nics(t, len(spec.nics))
         given = spec.model_fields_set
+        fwboot.check_clone_fields(t.name, [f"--{k.replace('_', '-')}" for k in given
+                                           if k in ("boot", "disk_size", "ssh_keys",
+                                                    "user_data")])
         fill: dict[str, object] = {k: getattr(t, k) for k in ("vcpus", "memory_mib",
                                                              "image", "segments")
                                    if k not in given}
@@ -168,6 +177,8 @@ class VmManager:
             fill["nics"] = [NicSpec(network=n) for n in t.networks]
         fill["machine"] = spec.machine or t.machine
         fill["shared_ram"] = False
+        # The firmware its guest booted by (its device set says; a kernel boot's none).
+        fill["boot"] = templates.devices_of(t).firmware or "kernel"
         merged = spec.model_copy(update=fill)
         templates.check_clone(t, vcpus=merged.vcpus, memory_mib=merged.memory_mib,
                               disks=list(spec.disks), ports=list(spec.ports),
