@@ -142,23 +142,18 @@ def test_a_seed_from_an_older_fusuma_and_a_layer_not_qcow2_are_refused(
     (vdir / store.SEED_INPUTS).unlink()
     with pytest.raises(TemplateError, match="written by an older fusuma"):
         layers.freeze(vdir, tmp_path, uefi=True)
-    bad = tmp_path / "bad"
-    bad.write_bytes(b"\0" * 64)
-    fd = os.open(bad, os.O_RDONLY)
-    try:
-        with pytest.raises(ImageError, match="is not a qcow2 image"):
-            layers.qcow2_size(fd, "bad")
-    finally:
-        os.close(fd)
     head = bytearray((vdir / store.DISK).read_bytes()[:32])
     head[24:32] = (2**60).to_bytes(8, "big")
-    bad.write_bytes(bytes(head))
-    fd = os.open(bad, os.O_RDONLY)
-    try:
-        with pytest.raises(ImageError, match="impossible size"):
-            layers.qcow2_size(fd, "bad")
-    finally:
-        os.close(fd)
+    for data, says in ((b"\0" * 64, "is not a qcow2 image"),
+                       (bytes(head), "impossible size")):
+        bad = tmp_path / "bad"
+        bad.write_bytes(data)
+        fd = os.open(bad, os.O_RDONLY)
+        try:
+            with pytest.raises(ImageError, match=says):
+                layers.qcow2_size(fd, "bad")
+        finally:
+            os.close(fd)
 
 
 def test_a_clones_disk_chain_in_the_argv() -> None:

@@ -22,6 +22,12 @@ guest's entropy pool. Its vmgenid guid (a device
 every VM booted since has) is new too, though the Debian 6.1 kernel has no driver to
 notice it.
 
+A template of a VM that boots by firmware also keeps its disk as it was (a read-only
+qcow2 layer), its NVRAM and its seed's inputs, and each clone gets an overlay, NVRAM and
+seed (a new instance id) of its own (fusuma.images.layers); its identity step runs
+cloud-init's stages again (:data:`CLOUD_INIT_STAGES`), and once its guest has run, its
+later starts boot its own disk instead of resuming the template.
+
 What a clone must share with its template: machine type, RAM size, vCPUs and the whole
 device set (recorded with the template), accelerator, image and segments. What it may
 not do: give pages back (its RAM is a copy-on-write mapping of a read-only file: no

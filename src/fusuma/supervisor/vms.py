@@ -15,8 +15,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from fusuma.errors import FusumaError, GuestAgentError, QemuError, SpecError, StateError
+from fusuma.host import storage
 from fusuma.host.accel import probe_accel
+from fusuma.images import snapshots as offline
+from fusuma.images.store import disk_path
 from fusuma.memshare import clones, reporting
+from fusuma.qemu import privilege
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import QemuInstance, remove_run_files
 from fusuma.state import ALIVE, Job, JobKind, VmRecord, VmState
@@ -218,20 +222,41 @@ async def trim(h: PartitionHost, req: rpc.Trim) -> rpc.Trimmed:
 
 
 async def resize_disk(h: PartitionHost, req: rpc.ResizeDisk) -> rpc.Resized:
-    """Grow a running VM's disk by QMP ``block_resize``; the guest sees the new
-    capacity at once (virtio-blk's configuration change). Never shrinks: the size now
-    is QEMU's own (``query-block``), and a smaller or equal size is refused."""
-    rec, inst = h.running(req.vm)
-    h.no_job(req.vm)
+    """Grow a VM's disk: its thin disk (``req.disk`` "") or a registered disk attached
+    to it. Running, by QMP ``block_resize`` (the guest sees the new capacity at once,
+    virtio-blk's configuration change); stopped, by ``qemu-img resize`` as the VM's
+    uid (a qcow2) or by growing the file (a raw disk: fusuma.host.storage.grow). Never
+    shrinks: a smaller or equal size is refused."""
+    rec = h.vm(req.vm)
     if req.disk:
         if req.disk not in rec.disks:
-            raise StateError(f"disk {req.disk!r} is not attached to VM {req.vm!r}.")
+            raise StateError(f"disk {req.disk!r} is not attached to VM {req.vm!r}; "
+                             f"its disks: {', '.join(rec.disks) or 'none'}.")
         drive, what = f"disk-{req.disk}", f"disk {req.disk!r}"
     else:
         if rec.boot == "kernel":
             raise StateError(f"VM {req.vm!r} runs an image fusuma builds and has no thin "
-                             "disk; name one of its disks.")
+                             "disk; name one of its disks (--disk).")
         drive, what = BOOT_DRIVE, f"VM {req.vm!r}'s disk"
+    async with h.lock(req.vm):
+        h.no_job(req.vm)
+        rec = h.vm(req.vm)
+        inst = h.instances.get(req.vm)
+        if inst is not None:
+            old = await _resize_online(inst, req, drive, what)
+        elif rec.state in (VmState.STOPPED, VmState.CRASHED):
+            old = await asyncio.to_thread(_resize_offline, h, rec, req, what)
+        else:
+            raise StateError(f"VM {req.vm!r} is {rec.state.value}; resize its disk when "
+                             "it runs or is stopped.")
+    h.log.info("resized %s of %s (%s): %d -> %d bytes", drive, req.vm,
+               "online" if inst is not None else "stopped", old, req.size)
+    return rpc.Resized(vm=req.vm, drive=drive, old_size=old, size=req.size)
+
+
+async def _resize_online(inst: QemuInstance, req: rpc.ResizeDisk, drive: str,
+                         what: str) -> int:
+    """The size now is QEMU's own (``query-block``)."""
     blocks = await inst.qmp.execute("query-block")
     old = next((int(b["inserted"]["image"]["virtual-size"]) for b in blocks
                 if isinstance(b, dict) and b.get("device") == drive
@@ -241,8 +266,22 @@ async def resize_disk(h: PartitionHost, req: rpc.ResizeDisk) -> rpc.Resized:
     if req.size <= old:
         raise SpecError(f"{what} is {old} bytes; a disk only grows (give more than that).")
     await inst.qmp.execute("block_resize", {"device": drive, "size": req.size})
-    h.log.info("resized %s of %s: %d -> %d bytes", drive, req.vm, old, req.size)
-    return rpc.Resized(vm=req.vm, drive=drive, old_size=old, size=req.size)
+    return old
+
+
+def _resize_offline(h: PartitionHost, rec: VmRecord, req: rpc.ResizeDisk,
+                    what: str) -> int:
+    """A stopped VM's disk, with no QEMU: the supervisor holds the VM's lock, so no
+    start comes in between."""
+    if req.disk:
+        d = h.db.disk(req.disk)
+        return storage.grow(d.name, Path(d.path), d.dev, d.ino, req.size)
+    path, uid = disk_path(h.paths, rec.name), privilege.uid_for(h.paths, rec)
+    old = offline.size_of(path, uid)
+    if req.size <= old:
+        raise SpecError(f"{what} is {old} bytes; a disk only grows (give more than that).")
+    offline.grow(path, uid, req.size)
+    return old
 
 
 async def recover_local(h: PartitionHost, job: Job) -> None:

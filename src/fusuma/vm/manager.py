@@ -258,11 +258,27 @@ class VmManager:
                                              timeout + 60))
 
     def resize_disk(self, name: str, size: str, disk: str | None = None) -> rpc.Resized:
-        """Grow running VM ``name``'s thin disk (``disk`` None) or its registered disk
-        ``disk``, online."""
+        """Grow VM ``name``'s thin disk (``disk`` None) or its registered disk ``disk``:
+        online while it runs, else with no QEMU (its supervisor does either)."""
         from fusuma.images.store import parse_size
 
         return self._send(name, rpc.ResizeDisk(name, disk or "", parse_size(size)))
+
+    @locked
+    def resize_registered(self, disk: str, size: str) -> rpc.Resized:
+        """Grow registered disk ``disk`` (`fusuma disk resize`): through its VM when one
+        has it attached (:meth:`resize_disk`), else its file here."""
+        from fusuma.host import storage
+        from fusuma.images.store import parse_size
+
+        want = parse_size(size)
+        rec = self.db.disk(disk)
+        users = [v.name for v in self.db.vms() if disk in v.disks]
+        if users:
+            return self.resize_disk(users[0], size, disk)
+        rec = storage.take_over(self.paths, self.db, rec)
+        old = storage.grow(disk, Path(rec.path), rec.dev, rec.ino, want)
+        return rpc.Resized(vm="", drive=f"disk-{disk}", old_size=old, size=want)
 
     def wait_agent(self, name: str, timeout: float = 60.0) -> float:
         return self._send(name, rpc.WaitAgent(name, timeout=timeout), timeout + 10).seconds
