@@ -71,12 +71,15 @@ STATE_NAME = "state"
 # What a template of a VM that boots by firmware keeps beside its state
 # (fusuma.images.layers): its disk layer, its NVRAM (UEFI), its seed's inputs.
 FIRMWARE_FILES = (DISK, NVRAM, SEED_INPUTS)
-# cloud-init's stages, as at a boot: ``init --local`` finds the seed's new instance id
-# (NoCloud checks it against the seed, not against its cache), makes the instance's
-# directory, sets the hostname; then the per-instance modules of the later stages run
-# (new SSH host keys, the user-data), the per-once ones not again. The guest's caches
-# are dropped first, so the seed is read from the clone's disk, not from memory.
-CLOUD_INIT_STAGES = ("echo 3 > /proc/sys/vm/drop_caches; "
+# cloud-init's stages, as at a boot: ``init --local`` finds the seed's new instance id,
+# makes the instance's directory, sets the hostname; then the per-instance modules of
+# the later stages run (new SSH host keys, the user-data), the per-once ones not again.
+# First, what the template's boot left in /run (a tmpfs, which a clone has from the
+# template's RAM, where a reboot would have emptied it): its instance id there makes
+# cloud-init trust its cache without looking at the seed. And the guest's caches are
+# dropped, so the seed is read from the clone's disk, not from memory.
+CLOUD_INIT_STAGES = ("rm -f /run/cloud-init/.instance-id; "
+                     "echo 3 > /proc/sys/vm/drop_caches; "
                      "cloud-init init --local && cloud-init init && "
                      "cloud-init modules --mode config && cloud-init modules --mode final")
 # The guest image's udhcpc event script (fusuma.images lib.sh, written at boot).

@@ -238,6 +238,7 @@ async def resize_disk(h: PartitionHost, req: rpc.ResizeDisk) -> rpc.Resized:
             raise StateError(f"VM {req.vm!r} runs an image fusuma builds and has no thin "
                              "disk; name one of its disks (--disk).")
         drive, what = BOOT_DRIVE, f"VM {req.vm!r}'s disk"
+    h.no_job(req.vm)       # a move, a backup...: refused now, not waited for
     async with h.lock(req.vm):
         h.no_job(req.vm)
         rec = h.vm(req.vm)
