@@ -418,7 +418,7 @@ def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_insta
         assert got[:2] == [c, ids[c]], got
         assert got[2] != vu_key, "the clone kept its template's SSH host key"
         assert sh(host, c, "ls /var/lib/cloud/instances").split() == sorted([vu_id, ids[c]])
-        assert sh(host, c, "cloud-init query instance_id").strip() == ids[c]
+        assert sh(host, c, "cloud-init query v1.instance_id").strip() == ids[c]
         # Its user-data (a per-instance script) ran again, under its name.
         assert sh(host, c, "cat /var/lib/fusuma-user-data") == f"user-data ran on {c}\n"
         # The template's disk and EFI variable, read from the clone's disk and firmware.

@@ -103,7 +103,7 @@ def size_of(path: Path, uid: int) -> int:
 def grow(path: Path, uid: int, size: int) -> None:
     """Grow the qcow2 disk at ``path`` to ``size`` bytes (never shrinks: qemu-img
     refuses to without ``--shrink``)."""
-    run(path, uid, ["resize", "-f", "qcow2"], write=True, after=(str(size),))
+    run(path, uid, ["resize"], write=True, after=(str(size),))
 
 
 def create(path: Path, uid: int, name: str) -> None:
