@@ -383,6 +383,7 @@ def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_insta
     assert host.vm("vu")["state"] == "stopped" and t["image"] == "deb"
     tdir = home / "templates" / "t"
     layer = tdir / "disk.qcow2"
+    assert (t["boot"], t["disk_layer"]) == ("uefi", str(layer))
     assert (layer.stat().st_mode & 0o777, layer.stat().st_uid) == (0o400, 0)
     assert f"FUSUMA-{token}".encode() in (tdir / "nvram.fd").read_bytes()
     err = host.fail("image", "delete", "deb").err

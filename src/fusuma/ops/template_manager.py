@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusuma import capacity
 from fusuma.errors import ConflictError, StateError, TemplateError
+from fusuma.images.store import DISK
 from fusuma.memshare import templates
 from fusuma.names import check_name
 from fusuma.paths import Paths
@@ -103,6 +104,8 @@ class TemplateManager:
         return {"name": t.name, "source_vm": t.source_vm, "memory_mib": t.memory_mib,
                 "vcpus": t.vcpus, "machine": t.machine, "qemu_version": t.qemu_version,
                 "accel": t.accel, "image": t.image, "segments": t.segments,
+                "boot": ds.firmware or "kernel", "disk_layer": None if ds.firmware is None
+                else str(templates.template_dir(self.paths, t.name) / DISK),
                 "network": templates.has_nic(ds) or bool(t.networks),
                 "networks": t.networks,
                 "devices": [d.driver for d in ds.devices],
