@@ -23,7 +23,7 @@ from fusuma.memshare import clones, reporting
 from fusuma.qemu import privilege
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import QemuInstance, remove_run_files
-from fusuma.state import ALIVE, Job, JobKind, VmRecord, VmState
+from fusuma.state import ALIVE, DiskRecord, Job, JobKind, VmRecord, VmState
 from fusuma.supervisor import rpc
 from fusuma.supervisor import templates as template_ops
 from fusuma.supervisor.host import PartitionHost
@@ -246,7 +246,9 @@ async def resize_disk(h: PartitionHost, req: rpc.ResizeDisk) -> rpc.Resized:
         if inst is not None:
             old = await _resize_online(inst, req, drive, what)
         elif rec.state in (VmState.STOPPED, VmState.CRASHED):
-            old = await asyncio.to_thread(_resize_offline, h, rec, req, what)
+            # The records are read here: the state file's connection is this thread's.
+            d = h.db.disk(req.disk) if req.disk else None
+            old = await asyncio.to_thread(_resize_offline, h, rec, d, req, what)
         else:
             raise StateError(f"VM {req.vm!r} is {rec.state.value}; resize its disk when "
                              "it runs or is stopped.")
@@ -270,12 +272,11 @@ async def _resize_online(inst: QemuInstance, req: rpc.ResizeDisk, drive: str,
     return old
 
 
-def _resize_offline(h: PartitionHost, rec: VmRecord, req: rpc.ResizeDisk,
-                    what: str) -> int:
-    """A stopped VM's disk, with no QEMU: the supervisor holds the VM's lock, so no
-    start comes in between."""
-    if req.disk:
-        d = h.db.disk(req.disk)
+def _resize_offline(h: PartitionHost, rec: VmRecord, d: DiskRecord | None,
+                    req: rpc.ResizeDisk, what: str) -> int:
+    """A stopped VM's disk (``d``: a registered one, else its thin disk), with no QEMU:
+    the supervisor holds the VM's lock, so no start comes in between."""
+    if d is not None:
         return storage.grow(d.name, Path(d.path), d.dev, d.ino, req.size)
     path, uid = disk_path(h.paths, rec.name), privilege.uid_for(h.paths, rec)
     old = offline.size_of(path, uid)
