@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fusuma.errors import ImageError, SpecError, StateError, TemplateError
+from fusuma.errors import HostError, ImageError, SpecError, StateError, TemplateError
 from fusuma.images import layers, seed, store
 from fusuma.memshare import clones
 from fusuma.paths import Paths
@@ -131,7 +131,8 @@ def test_a_failed_clone_leaves_nothing(tmp_path: Path, paths: Paths, db: Databas
         boot.prepare_clone(paths, crec, tdir, [])
     assert not paths.vm_dir("c").exists()
     layers.layer_path(tdir).unlink()
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(HostError, match=r"clone 'c': its files could not be made from "
+                       r"template 't' \(No such file or directory\); nothing was kept"):
         boot.prepare_clone(paths, crec, tdir, [])
     assert not paths.vm_dir("c").exists()
 

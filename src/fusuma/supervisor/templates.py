@@ -134,7 +134,12 @@ async def _save(h: PartitionHost, rec: VmRecord, inst: QemuInstance, name: str,
             out.unlink()
         if rec.boot != "kernel":
             # Its disk as the guest left it: the save flushed and inactivated it.
-            layer_bytes = layers.freeze(paths.vm_dir(vm), tdir, rec.boot == "uefi")
+            try:
+                layer_bytes = layers.freeze(paths.vm_dir(vm), tdir, rec.boot == "uefi")
+            except OSError as exc:
+                raise TemplateError(f"template {name!r} was not made: VM {vm!r}'s disk "
+                                    f"could not be kept ({exc.strerror or exc}); it runs "
+                                    "on.") from exc
             h.log.info("template %s keeps %s's disk: %d bytes of data", name, vm,
                        layer_bytes)
         ds = DeviceSet.loads(str(rec.devices))

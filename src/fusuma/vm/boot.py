@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from fusuma.errors import NotFoundError, SpecError, StateError
+from fusuma.errors import HostError, NotFoundError, SpecError, StateError
 from fusuma.images import seed, store
 from fusuma.images.store import (  # where a firmware VM's files live (the supervisor's too)
     FILES,
@@ -133,6 +133,11 @@ def prepare_clone(paths: Paths, rec: VmRecord, template_dir: Path,
     vdir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     try:
         layers.make_clone_files(template_dir, vdir, rec.name, rec.uid, tuple(macs))
+    except OSError as exc:
+        remove(paths, rec.name)
+        raise HostError(f"clone {rec.name!r}: its files could not be made from template "
+                        f"{rec.template!r} ({exc.strerror or exc}); nothing was kept."
+                        ) from exc
     except BaseException:
         remove(paths, rec.name)
         raise
