@@ -78,10 +78,12 @@ FIRMWARE_FILES = (DISK, NVRAM, SEED_INPUTS)
 # template's RAM, where a reboot would have emptied it): its instance id there makes
 # cloud-init trust its cache without looking at the seed. And the guest's caches are
 # dropped, so the seed is read from the clone's disk, not from memory.
+# Each stage runs whatever the one before said, as systemd runs them at a boot; the
+# status is 1 when any said an error.
 CLOUD_INIT_STAGES = ("rm -f /run/cloud-init/.instance-id; "
-                     "echo 3 > /proc/sys/vm/drop_caches; "
-                     "cloud-init init --local && cloud-init init && "
-                     "cloud-init modules --mode config && cloud-init modules --mode final")
+                     "echo 3 > /proc/sys/vm/drop_caches; rc=0; "
+                     "for s in 'init --local' init 'modules --mode config' "
+                     "'modules --mode final'; do cloud-init $s || rc=1; done; exit $rc")
 # The guest image's udhcpc event script (fusuma.images lib.sh, written at boot).
 UDHCPC_SCRIPT = "/run/fusuma-udhcpc.sh"
 _MAC = re.compile(r"[0-9a-f]{2}(?::[0-9a-f]{2}){5}")
