@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -356,6 +357,12 @@ def test_every_move_keeps_a_firmware_vm_its_disk_nvram_and_seed(booted: Booted) 
           + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
 
 
+def failed_modules(host: Host, vm: str) -> set[str]:
+    """The cloud-init modules that reported an error (``cloud-init status --long``)."""
+    said = sh(host, vm, "cloud-init status --long; true")
+    return set(re.findall(r"^\('([\w-]+)', ", said, re.M))
+
+
 def clone_ready(host: Host, vm: str, deadline: float) -> dict[str, object]:
     """The clone-ready event of clone ``vm`` (after its cloud-init stages)."""
     while True:
@@ -379,6 +386,7 @@ def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_insta
     home = host.home
     vu_id = json.loads((home / "vms" / "vu" / "seed.json").read_text())["instance_id"]
     vu_key = sh(host, "vu", "cat /etc/ssh/ssh_host_ed25519_key.pub").split()[1]
+    at_boot = failed_modules(host, "vu")
     t = host.run("template", "create", "t", "--from", "vu", "--json").json()
     assert host.vm("vu")["state"] == "stopped" and t["image"] == "deb"
     tdir = home / "templates" / "t"
@@ -407,15 +415,15 @@ def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_insta
     for c in clones_:
         host.run("vm", "start", c)
     deadline = time.monotonic() + 900
-    failed: list[str] = []
     for c in clones_:
         ev = clone_ready(host, c, deadline)
         assert float(str(ev["restore_ms"])) < 5000, ev
-        if ev["cloud_init_exit"] != 0:        # what cloud-init said, to see why
-            said = sh(host, c, "cloud-init status --long; grep -E 'WARNING|ERROR|Trace' "
-                               "/var/log/cloud-init.log | tail -30; true")
-            print(f"\n{c}: cloud-init exited {ev['cloud_init_exit']}:\n{said}")
-            failed.append(c)
+        assert ev["error"] is None and ev["cloud_init_exit"] in (0, 1), ev
+        # A module that fails (the image has no locales: `locale`) fails as it did at
+        # the template's own boot, and no other.
+        failed = failed_modules(host, c)
+        assert failed <= at_boot, (c, failed, at_boot)
+        assert (ev["cloud_init_exit"] == 1) == bool(failed), ev
         # Its disk is its own from now on (a later start boots it).
         assert not (home / "vms" / c / "clone-fresh").exists()
         # cloud-init ran for the new instance id: its hostname, new SSH host keys.
@@ -431,8 +439,6 @@ def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_insta
         assert marked(host, c) == f"{MARK}: OK"
         assert sh(host, c, f"cat {VAR} | tail -c +5") == f"FUSUMA-{token}"
         sh(host, c, f"echo {c}-{token} > {MARK}-clone && sync")
-        assert ev["error"] is None or c in failed, ev
-    assert not failed, f"cloud-init's stages failed in {failed}"
     # Two QEMUs read the one layer and the one base; each its own overlay, NVRAM, seed.
     pids = {c: host.vm(c)["pid"] for c in clones_}
     for c, pid in pids.items():
