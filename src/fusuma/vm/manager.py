@@ -155,9 +155,10 @@ class VmManager:
     def _name_free(self, name: str) -> None:
         """Refuse a name another operation holds (a restore making a VM of that name,
         which would otherwise take this one for its own); a dead holder's job is
-        recovered first. A restore's own create passes."""
+        recovered first. The holder's own create passes: a restore, a move in from
+        another host, whatever job this process holds on the name."""
         held = self.db.find_job(vm_obj(name))
-        if held is None or (held.kind == JobKind.RESTORE and held.owner == JobOwner.me()):
+        if held is None or held.owner == JobOwner.me():
             return
         if held.owner.alive():
             raise StateError(busy_sentence(held))
