@@ -62,7 +62,7 @@ def job(host: Host, vm: str) -> dict[str, Any] | None:
         con.close()
     if row is None:
         return None
-    return {"phase": row[0], "detail": json.loads(row[1]), "owner_pid": row[2]}
+    return {"phase": row[0], "detail": json.loads(row[1] or "{}"), "owner_pid": row[2]}
 
 
 @dataclass(frozen=True)

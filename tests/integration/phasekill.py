@@ -6,25 +6,24 @@ move, and only then killed (else continued and watched again)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sqlite3
 import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
 
 from tests.conftest import Host
+from tests.fault.movekit import job
 
 Phase = tuple[str, dict[str, Any]]
 
 
 def job_of(host: Host, obj: str) -> Phase | None:
-    """The job on ``obj`` as the state file has it: (phase, detail), or None."""
-    with sqlite3.connect(host.home / "state.db", timeout=5) as db:
-        row = db.execute("SELECT phase, detail FROM jobs WHERE obj=?", (obj,)).fetchone()
-    return None if row is None else (str(row[0]), json.loads(row[1] or "{}"))
+    """The job on VM object ``obj`` ("vm:NAME") as the state file has it: (phase,
+    detail), or None (read by the move kit's reader)."""
+    j = job(host, obj.removeprefix("vm:"))
+    return None if j is None else (str(j["phase"]), j["detail"])
 
 
 def kill_when(victim: int, window: Callable[[], bool], cli: subprocess.Popen[str],
