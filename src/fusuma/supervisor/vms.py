@@ -20,7 +20,7 @@ from fusuma.host.accel import probe_accel
 from fusuma.images import snapshots as offline
 from fusuma.images.store import disk_path
 from fusuma.memshare import clones, reporting
-from fusuma.qemu import privilege
+from fusuma.qemu import block, privilege
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import QemuInstance, remove_run_files
 from fusuma.state import ALIVE, DiskRecord, Job, JobKind, VmRecord, VmState
@@ -260,12 +260,10 @@ async def resize_disk(h: PartitionHost, req: rpc.ResizeDisk) -> rpc.Resized:
 async def _resize_online(inst: QemuInstance, req: rpc.ResizeDisk, drive: str,
                          what: str) -> int:
     """The size now is QEMU's own (``query-block``)."""
-    blocks = await inst.qmp.execute("query-block")
-    old = next((int(b["inserted"]["image"]["virtual-size"]) for b in blocks
-                if isinstance(b, dict) and b.get("device") == drive
-                and isinstance(b.get("inserted"), dict)), None)
-    if old is None:
+    found = (await block.drives(inst.qmp)).get(drive)
+    if found is None:
         raise StateError(f"VM {req.vm!r}'s QEMU has no drive {drive}; stop and start it.")
+    old = found.virtual_size
     if req.size <= old:
         raise SpecError(f"{what} is {old} bytes; a disk only grows (give more than that).")
     await inst.qmp.execute("block_resize", {"device": drive, "size": req.size})
