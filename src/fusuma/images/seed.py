@@ -39,6 +39,8 @@ class Seed:
     ssh_keys: tuple[str, ...] = ()
     user_data: str | None = None
     macs: tuple[str, ...] = ()       # the VM's NICs on fusuma's networks
+    # MAC -> MTU of those whose network's is not 1500 (one spanning hosts)
+    mtus: tuple[tuple[str, int], ...] = ()
 
 
 def check_keys(lines: Sequence[str]) -> list[str]:
@@ -88,10 +90,14 @@ def user_data(seed: Seed) -> str:
 
 
 def network_config(seed: Seed) -> str | None:
-    """Version 2 network configuration: DHCP on each NIC, matched by MAC."""
+    """Version 2 network configuration: DHCP on each NIC, matched by MAC, and the
+    network's MTU where it is not 1500 (cloud-init sets it before DHCP; not every
+    guest's DHCP client applies option 26)."""
     if not seed.macs:
         return None
-    eth = {f"nic{i}": {"match": {"macaddress": mac}, "set-name": f"eth{i}", "dhcp4": True}
+    mtus = dict(seed.mtus)
+    eth = {f"nic{i}": {"match": {"macaddress": mac}, "set-name": f"eth{i}", "dhcp4": True,
+                       **({"mtu": mtus[mac]} if mac in mtus else {})}
            for i, mac in enumerate(seed.macs)}
     return json.dumps({"version": 2, "ethernets": eth}, indent=1) + "\n"
 
