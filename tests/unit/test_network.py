@@ -356,6 +356,12 @@ def test_plan_nics(db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert [(p.tap, p.ip) for p in nets.ports("lan0")] == [("fzt-1-0", "10.0.5.2"),
                                                            ("fzt-1-1", "10.0.5.6")]
     assert nets.forwards("lan0") == [nft.Forward("192.168.9.2", 8080, "10.0.5.2", 80)]
+    # What a cloud-init guest's network-config sets: the MTU of each NIC on a managed
+    # network whose MTU is not 1500 (a bridged network's is the host's business).
+    assert nets.nic_mtus(got) == []
+    db.set_network_mtu("lan0", 1450)
+    db.set_network_mtu("ext", 9000)
+    assert nets.nic_mtus(got) == [(got[0].mac, 1450), (got[1].mac, 1450)]
 
 
 def test_parse_nic() -> None:

@@ -496,6 +496,13 @@ class NetworkManager:
         self.check_ports(vm, out, ports)
         return out
 
+    def nic_mtus(self, nics: Sequence[NicRecord]) -> list[tuple[str, int]]:
+        """(MAC, MTU) of the NICs on managed networks whose MTU is not 1500: what a
+        cloud-init guest's network-config sets (fusuma.images.seed)."""
+        mtus = {n.name: n.mtu for n in self.db.networks() if n.managed}
+        return [(n.mac, mtus[n.network]) for n in nics
+                if mtus.get(n.network, addr.DEFAULT_MTU) != addr.DEFAULT_MTU]
+
     def check_ports(self, vm: str, nics: Sequence[NicRecord], ports: Sequence[str]) -> None:
         mine = [addr.parse_forward(p) for p in ports]
         if not mine:

@@ -134,11 +134,8 @@ class VmManager:
             self.db.add_nics(nics)
         try:
             if base is not None:
-                mtus = {x.name: x.mtu for x in self.db.networks() if x.managed}
                 fwboot.prepare(self.paths, stored, base, disk_size, keys, spec.user_data,
-                               [n.mac for n in nics],
-                               [(n.mac, mtus[n.network]) for n in nics
-                                if mtus.get(n.network, 1500) != 1500])
+                               [n.mac for n in nics], nets.nic_mtus(nics))
             for net in sorted({n.network for n in nics}):
                 nets.refresh(net)
         except BaseException:
