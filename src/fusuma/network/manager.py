@@ -132,7 +132,8 @@ class NetworkManager:
             raise ConflictError(f"a network named {name!r} already exists.")
         if type_ == "bridged":
             given = [o for o, v in (("--subnet", subnet), ("--nat", nat),
-                                    ("--filtering", filtering), ("--mtu", mtu)) if v]
+                                    ("--filtering", filtering),
+                                    ("--mtu", mtu is not None)) if v]
             if isolated:
                 given.append("--isolated")
             if given:
