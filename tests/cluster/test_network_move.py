@@ -2,7 +2,10 @@
 a VXLAN between their bridges, only between the hosts' namespaces) and a VM on it that
 moves live from h0 to h1 keeping its MAC, its address (allocated cluster-wide: a
 FusumaAddress, handed to h1 with it) and an open TCP connection to a client on h2's
-bridge; a stopped VM on h1 gets another address, a static one that is held is refused,
+bridge (the network's MTU, the veths' 1500 less the VXLAN's 50, on every
+bridge, VXLAN port and tap and told to the guest by DHCP, and a bulk TCP transfer of
+full-size segments from the guest to that client first); a stopped VM on h1 gets
+another address, a static one that is held is refused,
 a host cannot free another's, deleting a VM frees its address. One test (the lab and a
 guest cost minutes); see conftest.py."""
 
