@@ -48,7 +48,7 @@ while got < want:
 secs = time.monotonic() - t0
 rcv_mss = struct.unpack_from("I", conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104), 20)[0]
 conn.close()
-open(sys.argv[1], "w").write(f"{got} {rcv_mss} {secs:.3f}\n")
+open(sys.argv[1], "w").write(f"{got} {rcv_mss} {secs:.3f}\\n")
 """
 # The client's end of the guest's stream: one connection accepted, each line's arrival
 # time written down, until the connection ends or the file ``stop`` appears.
