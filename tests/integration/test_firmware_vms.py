@@ -8,9 +8,9 @@ minute under TCG); the tests run against them in order:
 
 1. The image and the boot: cloud-init gives each its hostname and the SSH key and runs
    the user-data; each booted by the firmware it asked for, under its own uid; the thin
-   disk grows online; a template of such a VM, and deleting the image they use, are
-   refused; both QEMUs hold the base's one inode, and `share report` counts its cached
-   pages shared by the two. Bad input to ``vm create`` first: one
+   disk grows online; a template of a VM on QEMU 7.2, and deleting the image they use,
+   are refused; both QEMUs hold the base's one inode, and `share report` counts its
+   cached pages shared by the two. Bad input to ``vm create`` first: one
    sentence each, nothing made.
 2. Every move keeps them whole: zero-copy, copy (the UEFI one), ``maintain --via``
    (which also takes both from QEMU 7.2 to 10.0, their machine type kept) and
@@ -28,13 +28,20 @@ minute under TCG); the tests run against them in order:
 
    Then the destination QEMU of a zero-copy move of the UEFI guest is killed before the
    stream: the guest runs on in its QEMU, its data and NVRAM as they were.
-3. The end: each guest stopped, ``qemu-img check`` finds its overlay clean, the variable
+3. A template of the UEFI guest (on QEMU 10.0 by then) and two clones of it: each on
+   an overlay of its own on the template's read-only layer, with its own NVRAM and a
+   seed with a new instance id, for which cloud-init runs its per-instance steps again
+   (hostname, SSH host keys); the template's data and EFI variable in each; a clone
+   moved by copy; refusals; ``qemu-img check`` of the overlays and the layer.
+4. The end: each guest stopped, ``qemu-img check`` finds its overlay clean, the variable
    is in the NVRAM file, the base's checksum is unchanged, and the image is deleted."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -49,6 +56,7 @@ import pytest
 from fusuma.images import diskimage, store
 from tests.conftest import FUSUMA, Host
 from tests.integration.test_cpr import need_qemu_10
+from tests.integration.test_templates import ready_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -88,6 +96,7 @@ class Booted:
     base: Path
     import_s: float
     boot_s: float
+    token: str = ""          # the EFI variable's and the moves' files' (test 2)
 
 
 @pytest.fixture(scope="module")
@@ -264,11 +273,12 @@ def test_imported_image_boots_by_bios_and_uefi_with_cloud_init_on_a_shared_base(
     size = host.run("vm", "exec", "vb", "--", "/bin/cat", "/sys/block/vda/size").out
     assert int(size) * 512 == 4 * 2**30
     assert "a disk only grows" in host.fail("vm", "resize", "vb", "--disk-size", "2G").err
-    # A template of a firmware VM is refused (its clones would need thin disks, NVRAM
-    # and seeds of their own); the VM runs on.
+    # A template of a VM on QEMU 7.2 is refused (a clone maps the template's RAM
+    # read-only, QEMU >= 8.2); the VM runs on. (Test 3 makes one on 10.0.)
     err = host.fail("template", "create", "t", "--from", "vb").err
-    assert "boots by firmware from a thin disk on image 'deb', and a template" in err, err
-    assert host.vm("vb")["state"] == "running"
+    assert "cannot map a template's RAM read-only (QEMU >= 8.2)" in err, err
+    assert host.vm("vb")["state"] == "running" and not (host.home / "templates" / "t"
+                                                         ).exists()
     # Both QEMUs read the one base file (its inode), and it is unchanged.
     assert all(holds_inode(pid, st) for pid in pids)
     # share report: the two share the base's cached pages (mincore), one copy saved.
@@ -284,7 +294,7 @@ def test_imported_image_boots_by_bios_and_uefi_with_cloud_init_on_a_shared_base(
 
 
 def test_every_move_keeps_a_firmware_vm_its_disk_nvram_and_seed(booted: Booted) -> None:
-    host, imported = booted.host, booted.imported
+    host = booted.host
     files: dict[str, dict[str, Path]] = {}
     inodes: dict[str, dict[str, os.stat_result]] = {}
     machine, boot_id = {}, {}
@@ -382,19 +392,142 @@ def test_every_move_keeps_a_firmware_vm_its_disk_nvram_and_seed(booted: Booted) 
         got = sh(host, vm, "sync; echo 3 > /proc/sys/vm/drop_caches; cat " +
                  " ".join(f"{MARK}-{kind}" for kind in moved))
         assert got.split() == [f"{kind}-{token}" for kind in moved], (vm, got)
-        host.run("vm", "stop", vm, "--timeout", "60", timeout=120)
-        assert qemus_of(vm) == []
+    booted.token = token
+    print("\nmoves (s): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+
+
+def failed_modules(host: Host, vm: str) -> set[str]:
+    """The cloud-init modules that reported an error (``cloud-init status --long``)."""
+    said = sh(host, vm, "cloud-init status --long; true")
+    return set(re.findall(r"^\('([\w-]+)', ", said, re.M))
+
+
+def clone_ready(host: Host, vm: str, deadline: float) -> dict[str, object]:
+    """The clone-ready event of clone ``vm`` (after its cloud-init stages)."""
+    while True:
+        got = [e for e in ready_events(host) if e["vm"] == vm]
+        if got:
+            return got[-1]
+        assert time.monotonic() < deadline, f"{vm}: no clone-ready event"
+        time.sleep(1)
+
+
+def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_instance(
+        booted: Booted) -> None:
+    """A template of the UEFI guest: it keeps the disk as it was (a read-only layer)
+    and the NVRAM; two clones start from its RAM, each on an overlay of its own, with
+    its own NVRAM and seed; cloud-init runs its per-instance steps again for each new
+    instance id (hostname, new SSH host keys); the template's data and EFI variable
+    are in each; a clone moves by copy; the template is refused deletion while a clone
+    uses it; a clone's deletion removes its files; ``qemu-img check`` is clean."""
+    host, token = booted.host, booted.token
+    t_start = time.monotonic()
+    home = host.home
+    vu_id = json.loads((home / "vms" / "vu" / "seed.json").read_text())["instance_id"]
+    vu_key = sh(host, "vu", "cat /etc/ssh/ssh_host_ed25519_key.pub").split()[1]
+    at_boot = failed_modules(host, "vu")
+    t = host.run("template", "create", "t", "--from", "vu", "--json").json()
+    assert host.vm("vu")["state"] == "stopped" and t["image"] == "deb"
+    tdir = home / "templates" / "t"
+    layer = tdir / "disk.qcow2"
+    assert (t["boot"], t["disk_layer"]) == ("uefi", str(layer))
+    assert (layer.stat().st_mode & 0o777, layer.stat().st_uid) == (0o400, 0)
+    assert f"FUSUMA-{token}".encode() in (tdir / "nvram.fd").read_bytes()
+    err = host.fail("image", "delete", "deb").err
+    assert "base of template(s) t; delete them first" in err, err
+    # p1 (empty) onto QEMU 10.0, where a clone can move by copy.
+    host.run("maintain", "p1", "--via", "p0", "--qemu", "10.0", timeout=120)
+
+    clones_ = ("c1", "c2")
+    ids = {}
+    for c in clones_:
+        t0 = time.monotonic()
+        host.run("vm", "create", c, "-p", "p0", "--template", "t")
+        made_s = time.monotonic() - t0
+        cdir = home / "vms" / c
+        ids[c] = json.loads((cdir / "seed.json").read_text())["instance_id"]
+        assert ids[c].startswith(f"{c}-") and (cdir / "clone-fresh").exists()
+        assert made_s < 10, made_s
+    err = host.fail("vm", "create", "c3", "-p", "p0", "--template", "t", "--boot",
+                    "bios").err
+    assert "leave out --boot" in err and not (home / "vms" / "c3").exists()
+    for c in clones_:
+        host.run("vm", "start", c)
+    deadline = time.monotonic() + 900
+    for c in clones_:
+        ev = clone_ready(host, c, deadline)
+        assert float(str(ev["restore_ms"])) < 5000, ev
+        assert ev["error"] is None and ev["cloud_init_exit"] in (0, 1), ev
+        # A module that fails (the image has no locales: `locale`) fails as it did at
+        # the template's own boot, and no other.
+        failed = failed_modules(host, c)
+        assert failed <= at_boot, (c, failed, at_boot)
+        assert (ev["cloud_init_exit"] == 1) == bool(failed), ev
+        # Its disk is its own from now on (a later start boots it).
+        assert not (home / "vms" / c / "clone-fresh").exists()
+        # cloud-init ran for the new instance id: its hostname, new SSH host keys.
+        got = sh(host, c, "hostname; cat /var/lib/cloud/data/instance-id; "
+                          "cut -d' ' -f2 /etc/ssh/ssh_host_ed25519_key.pub").split()
+        assert got[:2] == [c, ids[c]], got
+        assert got[2] != vu_key, "the clone kept its template's SSH host key"
+        assert sh(host, c, "ls /var/lib/cloud/instances").split() == sorted([vu_id, ids[c]])
+        assert sh(host, c, "cloud-init query v1.instance_id").strip() == ids[c]
+        # Its user-data (a per-instance script) ran again, under its name.
+        assert sh(host, c, "cat /var/lib/fusuma-user-data") == f"user-data ran on {c}\n"
+        # The template's disk and EFI variable, read from the clone's disk and firmware.
+        assert marked(host, c) == f"{MARK}: OK"
+        assert sh(host, c, f"cat {VAR} | tail -c +5") == f"FUSUMA-{token}"
+        sh(host, c, f"echo {c}-{token} > {MARK}-clone && sync")
+    # Two QEMUs read the one layer and the one base; each its own overlay, NVRAM, seed.
+    pids = {c: host.vm(c)["pid"] for c in clones_}
+    for c, pid in pids.items():
+        assert holds_inode(pid, layer.stat()) and holds_inode(pid, booted.base.stat())
+        for f in ("disk.qcow2", "nvram.fd", "seed.iso"):
+            assert holds_inode(pid, (home / "vms" / c / f).stat()), (c, f)
+    # A clone moves by copy (its RAM is private), with its files.
+    host.run("migrate", "c1", "--to", "p1", "--mode", "copy", timeout=400)
+    after = host.vm("c1")
+    assert (after["partition"], after["state"]) == ("p1", "running")
+    assert qemus_of("c1") == [after["pid"]] and holds_inode(after["pid"], layer.stat())
+    assert sh(host, "c1", f"sync; echo 3 > /proc/sys/vm/drop_caches; cat {MARK}-clone"
+              ).strip() == f"c1-{token}"
+    assert sh(host, "c1", "hostname").strip() == "c1"
+    err = host.fail("template", "delete", "t").err
+    assert "used by VM(s) c1, c2" in err, err
+    for c in clones_:
+        host.run("vm", "stop", c, "--timeout", "60", timeout=120)
         check = subprocess.run(["qemu-img", "check", "-f", "qcow2",
-                                str(files[vm]["overlay"])],
+                                str(home / "vms" / c / "disk.qcow2")],
+                               capture_output=True, text=True, timeout=120)
+        assert check.returncode == 0 and "No errors were found" in check.stdout, check
+        host.run("vm", "delete", c)
+        assert not (home / "vms" / c).exists()
+    check = subprocess.run(["qemu-img", "check", "-f", "qcow2", str(layer)],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0 and "No errors were found" in check.stdout, check
+    host.run("template", "delete", "t")
+    assert not tdir.exists()
+    print(f"\ntemplate and two clones of a UEFI guest, cloud-init included: "
+          f"{time.monotonic() - t_start:.1f} s")
+
+
+def test_the_end_each_disk_is_clean_and_the_image_goes(booted: Booted) -> None:
+    host, imported, token = booted.host, booted.imported, booted.token
+    for vm in VMS:
+        if host.vm(vm)["state"] == "running":
+            host.run("vm", "stop", vm, "--timeout", "60", timeout=120)
+        assert qemus_of(vm) == []
+        overlay = host.home / "vms" / vm / "disk.qcow2"
+        check = subprocess.run(["qemu-img", "check", "-f", "qcow2", str(overlay)],
                                capture_output=True, text=True, timeout=120)
         assert check.returncode == 0 and "No errors were found" in check.stdout, check
         if vm == "vu":      # the variable is in the NVRAM file the VM keeps
-            assert f"FUSUMA-{token}".encode() in nvram_file.read_bytes()
+            nvram = host.home / "vms" / vm / "nvram.fd"
+            assert f"FUSUMA-{token}".encode() in nvram.read_bytes()
         host.run("vm", "delete", vm)
     # The base is as it was imported; with no VM on it, the image goes.
     assert store.sha256_of(booted.base) == imported["sha256"]
     assert booted.base.stat().st_mode & 0o777 == 0o444
     host.run("image", "delete", "deb")
     assert not booted.base.exists()
-    print("\nmoves (s): "
-          + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))

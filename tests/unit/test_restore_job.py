@@ -84,6 +84,20 @@ def test_no_vm_is_created_under_a_name_a_live_restore_holds(
     assert parts.db.begin_job(Job(vm_obj("x"), JobKind.RESTORE, "define", me,
                                   source="p0")) is None
     vms._name_free("x")                              # the restore's own create passes
+    parts.db.end_job(vm_obj("x"), me)
+
+
+def test_a_move_in_from_another_host_defines_the_vm_under_its_own_job(
+        parts: PartitionManager) -> None:
+    """A move in from another host holds the VM's name (its job) while it defines the
+    VM on this host: its own create passes (the name check refused every job but a
+    restore's, and each move between hosts stalled in its prepare)."""
+    vms = VmManager(parts.paths, parts.db, parts)
+    me = JobOwner.me()
+    assert parts.db.begin_job(Job(vm_obj("y"), JobKind.HOST_MOVE_IN, "prepare", me,
+                                  source="p0")) is None
+    vms._name_free("y")                     # the move's own create passes
+    parts.db.end_job(vm_obj("y"), me)
 
 
 def test_a_failed_restore_removes_its_vm_under_its_own_job(

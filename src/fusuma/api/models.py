@@ -89,8 +89,8 @@ class VmMove(_Req):
 
 
 class VmResize(_Req):
-    """Grow a running VM's disk: its thin disk (``disk`` left out) or a registered disk
-    attached to it, to ``size`` (such as "16G"; larger than now)."""
+    """Grow a VM's disk, online while it runs: its thin disk (``disk`` left out) or a
+    registered disk attached to it, to ``size`` (such as "16G"; larger than now)."""
 
     size: Annotated[str, Field(max_length=32)]
     disk: Name | None = None

@@ -211,9 +211,8 @@ def router(d: Daemon) -> APIRouter:
                         work, private=True)
 
     @r.post("/1.0/vms/{name}/resize", dependencies=[OPERATOR],
-            summary="Grow a running VM's disk online (QMP block_resize)")
+            summary="Grow a VM's disk (online while it runs, QMP block_resize)")
     def resize_vm(name: NamePath, body: m.VmResize) -> dict[str, Any]:
-        _running(name)
         return dataclasses.asdict(d.ctx().vms.resize_disk(name, body.size, body.disk))
 
     @r.post("/1.0/vms/{name}/trim", dependencies=[OPERATOR], status_code=202, responses=m.ACCEPTED,

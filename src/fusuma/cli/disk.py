@@ -51,6 +51,25 @@ def move(c: Ctx, name: str, to: str) -> None:
     click.echo(f"disk {rec.name}: now in partition {rec.partition}")
 
 
+@disk.command("resize")
+@click.argument("name")
+@click.option("--size", required=True, metavar="SIZE",
+              help="The new size, e.g. 16G: larger than now (a disk only grows).")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def resize(c: Ctx, name: str, size: str, as_json: bool) -> None:
+    """Grow disk NAME: online when its VM runs (QMP block_resize; the guest sees the new
+    size at once), else its file. A VM's own thin disk: `fusuma vm resize`."""
+    from dataclasses import asdict
+
+    res = c.vms.resize_registered(name, size)
+    if as_json:
+        emit_json(asdict(res))
+    else:
+        click.echo(f"disk {name}: {res.old_size} -> {res.size} bytes"
+                   + (f" (VM {res.vm})" if res.vm else ""))
+
+
 @disk.command("remove")
 @click.argument("name")
 @click.option("--delete-file", is_flag=True,

@@ -212,9 +212,11 @@ def read_text(path: str, what: str, limit: int) -> str:
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def resize(c: Ctx, name: str, size: str, disk: str | None, as_json: bool) -> None:
-    """Grow a running VM's disk online (QMP block_resize); the guest sees the new size at
-    once and grows its partition and file system itself (cloud-init's growpart does at
-    the next boot)."""
+    """Grow a VM's disk. Running: online (QMP block_resize), and the guest sees the new
+    size at once and grows its partition and file system itself (cloud-init's growpart
+    does at the next boot). Stopped: the file grows (qemu-img resize as the VM's own
+    uid for its thin disk). A disk never shrinks. `fusuma disk resize` does the same
+    for a registered disk."""
     from dataclasses import asdict
 
     res = c.vms.resize_disk(name, size, disk)

@@ -266,6 +266,31 @@ def check_registered(name: str, path: Path, dev: int | None, ino: int | None) ->
     return fd
 
 
+def grow(name: str, path: Path, dev: int | None, ino: int | None, size: int) -> int:
+    """Grow registered raw disk ``name`` (checked as registered, never through a
+    symlink) to ``size`` bytes; its size before. A raw file holds nothing to parse: it
+    grows by ``ftruncate``, as ``qemu-img resize -f raw`` would. One sentence if
+    ``size`` is not larger."""
+    pinned = check_registered(name, path, dev, ino)
+    try:
+        try:
+            fd = reopen(pinned, os.O_RDWR)
+        except OSError as exc:
+            raise HostError(f"disk {name!r}: cannot open {path}: {exc.strerror}.") from exc
+    finally:
+        os.close(pinned)
+    try:
+        old = os.fstat(fd).st_size
+        if size <= old:
+            raise SpecError(f"disk {name!r} is {old} bytes; a disk only grows (give more "
+                            "than that).")
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return old
+
+
 def take_over(paths: Paths, db: Database, rec: DiskRecord) -> DiskRecord:
     """Record the identity of a disk an older fusuma registered without one: it must
     lie in a storage directory and be a fit file; else one sentence, nothing changed."""

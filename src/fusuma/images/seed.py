@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from email.mime.multipart import MIMEMultipart
 from email.mime.text import MIMEText
 from pathlib import Path
@@ -28,6 +28,11 @@ KEY_RE = re.compile(r"^(ssh-(rsa|dss|ed25519)|ecdsa-sha2-nistp(256|384|521)|"
                     r"sk-(ssh-ed25519|ecdsa-sha2-nistp256)@openssh\.com) [A-Za-z0-9+/=]+"
                     r"( [^\n]{0,512})?\Z")
 TOOLS = (("genisoimage",), ("xorriso", "-as", "mkisofs"))
+# A seed's size: a whole number of MiB, with room for at least this many more bytes.
+# The guest's disk keeps the size it saw at boot, and a clone's seed (another instance
+# id, hostname and MACs) must fit the template's.
+PAD = 2**20
+ROOM = 64 * 2**10
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,35 @@ def network_config(seed: Seed) -> str | None:
     return json.dumps({"version": 2, "ethernets": eth}, indent=1) + "\n"
 
 
-def write(seed: Seed, path: Path) -> None:
-    """Write the seed ISO at ``path`` (0400), replacing it whole."""
+def save_inputs(seed: Seed, path: Path) -> None:
+    """Keep what ``seed`` says beside its ISO (root's, 0400), for a template's clones."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(asdict(seed)))
+        os.chmod(tmp, 0o400)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def load_inputs(path: Path) -> Seed:
+    """What :func:`save_inputs` kept (a file of root's)."""
+    try:
+        d = json.loads(path.read_text())
+        return Seed(instance_id=str(d["instance_id"]), hostname=str(d["hostname"]),
+                    ssh_keys=tuple(str(k) for k in d.get("ssh_keys") or ()),
+                    user_data=None if d.get("user_data") is None else str(d["user_data"]),
+                    macs=tuple(str(m) for m in d.get("macs") or ()),
+                    mtus=tuple((str(m), int(v)) for m, v in d.get("mtus") or ()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ImageError(f"cannot read the seed's inputs {path}: {exc}.") from exc
+
+
+def write(seed: Seed, path: Path, size: int | None = None) -> None:
+    """Write the seed ISO at ``path`` (0400), replacing it whole, padded with zeros to
+    ``size`` bytes (a clone's seed: as large as its template's guest saw) or else to a
+    whole MiB with :data:`ROOM` to spare."""
     files = {"meta-data": meta_data(seed), "user-data": user_data(seed)}
     net = network_config(seed)
     if net is not None:
@@ -123,6 +155,14 @@ def write(seed: Seed, path: Path) -> None:
         if proc.returncode != 0:
             raise ImageError(f"cannot write the cloud-init seed {path}: "
                              f"{proc.stderr.strip()}.")
+        made = tmp.stat().st_size
+        if size is None:
+            # Room for a clone's seed, whose ID and name differ (fusuma.images.layers).
+            size = -(-(made + ROOM) // PAD) * PAD
+        elif made > size:
+            raise ImageError(f"the cloud-init seed {path} takes {made} bytes, more "
+                             f"than the {size} its template's guest has.")
+        os.truncate(tmp, size)
         os.chmod(tmp, 0o400)
         os.replace(tmp, path)
     finally:

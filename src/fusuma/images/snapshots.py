@@ -1,4 +1,4 @@
-"""Internal snapshots of a stopped VM's qcow2 disks, by ``qemu-img``.
+"""``qemu-img`` on a stopped VM's qcow2 disks: internal snapshots, and growth.
 
 A disk is a file the VM's QEMU writes, so its contents are the guest's word: qemu-img
 runs as the VM's own uid (never root), with bounded memory and time, and reaches the
@@ -42,9 +42,10 @@ def _open(path: Path, write: bool) -> int:
 
 
 def run(path: Path, uid: int, args: list[str], *, write: bool,
-        ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
-    """``qemu-img ARGS <disk>`` as ``uid`` on the disk at ``path``; one sentence if it
-    fails (an exit status outside ``ok``). A disk locked by another qemu-img (one a
+        ok: tuple[int, ...] = (0,), after: tuple[str, ...] = ()
+        ) -> subprocess.CompletedProcess[str]:
+    """``qemu-img ARGS <disk> AFTER`` as ``uid`` on the disk at ``path``; one sentence if
+    it fails (an exit status outside ``ok``). A disk locked by another qemu-img (one a
     killed supervisor left running) is waited for, up to :data:`LOCKED_WAIT_S`."""
     deadline = time.monotonic() + LOCKED_WAIT_S
     while True:
@@ -52,7 +53,7 @@ def run(path: Path, uid: int, args: list[str], *, write: bool,
         try:
             # setpriv, not a preexec_fn: the supervisor calls this from a thread.
             argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                    "prlimit", *LIMITS, "qemu-img", *args, _spec(fd)]
+                    "prlimit", *LIMITS, "qemu-img", *args, _spec(fd), *after]
             try:
                 proc = subprocess.run(argv, capture_output=True, text=True, check=False,
                                       timeout=TIMEOUT_S, pass_fds=(fd,))
@@ -74,8 +75,7 @@ def run(path: Path, uid: int, args: list[str], *, write: bool,
                          f"{lines[-1] if lines else 'exit status ' + str(proc.returncode)}.")
 
 
-def list_(path: Path, uid: int) -> list[DiskSnapshot]:
-    """The internal snapshots of the qcow2 disk at ``path``."""
+def _info(path: Path, uid: int) -> dict[str, object]:
     proc = run(path, uid, ["info", "--output=json"], write=False)
     try:
         info = json.loads(proc.stdout)
@@ -84,7 +84,26 @@ def list_(path: Path, uid: int) -> list[DiskSnapshot]:
                          "read.") from exc
     if not isinstance(info, dict) or info.get("format") != "qcow2":
         raise ImageError(f"{path} is not a qcow2 disk.")
-    return parse_snapshots(info.get("snapshots"))
+    return info
+
+
+def list_(path: Path, uid: int) -> list[DiskSnapshot]:
+    """The internal snapshots of the qcow2 disk at ``path``."""
+    return parse_snapshots(_info(path, uid).get("snapshots"))
+
+
+def size_of(path: Path, uid: int) -> int:
+    """The virtual size of the qcow2 disk at ``path`` (qemu-img's word, as ``uid``)."""
+    size = _info(path, uid).get("virtual-size")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise ImageError(f"qemu-img info on {path} gave no size fusuma can read.")
+    return size
+
+
+def grow(path: Path, uid: int, size: int) -> None:
+    """Grow the qcow2 disk at ``path`` to ``size`` bytes (never shrinks: qemu-img
+    refuses to without ``--shrink``)."""
+    run(path, uid, ["resize"], write=True, after=(str(size),))
 
 
 def create(path: Path, uid: int, name: str) -> None:

@@ -277,6 +277,11 @@ def delete_image(db: Database, name: str) -> None:
     """Delete imported image ``name`` and its file; refused while a VM's disk is an
     overlay of it."""
     rec = db.imported(name)
+    # A template of a VM of the image keeps a disk layer on it.
+    kept = sorted(t.name for t in db.templates() if t.image == name)
+    if kept:
+        raise StateError(f"image {name!r} is the base of template(s) {', '.join(kept)}; "
+                         "delete them first.")
     users = db.users_of_image(name)
     if users:
         raise StateError(f"image {name!r} is the base of VM(s) {', '.join(users)}; "
@@ -352,7 +357,9 @@ def create_overlay(base: ImageRecord, path: Path, size: int | None, uid: int) ->
 DISK = "disk.qcow2"
 NVRAM = "nvram.fd"
 SEED = "seed.iso"
-FILES = (DISK, NVRAM, SEED)
+SEED_INPUTS = "seed.json"     # what the seed says, for a template's clones
+FRESH = "clone-fresh"         # a clone whose disk is still its template's (images.layers)
+FILES = (DISK, NVRAM, SEED, SEED_INPUTS, FRESH)
 
 
 def disk_path(paths: Paths, vm: str) -> Path:

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fusuma.errors import TemplateError
+from fusuma.images import layers
 from fusuma.memshare import templates
 from fusuma.paths import Paths
 from fusuma.qemu import versions
@@ -14,6 +15,15 @@ from fusuma.qemu.cmdline import DeviceSet, VmConfig
 from fusuma.qemu.privilege import QemuFiles
 from fusuma.state import Database, VmRecord
 from fusuma.state.db import TemplateRecord
+
+
+def resumes(paths: Paths, vm: VmRecord) -> bool:
+    """Whether ``vm``'s start resumes its template's guest: a clone of a kernel boot's
+    template always (it has no disk of its own); a clone of a firmware boot's while its
+    disk is still the template's (fusuma.images.layers), after which it boots its own."""
+    if vm.template is None:
+        return False
+    return vm.boot == "kernel" or layers.fresh(paths.vm_dir(vm.name))
 
 
 def template_of(db: Database, vm: VmRecord) -> TemplateRecord:

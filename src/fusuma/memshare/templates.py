@@ -22,6 +22,12 @@ guest's entropy pool. Its vmgenid guid (a device
 every VM booted since has) is new too, though the Debian 6.1 kernel has no driver to
 notice it.
 
+A template of a VM that boots by firmware also keeps its disk as it was (a read-only
+qcow2 layer), its NVRAM and its seed's inputs, and each clone gets an overlay, NVRAM and
+seed (a new instance id) of its own (fusuma.images.layers); its identity step runs
+cloud-init's stages again (:data:`CLOUD_INIT_STAGES`), and once its guest has run, its
+later starts boot its own disk instead of resuming the template.
+
 What a clone must share with its template: machine type, RAM size, vCPUs and the whole
 device set (recorded with the template), accelerator, image and segments. What it may
 not do: give pages back (its RAM is a copy-on-write mapping of a read-only file: no
@@ -48,6 +54,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fusuma.errors import SpecError, StateError, TemplateError
+from fusuma.images.store import DISK, NVRAM, SEED_INPUTS
 from fusuma.memshare.smaps import TEMPLATE_SUFFIX
 from fusuma.paths import Paths
 from fusuma.qemu.cmdline import NET_ID, DeviceSet
@@ -61,6 +68,22 @@ MIN_QEMU_TEXT = "8.2"
 RAM_SUFFIX = TEMPLATE_SUFFIX        # what the smaps reader attributes to templates
 RAM_MODE = 0o640
 STATE_NAME = "state"
+# What a template of a VM that boots by firmware keeps beside its state
+# (fusuma.images.layers): its disk layer, its NVRAM (UEFI), its seed's inputs.
+FIRMWARE_FILES = (DISK, NVRAM, SEED_INPUTS)
+# cloud-init's stages, as at a boot: ``init --local`` finds the seed's new instance id,
+# makes the instance's directory, sets the hostname; then the per-instance modules of
+# the later stages run (new SSH host keys, the user-data), the per-once ones not again.
+# First, what the template's boot left in /run (a tmpfs, which a clone has from the
+# template's RAM, where a reboot would have emptied it): its instance id there makes
+# cloud-init trust its cache without looking at the seed. And the guest's caches are
+# dropped, so the seed is read from the clone's disk, not from memory.
+# Each stage runs whatever the one before said, as systemd runs them at a boot; the
+# status is 1 when any said an error.
+CLOUD_INIT_STAGES = ("rm -f /run/cloud-init/.instance-id; "
+                     "echo 3 > /proc/sys/vm/drop_caches; rc=0; "
+                     "for s in 'init --local' init 'modules --mode config' "
+                     "'modules --mode final'; do cloud-init $s || rc=1; done; exit $rc")
 # The guest image's udhcpc event script (fusuma.images lib.sh, written at boot).
 UDHCPC_SCRIPT = "/run/fusuma-udhcpc.sh"
 _MAC = re.compile(r"[0-9a-f]{2}(?::[0-9a-f]{2}){5}")

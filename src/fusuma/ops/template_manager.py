@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusuma import capacity
 from fusuma.errors import ConflictError, StateError, TemplateError
+from fusuma.images.store import DISK
 from fusuma.memshare import templates
 from fusuma.names import check_name
 from fusuma.paths import Paths
@@ -60,7 +61,7 @@ class TemplateManager:
         from fusuma.memshare.templates import refuse
         from fusuma.vm import boot
 
-        boot.check_template(rec)
+        boot.check_template(rec, len(self.db.nics(vm=vm)))
         # NICs on taps are fine: the template keeps their networks, and each clone gets
         # NICs of its own there (a MAC, an address, a tap), given to its guest by its
         # identity step.
@@ -88,6 +89,9 @@ class TemplateManager:
         process.remove_unmapped(t.ram_path, self.paths)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(t.state_path)
+        for left in templates.FIRMWARE_FILES:      # a firmware VM's disk layer and more
+            with contextlib.suppress(FileNotFoundError):
+                (templates.template_dir(self.paths, name) / left).unlink()
         with contextlib.suppress(OSError):
             templates.template_dir(self.paths, name).rmdir()
         with contextlib.suppress(OSError):
@@ -100,6 +104,8 @@ class TemplateManager:
         return {"name": t.name, "source_vm": t.source_vm, "memory_mib": t.memory_mib,
                 "vcpus": t.vcpus, "machine": t.machine, "qemu_version": t.qemu_version,
                 "accel": t.accel, "image": t.image, "segments": t.segments,
+                "boot": ds.firmware or "kernel", "disk_layer": None if ds.firmware is None
+                else str(templates.template_dir(self.paths, t.name) / DISK),
                 "network": templates.has_nic(ds) or bool(t.networks),
                 "networks": t.networks,
                 "devices": [d.driver for d in ds.devices],

@@ -99,6 +99,10 @@ class ThinDisk:
     base_format: str                 # "qcow2" | "raw"
     fds: tuple[int, ...] = ()        # the overlay, read-write and read-only
     base_fd: int | None = None       # the base, read-only
+    # A template's clone: its overlay is on the template's disk layer (a read-only
+    # qcow2 whose backing file is the base): overlay -> layer -> base.
+    layer: Path | None = None
+    layer_fd: int | None = None
 
 
 @dataclass(frozen=True)
@@ -238,7 +242,7 @@ class VmConfig:
                self.root_disk_fd, self.template_ram_fd, self.template_state_fd,
                self.seed_fd, *(s.fd for s in self.segments)]
         if self.thin_disk is not None:
-            fds += [*self.thin_disk.fds, self.thin_disk.base_fd]
+            fds += [*self.thin_disk.fds, self.thin_disk.base_fd, self.thin_disk.layer_fd]
         if self.uefi is not None:
             fds += [self.uefi.code_fd, *self.uefi.vars_fds]
         return [fd for fd in fds if fd is not None] + [fd for d in self.disks
@@ -508,8 +512,13 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
         image = fdsets.path(t.fds, BOOT_DRIVE, t.path)
         base = fdsets.path(t.base_fd, "disk-fusuma-base", t.base)
         lock = ",file.locking=off" if len(t.fds) > 1 else ""   # see the disks below
+        chain = f"backing.driver={t.base_format},backing.file.filename={base}"
+        if t.layer is not None:
+            layer = fdsets.path(t.layer_fd, "disk-fusuma-layer", t.layer)
+            chain = (f"backing.driver=qcow2,backing.file.filename={layer},"
+                     + chain.replace("backing.", "backing.backing."))
         argv += ["-drive", f"file={image},format=qcow2,if=none,id={BOOT_DRIVE}{lock},"
-                 f"backing.driver={t.base_format},backing.file.filename={base}"]
+                 + chain]
         backends.append(BOOT_DRIVE)
     if cfg.seed is not None:
         seed = fdsets.path(cfg.seed_fd, SEED_DRIVE, cfg.seed)

@@ -263,7 +263,9 @@ def _open_boot(cfg: VmConfig, files: QemuFiles) -> tuple[ThinDisk | None, Uefi |
                     for mode in (os.O_RDWR, os.O_RDONLY))
         base_fd = files.add(_open(cfg.name, "base image", thin.base,
                                   os.O_RDONLY | os.O_NOFOLLOW))
-        thin = replace(thin, fds=fds, base_fd=base_fd)
+        layer_fd = None if thin.layer is None else files.add(
+            _open(cfg.name, "template's disk layer", thin.layer, os.O_RDONLY | os.O_NOFOLLOW))
+        thin = replace(thin, fds=fds, base_fd=base_fd, layer_fd=layer_fd)
     uefi = cfg.uefi
     if uefi is not None:
         uefi = replace(uefi, code_fd=files.add(_open_public(cfg.name, "UEFI firmware",

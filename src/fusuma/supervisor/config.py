@@ -45,7 +45,7 @@ def devices(h: Where, vm: VmRecord, cfg: VmConfig, q: versions.Qemu,
             incoming: str | None) -> DeviceSet:
     """What the guest sees: for a boot, today's devices on the VM's pinned machine
     type; for a move's destination, the set recorded when the guest booted."""
-    if vm.template is not None and incoming is None:
+    if incoming is None and clones.resumes(h.paths, vm):
         # A clone: the template's devices (fusuma.memshare.templates).
         ds = clones.clone_devices(h.db, h.partition, vm, q)
     elif incoming is not None and vm.devices:
@@ -142,7 +142,8 @@ def firmware_boot(h: Where, vm: VmRecord) -> dict[str, Any]:
     VM's NVRAM for UEFI, the cloud-init seed (none for a kernel boot)."""
     if vm.boot == "kernel":
         return {}
-    from fusuma.images import store
+    from fusuma.images import layers, store
+    from fusuma.memshare import templates
     from fusuma.qemu import firmware
 
     base = h.db.imported(vm.image)
@@ -150,9 +151,12 @@ def firmware_boot(h: Where, vm: VmRecord) -> dict[str, Any]:
     if why is not None:
         raise StateError(f"VM {vm.name!r}: its image {base.name!r}: {why}; it cannot "
                          "start on a base that changed.")
+    # A template's clone: its overlay is on the template's disk layer, on the base.
+    layer = None if vm.template is None else \
+        layers.layer_path(templates.template_dir(h.paths, vm.template))
     out: dict[str, Any] = {
         "thin_disk": ThinDisk(store.disk_path(h.paths, vm.name), Path(base.path),
-                              base.format),
+                              base.format, layer=layer),
         "seed": store.seed_path(h.paths, vm.name)}
     if vm.boot == "uefi":
         code, _ = firmware.ovmf()

@@ -212,7 +212,7 @@ class PartitionHost:
                       cpu_off=versions.cpu_off(q, devices.cpu_features),
                       aux_ram_share=q.features.get("aux-ram-share", False),
                       cpr_socket=cpr_socket)
-        if vm.template is not None and incoming is None:
+        if incoming is None and clones.resumes(self.paths, vm):
             cfg, groups = clones.clone_config(self.paths, self.db, vm, cfg, groups)
         remove_run_files(run)
         self.paths.ensure_runtime()

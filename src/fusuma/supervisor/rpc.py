@@ -311,8 +311,8 @@ class Trim(Request[Trimmed]):
 
 @dataclass(frozen=True)
 class ResizeDisk(Request[Resized]):
-    """Grow a running VM's disk (QMP ``block_resize``): its thin disk (``disk`` "") or
-    a registered disk attached to it."""
+    """Grow a VM's disk, online while it runs (QMP ``block_resize``), else offline: its
+    thin disk (``disk`` "") or a registered disk attached to it."""
 
     OP: ClassVar[str] = "resize-disk"
     vm: str

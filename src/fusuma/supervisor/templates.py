@@ -37,11 +37,13 @@ from fusuma.errors import (
     StateError,
     TemplateError,
 )
+from fusuma.images import layers
 from fusuma.memshare import reporting, templates
 from fusuma.paths import PRIVATE_DIR, ensure_dir
 from fusuma.qemu.cmdline import TEMPLATE_STATE_FDSET, DeviceSet
 from fusuma.qemu.instance import QemuInstance
 from fusuma.qemu.process import tail
+from fusuma.qemu.qgareply import ExecStarted, ExecStatus
 from fusuma.qemu.qmp import EVENT_MIGRATION
 from fusuma.state import Job, JobKind, VmRecord, VmState, identity_obj
 from fusuma.state.db import TemplateRecord
@@ -59,6 +61,8 @@ UNBIND = (f"d={BALLOON_DRIVER}; for x in $d/virtio*; do [ -e \"$x\" ] || continu
           "n=${x##*/}; echo \"$n\" > $d/unbind && echo \"$n\"; done; true")
 SAVE_TIMEOUT_S = 120.0
 AGENT_TIMEOUT_S = 30.0
+# A clone of a firmware boot's template: its guest's cloud-init stages (TCG: a minute).
+CLOUD_INIT_TIMEOUT_S = 900.0
 # Fault injection (tests): fail the save right after this phase.
 FAULT_PHASES = ("guest", "stop", "save")
 # Fault injection (tests), read from the supervisor's environment: seconds a clone's
@@ -128,6 +132,16 @@ async def _save(h: PartitionHost, rec: VmRecord, inst: QemuInstance, name: str,
         sha, state_bytes = _copy_state(out, state)
         with contextlib.suppress(FileNotFoundError):
             out.unlink()
+        if rec.boot != "kernel":
+            # Its disk as the guest left it: the save flushed and inactivated it.
+            try:
+                layer_bytes = layers.freeze(paths.vm_dir(vm), tdir, rec.boot == "uefi")
+            except OSError as exc:
+                raise TemplateError(f"template {name!r} was not made: VM {vm!r}'s disk "
+                                    f"could not be kept ({exc.strerror or exc}); it runs "
+                                    "on.") from exc
+            h.log.info("template %s keeps %s's disk: %d bytes of data", name, vm,
+                       layer_bytes)
         ds = DeviceSet.loads(str(rec.devices))
         record = TemplateRecord(
             name=name, ram_path=str(ram_dst), state_path=str(state),
@@ -376,6 +390,9 @@ async def restore(h: PartitionHost, vm: VmRecord, inst: QemuInstance,
                                 f"state: {why}{': ' + said if said else ''}.")
     finally:
         inst.qmp.drop_listener(listener)
+    if vm.boot != "kernel":
+        # From now on its guest writes its disk: a later start boots it.
+        layers.used(h.paths.vm_dir(vm.name))
     await inst.qmp.cont()
     return (time.monotonic() - t0) * 1000
 
@@ -439,8 +456,10 @@ async def _give_identity(h: PartitionHost, vm: str, inst: QemuInstance, requeste
     machine_id = uuid.uuid4().hex
     script = templates.identity_script(vm, machine_id, templates.clone_mac(vm),
                                        _clone_nics(h, rec))
+    firmware = rec.boot != "kernel"
     agent_ms = identity_ms = None
     error = None
+    cloud_pid = None
     async with h.agent_lock(vm):
         if h.instances.get(vm) is not inst or inst.exited.is_set():
             return
@@ -456,10 +475,21 @@ async def _give_identity(h: PartitionHost, vm: str, inst: QemuInstance, requeste
                     # Logged and published: the guest's stderr only as its size.
                     error = (f"the identity script exited {res.exit_code} "
                              f"({len(res.stderr)} bytes on stderr)")
+                elif firmware:
+                    # cloud-init's per-instance steps for the seed's new instance id:
+                    # started here, so no command of the guest's user comes before.
+                    cloud_pid = ExecStarted.parse(vm, await ga.execute("guest-exec", {
+                        "path": "/bin/sh", "arg": ["-c", templates.CLOUD_INIT_STAGES],
+                        "capture-output": True}, timeout=AGENT_TIMEOUT_S)).pid
         except GuestAgentError as exc:
             error = exc.summary
         except FusumaError as exc:
             error = str(exc)
+    cloud: dict[str, Any] = {}
+    if cloud_pid is not None:
+        cloud = await _wait_cloud_init(h, vm, inst, cloud_pid, requested)
+        if cloud.get("cloud_init_error"):
+            error = str(cloud["cloud_init_error"])
     if error is not None:
         h.log.warning("%s: its identity as a clone is incomplete: %s", vm, error)
     else:
@@ -470,4 +500,37 @@ async def _give_identity(h: PartitionHost, vm: str, inst: QemuInstance, requeste
               restore_ms=round(restore_ms, 1),
               agent_ms=None if agent_ms is None else round(agent_ms, 1),
               identity_ms=None if identity_ms is None else round(identity_ms, 1),
-              machine_id=machine_id if error is None else None, error=error)
+              machine_id=machine_id if error is None else None, error=error, **cloud)
+
+
+async def _wait_cloud_init(h: PartitionHost, vm: str, inst: QemuInstance, pid: int,
+                           requested: float) -> dict[str, Any]:
+    """Wait for the guest's cloud-init stages (guest pid ``pid``), asking the agent
+    once a second and holding its lock only for the question, so the guest's user is
+    not kept waiting; what the clone-ready event says of it."""
+    deadline = time.monotonic() + CLOUD_INIT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+        if h.instances.get(vm) is not inst or inst.exited.is_set():
+            return {"cloud_init_error": "its QEMU ended or moved before cloud-init was "
+                                        "done"}
+        try:
+            async with h.agent_lock(vm), h.agent(inst) as ga:
+                await ga.connect(timeout=AGENT_TIMEOUT_S)
+                status = ExecStatus.parse(vm, await ga.execute(
+                    "guest-exec-status", {"pid": pid}, timeout=AGENT_TIMEOUT_S))
+        except FusumaError as exc:
+            return {"cloud_init_error": f"the guest agent failed while cloud-init ran "
+                                        f"({exc})"}
+        if status.exited:
+            out: dict[str, Any] = {
+                "cloud_init_ms": round((time.time() - requested) * 1000, 1),
+                "cloud_init_exit": status.exit_code}
+            if status.exit_code != 0:
+                # They ran; a module of the image's said an error (as it would at a
+                # boot): the guest's own word, not an identity left undone.
+                out["cloud_init_warning"] = (
+                    f"cloud-init's stages exited {status.exit_code}: a module reported "
+                    "an error (`cloud-init status --long` in the guest)")
+            return out
+    return {"cloud_init_error": f"cloud-init was not done in {CLOUD_INIT_TIMEOUT_S:.0f} s"}

@@ -15,11 +15,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from fusuma.errors import FusumaError, GuestAgentError, QemuError, SpecError, StateError
+from fusuma.host import storage
 from fusuma.host.accel import probe_accel
-from fusuma.memshare import reporting
+from fusuma.images import snapshots as offline
+from fusuma.images.store import disk_path
+from fusuma.memshare import clones, reporting
+from fusuma.qemu import privilege
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import QemuInstance, remove_run_files
-from fusuma.state import ALIVE, Job, JobKind, VmRecord, VmState
+from fusuma.state import ALIVE, DiskRecord, Job, JobKind, VmRecord, VmState
 from fusuma.supervisor import rpc
 from fusuma.supervisor import templates as template_ops
 from fusuma.supervisor.host import PartitionHost
@@ -49,6 +53,7 @@ async def start_held(h: PartitionHost, vm: VmRecord, requested: float) -> QemuIn
         h.log.info("%s", accel.notice)
     run = h.paths.vm_run_dir(vm.name)
     ram = h.paths.ram_file(vm.name) if vm.shared_ram else None
+    resume = clones.resumes(h.paths, vm)     # a clone: from its template's guest
     try:
         with Reverter() as rev:
             h.db.transition(vm.name, VmState.STARTING,
@@ -58,7 +63,7 @@ async def start_held(h: PartitionHost, vm: VmRecord, requested: float) -> QemuIn
             h.phase(vm.name, "launch")
             inst = await h.launch(vm, accel.name, run, ram, None, rev)
             restore_ms = None
-            if vm.template is not None:
+            if resume:
                 h.phase(vm.name, "restore", pid=inst.pid)
                 restore_ms = await template_ops.restore(h, vm, inst)
             h.phase(vm.name, "pin", pid=inst.pid)
@@ -217,20 +222,44 @@ async def trim(h: PartitionHost, req: rpc.Trim) -> rpc.Trimmed:
 
 
 async def resize_disk(h: PartitionHost, req: rpc.ResizeDisk) -> rpc.Resized:
-    """Grow a running VM's disk by QMP ``block_resize``; the guest sees the new
-    capacity at once (virtio-blk's configuration change). Never shrinks: the size now
-    is QEMU's own (``query-block``), and a smaller or equal size is refused."""
-    rec, inst = h.running(req.vm)
-    h.no_job(req.vm)
+    """Grow a VM's disk: its thin disk (``req.disk`` "") or a registered disk attached
+    to it. Running, by QMP ``block_resize`` (the guest sees the new capacity at once,
+    virtio-blk's configuration change); stopped, by ``qemu-img resize`` as the VM's
+    uid (a qcow2) or by growing the file (a raw disk: fusuma.host.storage.grow). Never
+    shrinks: a smaller or equal size is refused."""
+    rec = h.vm(req.vm)
     if req.disk:
         if req.disk not in rec.disks:
-            raise StateError(f"disk {req.disk!r} is not attached to VM {req.vm!r}.")
+            raise StateError(f"disk {req.disk!r} is not attached to VM {req.vm!r}; "
+                             f"its disks: {', '.join(rec.disks) or 'none'}.")
         drive, what = f"disk-{req.disk}", f"disk {req.disk!r}"
     else:
         if rec.boot == "kernel":
             raise StateError(f"VM {req.vm!r} runs an image fusuma builds and has no thin "
-                             "disk; name one of its disks.")
+                             "disk; name one of its disks (--disk).")
         drive, what = BOOT_DRIVE, f"VM {req.vm!r}'s disk"
+    h.no_job(req.vm)       # a move, a backup...: refused now, not waited for
+    async with h.lock(req.vm):
+        h.no_job(req.vm)
+        rec = h.vm(req.vm)
+        inst = h.instances.get(req.vm)
+        if inst is not None:
+            old = await _resize_online(inst, req, drive, what)
+        elif rec.state in (VmState.STOPPED, VmState.CRASHED):
+            # The records are read here: the state file's connection is this thread's.
+            d = h.db.disk(req.disk) if req.disk else None
+            old = await asyncio.to_thread(_resize_offline, h, rec, d, req, what)
+        else:
+            raise StateError(f"VM {req.vm!r} is {rec.state.value}; resize its disk when "
+                             "it runs or is stopped.")
+    h.log.info("resized %s of %s (%s): %d -> %d bytes", drive, req.vm,
+               "online" if inst is not None else "stopped", old, req.size)
+    return rpc.Resized(vm=req.vm, drive=drive, old_size=old, size=req.size)
+
+
+async def _resize_online(inst: QemuInstance, req: rpc.ResizeDisk, drive: str,
+                         what: str) -> int:
+    """The size now is QEMU's own (``query-block``)."""
     blocks = await inst.qmp.execute("query-block")
     old = next((int(b["inserted"]["image"]["virtual-size"]) for b in blocks
                 if isinstance(b, dict) and b.get("device") == drive
@@ -240,8 +269,21 @@ async def resize_disk(h: PartitionHost, req: rpc.ResizeDisk) -> rpc.Resized:
     if req.size <= old:
         raise SpecError(f"{what} is {old} bytes; a disk only grows (give more than that).")
     await inst.qmp.execute("block_resize", {"device": drive, "size": req.size})
-    h.log.info("resized %s of %s: %d -> %d bytes", drive, req.vm, old, req.size)
-    return rpc.Resized(vm=req.vm, drive=drive, old_size=old, size=req.size)
+    return old
+
+
+def _resize_offline(h: PartitionHost, rec: VmRecord, d: DiskRecord | None,
+                    req: rpc.ResizeDisk, what: str) -> int:
+    """A stopped VM's disk (``d``: a registered one, else its thin disk), with no QEMU:
+    the supervisor holds the VM's lock, so no start comes in between."""
+    if d is not None:
+        return storage.grow(d.name, Path(d.path), d.dev, d.ino, req.size)
+    path, uid = disk_path(h.paths, rec.name), privilege.uid_for(h.paths, rec)
+    old = offline.size_of(path, uid)
+    if req.size <= old:
+        raise SpecError(f"{what} is {old} bytes; a disk only grows (give more than that).")
+    offline.grow(path, uid, req.size)
+    return old
 
 
 async def recover_local(h: PartitionHost, job: Job) -> None:

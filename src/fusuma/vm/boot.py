@@ -9,11 +9,13 @@ import os
 import shutil
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
-from fusuma.errors import NotFoundError, SpecError, StateError
+from fusuma.errors import HostError, NotFoundError, SpecError, StateError
 from fusuma.images import seed, store
 from fusuma.images.store import (  # where a firmware VM's files live (the supervisor's too)
     FILES,
+    SEED_INPUTS,
     disk_path,
     nvram_path,
     seed_path,
@@ -76,10 +78,11 @@ def prepare(paths: Paths, rec: VmRecord, base: ImageRecord, size: int | None,
             shutil.copyfile(template, nvram)
             os.chown(nvram, rec.uid, rec.uid)
             os.chmod(nvram, 0o600)
-        seed.write(seed.Seed(instance_id=f"{rec.name}-{uuid.uuid4().hex[:12]}",
-                             hostname=rec.name, ssh_keys=tuple(keys),
-                             user_data=user_data, macs=tuple(macs), mtus=tuple(mtus)),
-                   seed_path(paths, rec.name))
+        said = seed.Seed(instance_id=f"{rec.name}-{uuid.uuid4().hex[:12]}",
+                         hostname=rec.name, ssh_keys=tuple(keys), user_data=user_data,
+                         macs=tuple(macs), mtus=tuple(mtus))
+        seed.write(said, seed_path(paths, rec.name))
+        seed.save_inputs(said, paths.vm_dir(rec.name) / SEED_INPUTS)
     except BaseException:
         remove(paths, rec.name)
         raise
@@ -96,8 +99,7 @@ def remove(paths: Paths, vm: str) -> None:
 
 
 def check_spec_fields(boot: str, *, disk_size: str | None, ssh_keys: Sequence[str],
-                      user_data: str | None, segments: Sequence[str],
-                      template: str | None) -> None:
+                      user_data: str | None, segments: Sequence[str]) -> None:
     """Refuse the options that only one kind of boot has."""
     if boot == "kernel":
         given = [o for o, v in (("--disk-size", disk_size), ("--ssh-key", ssh_keys),
@@ -110,18 +112,47 @@ def check_spec_fields(boot: str, *, disk_size: str | None, ssh_keys: Sequence[st
     if segments:
         raise SpecError("segments are mounted by fusuma's own images; a VM of an "
                         "imported image cannot have them.")
-    if template is not None:
-        raise SpecError("a clone of a template has its template's image; leave out "
-                        "--boot and the image's options.")
 
 
-def check_template(rec: VmRecord) -> None:
-    """Refuse a template of a VM that boots by firmware: its clones would each need a
-    thin disk, NVRAM and seed of their own, which clones do not get yet."""
-    if rec.boot != "kernel":
-        raise StateError(f"VM {rec.name!r} boots by firmware from a thin disk on image "
-                         f"{rec.image!r}, and a template of such a VM is not supported "
-                         "yet.")
+def check_clone_fields(template: str, given: Sequence[str]) -> None:
+    """Refuse the boot options a clone does not take: its boot, disk, keys and
+    user-data are its template's (``given``: the options the user gave)."""
+    named = [o for o in ("--boot", "--disk-size", "--ssh-key", "--user-data")
+             if o in given]
+    if named:
+        raise SpecError(f"a clone of template {template!r} boots as its template's guest "
+                        f"did, with its disk, keys and user-data; leave out "
+                        f"{', '.join(named)}.")
+
+
+def prepare_clone(paths: Paths, rec: VmRecord, template_dir: Path,
+                  macs: Sequence[str]) -> None:
+    """Make clone ``rec``'s overlay on its template's layer, NVRAM, seed (a new
+    instance id) and fresh marker (fusuma.images.layers); on failure remove them."""
+    from fusuma.images import layers
+
+    vdir = paths.vm_dir(rec.name)
+    vdir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    try:
+        layers.make_clone_files(template_dir, vdir, rec.name, rec.uid, tuple(macs))
+    except OSError as exc:
+        remove(paths, rec.name)
+        raise HostError(f"clone {rec.name!r}: its files could not be made from template "
+                        f"{rec.template!r} ({exc.strerror or exc}); nothing was kept."
+                        ) from exc
+    except BaseException:
+        remove(paths, rec.name)
+        raise
+
+
+def check_template(rec: VmRecord, nics: int) -> None:
+    """Refuse a template of a VM that boots by firmware with NICs on fusuma's networks:
+    its clones' guests would keep the template's DHCP leases (a kernel boot's clones
+    ask again through fusuma's own guest image)."""
+    if rec.boot != "kernel" and nics:
+        raise StateError(f"VM {rec.name!r} boots by firmware and has NICs on fusuma's "
+                         "networks, whose leases its clones' guests could not renew; "
+                         "make templates of such VMs without --nic (--port works).")
 
 
 def check_host_move(rec: VmRecord, host: str) -> None:

@@ -98,8 +98,7 @@ class VmManager:
 
         boot, base = fwboot.resolve(self.db, spec.image, spec.boot)
         fwboot.check_spec_fields(boot, disk_size=spec.disk_size, ssh_keys=spec.ssh_keys,
-                                 user_data=spec.user_data, segments=spec.segments,
-                                 template=spec.template)
+                                 user_data=spec.user_data, segments=spec.segments)
         if base is None:
             from fusuma.images import find_image
 
@@ -133,7 +132,13 @@ class VmManager:
             stored = self.db.add_vm(rec, self.paths.vm_uids)
             self.db.add_nics(nics)
         try:
-            if base is not None:
+            if base is not None and spec.template is not None:
+                from fusuma.memshare.templates import template_dir
+
+                fwboot.prepare_clone(self.paths, stored,
+                                     template_dir(self.paths, spec.template),
+                                     [n.mac for n in nics])
+            elif base is not None:
                 fwboot.prepare(self.paths, stored, base, disk_size, keys, spec.user_data,
                                [n.mac for n in nics], nets.nic_mtus(nics))
             for net in sorted({n.network for n in nics}):
@@ -150,9 +155,10 @@ class VmManager:
     def _name_free(self, name: str) -> None:
         """Refuse a name another operation holds (a restore making a VM of that name,
         which would otherwise take this one for its own); a dead holder's job is
-        recovered first. A restore's own create passes."""
+        recovered first. The holder's own create passes: a restore, a move in from
+        another host, whatever job this process holds on the name."""
         held = self.db.find_job(vm_obj(name))
-        if held is None or (held.kind == JobKind.RESTORE and held.owner == JobOwner.me()):
+        if held is None or held.owner == JobOwner.me():
             return
         if held.owner.alive():
             raise StateError(busy_sentence(held))
@@ -171,10 +177,14 @@ class VmManager:
         from fusuma.memshare import templates
         from fusuma.qemu import versions
         from fusuma.spec import NicSpec
+        from fusuma.vm import boot as fwboot
 
         t = self.db.template(str(spec.template))
         templates.check_clone_nics(t, len(spec.nics))
         given = spec.model_fields_set
+        fwboot.check_clone_fields(t.name, [f"--{k.replace('_', '-')}" for k in given
+                                           if k in ("boot", "disk_size", "ssh_keys",
+                                                    "user_data")])
         fill: dict[str, object] = {k: getattr(t, k) for k in ("vcpus", "memory_mib",
                                                              "image", "segments")
                                    if k not in given}
@@ -183,6 +193,8 @@ class VmManager:
             fill["nics"] = [NicSpec(network=n) for n in t.networks]
         fill["machine"] = spec.machine or t.machine
         fill["shared_ram"] = False
+        # The firmware its guest booted by (its device set says; a kernel boot's none).
+        fill["boot"] = templates.devices_of(t).firmware or "kernel"
         merged = spec.model_copy(update=fill)
         templates.check_clone(t, vcpus=merged.vcpus, memory_mib=merged.memory_mib,
                               disks=list(spec.disks), ports=list(spec.ports),
@@ -262,11 +274,27 @@ class VmManager:
                                              timeout + 60))
 
     def resize_disk(self, name: str, size: str, disk: str | None = None) -> rpc.Resized:
-        """Grow running VM ``name``'s thin disk (``disk`` None) or its registered disk
-        ``disk``, online."""
+        """Grow VM ``name``'s thin disk (``disk`` None) or its registered disk ``disk``:
+        online while it runs, else with no QEMU (its supervisor does either)."""
         from fusuma.images.store import parse_size
 
         return self._send(name, rpc.ResizeDisk(name, disk or "", parse_size(size)))
+
+    @locked
+    def resize_registered(self, disk: str, size: str) -> rpc.Resized:
+        """Grow registered disk ``disk`` (`fusuma disk resize`): through its VM when one
+        has it attached (:meth:`resize_disk`), else its file here."""
+        from fusuma.host import storage
+        from fusuma.images.store import parse_size
+
+        want = parse_size(size)
+        rec = self.db.disk(disk)
+        users = [v.name for v in self.db.vms() if disk in v.disks]
+        if users:
+            return self.resize_disk(users[0], size, disk)
+        rec = storage.take_over(self.paths, self.db, rec)
+        old = storage.grow(disk, Path(rec.path), rec.dev, rec.ino, want)
+        return rpc.Resized(vm="", drive=f"disk-{disk}", old_size=old, size=want)
 
     def wait_agent(self, name: str, timeout: float = 60.0) -> float:
         return self._send(name, rpc.WaitAgent(name, timeout=timeout), timeout + 10).seconds
