@@ -163,16 +163,18 @@ def _plan_networks(db: Database, parts: PartitionManager, spec: HostSpec, source
         if cur is None:
             try:
                 nets.check_create(ns.name, ns.type, ns.subnet, ns.parent, ns.nat,
-                                  ns.isolated, ns.filtering)
+                                  ns.isolated, ns.filtering, ns.mtu)
             except FusumaError as exc:
                 raise SpecError(f"{source}: network[{i}]: {exc}") from exc
             p.create_networks.append(ns)
             continue
         want_subnet = ns.subnet or cur.subnet
         if (cur.type, cur.subnet, cur.isolated) != (ns.type, want_subnet, ns.isolated) or \
-                (ns.parent is not None and ns.parent != cur.bridge):
+                (ns.parent is not None and ns.parent != cur.bridge) or \
+                (ns.mtu is not None and ns.mtu != cur.mtu):
             raise SpecError(f"{source}: network {ns.name!r} exists with other settings "
-                            f"(type {cur.type}, subnet {cur.subnet}, bridge {cur.bridge}); "
+                            f"(type {cur.type}, subnet {cur.subnet}, bridge {cur.bridge}, "
+                            f"MTU {cur.mtu}); "
                             "delete it first (`fusuma network delete`).")
     for n in db.networks():
         if (n.managed or n.name in named) and nets.status(n.name).state != "up":
@@ -210,7 +212,7 @@ def _up(db: Database, parts: PartitionManager, vms: VmManager, spec: HostSpec,
         for ns in the_plan.create_networks:
             progress(f"creating network {ns.name}")
             nets.create(ns.name, ns.type, subnet=ns.subnet, parent=ns.parent, nat=ns.nat,
-                        isolated=ns.isolated, filtering=ns.filtering)
+                        isolated=ns.isolated, filtering=ns.filtering, mtu=ns.mtu)
             rev.add(lambda n=ns.name: nets.delete(n))  # type: ignore[misc]
         for d in the_plan.add_storage:
             progress(f"declaring storage directory {d}")

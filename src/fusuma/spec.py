@@ -38,6 +38,7 @@ A spec is a TOML file applied with ``fusuma up``::
     type = "managed"      # a bridge fusuma makes, DHCP/DNS (dnsmasq), NAT; or "bridged"
     subnet = "10.0.5.0/24"  # managed: default, the first free 10.x.y.0/24
     # nat = true  isolated = false  filtering = true   # managed
+    # mtu = 1500          # managed: bridge, taps and guests (DHCP tells them)
     # parent = "br0"      # bridged: a bridge the host has
 
 Validation errors name the file and the key (``spec.toml: vm[1].partition: ...``).
@@ -200,6 +201,9 @@ class NetworkSpec(_Model):
     filtering: bool | None = None
     """Managed: drop frames a VM sends from another MAC or IPv4 address than its own,
     and IPv6 (unset: true)."""
+    mtu: int | None = None
+    """Managed: the MTU of its bridge and taps, 1280 to 9000 (unset: 1500); when not
+    1500, dnsmasq tells the guests (DHCP option 26)."""
     parent: str | None = None
     """Bridged: the host's bridge to attach to (it must exist)."""
 

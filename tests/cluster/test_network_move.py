@@ -2,7 +2,10 @@
 a VXLAN between their bridges, only between the hosts' namespaces) and a VM on it that
 moves live from h0 to h1 keeping its MAC, its address (allocated cluster-wide: a
 FusumaAddress, handed to h1 with it) and an open TCP connection to a client on h2's
-bridge; a stopped VM on h1 gets another address, a static one that is held is refused,
+bridge (the network's MTU, the veths' 1500 less the VXLAN's 50, on every
+bridge, VXLAN port and tap and told to the guest by DHCP, and a bulk TCP transfer of
+full-size segments from the guest to that client first); a stopped VM on h1 gets
+another address, a static one that is held is refused,
 a host cannot free another's, deleting a VM frees its address. One test (the lab and a
 guest cost minutes); see conftest.py."""
 
@@ -25,6 +28,28 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 SUBNET = "10.124.0"
 CLIENT_IP = f"{SUBNET}.200"
 PORT = 5000
+BULK_PORT = 5001
+BULK_BYTES = 4 * 2**20
+# The client's end of a bulk transfer from the guest: one connection, BULK_BYTES read
+# (then closed: the guest's nc ends), written down as "BYTES RCV_MSS SECONDS" (the
+# kernel's tcp_info: the largest segment's payload seen), in at most 60 s.
+RECEIVER = """
+import socket, struct, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[2], int(sys.argv[3]))); s.listen(1); s.settimeout(60)
+open(sys.argv[1] + ".ready", "w").close()
+conn, _ = s.accept(); conn.settimeout(60)
+want, got, t0 = int(sys.argv[4]), 0, time.monotonic()
+while got < want:
+    data = conn.recv(65536)
+    if not data:
+        break
+    got += len(data)
+secs = time.monotonic() - t0
+rcv_mss = struct.unpack_from("I", conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104), 20)[0]
+conn.close()
+open(sys.argv[1], "w").write(f"{got} {rcv_mss} {secs:.3f}\\n")
+"""
 # The client's end of the guest's stream: one connection accepted, each line's arrival
 # time written down, until the connection ends or the file ``stop`` appears.
 SERVER = """
@@ -119,6 +144,11 @@ def test_a_vm_moves_between_hosts_keeping_its_nic_and_tcp_connection(
     mac = h0.run("network", "show", "lan", "--json").json()["nics"][0]["mac"]
     # Across the VXLAN, before the move: h2's client to the guest on h0.
     ns(client, "busybox", "ping", "-c", "2", "-W", "3", VM_IP)
+    t_mtu = time.monotonic()
+    mtu = mtu_across_hosts(c, client, VM_IP, tmp_path)
+    t_mtu = time.monotonic() - t_mtu
+    print(f"MTU {mtu} across the VXLAN: checks and a {BULK_BYTES >> 20} MiB transfer "
+          f"took {t_mtu:.1f} s")
 
     log = tmp_path / "stream.log"
     server = subprocess.Popen(["ip", "netns", "exec", client, sys.executable, "-c", SERVER,
@@ -175,6 +205,47 @@ def test_a_vm_moves_between_hosts_keeping_its_nic_and_tcp_connection(
     ns(client, "busybox", "ping", "-c", "2", "-W", "3", VM_IP)
     print(f"between hosts with a NIC: {move['downtimeMs']} ms downtime, "
           f"{move['totalMs']} ms total; the TCP stream's longest gap {gap * 1000:.0f} ms")
+
+
+def mtu_across_hosts(c: Cluster, client: str, vm_ip: str, tmp: Path) -> int:
+    """Every host's bridge, VXLAN port and the guest's tap have the uplink's MTU less the
+    VXLAN's 50 bytes (1450 on the lab's veths), the guest was told it by DHCP, and a
+    bulk TCP transfer from the guest on h0 to the client on h2 crosses the VXLAN in
+    full-size segments (a guest left at 1500 would send frames the VXLAN drops, and
+    the transfer would hang). Returns the MTU."""
+    lab = c.lab
+    for lh in lab.hosts:
+        ls = links(lh.netns)
+        assert ls["eth0"]["mtu"] == 1500
+        assert ls["fzb-lan"]["mtu"] == ls["fzv-lan"]["mtu"] == 1450, lh.name
+    taps = [x for n, x in links(lab.hosts[0].netns).items() if n.startswith("fzt-")]
+    assert [t["mtu"] for t in taps] == [1450]
+    h0 = c.host("h0")
+    assert h0.run("network", "show", "lan", "--json").json()["mtu"] == 1450
+    assert h0.run("vm", "exec", "roamer", "--", "cat", "/sys/class/net/eth0/mtu"
+                  ).out.strip() == "1450"
+    out = tmp / "bulk.out"
+    recv = subprocess.Popen(["ip", "netns", "exec", client, sys.executable, "-c", RECEIVER,
+                             str(out), CLIENT_IP, str(BULK_PORT), str(BULK_BYTES)])
+    try:
+        wait_for(lambda: Path(f"{out}.ready").exists(), 30, "the bulk receiver", every=0.1)
+        h0.run("vm", "exec", "roamer", "--", "/bin/sh", "-c",
+               f"head -c {BULK_BYTES} /dev/zero | timeout 60 nc {CLIENT_IP} {BULK_PORT}",
+               check=False, timeout=90)
+        recv.wait(90)
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+            recv.wait()
+    assert out.exists(), "the bulk transfer did not complete in 60 s"
+    got, rcv_mss, secs = out.read_text().split()
+    assert int(got) == BULK_BYTES
+    # Full-size segments for a 1450-byte MTU: 1450 - 40 bytes of IPv4 and TCP headers,
+    # less 12 of TCP timestamps where the guest uses them.
+    assert 1450 - 40 - 12 <= int(rcv_mss) <= 1450 - 40, rcv_mss
+    print(f"bulk across hosts: {BULK_BYTES} bytes in {float(secs):.2f} s, segments of "
+          f"{rcv_mss} bytes")
+    return 1450
 
 
 def held(c: Cluster) -> dict[str, tuple[str, str]]:

@@ -96,8 +96,9 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     def create(mgr: NetworkManager, name: str, type_: str = "managed", **kw: Any) -> Any:
         from fusuma.state import NetworkRecord
 
-        calls.append(("create", name, kw["subnet"], kw["nat"]))
-        mgr.db.add_network(NetworkRecord(name, "managed", f"fzb-{name}", kw["subnet"]))
+        calls.append(("create", name, kw["subnet"], kw["nat"], kw["mtu"]))
+        mgr.db.add_network(NetworkRecord(name, "managed", f"fzb-{name}", kw["subnet"],
+                                         mtu=kw["mtu"]))
         return mgr.db.network(name)
 
     def status(mgr: NetworkManager, name: str) -> NetworkStatus:
@@ -110,7 +111,12 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     monkeypatch.setattr(NetworkManager, "create", create)
     monkeypatch.setattr(NetworkManager, "status", status)
     monkeypatch.setattr(NetworkManager, "delete", delete)
+    monkeypatch.setattr(NetworkManager, "set_mtu",
+                        lambda mgr, name, mtu: mgr.db.network(name).mtu != mtu and (
+                            calls.append(("mtu", name, mtu)) or True))
     monkeypatch.setattr(span, "attach", lambda *a: calls.append(("attach", *a)) or [])
+    # The host's cluster address is on a 1500-byte uplink.
+    monkeypatch.setattr(span, "uplink", lambda local: ("eth0", 1500))
     return calls
 
 
@@ -120,9 +126,10 @@ def test_a_network_is_made_spanned_and_reported(tmp_path: Path,
     assert peers(a) == ["10.251.0.10", "10.251.0.11"]       # type: ignore[arg-type]
     rec = NetworkReconciler(a)                                # type: ignore[arg-type]
     rec.reconcile(a.kube.obj)
-    assert kernel == [("create", "lan", "10.124.0.0/24", False),
+    # The network's MTU: the uplink's 1500 less the VXLAN's 50.
+    assert kernel == [("create", "lan", "10.124.0.0/24", False, 1450),
                       ("attach", "lan", "fzb-lan", "fusuma-t-lan-span", 124, "10.251.0.10",
-                       ["10.251.0.10", "10.251.0.11"])]
+                       ["10.251.0.10", "10.251.0.11"], 1450)]
     assert a.owners.get("networks", "lan") is not None and a.finalized == [True]
     st = a.kube.obj["status"]
     assert st["hosts"] == [{"host": "h0", "ready": True}]
@@ -207,3 +214,42 @@ def test_a_segment_goes_through_the_same_steps(tmp_path: Path,
     a.kube.obj["spec"]["hosts"] = ["h1"]           # no longer this host's
     rec.reconcile(a.kube.obj)
     assert made[-1] == "delete tools" and a.kube.obj["status"]["hosts"] == []
+
+
+def test_a_network_s_mtu_is_the_spec_s_if_the_uplink_carries_it(
+        tmp_path: Path, kernel: list[tuple[Any, ...]]) -> None:
+    net = copy.deepcopy(NET)
+    net["spec"]["mtu"] = 1400
+    a = FakeAgent(tmp_path, net)
+    rec = NetworkReconciler(a)                                # type: ignore[arg-type]
+    rec.reconcile(a.kube.obj)
+    assert kernel[0] == ("create", "lan", "10.124.0.0/24", False, 1400)
+    assert kernel[1][-1] == 1400 and a.kube.obj["status"]["hosts"][0]["ready"]
+    # Changed in the spec: the record, bridge and taps follow, then the VXLAN.
+    a.kube.obj["spec"]["mtu"] = 1300
+    rec.reconcile(a.kube.obj)
+    assert kernel[2:] == [("mtu", "lan", 1300),
+                          ("attach", "lan", "fzb-lan", "fusuma-t-lan-span", 124,
+                           "10.251.0.10", ["10.251.0.10", "10.251.0.11"], 1300)]
+    # More than the uplink carries after the VXLAN's headers: refused, in one sentence.
+    a.kube.obj["spec"]["mtu"] = 1500
+    rec.reconcile(a.kube.obj)
+    entry = a.kube.obj["status"]["hosts"][0]
+    assert entry == {"host": "h0", "ready": False, "message": (
+        "MTU 1500 is more than uplink eth0 (MTU 1500) carries after the VXLAN's 50 bytes "
+        "of headers; give at most 1450 or raise eth0's MTU.")}
+    assert kernel[-1][0] == "attach" and kernel[-1][-1] == 1300      # nothing new
+
+
+def test_a_network_is_not_made_on_an_uplink_too_small_for_the_vxlan(
+        tmp_path: Path, kernel: list[tuple[Any, ...]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusuma.network import span
+
+    monkeypatch.setattr(span, "uplink", lambda local: ("eth0", 1300))
+    a = FakeAgent(tmp_path, copy.deepcopy(NET))
+    NetworkReconciler(a).reconcile(a.kube.obj)                # type: ignore[arg-type]
+    assert kernel == [] and a.ctx().db.find_network("lan") is None
+    assert a.kube.obj["status"]["hosts"][0]["message"] == (
+        "uplink eth0's MTU 1300 leaves 1250 after the VXLAN's 50 bytes of headers, below "
+        "1280; raise its MTU.")

@@ -202,6 +202,13 @@ def test_seed_contents() -> None:
     only_keys = seed.user_data(seed.Seed("i", "h", ssh_keys=(KEY,)))
     assert only_keys.startswith("#cloud-config\n")
     assert seed.network_config(seed.Seed("i", "h")) is None
+    # A NIC on a network whose MTU is not 1500 (spanning hosts) gets it set.
+    two = seed.Seed("i", "h", macs=("52:54:00:00:00:01", "52:54:00:00:00:02"),
+                    mtus=(("52:54:00:00:00:02", 1450),))
+    eth = json.loads(seed.network_config(two) or "")["ethernets"]
+    assert "mtu" not in eth["nic0"]
+    assert eth["nic1"] == {"match": {"macaddress": "52:54:00:00:00:02"},
+                           "set-name": "eth1", "dhcp4": True, "mtu": 1450}
 
 
 def test_keys_are_checked() -> None:

@@ -187,6 +187,46 @@ def test_dnsmasq_configuration_is_its_own(monkeypatch: pytest.MonkeyPatch) -> No
     assert "bind-interfaces\n" in text and "interface=fzb-lan0\n" in text
     monkeypatch.setattr(dnsmasq, "binary", lambda: "/usr/sbin/dnsmasq")
     assert dnsmasq.argv(FILES) == ["/usr/sbin/dnsmasq", "--conf-file=/run/n/dnsmasq.conf"]
+    # Ethernet's MTU: the guests are not told anything.
+    assert "dhcp-option-force" not in conf
+
+
+def test_dnsmasq_tells_the_guests_an_mtu_that_is_not_1500() -> None:
+    for mtu in (1450, 9000):
+        lines = dnsmasq.config("fzb-lan0", "10.0.5.0/24", "10.0.5.1", "lan0", FILES,
+                               "dnsmasq", mtu)
+        assert ("dhcp-option-force", f"26,{mtu}") in lines
+        assert f"dhcp-option-force=26,{mtu}\n" in dnsmasq.render_config(lines)
+    lines = dnsmasq.config("fzb-lan0", "10.0.5.0/24", "10.0.5.1", "lan0", FILES,
+                           "dnsmasq", 1500)
+    assert not [k for k, _ in lines if k.startswith("dhcp-option-force")]
+
+
+def test_a_spanning_network_s_mtu_fits_the_uplink_after_the_vxlan() -> None:
+    from fusuma.network import span
+
+    assert span.span_mtu("eth0", 1500) == 1450
+    assert span.span_mtu("eth0", 1550) == 1500
+    assert span.span_mtu("eth0", 9216) == 9000        # no more than a network can have
+    assert span.span_mtu("eth0", 1500, 1400) == 1400
+    assert span.span_mtu("eth0", 1500, 1450) == 1450
+    with pytest.raises(SpecError, match=r"^MTU 1451 is more than uplink eth0 \(MTU 1500\) "
+                       r"carries after the VXLAN's 50 bytes of headers; give at most 1450 "
+                       r"or raise eth0's MTU\.$"):
+        span.span_mtu("eth0", 1500, 1451)
+    with pytest.raises(SpecError, match=r"^MTU 1279 is outside 1280-9000"):
+        span.span_mtu("eth0", 1500, 1279)
+    with pytest.raises(SpecError, match=r"^uplink eth0's MTU 1320 leaves 1270 after the "
+                       r"VXLAN's 50 bytes of headers, below 1280; raise its MTU\.$"):
+        span.span_mtu("eth0", 1320)
+
+
+def test_an_mtu_outside_1280_to_9000_is_refused() -> None:
+    assert addr.check_mtu(1280) == 1280 and addr.check_mtu(9000) == 9000
+    for bad in (0, 576, 1279, 9001, 65535):
+        with pytest.raises(SpecError, match=rf"^MTU {bad} is outside 1280-9000 \(IPv6's "
+                           r"minimum to jumbo frames\); pick one in that range\.$"):
+            addr.check_mtu(bad)
 
 
 def test_dnsmasq_hosts_one_line_per_nic() -> None:
@@ -260,6 +300,25 @@ def test_nics_recorded_and_deleted_with_their_vm(db: Database) -> None:
         db.network("lan0")
 
 
+def test_older_state_file_s_networks_get_an_mtu_of_1500(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    Database(path).close()
+    old = sqlite3.connect(path)
+    old.executescript("DROP TABLE nics; DROP TABLE networks; CREATE TABLE networks ("
+                      "name TEXT PRIMARY KEY, type TEXT NOT NULL, bridge TEXT NOT NULL "
+                      "UNIQUE, subnet TEXT, nat INTEGER NOT NULL DEFAULT 0, isolated "
+                      "INTEGER NOT NULL DEFAULT 0, filtering INTEGER NOT NULL DEFAULT 0, "
+                      "keeper_pid INTEGER, created_at REAL NOT NULL);"
+                      "INSERT INTO networks (name, type, bridge, subnet, created_at) "
+                      "VALUES ('lan0', 'managed', 'fzb-lan0', '10.0.5.0/24', 1.0);")
+    old.commit()
+    old.close()
+    db = Database(path)
+    assert db.network("lan0").mtu == 1500
+    db.set_network_mtu("lan0", 1450)
+    assert db.network("lan0").mtu == 1450
+
+
 def test_older_state_file_gets_network_tables(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     Database(path).close()
@@ -297,6 +356,12 @@ def test_plan_nics(db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert [(p.tap, p.ip) for p in nets.ports("lan0")] == [("fzt-1-0", "10.0.5.2"),
                                                            ("fzt-1-1", "10.0.5.6")]
     assert nets.forwards("lan0") == [nft.Forward("192.168.9.2", 8080, "10.0.5.2", 80)]
+    # What a cloud-init guest's network-config sets: the MTU of each NIC on a managed
+    # network whose MTU is not 1500 (a bridged network's is the host's business).
+    assert nets.nic_mtus(got) == []
+    db.set_network_mtu("lan0", 1450)
+    db.set_network_mtu("ext", 9000)
+    assert nets.nic_mtus(got) == [(got[0].mac, 1450), (got[1].mac, 1450)]
 
 
 def test_parse_nic() -> None:
@@ -371,7 +436,9 @@ class FakeKernel:
         self.fail = fail
         monkeypatch.setattr(link, "exists", lambda n: n in self.links)
         monkeypatch.setattr(link, "is_bridge", lambda n: n in self.links)
-        monkeypatch.setattr(link, "create_bridge", lambda n, g: self.links.add(n))
+        self.mtus: dict[str, int] = {}
+        monkeypatch.setattr(link, "create_bridge", lambda n, g, mtu=1500: (
+            self.links.add(n), self.mtus.__setitem__(n, mtu)))
         monkeypatch.setattr(link, "delete_link", self._del_link)
         monkeypatch.setattr(link, "sysctl", lambda p, v: False)
         monkeypatch.setattr(nft, "check_installed", lambda: None)
@@ -436,6 +503,10 @@ def test_create_refusals_change_nothing(db: Database, tmp_path: Path,
         ({"type_": "bridged"}, SpecError, "needs --parent"),
         ({"type_": "bridged", "parent": "x", "isolated": True}, SpecError, "--isolated"),
         ({"parent": "br0"}, SpecError, "--parent is for bridged"),
+        ({"mtu": 1279}, SpecError, r"^MTU 1279 is outside 1280-9000"),
+        ({"mtu": 9001}, SpecError, r"^MTU 9001 is outside 1280-9000"),
+        ({"type_": "bridged", "parent": "x", "mtu": 1400}, SpecError,
+         r"--mtu belong to managed networks .*its bridge's MTU is the host's"),
     ]
     for kw, exc, why in cases:
         with pytest.raises(exc, match=why):
@@ -447,7 +518,15 @@ def test_create_refusals_change_nothing(db: Database, tmp_path: Path,
     kernel.links.discard("fzb-lan9")
     rec = nets.create("lan9")      # no --subnet: the first free 10.x.y.0/24
     assert rec.subnet == "10.100.0.0/24" and rec.keeper_pid == 4242
-    assert kernel.links == {"fzb-lan9"}
+    assert kernel.links == {"fzb-lan9"} and kernel.mtus["fzb-lan9"] == rec.mtu == 1500
+    assert "dhcp-option-force" not in (tmp_path / "r" / "networks" / "lan9" /
+                                       "dnsmasq.conf").read_text()
+    small = nets.create("lan8", mtu=1400)
+    assert small.mtu == 1400 and kernel.mtus["fzb-lan8"] == 1400
+    assert nets.status("lan8").as_json()["mtu"] == 1400
+    assert "dhcp-option-force=26,1400\n" in (tmp_path / "r" / "networks" / "lan8" /
+                                             "dnsmasq.conf").read_text()
+    nets.delete("lan8")
     assert kernel.tables == {"inet fusuma-t-lan9", "bridge fusuma-t-lan9"}
     hosts = tmp_path / "r" / "networks" / "lan9" / "hosts"
     assert hosts.read_text() == "" and oct(hosts.stat().st_mode)[-3:] == "644"

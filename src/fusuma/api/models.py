@@ -241,6 +241,7 @@ class NetworkInfo(_Resp):
     nat: bool
     isolated: bool
     filtering: bool
+    mtu: int = 1500                   # its bridge's and taps' (guests told by DHCP)
     state: str                        # up | no-dhcp | down
     keeper_pid: int | None
     dnsmasq_pid: int | None

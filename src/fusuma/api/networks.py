@@ -34,7 +34,8 @@ def router(d: Daemon) -> APIRouter:
     def create_network(body: m.NetworkCreate) -> dict[str, Any]:
         c = d.ctx()
         c.nets.create(body.name, body.type, subnet=body.subnet, parent=body.parent,
-                      nat=body.nat, isolated=body.isolated, filtering=body.filtering)
+                      nat=body.nat, isolated=body.isolated, filtering=body.filtering,
+                      mtu=body.mtu)
         return c.nets.status(body.name).as_json()
 
     @r.post("/1.0/networks/{name}/restart", dependencies=[ADMIN],

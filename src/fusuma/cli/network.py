@@ -45,12 +45,16 @@ def network() -> None:
 @click.option("--filtering/--no-filtering", default=None,
               help="managed: drop frames a VM sends from another MAC or IPv4 address than "
                    "its own (DHCP from 0.0.0.0 allowed), and IPv6.  [default: on]")
+@click.option("--mtu", type=int, default=None,
+              help="managed: the MTU of its bridge and taps, 1280 to 9000; when not 1500, "
+                   "dnsmasq tells the guests (DHCP option 26).  [default: 1500; a network "
+                   "spanning hosts: the uplink's minus the VXLAN's 50]")
 @click.option("--parent", metavar="BRIDGE", default=None,
               help="bridged: the host's bridge to attach to (it must exist).")
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def create(c: Ctx, name: str, type_: str, subnet: str | None, nat: bool | None,
-           isolated: bool, filtering: bool | None, parent: str | None,
+           isolated: bool, filtering: bool | None, mtu: int | None, parent: str | None,
            as_json: bool) -> None:
     """Create network NAME.
 
@@ -58,10 +62,11 @@ def create(c: Ctx, name: str, type_: str, subnet: str | None, nat: bool | None,
     Examples:
       fusuma network create lan0 --subnet 10.0.5.0/24
       fusuma network create dmz --subnet 10.0.6.0/24 --isolated
+      fusuma network create tun --mtu 1400
       fusuma network create office --type bridged --parent br0
       fusuma vm create web0 -p p0 --nic lan0 --port 0.0.0.0:8080:80 --start"""
     c.nets.create(name, type_, subnet=subnet, parent=parent, nat=nat, isolated=isolated,
-                  filtering=filtering)
+                  filtering=filtering, mtu=mtu)
     st = c.nets.status(name)
     if as_json:
         emit_json(st.as_json())
@@ -70,7 +75,7 @@ def create(c: Ctx, name: str, type_: str, subnet: str | None, nat: bool | None,
     if r.managed:
         data = st.as_json()
         click.echo(f"network {name}: managed, bridge {r.bridge}, subnet {r.subnet}, "
-                   f"gateway {data['gateway']}, dnsmasq pid {st.dnsmasq_pid}")
+                   f"gateway {data['gateway']}, MTU {r.mtu}, dnsmasq pid {st.dnsmasq_pid}")
     else:
         click.echo(f"network {name}: bridged on {r.bridge}")
 
@@ -80,14 +85,14 @@ def network_row(d: dict[str, object]) -> list[str]:
     vms = d.get("vms") or []
     assert isinstance(vms, list)
     return [str(d["name"]), str(d["type"]), str(d["bridge"]), str(d["subnet"] or "-"),
-            ",".join(flags) or "-", str(len(vms)), str(d["state"])]
+            ",".join(flags) or "-", str(d["mtu"]), str(len(vms)), str(d["state"])]
 
 
 @network.command("list")
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def list_(c: Ctx, as_json: bool) -> None:
-    """List networks: type, bridge, subnet, options, VMs and state (--json: each
+    """List networks: type, bridge, subnet, options, MTU, VMs and state (--json: each
     with its NICs: VM, MAC, address, tap).
 
     State: up; no-dhcp (a managed network whose dnsmasq is not running: `fusuma
@@ -99,7 +104,8 @@ def list_(c: Ctx, as_json: bool) -> None:
         emit_json(data)
         return
     click.echo(table([network_row(d) for d in data],
-                     ["name", "type", "bridge", "subnet", "options", "vms", "state"]))
+                     ["name", "type", "bridge", "subnet", "options", "mtu", "vms",
+                      "state"]))
 
 
 @network.command("show")
@@ -116,7 +122,7 @@ def show(c: Ctx, name: str, as_json: bool) -> None:
         emit_json(d)
         return
     for key in ("name", "type", "bridge", "subnet", "gateway", "nat", "isolated",
-                "filtering", "state", "keeper_pid", "dnsmasq_pid"):
+                "filtering", "mtu", "state", "keeper_pid", "dnsmasq_pid"):
         click.echo(f"{key + ':':13}{d[key] if d[key] is not None else '-'}")
     if d["nics"]:
         click.echo()

@@ -248,6 +248,11 @@ NETWORK_SPEC = _obj("A managed network on every host, one layer-2 segment across
                         "vni": _i("Its VXLAN id, unique in the cluster.", minimum=1,
                                   maximum=2**24 - 1),
                         "nat": _b("NAT to each host's uplink.", default=True),
+                        "mtu": _i("The MTU of its bridges, taps and guests (told by "
+                                  "DHCP). Unset: the most each host's uplink carries "
+                                  "after the VXLAN's 50 bytes of headers (1450 on a "
+                                  "1500-byte uplink); larger than that is refused.",
+                                  minimum=1280, maximum=9000),
                     }, required=["subnet", "vni"])
 
 NETWORK_STATUS = _obj("Per-host state, written by each agent.", {

@@ -3,7 +3,9 @@ id) made here as a managed network (``fusuma network create``) whose bridge is a
 of the segment the other hosts' bridges make (fusuma.network.span: a VXLAN port
 flooding to the other registered hosts' addresses). Each agent keeps its own entry of
 ``status.hosts``; the peers follow the FusumaHosts (a host that registers is added at
-the next pass, one that is gone removed).
+the next pass, one that is gone removed). Its MTU is ``spec.mtu``, or the most this
+host's uplink carries after the VXLAN's headers (fusuma.network.span.span_mtu: 1450
+on a 1500-byte uplink); a host whose uplink cannot carry it reports why.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ if TYPE_CHECKING:
     from fusuma.ops.context import Ctx
 
 LOG = logging.getLogger(__name__)
+
+
+def network_mtu(a: AgentContext, spec: dict[str, Any]) -> int:
+    """The network's MTU on this host: ``spec.mtu`` if it fits this host's uplink, else
+    one sentence; unset, the most the uplink carries."""
+    from fusuma.network import span
+
+    want = spec.get("mtu")
+    return span.span_mtu(*span.uplink(a.address), None if want is None else int(want))
 
 
 def peers(a: AgentContext) -> list[str]:
@@ -44,7 +55,8 @@ class NetworkReconciler(PerHostReconciler):
         spec = obj.get("spec") or {}
         name = obj["metadata"]["name"]
         NetworkManager(c.paths, c.db).create(name, "managed", subnet=str(spec.get("subnet")),
-                                             nat=bool(spec.get("nat", True)))
+                                             nat=bool(spec.get("nat", True)),
+                                             mtu=network_mtu(self.a, spec))
         self.a.events.emit(obj, "Created", f"network {name} made on host {self.a.host}")
 
     def keep(self, c: Ctx, obj: Obj) -> dict[str, Any]:
@@ -52,13 +64,17 @@ class NetworkReconciler(PerHostReconciler):
         from fusuma.network.manager import NetworkManager
 
         name = obj["metadata"]["name"]
+        spec = obj.get("spec") or {}
         mgr = NetworkManager(c.paths, c.db)
+        mtu = network_mtu(self.a, spec)
+        changed = mgr.set_mtu(name, mtu)
         if mgr.status(name).state != "up":
             mgr.ensure(name)
         done = span.attach(name, c.db.network(name).bridge,
                            ifnames.span_table_name(c.paths.cgroup_prefix, name),
-                           int((obj.get("spec") or {}).get("vni") or 0), self.a.address,
-                           peers(self.a))
+                           int(spec.get("vni") or 0), self.a.address, peers(self.a), mtu)
+        if changed:
+            done.insert(0, f"MTU {mtu}")
         if done:
             LOG.info("network %s on host %s: %s", name, self.a.host, ", ".join(done))
         return {"ready": True}

@@ -98,19 +98,25 @@ set_hostname() {
 # NICs on fusuma's networks (fusuma.net=dhcp on the command line): every ethN asks
 # DHCP (busybox udhcpc; the managed network's dnsmasq gives the address fusuma
 # recorded), in the background once it has a lease or has tried for a few seconds.
-# Without it, eth0 is QEMU's user-mode NIC, whose address is always the same.
+# It asks for the interface MTU too (option 26: a network spanning hosts has the
+# VXLAN's 50 bytes less than 1500) and applies it. Without fusuma.net=dhcp, eth0 is
+# QEMU's user-mode NIC, whose address is always the same.
 UDHCPC_SCRIPT=/run/fusuma-udhcpc.sh
 
 write_udhcpc_script() {
     mkdir -p /run
     cat > "$UDHCPC_SCRIPT" <<'EOS'
 #!/bin/sh
-# udhcpc's events: $interface, $ip, $mask (prefix length), $router, $dns, $domain.
+# udhcpc's events: $interface, $ip, $mask (prefix length), $router, $dns, $domain,
+# $mtu (when the server sends option 26).
 case "$1" in
     deconfig)
         ip -4 addr flush dev "$interface"
         ip link set "$interface" up ;;
     bound|renew)
+        if [ -n "$mtu" ]; then
+            ip link set dev "$interface" mtu "$mtu"
+        fi
         ip addr replace "$ip/${mask:-24}" dev "$interface"
         if [ -n "$router" ] && ! ip route | grep -q '^default'; then
             ip route add default via "${router%% *}" dev "$interface"
@@ -131,7 +137,7 @@ dhcp_up() {
         [ -e "$d" ] || continue
         ifc=${d##*/}
         ip link set "$ifc" up
-        udhcpc -i "$ifc" -s "$UDHCPC_SCRIPT" -b -t 5 -T 1 -A 1 \
+        udhcpc -i "$ifc" -s "$UDHCPC_SCRIPT" -b -t 5 -T 1 -A 1 -O mtu \
             -x "hostname:$(hostname)" >/dev/null 2>&1 ||
             echo "fusuma-guest: no DHCP on $ifc" >&2
     done

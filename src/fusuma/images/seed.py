@@ -44,6 +44,8 @@ class Seed:
     ssh_keys: tuple[str, ...] = ()
     user_data: str | None = None
     macs: tuple[str, ...] = ()       # the VM's NICs on fusuma's networks
+    # MAC -> MTU of those whose network's is not 1500 (one spanning hosts)
+    mtus: tuple[tuple[str, int], ...] = ()
 
 
 def check_keys(lines: Sequence[str]) -> list[str]:
@@ -93,10 +95,14 @@ def user_data(seed: Seed) -> str:
 
 
 def network_config(seed: Seed) -> str | None:
-    """Version 2 network configuration: DHCP on each NIC, matched by MAC."""
+    """Version 2 network configuration: DHCP on each NIC, matched by MAC, and the
+    network's MTU where it is not 1500 (cloud-init sets it before DHCP; not every
+    guest's DHCP client applies option 26)."""
     if not seed.macs:
         return None
-    eth = {f"nic{i}": {"match": {"macaddress": mac}, "set-name": f"eth{i}", "dhcp4": True}
+    mtus = dict(seed.mtus)
+    eth = {f"nic{i}": {"match": {"macaddress": mac}, "set-name": f"eth{i}", "dhcp4": True,
+                       **({"mtu": mtus[mac]} if mac in mtus else {})}
            for i, mac in enumerate(seed.macs)}
     return json.dumps({"version": 2, "ethernets": eth}, indent=1) + "\n"
 
@@ -120,7 +126,8 @@ def load_inputs(path: Path) -> Seed:
         return Seed(instance_id=str(d["instance_id"]), hostname=str(d["hostname"]),
                     ssh_keys=tuple(str(k) for k in d.get("ssh_keys") or ()),
                     user_data=None if d.get("user_data") is None else str(d["user_data"]),
-                    macs=tuple(str(m) for m in d.get("macs") or ()))
+                    macs=tuple(str(m) for m in d.get("macs") or ()),
+                    mtus=tuple((str(m), int(v)) for m, v in d.get("mtus") or ()))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ImageError(f"cannot read the seed's inputs {path}: {exc}.") from exc
 

@@ -23,6 +23,16 @@ MAC_RE = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}\Z")
 # The user-mode network's NIC has QEMU's default MAC: never hand it out.
 USER_MODE_MAC = "52:54:00:12:34:56"
 MIN_PREFIX, MAX_PREFIX = 16, 29
+# A network's MTU: IPv6's minimum up to jumbo frames; Ethernet's own by default.
+MIN_MTU, MAX_MTU, DEFAULT_MTU = 1280, 9000, 1500
+
+
+def check_mtu(mtu: int) -> int:
+    """A network's MTU, or one sentence why not."""
+    if not MIN_MTU <= mtu <= MAX_MTU:
+        raise SpecError(f"MTU {mtu} is outside {MIN_MTU}-{MAX_MTU} (IPv6's minimum to "
+                        "jumbo frames); pick one in that range.")
+    return mtu
 
 
 @dataclass(frozen=True)

@@ -57,9 +57,13 @@ def user() -> str:
 
 
 def config(bridge: str, subnet: str, gateway: str, domain: str, files: Files,
-           run_as: str) -> list[tuple[str, str | None]]:
-    """The configuration file as (option, value) lines, in order."""
+           run_as: str, mtu: int = 1500) -> list[tuple[str, str | None]]:
+    """The configuration file as (option, value) lines, in order. A network whose MTU
+    is not Ethernet's 1500 (one spanning hosts: the VXLAN's headers take 50 bytes) tells
+    its guests with DHCP option 26, interface-mtu, sent whether asked for or not (as
+    Incus does): a guest that kept 1500 would send frames the VXLAN drops."""
     net = ipaddress.IPv4Network(subnet)
+    mtu_option = [("dhcp-option-force", f"26,{mtu}")] if mtu != 1500 else []
     return [
         ("keep-in-foreground", None),
         ("no-hosts", None),                  # not /etc/hosts: only this network's VMs
@@ -75,6 +79,7 @@ def config(bridge: str, subnet: str, gateway: str, domain: str, files: Files,
         ("dhcp-range", f"{net.network_address},static,{net.netmask},{LEASE_TIME}"),
         ("dhcp-option", f"option:router,{gateway}"),
         ("dhcp-option", f"option:dns-server,{gateway}"),
+        *mtu_option,
         ("dhcp-authoritative", None),
         ("dhcp-no-override", None),
         ("domain", domain),

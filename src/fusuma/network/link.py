@@ -103,6 +103,30 @@ def master(name: str) -> str | None:
     return None
 
 
+def mtu(name: str) -> int | None:
+    """Link ``name``'s MTU; None if there is no such link."""
+    for r in _show(name):
+        return int(r["mtu"])
+    return None
+
+
+def set_mtu(name: str, value: int) -> bool:
+    """Give link ``name`` MTU ``value``; True if it had another."""
+    if mtu(name) == value:
+        return False
+    ip("link", "set", "dev", name, "mtu", str(value))
+    return True
+
+
+def address_device(address: str) -> str | None:
+    """The link of this namespace that holds IPv4 address ``address``, if any."""
+    rows = json.loads(ip("-j", "-4", "addr", "show") or "[]")
+    for r in rows:
+        if any(a.get("local") == address for a in r.get("addr_info", [])):
+            return str(r["ifname"])
+    return None
+
+
 def links(prefix: str) -> list[str]:
     """This namespace's links whose names start with ``prefix``."""
     return sorted(str(r["ifname"]) for r in _show() if str(r.get("ifname", ""))
@@ -122,11 +146,13 @@ def sysctl(path: str, value: str) -> bool:
     return True
 
 
-def create_bridge(name: str, gateway_cidr: str | None) -> None:
-    """A bridge with the gateway's address, up. No IPv6 on it (fusuma's networks are
-    IPv4), and route_localnet, so the host's own connections to a loopback port forward
-    can leave through it (fusuma.network.nft drops the reverse, a VM reaching the host's
-    loopback)."""
+def create_bridge(name: str, gateway_cidr: str | None, mtu: int = 1500) -> None:
+    """A bridge with the gateway's address and MTU ``mtu``, up. No IPv6 on it (fusuma's
+    networks are IPv4), and route_localnet, so the host's own connections to a loopback
+    port forward can leave through it (fusuma.network.nft drops the reverse, a VM
+    reaching the host's loopback). The MTU is set once the bridge exists (so the kernel
+    counts it as the user's and does not lower it to its ports' minimum; fusuma gives
+    every port, taps and VXLAN, the same)."""
     ip("link", "add", name, "type", "bridge")
     try:
         sysctl(f"net/ipv6/conf/{name}/disable_ipv6", "1") if Path(
@@ -134,7 +160,7 @@ def create_bridge(name: str, gateway_cidr: str | None) -> None:
         if gateway_cidr is not None:
             sysctl(f"net/ipv4/conf/{name}/route_localnet", "1")
             ip("addr", "add", gateway_cidr, "dev", name)
-        ip("link", "set", name, "up")
+        ip("link", "set", name, "mtu", str(mtu), "up")
     except BaseException:
         delete_link(name)
         raise
@@ -154,9 +180,10 @@ def _ifreq(name: str, flags: int) -> bytes:
 
 def open_tap(name: str, queues: int, owner: int, bridge: str) -> list[int]:
     """Make tap ``name`` with ``queues`` queues, owned by uid ``owner``, as a port of
-    ``bridge``, up; return one descriptor per queue (close-on-exec: the caller passes
-    them to QEMU). A tap of that name that exists already is refused (IFF_TUN_EXCL):
-    another QEMU of the VM still holds it. On failure nothing stays open."""
+    ``bridge`` with the bridge's MTU, up; return one descriptor per queue
+    (close-on-exec: the caller passes them to QEMU). A tap of that name that exists
+    already is refused (IFF_TUN_EXCL): another QEMU of the VM still holds it. On
+    failure nothing stays open."""
     fds: list[int] = []
     try:
         for q in range(queues):
@@ -176,8 +203,8 @@ def open_tap(name: str, queues: int, owner: int, bridge: str) -> list[int]:
                 raise NetworkError(f"cannot make tap {name}: {exc.strerror}.") from exc
         fcntl.ioctl(fds[0], TUNSETOWNER, owner)
         fcntl.ioctl(fds[0], TUNSETGROUP, owner)
-        ip("link", "set", name, "master", bridge)
-        ip("link", "set", name, "up")
+        ip("link", "set", "dev", name, *(("mtu", str(m)) if (m := mtu(bridge)) else ()),
+           "master", bridge, "up")
     except BaseException:
         for fd in fds:
             os.close(fd)

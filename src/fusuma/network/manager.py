@@ -91,7 +91,7 @@ class NetworkStatus:
             gateway = str(addr.parse_subnet(r.subnet).gateway)
         return {"name": r.name, "type": r.type, "bridge": r.bridge, "subnet": r.subnet,
                 "gateway": gateway, "nat": r.nat, "isolated": r.isolated,
-                "filtering": r.filtering, "state": self.state,
+                "filtering": r.filtering, "mtu": r.mtu, "state": self.state,
                 "keeper_pid": self.keeper_pid, "dnsmasq_pid": self.dnsmasq_pid,
                 "vms": self.users}
 
@@ -122,8 +122,8 @@ class NetworkManager:
         raise ConflictError("no free /24 found in 10.100.0.0-10.199.255.0; give --subnet.")
 
     def check_create(self, name: str, type_: str, subnet: str | None, parent: str | None,
-                     nat: bool | None, isolated: bool, filtering: bool | None
-                     ) -> NetworkRecord:
+                     nat: bool | None, isolated: bool, filtering: bool | None,
+                     mtu: int | None = None) -> NetworkRecord:
         """Every refusal of ``create``, before anything changes; the record to make."""
         check_name("network", name)
         if type_ not in TYPES:
@@ -132,13 +132,15 @@ class NetworkManager:
             raise ConflictError(f"a network named {name!r} already exists.")
         if type_ == "bridged":
             given = [o for o, v in (("--subnet", subnet), ("--nat", nat),
-                                    ("--filtering", filtering)) if v]
+                                    ("--filtering", filtering),
+                                    ("--mtu", mtu is not None)) if v]
             if isolated:
                 given.append("--isolated")
             if given:
                 raise SpecError(f"network {name!r} is bridged: {', '.join(given)} belong "
                                 "to managed networks (a bridged one has no DHCP, NAT or "
-                                "filtering of fusuma's).")
+                                "filtering of fusuma's, and its bridge's MTU is the "
+                                "host's).")
             if not parent:
                 raise SpecError(f"bridged network {name!r} needs --parent BRIDGE, a bridge "
                                 "the host has (`ip link show type bridge`).")
@@ -152,10 +154,12 @@ class NetworkManager:
                 if other.bridge == parent:
                     raise ConflictError(f"bridge {parent} is network {other.name}'s "
                                         "already; attach VMs to that network.")
-            return NetworkRecord(name=name, type=type_, bridge=parent)
+            return NetworkRecord(name=name, type=type_, bridge=parent,
+                                 mtu=link.mtu(parent) or addr.DEFAULT_MTU)
         if parent:
             raise SpecError(f"network {name!r} is managed: fusuma makes its bridge; "
                             "--parent is for bridged networks.")
+        addr.check_mtu(addr.DEFAULT_MTU if mtu is None else mtu)
         nft.check_installed()
         dnsmasq.binary()
         routes = addr.host_routes()
@@ -169,13 +173,15 @@ class NetworkManager:
                                 "another network name.")
         return NetworkRecord(name=name, type=type_, bridge=bridge, subnet=sub.cidr,
                              nat=True if nat is None else nat, isolated=isolated,
-                             filtering=True if filtering is None else filtering)
+                             filtering=True if filtering is None else filtering,
+                             mtu=addr.DEFAULT_MTU if mtu is None else mtu)
 
     @locked
     def create(self, name: str, type_: str = "managed", *, subnet: str | None = None,
                parent: str | None = None, nat: bool | None = None,
-               isolated: bool = False, filtering: bool | None = None) -> NetworkRecord:
-        rec = self.check_create(name, type_, subnet, parent, nat, isolated, filtering)
+               isolated: bool = False, filtering: bool | None = None,
+               mtu: int | None = None) -> NetworkRecord:
+        rec = self.check_create(name, type_, subnet, parent, nat, isolated, filtering, mtu)
         with Reverter() as rev:
             self.db.add_network(rec)
             rev.add(lambda: self.db.remove_network(name), "record")
@@ -192,8 +198,10 @@ class NetworkManager:
         assert rec.subnet is not None
         sub = addr.parse_subnet(rec.subnet)
         if not link.exists(rec.bridge):
-            link.create_bridge(rec.bridge, sub.gateway_cidr())
+            link.create_bridge(rec.bridge, sub.gateway_cidr(), rec.mtu)
             done.append(f"bridge {rec.bridge}")
+        elif link.set_mtu(rec.bridge, rec.mtu):
+            done.append(f"MTU {rec.mtu} on {rec.bridge}")
         if rec.nat and link.sysctl("net/ipv4/ip_forward", "1"):
             self.notice("fusuma: notice: IPv4 forwarding was off; turned on "
                         "(net.ipv4.ip_forward = 1) for network "
@@ -245,6 +253,24 @@ class NetworkManager:
             return []
         return self._make_kernel(rec)
 
+    @locked
+    def set_mtu(self, name: str, mtu: int) -> bool:
+        """Give managed network ``name`` MTU ``mtu``: its record, its bridge and the taps
+        on it now, and dnsmasq's option (guests learn it at their next lease renewal);
+        True if it had another."""
+        rec = self.db.network(name)
+        addr.check_mtu(mtu)
+        if not rec.managed or rec.mtu == mtu:
+            return False
+        self.db.set_network_mtu(name, mtu)
+        if link.exists(rec.bridge):
+            link.set_mtu(rec.bridge, mtu)
+        for p in self.ports(name):
+            if link.exists(p.tap):
+                link.set_mtu(p.tap, mtu)
+        self.refresh(name)
+        return True
+
     # -- the kernel's side of NICs ----------------------------------------------------
     def managed_net(self, rec: NetworkRecord) -> nft.ManagedNet:
         assert rec.subnet is not None
@@ -293,7 +319,8 @@ class NetworkManager:
         f = self.files(rec.name)
         sub = addr.parse_subnet(rec.subnet)
         conf = dnsmasq.render_config(dnsmasq.config(
-            rec.bridge, rec.subnet, str(sub.gateway), rec.name, f, dnsmasq.user()))
+            rec.bridge, rec.subnet, str(sub.gateway), rec.name, f, dnsmasq.user(),
+            rec.mtu))
         hosts = dnsmasq.render_hosts([dnsmasq.Host(n.mac, n.ip, n.vm)
                                       for n in self.db.nics(network=rec.name) if n.ip])
         for path, text in ((f.conf, conf), (f.hosts, hosts)):
@@ -469,6 +496,13 @@ class NetworkManager:
             out.append(NicRecord(vm=vm, index=i, network=net.name, mac=mac, ip=ip))
         self.check_ports(vm, out, ports)
         return out
+
+    def nic_mtus(self, nics: Sequence[NicRecord]) -> list[tuple[str, int]]:
+        """(MAC, MTU) of the NICs on managed networks whose MTU is not 1500: what a
+        cloud-init guest's network-config sets (fusuma.images.seed)."""
+        mtus = {n.name: n.mtu for n in self.db.networks() if n.managed}
+        return [(n.mac, mtus[n.network]) for n in nics
+                if mtus.get(n.network, addr.DEFAULT_MTU) != addr.DEFAULT_MTU]
 
     def check_ports(self, vm: str, nics: Sequence[NicRecord], ports: Sequence[str]) -> None:
         mine = [addr.parse_forward(p) for p in ports]

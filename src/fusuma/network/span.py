@@ -22,10 +22,18 @@ learn every host's VMs; per-host dnsmasqs with disjoint ranges would change a mo
 VM's address. Addresses stay unique across hosts because they are allocated cluster
 wide (fusuma.cluster: the FusumaVM's NIC asks for one, or the cluster picks it).
 
+**MTU.** The VXLAN's 50 bytes of headers (outer Ethernet, IPv4, UDP, VXLAN) must fit
+in the uplink's MTU (the link that holds the host's cluster address), so the network's
+MTU is at most the uplink's minus 50: 1450 on a 1500-byte uplink (:func:`span_mtu`,
+the default of a FusumaNetwork; a larger one is refused). The bridge, its taps and the
+VXLAN port all get the network's MTU, and the guests are told it: dnsmasq sends DHCP
+option 26 (fusuma.network.dnsmasq), fusuma's images apply it (udhcpc), cloud-init
+guests get it in their network-config. Without that, a guest would send 1500-byte
+frames that the VXLAN drops: pings pass, full-size TCP segments between hosts never
+arrive. An uplink of 1550 or more carries full 1500-byte frames.
+
 The price: a host's own stack reaches only the VMs that run on it (its ARP for a VM on
-another host never crosses), and the VXLAN's 50 bytes of headers lower the bridge's MTU
-to the uplink's minus 50 (the guests are not told: keep the uplink's MTU >= 1550 for
-full-size frames).
+another host never crosses).
 """
 
 from __future__ import annotations
@@ -33,10 +41,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from fusuma.errors import NetworkError
-from fusuma.network import ifnames, link, nft
+from fusuma.errors import NetworkError, SpecError
+from fusuma.network import addr, ifnames, link, nft
 
 VXLAN_PORT = 4789
+# Outer Ethernet (14), IPv4 (20), UDP (8) and VXLAN (8) headers.
+VXLAN_OVERHEAD = 50
 ZERO_MAC = "00:00:00:00:00:00"
 MAX_VNI = 2**24 - 1
 
@@ -52,6 +62,35 @@ def gateway_mac(vni: int) -> str:
     administered, unicast, the same on every host."""
     check_vni(vni)
     return "02:66:7a:" + ":".join(f"{(vni >> s) & 0xff:02x}" for s in (16, 8, 0))
+
+
+def uplink(local: str) -> tuple[str, int]:
+    """The link that holds ``local`` (the host's cluster address) and its MTU."""
+    dev = link.address_device(local)
+    mtu = link.mtu(dev) if dev else None
+    if dev is None or mtu is None:
+        raise NetworkError(f"no interface of this host has address {local}, the host's "
+                           "cluster address; the network cannot span hosts from it.")
+    return dev, mtu
+
+
+def span_mtu(uplink_dev: str, uplink_mtu: int, want: int | None = None) -> int:
+    """The MTU of a network spanning hosts over ``uplink_dev`` (MTU ``uplink_mtu``):
+    ``want``, or the most the uplink carries after the VXLAN's headers; one sentence
+    if that does not fit."""
+    most = uplink_mtu - VXLAN_OVERHEAD
+    if want is None:
+        if most < addr.MIN_MTU:
+            raise SpecError(f"uplink {uplink_dev}'s MTU {uplink_mtu} leaves {most} after "
+                            f"the VXLAN's {VXLAN_OVERHEAD} bytes of headers, below "
+                            f"{addr.MIN_MTU}; raise its MTU.")
+        return min(most, addr.MAX_MTU)
+    addr.check_mtu(want)
+    if want > most:
+        raise SpecError(f"MTU {want} is more than uplink {uplink_dev} (MTU {uplink_mtu}) "
+                        f"carries after the VXLAN's {VXLAN_OVERHEAD} bytes of headers; "
+                        f"give at most {most} or raise {uplink_dev}'s MTU.")
+    return want
 
 
 def span_table(table: str, vxlan: str, gw_mac: str) -> nft.Table:
@@ -81,11 +120,13 @@ def flood_peers(vxlan: str) -> set[str]:
 
 
 def attach(network: str, bridge: str, table: str, vni: int, local: str,
-           peers: Sequence[str]) -> list[str]:
-    """Make ``bridge`` (network ``network``'s, managed, up) a part of the segment with
-    VXLAN id ``vni``: its gateway MAC, a VXLAN port from ``local`` flooding to
-    ``peers``, the span table (named ``table``). Idempotent; returns what changed."""
+           peers: Sequence[str], mtu: int = addr.DEFAULT_MTU) -> list[str]:
+    """Make ``bridge`` (network ``network``'s, managed, up, MTU ``mtu``) a part of the
+    segment with VXLAN id ``vni``: its gateway MAC, a VXLAN port from ``local``
+    flooding to ``peers`` with MTU ``mtu`` (refused if the uplink cannot carry it), the
+    span table (named ``table``). Idempotent; returns what changed."""
     check_vni(vni)
+    span_mtu(*uplink(local), mtu)
     vx = ifnames.vxlan_name(network)
     mac = gateway_mac(vni)
     done = []
@@ -96,9 +137,11 @@ def attach(network: str, bridge: str, table: str, vni: int, local: str,
                                f"{info.get('local')}, not {vni} from {local}; remove it "
                                f"(`ip link del {vx}`).")
     else:
-        link.ip("link", "add", vx, "type", "vxlan", "id", str(vni), "local", local,
-                "dstport", str(VXLAN_PORT))
+        link.ip("link", "add", vx, "mtu", str(mtu), "type", "vxlan", "id", str(vni),
+                "local", local, "dstport", str(VXLAN_PORT))
         done.append(f"VXLAN {vx} (id {vni})")
+    if link.set_mtu(vx, mtu):
+        done.append(f"MTU {mtu} on {vx}")
     if done or ("bridge", table) not in nft.tables():
         nft.apply([span_table(table, vx, mac)])
         done.append(f"table {table}")

@@ -24,7 +24,8 @@ class NetworkTables:
                              subnet=row["subnet"], nat=bool(row["nat"]),
                              isolated=bool(row["isolated"]),
                              filtering=bool(row["filtering"]),
-                             keeper_pid=row["keeper_pid"], created_at=row["created_at"])
+                             keeper_pid=row["keeper_pid"], created_at=row["created_at"],
+                             mtu=row["mtu"])
 
     def networks(self) -> list[NetworkRecord]:
         rows = self._conn.execute("SELECT * FROM networks ORDER BY name").fetchall()
@@ -46,14 +47,17 @@ class NetworkTables:
         try:
             self._conn.execute(
                 "INSERT INTO networks (name, type, bridge, subnet, nat, isolated, "
-                "filtering, keeper_pid, created_at) VALUES (?,?,?,?,?,?,?,?,?)",
+                "filtering, keeper_pid, created_at, mtu) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (n.name, n.type, n.bridge, n.subnet, int(n.nat), int(n.isolated),
-                 int(n.filtering), n.keeper_pid, n.created_at))
+                 int(n.filtering), n.keeper_pid, n.created_at, n.mtu))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a network named {n.name!r} (or one on bridge "
                                 f"{n.bridge}) already exists.") from exc
         self.emit("lifecycle", "network-created", f"/1.0/networks/{n.name}",
                   type=n.type, bridge=n.bridge)
+
+    def set_network_mtu(self, name: str, mtu: int) -> None:
+        self._conn.execute("UPDATE networks SET mtu=? WHERE name=?", (mtu, name))
 
     def set_keeper_pid(self, name: str, pid: int | None) -> None:
         self._conn.execute("UPDATE networks SET keeper_pid=? WHERE name=?", (pid, name))

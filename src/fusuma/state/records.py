@@ -168,6 +168,7 @@ class NetworkRecord:
     filtering: bool = False
     keeper_pid: int | None = None
     created_at: float = field(default_factory=time.time)
+    mtu: int = 1500                  # the bridge's and its taps' (the guests are told)
 
     @property
     def managed(self) -> bool:

@@ -109,7 +109,8 @@ CREATE TABLE IF NOT EXISTS networks (
     isolated INTEGER NOT NULL DEFAULT 0,
     filtering INTEGER NOT NULL DEFAULT 0,
     keeper_pid INTEGER,              -- the supervisor of its dnsmasq
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    mtu INTEGER NOT NULL DEFAULT 1500  -- the bridge's, its taps' and its guests'
 );
 CREATE TABLE IF NOT EXISTS nics (
     vm TEXT NOT NULL REFERENCES vms(name) ON DELETE CASCADE,
@@ -169,6 +170,7 @@ ADDED_COLUMNS = (
     ("templates", "gid", "INTEGER"),
     ("templates", "networks", "TEXT NOT NULL DEFAULT '[]'"),
     ("vms", "boot", "TEXT NOT NULL DEFAULT 'kernel'"),
+    ("networks", "mtu", "INTEGER NOT NULL DEFAULT 1500"),
 )
 
 # One id is one record's: a VM's uid is no other VM's, a template's gid no other

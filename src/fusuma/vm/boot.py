@@ -62,8 +62,10 @@ def check_inputs(base: ImageRecord, disk_size: str | None,
 
 
 def prepare(paths: Paths, rec: VmRecord, base: ImageRecord, size: int | None,
-            keys: Sequence[str], user_data: str | None, macs: Sequence[str]) -> None:
-    """Make ``rec``'s thin disk, NVRAM (UEFI) and seed; on failure remove them."""
+            keys: Sequence[str], user_data: str | None, macs: Sequence[str],
+            mtus: Sequence[tuple[str, int]] = ()) -> None:
+    """Make ``rec``'s thin disk, NVRAM (UEFI) and seed (``mtus``: MAC -> MTU of the
+    NICs whose network's is not 1500); on failure remove them."""
     vdir = paths.vm_dir(rec.name)
     vdir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     try:
@@ -78,7 +80,7 @@ def prepare(paths: Paths, rec: VmRecord, base: ImageRecord, size: int | None,
             os.chmod(nvram, 0o600)
         said = seed.Seed(instance_id=f"{rec.name}-{uuid.uuid4().hex[:12]}",
                          hostname=rec.name, ssh_keys=tuple(keys), user_data=user_data,
-                         macs=tuple(macs))
+                         macs=tuple(macs), mtus=tuple(mtus))
         seed.write(said, seed_path(paths, rec.name))
         seed.save_inputs(said, paths.vm_dir(rec.name) / SEED_INPUTS)
     except BaseException:

@@ -140,7 +140,7 @@ class VmManager:
                                      [n.mac for n in nics])
             elif base is not None:
                 fwboot.prepare(self.paths, stored, base, disk_size, keys, spec.user_data,
-                               [n.mac for n in nics])
+                               [n.mac for n in nics], nets.nic_mtus(nics))
             for net in sorted({n.network for n in nics}):
                 nets.refresh(net)
         except BaseException:
