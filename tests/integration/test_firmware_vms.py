@@ -28,11 +28,12 @@ minute under TCG); the tests run against them in order:
 
    Then the destination QEMU of a zero-copy move of the UEFI guest is killed before the
    stream: the guest runs on in its QEMU, its data and NVRAM as they were.
-3. A template of the UEFI guest (on QEMU 10.0 by then) and two clones of it: each on
-   an overlay of its own on the template's read-only layer, with its own NVRAM and a
-   seed with a new instance id, for which cloud-init runs its per-instance steps again
-   (hostname, SSH host keys); the template's data and EFI variable in each; a clone
-   moved by copy; refusals; ``qemu-img check`` of the overlays and the layer.
+3. A template of the UEFI guest (on QEMU 10.0 by then) and two clones of it, running
+   at once: each on an overlay of its own on the template's read-only layer, with its
+   own NVRAM and a seed with a new instance id (the host's view); in the first,
+   cloud-init runs its per-instance steps again (hostname, SSH host keys) and the
+   template's data and EFI variable are there; it moves by copy; refusals;
+   ``qemu-img check`` of the overlays and the layer.
 4. The end: each guest stopped, ``qemu-img check`` finds its overlay clean, the variable
    is in the NVRAM file, the base's checksum is unchanged, and the image is deleted."""
 
@@ -417,10 +418,11 @@ def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_insta
         booted: Booted) -> None:
     """A template of the UEFI guest: it keeps the disk as it was (a read-only layer)
     and the NVRAM; two clones start from its RAM, each on an overlay of its own, with
-    its own NVRAM and seed; cloud-init runs its per-instance steps again for each new
-    instance id (hostname, new SSH host keys); the template's data and EFI variable
-    are in each; a clone moves by copy; the template is refused deletion while a clone
-    uses it; a clone's deletion removes its files; ``qemu-img check`` is clean."""
+    its own NVRAM and seed (its own instance id); in the first, cloud-init runs its
+    per-instance steps again for the new instance id (hostname, new SSH host keys) and
+    the template's data and EFI variable are there; it moves by copy; the template is
+    refused deletion while a clone uses it; a clone's deletion removes its files;
+    ``qemu-img check`` is clean."""
     host, token = booted.host, booted.token
     t_start = time.monotonic()
     home = host.home
@@ -452,10 +454,26 @@ def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_insta
     err = host.fail("vm", "create", "c3", "-p", "p0", "--template", "t", "--boot",
                     "bios").err
     assert "leave out --boot" in err and not (home / "vms" / "c3").exists()
+    assert ids["c1"] != ids["c2"]
     for c in clones_:
         host.run("vm", "start", c)
+    # Two QEMUs read the one layer and the one base; each its own overlay, NVRAM, and
+    # seed, which holds its own instance id.
+    pids = {c: host.vm(c)["pid"] for c in clones_}
+    assert pids["c1"] != pids["c2"]
+    for c, pid in pids.items():
+        assert holds_inode(pid, layer.stat()) and holds_inode(pid, booted.base.stat())
+        for f in ("disk.qcow2", "nvram.fd", "seed.iso"):
+            assert holds_inode(pid, (home / "vms" / c / f).stat()), (c, f)
+        assert ids[c].encode() in (home / "vms" / c / "seed.iso").read_bytes(), c
+    # What c2 adds is the above (a second clone's own files and instance, beside the
+    # first): it stops now, so that c1's cloud-init has the core to itself. c1 shows
+    # the steps in the guest, which would be the same in c2 (two clones given their
+    # identities at once: tests/integration/test_templates.py).
+    host.run("vm", "stop", "c2", "--timeout", "60", timeout=120)
+    assert qemus_of("c2") == []
     deadline = time.monotonic() + 900
-    for c in clones_:
+    for c in clones_[:1]:
         ev = clone_ready(host, c, deadline)
         assert float(str(ev["restore_ms"])) < 5000, ev
         assert ev["error"] is None and ev["cloud_init_exit"] in (0, 1), ev
@@ -479,12 +497,6 @@ def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_insta
         assert marked(host, c) == f"{MARK}: OK"
         assert sh(host, c, f"cat {VAR} | tail -c +5") == f"FUSUMA-{token}"
         sh(host, c, f"echo {c}-{token} > {MARK}-clone && sync")
-    # Two QEMUs read the one layer and the one base; each its own overlay, NVRAM, seed.
-    pids = {c: host.vm(c)["pid"] for c in clones_}
-    for c, pid in pids.items():
-        assert holds_inode(pid, layer.stat()) and holds_inode(pid, booted.base.stat())
-        for f in ("disk.qcow2", "nvram.fd", "seed.iso"):
-            assert holds_inode(pid, (home / "vms" / c / f).stat()), (c, f)
     # A clone moves by copy (its RAM is private), with its files.
     host.run("migrate", "c1", "--to", "p1", "--mode", "copy", timeout=400)
     after = host.vm("c1")
@@ -496,7 +508,8 @@ def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_insta
     err = host.fail("template", "delete", "t").err
     assert "used by VM(s) c1, c2" in err, err
     for c in clones_:
-        host.run("vm", "stop", c, "--timeout", "60", timeout=120)
+        if host.vm(c)["state"] == "running":
+            host.run("vm", "stop", c, "--timeout", "60", timeout=120)
         check = subprocess.run(["qemu-img", "check", "-f", "qcow2",
                                 str(home / "vms" / c / "disk.qcow2")],
                                capture_output=True, text=True, timeout=120)
