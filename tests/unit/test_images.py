@@ -159,6 +159,7 @@ def test_digest_is_stable_and_changes_with_every_input() -> None:
         "scripts_sha256": "e" * 64,
         "rootfs": "bookworm http://deb.debian.org/debian apache2",
         "module_tree": True,
+        "pycs_zero_mtime": True,
     }
     assert set(changed) == {f.name for f in dataclasses.fields(base)}
     digests = {base.digest()}
@@ -168,12 +169,47 @@ def test_digest_is_stable_and_changes_with_every_input() -> None:
 
 
 def test_digest_of_a_kind_without_the_module_tree_is_what_it_was() -> None:
-    # Images cached before the field existed keep their names (no rebuild of them).
+    # Images cached before the fields existed keep their names (no rebuild of them).
     base = _inputs()
-    before = {k: v for k, v in dataclasses.asdict(base).items() if k != "module_tree"}
+    before = {k: v for k, v in dataclasses.asdict(base).items()
+              if k not in ("module_tree", "pycs_zero_mtime")}
     assert base.digest() == hashlib.sha256(
         json.dumps(before, sort_keys=True).encode()).hexdigest()
     assert [k.name for k in builder.KINDS.values() if k.module_tree] == ["debian-host"]
+    assert [k.name for k in builder.KINDS.values() if "python3" in k.packages] == \
+        ["debian-host"]
+
+
+def test_pycs_made_valid_for_a_root_whose_files_all_have_mtime_0(tmp_path: Path) -> None:
+    """What mkfs.erofs -T0 does to a root's mtimes: a pyc fresh for its source gets
+    mtime 0 and Python then uses it (no compile at import); a stale one is left."""
+    import py_compile
+    import sys
+
+    root = tmp_path / "root"
+    lib = root / "usr" / "lib" / "py"
+    lib.mkdir(parents=True)
+    for name in ("fresh", "stale"):
+        (lib / f"{name}.py").write_text(f"WHO = {name!r}\n")
+        os.utime(lib / f"{name}.py", (1_700_000_000, 1_700_000_000))
+        for opt in (-1, 1):
+            py_compile.compile(str(lib / f"{name}.py"), optimize=opt, doraise=True)
+    (lib / "stale.py").write_text("WHO = 'changed'\n")   # its pycs no longer match
+    stale = {p: p.read_bytes() for p in (lib / "__pycache__").glob("stale.*.pyc")}
+    assert builder._pycs_for_zero_mtimes(root) == 2
+    for p in (lib / "__pycache__").glob("fresh.*.pyc"):
+        assert p.read_bytes()[8:12] == bytes(4), p
+    assert {p: p.read_bytes() for p in stale} == stale
+    # The root as the guest sees it: every mtime 0, nothing writable for a new pyc.
+    for p in lib.iterdir():
+        if p.is_file():
+            os.utime(p, (0, 0))
+    run = subprocess.run([sys.executable, "-v", "-c", "import fresh, stale"],
+                         env={**os.environ, "PYTHONPATH": str(lib),
+                              "PYTHONDONTWRITEBYTECODE": "1"},
+                         capture_output=True, text=True, check=True)
+    assert f"matches {lib}/fresh.py" in run.stderr, run.stderr[-2000:]
+    assert "bytecode is stale for 'stale'" in run.stderr, run.stderr[-2000:]
 
 
 @pytest.mark.skipif(shutil.which("depmod") is None, reason="needs kmod's depmod")

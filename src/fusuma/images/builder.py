@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -135,7 +136,7 @@ class GuestImage:
 
 
 # Inputs added after images were cached (see Inputs.digest).
-_LATER_FIELDS = ("module_tree",)
+_LATER_FIELDS = ("module_tree", "pycs_zero_mtime")
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,9 @@ class Inputs:
     rootfs: str = ""            # debian kind: "suite mirror pkg,pkg,..."
     builder_version: int = BUILDER_VERSION
     module_tree: bool = False   # ImageKind.module_tree
+    # Debian's byte-compiled Python modules made valid for the erofs root (whose files
+    # all have mtime 0): the kinds with python3 (see _pycs_for_zero_mtimes).
+    pycs_zero_mtime: bool = False
 
     def digest(self) -> str:
         fields = asdict(self)
@@ -306,7 +310,8 @@ def _inputs(spec: ImageKind, debs: Path,
         shutdown_sha256=hashlib.sha256(guest_script("shutdown.sh")).hexdigest(),
         probe_sha256=guest.source_sha256(),
         modules=spec.modules, append=spec.append,
-        scripts_sha256=scripts.hexdigest(), rootfs=rootfs, module_tree=spec.module_tree)
+        scripts_sha256=scripts.hexdigest(), rootfs=rootfs, module_tree=spec.module_tree,
+        pycs_zero_mtime="python3" in spec.packages)
     return inputs, deb
 
 
@@ -429,6 +434,36 @@ _DEBIAN_PRUNE = ("var/cache/apt/archives", "var/lib/apt/lists", "var/cache/apt",
                  "var/cache/debconf", "var/log")
 
 
+def _pycs_for_zero_mtimes(root: Path) -> int:
+    """Make the byte-compiled Python modules under ``root`` valid in its erofs image,
+    where every file has mtime 0 (``mkfs.erofs -T0``). A ``.pyc`` records its source's
+    mtime and size; one that no longer matches is compiled again at every import, and
+    a read-only root cannot keep the new one: under TCG that costs each Python program
+    in the guest seconds. A ``.pyc`` that matches its source here gets mtime 0; the
+    others (stale already, hash-based, or with no source) are left as they are.
+    Returns how many were rewritten."""
+    n = 0
+    for pyc in root.rglob("__pycache__/*.pyc"):
+        # __pycache__/NAME.cpython-311[.opt-1].pyc is the code of ./NAME.py
+        src = pyc.parent.parent / (pyc.name.split(".", 1)[0] + ".py")
+        try:
+            st = src.lstat()
+            head = pyc.read_bytes()[:16]
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or pyc.is_symlink() or len(head) < 16:
+            continue
+        flags, mtime, size = (int.from_bytes(head[i:i + 4], "little") for i in (4, 8, 12))
+        if flags != 0 or (mtime, size) != (int(st.st_mtime) & 0xFFFFFFFF,
+                                           st.st_size & 0xFFFFFFFF):
+            continue
+        with open(pyc, "r+b") as f:
+            f.seek(8)
+            f.write(bytes(4))
+        n += 1
+    return n
+
+
 def _debian(spec: ImageKind, inputs: Inputs, moddir: Path, digest: str, tmp: Path,
             say: Progress) -> Tree:
     """Bootstrap Debian into ``tmp/rootfs``, write ``tmp/root.erofs`` from it and
@@ -479,6 +514,9 @@ def _debian(spec: ImageKind, inputs: Inputs, moddir: Path, digest: str, tmp: Pat
         (rootfs / "fusuma/bin" / applet).symlink_to("busybox")
     _write(rootfs / "fusuma/lib.sh", guest_script("lib.sh"), 0o644)
     _write(rootfs / "fusuma/init", guest_script(spec.init), 0o755)
+    fixed = _pycs_for_zero_mtimes(rootfs)
+    if fixed:
+        say(f"{fixed} byte-compiled Python modules made valid for the erofs root")
     say("writing root.erofs from Debian's root")
     erofs.make_image(rootfs, tmp / "root.erofs", label="debian-root")
 
