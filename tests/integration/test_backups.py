@@ -19,6 +19,8 @@ p0. In order:
 - the supervisor killed (kill -9) during a backup's copy: no point with a manifest is
   left half-made, the guest's data is intact, ``ps`` is true, and the chain's next
   incremental backup works (QEMU holds nothing of the dead one, its bitmap is kept);
+- a backup into a storage directory whose filesystem fills: one sentence, no point
+  left, the guest thawed and running on in the same QEMU;
 - the VM's QEMU killed during a backup's copy: the backup fails in one sentence and
   leaves no point, ``ps`` says crashed and no QEMU runs, the guest's files read back
   from the disk; started again (no boot awaited), a full backup works (a new chain:
@@ -99,6 +101,10 @@ def guest(module_host: Host) -> Iterator[Host]:
 
 def backups(host: Host) -> Path:
     return host.home / "backups"
+
+
+def listing(d: Path) -> list[str]:
+    return sorted(os.listdir(d)) if d.exists() else []
 
 
 def test_bad_input_is_one_sentence_and_changes_nothing(guest: Host) -> None:
@@ -304,6 +310,38 @@ def test_supervisor_killed_during_a_backup(guest: Host) -> None:
     assert (inc["point"], inc["kind"]) == (3, "incremental")
     qemu_check(backups(host) / "nightly" / "0003" / "boot.qcow2")
     TIMES["kill case"] = time.monotonic() - t0
+
+
+def test_a_full_disk_during_a_backup_is_one_sentence_and_the_vm_runs_on(
+        guest: Host, tmp_path: Path) -> None:
+    """A backup into a storage directory on a filesystem too small for it (a 4 MiB
+    tmpfs): one sentence, no point left, the guest thawed and running in the same QEMU
+    with its job released, and the chain in FUSUMA_HOME untouched."""
+    host = guest
+    t0 = time.monotonic()
+    small = tmp_path / "small"
+    small.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "fusuma-test-full",
+                    str(small)], check=True)
+    try:
+        host.run("storage", "add", str(small))
+        pid = host.vm(VM)["pid"]
+        nightly = listing(backups(host) / "nightly")
+        line = one_sentence(host.fail("vm", "backup", VM, str(small / "b")).err)
+        assert "filled its filesystem" in line and str(small / "b") in line, line
+        assert "nothing of it was kept and the VM runs on" in line, line
+        # Nothing half-made: no point, no chain; the VM as it was, thawed.
+        assert not (small / "b").exists() or os.listdir(small / "b") == [], \
+            os.listdir(small / "b")
+        v = host.vm(VM)
+        assert (v["state"], v["pid"], v["job"]) == ("running", pid, None), v
+        assert qemus_of(VM) == [pid]
+        sh(host, VM, f"touch {MARK}-after-full && sync")
+        assert listing(backups(host) / "nightly") == nightly
+        host.run("storage", "remove", str(small))
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+    TIMES["full disk"] = time.monotonic() - t0
 
 
 def test_qemu_killed_during_a_backup(guest: Host, tmp_path: Path) -> None:

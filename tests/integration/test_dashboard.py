@@ -10,7 +10,9 @@ taken here."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import shutil
 import struct
 import time
 import zlib
@@ -31,6 +33,9 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update"]
 WIDE: ViewportSize = {"width": 1280, "height": 800}
 PHONE: ViewportSize = {"width": 390, "height": 844}
+# Screenshots land in test-output/; the docs' copies are refreshed only when asked
+# (FUSUMA_UPDATE_DOCS=1), so that a test run leaves the work tree as it found it.
+SHOTS = REPO / "test-output"
 DOCS = REPO / "docs"
 # p1's budget holds its supervisor (64 MiB) and one VM's QEMU (96 MiB under KVM, 128
 # under TCG; guest RAM is admitted host-wide), but not a second QEMU: a full partition
@@ -77,6 +82,15 @@ def login(page: Page, url: str, token: str) -> None:
     page.fill("#token", token)
     page.click("#login-submit")
     expect(page).to_have_url(url + "/")
+
+
+def shot(page: Page, name: str) -> None:
+    """A full-page screenshot into test-output/ (and the docs' copy when asked)."""
+    SHOTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(SHOTS / name), full_page=True)
+    assert (SHOTS / name).stat().st_size > 0
+    if os.environ.get("FUSUMA_UPDATE_DOCS") == "1":
+        shutil.copyfile(SHOTS / name, DOCS / name)
 
 
 def no_overflow(page: Page) -> None:
@@ -135,12 +149,12 @@ def test_dashboard_live(host: Host) -> None:
             page.wait_for_selector('tr[data-vm="v1"] svg.spark.cpu polyline', timeout=20000)
             expect(page.locator("#live")).to_have_attribute("data-live", "live")
             no_overflow(page)
-            page.screenshot(path=str(DOCS / "dashboard-1280.png"), full_page=True)
+            shot(page, "dashboard-1280.png")
             page.set_viewport_size(PHONE)
             expect(page.locator('#vms tr[data-vm="v0"] td').first).to_have_css(
                 "display", "flex")
             no_overflow(page)
-            page.screenshot(path=str(DOCS / "dashboard-390.png"), full_page=True)
+            shot(page, "dashboard-390.png")
             page.set_viewport_size(WIDE)
 
             _refused_move(api, token, page, console)

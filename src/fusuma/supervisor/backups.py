@@ -140,12 +140,30 @@ async def _drop_bitmaps(inst: QemuInstance, drive_ids: list[str], keep: str | No
 
 
 async def _wait(h: PartitionHost, inst: QemuInstance, vm: str,
-                targets: list[Target]) -> None:
+                targets: list[Target], chain_dir: Path) -> None:
     """Wait for every job to end, writing its progress into the job's phase; one
-    sentence if one failed."""
-    await block.wait(inst.qmp, [t.job for t in targets], COPY_S, "the backup",
-                     progress=lambda done, total: h.phase(vm, "copy", done=done,
-                                                          total=total))
+    sentence if one failed (the full filesystem named, with its free room)."""
+    try:
+        await block.wait(inst.qmp, [t.job for t in targets], COPY_S, "the backup",
+                         progress=lambda done, total: h.phase(vm, "copy", done=done,
+                                                              total=total))
+    except block.JobFailed as exc:
+        if "No space left" not in exc.error:
+            raise
+        raise StateError(full_sentence(vm, chain_dir)) from exc
+
+
+def full_sentence(vm: str, chain_dir: Path) -> str:
+    """What a user reads when the filesystem of a backup's destination filled."""
+    try:
+        st = os.statvfs(chain_dir.parent)
+        free = f" ({st.f_bavail * st.f_frsize // 2**20} MiB free of " \
+               f"{st.f_blocks * st.f_frsize // 2**20} MiB)"
+    except OSError:
+        free = ""
+    return (f"VM {vm!r}: the backup into {chain_dir} filled its filesystem{free}; "
+            "nothing of it was kept and the VM runs on: free room there, or back up "
+            "to another directory.")
 
 
 async def backup(h: PartitionHost, req: rpc.Backup) -> rpc.BackedUp:
@@ -211,7 +229,7 @@ async def _backup(h: PartitionHost, rec: VmRecord, inst: QemuInstance,
             finally:
                 if frozen:
                     await freeze.thaw(h, inst)
-        await _wait(h, inst, vm, targets)
+        await _wait(h, inst, vm, targets, chain_dir)
         await _detach(inst, [t.node for t in targets])
         h.phase(vm, "checksum")
         entries = []

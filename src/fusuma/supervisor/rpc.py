@@ -517,9 +517,11 @@ def _hints(cls: type[Any]) -> dict[str, Any]:
     return _HINTS[cls]
 
 
-def _value(value: Any, kind: Any, where: str) -> Any:
+def _value(value: Any, kind: Any, where: str, strict: bool) -> Any:
     """``value`` as ``kind`` (a field's annotation: str, int, float, bool, None, unions
     of them, list[X], dict[str, X], Any, or a dataclass of this module), or _Invalid.
+    ``strict``: a field the dataclass does not have is refused (requests), else left
+    out (replies).
     Checked by hand, not by a validation library: a move's replies are decoded in its
     downtime, on the cores its QEMUs share."""
     origin = typing.get_origin(kind)
@@ -528,7 +530,7 @@ def _value(value: Any, kind: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(kind):
             try:
-                return _value(value, option, where)
+                return _value(value, option, where, strict)
             except _Invalid:
                 continue
         raise _Invalid(where, f"{value!r} is none of {kind}")
@@ -540,14 +542,14 @@ def _value(value: Any, kind: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise _Invalid(where, "expected a list")
         (item,) = typing.get_args(kind)
-        return [_value(v, item, f"{where}.{i}") for i, v in enumerate(value)]
+        return [_value(v, item, f"{where}.{i}", strict) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise _Invalid(where, "expected an object")
         _, item = typing.get_args(kind)
-        return {k: _value(v, item, f"{where}.{k}") for k, v in value.items()}
+        return {k: _value(v, item, f"{where}.{k}", strict) for k, v in value.items()}
     if dataclasses.is_dataclass(kind):
-        return _fields(typing.cast(type[Any], kind), value, where)
+        return _fields(typing.cast(type[Any], kind), value, where, strict)
     if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if kind in (str, int, bool) and type(value) is kind:
@@ -556,38 +558,67 @@ def _value(value: Any, kind: Any, where: str) -> Any:
                           f"{type(value).__name__}")
 
 
-def _fields(cls: type[Any], data: Any, where: str) -> Any:
+def _fields(cls: type[Any], data: Any, where: str, strict: bool) -> Any:
+    """A dataclass from ``data``. Fields compatible across versions of fusuma: a sender
+    leaves out what equals its default (``_wire``), so a field added later reaches an
+    older reader only when it is used. A request's field that this side does not know
+    is then refused (an older supervisor must not half-do what was asked); a reply's
+    is left out (a newer supervisor telling more)."""
     if not isinstance(data, dict):
         raise _Invalid(where or "(top)", "not an object")
     hints = _hints(cls)
     unknown = sorted(set(data) - set(hints))
-    if unknown:
-        raise ProtocolError(f"fields this fusuma does not know: {', '.join(unknown)}")
+    if unknown and strict:
+        raise ProtocolError(f"fields this supervisor does not know ({', '.join(unknown)})")
     args = {}
     for f in dataclasses.fields(cls):
         at = f"{where}.{f.name}" if where else f.name
         if f.name in data:
-            args[f.name] = _value(data[f.name], hints[f.name], at)
+            args[f.name] = _value(data[f.name], hints[f.name], at, strict)
         elif f.default is dataclasses.MISSING and \
                 f.default_factory is dataclasses.MISSING:
             raise _Invalid(at, "Field required")
     return cls(**args)
 
 
-def _load(cls: type[R], data: Any, what: str) -> R:
+def _load(cls: type[R], data: Any, what: str, strict: bool) -> R:
     if not isinstance(data, dict):
         raise ProtocolError(f"{what} is not an object.")
     try:
-        return typing.cast(R, _fields(typing.cast(type[Any], cls), data, ""))
+        return typing.cast(R, _fields(typing.cast(type[Any], cls), data, "", strict))
     except ProtocolError as exc:
         raise ProtocolError(f"{what} has {exc}.") from exc
     except _Invalid as exc:
         raise ProtocolError(f"{what}: {exc}.") from exc
 
 
+def _wire(obj: Any) -> dict[str, Any]:
+    """``obj``'s fields as sent: the ones equal to their default left out (see
+    ``_fields``)."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        if f.default_factory is not dataclasses.MISSING and value == f.default_factory():
+            continue
+        out[f.name] = _plain(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _wire(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 def encode_request(req: Request[Any]) -> bytes:
     return json.dumps({"v": PROTOCOL_VERSION, "request": req.OP,
-                       "args": dataclasses.asdict(typing.cast(Any, req))}).encode() + b"\n"
+                       "args": _wire(req)}).encode() + b"\n"
 
 
 def decode_request(line: bytes) -> Request[Any]:
@@ -608,7 +639,14 @@ def decode_request(line: bytes) -> Request[Any]:
     cls = REQUESTS.get(str(name))
     if cls is None:
         raise ProtocolError(f"unknown supervisor request {name!r}.")
-    return _load(cls, msg.get("args") or {}, f"request {name!r}")
+    try:
+        return _load(cls, msg.get("args") or {}, f"request {name!r}", True)
+    except ProtocolError as exc:
+        if "does not know" not in str(exc):
+            raise
+        raise ProtocolError(f"{str(exc).rstrip('.')}: it was started by an "
+                            "older fusuma; restart it with `fusuma partition restart` "
+                            "(its VMs keep running).") from exc
 
 
 def encode_reply(result: Any) -> bytes:
@@ -644,4 +682,4 @@ def decode_reply(req: Request[R], line: bytes, partition: str) -> R:
             cls = errors.FusumaError
         raise cls(str(msg.get("error") or "the supervisor reported an unknown error"))
     return _load(typing.cast(type[R], reply_type(type(req))), msg.get("result"),
-                 f"the reply of partition {partition!r} to {req.OP!r}")
+                 f"the reply of partition {partition!r} to {req.OP!r}", False)
