@@ -60,10 +60,12 @@ def _text(st: dict[str, Any]) -> str:
                         if mem["errors"] else ""))
         mrows = [[v["name"], str(v.get("class") or "-"), str(v.get("floor_mib") or "-"),
                   str(v.get("ram_mib") or "-"), str(v["balloon_mib"]),
+                  str(v.get("balloon_actual_mib") or "-"),
                   _fmt(v.get("resident_mib"))] for v in mem["vms"]]
         if mrows:
             lines.append(table(mrows, ["vm", "mem_class", "floor_mib", "ram_mib",
-                                       "balloon_mib", "resident_mib"]))
+                                       "balloon_mib", "balloon_now_mib",
+                                       "resident_mib"]))
     decisions = sorted([*st["decisions"], *(mem or {}).get("decisions", [])],
                        key=lambda d: d["at"])
     lines.append("")

@@ -10,8 +10,10 @@ hands whole blocks back) or to drop its caches. Each change is kept with its rea
 numbers (``governor status``).
 
 The host's target of free memory is half of what fusuma keeps for the host itself
-(``HostInfo.memory_reserved_mib``), at least 256 MiB: the governor starts taking memory
-back well before the kernel would have to.
+(``HostInfo.memory_reserved_mib``), at least 256 MiB (``FUSUMA_MEMORY_TARGET_FREE_MIB``
+sets another): the governor starts taking memory back well before the kernel would
+have to. Each tick it also asks QEMU where each burstable VM's balloon stands
+(``balloon_actual_mib`` in the status: what the guest has given so far).
 
 A supervisor that starts (or restarts, re-adopting running VMs) reads each VM's balloon
 size from QEMU (``query-balloon``) before it decides anything, so a governor killed
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -80,6 +83,10 @@ def memory_psi(path: Path = Path("/proc/pressure/memory")) -> float | None:
 
 
 def target_free_mib(reserved_mib: int) -> float:
+    """Half of what fusuma keeps for the host, at least 256 MiB; FUSUMA_MEMORY_TARGET_
+    FREE_MIB sets another (a test makes the host look short with a huge one)."""
+    with contextlib.suppress(KeyError, ValueError):
+        return float(os.environ["FUSUMA_MEMORY_TARGET_FREE_MIB"])
     return float(max(256, reserved_mib // 2))
 
 
@@ -118,6 +125,7 @@ class MemoryGovernor(Ticking):
         self.state = MemState()
         self.fails: dict[str, float] = {}
         self.seen: dict[str, MemVm] = {}
+        self.actual: dict[str, int | None] = {}   # balloon sizes QEMU reports
         self.host: HostMemory | None = None
         self.decisions: deque[Decision] = deque(maxlen=HISTORY)
         self.ticks = 0
@@ -194,6 +202,12 @@ class MemoryGovernor(Ticking):
         new, self.state, decisions = decide(vms, old, self.state, host, self.th, time.time())
         self.controls = new
         self.seen = {v.name: v for v in vms}
+        for v in vms:
+            if v.burstable and v.balloon:
+                with contextlib.suppress(Exception):
+                    self.actual[v.name] = await self.actions.balloon_now(v.name)
+        for gone in set(self.actual) - set(self.seen):
+            self.actual.pop(gone, None)
         self.host = host
         for d in decisions:
             self.log.info("%s %s: %s", d.vm, d.action, d.reason)
@@ -222,6 +236,7 @@ class MemoryGovernor(Ticking):
         for name in sorted(self.controls):
             v = self.seen.get(name)
             vms.append({"name": name, **self.controls[name].as_json(),
+                        "balloon_actual_mib": self.actual.get(name),
                         "class": v.memory_class if v else None,
                         "floor_mib": v.floor_mib if v else None,
                         "ram_mib": v.ram_mib if v else None,
