@@ -126,6 +126,7 @@ class MemoryGovernor(Ticking):
         self.fails: dict[str, float] = {}
         self.seen: dict[str, MemVm] = {}
         self.actual: dict[str, int | None] = {}   # balloon sizes QEMU reports
+        self._balloons: dict[tuple[str, str | None], bool] = {}
         self.host: HostMemory | None = None
         self.decisions: deque[Decision] = deque(maxlen=HISTORY)
         self.ticks = 0
@@ -137,7 +138,10 @@ class MemoryGovernor(Ticking):
     def _vm(self, rec: VmRecord, pid: int) -> MemVm:
         from fusuma import capacity
 
-        on = self.actions.has_balloon(rec)
+        key = (rec.name, rec.devices)
+        on = self._balloons.get(key)
+        if on is None:      # parsed once per device set, not at every tick
+            on = self._balloons[key] = self.actions.has_balloon(rec)
         floor = capacity.memory_floor(rec)
         if floor >= rec.memory_mib:
             # Never reclaimed: nothing to read (a clone's smaps walk costs milliseconds).
@@ -166,6 +170,7 @@ class MemoryGovernor(Ticking):
                if name in recs]
         for gone in set(self.fails) - {v.name for v in vms}:
             self.fails.pop(gone, None)
+        self._balloons = {k: on for k, on in self._balloons.items() if k[0] in recs}
         free = mem_available_mib()
         host = HostMemory(free if free is not None else float("inf"), self.target_free_mib,
                           memory_psi())
