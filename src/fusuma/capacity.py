@@ -569,12 +569,31 @@ def _copies_ram_file(rec: VmRecord, mode: str) -> bool:
     return mode == "copy" and rec.shared_ram
 
 
+def check_overcommit_move(db: Database, host: HostInfo, vms: Sequence[VmRecord],
+                          to: str) -> None:
+    """Refuse moving burstable VMs into a partition whose lower overcommit would admit
+    their RAM at more than the host holds (a move changes no guaranteed VM's figure)."""
+    moved = [v.with_(partition=to) for v in vms if memory_floor(v) < v.memory_mib]
+    if not moved:
+        return
+    need = host_now(db, adding=moved)
+    if need.total > host.memory_available_for_partitions_mib:
+        who = ", ".join(repr(v.name) for v in moved)
+        raise _host_refusal(f"moving {who} into partition {to!r} admits burstable RAM at "
+                            "that partition's memory overcommit "
+                            f"({overcommits(db).get(to, DEFAULT_OVERCOMMIT):g})", need, host,
+                            "raise that partition's overcommit or free memory first")
+
+
 def check_move(paths: Paths, db: Database, rec: VmRecord, to: str, mode: str,
                host: HostInfo | None = None) -> None:
     """Refuse a move of ``rec`` into partition ``to`` the destination cannot hold: room in
-    the partition for its new QEMU and, for a copy of shared RAM, a second RAM file on
-    the host and in the shm fs."""
+    the partition for its new QEMU, room on the host for a burstable VM's RAM at the
+    destination's overcommit and, for a copy of shared RAM, a second RAM file on the
+    host and in the shm fs."""
     check_partition_room(db, to, [rec], "move")
+    if host is not None:
+        check_overcommit_move(db, host, [rec], to)
     if _copies_ram_file(rec, mode):
         if host is not None:
             need = host_now(db, extra=[Term(f"{rec.name} RAM (second copy)", rec.memory_mib)])
@@ -598,6 +617,8 @@ def check_many(paths: Paths, db: Database, vms: Sequence[VmRecord], to: str,
     if not vms:
         return
     check_partition_room(db, to, vms, "move")
+    if host is not None:
+        check_overcommit_move(db, host, vms, to)
     modes = modes or {v.name: "zero-copy" if v.shared_ram else "copy" for v in vms}
     copies = [v for v in vms if _copies_ram_file(v, modes.get(v.name, "zero-copy"))]
     if copies:

@@ -219,3 +219,21 @@ def test_old_state_files_get_the_columns(tmp_path: Path) -> None:
     got = Database(tmp_path / "state.db")
     assert got.vm("g").memory_class == "guaranteed" and got.vm("g").memory_min is None
     assert got.partition("p0").memory_overcommit is None
+
+
+def test_a_move_into_a_lower_overcommit_is_refused_when_the_host_cannot_hold_it(
+        db: Database, tmp_path: Path) -> None:
+    paths = Paths(home=tmp_path / "home", runtime=tmp_path / "run", shm=tmp_path / "shm",
+                  cache=tmp_path / "cache", cgroup_prefix="t")
+    db.update_partition(PartitionRecord("p0", [0], 256, memory_overcommit=4.0))
+    db.add_vm(vm("b", mib=2048, floor=64))            # 64 + 496 at 4.0; 2048 at 1.0
+    db.add_vm(vm("g", mib=256))
+    capacity.check_move(paths, db, db.vm("g"), "p1", "zero-copy", HOST)
+    with pytest.raises(ResourceError) as info:
+        capacity.check_move(paths, db, db.vm("b"), "p1", "zero-copy", HOST)
+    assert str(info.value).startswith(
+        "moving 'b' into partition 'p1' admits burstable RAM at that partition's memory "
+        "overcommit (1): the host would need p0 256 + p1 256 + g RAM 256 + b burstable RAM "
+        "2048 = 2816 > 2048 MiB")
+    with pytest.raises(ResourceError, match="moving 'b' into partition 'p1'"):
+        capacity.check_many(paths, db, [db.vm("b")], "p1", host=HOST)
