@@ -44,12 +44,17 @@ class Plan:
     # Networks whose bridge, tables or dnsmasq are gone (a reboot, a killed keeper):
     # made again from their records.
     ensure_networks: list[str] = field(default_factory=list)
+    # The host's memory overcommit when the spec's differs from the host's now.
+    host_overcommit: float | None = None
+    # Partitions whose memory overcommit changes (None: the host's again).
+    overcommit_partitions: list[tuple[str, float | None]] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not (self.add_storage or self.create_partitions or self.resize_partitions
                     or self.add_disks or self.move_disks or self.create_vms or self.start_vms
                     or self.start_supervisors or self.installed or self.create_networks
-                    or self.ensure_networks)
+                    or self.ensure_networks or self.host_overcommit is not None
+                    or self.overcommit_partitions)
 
     def describe(self) -> list[str]:
         out = [f"install systemd unit {path}" for path in self.installed]
@@ -57,8 +62,13 @@ class Plan:
         out += [f"declare storage directory {d}" for d in self.add_storage]
         out += [f"create network {n.name} ({n.type})" for n in self.create_networks]
         out += [f"bring back network {n}" for n in self.ensure_networks]
+        if self.host_overcommit is not None:
+            out.append(f"set the host's memory overcommit to {self.host_overcommit:g}")
         out += [f"create partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
                 for p in self.create_partitions]
+        out += [f"set partition {n}'s memory overcommit to "
+                f"{'the host' + chr(39) + 's' if v is None else format(v, 'g')}"
+                for n, v in self.overcommit_partitions]
         out += [f"resize partition {p.name} (cores {p.cpus}, {p.memory_mib} MiB)"
                 for p, _ in self.resize_partitions]
         out += [f"add disk {d.name} ({d.path}) to {d.partition}" for d in self.add_disks]
@@ -72,7 +82,7 @@ def _vm_diff(db: Database, v: VmSpec) -> list[str]:
     cur = db.vm(v.name)
     diffs = []
     for key in ("partition", "vcpus", "memory_mib", "image", "disks", "accel", "shared_ram",
-                "qos"):
+                "qos", "memory_class", "memory_min"):
         a, b = getattr(cur, key), getattr(v, key)
         if a != b:
             diffs.append(f"{key} {a} -> {b}")
@@ -137,6 +147,14 @@ def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> 
                             f"not {ds.path}.")
         elif cur_d.partition != ds.partition:
             p.move_disks.append(ds)
+    from fusuma import capacity
+
+    if spec.host.memory_overcommit != capacity.host_overcommit(db):
+        p.host_overcommit = spec.host.memory_overcommit
+    for ps in spec.partition:
+        cur = db.find_partition(ps.name)
+        if cur is not None and cur.memory_overcommit != ps.memory_overcommit:
+            p.overcommit_partitions.append((ps.name, ps.memory_overcommit))
     for vs in spec.vm:
         cur_v = db.find_vm(vs.name)
         if cur_v is None:
@@ -218,6 +236,15 @@ def _up(db: Database, parts: PartitionManager, vms: VmManager, spec: HostSpec,
             progress(f"declaring storage directory {d}")
             parts.add_storage(d)
             rev.add(lambda d=d: parts.remove_storage(d))  # type: ignore[misc]
+        # Overcommits first: a raised one makes room for what the spec adds.
+        if the_plan.host_overcommit is not None:
+            progress(f"setting the host's memory overcommit to {the_plan.host_overcommit:g}")
+            was = parts.set_host_overcommit(the_plan.host_overcommit)
+            rev.add(lambda w=was: parts.set_host_overcommit(w))  # type: ignore[misc]
+        for pname, value in the_plan.overcommit_partitions:
+            was_p = db.partition(pname).memory_overcommit
+            parts.set_memory_overcommit(pname, value)
+            rev.add(lambda n=pname, w=was_p: parts.set_memory_overcommit(n, w))  # type: ignore[misc]
         # Two phases, so cores and memory can move between partitions in one spec:
         # first every partition gives up what it loses, then each takes what it gains.
         for phase in ("shrink", "grow"):

@@ -2,11 +2,15 @@
 
 A spec is a TOML file applied with ``fusuma up``::
 
+    [host]
+    # memory_overcommit = 1.0   # burstable VMs' RAM above their floors, see capacity
+
     [[partition]]
     name = "p0"
     cpus = "0"            # or [0, 1], or "0-3,6"
     memory_mib = 1024
     # io_weight = 100     # 1..10000, best effort
+    # memory_overcommit = 2.0   # default: the host's
     # qemu = "10.0"       # its hypervisor: a version (`fusuma qemu list`) or, from
     #                     # root's spec or CLI only, a binary's path
 
@@ -26,6 +30,8 @@ A spec is a TOML file applied with ``fusuma up``::
     memory_mib = 256
     disks = ["d0"]
     # qos = "burstable"   # guaranteed | burstable | best-effort
+    # memory_class = "burstable"   # guaranteed (default) | burstable
+    # memory_min = 128    # a burstable VM's floor, MiB
     # segments = ["tools", "debian-root:/"]   # NAME[:MOUNTPOINT], default /mnt/NAME
     # mergeable = false   # private RAM for KSM (copy migration only; see `share ksm`)
     # ports = ["8080:80"] # host 127.0.0.1:8080 -> guest tcp port 80; "0.0.0.0:8080:80"
@@ -62,7 +68,7 @@ from pydantic import (
 )
 
 from fusuma import capacity
-from fusuma.errors import SpecError
+from fusuma.errors import ResourceError, SpecError
 from fusuma.host.topology import HostInfo, format_cpulist, parse_cpulist, siblings_text
 from fusuma.names import NAME_HINT, NAME_PATTERN, NAME_RE
 from fusuma.names import check_name as check_name  # re-exported: older callers
@@ -89,6 +95,15 @@ def _name_field(v: str) -> str:
     return v
 
 
+def _overcommit_field(v: float | None) -> float | None:
+    if v is None:
+        return v
+    try:
+        return capacity.check_overcommit(v, "memory_overcommit")
+    except ResourceError as exc:
+        raise ValueError(str(exc).removeprefix("memory_overcommit: ").rstrip(".")) from exc
+
+
 class PartitionSpec(_Model):
     """A partition: exclusive cores, a memory limit, an I/O weight, its own supervisor."""
 
@@ -110,8 +125,13 @@ class PartitionSpec(_Model):
     smt: Literal["cores", "threads"] = "cores"
     """On an SMT host: `cores` hands out whole physical cores (the cpus listed plus
     their sibling threads); `threads` takes exactly the threads listed."""
+    memory_overcommit: float | None = None
+    """How far the guest RAM of its burstable VMs above their floors is overcommitted,
+    1.0 (none) to 16: each is admitted at its floor plus that RAM divided by this;
+    unset: the host's `memory_overcommit`."""
 
     _check_name = field_validator("name")(_name_field)
+    _check_overcommit = field_validator("memory_overcommit")(_overcommit_field)
 
     @field_validator("cpus", mode="before")
     @classmethod
@@ -272,6 +292,15 @@ class VmSpec(_Model):
     """The governor's CPU class: `guaranteed` (its vCPUs' worth of CPU reserved; a
     partition's guaranteed vCPUs may not exceed its cores), `burstable` (a weight, may
     use idle CPU) or `best-effort` (only otherwise idle CPU)."""
+    memory_class: Literal["guaranteed", "burstable"] = "guaranteed"
+    """The memory governor's class: `guaranteed` (its RAM admitted whole and never
+    reclaimed) or `burstable` (admitted at `memory_min` plus its RAM above that divided
+    by its partition's memory overcommit; what it holds above `memory_min` may be
+    reclaimed when the host runs short)."""
+    memory_min: Annotated[int, Field(ge=1)] | None = None
+    """A burstable VM's floor in MiB, at most `memory_mib`: RAM it is admitted at in
+    full and never reclaimed below (required for `burstable`, refused for
+    `guaranteed`)."""
     segments: list[str] = []
     """Shared read-only segments to attach, each `"NAME"` (mounted at /mnt/NAME with
     DAX) or `"NAME:/DIR"` (`fusuma segment`)."""
@@ -368,6 +397,18 @@ class VmSpec(_Model):
             seen.append(f)
         return v
 
+    @model_validator(mode="after")
+    def _memory_floor(self) -> VmSpec:
+        try:
+            capacity.check_memory_class(self.name, self.memory_mib, self.memory_class,
+                                        self.memory_min)
+        except ResourceError as exc:
+            msg = str(exc).removeprefix(f"VM {self.name!r}: ").rstrip(".")
+            raise ValueError(msg.replace("--memory-min", "memory_min")
+                             .replace("--memory-class", "memory_class =")
+                             .replace("--memory", "memory_mib")) from exc
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _mergeable_ram(cls, data: Any) -> Any:
@@ -380,8 +421,21 @@ class VmSpec(_Model):
         return data
 
 
+class HostSettingsSpec(_Model):
+    """Host-wide settings."""
+
+    memory_overcommit: float = 1.0
+    """How far burstable VMs' guest RAM above their floors is overcommitted on this
+    host, 1.0 (none, the default) to 16, for partitions that set none of their own."""
+
+    _check_overcommit = field_validator("memory_overcommit")(_overcommit_field)
+
+
 class HostSpec(_Model):
     """The whole host: the unit that ``fusuma up`` applies."""
+
+    host: HostSettingsSpec = HostSettingsSpec()
+    """Host-wide settings (`[host]`); left out: every setting's default."""
 
     storage: list[StorageSpec] = []
     """Directories root declares for disk files."""
@@ -433,7 +487,7 @@ def build(model: type[M], source: str = "argument", **fields: Any) -> M:
         err = exc.errors()[0]
         msg = str(err["msg"]).removeprefix("Value error, ")
         key = ".".join(str(x) for x in err["loc"])
-        raise SpecError(f"{source} {key}: {msg}.") from exc
+        raise SpecError(f"{source} {key}: {msg}." if key else f"{source}: {msg}.") from exc
 
 
 def load_spec(path: Path) -> HostSpec:
@@ -526,9 +580,14 @@ def check_host_fit(spec: HostSpec, host: HostInfo, source: str = "<spec>") -> No
                     "partition; give each partition other cores, or smt = \"threads\" to "
                     "both to split the core's threads.")
             held[c] = p.name
-    planned = [capacity.planned_vm(v.name, v.partition, v.memory_mib, v.accel, v.shared_ram)
+    planned = [capacity.planned_vm(v.name, v.partition, v.memory_mib, v.accel, v.shared_ram,
+                                   v.memory_class, v.memory_min)
                for v in spec.vm]
-    total = capacity.host_need(((p.name, p.memory_mib) for p in spec.partition), planned)
+    overcommit = {p.name: capacity.effective_overcommit(p.memory_overcommit,
+                                                        spec.host.memory_overcommit)
+                  for p in spec.partition}
+    total = capacity.host_need(((p.name, p.memory_mib) for p in spec.partition), planned,
+                               overcommit)
     avail = host.memory_available_for_partitions_mib
     if total.total > avail:
         raise SpecError(f"{source}: partitions and guest RAM ask for {total.total} MiB of "

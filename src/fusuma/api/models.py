@@ -12,7 +12,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fusuma.spec import DiskSpec, Name, NetworkSpec, PartitionSpec, VmSpec, _name_field
+from fusuma.spec import (
+    DiskSpec,
+    Name,
+    NetworkSpec,
+    PartitionSpec,
+    VmSpec,
+    _name_field,
+    _overcommit_field,
+)
 
 # A request's JSON is taken as typed: no 0 for false, no "1" for 1 (pydantic's strict
 # mode), so what the document calls invalid is refused (a 400 naming the field).
@@ -56,10 +64,15 @@ class DiskCreate(DiskSpec):
 
 
 class PartitionPatch(_Req):
-    """New cores and/or memory limit of a running partition."""
+    """New cores, memory limit and/or memory overcommit of a running partition."""
 
     cpus: list[int] | str | None = None
     memory_mib: Annotated[int, Field(gt=0)] | None = None
+    memory_overcommit: float | None = Field(
+        None, description="Its memory overcommit, 1.0 (none) to 16: burstable VMs' RAM "
+        "above their floors is admitted divided by this.")
+
+    _check_overcommit = field_validator("memory_overcommit")(_overcommit_field)
 
 
 class VmPatch(_Req):
@@ -224,6 +237,9 @@ class VmInfo(_Resp):
     job: JobInfo | None = None
     # Guest RAM on the host: {"page_reporting", "resident_mib", "returned_mib"}
     ram: dict[str, Any] | None = None
+    # Its memory as admitted: {"class", "floor_mib", "admitted_mib", "resident_mib",
+    # "reclaimable_mib"} (fusuma.capacity; `ps --json` and the API only)
+    memory: dict[str, Any] | None = None
     template: str | None = None     # the template a clone was started from
     image: str | None = None        # a kind fusuma builds, or an imported image
     boot: str = "kernel"            # kernel | bios | uefi
@@ -262,6 +278,10 @@ class PartitionInfo(_Resp):
     io_weight: int | None
     disks: list[str]
     memory_use: dict[str, float | None]
+    # Its effective memory overcommit (its own, else the host's) and its VMs' guest RAM
+    # summed: {"ram_mib", "admitted_mib", "resident_mib", "reclaimable_mib"}
+    memory_overcommit: float = 1.0
+    memory_admission: dict[str, float] | None = None
     # What keeps its cores to itself: "cpuset partition root" / "cpuset partition
     # isolated" / "exclusive cpuset" / "shared" (fusuma.host.cgroups HELD_*)
     cores_held_by: str | None = None

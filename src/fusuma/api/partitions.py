@@ -61,12 +61,12 @@ def router(d: Daemon) -> APIRouter:
         return next(p for p in partitions_data(c) if p["name"] == name)
 
     @r.patch("/1.0/partitions/{name}", dependencies=[ADMIN], status_code=202, responses=m.ACCEPTED,
-             summary="Resize a partition: cores and/or memory (operation)")
+             summary="Resize a partition: cores, memory and/or memory overcommit (operation)")
     def resize_partition(name: NamePath, body: m.PartitionPatch) -> JSONResponse:
         c = d.ctx()
         c.db.partition(valid_name("partition", name))
-        if body.cpus is None and body.memory_mib is None:
-            raise SpecError("give cpus and/or memory_mib.")
+        if body.cpus is None and body.memory_mib is None and body.memory_overcommit is None:
+            raise SpecError("give cpus, memory_mib and/or memory_overcommit.")
         from fusuma.host.topology import parse_cpulist
 
         cpus = parse_cpulist(body.cpus) if isinstance(body.cpus, str) else body.cpus
@@ -74,7 +74,7 @@ def router(d: Daemon) -> APIRouter:
 
         def work(op: Operation) -> Any:
             c = d.ctx()
-            c.parts.resize(name, cpus, body.memory_mib)
+            c.parts.resize(name, cpus, body.memory_mib, body.memory_overcommit)
             return _get_partition(c, name)
         return d.submit("partition-resize", f"resize partition {name}",
                         {"partitions": [f"/1.0/partitions/{name}"]}, work)

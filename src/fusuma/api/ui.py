@@ -158,8 +158,11 @@ def ui_state(d: Daemon) -> dict[str, Any]:
         share = report_data(c)
     except FusumaError as exc:
         share = {"error": str(exc)}
+    # The CPU governor's decisions and the memory governor's, in one log.
     decisions = sorted((dd | {"partition": name} for name, st in governor.items()
-                        for dd in st.get("decisions", [])), key=lambda x: -x["at"])[:30]
+                        for dd in [*st.get("decisions", []),
+                                   *(st.get("memory") or {}).get("decisions", [])]),
+                       key=lambda x: -x["at"])[:30]
     from fusuma.memshare.ksm import KSM_RISK
 
     return {"host": {"cores": host.cpus, "memory_mib": host.memory_total_mib,

@@ -145,7 +145,7 @@ def router(d: Daemon) -> APIRouter:
 
             if rec.boot == "kernel":
                 find_image(c.paths.cache, kind=rec.image)
-            capacity.check_start(c.paths, rec)
+            capacity.check_start(c.paths, rec, c.db)
         elif body.action == "kill" and state in ("stopped",):
             raise StateError(f"VM {name!r} is {state}; there is no QEMU to kill.")
 

@@ -13,12 +13,19 @@ from fusuma.views.governor import status_data
 
 @click.group()
 def governor() -> None:
-    """The CPU governor that runs in every partition supervisor.
+    """The CPU and memory governors that run in every partition supervisor.
 
-    Once a second it measures each VM's CPU use and run delay; when a guaranteed VM's
-    vCPUs wait for a CPU it raises the VM's weight, gives its vCPUs a spare core of
-    their own, or caps burstable VMs (never below their floor), and undoes the caps
-    once the pressure is gone."""
+    Once a second the CPU governor measures each VM's CPU use and run delay; when a
+    guaranteed VM's vCPUs wait for a CPU it raises the VM's weight, gives its vCPUs a
+    spare core of their own, or caps burstable VMs (never below their floor), and undoes
+    the caps once the pressure is gone.
+
+    Every two seconds the memory governor compares the host's free memory with its
+    target; when the host is short it takes memory back from burstable VMs only
+    (`vm create --memory-class burstable --memory-min`), cheapest first: it asks their
+    guests to hand free pages back, lowers their balloons (never below their floors),
+    then has their guest agents drop caches; it gives the memory back when the host is
+    roomy again. A guaranteed VM is never touched."""
 
 
 def _fmt(x: Any, digits: int = 1) -> str:
@@ -42,7 +49,25 @@ def _text(st: dict[str, Any]) -> str:
     if rows:
         lines.append(table(rows, ["vm", "qos", "weight", "cap_cpus", "own_cores", "cpu%",
                                   "wait%", "short"]))
-    decisions = st["decisions"]
+    mem = st.get("memory")
+    if mem:
+        lines.append("")
+        lines.append(f"memory: host free {_fmt(mem.get('host_free_mib'), 0)} MiB, target "
+                     f"{mem['target_free_mib']:g} MiB, memory pressure "
+                     f"{_fmt(mem.get('host_psi_pct'))}%, every {mem['interval_s']:g} s, "
+                     f"{mem['ticks']} tick(s)"
+                     + (f"; {mem['errors']} error(s), last: {mem['last_error']}"
+                        if mem["errors"] else ""))
+        mrows = [[v["name"], str(v.get("class") or "-"), str(v.get("floor_mib") or "-"),
+                  str(v.get("ram_mib") or "-"), str(v["balloon_mib"]),
+                  str(v.get("balloon_actual_mib") or "-"),
+                  _fmt(v.get("resident_mib"))] for v in mem["vms"]]
+        if mrows:
+            lines.append(table(mrows, ["vm", "mem_class", "floor_mib", "ram_mib",
+                                       "balloon_mib", "balloon_now_mib",
+                                       "resident_mib"]))
+    decisions = sorted([*st["decisions"], *(mem or {}).get("decisions", [])],
+                       key=lambda d: d["at"])
     lines.append("")
     if not decisions:
         lines.append("no decisions yet")

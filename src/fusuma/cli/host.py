@@ -110,7 +110,12 @@ def ps(c: Ctx, as_json: bool) -> None:
     seg_mib is the VM's share (PSS) of its segments, ksm_mib its pages merged by KSM;
     --json adds the anon/file/shmem split. `fusuma share report` has host totals.
     qemu is the version of the QEMU a partition names and of the one running each VM
-    (they differ while a VM still runs on its old QEMU; see `fusuma qemu list`)."""
+    (they differ while a VM still runs on its old QEMU; see `fusuma qemu list`).
+    mem_class is a VM's memory class (burstable with its floor); admitted_mib the guest
+    RAM admitted for it (a burstable VM's floor plus its RAM above that divided by its
+    partition's overcommit), resident_mib what its RAM holds on the host now and
+    reclaim_mib how much of that lies above a burstable VM's floor (0 for a guaranteed
+    VM); a partition's are its VMs' sums."""
     data = ps_data(c)
     if as_json:
         emit_json(data)
@@ -119,16 +124,20 @@ def ps(c: Ctx, as_json: bool) -> None:
 
     prow = [[p["name"], format_cpulist(p["cpus"]), str(p["memory_mib"]),
              str(p["supervisor_pid"] or "-"), p["state"],
-             p["qemu_version"] or p["qemu"] or "-", p.get("cores_held_by") or "-"]
+             p["qemu_version"] or p["qemu"] or "-", p.get("cores_held_by") or "-",
+             f"{p['memory_overcommit']:g}", *_admission_cells(p.get("memory_admission"))]
             for p in data["partitions"]]
     click.echo(table(prow, ["partition", "cpus", "memory_mib", "supervisor", "state",
-                            "qemu", "cores_held_by"]))
+                            "qemu", "cores_held_by", "overcommit", "admitted_mib",
+                            "resident_mib", "reclaim_mib"]))
     click.echo()
     vrow = [[v["name"], v["partition"], v["state"], str(v["pid"] or "-"), v["accel"],
              v["qemu"] or "-", str(v["vcpus"]), str(v["memory_mib"]),
-             *_mem_cells(v["host_memory"]), _note(v)] for v in data["vms"]]
+             *_mem_cells(v["host_memory"]), _mem_class(v.get("memory")),
+             *_admission_cells(v.get("memory")), _note(v)] for v in data["vms"]]
     click.echo(table(vrow, ["vm", "partition", "state", "pid", "accel", "qemu", "vcpus",
-                            "memory_mib", "pss_mib", "seg_mib", "ksm_mib", "note"]))
+                            "memory_mib", "pss_mib", "seg_mib", "ksm_mib", "mem_class",
+                            "admitted_mib", "resident_mib", "reclaim_mib", "note"]))
     _nets(data)
 
 
@@ -156,6 +165,21 @@ def _note(v: dict[str, Any]) -> str:
             f"pid {job['owner_pid']} died, recovering"
         return f"{what} ({job['phase']}, {who})"
     return str(v["error"] or "")
+
+
+def _mem_class(m: dict[str, Any] | None) -> str:
+    if not m:
+        return "-"
+    return f"burstable>={m['floor_mib']}" if m["class"] == "burstable" else m["class"]
+
+
+def _admission_cells(m: dict[str, Any] | None) -> list[str]:
+    """Admitted, resident and reclaimable MiB (fusuma.capacity), "-" where unknown."""
+    if not m:
+        return ["-", "-", "-"]
+    return [str(m["admitted_mib"]),
+            *("-" if m.get(k) is None else f"{m[k]:g}"
+              for k in ("resident_mib", "reclaimable_mib"))]
 
 
 def _mem_cells(mem: dict[str, Any] | None) -> list[str]:

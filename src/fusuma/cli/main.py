@@ -47,7 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "down": ("fusuma.cli.host:down",
              "Remove every VM, disk and partition of this host (this FUSUMA_HOME)."),
     "governor": ("fusuma.cli.governor:governor",
-                 "The CPU governor that runs in every partition supervisor."),
+                 "The CPU and memory governors that run in every partition supervisor."),
     "image": ("fusuma.cli.image:image",
               "Build guest images, and import your own disk images."),
     "maintain": ("fusuma.cli.migrate:maintain",

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import click
 
+from fusuma.capacity import check_overcommit
 from fusuma.cli.common import Ctx, cpus_option, emit_json, pass_ctx, table
 from fusuma.host.topology import format_cpulist, parse_cpulist
 from fusuma.views.host import partitions_data
+
+OVERCOMMIT_HELP = ("Memory overcommit, 1.0 (none) to 16: each burstable VM's guest RAM "
+                   "above its floor is admitted divided by this (`vm create --memory-class "
+                   "burstable --memory-min`); guaranteed VMs are always admitted whole.")
 
 
 @click.group()
@@ -39,18 +44,26 @@ def partition() -> None:
               help="On a host with SMT: cores hands out whole physical cores (the CPUs "
                    "given plus their sibling threads); threads takes exactly the CPUs "
                    "given, with a warning when another partition holds a sibling.")
+@click.option("--memory-overcommit", type=float, default=None, metavar="RATIO",
+              help=OVERCOMMIT_HELP + " Default: the host's (`[host] memory_overcommit` of "
+                   "the spec, 1.0 unless set).")
 @click.option("--json", "as_json", is_flag=True, help="Print the new partition as JSON.")
 @pass_ctx
 def create(c: Ctx, name: str, cpus: str, memory_mib: int, io_weight: int | None,
-           qemu: str | None, smt: str, as_json: bool) -> None:
+           qemu: str | None, smt: str, memory_overcommit: float | None,
+           as_json: bool) -> None:
     """Create partition NAME and start its supervisor."""
     from fusuma.spec import PartitionSpec, build
 
+    if memory_overcommit is not None:
+        check_overcommit(memory_overcommit, f"partition {name!r}")
     spec = build(PartitionSpec, "partition", name=name, cpus=parse_cpulist(cpus),
-                 memory_mib=memory_mib, io_weight=io_weight, qemu=qemu, smt=smt)
+                 memory_mib=memory_mib, io_weight=io_weight, qemu=qemu, smt=smt,
+                 memory_overcommit=memory_overcommit)
     rec = c.parts.create(spec)
     if as_json:
         emit_json({"name": rec.name, "cpus": rec.cpus, "memory_mib": rec.memory_mib,
+                   "memory_overcommit": rec.memory_overcommit,
                    "supervisor_pid": rec.supervisor_pid})
     else:
         click.echo(f"partition {rec.name}: cores {format_cpulist(rec.cpus)}, "
@@ -61,23 +74,29 @@ def create(c: Ctx, name: str, cpus: str, memory_mib: int, io_weight: int | None,
 @click.argument("name")
 @click.option("--cpus", default=None, help="New set of cores (replaces the old set).")
 @click.option("--memory", "memory_mib", type=int, default=None, help="New memory limit, MiB.")
+@click.option("--memory-overcommit", type=float, default=None, metavar="RATIO",
+              help=OVERCOMMIT_HELP + " Lowering it is refused while the VMs already "
+                   "admitted would not fit.")
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def resize(c: Ctx, name: str, cpus: str | None, memory_mib: int | None,
-           as_json: bool) -> None:
+           memory_overcommit: float | None, as_json: bool) -> None:
     """Move cores and memory to or from running partition NAME.
 
     The vCPUs of its running VMs are pinned again to the new cores. To move a core
     from partition A to B, shrink A first, then grow B: fusuma refuses any layout in
     which two partitions would share a core."""
-    if cpus is None and memory_mib is None:
-        raise click.UsageError("give --cpus and/or --memory.")
-    rec = c.parts.resize(name, cpus_option(cpus), memory_mib)
+    if cpus is None and memory_mib is None and memory_overcommit is None:
+        raise click.UsageError("give --cpus, --memory and/or --memory-overcommit.")
+    rec = c.parts.resize(name, cpus_option(cpus), memory_mib, memory_overcommit)
     if as_json:
-        emit_json({"name": rec.name, "cpus": rec.cpus, "memory_mib": rec.memory_mib})
+        emit_json({"name": rec.name, "cpus": rec.cpus, "memory_mib": rec.memory_mib,
+                   "memory_overcommit": rec.memory_overcommit})
     else:
+        oc = "" if rec.memory_overcommit is None else \
+            f", memory overcommit {rec.memory_overcommit:g}"
         click.echo(f"partition {rec.name}: cores {format_cpulist(rec.cpus)}, "
-                   f"{rec.memory_mib} MiB")
+                   f"{rec.memory_mib} MiB{oc}")
 
 
 @partition.command("restart")

@@ -51,6 +51,15 @@ def vm() -> None:
               help="CPU QoS class: guaranteed (its vCPUs' worth of CPU reserved; the "
                    "partition's guaranteed vCPUs may not exceed its cores), burstable (a "
                    "weight, may use idle CPU) or best-effort (only otherwise idle CPU).")
+@click.option("--memory-class", type=click.Choice(["guaranteed", "burstable"]),
+              default="guaranteed", show_default=True,
+              help="Memory class: guaranteed (its RAM admitted whole, never reclaimed) or "
+                   "burstable (admitted at --memory-min plus its RAM above that divided by "
+                   "its partition's memory overcommit; what it holds above --memory-min "
+                   "may be reclaimed when the host runs short).")
+@click.option("--memory-min", type=int, default=None, metavar="MIB",
+              help="A burstable VM's floor in MiB (at most its RAM): admitted in full and "
+                   "never reclaimed below.")
 @click.option("--segment", "segments", multiple=True, metavar="NAME[:DIR]",
               help="A shared segment to attach (repeatable), mounted read-only with DAX "
                    "at DIR in the guest (default /mnt/NAME); see `fusuma segment`. "
@@ -124,7 +133,8 @@ def vm() -> None:
 @pass_ctx
 def create(c: Ctx, name: str, partition: str, vcpus: int | None, memory_mib: int | None,
            image: str | None, disks: tuple[str, ...], accel: str, private_ram: bool,
-           qos: str, segments: tuple[str, ...], mergeable: bool, ports: tuple[str, ...],
+           qos: str, memory_class: str, memory_min: int | None,
+           segments: tuple[str, ...], mergeable: bool, ports: tuple[str, ...],
            nics: tuple[str, ...], machine: str | None, emulator: str, page_reporting: bool | None,
            template: str | None, boot: str | None, disk_size: str | None,
            ssh_keys: tuple[str, ...], user_data: str | None, start: bool,
@@ -138,13 +148,17 @@ def create(c: Ctx, name: str, partition: str, vcpus: int | None, memory_mib: int
       fusuma vm create web2 -p p1 --nic lan0 --port 0.0.0.0:8080:80 --start
       fusuma vm create web1 -p p0 --image debian --segment debian-root:/
       fusuma vm create k0 -p p1 --mergeable --start
+      fusuma vm create b0 -p p0 --memory 1024 --memory-class burstable --memory-min 256
       fusuma vm create c0 -p p10 --template web --start
       fusuma vm create db0 -p p0 --image bookworm --disk-size 8G \\
           --ssh-key ~/.ssh/id_ed25519.pub --user-data init.yaml --start"""
+    from fusuma import capacity
     from fusuma.spec import VmSpec, build
     from fusuma.undo import Reverter
 
-    fields: dict[str, object] = {}
+    if template is None:    # the flags' own words; a clone's RAM is its template's
+        capacity.check_memory_class(name, memory_mib or 256, memory_class, memory_min)
+    fields: dict[str, object] = {"memory_class": memory_class, "memory_min": memory_min}
     if template is None and (private_ram or not mergeable):
         fields["shared_ram"] = not private_ram
     # Left out when not given: a clone takes them from its template.

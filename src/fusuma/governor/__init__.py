@@ -1,9 +1,13 @@
-"""The governor: a VM's CPU share set by policy, not left to the host scheduler.
+"""The governors: a VM's CPU share and memory set by policy, not left to the host's
+scheduler and OOM killer.
 
-- ``qos``      the three QoS classes, their cgroup policies and floors, admission
-- ``measure``  per-VM CPU use and run delay from /proc schedstat (and PSI)
-- ``policy``   the pure decision function (unit-tested with fake measurements)
-- ``loop``     the asyncio control loop each partition supervisor runs
+- ``qos``       the three QoS classes, their cgroup policies and floors, admission
+- ``measure``   per-VM CPU use and run delay from /proc schedstat (and PSI)
+- ``policy``    the CPU governor's pure decision function (unit-tested as data)
+- ``loop``      the CPU governor's asyncio control loop each partition supervisor runs
+- ``mempolicy`` the memory governor's pure decision function: reclaim from burstable
+  VMs (fusuma.capacity's memory classes), cheapest first, and give back
+- ``memloop``   the memory governor's loop: balloons by QMP, the guest agent
 
 It raises no errors of its own: admission refusals are ``ResourceError`` and cgroup
 failures ``CgroupError`` (see ``fusuma.errors``).

@@ -36,7 +36,32 @@ def _qos(value: str) -> QosClass:
         return QosClass.BURSTABLE
 
 
-class Governor:
+class Ticking:
+    """A loop that ticks every ``interval`` seconds and keeps going when a tick fails,
+    counting and keeping the last error (both governors are one)."""
+
+    interval: float
+    errors: int
+    last_error: str | None
+    log: logging.Logger
+
+    async def tick(self) -> list[Decision]:
+        raise NotImplementedError
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep governing; say what went wrong
+                self.errors += 1
+                self.last_error = repr(exc)
+                self.log.exception("%s tick failed", type(self).__name__)
+
+
+class Governor(Ticking):
     """One partition's governor; the supervisor owns it and feeds it its VMs."""
 
     def __init__(self, partition: str, cg: CgroupDriver, db: Database,
@@ -80,18 +105,6 @@ class Governor:
         self.log.info("%s: QoS class %s applied to %s", vm.name, qos.value, leaf)
 
     # -- the loop -----------------------------------------------------------------------
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # keep governing; say what went wrong
-                self.errors += 1
-                self.last_error = repr(exc)
-                self.log.exception("governor tick failed")
-
     def _measure(self) -> list[VmInput]:
         recs = {v.name: v for v in self.db.vms(self.partition)}
         pids = self.pids()

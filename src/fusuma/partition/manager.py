@@ -174,8 +174,11 @@ class PartitionManager:
                             "compete for that core's execution units and caches.")
         return sorted(cpus)
 
-    def check_memory(self, name: str, memory_mib: int) -> None:
-        capacity.check_host_room(self.db, self.host, name, memory_mib)
+    def check_memory(self, name: str, memory_mib: int,
+                     overcommit: float | None = None) -> None:
+        """Refuse a size (and a memory overcommit being set) the host or the
+        partition's VMs cannot take."""
+        capacity.check_host_room(self.db, self.host, name, memory_mib, overcommit)
         if self.db.find_partition(name) is not None:
             capacity.check_resize(self.db, name, memory_mib)
 
@@ -200,13 +203,14 @@ class PartitionManager:
             raise ConflictError(f"a partition named {spec.name!r} already exists.")
         cpus = self.smt_cpus(spec.name, spec.cpus, spec.smt)
         self.check_cpus(spec.name, cpus)
-        self.check_memory(spec.name, spec.memory_mib)
+        self.check_memory(spec.name, spec.memory_mib, spec.memory_overcommit)
         self.check_qemu(spec.qemu)
         if spec.memory_mib < capacity.MIN_PARTITION_MIB:
             raise ResourceError(f"partition {spec.name!r} needs at least "
                                 f"{capacity.MIN_PARTITION_MIB} MiB of memory.")
         rec = PartitionRecord(name=spec.name, cpus=cpus, memory_mib=spec.memory_mib,
-                              io_weight=spec.io_weight, qemu=spec.qemu, smt=spec.smt)
+                              io_weight=spec.io_weight, qemu=spec.qemu, smt=spec.smt,
+                              memory_overcommit=spec.memory_overcommit)
         with Reverter() as rev:
             self.cg.ensure_parent()
             for path in self.cg.installed:
@@ -270,20 +274,25 @@ class PartitionManager:
     # -- resize -----------------------------------------------------------------------
     @locked
     def resize(self, name: str, cpus: list[int] | None = None,
-               memory_mib: int | None = None) -> PartitionRecord:
+               memory_mib: int | None = None,
+               memory_overcommit: float | None = None) -> PartitionRecord:
+        """Change a partition's cores, memory budget and memory overcommit (each only
+        when given)."""
         rec = self.db.partition(name)
         new_cpus = self.smt_cpus(name, cpus, rec.smt) if cpus is not None else rec.cpus
         new_mem = memory_mib if memory_mib is not None else rec.memory_mib
         if not new_cpus:
             raise SpecError("a partition needs at least one core.")
         self.check_cpus(name, new_cpus)
-        self.check_memory(name, new_mem)
+        self.check_memory(name, new_mem, memory_overcommit)
         check_cores(name, len(new_cpus), self.db.vms(name))
         from fusuma.governor.qos import check_emulators
 
         check_emulators(name, sorted(new_cpus), self.db.vms(name))
         new = PartitionRecord(**{**rec.__dict__, "cpus": sorted(new_cpus),
-                                 "memory_mib": new_mem})
+                                 "memory_mib": new_mem,
+                                 "memory_overcommit": rec.memory_overcommit
+                                 if memory_overcommit is None else memory_overcommit})
         # A resize killed half-way is finished from the record by recovery (the record
         # is written last, so the kernel gets the limits the record names).
         with self.job(partition_obj(name), JobKind.RESIZE) as jh, Reverter() as rev:
@@ -296,6 +305,7 @@ class PartitionManager:
             rev.commit()
         self.db.emit("lifecycle", "partition-resized", f"/1.0/partitions/{name}",
                      cpus=new.cpus, memory_mib=new.memory_mib,
+                     memory_overcommit=new.memory_overcommit,
                      old_cpus=rec.cpus, old_memory_mib=rec.memory_mib)
         # The kernel resets the affinity of every task in a changed cpuset: pin again.
         try:
@@ -304,6 +314,31 @@ class PartitionManager:
             LOG.warning("partition %s resized, but its vCPUs were not re-pinned: %s", name, exc)
         self._repin_disturbed(name)
         return new
+
+    @locked
+    def set_memory_overcommit(self, name: str, value: float | None) -> PartitionRecord:
+        """Set a partition's memory overcommit (None: the host's again), refused while
+        the VMs already admitted would not fit at it."""
+        rec = self.db.partition(name)
+        effective = capacity.effective_overcommit(value, capacity.host_overcommit(self.db))
+        capacity.check_host_room(self.db, self.host, name, rec.memory_mib, effective)
+        new = PartitionRecord(**{**rec.__dict__, "memory_overcommit": value})
+        self.db.update_partition(new)
+        self.db.emit("lifecycle", "partition-resized", f"/1.0/partitions/{name}",
+                     memory_overcommit=value, old_memory_overcommit=rec.memory_overcommit)
+        return new
+
+    @locked
+    def set_host_overcommit(self, value: float) -> float:
+        """Set the host's memory overcommit, refused while the VMs already admitted would
+        not fit at it; returns the old one."""
+        old = capacity.host_overcommit(self.db)
+        if value != old:
+            capacity.check_host_overcommit(self.db, self.host, value)
+            self.db.set_setting(capacity.OVERCOMMIT_KEY, repr(float(value)))
+            self.db.emit("lifecycle", "host-updated", "/1.0", memory_overcommit=value,
+                         old_memory_overcommit=old)
+        return old
 
     def limits(self, rec: PartitionRecord) -> cgroups.Limits:
         return cgroups.Limits(cpus=rec.cpus, mems=self.host.mems,

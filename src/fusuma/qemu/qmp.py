@@ -105,6 +105,17 @@ class Qmp:
         return [VcpuInfo(index=int(c["cpu-index"]), thread_id=int(c["thread-id"]))
                 for c in reply]
 
+    async def balloon(self, target_bytes: int) -> None:
+        """Ask the guest's balloon to leave it ``target_bytes`` of RAM (virtio-balloon;
+        the guest inflates or deflates toward it in its own time)."""
+        await self.execute("balloon", {"value": int(target_bytes)})
+
+    async def query_balloon(self) -> int | None:
+        """The RAM the balloon leaves the guest now (bytes), None if QEMU says none."""
+        got = await self.execute("query-balloon")
+        actual = got.get("actual") if isinstance(got, dict) else None
+        return actual if isinstance(actual, int) and actual > 0 else None
+
     async def quit(self) -> None:
         try:
             await self.execute("quit", timeout=5.0)

@@ -106,13 +106,24 @@ class Database(NetworkTables, ImageTables, SnapshotTables):
         with self.transaction() as conn:
             yield conn
 
+    # -- host settings ------------------------------------------------------------
+    def setting(self, key: str) -> str | None:
+        """A host-wide setting kept in the meta table (None when never set)."""
+        row = self._conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row["value"])
+
+    def set_setting(self, key: str, value: str) -> None:
+        self._conn.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
+                           "value=excluded.value", (key, value))
+
     # -- partitions ---------------------------------------------------------------
     @staticmethod
     def _partition(row: sqlite3.Row) -> PartitionRecord:
         return PartitionRecord(name=row["name"], cpus=json.loads(row["cpus"]),
                                memory_mib=row["memory_mib"], io_weight=row["io_weight"],
                                qemu=row["qemu"], supervisor_pid=row["supervisor_pid"],
-                               created_at=row["created_at"], smt=row["smt"])
+                               created_at=row["created_at"], smt=row["smt"],
+                               memory_overcommit=row["memory_overcommit"])
 
     def partitions(self) -> list[PartitionRecord]:
         rows = self._conn.execute("SELECT * FROM partitions ORDER BY name").fetchall()
@@ -134,9 +145,10 @@ class Database(NetworkTables, ImageTables, SnapshotTables):
         try:
             self._conn.execute(
                 "INSERT INTO partitions (name, cpus, memory_mib, io_weight, qemu, "
-                "supervisor_pid, created_at, smt) VALUES (?,?,?,?,?,?,?,?)",
+                "supervisor_pid, created_at, smt, memory_overcommit) "
+                "VALUES (?,?,?,?,?,?,?,?,?)",
                 (p.name, json.dumps(p.cpus), p.memory_mib, p.io_weight, p.qemu,
-                 p.supervisor_pid, p.created_at, p.smt))
+                 p.supervisor_pid, p.created_at, p.smt, p.memory_overcommit))
         except sqlite3.IntegrityError as exc:
             raise ConflictError(f"a partition named {p.name!r} already exists.") from exc
         self.emit("lifecycle", "partition-created", f"/1.0/partitions/{p.name}",
@@ -144,9 +156,10 @@ class Database(NetworkTables, ImageTables, SnapshotTables):
 
     def update_partition(self, p: PartitionRecord) -> None:
         self._conn.execute(
-            "UPDATE partitions SET cpus=?, memory_mib=?, io_weight=?, qemu=?, supervisor_pid=? "
-            "WHERE name=?",
-            (json.dumps(p.cpus), p.memory_mib, p.io_weight, p.qemu, p.supervisor_pid, p.name))
+            "UPDATE partitions SET cpus=?, memory_mib=?, io_weight=?, qemu=?, supervisor_pid=?, "
+            "memory_overcommit=? WHERE name=?",
+            (json.dumps(p.cpus), p.memory_mib, p.io_weight, p.qemu, p.supervisor_pid,
+             p.memory_overcommit, p.name))
 
     def set_supervisor_pid(self, name: str, pid: int | None) -> None:
         self._conn.execute("UPDATE partitions SET supervisor_pid=? WHERE name=?", (pid, name))
@@ -241,7 +254,8 @@ class Database(NetworkTables, ImageTables, SnapshotTables):
             page_reporting=(None if row["page_reporting"] is None
                             else bool(row["page_reporting"])),
             template=row["template"], slot=row["rowid"], uid=row["uid"] or 0,
-            boot=row["boot"])
+            boot=row["boot"], memory_class=row["memory_class"],
+            memory_min=row["memory_min"])
 
     def vms(self, partition: str | None = None) -> list[VmRecord]:
         if partition is None:
@@ -275,14 +289,15 @@ class Database(NetworkTables, ImageTables, SnapshotTables):
                     "accel, autostart, state, pid, accel_used, qemu_binary, started_at, "
                     "error, created_at, shared_ram, ram_path, qos, segments, mergeable, "
                     "ports, overhead_mib, machine, emulator, page_reporting, template, uid, "
-                    "boot) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    "boot, memory_class, memory_min) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (v.name, v.partition, v.vcpus, v.memory_mib, v.image,
                      json.dumps(v.disks), v.accel, int(v.autostart), v.state.value, v.pid,
                      v.accel_used, v.qemu_binary, v.started_at, v.error, v.created_at,
                      int(v.shared_ram), v.ram_path, v.qos, json.dumps(v.segments),
                      int(v.mergeable), json.dumps(v.ports), v.overhead_mib, v.machine,
                      v.emulator, None if v.page_reporting is None else int(v.page_reporting),
-                     v.template, uid, v.boot))
+                     v.template, uid, v.boot, v.memory_class, v.memory_min))
                 self._emit("lifecycle", "vm-created", f"/1.0/vms/{v.name}",
                            {"partition": v.partition})
         except sqlite3.IntegrityError as exc:

@@ -20,6 +20,9 @@ class PartitionRecord:
     created_at: float = field(default_factory=time.time)
     # "cores": whole physical cores (every SMT sibling); "threads": single threads.
     smt: str = "cores"
+    # How far its burstable VMs' RAM above their floors is overcommitted (>= 1.0);
+    # None: the host's setting (fusuma.capacity).
+    memory_overcommit: float | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,11 @@ class VmRecord:
     # ``image`` a built kind) or by firmware from a thin disk on an imported image
     # (``image`` its name): "bios" (SeaBIOS) or "uefi" (OVMF, NVRAM of its own).
     boot: str = "kernel"
+    # Its memory class (fusuma.capacity): "guaranteed" (admitted whole, never
+    # reclaimed) or "burstable" (admitted at its floor ``memory_min`` plus its share of
+    # the overcommit; what it holds above the floor may be reclaimed).
+    memory_class: str = "guaranteed"
+    memory_min: int | None = None
     # SQLite rowid: unique among defined VMs, the number in its taps' names
     # (fusuma.network.ifnames). 0 until the record has been stored.
     slot: int = field(default=0, compare=False)

@@ -11,7 +11,8 @@ CREATE TABLE IF NOT EXISTS partitions (
     io_weight INTEGER,
     qemu TEXT,
     supervisor_pid INTEGER,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    memory_overcommit REAL           -- NULL: the host's (fusuma.capacity)
 );
 CREATE TABLE IF NOT EXISTS disks (
     name TEXT PRIMARY KEY,
@@ -47,7 +48,9 @@ CREATE TABLE IF NOT EXISTS vms (
     ports TEXT NOT NULL DEFAULT '[]',
     overhead_mib INTEGER,
     page_reporting INTEGER,
-    template TEXT
+    template TEXT,
+    memory_class TEXT NOT NULL DEFAULT 'guaranteed',
+    memory_min INTEGER               -- a burstable VM's floor, MiB
 );
 CREATE TABLE IF NOT EXISTS jobs (
     obj TEXT PRIMARY KEY,            -- "vm:NAME" or "partition:NAME"
@@ -171,6 +174,9 @@ ADDED_COLUMNS = (
     ("templates", "networks", "TEXT NOT NULL DEFAULT '[]'"),
     ("vms", "boot", "TEXT NOT NULL DEFAULT 'kernel'"),
     ("networks", "mtu", "INTEGER NOT NULL DEFAULT 1500"),
+    ("partitions", "memory_overcommit", "REAL"),
+    ("vms", "memory_class", "TEXT NOT NULL DEFAULT 'guaranteed'"),
+    ("vms", "memory_min", "INTEGER"),
 )
 
 # One id is one record's: a VM's uid is no other VM's, a template's gid no other

@@ -24,15 +24,17 @@ import signal
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fusuma import spawn
 from fusuma.errors import FusumaError, SupervisorError
 from fusuma.governor.loop import Governor
+from fusuma.governor.memloop import Actions, MemoryGovernor
 from fusuma.host import cgroups
 from fusuma.names import vm_leaf
 from fusuma.paths import Paths
-from fusuma.state import LOCAL_JOBS, Database, JobKind
+from fusuma.state import LOCAL_JOBS, Database, JobKind, VmRecord
 from fusuma.supervisor import adopt, backups, rpc, snapshots, templates, vms
 from fusuma.supervisor.host import PartitionHost
 from fusuma.supervisor.moves import cpr, dest, remote, source
@@ -48,6 +50,43 @@ def route(req: type[rpc.Request[R]], handler: Callable[[Any], Awaitable[R]]
     """One row of the handler table: mypy checks that ``handler`` answers with the
     reply class ``req`` names."""
     return req, handler
+
+
+def _reserved_mib() -> int:
+    """What fusuma keeps for the host itself (the memory governor's target is half)."""
+    from fusuma.host.topology import host_reserve_mib
+
+    total = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) // 1024
+    return host_reserve_mib(total) if total else 512
+
+
+def memory_actions(h: PartitionHost) -> Actions:
+    """The memory governor's hands on this partition's QEMUs and guest agents."""
+    async def balloon(vm: str, mib: int) -> None:
+        _, inst = h.running(vm)
+        await inst.qmp.balloon(mib * 2**20)
+
+    async def balloon_now(vm: str) -> int | None:
+        _, inst = h.running(vm)
+        actual = await inst.qmp.query_balloon()
+        return None if actual is None else actual // 2**20
+
+    async def guest(vm: str, argv: list[str]) -> None:
+        async with h.agent_lock(vm):
+            _, inst = h.running(vm)
+            async with h.agent(inst) as ga:
+                await ga.connect(timeout=10.0)
+                await ga.run(argv, timeout=20.0)
+    from fusuma.memshare import reporting
+
+    def has_balloon(rec: VmRecord) -> bool:
+        # A clone carries its template's balloon with its driver unbound.
+        return rec.template is None and reporting.recorded(rec)
+    return Actions(balloon, balloon_now, guest, reporting.resident_bytes, has_balloon)
 
 
 class Supervisor:
@@ -68,6 +107,10 @@ class Supervisor:
             repin=h.repin_all, leaf=vm_leaf, log=self.log)
         h.apply_class = self.governor.apply_class
         h.pin_guaranteed = self.governor.pin
+        self.memory = MemoryGovernor(
+            partition, h.cg, h.db,
+            pids=lambda: {n: i.pid for n, i in h.instances.running().items()},
+            actions=memory_actions(h), reserved_mib=_reserved_mib(), log=self.log)
         self._handlers = self.handlers()
         self._server: asyncio.AbstractServer | None = None
         self._done = asyncio.Event()
@@ -134,7 +177,8 @@ class Supervisor:
                             for n, i in self.host.instances.running().items()])
 
     async def governor_status(self, req: rpc.GovernorStatus) -> rpc.GovernorReport:
-        return rpc.GovernorReport(self.governor.status(req.limit))
+        return rpc.GovernorReport({**self.governor.status(req.limit),
+                                   "memory": self.memory.status(req.limit)})
 
     async def repin(self, req: rpc.Repin) -> rpc.Pins:
         return rpc.Pins(await self.host.repin_all())
@@ -166,9 +210,11 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._done.set)
         governing = asyncio.create_task(self.governor.run())
+        memory = asyncio.create_task(self.memory.run())
         sweeping = asyncio.create_task(self._sweep_jobs())
         await self._done.wait()
         governing.cancel()
+        memory.cancel()
         sweeping.cancel()
         await self.shutdown()
 

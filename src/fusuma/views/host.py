@@ -34,6 +34,9 @@ def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None
         jobs = {j.obj: job_json(j) for j in c.db.jobs()}
     parts = []
     vms = c.db.vms()
+    from fusuma import capacity
+
+    ocs = capacity.overcommits(c.db)
     for p in records:
         pid = supervisor_pid(c.paths, p.name, p.supervisor_pid)
         parts.append({"name": p.name, "cpus": p.cpus, "memory_mib": p.memory_mib,
@@ -44,9 +47,47 @@ def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None
                       "disks": [d.name for d in c.db.disks(p.name)],
                       "memory_use": memory_use(c, p.name, [v for v in vms
                                                            if v.partition == p.name]),
+                      "memory_overcommit": ocs[p.name],
+                      "memory_admission": partition_admission(
+                          [v for v in vms if v.partition == p.name], ocs[p.name]),
                       "cores_held_by": cores_held_by(c, p.name),
                       "job": jobs.get(f"partition:{p.name}")})
     return parts
+
+
+def _resident_mib(v: VmRecord) -> float | None:
+    """The guest RAM a running VM holds on the host now (fusuma.memshare.reporting: its
+    RAM file's allocated blocks, or its QEMU's anonymous memory for private RAM)."""
+    if v.state.value not in ("running", "paused", "migrating", "stopping"):
+        return None
+    from fusuma.memshare import reporting
+
+    got = reporting.resident_bytes(v, v.pid)
+    return None if got is None else round(got / 2**20, 1)
+
+
+def vm_admission(v: VmRecord, overcommit: float,
+                 resident_mib: float | None) -> dict[str, Any]:
+    """A VM's memory as admitted (fusuma.capacity), in MiB: its class and floor, what
+    was admitted for it at its partition's overcommit, what it holds now (None when it
+    does not run) and how much of that the memory governor may take back."""
+    from fusuma import capacity
+
+    return {"class": v.memory_class, "floor_mib": capacity.memory_floor(v),
+            "admitted_mib": capacity.admitted_ram(v, overcommit),
+            "resident_mib": resident_mib,
+            "reclaimable_mib": (capacity.reclaimable_mib(v, resident_mib)
+                                if resident_mib is not None else None)}
+
+
+def partition_admission(vms: list[VmRecord], overcommit: float) -> dict[str, Any]:
+    """A partition's VMs' guest RAM, summed: RAM asked for, admitted, resident now and
+    reclaimable now (MiB; VMs that do not run hold and give nothing)."""
+    rows = [vm_admission(v, overcommit, _resident_mib(v)) for v in vms]
+    return {"ram_mib": sum(v.memory_mib for v in vms),
+            "admitted_mib": sum(r["admitted_mib"] for r in rows),
+            "resident_mib": round(sum(r["resident_mib"] or 0.0 for r in rows), 1),
+            "reclaimable_mib": round(sum(r["reclaimable_mib"] or 0.0 for r in rows), 1)}
 
 
 def cores_held_by(c: Ctx, partition: str) -> str | None:
@@ -138,8 +179,14 @@ def ps_data(c: Ctx, vms_only: bool = False,
         cg = None
     by_name = {r.name: r for r in records}
     nics = nics_by_vm(c.db, records, taps)
+    from fusuma import capacity
+
+    ocs = capacity.overcommits(c.db)
     for v in vms:
+        rec = by_name[v["name"]]
         v["job"] = jobs.get(f"vm:{v['name']}")
-        v["ram"] = ram_use(cg, by_name[v["name"]])
+        v["ram"] = ram_use(cg, rec)
+        v["memory"] = vm_admission(rec, ocs.get(rec.partition, 1.0),
+                                   v["ram"]["resident_mib"])
         v["nics"] = nics[v["name"]]
     return {"partitions": parts, "vms": vms, "networks": nets}

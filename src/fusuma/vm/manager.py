@@ -119,15 +119,22 @@ class VmManager:
                        page_reporting=reporting.resolve(
                            spec.page_reporting, spec.shared_ram, spec.template,
                            self.parts.cg),
-                       template=spec.template, boot=boot)
+                       template=spec.template, boot=boot,
+                       memory_class=spec.memory_class, memory_min=spec.memory_min)
         from fusuma.governor.qos import check_admission, check_emulators
 
         check_admission(part.name, len(part.cpus), self.db.vms(part.name), rec)
         check_emulators(part.name, part.cpus, [*self.db.vms(part.name), rec])
         capacity.check_partition_room(self.db, part.name, [rec], "create",
                                       limit=part.memory_mib)
+        capacity.check_memory_class(rec.name, rec.memory_mib, rec.memory_class,
+                                    rec.memory_min)
         capacity.check_host_ram(self.db, self.parts.host, [rec], f"VM {rec.name!r}",
-                                "give it less memory, delete a VM or shrink a partition")
+                                "give it less memory, delete a VM or shrink a partition"
+                                + ("; or make it burstable with a floor (--memory-class "
+                                   "burstable --memory-min MiB) on a partition with a "
+                                   "memory overcommit" if rec.memory_class == "guaranteed"
+                                   and rec.shared_ram else ""))
         with self.db.transaction():
             stored = self.db.add_vm(rec, self.paths.vm_uids)
             self.db.add_nics(nics)
@@ -231,7 +238,7 @@ class VmManager:
 
             find_image(self.paths.cache, kind=vm.image)
         if VmView(vm).state in ("stopped", "crashed"):
-            capacity.check_start(self.paths, vm)
+            capacity.check_start(self.paths, vm, self.db)
         self._send(name, rpc.Start(name, wait_agent=wait_agent), 120 + wait_agent)
         return self.db.vm(name)
 

@@ -334,6 +334,19 @@
     return el("div", { class: "bar", role: "img", "aria-label": "memory use " + Math.round(frac * 100) + " percent" }, b);
   }
 
+  // Guest RAM as admitted (fusuma.capacity): admitted, resident now, reclaimable now.
+  function admissionLine(m, overcommit) {
+    if (!m) return null;
+    const oc = overcommit && overcommit !== 1 ? " · overcommit " + overcommit + "×" : "";
+    return el("span", { class: "sub admission", text: "guest RAM admitted " + mib(m.admitted_mib) + " · resident " + mib(m.resident_mib) + " · reclaimable " + mib(m.reclaimable_mib) + oc });
+  }
+
+  function vmMemoryLine(m) {
+    if (!m) return null;
+    const cls = m.class === "burstable" ? "burstable ≥ " + mib(m.floor_mib) : "guaranteed";
+    return el("span", { class: "sub admission", text: cls + " · admitted " + mib(m.admitted_mib) + (m.resident_mib === null ? "" : " · resident " + mib(m.resident_mib) + " · reclaimable " + mib(m.reclaimable_mib)) });
+  }
+
   function renderPartitions() {
     const tbody = $("partitions").tBodies[0];
     const names = state.partitions.map((p) => p.name);
@@ -344,7 +357,8 @@
       setCells(tr, [
         { sig: p.name + partColour[p.name] + vms, content: () => [swatch(p.name), el("span", { class: "name", text: p.name }), el("span", { class: "sub", text: vms + " VM" + (vms === 1 ? "" : "s") })] },
         { sig: cpulist(p.cpus), class: "mono", content: () => cpulist(p.cpus) || "–" },
-        { sig: use + "/" + p.memory_mib, content: () => [memoryBar(use, p.memory_mib), el("span", { class: "bar-label", text: (use === null ? "–" : mib(use)) + " / " + mib(p.memory_mib) })] },
+        { sig: use + "/" + p.memory_mib + JSON.stringify(p.memory_admission) + p.memory_overcommit, content: () => [memoryBar(use, p.memory_mib), el("span", { class: "bar-label", text: (use === null ? "–" : mib(use)) + " / " + mib(p.memory_mib) }),
+          admissionLine(p.memory_admission, p.memory_overcommit)] },
         { sig: p.state + p.supervisor_pid + job, content: () => [
           el("span", { class: "badge " + (p.state === "running" ? "badge-running" : "badge-down"), text: p.state }),
           el("span", { class: "sub", text: (p.supervisor_pid ? "pid " + p.supervisor_pid : "no supervisor") + (job ? " · " + job : "") })] },
@@ -487,9 +501,10 @@
         { sig: v.qos + note, content: () => [el("span", { class: v.qos === "guaranteed" ? "qos-guaranteed" : "", text: v.qos }), note ? el("span", { class: "sub", text: note }) : null] },
         { sig: "c" + cpu + lastT + live, content: () => [el("span", { class: "metric", text: live ? pct(cpu) : "–" }), sparkline(pts, "cpu_pct", "cpu", "CPU %")] },
         { sig: "w" + wait + lastT + live, content: () => [el("span", { class: "metric", text: live ? pct(wait) : "–" }), sparkline(pts, "wait_pct", "wait", "vCPU wait %")] },
-        { sig: "m" + JSON.stringify(split), content: () => split ? [
+        { sig: "m" + JSON.stringify(split) + JSON.stringify(v.memory), content: () => split ? [
           el("span", { class: "metric", text: mib(split.pss) }), stackBar(split, split.private + split.segment + split.ksm),
-          el("span", { class: "bar-label", text: "priv " + split.private.toFixed(1) + " · seg " + split.segment.toFixed(1) + " · ksm " + split.ksm.toFixed(1) })] : el("span", { class: "muted", text: "–" }) },
+          el("span", { class: "bar-label", text: "priv " + split.private.toFixed(1) + " · seg " + split.segment.toFixed(1) + " · ksm " + split.ksm.toFixed(1) }),
+          vmMemoryLine(v.memory)] : [el("span", { class: "muted", text: "–" }), vmMemoryLine(v.memory)] },
         { sig: "s" + v.segments.join(","), content: () => v.segments.length ? v.segments.map((s) => el("span", { class: "tag", text: s })) : el("span", { class: "muted", text: "none" }) },
         { sig: "n" + v.ports.join(",") + JSON.stringify(v.nics || []), content: () => networkCell(v) },
       ], [names.join(","), v.partition, v.state, !!v.job, busy.has("vm:" + v.name)].join("|"), () => vmActions(v, names));

@@ -428,6 +428,31 @@ class CgroupDriver(CgroupFiles, abc.ABC):
         except (OSError, ValueError, CgroupError):
             return None
 
+    def ram_pressure(self, stem: str) -> dict[str, float | None]:
+        """What the memory governor reads of the RAM group of ``stem``: its usage and
+        limit (bytes), its failures to charge (v1 ``memory.failcnt``; v2 the ``max``
+        count of ``memory.events``) and its PSI ``some avg10`` (%, v2 only). None for
+        each value the kernel does not give."""
+        d = self._ram_dir(stem)
+        out: dict[str, float | None] = {"usage": None, "limit": None, "fails": None,
+                                        "psi": None}
+        for key, name in (("usage", self._ram_usage_file()),
+                          ("limit", self._ram_limit_file())):
+            with contextlib.suppress(OSError, ValueError, CgroupError):
+                out[key] = float(int(self._read(d / name)))
+        with contextlib.suppress(OSError, ValueError, CgroupError):
+            if self.version == 1:
+                out["fails"] = float(int(self._read(d / "memory.failcnt")))
+            else:
+                out["fails"] = float(parse_flat_keyed(
+                    self._read(d / "memory.events")).get("max", 0))
+        with contextlib.suppress(OSError, ValueError, CgroupError):
+            for line in self._read(d / "memory.pressure").splitlines():
+                if line.startswith("some "):
+                    fields = dict(f.split("=", 1) for f in line.split()[1:])
+                    out["psi"] = float(fields["avg10"])
+        return out
+
     def ram_peak(self, stem: str) -> int | None:
         """The most bytes the RAM group of ``stem`` has held (v1
         memory.max_usage_in_bytes, v2 memory.peak; None when unknown)."""
