@@ -397,6 +397,67 @@ def test_every_move_keeps_a_firmware_vm_its_disk_nvram_and_seed(booted: Booted) 
           + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
 
 
+# Two more variables of the test's vendor GUID: one written between two snapshots, one
+# after both.
+SNAP_VAR = VAR.replace("FusumaMark-", "FusumaSnap-")
+LATER_VAR = VAR.replace("FusumaMark-", "FusumaLater-")
+
+
+def efi_write(host: Host, vm: str, path: str, text: str) -> None:
+    """The guest writes EFI variable ``path`` (NON_VOLATILE | BOOTSERVICE_ACCESS |
+    RUNTIME_ACCESS, then ``text``): OVMF stores it in the VM's NVRAM file."""
+    sh(host, vm, f"printf '\\007\\000\\000\\000{text}' > {path}")
+
+
+def test_a_snapshot_of_a_uefi_vm_keeps_its_nvram(booted: Booted) -> None:
+    """The UEFI guest's NVRAM is in its snapshots: a ``--memory`` snapshot m1, then the
+    guest writes a variable and a disk snapshot d1 is taken (each keeps a copy of the
+    NVRAM file as it was), then the guest writes another. Restoring m1 into the running
+    guest makes the NVRAM file m1's again, byte for byte (QEMU's state holds the flash
+    and writes it back when the guest runs on), and the firmware reads m1's variables,
+    not the later ones. Deleting the snapshots removes their copies. (A disk snapshot
+    restored into the stopped VM: the test after the template's.)"""
+    host, token = booted.host, booted.token
+    t0 = time.monotonic()
+    if not token:           # run alone (-k): the variable the moves' test writes
+        token = booted.token = secrets.token_hex(8)
+        sh(host, "vu", "mountpoint -q /sys/firmware/efi/efivars || mount -t efivarfs "
+                       "efivarfs /sys/firmware/efi/efivars")
+        efi_write(host, "vu", VAR, f"FUSUMA-{token}")
+    vdir = host.home / "vms" / "vu"
+    nvram, copies = vdir / "nvram.fd", vdir / "snapshots"
+    boot_id = sh(host, "vu", "cat /proc/sys/kernel/random/boot_id").strip()
+    at_m1 = nvram.read_bytes()
+    assert f"FUSUMA-{token}".encode() in at_m1
+    host.run("vm", "snapshot", "create", "vu", "m1", "--memory", timeout=600)
+    assert (copies / "m1.nvram.fd").read_bytes() == at_m1
+    x, y = secrets.token_hex(8), secrets.token_hex(8)
+    efi_write(host, "vu", SNAP_VAR, f"SNAP-{x}")
+    at_d1 = nvram.read_bytes()
+    assert f"SNAP-{x}".encode() in at_d1 and at_d1 != at_m1
+    made = host.run("vm", "snapshot", "create", "vu", "d1", "--json", timeout=300).json()
+    assert (made["memory"], made["frozen"]) == (False, True), made
+    assert (copies / "d1.nvram.fd").read_bytes() == at_d1
+    efi_write(host, "vu", LATER_VAR, f"LATER-{y}")
+    assert f"LATER-{y}".encode() in nvram.read_bytes()
+
+    # m1 into the running guest: the file and the firmware as at m1, the same boot.
+    host.run("vm", "snapshot", "restore", "vu", "m1", timeout=600)
+    assert host.vm("vu")["state"] == "running"
+    assert nvram.read_bytes() == at_m1
+    assert sh(host, "vu", "cat /proc/sys/kernel/random/boot_id").strip() == boot_id
+    assert sh(host, "vu", f"cat {VAR} | tail -c +5") == f"FUSUMA-{token}"
+    assert sh(host, "vu", f"cat {SNAP_VAR} {LATER_VAR} 2>/dev/null; true") == ""
+    # It writes on after the load: the flash is the file's again.
+    efi_write(host, "vu", LATER_VAR, f"LATER-{y}")
+    assert f"LATER-{y}".encode() in nvram.read_bytes()
+    for name in ("m1", "d1"):
+        host.run("vm", "snapshot", "delete", "vu", name, timeout=300)
+    assert host.run("vm", "snapshot", "list", "vu", "--json").json() == []
+    assert list(copies.iterdir()) == []
+    print(f"\nNVRAM in snapshots of the running UEFI guest: {time.monotonic() - t0:.1f} s")
+
+
 def failed_modules(host: Host, vm: str) -> set[str]:
     """The cloud-init modules that reported an error (``cloud-init status --long``)."""
     said = sh(host, vm, "cloud-init status --long; true")
@@ -512,6 +573,35 @@ def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_insta
           f"{time.monotonic() - t_start:.1f} s")
 
 
+def test_a_disk_snapshot_of_the_stopped_uefi_vm_puts_its_nvram_back(
+        booted: Booted) -> None:
+    """The UEFI VM, stopped (its template was made): a snapshot (``qemu-img``) keeps its
+    NVRAM; the file then changes and the restore puts the snapshot's bytes back, in a
+    file of the VM's own uid (0600), which OVMF reads at the next boot. The change is
+    made by the host (the VM is stopped: no guest can write); the guest's own changes,
+    undone by a restore, are the test before the template's."""
+    host = booted.host
+    if host.vm("vu")["state"] != "stopped":     # run alone (-k)
+        host.run("vm", "stop", "vu", "--timeout", "60", timeout=120)
+    vdir = host.home / "vms" / "vu"
+    nvram, copies = vdir / "nvram.fd", vdir / "snapshots"
+    st = nvram.stat()
+    at_s1 = nvram.read_bytes()
+    made = host.run("vm", "snapshot", "create", "vu", "s1", "--json", timeout=300).json()
+    assert (made["running"], made["memory"]) == (False, False), made
+    assert (copies / "s1.nvram.fd").read_bytes() == at_s1
+    changed = bytearray(at_s1)
+    at = at_s1.index(b"FUSUMA-")               # the variable the guest wrote
+    changed[at:at + 7] = b"CHANGED"
+    nvram.write_bytes(bytes(changed))
+    host.run("vm", "snapshot", "restore", "vu", "s1", timeout=300)
+    assert nvram.read_bytes() == at_s1 and host.vm("vu")["state"] == "stopped"
+    now = nvram.stat()
+    assert (now.st_uid, now.st_mode & 0o777) == (st.st_uid, 0o600) and st.st_uid != 0
+    host.run("vm", "snapshot", "delete", "vu", "s1", timeout=300)
+    assert list(copies.iterdir()) == []
+
+
 def test_the_end_each_disk_is_clean_and_the_image_goes(booted: Booted) -> None:
     host, imported, token = booted.host, booted.imported, booted.token
     for vm in VMS:
@@ -531,3 +621,4 @@ def test_the_end_each_disk_is_clean_and_the_image_goes(booted: Booted) -> None:
     assert booted.base.stat().st_mode & 0o777 == 0o444
     host.run("image", "delete", "deb")
     assert not booted.base.exists()
+

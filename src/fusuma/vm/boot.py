@@ -94,6 +94,7 @@ def remove(paths: Paths, vm: str) -> None:
     for name in FILES:
         with contextlib.suppress(FileNotFoundError):
             (paths.vm_dir(vm) / name).unlink()
+    shutil.rmtree(paths.vm_dir(vm) / store.SNAPSHOTS, ignore_errors=True)
     with contextlib.suppress(OSError):
         paths.vm_dir(vm).rmdir()
 
