@@ -54,7 +54,7 @@ from pathlib import Path
 import pytest
 
 from fusuma.images import diskimage, store
-from tests.conftest import FUSUMA, Host
+from tests.conftest import FUSUMA, Host, _tear_down
 from tests.integration.test_cpr import need_qemu_10
 from tests.integration.test_templates import ready_events
 
@@ -622,3 +622,78 @@ def test_the_end_each_disk_is_clean_and_the_image_goes(booted: Booted) -> None:
     host.run("image", "delete", "deb")
     assert not booted.base.exists()
 
+
+LAN = "10.124.7"
+
+
+def test_clones_of_a_firmware_vm_with_a_nic_get_their_own_mac_lease_and_instance(
+        disk_image: Path, tmp_path: Path) -> None:
+    """A template of a UEFI guest with a NIC on a managed network, and two clones of
+    it: each clone's guest has its own MAC (the template's was changed by the identity
+    step) and the lease dnsmasq gives that MAC (the address fusuma recorded; the
+    image's dhclient asked), a new cloud-init instance id, and answers the gateway
+    through the bridge's filter, which drops any frame with the template's MAC. All in
+    a network namespace of the test's own (its supervisors, bridge, taps, nftables and
+    dnsmasq), so this test boots a guest of its own: the module's run in the machine's
+    namespace, where no fusuma network may be made."""
+    t0 = time.monotonic()
+    ns = f"fusuma-t-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    host = Host(tmp_path)
+    host.wrap = ["nsenter", f"--net=/run/netns/{ns}", "--"]
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        need_qemu_10(host)
+        host.run("image", "import", "deb", str(disk_image))
+        host.run("partition", "create", "p0", "--cpus", "0-1", "--memory", "1400",
+                 "--qemu", "10.0")
+        host.run("network", "create", "lan0", "--subnet", f"{LAN}.0/24")
+        host.run("vm", "create", "tv", "-p", "p0", "--image", "deb", "--memory", "384",
+                 "--boot", "uefi", "--nic", "lan0")
+        host.run("vm", "start", "tv", "--wait", "--timeout", "400", timeout=450)
+        boot_s = time.monotonic() - t0
+        tnic = host.vm("tv")["nics"][0]
+        # The template's guest has its lease (cloud-init's config, the image's dhclient).
+        deadline = time.monotonic() + 120
+        while f"inet {tnic['ip']}/24" not in sh(host, "tv", "ip -4 -o addr; true"):
+            assert time.monotonic() < deadline, sh(host, "tv", "ip addr; true")
+            time.sleep(2)
+        host.run("template", "create", "t", "--from", "tv")
+        clones_ = ("c1", "c2")
+        for c in clones_:
+            host.run("vm", "create", c, "-p", "p0", "--template", "t", "--nic", "lan0")
+            host.run("vm", "start", c)
+        deadline = time.monotonic() + 600
+        nics = {}
+        for c in clones_:
+            ev = clone_ready(host, c, deadline)
+            assert ev["error"] is None and ev["cloud_init_exit"] in (0, 1), ev
+            nics[c] = host.vm(c)["nics"][0]
+            mac, ip = nics[c]["mac"], nics[c]["ip"]
+            assert mac != tnic["mac"] and ip != tnic["ip"], (nics[c], tnic)
+            # The guest's NIC has the clone's MAC and the clone's lease.
+            got = sh(host, c, f"for x in /sys/class/net/*; do [ \"$(cat $x/address)\" = "
+                              f"{mac} ] && ip -4 -o addr show dev ${{x##*/}}; done; true")
+            assert f"inet {ip}/24" in got, (c, got)
+            assert tnic["mac"] not in sh(host, c, "cat /sys/class/net/*/address")
+            # A new instance: cloud-init ran for the clone's id.
+            seed_id = json.loads((host.home / "vms" / c / "seed.json").read_text())[
+                "instance_id"]
+            assert sh(host, c, "cat /var/lib/cloud/data/instance-id").strip() == seed_id
+            assert sh(host, c, "hostname").strip() == c
+        assert nics["c1"]["mac"] != nics["c2"]["mac"] and nics["c1"]["ip"] != nics["c2"]["ip"]
+        # Each answers the gateway (the bridge's address, in the test's namespace), and
+        # the guest learnt the gateway's MAC from its reply path.
+        for c in clones_:
+            ping = subprocess.run([*host.wrap, "ping", "-c", "2", "-W", "5",
+                                   nics[c]["ip"]], capture_output=True, text=True,
+                                  timeout=60)
+            assert ping.returncode == 0, (c, ping.stdout, ping.stderr)
+            assert f"{LAN}.1 " in sh(host, c, "cat /proc/net/arp")
+        print(f"\ntemplate of a UEFI guest with a NIC, two clones: "
+              f"{time.monotonic() - t0:.1f} s (boot {boot_s:.1f} s)")
+    finally:
+        try:
+            _tear_down(host)
+        finally:
+            subprocess.run(["ip", "netns", "del", ns], check=False)
