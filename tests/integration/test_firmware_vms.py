@@ -415,8 +415,10 @@ def test_a_snapshot_of_a_uefi_vm_keeps_its_nvram(booted: Booted) -> None:
     NVRAM file as it was), then the guest writes another. Restoring m1 into the running
     guest makes the NVRAM file m1's again, byte for byte (QEMU's state holds the flash
     and writes it back when the guest runs on), and the firmware reads m1's variables,
-    not the later ones. Deleting the snapshots removes their copies. (A disk snapshot
-    restored into the stopped VM: the test after the template's.)"""
+    not the later ones. Stopped, d1's restore puts d1's NVRAM in place of the file (the
+    file OVMF reads at the next boot), and m1 restored into the stopped VM starts its
+    QEMU from m1's NVRAM and loads its RAM: the same boot, m1's variables. Deleting the
+    snapshots removes their copies."""
     host, token = booted.host, booted.token
     t0 = time.monotonic()
     if not token:           # run alone (-k): the variable the moves' test writes
@@ -451,11 +453,26 @@ def test_a_snapshot_of_a_uefi_vm_keeps_its_nvram(booted: Booted) -> None:
     # It writes on after the load: the flash is the file's again.
     efi_write(host, "vu", LATER_VAR, f"LATER-{y}")
     assert f"LATER-{y}".encode() in nvram.read_bytes()
+
+    # Stopped: d1's NVRAM in place of the file (what OVMF reads at the next boot),
+    # the VM's own (its uid's, 0600).
+    uid = nvram.stat().st_uid
+    host.run("vm", "stop", "vu", "--timeout", "60", timeout=120)
+    host.run("vm", "snapshot", "restore", "vu", "d1", timeout=300)
+    st = nvram.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (uid, 0o600) and uid != 0
+    assert nvram.read_bytes() == at_d1 and host.vm("vu")["state"] == "stopped"
+    # m1 into the stopped VM: its QEMU started from m1's NVRAM, its RAM loaded (with a
+    # new vmgenid: a new generation, not a new boot).
+    host.run("vm", "snapshot", "restore", "vu", "m1", timeout=600)
+    assert host.vm("vu")["state"] == "running" and nvram.read_bytes() == at_m1
+    assert sh(host, "vu", "cat /proc/sys/kernel/random/boot_id").strip() == boot_id
+    assert sh(host, "vu", f"cat {VAR} | tail -c +5") == f"FUSUMA-{token}"
     for name in ("m1", "d1"):
         host.run("vm", "snapshot", "delete", "vu", name, timeout=300)
     assert host.run("vm", "snapshot", "list", "vu", "--json").json() == []
     assert list(copies.iterdir()) == []
-    print(f"\nNVRAM in snapshots of the running UEFI guest: {time.monotonic() - t0:.1f} s")
+    print(f"\nNVRAM in snapshots of the UEFI guest: {time.monotonic() - t0:.1f} s")
 
 
 def failed_modules(host: Host, vm: str) -> set[str]:
@@ -571,35 +588,6 @@ def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_insta
     assert not tdir.exists()
     print(f"\ntemplate and two clones of a UEFI guest, cloud-init included: "
           f"{time.monotonic() - t_start:.1f} s")
-
-
-def test_a_disk_snapshot_of_the_stopped_uefi_vm_puts_its_nvram_back(
-        booted: Booted) -> None:
-    """The UEFI VM, stopped (its template was made): a snapshot (``qemu-img``) keeps its
-    NVRAM; the file then changes and the restore puts the snapshot's bytes back, in a
-    file of the VM's own uid (0600), which OVMF reads at the next boot. The change is
-    made by the host (the VM is stopped: no guest can write); the guest's own changes,
-    undone by a restore, are the test before the template's."""
-    host = booted.host
-    if host.vm("vu")["state"] != "stopped":     # run alone (-k)
-        host.run("vm", "stop", "vu", "--timeout", "60", timeout=120)
-    vdir = host.home / "vms" / "vu"
-    nvram, copies = vdir / "nvram.fd", vdir / "snapshots"
-    st = nvram.stat()
-    at_s1 = nvram.read_bytes()
-    made = host.run("vm", "snapshot", "create", "vu", "s1", "--json", timeout=300).json()
-    assert (made["running"], made["memory"]) == (False, False), made
-    assert (copies / "s1.nvram.fd").read_bytes() == at_s1
-    changed = bytearray(at_s1)
-    at = at_s1.index(b"FUSUMA-")               # the variable the guest wrote
-    changed[at:at + 7] = b"CHANGED"
-    nvram.write_bytes(bytes(changed))
-    host.run("vm", "snapshot", "restore", "vu", "s1", timeout=300)
-    assert nvram.read_bytes() == at_s1 and host.vm("vu")["state"] == "stopped"
-    now = nvram.stat()
-    assert (now.st_uid, now.st_mode & 0o777) == (st.st_uid, 0o600) and st.st_uid != 0
-    host.run("vm", "snapshot", "delete", "vu", "s1", timeout=300)
-    assert list(copies.iterdir()) == []
 
 
 def test_the_end_each_disk_is_clean_and_the_image_goes(booted: Booted) -> None:

@@ -466,3 +466,29 @@ def test_a_uefi_vms_snapshots_keep_its_nvram(
     qmp.fail = None
     asyncio.run(snapshots.delete(h, rpc.SnapshotDelete("u", "s1")))
     assert list(copy.parent.iterdir()) == []
+
+
+def test_a_memory_state_loads_into_a_new_boots_devices_but_a_new_vmgenid() -> None:
+    """A stopped VM's QEMU, started for a ``--memory`` restore, draws a new vmgenid
+    guid: the state still loads (the guest is told a new generation); any other
+    difference refuses it."""
+    from fusuma.qemu.cmdline import Device, DeviceSet
+
+    def ds(guid: str, extra: tuple[Device, ...] = ()) -> str:
+        return DeviceSet(machine="pc-q35-7.2", machine_props=(), cpu="max", smp=1,
+                         memory="256M", serial=None,
+                         devices=(Device("virtio-blk-pci", (("drive", BOOT_DRIVE),)),
+                                  Device("vmgenid", (("id", "vmgenid0"), ("guid", guid))),
+                                  *extra)).dumps()
+
+    def rec(devices: str) -> VmRecord:
+        return VmRecord(name="v", partition="p0", vcpus=1, memory_mib=256, image="deb",
+                        boot="bios", devices=devices)
+
+    snap = SnapshotRecord(vm="v", name="m", memory=True, disks=[BOOT_DRIVE], running=True,
+                          devices=ds("11111111-1111-1111-1111-111111111111"))
+    snapshots._same_devices(rec(ds("22222222-2222-2222-2222-222222222222")), snap)
+    other = ds("22222222-2222-2222-2222-222222222222",
+               (Device("virtio-rng-pci", (("id", "rng0"),)),))
+    with pytest.raises(StateError, match="devices changed since snapshot 'm'"):
+        snapshots._same_devices(rec(other), snap)

@@ -352,11 +352,22 @@ async def restore(h: PartitionHost, req: rpc.SnapshotRestore) -> rpc.SnapshotDon
     return rpc.SnapshotDone(req.vm, req.name, state, round(time.monotonic() - t0, 3))
 
 
+def _loadable(devices: str) -> object:
+    """A recorded device set as a state's load compares it: without the vmgenid
+    device's guid, which every boot draws anew (a guest restored from a snapshot is
+    told a new generation, as the device is meant for: its kernel reseeds its RNG)."""
+    d = json.loads(devices)
+    for dev in d.get("devices") or []:
+        if isinstance(dev, dict) and dev.get("driver") == "vmgenid":
+            dev["props"] = [p for p in dev.get("props") or [] if p[:1] != ["guid"]]
+    return d
+
+
 def _same_devices(rec: VmRecord, snap: SnapshotRecord,
                   started: QemuInstance | None = None) -> None:
     """A memory state loads only into the devices it was saved from."""
     same = rec.devices is None or snap.devices is None or \
-        json.loads(rec.devices) == json.loads(snap.devices)
+        _loadable(rec.devices) == _loadable(snap.devices)
     if not same:
         extra = " (it was started and is left running)" if started is not None else ""
         raise StateError(f"VM {rec.name!r}'s devices changed since snapshot "
