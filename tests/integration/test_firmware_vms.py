@@ -633,7 +633,7 @@ def test_clones_of_a_firmware_vm_with_a_nic_get_their_own_mac_lease_and_instance
         subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
         need_qemu_10(host)
         host.run("image", "import", "deb", str(disk_image))
-        host.run("partition", "create", "p0", "--cpus", "0-1", "--memory", "1400",
+        host.run("partition", "create", "p0", "--cpus", "0-1", "--memory", "2048",
                  "--qemu", "10.0")
         host.run("network", "create", "lan0", "--subnet", f"{LAN}.0/24")
         host.run("vm", "create", "tv", "-p", "p0", "--image", "deb", "--memory", "384",
