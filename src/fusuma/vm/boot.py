@@ -146,16 +146,6 @@ def prepare_clone(paths: Paths, rec: VmRecord, template_dir: Path,
         raise
 
 
-def check_template(rec: VmRecord, nics: int) -> None:
-    """Refuse a template of a VM that boots by firmware with NICs on fusuma's networks:
-    its clones' guests would keep the template's DHCP leases (a kernel boot's clones
-    ask again through fusuma's own guest image)."""
-    if rec.boot != "kernel" and nics:
-        raise StateError(f"VM {rec.name!r} boots by firmware and has NICs on fusuma's "
-                         "networks, whose leases its clones' guests could not renew; "
-                         "make templates of such VMs without --nic (--port works).")
-
-
 def check_host_move(rec: VmRecord, host: str) -> None:
     """Refuse a move to another host of a VM that boots by firmware: its thin disk,
     NVRAM and seed are files of this host, and that host has not its image. (Moves on
