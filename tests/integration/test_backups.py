@@ -25,7 +25,11 @@ p0. In order:
   ``--incremental`` on the old one is refused, its bitmap is gone; on the new one it
   works), and the source disk passes ``qemu-img check`` once the VM is stopped;
 - the restored VM, booted: both files are there (checksums), the one written after
-  the backups is not, cloud-init gave it its own hostname; its disk checks clean.
+  the backups is not, cloud-init gave it its own hostname; its disk checks clean;
+- a raw disk attached to the stopped guest (QEMU started again, no boot awaited): in
+  every point as a compressed qcow2, whole in an incremental one too (one sentence says
+  so), an incremental after it was detached refused; restored as a new raw disk of the
+  new VM with the last point's bytes.
 
 Measured (2 cores, TCG): 183 s in all (147 s before the restore and QEMU kill cases),
 75 s of it the first boot (the restored VM boots beside the other cases).

@@ -28,13 +28,21 @@ minute under TCG); the tests run against them in order:
 
    Then the destination QEMU of a zero-copy move of the UEFI guest is killed before the
    stream: the guest runs on in its QEMU, its data and NVRAM as they were.
+   Snapshots of the UEFI guest keep its NVRAM: EFI variables the guest writes after a
+   snapshot are gone after its restore (the NVRAM file's bytes and the firmware's word),
+   running (``--memory``) and stopped (a disk snapshot, then ``--memory`` into the
+   stopped VM, with no boot).
 3. A template of the UEFI guest (on QEMU 10.0 by then) and two clones of it: each on
    an overlay of its own on the template's read-only layer, with its own NVRAM and a
    seed with a new instance id, for which cloud-init runs its per-instance steps again
    (hostname, SSH host keys); the template's data and EFI variable in each; a clone
    moved by copy; refusals; ``qemu-img check`` of the overlays and the layer.
 4. The end: each guest stopped, ``qemu-img check`` finds its overlay clean, the variable
-   is in the NVRAM file, the base's checksum is unchanged, and the image is deleted."""
+   is in the NVRAM file, the base's checksum is unchanged, and the image is deleted.
+5. Apart, in a network namespace of its own (fusuma's networks are never made in the
+   machine's namespace, where the module's guests run): a UEFI guest with a NIC on a
+   managed network, a template of it and two clones, each with its own MAC, lease and
+   instance id, answering the gateway (this boots a third guest)."""
 
 from __future__ import annotations
 
