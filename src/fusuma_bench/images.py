@@ -48,6 +48,7 @@ import socket
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -245,9 +246,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ssh_banner(port: int, deadline: float) -> float | None:
-    """When (monotonic) sshd's banner first came through the forward; None: never."""
-    while time.monotonic() < deadline:
+def _ssh_banner(port: int, deadline: float, stop: threading.Event) -> float | None:
+    """When (monotonic) sshd's banner first came through the forward; None: never (or
+    ``stop`` was set)."""
+    while time.monotonic() < deadline and not stop.is_set():
         with contextlib.suppress(OSError), \
                 socket.create_connection(("127.0.0.1", port), timeout=2) as c:
             c.settimeout(2)
@@ -261,12 +263,17 @@ def _boot_one(vms: VmManager, name: str, ssh_port: int | None,
               timeout: float) -> dict[str, Any]:
     """Start VM ``name`` alone; ms from the start request to its agent (and its sshd)."""
     client = vms.parts.client(NAME)
+    stop = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         t0 = time.monotonic()
         vms.start(name)
         ssh = None if ssh_port is None else pool.submit(_ssh_banner, ssh_port,
-                                                        t0 + timeout)
-        client.send(rpc.WaitAgent(name, timeout=timeout), timeout=timeout + 10)
+                                                        t0 + timeout, stop)
+        try:
+            client.send(rpc.WaitAgent(name, timeout=timeout), timeout=timeout + 10)
+        except BaseException:
+            stop.set()                  # no waiting for sshd on a boot that failed
+            raise
         agent = time.monotonic()
         ssh_at = None if ssh is None else ssh.result()
     return {"boot_to_agent_ms": round((agent - t0) * 1000, 1),
