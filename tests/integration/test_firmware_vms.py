@@ -53,6 +53,7 @@ import re
 import secrets
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -678,13 +679,19 @@ def test_clones_of_a_firmware_vm_with_a_nic_get_their_own_mac_lease_and_instance
             assert sh(host, c, "cat /var/lib/cloud/data/instance-id").strip() == seed_id
             assert sh(host, c, "hostname").strip() == c
         assert nics["c1"]["mac"] != nics["c2"]["mac"] and nics["c1"]["ip"] != nics["c2"]["ip"]
-        # Each answers the gateway (the bridge's address, in the test's namespace), and
-        # the guest learnt the gateway's MAC from its reply path.
+        # Each reaches the gateway (the bridge's address, in the test's namespace: its
+        # dnsmasq's DNS port) and answers it (its sshd's banner, from that namespace),
+        # through the bridge's filter, which passes only the clone's MAC and address.
+        probe = ("import socket, sys; c = socket.create_connection((sys.argv[1], "
+                 "int(sys.argv[2])), 10); c.settimeout(10); "
+                 "print(c.recv(8).decode() if len(sys.argv) > 3 else 'connected')")
         for c in clones_:
-            ping = subprocess.run([*host.wrap, "ping", "-c", "2", "-W", "5",
-                                   nics[c]["ip"]], capture_output=True, text=True,
-                                  timeout=60)
-            assert ping.returncode == 0, (c, ping.stdout, ping.stderr)
+            got = sh(host, c, f"python3 -c \"{probe}\" {LAN}.1 53")
+            assert got.strip() == "connected", (c, got)
+            banner = subprocess.run([*host.wrap, sys.executable, "-c", probe,
+                                     nics[c]["ip"], "22", "banner"],
+                                    capture_output=True, text=True, timeout=60)
+            assert banner.stdout.startswith("SSH-2.0"), (c, banner)
             assert f"{LAN}.1 " in sh(host, c, "cat /proc/net/arp")
         print(f"\ntemplate of a UEFI guest with a NIC, two clones: "
               f"{time.monotonic() - t0:.1f} s (boot {boot_s:.1f} s)")
