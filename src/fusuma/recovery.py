@@ -94,7 +94,9 @@ def _restore(parts: PartitionManager, j: Job) -> None:
     if j.phase != "begin":
         from fusuma.vm.backups import undo
 
-        undo(VmManager(parts.paths, parts.db, parts), j.name)
+        disks = j.detail.get("disks")
+        undo(VmManager(parts.paths, parts.db, parts), j.name,
+             [str(d) for d in disks] if isinstance(disks, list) else [])
 
 
 def _resize(parts: PartitionManager, j: Job) -> None:

@@ -673,6 +673,12 @@ def images_cmd(c: Ctx, quick: bool, runs: int, readers: int, boot_vms: int | Non
                                    copies_minus_shared_bytes
       boot_to_agent_ms             BOOT_VMS VMs booted together by SeaBIOS, and what
                                    `share report` says of their base afterwards
+      firmware                     one VM at a time: SeaBIOS, UEFI (to the agent and to
+                                   sshd's banner on a port forward) and fusuma's Debian
+                                   image by direct kernel boot (to the agent); on the
+                                   UEFI VM, snapshot create/restore/delete times (disk,
+                                   --memory) and a full and an incremental backup's
+                                   throughput (MiB/s)
     The image: the bootable Debian disk the tests build (cached in FUSUMA_CACHE;
     `python -m fusuma.images.diskimage` builds it), --image FILE, or with --quick a
     small generated qcow2. Booting needs a free core; a scratch partition is made on
@@ -707,5 +713,15 @@ def images_cmd(c: Ctx, quick: bool, runs: int, readers: int, boot_vms: int | Non
                    f"{b['boot_to_agent_ms_median']} ms; base resident "
                    f"{(b['base_resident_bytes'] or 0) / 2**20:.1f} MiB held by "
                    f"{b['vms_holding_base']}, saved {b['saved_bytes'] / 2**20:.1f} MiB")
+        f = data.get("firmware")
+        if f is not None and "failed" in f:
+            yield f"firmware boots FAILED: {f['failed']}"
+        elif f is not None:
+            for fw in ("bios", "uefi", "kernel"):
+                yield f"{fw}: {f[fw]}"
+            yield f"snapshots (ms): {f['snapshots']}"
+            for kind, r in f["backup"].items():
+                yield (f"{kind} backup: {r['seconds']} s, {r['disk_mib_per_s']} MiB/s of "
+                       f"disk, {r['written_mib_per_s']} MiB/s written")
 
     publish(data, json_file, None, "images", summary)

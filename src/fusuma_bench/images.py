@@ -21,6 +21,17 @@ Measured, each figure the median of RUNS (after one uncounted warm-up read of th
   from the image boot together by SeaBIOS in a scratch partition on the free cores:
   `vm create` (the thin disk) and start to guest agent times, then what `share report`
   says of their base: its resident bytes, the VMs holding it, the saving.
+- ``firmware`` (not with --quick): one VM at a time, alone in the scratch partition:
+  the image booted by SeaBIOS and by OVMF (UEFI), from the start request to its guest
+  agent answering and to its sshd's banner on a port forward (127.0.0.1 to the
+  guest's port 22, QEMU's user-mode network), and fusuma's own Debian image booted by
+  direct kernel boot to its guest agent (another root file system, and no systemd:
+  fusuma's busybox init starts Debian's qemu-ga, so it is what a kernel boot of a
+  small init costs, not the imported image's own boot without firmware). Then,
+  on the running UEFI VM: a disk snapshot (filesystems frozen), a ``--memory``
+  snapshot (its RAM, BOOT_MEMORY_MIB) and its restore into the running VM, each
+  snapshot's delete; a full backup (its throughput: the disk's virtual size, and the
+  compressed bytes written, per second) and an incremental one right after.
 
 The image: the bootable Debian disk that the tests build (fusuma.images.diskimage,
 cached in FUSUMA_CACHE), or ``--image FILE``; with --quick a small qcow2 generated
@@ -33,11 +44,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +65,7 @@ from fusuma.paths import Paths
 from fusuma.spec import VmSpec
 from fusuma.state import Database
 from fusuma.state.records import ImageRecord
+from fusuma.supervisor import rpc
 from fusuma.vm import VmManager
 from fusuma_bench.boot import one_run, scratch_partition
 from fusuma_bench.report import meta
@@ -225,6 +240,108 @@ def measure_boot(parts: PartitionManager, vms: VmManager, rec: ImageRecord, n: i
             "saved_bytes": use.saved_bytes, "error": use.error}
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ssh_banner(port: int, deadline: float, stop: threading.Event) -> float | None:
+    """When (monotonic) sshd's banner first came through the forward; None: never (or
+    ``stop`` was set)."""
+    while time.monotonic() < deadline and not stop.is_set():
+        with contextlib.suppress(OSError), \
+                socket.create_connection(("127.0.0.1", port), timeout=2) as c:
+            c.settimeout(2)
+            if c.recv(64).startswith(b"SSH-"):
+                return time.monotonic()
+        time.sleep(0.2)
+    return None
+
+
+def _boot_one(vms: VmManager, name: str, ssh_port: int | None,
+              timeout: float) -> dict[str, Any]:
+    """Start VM ``name`` alone; ms from the start request to its agent (and its sshd)."""
+    client = vms.parts.client(NAME)
+    stop = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        vms.start(name)
+        ssh = None if ssh_port is None else pool.submit(_ssh_banner, ssh_port,
+                                                        t0 + timeout, stop)
+        try:
+            client.send(rpc.WaitAgent(name, timeout=timeout), timeout=timeout + 10)
+        except BaseException:
+            stop.set()                  # no waiting for sshd on a boot that failed
+            raise
+        agent = time.monotonic()
+        ssh_at = None if ssh is None else ssh.result()
+    return {"boot_to_agent_ms": round((agent - t0) * 1000, 1),
+            "boot_to_ssh_ms": None if ssh_at is None else round((ssh_at - t0) * 1000, 1)}
+
+
+def measure_firmware(paths: Paths, parts: PartitionManager, vms: VmManager,
+                     timeout: float, say: Progress) -> dict[str, Any]:
+    from fusuma.images.backup import backups_dir
+    from fusuma.vm import backups as vm_backups
+    from fusuma.vm import snapshots as vm_snapshots
+
+    out: dict[str, Any] = {"guest_memory_mib": BOOT_MEMORY_MIB}
+    backup = f"{NAME}-backup"
+    with scratch_partition(parts, NAME, 1, BOOT_MEMORY_MIB,
+                           "booting VMs for the images benchmark", say) as free:
+        out["cores"] = free
+        for fw in ("bios", "uefi"):
+            name, port = f"{NAME}-{fw}", _free_port()
+            vms.create(VmSpec(name=name, partition=NAME, memory_mib=BOOT_MEMORY_MIB,
+                              image=NAME, boot=fw, ports=[f"127.0.0.1:{port}:22"]))
+            say(f"booting one VM by {fw} (about a minute under TCG)")
+            out[fw] = _boot_one(vms, name, port, timeout)
+            say(f"{fw}: agent {out[fw]['boot_to_agent_ms']} ms, ssh "
+                f"{out[fw]['boot_to_ssh_ms']} ms")
+            if fw == "bios":
+                vms.stop(name, timeout=10)
+        vm = f"{NAME}-uefi"
+        snaps: dict[str, Any] = {}
+        for snap, memory in (("disk", False), ("memory", True)):
+            t0 = time.perf_counter()
+            made = vm_snapshots.create(vms, vm, snap, memory)
+            snaps[f"{snap}_create_ms"] = _ms(t0)
+            if memory:
+                snaps["vmstate_bytes"] = made["vmstate_bytes"]
+        t0 = time.perf_counter()
+        vm_snapshots.restore(vms, vm, "memory")
+        snaps["memory_restore_running_ms"] = _ms(t0)
+        for snap in ("disk", "memory"):
+            t0 = time.perf_counter()
+            vm_snapshots.delete(vms, vm, snap)
+            snaps[f"{snap}_delete_ms"] = _ms(t0)
+        out["snapshots"] = snaps
+        say(f"snapshots: {snaps}")
+        try:
+            full = vm_backups.backup(vms, vm, backup)
+            inc = vm_backups.backup(vms, vm, backup, incremental=True)
+        finally:
+            shutil.rmtree(backups_dir(paths) / backup, ignore_errors=True)
+        out["backup"] = {
+            kind: {"seconds": r.seconds, "bytes": r.bytes, "disk_bytes": r.disk_bytes,
+                   "disk_mib_per_s": round(r.disk_bytes / 2**20 / r.seconds, 1),
+                   "written_mib_per_s": round(r.bytes / 2**20 / r.seconds, 1)}
+            for kind, r in (("full", full), ("incremental", inc))}
+        say(f"backups: {out['backup']}")
+        vms.stop(vm, timeout=10)
+        name = f"{NAME}-kernel"
+        try:
+            vms.create(VmSpec(name=name, partition=NAME, memory_mib=BOOT_MEMORY_MIB,
+                              image="debian"))
+            say("booting fusuma's Debian image by direct kernel boot")
+            out["kernel"] = {"image": "debian", **_boot_one(vms, name, None, timeout)}
+        except FusumaError as exc:           # its image is not built here
+            out["kernel"] = {"image": "debian", "failed": str(exc)}
+        say(f"kernel: {out['kernel']}")
+    return out
+
+
 @contextlib.contextmanager
 def _scratch(paths: Paths) -> Iterator[Path]:
     paths.home.mkdir(parents=True, exist_ok=True)
@@ -247,7 +364,13 @@ def run(paths: Paths, db: Database, parts: PartitionManager, vms: VmManager, *,
             overlay = measure_overlays(rec, scratch, max(runs, 5))
             progress(f"thin disk: median {overlay['overlay_create_ms_median']} ms")
             sharing = measure_sharing(rec, scratch, readers, progress)
-            boot = None
+            boot = firmware = None
+            if not quick:
+                try:
+                    firmware = measure_firmware(paths, parts, vms, boot_timeout, progress)
+                except FusumaError as exc:
+                    progress(f"the firmware boots failed: {exc}")
+                    firmware = {"failed": str(exc)}
             if boot_vms:
                 try:
                     boot = measure_boot(parts, vms, rec, boot_vms, boot_timeout, progress)
@@ -274,4 +397,4 @@ def run(paths: Paths, db: Database, parts: PartitionManager, vms: VmManager, *,
                                 "virtual_size_bytes": rec.virtual_size,
                                 "sha256": rec.sha256}),
             "import": imported, "overlay": overlay, "sharing": sharing, "boot": boot,
-            "summary": summary}
+            "firmware": firmware, "summary": summary}

@@ -28,6 +28,10 @@ minute under TCG); the tests run against them in order:
 
    Then the destination QEMU of a zero-copy move of the UEFI guest is killed before the
    stream: the guest runs on in its QEMU, its data and NVRAM as they were.
+   Snapshots of the UEFI guest keep its NVRAM: EFI variables the guest writes after a
+   snapshot are gone after its restore (the NVRAM file's bytes and the firmware's word),
+   running (``--memory``) and stopped (a disk snapshot, then ``--memory`` into the
+   stopped VM, with no boot).
 3. A template of the UEFI guest (on QEMU 10.0 by then) and two clones of it, running
    at once: each on an overlay of its own on the template's read-only layer, with its
    own NVRAM and a seed with a new instance id (the host's view); in the first,
@@ -35,7 +39,11 @@ minute under TCG); the tests run against them in order:
    template's data and EFI variable are there; it moves by copy; refusals;
    ``qemu-img check`` of the overlays and the layer.
 4. The end: each guest stopped, ``qemu-img check`` finds its overlay clean, the variable
-   is in the NVRAM file, the base's checksum is unchanged, and the image is deleted."""
+   is in the NVRAM file, the base's checksum is unchanged, and the image is deleted.
+5. Apart, in a network namespace of its own (fusuma's networks are never made in the
+   machine's namespace, where the module's guests run): a UEFI guest with a NIC on a
+   managed network, a template of it and two clones, each with its own MAC, lease and
+   instance id, answering the gateway (this boots a third guest)."""
 
 from __future__ import annotations
 
@@ -46,6 +54,7 @@ import re
 import secrets
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -55,7 +64,7 @@ from pathlib import Path
 import pytest
 
 from fusuma.images import diskimage, store
-from tests.conftest import FUSUMA, Host
+from tests.conftest import FUSUMA, Host, _tear_down
 from tests.integration.test_cpr import need_qemu_10
 from tests.integration.test_templates import ready_events
 
@@ -398,6 +407,84 @@ def test_every_move_keeps_a_firmware_vm_its_disk_nvram_and_seed(booted: Booted) 
           + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
 
 
+# Two more variables of the test's vendor GUID: one written between two snapshots, one
+# after both.
+SNAP_VAR = VAR.replace("FusumaMark-", "FusumaSnap-")
+LATER_VAR = VAR.replace("FusumaMark-", "FusumaLater-")
+
+
+def efi_write(host: Host, vm: str, path: str, text: str) -> None:
+    """The guest writes EFI variable ``path`` (NON_VOLATILE | BOOTSERVICE_ACCESS |
+    RUNTIME_ACCESS, then ``text``): OVMF stores it in the VM's NVRAM file."""
+    sh(host, vm, f"printf '\\007\\000\\000\\000{text}' > {path}")
+
+
+def test_a_snapshot_of_a_uefi_vm_keeps_its_nvram(booted: Booted) -> None:
+    """The UEFI guest's NVRAM is in its snapshots: a ``--memory`` snapshot m1, then the
+    guest writes a variable and a disk snapshot d1 is taken (each keeps a copy of the
+    NVRAM file as it was), then the guest writes another. Restoring m1 into the running
+    guest makes the NVRAM file m1's again, byte for byte (QEMU's state holds the flash
+    and writes it back when the guest runs on), and the firmware reads m1's variables,
+    not the later ones. Stopped, d1's restore puts d1's NVRAM in place of the file (the
+    file OVMF reads at the next boot), and m1 restored into the stopped VM starts its
+    QEMU from m1's NVRAM and loads its RAM: the same boot, m1's variables. Deleting the
+    snapshots removes their copies."""
+    host, token = booted.host, booted.token
+    t0 = time.monotonic()
+    if not token:           # run alone (-k): the variable the moves' test writes
+        token = booted.token = secrets.token_hex(8)
+        sh(host, "vu", "mountpoint -q /sys/firmware/efi/efivars || mount -t efivarfs "
+                       "efivarfs /sys/firmware/efi/efivars")
+        efi_write(host, "vu", VAR, f"FUSUMA-{token}")
+    vdir = host.home / "vms" / "vu"
+    nvram, copies = vdir / "nvram.fd", vdir / "snapshots"
+    boot_id = sh(host, "vu", "cat /proc/sys/kernel/random/boot_id").strip()
+    at_m1 = nvram.read_bytes()
+    assert f"FUSUMA-{token}".encode() in at_m1
+    host.run("vm", "snapshot", "create", "vu", "m1", "--memory", timeout=600)
+    assert (copies / "m1.nvram.fd").read_bytes() == at_m1
+    x, y = secrets.token_hex(8), secrets.token_hex(8)
+    efi_write(host, "vu", SNAP_VAR, f"SNAP-{x}")
+    at_d1 = nvram.read_bytes()
+    assert f"SNAP-{x}".encode() in at_d1 and at_d1 != at_m1
+    made = host.run("vm", "snapshot", "create", "vu", "d1", "--json", timeout=300).json()
+    assert (made["memory"], made["frozen"]) == (False, True), made
+    assert (copies / "d1.nvram.fd").read_bytes() == at_d1
+    efi_write(host, "vu", LATER_VAR, f"LATER-{y}")
+    assert f"LATER-{y}".encode() in nvram.read_bytes()
+
+    # m1 into the running guest: the file and the firmware as at m1, the same boot.
+    host.run("vm", "snapshot", "restore", "vu", "m1", timeout=600)
+    assert host.vm("vu")["state"] == "running"
+    assert nvram.read_bytes() == at_m1
+    assert sh(host, "vu", "cat /proc/sys/kernel/random/boot_id").strip() == boot_id
+    assert sh(host, "vu", f"cat {VAR} | tail -c +5") == f"FUSUMA-{token}"
+    assert sh(host, "vu", f"cat {SNAP_VAR} {LATER_VAR} 2>/dev/null; true") == ""
+    # It writes on after the load: the flash is the file's again.
+    efi_write(host, "vu", LATER_VAR, f"LATER-{y}")
+    assert f"LATER-{y}".encode() in nvram.read_bytes()
+
+    # Stopped: d1's NVRAM in place of the file (what OVMF reads at the next boot),
+    # the VM's own (its uid's, 0600).
+    uid = nvram.stat().st_uid
+    host.run("vm", "stop", "vu", "--timeout", "60", timeout=120)
+    host.run("vm", "snapshot", "restore", "vu", "d1", timeout=300)
+    st = nvram.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (uid, 0o600) and uid != 0
+    assert nvram.read_bytes() == at_d1 and host.vm("vu")["state"] == "stopped"
+    # m1 into the stopped VM: its QEMU started from m1's NVRAM, its RAM loaded (with a
+    # new vmgenid: a new generation, not a new boot).
+    host.run("vm", "snapshot", "restore", "vu", "m1", timeout=600)
+    assert host.vm("vu")["state"] == "running" and nvram.read_bytes() == at_m1
+    assert sh(host, "vu", "cat /proc/sys/kernel/random/boot_id").strip() == boot_id
+    assert sh(host, "vu", f"cat {VAR} | tail -c +5") == f"FUSUMA-{token}"
+    for name in ("m1", "d1"):
+        host.run("vm", "snapshot", "delete", "vu", name, timeout=300)
+    assert host.run("vm", "snapshot", "list", "vu", "--json").json() == []
+    assert list(copies.iterdir()) == []
+    print(f"\nNVRAM in snapshots of the UEFI guest: {time.monotonic() - t0:.1f} s")
+
+
 def failed_modules(host: Host, vm: str) -> set[str]:
     """The cloud-init modules that reported an error (``cloud-init status --long``)."""
     said = sh(host, vm, "cloud-init status --long; true")
@@ -544,3 +631,85 @@ def test_the_end_each_disk_is_clean_and_the_image_goes(booted: Booted) -> None:
     assert booted.base.stat().st_mode & 0o777 == 0o444
     host.run("image", "delete", "deb")
     assert not booted.base.exists()
+
+
+LAN = "10.124.7"
+
+
+def test_clones_of_a_firmware_vm_with_a_nic_get_their_own_mac_lease_and_instance(
+        disk_image: Path, tmp_path: Path) -> None:
+    """A template of a UEFI guest with a NIC on a managed network, and two clones of
+    it: each clone's guest has its own MAC (the template's was changed by the identity
+    step) and the lease dnsmasq gives that MAC (the address fusuma recorded; the
+    image's dhclient asked), a new cloud-init instance id, and answers the gateway
+    through the bridge's filter, which drops any frame with the template's MAC. All in
+    a network namespace of the test's own (its supervisors, bridge, taps, nftables and
+    dnsmasq), so this test boots a guest of its own: the module's run in the machine's
+    namespace, where no fusuma network may be made."""
+    t0 = time.monotonic()
+    ns = f"fusuma-t-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    host = Host(tmp_path)
+    host.wrap = ["nsenter", f"--net=/run/netns/{ns}", "--"]
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        need_qemu_10(host)
+        host.run("image", "import", "deb", str(disk_image))
+        host.run("partition", "create", "p0", "--cpus", "0-1", "--memory", "2048",
+                 "--qemu", "10.0")
+        host.run("network", "create", "lan0", "--subnet", f"{LAN}.0/24")
+        host.run("vm", "create", "tv", "-p", "p0", "--image", "deb", "--memory", "384",
+                 "--boot", "uefi", "--nic", "lan0")
+        host.run("vm", "start", "tv", "--wait", "--timeout", "400", timeout=450)
+        boot_s = time.monotonic() - t0
+        tnic = host.vm("tv")["nics"][0]
+        # The template's guest has its lease (cloud-init's config, the image's dhclient).
+        deadline = time.monotonic() + 120
+        while f"inet {tnic['ip']}/24" not in sh(host, "tv", "ip -4 -o addr; true"):
+            assert time.monotonic() < deadline, sh(host, "tv", "ip addr; true")
+            time.sleep(2)
+        host.run("template", "create", "t", "--from", "tv")
+        clones_ = ("c1", "c2")
+        for c in clones_:
+            host.run("vm", "create", c, "-p", "p0", "--template", "t", "--nic", "lan0")
+            host.run("vm", "start", c)
+        deadline = time.monotonic() + 600
+        nics = {}
+        for c in clones_:
+            ev = clone_ready(host, c, deadline)
+            assert ev["error"] is None and ev["cloud_init_exit"] in (0, 1), ev
+            nics[c] = host.vm(c)["nics"][0]
+            mac, ip = nics[c]["mac"], nics[c]["ip"]
+            assert mac != tnic["mac"] and ip != tnic["ip"], (nics[c], tnic)
+            # The guest's NIC has the clone's MAC and the clone's lease.
+            got = sh(host, c, f"for x in /sys/class/net/*; do [ \"$(cat $x/address)\" = "
+                              f"{mac} ] && ip -4 -o addr show dev ${{x##*/}}; done; true")
+            assert f"inet {ip}/24" in got, (c, got)
+            assert tnic["mac"] not in sh(host, c, "cat /sys/class/net/*/address")
+            # A new instance: cloud-init ran for the clone's id.
+            seed_id = json.loads((host.home / "vms" / c / "seed.json").read_text())[
+                "instance_id"]
+            assert sh(host, c, "cat /var/lib/cloud/data/instance-id").strip() == seed_id
+            assert sh(host, c, "hostname").strip() == c
+        assert nics["c1"]["mac"] != nics["c2"]["mac"] and nics["c1"]["ip"] != nics["c2"]["ip"]
+        # Each reaches the gateway (the bridge's address, in the test's namespace: its
+        # dnsmasq's DNS port) and answers it (its sshd's banner, from that namespace),
+        # through the bridge's filter, which passes only the clone's MAC and address.
+        probe = ("import socket, sys; c = socket.create_connection((sys.argv[1], "
+                 "int(sys.argv[2])), 10); c.settimeout(10); "
+                 "print(c.recv(8).decode() if len(sys.argv) > 3 else 'connected')")
+        for c in clones_:
+            got = sh(host, c, f"python3 -c \"{probe}\" {LAN}.1 53")
+            assert got.strip() == "connected", (c, got)
+            banner = subprocess.run([*host.wrap, sys.executable, "-c", probe,
+                                     nics[c]["ip"], "22", "banner"],
+                                    capture_output=True, text=True, timeout=60)
+            assert banner.stdout.startswith("SSH-2.0"), (c, banner)
+            assert f"{LAN}.1 " in sh(host, c, "cat /proc/net/arp")
+        print(f"\ntemplate of a UEFI guest with a NIC, two clones: "
+              f"{time.monotonic() - t0:.1f} s (boot {boot_s:.1f} s)")
+    finally:
+        try:
+            _tear_down(host)
+        finally:
+            subprocess.run(["ip", "netns", "del", ns], check=False)

@@ -4,6 +4,7 @@ backup sends (fusuma.images.backup, fusuma.supervisor.backups)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -153,10 +154,12 @@ def test_targets_are_qcow2_made_by_root_for_the_vm_uid(tmp_path: Path) -> None:
 
 
 def test_one_transaction_holds_every_disk_its_bitmap_and_its_job() -> None:
-    ts = [Target(BOOT_DRIVE, "boot.qcow2", "n0", "j0"), Target("disk-d", "d.qcow2", "n1",
-                                                                 "j1")]
+    ts = [Target(BOOT_DRIVE, "boot.qcow2", "n0", "j0"),
+          Target("disk-d", "disk-d.qcow2", "n1", "j1")]
     full = plan(ts, "fusuma-backup-c-0001", None, 0)
-    assert [a["type"] for a in full] == ["block-dirty-bitmap-add", "blockdev-backup"] * 2
+    # The raw disk gets no bitmap (a raw file cannot keep one).
+    assert [a["type"] for a in full] == ["block-dirty-bitmap-add", "blockdev-backup",
+                                         "blockdev-backup"]
     assert full[0]["data"] == {"node": BOOT_DRIVE, "name": "fusuma-backup-c-0001",
                                "persistent": True}
     assert full[1]["data"] == {"job-id": "j0", "device": BOOT_DRIVE, "target": "n0",
@@ -164,23 +167,37 @@ def test_one_transaction_holds_every_disk_its_bitmap_and_its_job() -> None:
     inc = plan(ts, "fusuma-backup-c-0002", "fusuma-backup-c-0001", 2**20)
     # The previous point's bitmap is read, never cleared by QEMU (bitmap-mode never):
     # fusuma deletes it only once the new point's manifest is written.
-    assert inc[3]["data"] == {"job-id": "j1", "device": "disk-d", "target": "n1",
+    assert inc[1]["data"] == {"job-id": "j0", "device": BOOT_DRIVE, "target": "n0",
                               "compress": True, "auto-dismiss": False, "sync": "bitmap",
                               "bitmap": "fusuma-backup-c-0001", "bitmap-mode": "never",
                               "speed": 2**20}
+    # The raw disk, whole in an incremental point too.
+    assert inc[2]["data"] == {"job-id": "j1", "device": "disk-d", "target": "n1",
+                              "compress": True, "auto-dismiss": False, "sync": "full",
+                              "speed": 2**20}
 
 
-def test_disks_that_cannot_be_backed_up_are_refused() -> None:
+def test_which_disks_a_backup_copies() -> None:
     kernel = VmRecord(name="k", partition="p0", vcpus=1, memory_mib=256)
     with pytest.raises(StateError, match="no disk of its own to back up"):
         drives(kernel)
     raw = VmRecord(name="r", partition="p0", vcpus=1, memory_mib=256, image="deb",
-                   boot="bios", disks=["data"])
-    with pytest.raises(StateError, match=r"raw disk.*cannot keep the dirty bitmaps"):
-        drives(raw)
+                   boot="bios", disks=["data", "logs"])
+    assert drives(raw) == [(BOOT_DRIVE, "boot.qcow2"), ("disk-data", "disk-data.qcow2"),
+                           ("disk-logs", "disk-logs.qcow2")]
     ok = VmRecord(name="v", partition="p0", vcpus=1, memory_mib=256, image="deb",
                   boot="uefi")
     assert drives(ok) == [(BOOT_DRIVE, "boot.qcow2")]
+
+
+def test_a_raw_disk_entry_names_its_disk_only_when_whole() -> None:
+    e = bk.DiskEntry(drive="disk-data", file="disk-data.qcow2", virtual_size=2**20,
+                     sha256="0" * 64)
+    assert bk.raw_disk_of(e) == "data"
+    for bad in (dataclasses.replace(e, drive="disk-other"),
+                dataclasses.replace(e, backing="../0001/disk-data.qcow2"),
+                dataclasses.replace(e, drive=BOOT_DRIVE, file="boot.qcow2")):
+        assert bk.raw_disk_of(bad) is None, bad
 
 
 def test_the_api_names_backups_never_paths(tmp_path: Path) -> None:

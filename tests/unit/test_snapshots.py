@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -432,3 +433,62 @@ def test_recovery_finishes_a_disk_restore_whose_supervisor_died_after_the_stop(
     asyncio.run(snapshots.recover(h, job))
     assert done == ["apply d"] + (["start stopped"] if was_running else [])
     assert [s.name for s in h.db.snapshots("v")] == ["d"]
+
+
+def test_a_uefi_vms_snapshots_keep_its_nvram(
+        world: tuple[PartitionHost, list[str]]) -> None:
+    """Each snapshot of a UEFI VM keeps a copy of its NVRAM (taken with the disks); a
+    snapshot that fails keeps none, and a deleted one's goes with it."""
+    from fusuma.images import snapshots as offline
+    from fusuma.images.store import nvram_path, snapshot_nvram_path
+
+    h, _ = world
+    h.db.add_vm(VmRecord(name="u", partition="p0", vcpus=1, memory_mib=256, image="deb",
+                         boot="uefi", state=VmState.RUNNING, pid=4243))
+    nvram = nvram_path(h.paths, "u")
+    nvram.parent.mkdir(parents=True)
+    nvram.write_bytes(b"vars-at-s1" * 100)
+    qmp = FakeQmp("u")
+    h.instances.add(FakeInstance("u", qmp, pid=4243))  # type: ignore[arg-type]
+    asyncio.run(snapshots.create(h, rpc.SnapshotCreate("u", "s1")))
+    copy = snapshot_nvram_path(h.paths, "u", "s1")
+    assert copy.read_bytes() == b"vars-at-s1" * 100
+    assert copy.stat().st_mode & 0o777 == 0o600 and copy.parent.stat().st_mode & 0o777 == 0o700
+    nvram.write_bytes(b"vars-later" * 100)
+    qmp.fail = "transaction"
+    with pytest.raises(QemuError, match="injected"):
+        asyncio.run(snapshots.create(h, rpc.SnapshotCreate("u", "s2")))
+    assert not snapshot_nvram_path(h.paths, "u", "s2").exists()
+    # Put back in place of the VM's file (a stopped VM's), owned by its uid.
+    assert offline.put_nvram(copy, nvram, os.getuid())
+    assert nvram.read_bytes() == b"vars-at-s1" * 100 and nvram.stat().st_mode & 0o777 == 0o600
+    assert not offline.put_nvram(snapshot_nvram_path(h.paths, "u", "none"), nvram, 0)
+    qmp.fail = None
+    asyncio.run(snapshots.delete(h, rpc.SnapshotDelete("u", "s1")))
+    assert list(copy.parent.iterdir()) == []
+
+
+def test_a_memory_state_loads_into_a_new_boots_devices_but_a_new_vmgenid() -> None:
+    """A stopped VM's QEMU, started for a ``--memory`` restore, draws a new vmgenid
+    guid: the state still loads (the guest is told a new generation); any other
+    difference refuses it."""
+    from fusuma.qemu.cmdline import Device, DeviceSet
+
+    def ds(guid: str, extra: tuple[Device, ...] = ()) -> str:
+        return DeviceSet(machine="pc-q35-7.2", machine_props=(), cpu="max", smp=1,
+                         memory="256M", serial=None,
+                         devices=(Device("virtio-blk-pci", (("drive", BOOT_DRIVE),)),
+                                  Device("vmgenid", (("id", "vmgenid0"), ("guid", guid))),
+                                  *extra)).dumps()
+
+    def rec(devices: str) -> VmRecord:
+        return VmRecord(name="v", partition="p0", vcpus=1, memory_mib=256, image="deb",
+                        boot="bios", devices=devices)
+
+    snap = SnapshotRecord(vm="v", name="m", memory=True, disks=[BOOT_DRIVE], running=True,
+                          devices=ds("11111111-1111-1111-1111-111111111111"))
+    snapshots._same_devices(rec(ds("22222222-2222-2222-2222-222222222222")), snap)
+    other = ds("22222222-2222-2222-2222-222222222222",
+               (Device("virtio-rng-pci", (("id", "rng0"),)),))
+    with pytest.raises(StateError, match="devices changed since snapshot 'm'"):
+        snapshots._same_devices(rec(other), snap)

@@ -386,10 +386,14 @@ def test_a_clones_identity_gives_each_nic_its_mac_and_asks_dhcp_again() -> None:
     s = templates.identity_script("c1", "0" * 32, templates.clone_mac("c1"), nics)
     # The user-mode NIC's step is not run: eth0 is a tap NIC, found by its MAC.
     assert templates.clone_mac("c1") not in s and "10.0.2.2" not in s
-    assert s.index("kill $(pidof udhcpc)") < s.index("ip link set $d0 address "
-                                                     "52:54:00:bb:00:01")
+    assert s.index("kill $(pidof udhcpc dhclient)") < s.index("ip link set $d0 address "
+                                                              "52:54:00:bb:00:01")
     assert '= 52:54:00:aa:00:02 ] && d1=' in s and "ip link set $d1 address 52:54:00:bb:00:02" in s
     assert s.count("udhcpc -i $d") == 2 and "hostname:c1" in s
+    # A Debian image's client (ifupdown's files), when the guest has no udhcpc.
+    assert s.count("elif command -v dhclient") == 2
+    assert "dhclient -4 -1 -pf /run/dhclient.$d1.pid -lf /var/lib/dhcp/dhclient.$d1.leases $d1" \
+        in s and "rm -f /var/lib/dhcp/dhclient.$d0.leases" in s
     assert "grep -q ' 10.0.5.3/' || exit 6" in s and s.count("exit 6") == 1
     assert s.endswith("head -c 64 > /dev/urandom || exit 4")
     for bad in [("52:54:00:aa:00:01", "52:54:00:bb:00:01; reboot", None),

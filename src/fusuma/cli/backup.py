@@ -27,7 +27,8 @@ def _mib(n: int) -> str:
               "guest's own disk I/O keeps its share.  [default: no limit]")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"vm", "dest", "point", "kind", "chain", "bytes", "disk_bytes", '
-                   '"seconds", "frozen", "files"}.')
+                   '"seconds", "frozen", "files", "whole"} ("whole": the raw disks an '
+                   'incremental point copied whole).')
 @pass_ctx
 def backup(c: Ctx, name: str, dest: str, incremental: bool, max_mib: int | None,
            as_json: bool) -> None:
@@ -54,8 +55,11 @@ def backup(c: Ctx, name: str, dest: str, incremental: bool, max_mib: int | None,
 
     \b
     Backed up: the thin disk of a VM made from an imported image (`vm create
-    --image IMPORTED`). Refused: fusuma's own images (their root is shared and
-    read-only) and raw disks (`--disk`), which cannot keep dirty bitmaps.
+    --image IMPORTED`), and each raw disk attached to it (`--disk`) as a compressed
+    qcow2 too. A raw file cannot keep a dirty bitmap, so a raw disk is copied whole
+    into every point, an incremental one too (it says so): only the thin disk's
+    copy is incremental. Refused: fusuma's own images (their root is shared and
+    read-only).
 
     \b
     Examples:
@@ -90,6 +94,10 @@ def backup(c: Ctx, name: str, dest: str, incremental: bool, max_mib: int | None,
                f"{_mib(res.bytes)} written for {_mib(res.disk_bytes)} of disk in "
                f"{res.seconds:.1f} s" + ("" if res.frozen else
                                          " (no guest agent froze its filesystems)"))
+    if res.whole:
+        click.echo(f"raw disk(s) {', '.join(res.whole)} copied whole into this point: a "
+                   "raw file keeps no dirty bitmap, so only the thin disk's copy is "
+                   "incremental.")
 
 
 @click.command("restore")
@@ -103,7 +111,7 @@ def backup(c: Ctx, name: str, dest: str, incremental: bool, max_mib: int | None,
 @click.option("--start", is_flag=True, help="Start the new VM once it is made.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"vm", "partition", "source_vm", "dest", "point", "points", '
-                   '"seconds", "disk_bytes"}.')
+                   '"seconds", "disk_bytes", "disks"}.')
 @pass_ctx
 def restore(c: Ctx, dest: str, new: str, partition: str | None, point: int | None,
             start: bool, as_json: bool) -> None:
@@ -117,7 +125,9 @@ def restore(c: Ctx, dest: str, new: str, partition: str | None, point: int | Non
     cloud-init instance id (cloud-init runs its per-instance steps again, and sets
     the hostname NEW), a copy of its UEFI variables, and its disk: the chain
     flattened by `qemu-img convert` into a thin disk on the same imported image,
-    which this host must have (same name and checksum). The backup is not changed.
+    which this host must have (same name and checksum). Each raw disk NAME backed
+    up becomes a new raw disk NEW-NAME (FUSUMA_HOME/disks/NEW-NAME.img) in NEW's
+    partition, attached to it. The backup is not changed.
 
     \b
     While the restore runs, `fusuma ps` shows NEW held by it ("being restored"). A
@@ -140,4 +150,5 @@ def restore(c: Ctx, dest: str, new: str, partition: str | None, point: int | Non
         return
     click.echo(f"vm {new}: restored from point {res.point} of {res.dest} (VM "
                f"{res.source_vm}, {res.points} point(s)) in partition {res.partition} in "
-               f"{time.monotonic() - t0:.1f} s" + ("; started" if start else ""))
+               f"{time.monotonic() - t0:.1f} s" + ("; started" if start else "")
+               + (f"; its raw disk(s) {', '.join(res.disks)}" if res.disks else ""))

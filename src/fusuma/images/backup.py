@@ -9,12 +9,15 @@ backup and ``0002``, ``0003``... each an incremental one on the point before::
                                                    its qcow2 backing file ../0001/boot.qcow2
 
 Each disk file is a compressed qcow2 that QEMU's ``blockdev-backup`` wrote through a
-descriptor root opened; ``nvram.fd`` is a copy of the VM's UEFI variables (UEFI VMs
-only). ``manifest.json`` is written **last**, to a temporary name, fsynced and renamed:
-a point without its manifest does not exist (the next backup removes it), so a backup
-killed at any moment never looks whole. The manifest records the VM's configuration
-(for a restore), each file's SHA-256 and size, and the chain up to it (each earlier
-point's manifest checksum), so a restore proves the whole chain before reading it.
+descriptor root opened: ``boot.qcow2`` the VM's thin disk, ``disk-NAME.qcow2`` each raw
+disk NAME attached to it (whole in every point, an incremental one too: a raw file
+keeps no dirty bitmap, so it has no backing file); ``nvram.fd`` is a copy of the VM's
+UEFI variables (UEFI VMs only). ``manifest.json`` is written **last**, to a temporary
+name, fsynced and renamed: a point without its manifest does not exist (the next backup
+removes it), so a backup killed at any moment never looks whole. The manifest records
+the VM's configuration (for a restore), each file's SHA-256 and size, and the chain up
+to it (each earlier point's manifest checksum), so a restore proves the whole chain
+before reading it.
 
 Where DEST may be: a bare NAME is ``FUSUMA_HOME/backups/NAME`` (the only form the API
 takes: no role names a host path); root's CLI may also give an absolute path inside a
@@ -62,6 +65,19 @@ def backups_dir(paths: Paths) -> Path:
 
 def point_name(n: int) -> str:
     return f"{n:04d}"
+
+
+def raw_disk_file(disk: str) -> str:
+    """The file in a point that holds raw disk ``disk`` (a checked fusuma name)."""
+    return f"disk-{disk}.qcow2"
+
+
+def raw_disk_of(entry: DiskEntry) -> str | None:
+    """The raw disk's name an entry holds (None: the thin disk, or not a raw disk's)."""
+    m = re.fullmatch(r"disk-(.+)\.qcow2", entry.file)
+    if m is None or entry.drive != f"disk-{m.group(1)}" or entry.backing is not None:
+        return None
+    return m.group(1)
 
 
 def bitmap_name(chain: str, point: int) -> str:
@@ -530,6 +546,22 @@ def flatten(chain: Chain, drive: str, out: Path, base: Path, base_format: str,
                             f"{proc.stderr.strip() or argv[1] + ' failed'}.")
     os.chown(out, uid, uid)
     os.chmod(out, 0o600)
+
+
+def to_raw(chain: Chain, drive: str, out: Path) -> None:
+    """The chain's raw disk ``drive`` (its last point's file, whole: no backing) written
+    into the existing, zeroed raw file ``out`` (as large as the disk: a new disk's
+    sparse file) by ``qemu-img convert``."""
+    entry = next(e for e in chain.last.disks if e.drive == drive)
+    src = chain.file(chain.last, entry)
+    argv = ["qemu-img", "convert", "-q", "-n", "--target-is-zero", "-f", "qcow2",
+            "-O", "raw", str(src), str(out)]
+    # It ends with its caller, as flatten's: a restore killed mid-way leaves no writer.
+    proc = subprocess.run(["setpriv", "--pdeathsig", "KILL", *argv], capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        raise HostError(f"cannot restore the disk from {src}: "
+                        f"{proc.stderr.strip() or 'qemu-img convert failed'}.")
 
 
 def now() -> float:

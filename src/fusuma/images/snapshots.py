@@ -7,17 +7,24 @@ file only through a descriptor root opened without following a symlink
 snapshot lives in the overlay alone (its tables point at its own clusters; unallocated
 ones read from the base, which is read-only and never changes), so neither the base
 nor its directory is given to qemu-img. A running VM's disks are snapshotted by its
-QEMU instead (fusuma.supervisor.snapshots)."""
+QEMU instead (fusuma.supervisor.snapshots).
+
+A UEFI VM's NVRAM (its variables: boot order, keys, what the guest wrote) is a raw file,
+which cannot hold internal snapshots: each snapshot keeps a copy of it
+(:func:`save_nvram`, in ``snapshots/`` of the VM's directory, root's), which a restore
+writes back into the VM's NVRAM file (:func:`put_nvram`) before its QEMU reads it."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import time
 from pathlib import Path
 
 from fusuma.errors import HostError, ImageError
+from fusuma.paths import PRIVATE_DIR
 from fusuma.qemu.block import DiskSnapshot, parse_snapshots
 
 # As for an untrusted image's probe (fusuma.images.store): bounded address space and CPU.
@@ -140,3 +147,64 @@ def repair(path: Path, uid: int) -> str | None:
     lines = [ln for ln in fixed.stdout.strip().splitlines() if ln.strip()]
     return f"-r {mode}: " + ("; ".join(ln for ln in lines if "fixed" in ln.lower())
                              or (lines[-1] if lines else "repaired"))
+
+
+# -- a UEFI VM's NVRAM ---------------------------------------------------------------
+NVRAM_MAX = 64 << 20
+
+
+def _read_nvram(path: Path) -> bytes:
+    """The NVRAM file's bytes (a regular file, not followed if a link; a few MiB at
+    most: OVMF's variable store)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > NVRAM_MAX:
+            raise HostError(f"{path} is not an NVRAM file (a regular file of at most "
+                            f"{NVRAM_MAX >> 20} MiB).")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def save_nvram(nvram: Path, copy: Path) -> None:
+    """Keep the NVRAM file ``nvram`` as ``copy`` (root's, 0600): written whole to a
+    temporary name and renamed, so a copy that exists is complete."""
+    data = _read_nvram(nvram)
+    copy.parent.mkdir(mode=PRIVATE_DIR, exist_ok=True)
+    tmp = copy.with_name(copy.name + ".part")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    with os.fdopen(fd, "wb") as f:           # writes it whole, or raises
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, copy)
+
+
+def put_nvram(copy: Path, nvram: Path, uid: int) -> bool:
+    """Put the kept ``copy`` in place of the VM's NVRAM file ``nvram``, owned by the
+    VM's ``uid`` (0600), by a rename, so a kill leaves the old file or the new one,
+    never half of each; False when there is no copy (a snapshot taken before fusuma
+    kept them). Its QEMU must not be running."""
+    try:
+        data = _read_nvram(copy)
+    except FileNotFoundError:
+        return False
+    tmp = copy.parent / f"{copy.name}.restore"   # on the same file system, removed with it
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    with os.fdopen(fd, "wb") as f:           # writes it whole, or raises
+        os.fchown(fd, uid, uid)
+        f.write(data)
+        f.flush()
+        os.fsync(fd)
+    os.replace(tmp, nvram)
+    return True
+
+
+def drop_nvram(copy: Path) -> None:
+    """Remove a snapshot's NVRAM copy (and a partial one), if any."""
+    for p in (copy, copy.with_name(copy.name + ".part")):
+        p.unlink(missing_ok=True)

@@ -360,6 +360,9 @@ SEED = "seed.iso"
 SEED_INPUTS = "seed.json"     # what the seed says, for a template's clones
 FRESH = "clone-fresh"         # a clone whose disk is still its template's (images.layers)
 FILES = (DISK, NVRAM, SEED, SEED_INPUTS, FRESH)
+# A UEFI VM's NVRAM as each of its snapshots found it (fusuma.images.snapshots): a raw
+# file cannot hold internal snapshots, so a copy per snapshot, root's, in this directory.
+SNAPSHOTS = "snapshots"
 
 
 def disk_path(paths: Paths, vm: str) -> Path:
@@ -368,6 +371,12 @@ def disk_path(paths: Paths, vm: str) -> Path:
 
 def nvram_path(paths: Paths, vm: str) -> Path:
     return paths.vm_dir(vm) / NVRAM
+
+
+def snapshot_nvram_path(paths: Paths, vm: str, snapshot: str) -> Path:
+    """Where snapshot ``snapshot`` of UEFI VM ``vm`` keeps its copy of the NVRAM (the
+    snapshot's name is a checked fusuma name)."""
+    return paths.vm_dir(vm) / SNAPSHOTS / f"{snapshot}.{NVRAM}"
 
 
 def seed_path(paths: Paths, vm: str) -> Path:

@@ -313,10 +313,13 @@ def nic_identity_script(name: str, nics: list[tuple[str, str, str | None]]) -> s
     """The shell that gives a clone's tap NICs their own MACs and leases: ``nics`` holds
     (the template's MAC, the clone's, the clone's address or None) per NIC. Each
     interface is found by the template's MAC, given the clone's, and asks DHCP again
-    (the template's udhcpc, which knows the template's MAC and lease, is ended first):
-    the network's dnsmasq gives the address fusuma recorded for the clone's MAC. Exit 5:
-    no interface had the template's MAC; 6: no lease for the recorded address. MACs are
-    checked (``addr.check_mac``), addresses are fusuma's own: safe in shell words."""
+    (the template's DHCP client, which knows the template's MAC and lease, is ended
+    first): the network's dnsmasq gives the address fusuma recorded for the clone's
+    MAC. The client is the guest's own: busybox's udhcpc in fusuma's images, ISC's
+    dhclient in a Debian or Ubuntu image (ifupdown's pid and lease files, the
+    template's lease removed so the clone asks afresh). Exit 5: no interface had the
+    template's MAC; 6: no lease for the recorded address. MACs are checked
+    (``addr.check_mac``), addresses are fusuma's own: safe in shell words."""
     if not nics:
         return ""
     for old, new, ip in nics:
@@ -324,7 +327,7 @@ def nic_identity_script(name: str, nics: list[tuple[str, str, str | None]]) -> s
                 ip is not None and not _IPV4.fullmatch(ip)):
             raise TemplateError(f"clone {name!r}: NIC {old} -> {new} ({ip}) is not a MAC "
                                 "and an IPv4 address.")
-    lines = ["kill $(pidof udhcpc) 2>/dev/null; sleep 0.2"]
+    lines = ["kill $(pidof udhcpc dhclient) 2>/dev/null; sleep 0.2"]
     for i, (old, new, ip) in enumerate(nics):
         d = f"d{i}"
         lines.append(
@@ -332,8 +335,13 @@ def nic_identity_script(name: str, nics: list[tuple[str, str, str | None]]) -> s
             f"[ \"$(cat $x/address 2>/dev/null)\" = {old} ] && {d}=${{x##*/}}; done; "
             f"[ -n \"${d}\" ] || exit 5; ip link set ${d} address {new} || exit 3; "
             f"ip -4 addr flush dev ${d}; ip neigh flush dev ${d} 2>/dev/null; "
+            "if command -v udhcpc >/dev/null; then "
             f"udhcpc -i ${d} -s {UDHCPC_SCRIPT} -b -t 5 -T 1 -A 1 -x hostname:{name} "
-            "</dev/null >/dev/null 2>&1")
+            "</dev/null >/dev/null 2>&1; "
+            "elif command -v dhclient >/dev/null; then "
+            f"rm -f /var/lib/dhcp/dhclient.${d}.leases; "
+            f"dhclient -4 -1 -pf /run/dhclient.${d}.pid "
+            f"-lf /var/lib/dhcp/dhclient.${d}.leases ${d} </dev/null >/dev/null 2>&1; fi")
         if ip is not None:
             lines.append(f"ip -4 -o addr show dev ${d} | grep -q ' {ip}/' || exit 6")
     return "; ".join(lines)

@@ -59,12 +59,11 @@ class TemplateManager:
             raise StateError(f"VM {vm!r} is {state}; a template is made from a running "
                              f"VM: start it (`fusuma vm start {vm}`) and try again.")
         from fusuma.memshare.templates import refuse
-        from fusuma.vm import boot
 
-        boot.check_template(rec, len(self.db.nics(vm=vm)))
         # NICs on taps are fine: the template keeps their networks, and each clone gets
         # NICs of its own there (a MAC, an address, a tap), given to its guest by its
-        # identity step.
+        # identity step (with the guest's own DHCP client: busybox's udhcpc, or the
+        # dhclient of a firmware-booted Debian or Ubuntu image).
         refuse(rec, rec.qemu_version)
         capacity.check_template(self.db, self.parts.host, name, rec.memory_mib)
         return rec

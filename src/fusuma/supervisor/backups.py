@@ -12,6 +12,13 @@ anything, and a supervisor killed between the two would lose those writes from e
 later backup. With a guest agent, the guest's filesystems are frozen around the
 transaction (milliseconds), and always thawed.
 
+A raw disk (a registered disk, ``--disk``) cannot hold a persistent dirty bitmap, so
+it is copied whole into every point (``sync=full``, no bitmap): an incremental point
+holds what changed on the qcow2 thin disk and each raw disk entire, and says so
+(``BackedUp.whole``). An in-memory bitmap would be lost with the QEMU at every move and
+restart, and an incremental point missing writes would look whole: a full copy is
+slower but never wrong.
+
 A backup is a local job (``JobKind.BACKUP``): a supervisor killed during one leaves it
 to the next, which (:func:`recover`) thaws the guest, cancels QEMU's jobs, removes the
 target nodes and the point's new bitmap and deletes the point, which has no manifest.
@@ -52,18 +59,20 @@ class Target:
 
 
 def drives(rec: VmRecord) -> list[tuple[str, str]]:
-    """The disks of ``rec`` a backup copies, as (drive id, file name); one sentence
-    for a VM whose disks cannot be backed up."""
-    if rec.disks:
-        raise StateError(f"VM {rec.name!r} has raw disk(s) {', '.join(rec.disks)}, which "
-                         "cannot keep the dirty bitmaps backups need; fusuma backs up "
-                         "the qcow2 disk of a VM made from an imported image (detach "
-                         "them to back it up).")
+    """The disks of ``rec`` a backup copies, as (drive id, file name): its thin disk,
+    then each raw disk attached (:func:`is_raw`); one sentence for a VM whose disks
+    cannot be backed up."""
     if rec.boot == "kernel":
         raise StateError(f"VM {rec.name!r} runs image {rec.image!r}, which fusuma builds "
                          "and shares read-only between VMs: it has no disk of its own to "
                          "back up.")
-    return [(BOOT_DRIVE, "boot.qcow2")]
+    return [(BOOT_DRIVE, "boot.qcow2"),
+            *((f"disk-{d}", bk.raw_disk_file(d)) for d in rec.disks)]
+
+
+def is_raw(drive: str) -> bool:
+    """A raw disk's drive (no dirty bitmap: copied whole into every point)."""
+    return drive != BOOT_DRIVE
 
 
 def plan(targets: list[Target], new_bitmap: str, previous_bitmap: str | None,
@@ -71,11 +80,13 @@ def plan(targets: list[Target], new_bitmap: str, previous_bitmap: str | None,
     """The one transaction: per disk, its new bitmap and its backup job."""
     actions: list[dict[str, Any]] = []
     for t in targets:
-        actions.append({"type": "block-dirty-bitmap-add",
-                        "data": {"node": t.drive, "name": new_bitmap, "persistent": True}})
+        if not is_raw(t.drive):
+            actions.append({"type": "block-dirty-bitmap-add",
+                            "data": {"node": t.drive, "name": new_bitmap,
+                                     "persistent": True}})
         job: dict[str, Any] = {"job-id": t.job, "device": t.drive, "target": t.node,
                                "compress": True, "auto-dismiss": False}
-        if previous_bitmap is None:
+        if previous_bitmap is None or is_raw(t.drive):
             job["sync"] = "full"
         else:
             job.update({"sync": "bitmap", "bitmap": previous_bitmap,
@@ -198,9 +209,16 @@ async def _backup(h: PartitionHost, rec: VmRecord, inst: QemuInstance,
                              "and start it.")
         if last is not None:
             # A bitmap QEMU did not save whole (it was killed) loads "inconsistent".
-            kept = {d: found[d].bitmap(last.bitmap) for d, _ in disks}
+            kept = {d: found[d].bitmap(last.bitmap) for d, _ in disks if not is_raw(d)}
             gone = [d for d, m in kept.items() if m is None or m.inconsistent]
-            if gone or [e.drive for e in last.disks] != [d for d, _ in disks]:
+            then = [e.drive for e in last.disks]
+            if then != [d for d, _ in disks]:
+                raise StateError(
+                    f"VM {vm!r}'s disks changed since backup point {last.point} of "
+                    f"{chain_dir} ({', '.join(then)}; now "
+                    f"{', '.join(d for d, _ in disks)}); take a full backup into a new "
+                    "directory.")
+            if gone:
                 raise StateError(
                     f"VM {vm!r} no longer tracks its writes since backup point "
                     f"{last.point} of {chain_dir} (its dirty bitmap is gone: a later full "
@@ -211,7 +229,7 @@ async def _backup(h: PartitionHost, rec: VmRecord, inst: QemuInstance,
                                  f"{vm!r}; give a new directory for a full backup.")
         sizes = {d: found[d].virtual_size for d, _ in disks}
         for t in targets:
-            backing = None if last is None else \
+            backing = None if last is None or is_raw(t.drive) else \
                 f"../{bk.point_name(last.point)}/{t.file}"
             await _attach(inst, pt, t, sizes[t.drive], rec.uid, backing)
         async with h.agent_lock(vm):
@@ -242,7 +260,8 @@ async def _backup(h: PartitionHost, rec: VmRecord, inst: QemuInstance,
                 os.close(fd)
             entries.append(bk.DiskEntry(
                 drive=d, file=f, virtual_size=sizes[d], sha256=digest, size=size,
-                backing=None if last is None else f"../{bk.point_name(last.point)}/{f}"))
+                backing=None if last is None or is_raw(d)
+                else f"../{bk.point_name(last.point)}/{f}"))
         previous: list[str] = []
         if last is not None:
             previous = [*last.previous, bk.read_point(chain_dir, last.point)[1]]
@@ -272,7 +291,9 @@ async def _backup(h: PartitionHost, rec: VmRecord, inst: QemuInstance,
                         disk_bytes=sum(e.virtual_size for e in entries),
                         seconds=round(time.monotonic() - t0, 3), frozen=frozen,
                         files=[str(pt.path / e.file) for e in entries]
-                        + ([str(pt.path / bk.NVRAM)] if nvram else []))
+                        + ([str(pt.path / bk.NVRAM)] if nvram else []),
+                        whole=[] if last is None else
+                        [d.removeprefix("disk-") for d, _ in disks if is_raw(d)])
 
 
 def _config(h: PartitionHost, rec: VmRecord) -> bk.VmConfig:

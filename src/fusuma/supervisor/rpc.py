@@ -123,6 +123,8 @@ class BackedUp:
     seconds: float
     frozen: bool               # the guest agent froze the filesystems at the point
     files: list[str]
+    # The raw disks an incremental point copied whole (no dirty bitmap on a raw file).
+    whole: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

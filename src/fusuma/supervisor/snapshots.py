@@ -7,8 +7,13 @@ Which disks: every writable disk the guest has must hold the snapshot, or a rest
 would mix two times. A VM of an imported image has one, its thin disk (a qcow2
 overlay, ``disk-fusuma-boot``); a VM of fusuma's own images boots its kernel from a
 read-only root and has only raw disks, and a raw disk cannot hold a snapshot: both are
-refused. The cloud-init seed is read-only, and a UEFI VM's NVRAM (a raw file) is not
-part of a snapshot (its variables in the guest's memory are, with ``--memory``).
+refused. The cloud-init seed is read-only. A UEFI VM's NVRAM (its variables, a raw
+file) cannot hold a snapshot: each snapshot keeps a copy of it beside the disk
+(fusuma.images.snapshots), taken with the disks (inside the freeze window; with
+``--memory``, just before the save), and a restore writes it back before QEMU reads
+it. With ``--memory``, QEMU's saved state holds the flash device's contents too and
+its QEMU writes them back into the file when the guest runs on after the load, so the
+file is the snapshot's whether the VM was running or stopped.
 
 - **Create, running**: the guest agent, when the guest has one, freezes the guest's
   filesystems (``guest-fsfreeze-freeze``), QEMU snapshots every disk in one
@@ -19,10 +24,11 @@ part of a snapshot (its variables in the guest's memory are, with ``--memory``).
   state holds the guest's caches, and a restore must not bring back a frozen guest).
 - **Create, stopped**: ``qemu-img snapshot -c`` on each disk, as the VM's uid.
 - **Restore**: with memory, ``snapshot-load`` into the VM's QEMU (started first if the
-  VM was stopped): the guest runs on from the moment it was taken. Disks only, as
-  Proxmox's rollback: a running VM is stopped (its filesystems flushed), each disk
-  reverted by ``qemu-img snapshot -a``, and the VM started again (a fresh boot from the
-  snapshot's disks); a stopped VM stays stopped.
+  VM was stopped, from the snapshot's NVRAM): the guest runs on from the moment it was
+  taken. Disks only, as Proxmox's rollback: a running VM is stopped (its filesystems
+  flushed), each disk reverted by ``qemu-img snapshot -a`` and the NVRAM written back,
+  and the VM started again (a fresh boot from the snapshot's disks); a stopped VM stays
+  stopped.
 - **Delete**: ``blockdev-snapshot-delete-internal-sync`` on each disk while it runs,
   ``qemu-img snapshot -d`` when stopped.
 
@@ -50,7 +56,7 @@ from fusuma.errors import (
     StateError,
 )
 from fusuma.images import snapshots as offline
-from fusuma.images.store import disk_path
+from fusuma.images.store import disk_path, nvram_path, snapshot_nvram_path
 from fusuma.names import check_name
 from fusuma.qemu import block, blocksnap
 from fusuma.qemu.cmdline import BOOT_DRIVE
@@ -200,11 +206,13 @@ async def _take(h: PartitionHost, phase: Phase, rec: VmRecord, inst: QemuInstanc
         phase(SAVE)
         for d in disks:
             await asyncio.to_thread(offline.create, d.path, rec.uid, snap.name)
+        await _save_nvram(h, rec, snap.name)
         return False, None
     if snap.memory:
         settings = await blocksnap.stream_settings(inst.qmp)
         phase(SAVE, settings=settings)
         try:
+            await _save_nvram(h, rec, snap.name)
             await blocksnap.for_snapshot(inst.qmp, settings)
             nodes = await _nodes(inst, disks)
             await blocksnap.save(inst.qmp, snap.name, nodes[0], nodes, JOB_S)
@@ -223,11 +231,30 @@ async def _take(h: PartitionHost, phase: Phase, rec: VmRecord, inst: QemuInstanc
             frozen = await freeze.freeze(h, inst, "snapshot")
             phase(SAVE, frozen=frozen)
             await blocksnap.snapshot_disks(inst.qmp, [d.drive for d in disks], snap.name)
+            await _save_nvram(h, rec, snap.name)
         finally:
             if frozen:
                 phase(THAW)
                 await asyncio.shield(freeze.thaw(h, inst))
     return frozen, None
+
+
+async def _save_nvram(h: PartitionHost, rec: VmRecord, name: str) -> None:
+    """Keep a UEFI VM's NVRAM as snapshot ``name`` finds it."""
+    if rec.boot == "uefi":
+        await asyncio.to_thread(offline.save_nvram, nvram_path(h.paths, rec.name),
+                                snapshot_nvram_path(h.paths, rec.name, name))
+
+
+async def _put_nvram(h: PartitionHost, rec: VmRecord, name: str) -> None:
+    """Write snapshot ``name``'s NVRAM back (the VM's QEMU is not running)."""
+    if rec.boot != "uefi":
+        return
+    if not await asyncio.to_thread(offline.put_nvram,
+                                   snapshot_nvram_path(h.paths, rec.name, name),
+                                   nvram_path(h.paths, rec.name), rec.uid):
+        h.log.warning("snapshot %s of %s has no copy of the NVRAM; the VM keeps its "
+                      "variables as they are", name, rec.name)
 
 
 async def _nodes(inst: QemuInstance, disks: list[SnapDisk]) -> list[str]:
@@ -274,6 +301,8 @@ async def _undo(h: PartitionHost, rec: VmRecord, disks: list[SnapDisk], name: st
                 await blocksnap.delete_internal(inst.qmp, d.drive, name)
             else:
                 await asyncio.to_thread(offline.delete, d.path, rec.uid, name)
+        await asyncio.to_thread(offline.drop_nvram,
+                                snapshot_nvram_path(h.paths, rec.name, name))
         h.db.remove_snapshot(rec.name, name)
     except FusumaError as exc:
         h.log.error("could not remove the unfinished snapshot %s of %s: %s", name,
@@ -309,6 +338,7 @@ async def restore(h: PartitionHost, req: rpc.SnapshotRestore) -> rpc.SnapshotDon
             job.phase(START if inst is None else LOAD, op="restore", snapshot=req.name,
                       memory=True)
             if inst is None:
+                await _put_nvram(h, rec, req.name)
                 inst = await vms.start_held(h, rec, time.time())
                 _same_devices(h.vm(rec.name), snap, started=inst)
             await _load(h, job.phase, inst, disks, snap.name, snap.running)
@@ -322,11 +352,22 @@ async def restore(h: PartitionHost, req: rpc.SnapshotRestore) -> rpc.SnapshotDon
     return rpc.SnapshotDone(req.vm, req.name, state, round(time.monotonic() - t0, 3))
 
 
+def _loadable(devices: str) -> object:
+    """A recorded device set as a state's load compares it: without the vmgenid
+    device's guid, which every boot draws anew (a guest restored from a snapshot is
+    told a new generation, as the device is meant for: its kernel reseeds its RNG)."""
+    d = json.loads(devices)
+    for dev in d.get("devices") or []:
+        if isinstance(dev, dict) and dev.get("driver") == "vmgenid":
+            dev["props"] = [p for p in dev.get("props") or [] if p[:1] != ["guid"]]
+    return d
+
+
 def _same_devices(rec: VmRecord, snap: SnapshotRecord,
                   started: QemuInstance | None = None) -> None:
     """A memory state loads only into the devices it was saved from."""
     same = rec.devices is None or snap.devices is None or \
-        json.loads(rec.devices) == json.loads(snap.devices)
+        _loadable(rec.devices) == _loadable(snap.devices)
     if not same:
         extra = " (it was started and is left running)" if started is not None else ""
         raise StateError(f"VM {rec.name!r}'s devices changed since snapshot "
@@ -364,6 +405,7 @@ async def _revert(h: PartitionHost, phase: Phase, rec: VmRecord, inst: QemuInsta
     phase(REVERT)
     for d in disks:
         await asyncio.to_thread(offline.apply, d.path, rec.uid, name)
+    await _put_nvram(h, rec, name)
     if was_running:
         phase(START)
         await vms.start_held(h, h.vm(rec.name), time.time())
@@ -460,5 +502,6 @@ async def _recover_restore(h: PartitionHost, job: Job, rec: VmRecord,
         h.settle_state(rec.name, VmState.STOPPED, pid=None)
     for d in disks:
         await asyncio.to_thread(offline.apply, d.path, rec.uid, name)
+    await _put_nvram(h, rec, name)
     if job.detail.get("was_running"):
         await vms.start_held(h, h.vm(rec.name), time.time())

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fusuma.errors import ConflictError, FusumaError, NotFoundError, StateError
 from fusuma.images import backup as bk
 from fusuma.images.store import disk_path, nvram_path
+from fusuma.names import check_name
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.state import JobKind, vm_obj
 from fusuma.supervisor import rpc
@@ -28,7 +29,7 @@ BACKUP_TIMEOUT = 6 * 3600.0
 Progress = Callable[[str, dict[str, Any]], None]
 # A restore's phases (its job, ``JobKind.RESTORE``, on the new VM), each recorded
 # before its step.
-DEFINE, FLATTEN, NVRAM = "define", "flatten", "nvram"
+DISKS, DEFINE, FLATTEN, NVRAM = "disks", "define", "flatten", "nvram"
 
 
 def backup(vms: VmManager, name: str, dest: str, *, incremental: bool = False,
@@ -68,6 +69,7 @@ class Restored:
     points: int
     seconds: float
     disk_bytes: int
+    disks: list[str]          # the raw disks made for it, one per raw disk backed up
 
 
 def restore(vms: VmManager, dest: str, new: str, partition: str | None, *,
@@ -97,23 +99,36 @@ def restore(vms: VmManager, dest: str, new: str, partition: str | None, *,
                          "made on (its checksum differs); import that image under its "
                          "name to restore.")
     entry = next((e for e in m.disks if e.drive == BOOT_DRIVE), None)
-    if entry is None or len(m.disks) != 1:
+    raws = [e for e in m.disks if e is not entry]
+    names = [bk.raw_disk_of(e) for e in raws]
+    if entry is None or None in names:
         raise bk.CorruptManifest(f"backup {chain_dir} holds disks this fusuma cannot "
                                  "restore.")
-    spec = build(VmSpec, "vm", name=new, partition=partition or m.vm.partition,
+    part = partition or m.vm.partition
+    # Each raw disk backed up becomes a new raw disk of NEW's own, NEW-NAME, in the
+    # storage directory every host has.
+    made_disks = {f"{new}-{n}": e for n, e in zip(names, raws, strict=True)}
+    spec = build(VmSpec, "vm", name=new, partition=part,
                  vcpus=m.vm.vcpus, memory_mib=m.vm.memory_mib, image=m.vm.image,
                  boot=m.vm.boot, disk_size=str(entry.virtual_size), qos=m.vm.qos,
-                 machine=m.vm.machine, nics=[{"network": n} for n in m.vm.networks])
+                 machine=m.vm.machine, nics=[{"network": n} for n in m.vm.networks],
+                 disks=list(made_disks))
     _absent(vms, new)
+    _disks_absent(vms, new, list(made_disks))
     # The new VM's job from before its record exists to after its files are whole: its
     # state says "being restored" meanwhile, and a restore whose process dies is undone
     # by the next command on the VM or its partition's supervisor (fusuma.recovery).
     with vms.parts.job(vm_obj(new), JobKind.RESTORE, source=spec.partition) as jh:
         _absent(vms, new)                  # (made while the job was taken)
-        jh.phase(DEFINE, backup=str(chain_dir), point=m.point)
-        rec = vms.create(spec)
         made = False
         try:
+            jh.phase(DISKS, backup=str(chain_dir), point=m.point, disks=list(made_disks))
+            for name, e in made_disks.items():
+                if say:
+                    say(f"writing disk {name}")
+                _make_disk(vms, chain, name, e, part)
+            jh.phase(DEFINE)
+            rec = vms.create(spec)
             if say:
                 say(f"flattening {len(chain.manifests)} point(s) into VM {new}'s disk")
             jh.phase(FLATTEN)
@@ -126,7 +141,7 @@ def restore(vms: VmManager, dest: str, new: str, partition: str | None, *,
             made = True
         finally:
             if not made:
-                undo(vms, new)
+                undo(vms, new, list(made_disks))
     if start:
         if say:
             say(f"starting VM {new}")
@@ -138,7 +153,8 @@ def restore(vms: VmManager, dest: str, new: str, partition: str | None, *,
             raise
     return Restored(vm=new, partition=rec.partition, source_vm=m.vm.name,
                     dest=str(chain_dir), point=m.point, points=len(chain.manifests),
-                    seconds=round(time.monotonic() - t0, 3), disk_bytes=entry.virtual_size)
+                    seconds=round(time.monotonic() - t0, 3), disk_bytes=entry.virtual_size,
+                    disks=list(made_disks))
 
 
 def _absent(vms: VmManager, new: str) -> None:
@@ -147,14 +163,48 @@ def _absent(vms: VmManager, new: str) -> None:
                             "another name.")
 
 
-def undo(vms: VmManager, new: str) -> None:
-    """Remove VM ``new`` that a restore was making (under that restore's job, or by
-    the recovery of one whose process died: ``fusuma.recovery``)."""
+def _disk_file(vms: VmManager, name: str) -> Path:
+    from fusuma.host.storage import default_dir
+
+    return default_dir(vms.paths) / f"{name}.img"
+
+
+def _disks_absent(vms: VmManager, new: str, names: list[str]) -> None:
+    for name in names:
+        check_name("disk", name)
+        if vms.db.find_disk(name) is not None or _disk_file(vms, name).exists():
+            raise ConflictError(f"the restore makes disk {name!r} for VM {new!r} (at "
+                                f"{_disk_file(vms, name)}), and one of that name exists; "
+                                "give the restored VM another name.")
+
+
+def _make_disk(vms: VmManager, chain: bk.Chain, name: str, e: bk.DiskEntry,
+               partition: str) -> None:
+    """Register raw disk ``name`` (a new sparse file as large as the backed-up disk)
+    and write the backup's copy into it."""
+    from fusuma.spec import DiskSpec, build
+
+    path = _disk_file(vms, name)
+    vms.parts.add_disk(build(DiskSpec, "disk", name=name, path=str(path),
+                             partition=partition, size_mib=-(-e.virtual_size // 2**20)))
+    os.truncate(path, e.virtual_size)        # its exact size (the file is still new)
+    bk.to_raw(chain, e.drive, path)
+
+
+def undo(vms: VmManager, new: str, disks: list[str] | None = None) -> None:
+    """Remove VM ``new`` that a restore was making, and the raw ``disks`` it made for
+    it (under that restore's job, or by the recovery of one whose process died:
+    ``fusuma.recovery``)."""
     from fusuma.state.lock import host_lock
 
     with host_lock(vms.paths.home):
         if vms.db.find_vm(new) is not None:
             vms.finish_delete(new)
+    for name in disks or []:
+        d = vms.db.find_disk(name)
+        # Only a disk the restore made: its file, created by fusuma, where it put it.
+        if d is not None and d.created_file and d.path == str(_disk_file(vms, name)):
+            vms.parts.drop_disk(name)
 
 
 def _copy_nvram(src: Path, dst: Path, uid: int) -> None:

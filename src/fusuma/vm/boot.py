@@ -94,6 +94,7 @@ def remove(paths: Paths, vm: str) -> None:
     for name in FILES:
         with contextlib.suppress(FileNotFoundError):
             (paths.vm_dir(vm) / name).unlink()
+    shutil.rmtree(paths.vm_dir(vm) / store.SNAPSHOTS, ignore_errors=True)
     with contextlib.suppress(OSError):
         paths.vm_dir(vm).rmdir()
 
@@ -143,16 +144,6 @@ def prepare_clone(paths: Paths, rec: VmRecord, template_dir: Path,
     except BaseException:
         remove(paths, rec.name)
         raise
-
-
-def check_template(rec: VmRecord, nics: int) -> None:
-    """Refuse a template of a VM that boots by firmware with NICs on fusuma's networks:
-    its clones' guests would keep the template's DHCP leases (a kernel boot's clones
-    ask again through fusuma's own guest image)."""
-    if rec.boot != "kernel" and nics:
-        raise StateError(f"VM {rec.name!r} boots by firmware and has NICs on fusuma's "
-                         "networks, whose leases its clones' guests could not renew; "
-                         "make templates of such VMs without --nic (--port works).")
 
 
 def check_host_move(rec: VmRecord, host: str) -> None:

@@ -32,8 +32,9 @@ if TYPE_CHECKING:   # not imported at run time: `fusuma ps` needs only VmView (i
     from fusuma.host.cgroups import CgroupDriver
     from fusuma.host.topology import HostInfo
     from fusuma.network.manager import NetworkManager
-    from fusuma.spec import VmSpec
+    from fusuma.spec import DiskSpec, VmSpec
     from fusuma.state.joblock import JobLock
+    from fusuma.state.records import DiskRecord
     from fusuma.supervisor.client import SupervisorClient
 
 
@@ -52,6 +53,10 @@ class Partitions(Protocol):
 
     def job(self, obj: str, kind: str, *, source: str | None = None,
             peer: str | None = None) -> JobLock: ...
+
+    def add_disk(self, spec: DiskSpec) -> DiskRecord: ...
+
+    def drop_disk(self, name: str) -> None: ...
 
 
 
