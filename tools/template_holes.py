@@ -56,7 +56,7 @@ def leg(trim: bool, n: int, write_mib: int) -> dict[str, Any]:
 
     try:
         h.run("partition", "create", "p10", "--cpus", "0-1", "--memory",
-              str(300 * (n + 2)), "--qemu", "10.0")
+              str(400 * (n + 1)), "--qemu", "10.0")
         h.run("vm", "create", "src", "-p", "p10", "--start")
         vm_file = allocated_mib(str(next(h.shm.glob("*.ram"))))
         t = h.run("template", "create", "t", "--from", "src", "--json").json()
