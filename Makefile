@@ -114,7 +114,7 @@ kube: deps
 	fi
 
 lint: venv
-	$(VENV)/bin/ruff check src tests tools/docs_reference.py tools/raw_nic_downtime.py
+	$(VENV)/bin/ruff check src tests tools/docs_reference.py tools/raw_nic_downtime.py tools/template_holes.py
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	@# every test module imports (a name moved elsewhere fails here, not after the cgroup2 suite)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fusuma.memshare import holes
 from fusuma.memshare.templates import clone_mac
 from tests.conftest import Host
 
@@ -50,7 +52,14 @@ def ready_events(host: Host) -> list[dict[str, Any]]:
     return [{"vm": src.rsplit("/", 1)[1], **json.loads(ctx)} for src, ctx in rows]
 
 
+def allocated_mib(path: Path) -> float:
+    return path.stat().st_blocks * 512 / 2**20
+
+
 def test_clones_share_the_template_and_move_by_copy(host: Host) -> None:
+    # Its supervisors punch what clones fill in the template's holes every second (ten
+    # by default), so the test sees it without waiting long.
+    host.env[holes.TRIM_ENV] = "1"
     host.run("partition", "create", "p10", "--cpus", "0", "--memory", "1400",
              "--qemu", "10.0")
     host.run("partition", "create", "q10", "--cpus", "1", "--memory", "1024",
@@ -67,6 +76,8 @@ def test_clones_share_the_template_and_move_by_copy(host: Host) -> None:
     assert ram.name == "t.template" and oct(ram.stat().st_mode & 0o777) == "0o640"
     assert ram.stat().st_uid == 0 and ram.stat().st_size == 256 * 2**20
     before = sha256(ram)
+    made = allocated_mib(ram)
+    assert made < 200, made       # its zero pages are holes (the guest used less)
 
     for c in ("c1", "c2"):
         host.run("vm", "create", c, "-p", "p10", "--template", "t", "--start")
@@ -96,6 +107,19 @@ def test_clones_share_the_template_and_move_by_copy(host: Host) -> None:
     for c in ("c1", "c2"):
         sh(host, c, "dd if=/dev/urandom of=/tmp/blob bs=1M count=24 2>/dev/null; rm /tmp/blob; "
                     "sync; echo 3 > /proc/sys/vm/drop_caches")
+    assert sha256(ram) == before
+    # Their copy-on-write faults on the template's holes filled pages of its file (tmpfs
+    # allocates them there); their supervisor punched them again, and the template is
+    # no bigger than when it was made. Tolerance 2 MiB: a page a running clone reads but
+    # never writes is filled again at its next read after a punch.
+    log = host.home / "partitions" / "p10" / "supervisor.log"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (
+            allocated_mib(ram) > made + 2 or "its clones filled punched again" not in
+            log.read_text()):
+        time.sleep(0.2)
+    assert "its clones filled punched again" in log.read_text()
+    assert allocated_mib(ram) <= made + 2, (allocated_mib(ram), made)
     assert sha256(ram) == before
     # A clone never hands pages back (its RAM is the template's file, read-only).
     assert host.vm("c1")["ram"]["page_reporting"] is False

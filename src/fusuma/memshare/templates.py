@@ -40,6 +40,10 @@ reserves for templates, which VMs' uids never reach), which each clone's QEMU ge
 supplementary group: QEMU reopens the fd's magic link, which checks the file's own
 permission.
 
+A clone's faults on the holes of the template's RAM file fill them (tmpfs allocates the
+pages in the shared file); the template's zero pages are punched when it is made and
+what clones fill is punched again while they run (fusuma.memshare.holes).
+
 Side channel: a clone can time its copy-on-write faults to learn whether a page equals
 the template's, the same risk as KSM's (see ``vm create --mergeable``).
 """

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fusuma import capacity
 from fusuma.errors import ConflictError, StateError, TemplateError
 from fusuma.images.store import DISK
-from fusuma.memshare import templates
+from fusuma.memshare import holes, templates
 from fusuma.names import check_name
 from fusuma.paths import Paths
 from fusuma.qemu import process
@@ -88,7 +88,8 @@ class TemplateManager:
         process.remove_unmapped(t.ram_path, self.paths)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(t.state_path)
-        for left in templates.FIRMWARE_FILES:      # a firmware VM's disk layer and more
+        # A firmware VM's disk layer and more; the record of the RAM file's holes.
+        for left in (*templates.FIRMWARE_FILES, holes.HOLES_NAME):
             with contextlib.suppress(FileNotFoundError):
                 (templates.template_dir(self.paths, name) / left).unlink()
         with contextlib.suppress(OSError):

@@ -32,6 +32,7 @@ from fusuma.errors import FusumaError, SupervisorError
 from fusuma.governor.loop import Governor
 from fusuma.governor.memloop import Actions, MemoryGovernor
 from fusuma.host import cgroups
+from fusuma.memshare import holes
 from fusuma.names import vm_leaf
 from fusuma.paths import Paths
 from fusuma.state import LOCAL_JOBS, Database, JobKind, VmRecord
@@ -212,10 +213,12 @@ class Supervisor:
         governing = asyncio.create_task(self.governor.run())
         memory = asyncio.create_task(self.memory.run())
         sweeping = asyncio.create_task(self._sweep_jobs())
+        trimming = asyncio.create_task(self._trim_templates(holes.trim_every()))
         await self._done.wait()
         governing.cancel()
         memory.cancel()
         sweeping.cancel()
+        trimming.cancel()
         await self.shutdown()
 
     async def shutdown(self) -> None:
@@ -264,6 +267,28 @@ class Supervisor:
                 await self._sweep_once()
             except Exception:
                 self.log.exception("job sweep failed")
+
+    # -- templates' RAM files ------------------------------------------------------------
+    async def _trim_templates(self, every: float) -> None:
+        """While clones run here, punch what they filled in their templates' holes
+        (fusuma.memshare.holes); once more after the last of a template's clones here
+        stopped."""
+        if every <= 0:
+            return
+        last: set[str] = set()
+        while True:
+            await asyncio.sleep(every)
+            try:
+                now = templates.templates_of_running(self.host)
+                targets = templates.trim_targets(self.host, now | last)
+                freed = await asyncio.to_thread(templates.trim_files, self.host, targets)
+                last = now
+                for name, n in freed.items():
+                    if n:
+                        self.log.info("template %s: %d KiB its clones filled punched again",
+                                      name, n // 1024)
+            except Exception:
+                self.log.exception("trimming templates failed")
 
     async def _sweep_once(self) -> None:
         h = self.host

@@ -38,7 +38,7 @@ from fusuma.errors import (
     TemplateError,
 )
 from fusuma.images import layers
-from fusuma.memshare import reporting, templates
+from fusuma.memshare import holes, reporting, templates
 from fusuma.paths import PRIVATE_DIR, ensure_dir
 from fusuma.qemu.cmdline import TEMPLATE_STATE_FDSET, DeviceSet
 from fusuma.qemu.instance import QemuInstance
@@ -317,12 +317,52 @@ def _take_ram(h: PartitionHost, t: TemplateRecord, ram_src: Path) -> None:
     dst = Path(t.ram_path)
     if not dst.exists():
         os.rename(ram_src, dst)
-    fd = os.open(dst, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(dst, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         os.fchown(fd, 0, templates.template_gid(h.paths, t))
         os.fchmod(fd, templates.RAM_MODE)
+        if holes.trim_every() > 0:
+            # Its zero pages become holes, and its holes are recorded, so what clones
+            # fill in them can be punched again (fusuma.memshare.holes).
+            t0 = time.monotonic()
+            freed = holes.trim_new(fd, templates.template_dir(h.paths, t.name))
+            h.log.info("template %s: %d KiB of zero pages punched in %.0f ms; %d KiB "
+                       "allocated", t.name, freed // 1024, (time.monotonic() - t0) * 1000,
+                       holes.allocated_bytes(fd) // 1024)
     finally:
         os.close(fd)
+
+
+def trim_targets(h: PartitionHost, names: set[str]) -> list[tuple[str, str, Path]]:
+    """Templates ``names`` that still exist: (name, RAM file, template dir) each."""
+    out = []
+    for name in sorted(names):
+        t = h.db.find_template(name)
+        if t is not None:
+            out.append((name, t.ram_path, templates.template_dir(h.paths, name)))
+    return out
+
+
+def trim_files(h: PartitionHost, targets: list[tuple[str, str, Path]]) -> dict[str, int]:
+    """Punch what clones filled in the holes of ``targets``' RAM files (no database:
+    runs in a thread); returns the bytes freed per template (a failure is logged)."""
+    freed: dict[str, int] = {}
+    for name, ram, tdir in targets:
+        try:
+            freed[name] = holes.trim(ram, tdir)
+        except (OSError, TemplateError) as exc:
+            h.log.warning("template %s: trimming its RAM file failed: %s", name, exc)
+    return freed
+
+
+def templates_of_running(h: PartitionHost) -> set[str]:
+    """The templates whose clones run in this partition."""
+    out = set()
+    for vm in h.instances.running():
+        rec = h.db.find_vm(vm)
+        if rec is not None and rec.template is not None:
+            out.add(rec.template)
+    return out
 
 
 async def recover(h: PartitionHost, job: Job) -> None:
