@@ -74,8 +74,10 @@ def image_copy(run: Path) -> Path:
     image = IMAGES / json.loads((IMAGES / "minimal.json").read_text())["dir"]
     img = run / "img"
     img.mkdir()
+    os.chmod(img, 0o755)         # whatever the umask (fusuma's CLI runs under 077)
     for f in ("vmlinuz", "initrd.img", "image.json"):
         shutil.copy(image / f, img / f)
+        os.chmod(img / f, 0o644)
     return img
 
 
