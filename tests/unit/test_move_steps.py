@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fusuma.errors import QemuError
+from fusuma.errors import MigrationError
 from fusuma.migration import downtime_steps
 from fusuma.supervisor import rpc
-from fusuma.supervisor.moves.source import stop_and_completion
+from fusuma.supervisor.moves.source import StreamEnd, stream_end
 
 
 def streamed(**kw: Any) -> rpc.Streamed:
@@ -45,16 +45,33 @@ def test_a_step_a_side_did_not_time_is_left_out() -> None:
                                                   steps={"decided": 100.005})) is None
 
 
-class FakeQmp:
-    """Hands out queued events, then times out like ``Qmp.wait_event``."""
+class FakeListener:
+    """Hands out queued events, then waits forever (as a quiet QEMU)."""
 
     def __init__(self, events: list[dict[str, Any]]) -> None:
         self.events = events
 
-    async def wait_event(self, listener: object, timeout: float) -> dict[str, Any]:
+    async def get(self) -> dict[str, Any]:
         if not self.events:
-            raise QemuError("no event")
+            await asyncio.Event().wait()
         return self.events.pop(0)
+
+
+class FakeQmp:
+    """Counts the commands a source QEMU gets while its stream runs."""
+
+    def __init__(self) -> None:
+        self.commands: list[str] = []
+
+    async def migrate_cancel(self) -> None:
+        self.commands.append("migrate_cancel")
+
+
+class FakeInstance:
+    def __init__(self) -> None:
+        self.vm = "vm0"
+        self.qmp = FakeQmp()
+        self.exited = asyncio.Event()
 
 
 def ev(name: str, at: float, **data: Any) -> dict[str, Any]:
@@ -62,9 +79,48 @@ def ev(name: str, at: float, **data: Any) -> dict[str, Any]:
             "timestamp": {"seconds": int(at), "microseconds": round(at % 1 * 1e6)}}
 
 
+def end(events: list[dict[str, Any]], timeout: float = 5.0,
+        exit_after: float | None = None) -> tuple[StreamEnd | Exception, list[str]]:
+    async def go() -> tuple[StreamEnd | Exception, list[str]]:
+        inst: Any = FakeInstance()
+        if exit_after is not None:
+            asyncio.get_running_loop().call_later(exit_after, inst.exited.set)
+        try:
+            got: StreamEnd | Exception = await stream_end(inst, FakeListener(events),  # type: ignore[arg-type]
+                                                          timeout)
+        except MigrationError as exc:
+            got = exc
+        return got, inst.qmp.commands
+    return asyncio.run(go())
+
+
 def test_the_source_says_when_it_stopped_and_when_it_completed() -> None:
-    qmp: Any = FakeQmp([ev("MIGRATION", 10.0, status="active"), ev("STOP", 10.5),
-                        ev("MIGRATION", 10.503, status="completed")])
-    assert asyncio.run(stop_and_completion(qmp, None)) == (10.5, 10.503)
-    qmp = FakeQmp([ev("STOP", 10.5)])
-    assert asyncio.run(stop_and_completion(qmp, None)) == (10.5, None)
+    # Its events alone: no command reaches the source QEMU while it streams and stops.
+    got, commands = end([ev("MIGRATION", 10.0, status="setup"),
+                         ev("MIGRATION", 10.001, status="active"), ev("STOP", 10.5),
+                         ev("MIGRATION", 10.502, status="device"),
+                         ev("MIGRATION", 10.503, status="completed")])
+    assert got == StreamEnd("completed", 10.5, 10.503)
+    assert commands == []
+
+
+def test_a_failed_stream_ends_the_wait_with_its_status() -> None:
+    got, _ = end([ev("MIGRATION", 10.0, status="active"),
+                  ev("MIGRATION", 10.2, status="failed")])
+    assert got == StreamEnd("failed", None, None)
+    got, _ = end([ev("MIGRATION", 10.0, status="cancelled")])
+    assert got == StreamEnd("cancelled", None, None)
+
+
+def test_a_source_that_exits_during_the_stream_is_one_sentence() -> None:
+    got, commands = end([ev("MIGRATION", 10.0, status="active")], exit_after=0.01)
+    assert isinstance(got, MigrationError)
+    assert "exited during migration" in str(got)
+    assert commands == []
+
+
+def test_a_stream_that_does_not_end_in_time_is_cancelled() -> None:
+    got, commands = end([ev("MIGRATION", 10.0, status="active")], timeout=0.05)
+    assert isinstance(got, MigrationError)
+    assert "did not finish in 0 s and was cancelled" in str(got)
+    assert commands == ["migrate_cancel"]

@@ -9,8 +9,10 @@ VM, asking QEMU.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from qemu.qmp import EventListener
@@ -105,10 +107,14 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
         if paused:
             await inst.qmp.stop()
         await inst.qmp.migrate(uri)
-        info = await inst.wait_migration(timeout)
-        if info.status != "completed":
-            raise MigrationError(f"migration of {vm!r} failed ({info.error or info.status}).")
-        stop_ts, completed_ts = await stop_and_completion(inst.qmp, listener)
+        end = await stream_end(inst, listener, timeout)
+        # QEMU's own figures, asked once the stream has ended (not while it stops the
+        # guest and sends the device state: no QMP command reaches it then).
+        info = await inst.qmp.query_migrate()
+        if end.status != "completed" or info.status != "completed":
+            raise MigrationError(f"migration of {vm!r} failed "
+                                 f"({info.error or info.status or end.status}).")
+        stop_ts, completed_ts = end.stop_ts, end.completed_ts
     finally:
         inst.qmp.drop_listener(listener)
         if move_tls is not None:
@@ -121,20 +127,55 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
                         source_pid=inst.pid, paused=paused, completed_ts=completed_ts)
 
 
-async def stop_and_completion(qmp: Qmp, listener: EventListener
-                              ) -> tuple[float | None, float | None]:
-    """When a source QEMU whose stream completed stopped the guest and when it said
-    the stream completed (its STOP and MIGRATION events' own times); None for one
-    it did not send within a few seconds."""
-    stop_ts = completed_ts = None
-    with contextlib.suppress(QemuError):
-        while stop_ts is None or completed_ts is None:
-            ev = await qmp.wait_event(listener, 5.0)
+@dataclass(frozen=True)
+class StreamEnd:
+    """How a source QEMU's stream ended, by its own events: the MIGRATION status
+    (completed, failed, cancelled) and the times of its STOP and "completed"."""
+
+    status: str
+    stop_ts: float | None = None
+    completed_ts: float | None = None
+
+
+END_STATES = ("completed", "failed", "cancelled")
+
+
+async def stream_end(inst: QemuInstance, listener: EventListener, timeout: float
+                     ) -> StreamEnd:
+    """Wait for the stream of ``inst`` (a source QEMU with the ``events`` capability,
+    ``listener`` taking its STOP and MIGRATION events since before ``migrate``) to end:
+    its MIGRATION event says so, so no ``query-migrate`` polls it meanwhile (each a
+    round trip its main loop serves, on the partition's core, while the migration
+    thread stops the guest and saves the device state). Cancelled after ``timeout``;
+    refused once the process has exited."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    stop_ts: float | None = None
+    exited = asyncio.ensure_future(inst.exited.wait())
+    try:
+        while True:
+            got = asyncio.ensure_future(listener.get())
+            done, _ = await asyncio.wait({got, exited}, timeout=max(0.0, deadline - loop.time()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if got not in done:
+                got.cancel()
+                if exited in done:
+                    raise MigrationError(f"the source QEMU of {inst.vm!r} exited during "
+                                         "migration.")
+                with contextlib.suppress(QemuError):
+                    await inst.qmp.migrate_cancel()
+                raise MigrationError(f"migration of {inst.vm!r} did not finish in "
+                                     f"{timeout:.0f} s and was cancelled.")
+            ev: Any = got.result()
             if ev.get("event") == EVENT_STOP:
                 stop_ts = event_time(ev)
-            elif ev.get("data", {}).get("status") == "completed":
-                completed_ts = event_time(ev)
-    return stop_ts, completed_ts
+                continue
+            status = str(ev.get("data", {}).get("status"))
+            if status in END_STATES:
+                return StreamEnd(status, stop_ts,
+                                 event_time(ev) if status == "completed" else None)
+    finally:
+        exited.cancel()
 
 
 def leaving(h: PartitionHost, inst: QemuInstance, owns_ram: bool) -> None:
