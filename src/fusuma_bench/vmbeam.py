@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qemu.qmp import QMPError
+
 from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, GuestAgentError, ResourceError
 from fusuma.host.accel import probe_accel
@@ -349,7 +351,7 @@ def _raw_case(cores: list[int], size: int, moves: int, progress: Progress) -> Ca
     case = Case(RAW, size, moves, [], load_before=_load())
     try:
         asyncio.run(_raw_moves(case, (cores[0], cores[1]), progress))
-    except (OSError, RuntimeError, FusumaError, TimeoutError, KeyError) as exc:
+    except (OSError, RuntimeError, FusumaError, TimeoutError, KeyError, QMPError) as exc:
         case.error = f"raw QEMU: {exc}"
     case.load_after = _load()
     return case

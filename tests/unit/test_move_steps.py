@@ -8,8 +8,9 @@ from typing import Any
 
 from fusuma.errors import MigrationError
 from fusuma.migration import downtime_steps
+from fusuma.qemu.qmp import MigrationInfo
 from fusuma.supervisor import rpc
-from fusuma.supervisor.moves.source import StreamEnd, stream_end
+from fusuma.supervisor.moves.source import StreamEnd, final_figures, outcome_or, stream_end
 
 
 def streamed(**kw: Any) -> rpc.Streamed:
@@ -124,3 +125,53 @@ def test_a_stream_that_does_not_end_in_time_is_cancelled() -> None:
     assert isinstance(got, MigrationError)
     assert "did not finish in 0 s and was cancelled" in str(got)
     assert commands == ["migrate_cancel"]
+
+
+class FakeDb:
+    """A job whose decision is recorded after ``after`` looks (None: never)."""
+
+    def __init__(self, after: int | None, job: bool = True) -> None:
+        self.after, self.looks, self.job = after, 0, job
+
+    def find_job(self, obj: str) -> Any:
+        self.looks += 1
+        if not self.job:
+            return None
+        decided = self.after is not None and self.looks > self.after
+        return type("Job", (), {"detail": {"decision": "forward"} if decided else {}})()
+
+
+def wait_outcome(db: FakeDb, limit: float) -> bool:
+    h: Any = type("Host", (), {"db": db})()
+    return asyncio.run(outcome_or(h, "vm0", limit))
+
+
+def test_the_source_reports_once_the_outcome_is_recorded() -> None:
+    db = FakeDb(after=3)
+    assert wait_outcome(db, 5.0) is True
+    assert db.looks == 4
+
+
+def test_without_an_outcome_the_source_reports_after_its_limit() -> None:
+    db = FakeDb(after=None)
+    assert wait_outcome(db, 0.02) is False
+    assert db.looks > 1
+    # No job (a recovery ended it): nothing to wait for.
+    assert wait_outcome(FakeDb(after=None, job=False), 5.0) is False
+
+
+class FiguresQmp:
+    def __init__(self, totals: list[float | None]) -> None:
+        self.totals = totals
+
+    async def query_migrate(self) -> MigrationInfo:
+        total = self.totals.pop(0) if len(self.totals) > 1 else self.totals[0]
+        return MigrationInfo(status="completed", total_ms=total, downtime_ms=total)
+
+
+def test_qemus_figures_are_asked_again_until_it_has_computed_them() -> None:
+    q = FiguresQmp([0, 0, 7.0])
+    got = asyncio.run(final_figures(q))  # type: ignore[arg-type]
+    assert got.total_ms == 7.0 and q.totals == [7.0]
+    # A QEMU that never says: the last answer, after a bounded number of asks.
+    assert asyncio.run(final_figures(FiguresQmp([0]), tries=3)).total_ms == 0  # type: ignore[arg-type]
