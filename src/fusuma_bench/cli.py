@@ -239,22 +239,36 @@ def _counts(value: str | None) -> list[int] | None:
               help="Moves per (mode, size); figures are their median  [default: 5; with "
                    "--quick 2].")
 @click.option("--quick", is_flag=True, help="Fewer sizes and moves (a few minutes).")
+@click.option("--modes", default=None,
+              help="Which moves, comma-separated, in this order for each size: raw (two "
+                   "bare QEMUs doing the zero-copy move, no fusuma), zero-copy, copy  "
+                   "[default: raw,zero-copy,copy].")
 @_json_option("vmbeam")
 @_report_option("vmbeam.png")
 @pass_ctx
 def vmbeam_cmd(c: Ctx, sizes: str | None, moves: int | None, quick: bool,
-               json_file: Path | None, report_dir: Path | None) -> None:
+               modes: str | None, json_file: Path | None, report_dir: Path | None) -> None:
     """The VMBeam experiment: move a running VM back and forth between two partitions,
     zero-copy and by copy, for each guest memory size; check its data after every move.
+    Beside them, raw QEMU's own zero-copy move of the same guest (no fusuma), measured
+    the same way.
 
     Needs every core (two scratch partitions, removed afterwards), so no partition may
     exist."""
     from fusuma_bench import vmbeam
 
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()] if modes else list(
+        vmbeam.MODES)
+    bad = [m for m in mode_list if m not in vmbeam.MODES]
+    if bad or not mode_list or len(set(mode_list)) != len(mode_list):
+        raise click.BadParameter(f"give each of {', '.join(vmbeam.MODES)} at most once, "
+                                 f"comma-separated (not {modes!r}).", param_hint="--modes")
+
     size_list = _sizes(sizes) or list(vmbeam.QUICK_SIZES if quick else vmbeam.DEFAULT_SIZES)
     n = moves or (vmbeam.QUICK_MOVES if quick else vmbeam.DEFAULT_MOVES)
     c.accel_notice("auto")
-    data = vmbeam.run(c.parts, c.vms, size_list, moves=n, progress=progress)
+    data = vmbeam.run(c.parts, c.vms, size_list, moves=n, progress=progress,
+                      modes=mode_list)
     publish(data, json_file, report_dir, "vmbeam", lambda data: (
         f"{r['mode']:9} {r['memory_mib']:6} MiB: total {r['total_ms']} ms, "
         f"downtime {r['downtime_ms']} ms, {r['bytes_sent']} bytes, "

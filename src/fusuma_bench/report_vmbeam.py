@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from fusuma.migration import DOWNTIME_STEPS
 from fusuma_bench.report import (
     FAIL,
     PASS,
@@ -42,6 +43,10 @@ TARGET_DOWNTIME_MS = 5.0
 TARGET_GROWTH = 2.0          # largest size's total at most this times the smallest's
 TARGET_SPEEDUP = 50.0        # copy total / zero-copy total at TARGET_SPEEDUP_MIB
 TARGET_SPEEDUP_MIB = 1024
+# fusuma's zero-copy move against raw QEMU's same move (no fusuma) in the same run.
+TARGET_RAW_DOWNTIME = 2.0    # fusuma's downtime at most this times raw QEMU's
+TARGET_RAW_TOTAL = 1.5       # fusuma's total at most this times raw QEMU's
+RAW = "raw"
 
 TICK_MS = 10.0               # /proc/<pid>/stat CPU time resolution (USER_HZ 100)
 
@@ -60,6 +65,8 @@ class Row:
     planned: int
     kernel_errors: int
     error: str | None
+    steps_ms: dict[str, float | None] | None = None
+    load_before: list[float] | None = None
 
     @property
     def cpu_pct(self) -> float | None:
@@ -92,7 +99,8 @@ def parse(data: dict[str, Any]) -> Result:
                 cpu_s=opt_float(r["cpu_s"]), data_intact=bool(r["data_intact"]),
                 moves=int(r["moves"]), planned=planned,
                 kernel_errors=int(r.get("guest_kernel_errors", 0)),
-                error=r.get("error"))
+                error=r.get("error"), steps_ms=r.get("steps_ms"),
+                load_before=r.get("load_before"))
             for r in data["results"]]
     return Result(meta=dict(data["meta"]), rows=rows, moves=list(data["moves"]))
 
@@ -109,6 +117,33 @@ def render(result_file: Path, out_dir: Path) -> list[Path]:
 
 
 # -- checks -------------------------------------------------------------------------
+def raw_ratio(res: Result, size: int, what: str) -> float | None:
+    """fusuma's zero-copy ``what`` (total_ms, downtime_ms) over raw QEMU's, one size."""
+    zc, raw = res.row("zero-copy", size), res.row(RAW, size)
+    a = getattr(zc, what) if zc else None
+    b = getattr(raw, what) if raw else None
+    if a is None or b is None or b <= 0:
+        return None
+    return float(a) / float(b)
+
+
+def raw_checks(res: Result) -> list[Check]:
+    """fusuma's move within a factor of the mechanism's own, at every size measured."""
+    sizes = sorted({r.memory_mib for r in res.rows if r.mode == RAW})
+    out = []
+    for what, target in (("downtime_ms", TARGET_RAW_DOWNTIME),
+                         ("total_ms", TARGET_RAW_TOTAL)):
+        name = f"zero-copy {what} <= {target:g}x raw QEMU's at every size"
+        got = {s: raw_ratio(res, s, what) for s in sizes}
+        if not sizes or any(v is None for v in got.values()):
+            out.append(Check(name, "no raw QEMU row for every size", UNMEASURED))
+            continue
+        worst = max(got.values(), key=lambda v: v or 0.0) or 0.0
+        out.append(Check(name, ", ".join(f"{got[s]:.2f}x ({s} MiB)" for s in sizes),
+                         PASS if worst <= target else FAIL))
+    return out
+
+
 def ratio(res: Result, size: int) -> float | None:
     zc, cp = _total(res, "zero-copy", size), _total(res, "copy", size)
     if zc is None or cp is None or zc <= 0:
@@ -166,7 +201,7 @@ def checks(res: Result) -> list[Check]:
     kernel = sum(len(m.get("kernel_errors") or []) for m in res.moves)
     out.append(Check("no guest kernel error after any move (console)",
                      f"{kernel} error line(s)", PASS if kernel == 0 else FAIL))
-    return out
+    return out + raw_checks(res)
 
 
 # -- markdown -----------------------------------------------------------------------
@@ -188,7 +223,8 @@ def markdown(res: Result, source: Path) -> str:
                       fixed(r.cpu_s, 3), str(r.data_intact).lower()
                       + ("" if r.moves == r.planned else f" ({r.moves}/{r.planned} moves)")]
                      for r in sorted(res.rows, key=lambda r: (r.mode != "zero-copy",
-                                                              r.memory_mib))])
+                                                              r.mode, r.memory_mib))])
+    lines += _raw_section(res)
     lines += ["", "## copy / zero-copy", ""]
     sizes = sorted({r.memory_mib for r in res.rows})
     lines += table(["memory_mib", "zero-copy total_ms", "copy total_ms", "copy / zero-copy"],
@@ -217,6 +253,44 @@ def markdown(res: Result, source: Path) -> str:
               "network, ours a pre-copy migration over a UNIX socket: compare the shapes "
               "(growth with memory, ratio to copying), not absolute times.", ""]
     return "\n".join(lines)
+
+
+def _raw_section(res: Result) -> list[str]:
+    """fusuma beside raw QEMU: ratios and where each one's downtime went."""
+    sizes = sorted({r.memory_mib for r in res.rows if r.mode == RAW})
+    if not sizes:
+        return []
+    lines = ["", "## fusuma / raw QEMU", "",
+             "The raw row is the same zero-copy move by two bare QEMUs and no fusuma (same "
+             "guest, size, workload and cores, measured the same way); the ratio is what "
+             "fusuma's own steps cost over the mechanism's.", ""]
+
+    def ratio_s(s: int, what: str) -> str:
+        r = raw_ratio(res, s, what)
+        return "n/a" if r is None else f"{r:.2f}x"
+    lines += table(["memory_mib", "raw downtime_ms", "fusuma downtime_ms", "ratio",
+                    "raw total_ms", "fusuma total_ms", "ratio"],
+                   [[str(s), fixed(_down(res, RAW, s)), fixed(_down(res, "zero-copy", s)),
+                     ratio_s(s, "downtime_ms"), fixed(_total(res, RAW, s)),
+                     fixed(_total(res, "zero-copy", s)), ratio_s(s, "total_ms")]
+                    for s in sizes])
+    steps = [r for r in res.rows if r.mode in (RAW, "zero-copy") and r.steps_ms]
+    names = [n for n in DOWNTIME_STEPS.values() if any(n in (r.steps_ms or {}) for r in steps)]
+    if steps:
+        lines += ["", "Where the downtime went (medians, ms; load average at the start "
+                  "of each row's moves):", ""]
+        lines += table(["mode", "memory_mib", *names, "load"],
+                       [[r.mode, str(r.memory_mib),
+                         *[fixed((r.steps_ms or {})[k]) if k in (r.steps_ms or {}) else "-"
+                           for k in names],
+                         " ".join(f"{x:g}" for x in (r.load_before or [])) or "-"]
+                        for r in sorted(steps, key=lambda r: (r.memory_mib, r.mode))])
+    return lines
+
+
+def _down(res: Result, mode: str, size: int) -> float | None:
+    r = res.row(mode, size)
+    return None if r is None else r.downtime_ms
 
 
 def _problems(res: Result) -> list[str]:
@@ -270,13 +344,16 @@ def _paper_table(res: Result) -> list[str]:
 # -- plot ---------------------------------------------------------------------------
 def plot(res: Result, png: Path) -> None:
     with figure(png, figsize=(7, 4.5)) as (_, ax):
-        styles = {"zero-copy": ("tab:blue", "o"), "copy": ("tab:red", "s")}
+        styles = {"zero-copy": ("tab:blue", "o"), "copy": ("tab:red", "s"),
+                  RAW: ("tab:olive", "^")}
         for mode, (color, marker) in styles.items():
             sizes = res.sizes(mode)
             if not sizes:
                 continue
             ys = [_total(res, mode, s) or math.nan for s in sizes]  # sizes: measured only
-            ax.plot(sizes, ys, color=color, marker=marker, label=f"fusuma {mode} (median)")
+            ax.plot(sizes, ys, color=color, marker=marker,
+                    label="raw QEMU zero-copy, no fusuma (median)" if mode == RAW
+                    else f"fusuma {mode} (median)")
             pts = [(int(m["memory_mib"]), float(m["total_ms"])) for m in res.moves
                    if m.get("mode") == mode and m.get("total_ms") is not None]
             if pts:

@@ -9,19 +9,28 @@ two modes share the VM (one boot per size); a mode whose moves stopped on an err
 have left the guest broken, so the next mode then boots a VM of its own. Per (mode,
 size) the result is the median over the moves; every move is kept as well.
 
+Before fusuma's moves of each size, mode ``raw`` does the same zero-copy move with
+two bare QEMUs and no fusuma (``fusuma_bench.rawmove``): the same guest image, size,
+workload, cores and checks, measured the same way, so that fusuma's figures can be
+read as a ratio to the mechanism's own on the same machine in the same run.
+
 It needs every core of the host, so it refuses to run beside any partition, and it
 removes everything it made afterwards, also on failure or Ctrl-C.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from qemu.qmp import QMPError
 
 from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, GuestAgentError, ResourceError
@@ -32,13 +41,15 @@ from fusuma.paths import Paths
 from fusuma.spec import PartitionSpec, VmSpec
 from fusuma.state import VmRecord
 from fusuma.vm import VmManager
+from fusuma_bench import rawmove
 from fusuma_bench.report import meta
 
 LOG = logging.getLogger(__name__)
 
 PARTITIONS = ("bench-vmbeam-a", "bench-vmbeam-b")
 VM = "bench-vmbeam-vm"
-MODES = ("zero-copy", "copy")
+RAW = "raw"
+MODES = (RAW, "zero-copy", "copy")
 DEFAULT_SIZES = (256, 1024, 4096)
 QUICK_SIZES = (256, 1024)
 DEFAULT_MOVES = 5
@@ -97,6 +108,13 @@ class Case:
     planned: int
     moves: list[Move]
     error: str | None = None
+    # The host's load averages (1, 5, 15 min) when the case began and ended.
+    load_before: list[float] | None = None
+    load_after: list[float] | None = None
+
+
+def _load() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
 def blob_mib(memory_mib: int) -> int:
@@ -111,13 +129,14 @@ def partition_mib(memory_mib: int, accel: str) -> int:
 
 
 def run(parts: PartitionManager, vms: VmManager, sizes: Sequence[int],
-        moves: int = DEFAULT_MOVES, progress: Progress = lambda s: None) -> dict[str, Any]:
+        moves: int = DEFAULT_MOVES, progress: Progress = lambda s: None,
+        modes: Sequence[str] = MODES) -> dict[str, Any]:
     accel = probe_accel("auto").name
     cores = _check_host(parts, sizes, accel)
     results: list[dict[str, Any]] = []
     all_moves: list[dict[str, Any]] = []
     for size in sizes:
-        for case in _one_size(parts, vms, cores, size, moves, accel, progress):
+        for case in _one_size(parts, vms, cores, size, moves, accel, progress, modes):
             all_moves += [m.as_json() for m in case.moves]
             results.append(_summary(case))
             r = results[-1]
@@ -125,7 +144,7 @@ def run(parts: PartitionManager, vms: VmManager, sizes: Sequence[int],
                      f"{r['downtime_ms']} ms, {r['bytes_sent']} bytes, data intact "
                      f"{r['data_intact']}" + (f"; {r['error']}" if r["error"] else ""))
     return {"meta": meta(accel, benchmark="vmbeam", sizes=list(sizes), moves=moves,
-                         modes=list(MODES), cores=cores,
+                         modes=list(modes), cores=cores,
                          blob_mib={str(s): blob_mib(s) for s in sizes},
                          vm_per_size="one VM per size, moved in each mode in turn (a new "
                                      "one after a mode that stopped on an error)",
@@ -153,19 +172,25 @@ def _check_host(parts: PartitionManager, sizes: Sequence[int], accel: str) -> li
 
 
 def _one_size(parts: PartitionManager, vms: VmManager, cores: list[int], size: int,
-              moves: int, accel: str, progress: Progress) -> list[Case]:
+              moves: int, accel: str, progress: Progress,
+              modes: Sequence[str] = MODES) -> list[Case]:
     """Every mode's moves of one size. A failed setup raises; a failed move or a guest
     that no longer answers ends that mode's moves (recorded in its ``error``), and the
     next mode starts on a new VM."""
     cases: list[Case] = []
     guest: tuple[str, Console] | None = None
     try:
-        for mode in MODES:
+        for mode in modes:
+            if mode == RAW:
+                cases.append(_raw_case(cores, size, moves, progress))
+                continue
             if guest is None:
                 guest = _setup(parts, vms, cores, size, mode, accel, progress)
             case = Case(mode, size, moves, [])
             cases.append(case)
+            case.load_before = _load()
             _moves(case, parts, vms, *guest, progress)
+            case.load_after = _load()
             if case.error:
                 _cleanup(parts, progress)
                 guest = None
@@ -247,8 +272,8 @@ def _writer_alive(vms: VmManager) -> bool:
 class Console:
     """New guest kernel error lines in the VM's console log since the last look."""
 
-    def __init__(self, paths: Paths) -> None:
-        self.path = paths.vm_dir(VM) / "console.log"
+    def __init__(self, paths: Paths | None = None, path: Path | None = None) -> None:
+        self.path = path or (paths.vm_dir(VM) / "console.log" if paths else Path("/"))
         self.offset = 0
 
     def new_errors(self) -> list[str]:
@@ -299,13 +324,97 @@ def _summary(case: Case) -> dict[str, Any]:
     rs = [m.result for m in case.moves]
     checks = [m.check for m in case.moves]
     sent = _median([float(r.bytes_sent) for r in rs])
+    steps = [r.steps_ms for r in rs if r.steps_ms]
+    names = list(dict.fromkeys(k for s in steps for k in s))
     return {"mode": case.mode, "memory_mib": case.memory_mib,
             "prepare_ms": _median([r.prepare_ms for r in rs]),
             "total_ms": _median([r.total_ms for r in rs]),
             "downtime_ms": _median([r.downtime_ms for r in rs if r.downtime_ms is not None]),
+            "qemu_total_ms": _median([float(r.qemu_total_ms) for r in rs
+                                      if r.qemu_total_ms is not None]),
+            "qemu_downtime_ms": _median([float(r.qemu_downtime_ms) for r in rs
+                                         if r.qemu_downtime_ms is not None]),
+            "steps_ms": {k: _median([s[k] for s in steps if k in s]) for k in names},
+            "load_before": case.load_before, "load_after": case.load_after,
             "bytes_sent": None if sent is None else int(sent),
             "cpu_s": _median([r.cpu_s for r in rs]),
             "data_intact": len(checks) == case.planned and all(c.data_intact for c in checks),
             "writer_alive": bool(checks) and all(c.writer_alive for c in checks),
             "guest_kernel_errors": sum(len(c.kernel_errors) for c in checks),
             "moves": len(case.moves), "error": case.error}
+
+
+# -- raw QEMU (no fusuma) -------------------------------------------------------------
+def _raw_case(cores: list[int], size: int, moves: int, progress: Progress) -> Case:
+    """The same zero-copy moves by two bare QEMUs (``fusuma_bench.rawmove``); a failure
+    ends them (recorded in the case's ``error``)."""
+    case = Case(RAW, size, moves, [], load_before=_load())
+    try:
+        asyncio.run(_raw_moves(case, (cores[0], cores[1]), progress))
+    except (OSError, RuntimeError, FusumaError, TimeoutError, KeyError, QMPError) as exc:
+        case.error = f"raw QEMU: {exc}"
+    case.load_after = _load()
+    return case
+
+
+async def _raw_moves(case: Case, cores: tuple[int, int], progress: Progress) -> None:
+    size = case.memory_mib
+    with rawmove.run_dir("fusuma-vmbeam-raw-") as (run, img):
+        cfg = rawmove.RawConfig(run, img, rawmove.shm_ram(f"vmbeam-{size}"), size, cores,
+                                console_file=True)
+        pair = rawmove.RawPair(cfg)
+        try:
+            progress(f"{RAW} {size} MiB: booting two bare QEMUs (no fusuma)")
+            await pair.boot()
+            digest = await _raw_workload(pair, size, progress)
+            console = Console(path=cfg.run / "console.log")
+            console.new_errors()
+            for i in range(case.planned):
+                res, _ = await pair.move()
+                check = await _raw_check(pair, digest, console)
+                case.moves.append(Move(size, res, check))
+                progress(f"{RAW} {size} MiB move {i + 1}/{case.planned} -> {res.to}: "
+                         f"{res.total_ms} ms, downtime {res.downtime_ms} ms, "
+                         f"{res.bytes_sent} bytes, data intact {check.data_intact}"
+                         + (f", {check.error}" if check.error else ""))
+                if check.error:
+                    case.error = f"after move {i + 1}: {check.error}"
+                    return
+        finally:
+            await pair.close()
+
+
+async def _raw_sh(pair: rawmove.RawPair, script: str, timeout: float) -> tuple[int, str]:
+    async with pair.agent() as ga:
+        await ga.connect(timeout)
+        out = await ga.run(["/bin/sh", "-c", script], timeout=timeout)
+    return out.exit_code, out.stdout.decode(errors="replace")
+
+
+async def _raw_workload(pair: rawmove.RawPair, size: int, progress: Progress) -> str:
+    n = blob_mib(size)
+    progress(f"writing a {n} MiB random blob in the raw guest")
+    await _raw_sh(pair, f"dd if=/dev/urandom of={BLOB} bs=1M count={n} 2>/dev/null",
+                  EXEC_TIMEOUT_S)
+    code, out = await _raw_sh(pair, f"md5sum {BLOB}", EXEC_TIMEOUT_S)
+    if code != 0 or not out.split():
+        raise GuestAgentError("md5sum of the blob failed in the raw guest.")
+    await _raw_sh(pair, CHURN, EXEC_TIMEOUT_S)
+    code, _ = await _raw_sh(pair, f"kill -0 $(cat {CHURN_PID})", CHECK_TIMEOUT_S)
+    if code != 0:
+        raise GuestAgentError("the background writer in the raw guest did not keep "
+                              "running.")
+    return out.split()[0]
+
+
+async def _raw_check(pair: rawmove.RawPair, digest: str, console: Console) -> GuestCheck:
+    try:
+        code, out = await _raw_sh(pair, f"md5sum {BLOB}", CHECK_TIMEOUT_S)
+        words = out.split()
+        intact = code == 0 and bool(words) and words[0] == digest
+        alive = (await _raw_sh(pair, f"kill -0 $(cat {CHURN_PID})", CHECK_TIMEOUT_S))[0] == 0
+        error = None
+    except FusumaError as exc:
+        intact = alive = False
+        error = f"the guest did not answer ({exc})"
+    return GuestCheck(intact, alive, console.new_errors(), error)

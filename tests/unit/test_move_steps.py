@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fusuma.errors import QemuError
+from fusuma.errors import MigrationError
 from fusuma.migration import downtime_steps
+from fusuma.qemu.qmp import MigrationInfo
 from fusuma.supervisor import rpc
-from fusuma.supervisor.moves.source import stop_and_completion
+from fusuma.supervisor.moves.source import StreamEnd, final_figures, outcome_or, stream_end
 
 
 def streamed(**kw: Any) -> rpc.Streamed:
@@ -45,16 +46,33 @@ def test_a_step_a_side_did_not_time_is_left_out() -> None:
                                                   steps={"decided": 100.005})) is None
 
 
-class FakeQmp:
-    """Hands out queued events, then times out like ``Qmp.wait_event``."""
+class FakeListener:
+    """Hands out queued events, then waits forever (as a quiet QEMU)."""
 
     def __init__(self, events: list[dict[str, Any]]) -> None:
         self.events = events
 
-    async def wait_event(self, listener: object, timeout: float) -> dict[str, Any]:
+    async def get(self) -> dict[str, Any]:
         if not self.events:
-            raise QemuError("no event")
+            await asyncio.Event().wait()
         return self.events.pop(0)
+
+
+class FakeQmp:
+    """Counts the commands a source QEMU gets while its stream runs."""
+
+    def __init__(self) -> None:
+        self.commands: list[str] = []
+
+    async def migrate_cancel(self) -> None:
+        self.commands.append("migrate_cancel")
+
+
+class FakeInstance:
+    def __init__(self) -> None:
+        self.vm = "vm0"
+        self.qmp = FakeQmp()
+        self.exited = asyncio.Event()
 
 
 def ev(name: str, at: float, **data: Any) -> dict[str, Any]:
@@ -62,9 +80,98 @@ def ev(name: str, at: float, **data: Any) -> dict[str, Any]:
             "timestamp": {"seconds": int(at), "microseconds": round(at % 1 * 1e6)}}
 
 
+def end(events: list[dict[str, Any]], timeout: float = 5.0,
+        exit_after: float | None = None) -> tuple[StreamEnd | Exception, list[str]]:
+    async def go() -> tuple[StreamEnd | Exception, list[str]]:
+        inst: Any = FakeInstance()
+        if exit_after is not None:
+            asyncio.get_running_loop().call_later(exit_after, inst.exited.set)
+        try:
+            got: StreamEnd | Exception = await stream_end(inst, FakeListener(events),  # type: ignore[arg-type]
+                                                          timeout)
+        except MigrationError as exc:
+            got = exc
+        return got, inst.qmp.commands
+    return asyncio.run(go())
+
+
 def test_the_source_says_when_it_stopped_and_when_it_completed() -> None:
-    qmp: Any = FakeQmp([ev("MIGRATION", 10.0, status="active"), ev("STOP", 10.5),
-                        ev("MIGRATION", 10.503, status="completed")])
-    assert asyncio.run(stop_and_completion(qmp, None)) == (10.5, 10.503)
-    qmp = FakeQmp([ev("STOP", 10.5)])
-    assert asyncio.run(stop_and_completion(qmp, None)) == (10.5, None)
+    # Its events alone: no command reaches the source QEMU while it streams and stops.
+    got, commands = end([ev("MIGRATION", 10.0, status="setup"),
+                         ev("MIGRATION", 10.001, status="active"), ev("STOP", 10.5),
+                         ev("MIGRATION", 10.502, status="device"),
+                         ev("MIGRATION", 10.503, status="completed")])
+    assert got == StreamEnd("completed", 10.5, 10.503)
+    assert commands == []
+
+
+def test_a_failed_stream_ends_the_wait_with_its_status() -> None:
+    got, _ = end([ev("MIGRATION", 10.0, status="active"),
+                  ev("MIGRATION", 10.2, status="failed")])
+    assert got == StreamEnd("failed", None, None)
+    got, _ = end([ev("MIGRATION", 10.0, status="cancelled")])
+    assert got == StreamEnd("cancelled", None, None)
+
+
+def test_a_source_that_exits_during_the_stream_is_one_sentence() -> None:
+    got, commands = end([ev("MIGRATION", 10.0, status="active")], exit_after=0.01)
+    assert isinstance(got, MigrationError)
+    assert "exited during migration" in str(got)
+    assert commands == []
+
+
+def test_a_stream_that_does_not_end_in_time_is_cancelled() -> None:
+    got, commands = end([ev("MIGRATION", 10.0, status="active")], timeout=0.05)
+    assert isinstance(got, MigrationError)
+    assert "did not finish in 0 s and was cancelled" in str(got)
+    assert commands == ["migrate_cancel"]
+
+
+class FakeDb:
+    """A job whose decision is recorded after ``after`` looks (None: never)."""
+
+    def __init__(self, after: int | None, job: bool = True) -> None:
+        self.after, self.looks, self.job = after, 0, job
+
+    def find_job(self, obj: str) -> Any:
+        self.looks += 1
+        if not self.job:
+            return None
+        decided = self.after is not None and self.looks > self.after
+        return type("Job", (), {"detail": {"decision": "forward"} if decided else {}})()
+
+
+def wait_outcome(db: FakeDb, limit: float) -> bool:
+    h: Any = type("Host", (), {"db": db})()
+    return asyncio.run(outcome_or(h, "vm0", limit))
+
+
+def test_the_source_reports_once_the_outcome_is_recorded() -> None:
+    db = FakeDb(after=3)
+    assert wait_outcome(db, 5.0) is True
+    assert db.looks == 4
+
+
+def test_without_an_outcome_the_source_reports_after_its_limit() -> None:
+    db = FakeDb(after=None)
+    assert wait_outcome(db, 0.02) is False
+    assert db.looks > 1
+    # No job (a recovery ended it): nothing to wait for.
+    assert wait_outcome(FakeDb(after=None, job=False), 5.0) is False
+
+
+class FiguresQmp:
+    def __init__(self, totals: list[float | None]) -> None:
+        self.totals = totals
+
+    async def query_migrate(self) -> MigrationInfo:
+        total = self.totals.pop(0) if len(self.totals) > 1 else self.totals[0]
+        return MigrationInfo(status="completed", total_ms=total, downtime_ms=total)
+
+
+def test_qemus_figures_are_asked_again_until_it_has_computed_them() -> None:
+    q = FiguresQmp([0, 0, 7.0])
+    got = asyncio.run(final_figures(q))  # type: ignore[arg-type]
+    assert got.total_ms == 7.0 and q.totals == [7.0]
+    # A QEMU that never says: the last answer, after a bounded number of asks.
+    assert asyncio.run(final_figures(FiguresQmp([0]), tries=3)).total_ms == 0  # type: ignore[arg-type]

@@ -78,8 +78,10 @@ class Qmp:
         """Run one QMP command; a QMP error becomes QemuError with QEMU's message."""
         self.log.debug("qmp> %s %s", command, arguments or {})
         try:
-            reply = await asyncio.wait_for(self._client.execute(command, arguments),
-                                           timeout)
+            # A deadline on this task, not wait_for's task per command: a command in a
+            # move's pause (the destination's `cont`) costs no extra turn of the loop.
+            async with asyncio.timeout(timeout):
+                reply = await self._client.execute(command, arguments)
         except TimeoutError as exc:
             raise QemuError(f"VM {self.vm}: QMP {command} got no answer in "
                             f"{timeout:.0f} s.") from exc

@@ -67,6 +67,9 @@ class MoveIn:
     extra: dict[str, Any] = field(default_factory=dict)
     # The taps' handover at the decision, worked out before the pause (NICs only).
     handover: queues.Switch | None = None
+    # Whether the VM has NICs (a move's job holds them as they are): without, the
+    # commit has no tap to look up in its pause.
+    nics: bool = True
     # The steps of the commit so far (``STEPS``), realtime seconds.
     steps: dict[str, float] = field(default_factory=dict)
 
@@ -125,7 +128,8 @@ async def prepare(h: PartitionHost, vm: str, mode: str,
                   done=asyncio.get_running_loop().create_future(),
                   fault_decide_delay=fault_decide_delay)
     inst.move = move
-    move.handover = planned_handover(h, vm, inst)
+    move.nics = bool(h.db.nics(vm=vm))
+    move.handover = planned_handover(h, vm, inst) if move.nics else None
     move.task = asyncio.ensure_future(resume_when_complete(h, inst, move))
     prepare_ms = (time.monotonic() - t0) * 1000
     h.log.info("waiting for %s (%s) from %s on %s", vm, mode, rec.partition, uri)
@@ -191,11 +195,12 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
     status = "paused" if paused else await inst.qmp.query_status()
     resume_ts = time.time()
     if status != "running":
-        try:
-            hand_over_taps(h, vm, inst, move.handover)
-        except (FusumaError, OSError) as exc:
-            # The guest runs here whatever the tap says: a paused guest helps no one.
-            h.log.warning("%s: its taps could not be handed over: %s", vm, exc)
+        if move.nics:
+            try:
+                hand_over_taps(h, vm, inst, move.handover)
+            except (FusumaError, OSError) as exc:
+                # The guest runs here whatever the tap says: a paused guest helps no one.
+                h.log.warning("%s: its taps could not be handed over: %s", vm, exc)
         steps["taps"] = time.time()
         listener = inst.qmp.listener(EVENT_RESUME)
         try:

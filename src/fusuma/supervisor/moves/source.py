@@ -9,8 +9,10 @@ VM, asking QEMU.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from qemu.qmp import EventListener
@@ -18,7 +20,7 @@ from qemu.qmp import EventListener
 from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
 from fusuma.qemu import privilege, tlscreds
 from fusuma.qemu.instance import QemuInstance, Role
-from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_STOP, Qmp, event_time
+from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_STOP, MigrationInfo, Qmp, event_time
 from fusuma.state import Decision, VmState, vm_obj
 from fusuma.supervisor import rpc
 from fusuma.supervisor.host import PartitionHost
@@ -105,10 +107,16 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
         if paused:
             await inst.qmp.stop()
         await inst.qmp.migrate(uri)
-        info = await inst.wait_migration(timeout)
-        if info.status != "completed":
-            raise MigrationError(f"migration of {vm!r} failed ({info.error or info.status}).")
-        stop_ts, completed_ts = await stop_and_completion(inst.qmp, listener)
+        end = await stream_end(inst, listener, timeout)
+        if end.status == "completed" and uri.startswith("unix:"):
+            await outcome_or(h, vm, DECIDED_WAIT_S)
+        # QEMU's own figures, asked once the stream has ended (not while it stops the
+        # guest and sends the device state: no QMP command reaches it then).
+        info = await final_figures(inst.qmp)
+        if end.status != "completed" or info.status != "completed":
+            raise MigrationError(f"migration of {vm!r} failed "
+                                 f"({info.error or info.status or end.status}).")
+        stop_ts, completed_ts = end.stop_ts, end.completed_ts
     finally:
         inst.qmp.drop_listener(listener)
         if move_tls is not None:
@@ -121,20 +129,97 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
                         source_pid=inst.pid, paused=paused, completed_ts=completed_ts)
 
 
-async def stop_and_completion(qmp: Qmp, listener: EventListener
-                              ) -> tuple[float | None, float | None]:
-    """When a source QEMU whose stream completed stopped the guest and when it said
-    the stream completed (its STOP and MIGRATION events' own times); None for one
-    it did not send within a few seconds."""
-    stop_ts = completed_ts = None
-    with contextlib.suppress(QemuError):
-        while stop_ts is None or completed_ts is None:
-            ev = await qmp.wait_event(listener, 5.0)
+@dataclass(frozen=True)
+class StreamEnd:
+    """How a source QEMU's stream ended, by its own events: the MIGRATION status
+    (completed, failed, cancelled) and the times of its STOP and "completed"."""
+
+    status: str
+    stop_ts: float | None = None
+    completed_ts: float | None = None
+
+
+END_STATES = ("completed", "failed", "cancelled")
+
+
+async def stream_end(inst: QemuInstance, listener: EventListener, timeout: float
+                     ) -> StreamEnd:
+    """Wait for the stream of ``inst`` (a source QEMU with the ``events`` capability,
+    ``listener`` taking its STOP and MIGRATION events since before ``migrate``) to end:
+    its MIGRATION event says so, so no ``query-migrate`` polls it meanwhile (each a
+    round trip its main loop serves, on the partition's core, while the migration
+    thread stops the guest and saves the device state). Cancelled after ``timeout``;
+    refused once the process has exited."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    stop_ts: float | None = None
+    exited = asyncio.ensure_future(inst.exited.wait())
+    try:
+        while True:
+            got = asyncio.ensure_future(listener.get())
+            done, _ = await asyncio.wait({got, exited}, timeout=max(0.0, deadline - loop.time()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if got not in done:
+                got.cancel()
+                if exited in done:
+                    raise MigrationError(f"the source QEMU of {inst.vm!r} exited during "
+                                         "migration.")
+                with contextlib.suppress(QemuError):
+                    await inst.qmp.migrate_cancel()
+                raise MigrationError(f"migration of {inst.vm!r} did not finish in "
+                                     f"{timeout:.0f} s and was cancelled.")
+            ev: Any = got.result()
             if ev.get("event") == EVENT_STOP:
                 stop_ts = event_time(ev)
-            elif ev.get("data", {}).get("status") == "completed":
-                completed_ts = event_time(ev)
-    return stop_ts, completed_ts
+                continue
+            status = str(ev.get("data", {}).get("status"))
+            if status in END_STATES:
+                return StreamEnd(status, stop_ts,
+                                 event_time(ev) if status == "completed" else None)
+    finally:
+        exited.cancel()
+
+
+# How long a source whose stream completed waits for the destination's decision before
+# it reports anyway (``outcome_or``), and how often it looks. A destination on this host
+# records it a few milliseconds after the stream's end; one that takes longer (a busy
+# host, a test holding the move before its decision) gets the report all the same.
+DECIDED_WAIT_S = 0.1
+DECIDED_POLL_S = 0.0005
+
+
+async def outcome_or(h: PartitionHost, vm: str, limit: float) -> bool:
+    """Wait until the move's outcome is recorded, at most ``limit`` seconds; whether it
+    was. A move on this host: the destination records it within a few milliseconds of
+    the stream's end, and until then it is loading the device state and running the
+    guest (the move's downtime) on its partition's cores. The report this source sends
+    next sets the CLI and then the destination's supervisor working (the next steps'
+    requests): sent at once, that work lands on the destination's cores in the pause
+    and lengthens it (measured: ``bench vmbeam``'s before and after). Looking meanwhile
+    costs only this partition's core, idle once its QEMU has sent the stream: a read of
+    the state file, which never blocks the destination's write."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while True:
+        job = h.db.find_job(vm_obj(vm))
+        if job is None or job.detail.get("decision") is not None:
+            return job is not None
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(DECIDED_POLL_S)
+
+
+async def final_figures(qmp: Qmp, tries: int = 20) -> MigrationInfo:
+    """``query-migrate`` once the stream ended. QEMU sends MIGRATION "completed" just
+    before it computes the total and downtime it reports: asked at once, it may still
+    say 0 for both, so ask again a few times (1 ms apart)."""
+    info = await qmp.query_migrate()
+    for _ in range(tries):
+        if info.status != "completed" or info.total_ms:
+            break
+        await asyncio.sleep(0.001)
+        info = await qmp.query_migrate()
+    return info
 
 
 def leaving(h: PartitionHost, inst: QemuInstance, owns_ram: bool) -> None:
