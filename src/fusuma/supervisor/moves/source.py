@@ -9,7 +9,6 @@ VM, asking QEMU.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from typing import Any
@@ -139,12 +138,7 @@ async def stop_and_completion(qmp: Qmp, listener: EventListener
 
 
 def leaving(h: PartitionHost, inst: QemuInstance, owns_ram: bool) -> None:
-    """The VM's QEMU whose stream completed becomes the move's leaving side (not once
-    the move is decided "back": ``resume`` may already run the guest again, its mover
-    having died mid-stream)."""
-    job = h.db.find_job(vm_obj(inst.vm))
-    if job is not None and job.detail.get("decision") == Decision.BACK:
-        return
+    """The VM's QEMU whose stream completed becomes the move's leaving side."""
     inst.owns_ram = owns_ram
     if inst.role == Role.RUNNING and h.instances.get(inst.vm) is inst \
             and not inst.exited.is_set():
@@ -193,7 +187,6 @@ async def resume(h: PartitionHost, vm: str) -> rpc.Resumed:
     if decision not in (Decision.BACK, None):
         raise MigrationError(f"the source of {vm!r} must not run again: its destination "
                              "may already have run the guest.")
-    await end_stream(inst)
     if await inst.qmp.query_status() != "running":
         await inst.qmp.cont()
     job = h.db.find_job(vm_obj(vm))
@@ -204,29 +197,6 @@ async def resume(h: PartitionHost, vm: str) -> rpc.Resumed:
     inst.owns_ram = True
     h.follow_runstate(inst)
     return rpc.Resumed(pid=inst.pid, resume_ts=time.time())
-
-
-# A stream QEMU is still sending (query-migrate's states before an end).
-STREAMING = frozenset({"setup", "active", "pre-switchover", "device", "wait-unplug",
-                       "cancelling"})
-
-
-async def end_stream(inst: QemuInstance, timeout: float = 10.0) -> str:
-    """Before the source runs the guest again: cancel a stream it may still be sending
-    (the process that asked for it died mid-stream and the move was decided "back"),
-    which would otherwise stop the guest when it completes. Its last state."""
-    deadline = time.monotonic() + timeout
-    status = (await inst.qmp.query_migrate()).status
-    if status in STREAMING and status != "cancelling":
-        with contextlib.suppress(QemuError):
-            await inst.qmp.migrate_cancel()
-    while status in STREAMING:
-        if time.monotonic() > deadline:
-            raise MigrationError(f"the stream of {inst.vm!r} did not end within "
-                                 f"{timeout:.0f} s of its cancel.")
-        await asyncio.sleep(0.01)
-        status = (await inst.qmp.query_migrate()).status
-    return status
 
 
 async def set_mode(inst: QemuInstance, mode: str) -> str | None:
