@@ -330,6 +330,32 @@ def test_a_restarted_source_follows_forward_and_forgets_the_guest() -> None:
     assert not recorded(a)
 
 
+def test_a_source_keeps_the_record_of_a_forward_move_until_the_guest_runs_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """"forward" is recorded, the source's QEMU ends, and the destination's agent dies
+    before it runs the guest (its incoming QEMU holds it, paused): once its Lease
+    expires the source no longer waits, but the record stays, so that the agent,
+    restarted, still finds the decision and runs the guest; the source's next pass then
+    finishes the move. (Clearing it left the guest paused there, and the FusumaVM on a
+    host that no longer had it.)"""
+    a, here = world("h0", {**MID_MOVE, "phase": "Streamed", "decision": "forward",
+                           "decidedBy": "h1"}, VmState.MIGRATING)
+    monkeypatch.setattr(a, "host_lost", lambda host: host == "h1")
+    hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))
+    assert [type(r) for r in here.sent] == [rpc.Release] and here.deleted == ["vm0"]
+    assert recorded(a)["decision"] == "forward" and not recorded(a, "lastMove")
+    assert a.kube.obj["status"]["host"] == "h0" and a.emitted == []
+    # The destination's agent is back: it ran the guest and says so.
+    monkeypatch.setattr(a, "host_lost", lambda host: False)
+    merge(a.kube.obj["status"], {"move": {"phase": "Switched", "resumeTs": 5.0},
+                                 "host": "h1", "state": "Running"})
+    hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))
+    last = recorded(a, "lastMove")
+    assert (last["result"], last["phase"], last["decision"]) == ("ok", "Done", "forward")
+    assert not recorded(a) and a.kube.obj["status"]["host"] == "h1"
+    assert [type(r) for r in here.sent] == [rpc.Release]
+
+
 def test_a_destination_finding_the_move_called_off_undoes_its_prepare() -> None:
     a, here = world("h1", {**MID_MOVE, "decision": "back"}, VmState.STARTING)
     hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))

@@ -69,6 +69,7 @@ from fusuma.cluster.resources import (
     set_condition,
 )
 from fusuma.errors import FusumaError, MigrationError, StateError
+from fusuma.migration import FAULT_STREAM_BPS
 from fusuma.qemu import recorded
 from fusuma.state import Decision, JobKind, MovePhase, VmState, vm_obj
 from fusuma.supervisor import rpc
@@ -105,8 +106,13 @@ RECORD_FAILED = "Failed"
 # In the clear (the benchmark's before) the stream is one connection, as it was.
 TLS_CHANNELS = 4
 # Fault injection (tests), read from the source agent's environment: seconds it waits
-# between the destination's prepare and the stream.
+# between the destination's prepare and the stream; and, as for a move inside a host,
+# the stream's rate in bytes/s (``FAULT_STREAM_BPS``: a stream slow enough to kill
+# something during it; the source QEMU keeps the limit for its later moves).
 FAULT_STREAM_DELAY = "FUSUMA_FAULT_HOST_MOVE_STREAM_DELAY"
+# ... and from the destination agent's: seconds it waits after it recorded "forward",
+# before its QEMU runs the guest (a test kills it there).
+FAULT_DECIDED_DELAY = "FUSUMA_FAULT_HOST_MOVE_DECIDED_DELAY"
 
 
 class MoveAborted(MigrationError):
@@ -325,7 +331,8 @@ class HostMoveSource(_Side):
         self.record(MovePhase.STREAMING)
         out = self.c.parts.client(self.partition).send(
             rpc.MigrateOut(self.v.name, uri, "copy", tls_peer=self.dest, plain_tcp=plain,
-                           channels=channels),
+                           channels=channels,
+                           max_bandwidth=int(os.environ.get(FAULT_STREAM_BPS) or 0)),
             timeout=STREAM_TIMEOUT_S + 60)
         jh.phase(MovePhase.STREAMED, bytes_sent=out.bytes_sent)
         self.record(MovePhase.STREAMED, {"bytesSent": out.bytes_sent, "paused": out.paused,
@@ -387,13 +394,19 @@ class HostMoveSource(_Side):
         began it, epoch seconds: ``wallMs`` runs from then to the guest running there)."""
         a, v = self.a, self.v
         self.remove()
-        # The record is cleared only once the destination said the guest runs there (or
-        # its host is lost): until then it may still need the decision recorded in it.
+        # The record is cleared only once the destination said the guest runs there:
+        # until then its agent (one restarted too) needs the decision recorded in it to
+        # run the guest it holds, paused, the only copy now. If that host stops renewing
+        # its Lease first, the record stays; this host's next pass (when the destination
+        # records the switch) finishes it.
         try:
             move = wait_move(a, v, self.move_id, lambda m: at(m, MovePhase.SWITCHED),
                              STREAM_TIMEOUT_S, peer=self.dest)
-        except FusumaError:
-            move = (fresh(a, v).move or {})
+        except FusumaError as exc:
+            LOG.warning("move %s of %s went forward; the record is kept until host %s "
+                        "says the guest runs there: %s", self.move_id, v.name, self.dest,
+                        exc)
+            return
         resume = move.get("resumeTs")
         stop = out.stop_ts if out is not None else None
         t0 = out.t0 if out is not None else None
@@ -493,6 +506,9 @@ class HostMoveDest(_Side):
         if self.decide(Decision.FORWARD) != Decision.FORWARD:
             raise MoveAborted(f"the move of {v.name!r} was decided back")
         self.mirror(Decision.FORWARD)
+        delay = float(os.environ.get(FAULT_DECIDED_DELAY) or 0)
+        if delay > 0:    # fault injection (tests): this agent is killed here
+            time.sleep(delay)
         fin = dst.send(rpc.IncomingCommit(v.name))
         jh.phase(MovePhase.SWITCHED)
         with contextlib.suppress(FusumaError):
