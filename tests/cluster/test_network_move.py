@@ -536,10 +536,6 @@ def test_kill_9_during_a_move_between_hosts_with_a_nic(
         f"{k} {v:.1f} s" for k, v in times.items()))
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known fault, not yet fixed: the restarted source agent decides back and resumes "
-    "its QEMU while its supervisor may still be sending the stream; the guest can be "
-    "left paused (`ps`) while the FusumaVM says Running"))
 def test_the_source_agent_killed_mid_stream_between_hosts(
         cluster: Cluster, lan: str, tmp_path: Path) -> None:
     """kill -9 of the source's agent while the stream runs, started again at once: the

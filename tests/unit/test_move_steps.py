@@ -175,3 +175,86 @@ def test_qemus_figures_are_asked_again_until_it_has_computed_them() -> None:
     assert got.total_ms == 7.0 and q.totals == [7.0]
     # A QEMU that never says: the last answer, after a bounded number of asks.
     assert asyncio.run(final_figures(FiguresQmp([0]), tries=3)).total_ms == 0  # type: ignore[arg-type]
+
+
+class StreamQmp:
+    """A source QEMU whose stream completes; ``during`` runs while it streams (what
+    another request of the supervisor does meanwhile)."""
+
+    def __init__(self, during: Any) -> None:
+        self.commands: list[str] = []
+        self.during = during
+
+    def listener(self, *names: str) -> Any:
+        qmp = self
+
+        class Events(FakeListener):
+            async def get(self) -> dict[str, Any]:
+                if qmp.during is not None:
+                    qmp.during()
+                    qmp.during = None
+                return await super().get()
+        return Events([ev("STOP", 100.0), ev("MIGRATION", 100.002, status="completed")])
+
+    def drop_listener(self, listener: Any) -> None:
+        pass
+
+    async def migrate_set_capabilities(self, caps: Any) -> None:
+        self.commands.append("caps")
+
+    async def migrate(self, uri: str) -> None:
+        self.commands.append("migrate")
+
+    async def query_migrate(self) -> MigrationInfo:
+        return MigrationInfo(status="completed", total_ms=9.0, downtime_ms=4.0)
+
+    async def cont(self) -> None:
+        self.commands.append("cont")
+
+
+def perform_with(during: Any, decision: str | None) -> tuple[Any, list[str], list[str]]:
+    """Run the source's ``perform`` of a move to another host against fakes: the
+    result (or the error), QMP's commands, and whether it became the leaving side."""
+    from fusuma.state import VmState
+    from fusuma.supervisor.moves import source
+
+    inst: Any = FakeInstance()
+    inst.pid, inst.resumed_back = 4321, False
+    became: list[str] = []
+    rec = type("Rec", (), {"state": VmState.MIGRATING, "accel_used": "kvm"})()
+    job = type("Job", (), {"detail": {} if decision is None else {"decision": decision}})()
+    db = type("Db", (), {"vm": lambda self, n: rec, "find_job": lambda self, o: job})()
+    insts = type("Insts", (), {"get": lambda self, *a: inst})()
+    h: Any = type("Host", (), {"instances": insts, "db": db,
+                               "follow_runstate": lambda self, i: became.append("follow")})()
+    inst.qmp = StreamQmp(during(inst) if during else None)
+    real = source.leaving
+    source.leaving = lambda h, i, owns_ram: became.append("leaving")  # type: ignore[assignment]
+    try:
+        try:
+            got: Any = asyncio.run(source.perform(h, "vm0", "tcp:10.0.0.2:4444", "copy",
+                                                  timeout=5.0, plain_tcp=True))
+        except MigrationError as exc:
+            got = exc
+    finally:
+        source.leaving = real   # type: ignore[assignment]
+    return got, inst.qmp.commands, became
+
+
+def test_a_stream_that_ends_after_back_was_decided_runs_the_guest_on_here() -> None:
+    """An agent restarted mid-move decides "back" and asks ``resume`` while the stream
+    still runs (the guest is running: nothing to do then). When that stream completes
+    QEMU pauses the guest: the source runs it again instead of leaving it paused."""
+    def resume_asked(inst: Any) -> Any:
+        return lambda: setattr(inst, "resumed_back", True)
+
+    got, commands, became = perform_with(resume_asked, None)
+    assert isinstance(got, MigrationError) and "decided back" in str(got)
+    assert commands[-1] == "cont" and became == ["follow"]
+    # The same when the host's job holds "back" (mirrored there by the agent).
+    got, commands, became = perform_with(None, "back")
+    assert isinstance(got, MigrationError) and commands[-1] == "cont"
+    # Without "back", the completed stream leaves this QEMU as the leaving side.
+    got, commands, became = perform_with(None, None)
+    assert isinstance(got, rpc.Streamed) and "cont" not in commands
+    assert became == ["leaving"]

@@ -141,6 +141,9 @@ class QemuInstance:
     # file is a template's: then it must outlive this process.
     owns_ram: bool = True
     stopping: bool = False           # its end was asked for: not a crash
+    # A move's outcome "back" reached it (``resume``) while its stream may still run:
+    # the stream's end must not leave the guest paused.
+    resumed_back: bool = False
     stop_note: str | None = None     # how that end went, if not cleanly (the record's)
     started_log: str | None = None   # QEMU's last log line at start: exits say newer ones
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])

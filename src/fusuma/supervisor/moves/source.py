@@ -82,6 +82,7 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
                          f"{h.partition!r}.")
     if rec.state != VmState.MIGRATING:
         raise StateError(f"VM {vm!r} is {rec.state.value}; no move of it is under way.")
+    inst.resumed_back = False
     creds = None
     if uri.startswith("tcp:") and not plain_tcp:
         if not tls_peer:
@@ -123,6 +124,17 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
             await tlscreds.drop(inst.qmp, move_tls)
     # The stream is complete; this QEMU is paused ("postmigrate"). It is the leaving
     # side now: the destination (or recovery) decides whether the guest moves on.
+    # Unless "back" was decided while it streamed (an agent restarted mid-move decides
+    # so and asks ``resume``, which found the guest still running and had nothing to
+    # do, and may have ended the job since): then the guest runs on here, as decided.
+    # Checked with no await before ``leaving``, so a ``resume`` after it finds the
+    # paused guest and runs it.
+    if inst.resumed_back or decided_back(h, vm):
+        inst.resumed_back = False
+        await inst.qmp.cont()
+        h.follow_runstate(inst)
+        raise MigrationError(f"the move of {vm!r} was decided back while it streamed; "
+                             "the guest runs on here.")
     leaving(h, inst, owns_ram=mode == "copy")
     return rpc.Streamed(t0=t0, stop_ts=stop_ts, qemu_total_ms=info.total_ms,
                         qemu_downtime_ms=info.downtime_ms, bytes_sent=info.transferred,
@@ -186,6 +198,12 @@ async def stream_end(inst: QemuInstance, listener: EventListener, timeout: float
 # host, a test holding the move before its decision) gets the report all the same.
 DECIDED_WAIT_S = 0.1
 DECIDED_POLL_S = 0.0005
+
+
+def decided_back(h: PartitionHost, vm: str) -> bool:
+    """Whether the move of ``vm`` is recorded as "back" in this host's job."""
+    job = h.db.find_job(vm_obj(vm))
+    return job is not None and job.detail.get("decision") == Decision.BACK
 
 
 async def outcome_or(h: PartitionHost, vm: str, limit: float) -> bool:
@@ -272,6 +290,7 @@ async def resume(h: PartitionHost, vm: str) -> rpc.Resumed:
     if decision not in (Decision.BACK, None):
         raise MigrationError(f"the source of {vm!r} must not run again: its destination "
                              "may already have run the guest.")
+    inst.resumed_back = True     # a stream still running must end with the guest here
     if await inst.qmp.query_status() != "running":
         await inst.qmp.cont()
     job = h.db.find_job(vm_obj(vm))
