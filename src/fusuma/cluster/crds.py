@@ -121,6 +121,9 @@ VM_SPEC = _obj("The VM as asked for: fusuma's VM spec, plus where it runs.", {
     "memoryMiB": _i("Guest RAM in MiB.", minimum=64, default=256),
     "image": _s("Guest image kind on the host (fusuma image list), e.g. minimal.",
                 default="minimal"),
+    "boot": _s("How a guest of an imported disk image boots: bios (SeaBIOS, the "
+               "default) or uefi (OVMF, with its own NVRAM variables).",
+               enum=["bios", "uefi"]),
     "accel": _s("Accelerator: auto (KVM where it works, else TCG), kvm or tcg.",
                 enum=["auto", "kvm", "tcg"], default="auto"),
     "sharedRam": _b("Guest RAM in a named shared file (needed for zero-copy moves).",
