@@ -4,6 +4,7 @@ its seed byte for byte and what its thin disk is made on, checked at the destina
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import zlib
@@ -16,6 +17,7 @@ import pytest
 from fusuma.errors import StateError
 from fusuma.images import seed, store
 from fusuma.paths import Paths
+from fusuma.qemu import block
 from fusuma.state import Database, VmRecord
 from fusuma.supervisor.moves.source import capabilities
 from fusuma.vm import boot
@@ -97,3 +99,75 @@ def test_a_mirrored_move_pauses_before_the_switch() -> None:
     assert capabilities("copy", 1, mirror=True)["pause-before-switchover"] is True
     # Named off otherwise: a QEMU's earlier move leaves nothing behind.
     assert capabilities("copy", 1)["pause-before-switchover"] is False
+
+
+class FakeMirrorPeer:
+    """A QMP peer that records what it is asked; its mirror job goes through
+    ``states`` (one per ``query-jobs``; an error with the last)."""
+
+    def __init__(self, states: list[str], error: str | None = None) -> None:
+        self.vm = "fw"
+        self.states = states
+        self.error = error
+        self.asked: list[tuple[str, dict[str, Any]]] = []
+        self.fds: list[str] = []
+
+    async def get_fd(self, fd: int, name: str) -> None:
+        assert os.fstat(fd)       # a live descriptor: the listening socket
+        self.fds.append(name)
+
+    async def execute(self, command: str, arguments: dict[str, Any] | None = None,
+                      timeout: float = 30.0) -> Any:
+        self.asked.append((command, arguments or {}))
+        if command == "query-jobs":
+            status = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+            err = self.error if status == "concluded" else None
+            return [{"id": block.MIRROR_JOB, "type": "mirror", "status": status,
+                     "current-progress": 1, "total-progress": 1,
+                     **({"error": err} if err else {})}]
+        return {}
+
+    def args(self, command: str) -> dict[str, Any]:
+        return next(a for c, a in self.asked if c == command)
+
+
+def test_the_destination_serves_the_disk_writable_under_the_moves_tls() -> None:
+    qmp = FakeMirrorPeer(["ready"])
+    port = asyncio.run(block.serve(qmp, "127.0.0.1", "#block123",  # type: ignore[arg-type]
+                                   "fz-tls-1", "fz-authz-1"))
+    assert 0 < port < 65536 and qmp.fds == ["fusuma-nbd-listen"]
+    assert qmp.args("nbd-server-start") == {
+        "addr": {"type": "fd", "data": {"str": "fusuma-nbd-listen"}},
+        "max-connections": 1, "tls-creds": "fz-tls-1", "tls-authz": "fz-authz-1"}
+    assert qmp.args("block-export-add") == {
+        "type": "nbd", "id": block.EXPORT, "node-name": "#block123",
+        "name": block.EXPORT, "writable": True}
+    asyncio.run(block.stop_serving(qmp))  # type: ignore[arg-type]
+    assert [c for c, _ in qmp.asked][-2:] == ["block-export-del", "nbd-server-stop"]
+
+
+def test_the_source_mirrors_the_top_layer_and_ends_it_without_switching() -> None:
+    qmp = FakeMirrorPeer(["running", "running", "ready", "concluded"])
+    asyncio.run(block.mirror_start(qmp, "#block7", "10.0.0.2", 4242,  # type: ignore[arg-type]
+                                   "fz-tls-2", "h1"))
+    assert qmp.args("blockdev-add") == {
+        "driver": "nbd", "node-name": block.NBD_NODE, "export": block.EXPORT,
+        "server": {"type": "inet", "host": "10.0.0.2", "port": "4242"},
+        "tls-creds": "fz-tls-2", "tls-hostname": "h1"}
+    assert qmp.args("blockdev-mirror") == {
+        "job-id": block.MIRROR_JOB, "device": "#block7", "target": block.NBD_NODE,
+        "sync": "top", "auto-dismiss": False}
+    asyncio.run(block.mirror_ready(qmp, 10))  # type: ignore[arg-type]
+    asyncio.run(block.mirror_finish(qmp, 10))  # type: ignore[arg-type]
+    assert qmp.args("block-job-cancel") == {"device": block.MIRROR_JOB}   # not force
+    assert [c for c, _ in qmp.asked][-2:] == ["job-dismiss", "blockdev-del"]
+
+
+def test_a_mirror_whose_destination_went_away_fails_in_one_sentence() -> None:
+    qmp = FakeMirrorPeer(["running", "concluded"], error="Connection reset by peer")
+    with pytest.raises(block.JobFailed, match="^VM 'fw': the mirror of its disk failed: "
+                       "Connection reset by peer.$"):
+        asyncio.run(block.mirror_ready(qmp, 10))  # type: ignore[arg-type]
+    asyncio.run(block.mirror_abort(qmp))  # type: ignore[arg-type]
+    assert ("block-job-cancel", {"device": block.MIRROR_JOB, "force": True}) in qmp.asked
+    assert qmp.asked[-1] == ("blockdev-del", {"node-name": block.NBD_NODE})
