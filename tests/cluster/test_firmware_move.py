@@ -31,6 +31,7 @@ from fusuma.images import diskimage
 from tests.cluster.conftest import Cluster, wait_for
 from tests.cluster.test_cluster import vm_yaml
 from tests.cluster.test_move_tls import agents_restored, moved, patch_host, restart_agents
+from tests.fault.movekit import qemu_pids
 
 __all__ = ["agents_restored"]          # the fixture, used by name
 
@@ -54,18 +55,10 @@ def files(c: Cluster, host: str) -> Path:
     return c.host(host).home / "vms" / VM
 
 
-def qemus() -> list[int]:
-    """Every QEMU process running guest ``fw`` on the machine (the kernel's view)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"guest={VM},debug-threads=on".encode() in argv:
-                out.append(int(name))
-    return out
+def qemus(c: Cluster) -> dict[str, list[int]]:
+    """Each host's QEMUs of the guest (the kernel's view), hosts that have one."""
+    out = {h: qemu_pids(c.host(h), VM) for h in ("h0", "h1", "h2")}
+    return {h: p for h, p in out.items() if p}
 
 
 def img_check(path: Path, *opts: str) -> subprocess.CompletedProcess[str]:
@@ -97,7 +90,7 @@ def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
     boot_s = time.monotonic() - t0 - import_s
     before = sh(c, "h0", WRITE).split()[0]
     pid0 = c.vm(VM)["status"]["pid"]
-    assert qemus() == [pid0]
+    assert qemus(c) == {"h0": [pid0]}
 
     # 1. h2 has not the image: one sentence, nothing changes.
     t = time.monotonic()
@@ -109,7 +102,7 @@ def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
         "'deb' of the VM's host); import the same image there first); the VM stays on "
         "h0."), last
     assert c.running(VM) and c.vm(VM)["status"]["host"] == "h0"
-    assert qemus() == [pid0] and c.vm(VM)["status"]["pid"] == pid0
+    assert qemus(c) == {"h0": [pid0]} and c.vm(VM)["status"]["pid"] == pid0
     nothing_of_it(c, "h2")
     patch_host(c, VM, "h0")
     refused_s = time.monotonic() - t
@@ -130,7 +123,7 @@ def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
                     == move["id"] and not v.get("move") and c.running(VM)
                     and v["lastMove"], 120, "the move back")
     assert last["result"] == "failed", last
-    assert c.vm(VM)["status"]["host"] == "h0" and qemus() == [pid0]
+    assert c.vm(VM)["status"]["host"] == "h0" and qemus(c) == {"h0": [pid0]}
     assert sh(c, "h0", CHECK).split()[0] == before
     # Flushed by the guest's sync just now: the source's overlay as QEMU left it.
     check = img_check(files(c, "h0") / "disk.qcow2", "-U")
@@ -150,7 +143,7 @@ def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
     last = moved(c, VM, "h1", timeout=300)
     assert (last["result"], last["decision"]) == ("ok", "forward"), last
     pid1 = c.vm(VM)["status"]["pid"]
-    assert qemus() == [pid1] and pid1 != pid0
+    assert qemus(c) == {"h1": [pid1]} and pid1 != pid0
     assert sh(c, "h1", CHECK).split()[0] == before
     assert sh(c, "h1", f"od -An -c {VAR}").split()[-5:] == list("moved")
     there = files(c, "h1")

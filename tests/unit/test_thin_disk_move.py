@@ -165,8 +165,8 @@ def test_the_source_mirrors_the_top_layer_and_ends_it_without_switching() -> Non
 
 def test_a_mirror_whose_destination_went_away_fails_in_one_sentence() -> None:
     qmp = FakeMirrorPeer(["running", "concluded"], error="Connection reset by peer")
-    with pytest.raises(block.JobFailed, match="^VM 'fw': the mirror of its disk failed: "
-                       "Connection reset by peer.$"):
+    with pytest.raises(block.JobFailed, match=r"^VM 'fw': the mirror of its disk failed: "
+                       r"Connection reset by peer\.$"):
         asyncio.run(block.mirror_ready(qmp, 10))  # type: ignore[arg-type]
     asyncio.run(block.mirror_abort(qmp))  # type: ignore[arg-type]
     assert ("block-job-cancel", {"device": block.MIRROR_JOB, "force": True}) in qmp.asked
