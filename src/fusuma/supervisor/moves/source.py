@@ -111,7 +111,6 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
                                    {"max-bandwidth": max_bandwidth})
         if mode == "copy" and await _tcg_dirty_bug(inst, rec.accel_used):
             paused = True
-        t0 = time.time()
         if nbd:
             where, _, port = nbd.removeprefix("tcp:").rpartition(":")
             node = (await block.drives(inst.qmp))[BOOT_DRIVE].node
@@ -120,6 +119,7 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
                                      move_tls.creds_id if move_tls else None,
                                      tls_peer or None, mirror_speed)
             await block.mirror_ready(inst.qmp, timeout)
+        t0 = time.time()
         if paused:
             await inst.qmp.stop()
         await inst.qmp.migrate(uri)
