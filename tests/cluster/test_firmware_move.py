@@ -101,7 +101,8 @@ def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
         f"move to h2 failed (host h2 has no image with checksum sha256:{sha} (image "
         "'deb' of the VM's host); import the same image there first); the VM stays on "
         "h0."), last
-    assert c.running(VM) and c.vm(VM)["status"]["host"] == "h0"
+    st = c.vm(VM)["status"]
+    assert (st["state"], st["host"]) == ("Running", "h0"), st
     assert qemus(c) == {"h0": [pid0]} and c.vm(VM)["status"]["pid"] == pid0
     nothing_of_it(c, "h2")
     patch_host(c, VM, "h0")
@@ -120,7 +121,7 @@ def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
              "the mirror writing the destination's disk")
     os.kill(int(move["destPid"]), signal.SIGKILL)
     last = wait_for(lambda: (v := c.vm(VM)["status"]).get("lastMove", {}).get("id")
-                    == move["id"] and not v.get("move") and c.running(VM)
+                    == move["id"] and not v.get("move") and v.get("state") == "Running"
                     and v["lastMove"], 120, "the move back")
     assert last["result"] == "failed", last
     assert c.vm(VM)["status"]["host"] == "h0" and qemus(c) == {"h0": [pid0]}
