@@ -85,8 +85,9 @@ def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
     c.apply(vm_yaml(VM, host="h0", partition="p0", memoryMiB=384, image="deb",
                     boot="uefi", accel="tcg"))
     wait_for(lambda: c.running(VM), 300, "fw running on h0")
-    wait_for(lambda: c.host("h0").run("vm", "exec", VM, "--", "/bin/true", check=False,
-                                      timeout=60).code == 0, 400, "fw's guest agent")
+    wait_for(lambda: c.host("h0").run("vm", "exec", VM, "--timeout", "20", "--",
+                                      "/bin/true", check=False, timeout=60).code == 0,
+             400, "fw's guest agent")
     boot_s = time.monotonic() - t0 - import_s
     before = sh(c, "h0", WRITE).split()[0]
     pid0 = c.vm(VM)["status"]["pid"]
