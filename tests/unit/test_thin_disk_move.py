@@ -111,6 +111,7 @@ class FakeMirrorPeer:
         self.error = error
         self.asked: list[tuple[str, dict[str, Any]]] = []
         self.fds: list[str] = []
+        self.mirroring = False
 
     async def get_fd(self, fd: int, name: str) -> None:
         assert os.fstat(fd)       # a live descriptor: the listening socket
@@ -119,7 +120,13 @@ class FakeMirrorPeer:
     async def execute(self, command: str, arguments: dict[str, Any] | None = None,
                       timeout: float = 30.0) -> Any:
         self.asked.append((command, arguments or {}))
+        if command == "blockdev-mirror":
+            self.mirroring = True
+        if command == "job-dismiss":
+            self.mirroring = False
         if command == "query-jobs":
+            if not self.mirroring:
+                return []
             status = self.states.pop(0) if len(self.states) > 1 else self.states[0]
             err = self.error if status == "concluded" else None
             return [{"id": block.MIRROR_JOB, "type": "mirror", "status": status,
@@ -128,7 +135,8 @@ class FakeMirrorPeer:
         return {}
 
     def args(self, command: str) -> dict[str, Any]:
-        return next(a for c, a in self.asked if c == command)
+        """The arguments it was last given ``command`` with."""
+        return [a for c, a in self.asked if c == command][-1]
 
 
 def test_the_destination_serves_the_disk_writable_under_the_moves_tls() -> None:
@@ -150,6 +158,9 @@ def test_the_source_mirrors_the_top_layer_and_ends_it_without_switching() -> Non
     qmp = FakeMirrorPeer(["running", "running", "ready", "concluded"])
     asyncio.run(block.mirror_start(qmp, "#block7", "10.0.0.2", 4242,  # type: ignore[arg-type]
                                    "fz-tls-2", "h1"))
+    # A stale mirror of an earlier move (its supervisor killed) is cleared first.
+    assert [c for c, _ in qmp.asked][:3] == ["block-job-cancel", "query-jobs",
+                                            "blockdev-del"]
     assert qmp.args("blockdev-add") == {
         "driver": "nbd", "node-name": block.NBD_NODE, "export": block.EXPORT,
         "server": {"type": "inet", "host": "10.0.0.2", "port": "4242"},
@@ -165,6 +176,7 @@ def test_the_source_mirrors_the_top_layer_and_ends_it_without_switching() -> Non
 
 def test_a_mirror_whose_destination_went_away_fails_in_one_sentence() -> None:
     qmp = FakeMirrorPeer(["running", "concluded"], error="Connection reset by peer")
+    qmp.mirroring = True
     with pytest.raises(block.JobFailed, match=r"^VM 'fw': the mirror of its disk failed: "
                        r"Connection reset by peer\.$"):
         asyncio.run(block.mirror_ready(qmp, 10))  # type: ignore[arg-type]

@@ -326,7 +326,9 @@ async def mirror_start(qmp: Qmp, node: str, host: str, port: int,
     """Source: mirror ``node``'s top layer (``sync: top``: the destination has the
     same base) to the destination's export at ``host``:``port``, under TLS to
     ``tls_hostname`` when given ``tls_creds``; ``speed`` bytes/s at most (0: no
-    limit; fault injection in tests)."""
+    limit; fault injection in tests). What an earlier move left in this QEMU (its
+    supervisor killed mid-mirror) is cleared first."""
+    await mirror_abort(qmp)
     nbd: dict[str, Any] = {"driver": "nbd", "node-name": NBD_NODE, "export": EXPORT,
                            "server": {"type": "inet", "host": host.strip("[]"),
                                       "port": str(port)}}
