@@ -123,6 +123,7 @@ class Rec:
     error: str | None = None
     boot: str = "kernel"
     image: str = "minimal"
+    template: str | None = None
 
 
 class FakeHost:
@@ -229,25 +230,31 @@ def recorded(a: FakeAgent, what: str = "move") -> Obj:
     return dict(a.kube.obj["status"].get(what) or {})
 
 
-@pytest.mark.parametrize("state", [VmState.RUNNING, VmState.STOPPED])
-def test_a_vm_booted_by_firmware_is_not_moved_between_hosts(
-        monkeypatch: pytest.MonkeyPatch, state: VmState) -> None:
-    """Its thin disk, NVRAM and seed are files of this host: one sentence, nothing
-    started, nothing deleted (a stopped one too: it would be defined anew there)."""
+@pytest.mark.parametrize("state, template, says", [
+    (VmState.STOPPED, None, "VM 'vm0' boots by firmware from a thin disk of this host: "
+     "start it, then move it to host 'h1' (its disk is mirrored there as it runs)."),
+    (VmState.RUNNING, "t0", "VM 'vm0' is a clone of template 't0', whose disk layer is a "
+     "file of this host that host 'h1' does not have: it moves between partitions of "
+     "this host only.")])
+def test_a_stopped_vm_booted_by_firmware_or_a_clone_is_not_moved_between_hosts(
+        monkeypatch: pytest.MonkeyPatch, state: VmState, template: str | None,
+        says: str) -> None:
+    """A stopped one would be defined anew there, on an empty disk; a clone's disk is
+    a layer on its template's, a file of this host: one sentence, nothing started,
+    nothing deleted."""
     from fusuma.vm import view
 
     monkeypatch.setattr(view.process, "pid_alive", lambda pid: True)
     monkeypatch.setattr(view.process, "cmdline", lambda pid: "guest=vm0,debug-threads=on")
     a, here = world("h0", None, state)
-    here.db.vms["vm0"] = replace(here.db.vms["vm0"], boot="uefi", image="deb")
+    here.db.vms["vm0"] = replace(here.db.vms["vm0"], boot="uefi", image="deb",
+                                 template=template)
     failed: list[tuple[Any, ...]] = []
     monkeypatch.setattr(a, "fail", lambda *args, **kw: failed.append(args), raising=False)
     hostmove.begin(a, a, VmView(a.kube.get(None, "vm0")), here.db.vms["vm0"])
     [(_, reason, message)] = failed
     assert reason == "MoveFailed"
-    assert message == ("VM 'vm0' boots by firmware from a thin disk on image 'deb' of "
-                       "this host, which host 'h1' does not have: it moves between "
-                       "partitions of this host only.")
+    assert message == says
     assert here.db.jobs == [] and here.sent == [] and here.deleted == []
     assert "vm0" in here.db.vms
 

@@ -288,13 +288,17 @@ def test_boot_follows_the_image(tmp_path: Path, paths: Paths, db: Database) -> N
                                segments=[])
 
 
-def test_moves_between_hosts_of_a_firmware_vm_are_refused() -> None:
+def test_host_moves_of_a_stopped_firmware_vm_or_a_clone_are_refused() -> None:
     kernel = VmRecord("k", "p0", 1, 256)
-    boot.check_host_move(kernel, "h2")
+    boot.check_host_move(kernel, "h2", running=False)
     fw = VmRecord("f", "p0", 1, 256, image="a", boot="uefi")
-    with pytest.raises(StateError, match="image 'a' of this host, which host 'h2' does "
-                       "not have: it moves between partitions of this host only"):
-        boot.check_host_move(fw, "h2")
+    boot.check_host_move(fw, "h2", running=True)                 # its disk is mirrored
+    with pytest.raises(StateError, match="start it, then move it to host 'h2'"):
+        boot.check_host_move(fw, "h2", running=False)
+    clone = VmRecord("c", "p0", 1, 256, image="a", boot="bios", template="t")
+    with pytest.raises(StateError, match="clone of template 't', whose disk layer is a "
+                       "file of this host"):
+        boot.check_host_move(clone, "h2", running=True)
 
 
 UEFI = Uefi(Path("/usr/share/OVMF/OVMF_CODE_4M.fd"), Path("/h/vms/vm0/nvram.fd"),

@@ -76,7 +76,20 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                                                     "index": _i("Its place (nic0, ...)."),
                                                     "network": _s("FusumaNetwork."),
                                                     "mac": _s("Its MAC."),
-                                                    "ip": _s("Its address.")}))}),
+                                                    "ip": _s("Its address.")})),
+                                   "thinDisk": _obj(
+                                       "A VM of an imported disk image: what its thin "
+                                       "disk is made on and its cloud-init seed.", {
+                                           "image": _s("The image's name at the source."),
+                                           "sha256": _s("The image's checksum: the "
+                                                        "destination's must have it."),
+                                           "virtualSize": _i("The thin disk's size, "
+                                                             "bytes."),
+                                           "seed": _s("The seed disk (zlib, base64)."),
+                                           "seedInputs": _obj(
+                                               "What the seed says.", {},
+                                               **{"x-kubernetes-preserve-unknown-fields":
+                                                  True})})}),
                 "destPid": _i("Between hosts: the destination QEMU's pid."),
                 "prepareMs": _n("Between hosts: time to start the destination QEMU, ms."),
                 "resumeTs": _n("Between hosts: when the guest resumed at the destination "
@@ -89,6 +102,9 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                           "registered address."),
                 "channels": _i("Between hosts: connections the stream takes (QEMU's "
                                "multifd), as the destination prepared them."),
+                "nbd": _s("Between hosts, a VM of an imported disk image: where the "
+                          "destination serves its fresh thin disk over NBD "
+                          "(tcp:ADDR:PORT) for the source's mirror."),
                 "tls": _b("Between hosts: the stream is encrypted and both hosts proved who "
                           "they are with certificates of the cluster's move CA (false only "
                           "in the benchmark's before)."),
@@ -121,6 +137,9 @@ VM_SPEC = _obj("The VM as asked for: fusuma's VM spec, plus where it runs.", {
     "memoryMiB": _i("Guest RAM in MiB.", minimum=64, default=256),
     "image": _s("Guest image kind on the host (fusuma image list), e.g. minimal.",
                 default="minimal"),
+    "boot": _s("How a guest of an imported disk image boots: bios (SeaBIOS, the "
+               "default) or uefi (OVMF, with its own NVRAM variables).",
+               enum=["bios", "uefi"]),
     "accel": _s("Accelerator: auto (KVM where it works, else TCG), kvm or tcg.",
                 enum=["auto", "kvm", "tcg"], default="auto"),
     "sharedRam": _b("Guest RAM in a named shared file (needed for zero-copy moves).",

@@ -108,15 +108,27 @@ TLS_CHANNELS = 4
 # Fault injection (tests), read from the source agent's environment: seconds it waits
 # between the destination's prepare and the stream; and, as for a move inside a host,
 # the stream's rate in bytes/s (``FAULT_STREAM_BPS``: a stream slow enough to kill
-# something during it; the source QEMU keeps the limit for its later moves).
+# something during it; the source QEMU keeps the limit for its later moves); and the
+# bytes/s of a thin disk's mirror.
 FAULT_STREAM_DELAY = "FUSUMA_FAULT_HOST_MOVE_STREAM_DELAY"
+FAULT_MIRROR_SPEED = "FUSUMA_FAULT_HOST_MOVE_MIRROR_SPEED"
 # ... and from the destination agent's: seconds it waits after it recorded "forward",
 # before its QEMU runs the guest (a test kills it there).
 FAULT_DECIDED_DELAY = "FUSUMA_FAULT_HOST_MOVE_DECIDED_DELAY"
 
 
+class MoveRefused(MigrationError):
+    """The destination cannot take the VM (one sentence for the user); nothing was
+    made there."""
+
+
 class MoveAborted(MigrationError):
-    """The other side gave up, or the move was decided "back"."""
+    """The other side gave up, or the move was decided "back" (``reason``: the
+    sentence the move's record gives, if any)."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 # -- the move record in the cluster -----------------------------------------------------
@@ -201,7 +213,8 @@ def wait_move(a: AgentContext, v: VmView, move_id: str, until: Callable[[Obj], o
             return dict(move)
         if called_off(move):
             raise MoveAborted(f"the move of {v.name!r} was called off "
-                              f"({move.get('message') or 'decided back'})")
+                              f"({move.get('message') or 'decided back'})",
+                              move.get("message"))
         if peer and a.host_lost(peer):
             raise MoveAborted(f"host {peer}'s Lease expired during the move.")
         if time.monotonic() > deadline:
@@ -322,6 +335,11 @@ class HostMoveSource(_Side):
                 or not 1 <= channels <= MAX_CHANNELS:
             raise MigrationError(f"the destination of the move asks for {channels!r} "
                                  f"channels, not 1 to {MAX_CHANNELS}.")
+        nbd = ""
+        if self.c.db.vm(self.v.name).boot != "kernel":
+            # Its thin disk is mirrored to the destination's export, at the address
+            # that host registered, as the stream is.
+            nbd = stream_uri(self.a, self.dest, str(prep.get("nbd") or ""))
         if not plain:
             self.a.move_creds()
         delay = float(os.environ.get(FAULT_STREAM_DELAY) or 0)
@@ -331,8 +349,9 @@ class HostMoveSource(_Side):
         self.record(MovePhase.STREAMING)
         out = self.c.parts.client(self.partition).send(
             rpc.MigrateOut(self.v.name, uri, "copy", tls_peer=self.dest, plain_tcp=plain,
-                           channels=channels,
-                           max_bandwidth=int(os.environ.get(FAULT_STREAM_BPS) or 0)),
+                           channels=channels, nbd=nbd,
+                           max_bandwidth=int(os.environ.get(FAULT_STREAM_BPS) or 0),
+                           mirror_speed=int(os.environ.get(FAULT_MIRROR_SPEED) or 0)),
             timeout=STREAM_TIMEOUT_S + 60)
         jh.phase(MovePhase.STREAMED, bytes_sent=out.bytes_sent)
         self.record(MovePhase.STREAMED, {"bytesSent": out.bytes_sent, "paused": out.paused,
@@ -373,7 +392,7 @@ class HostMoveSource(_Side):
             if c.db.vm(v.name).state != VmState.CRASHED:
                 c.db.transition(v.name, VmState.CRASHED, pid=None, error=why)
             state = FAILED
-        msg = f"move to {self.dest} failed ({why}); the VM stays on {a.host}."
+        msg = f"move to {self.dest} failed ({why.rstrip('.')}); the VM stays on {a.host}."
         cur = fresh(a, v)
         last = {**(cur.move or {}), "result": "failed", "message": msg,
                 "finishedAt": now_iso(), "phase": RECORD_FAILED}
@@ -450,24 +469,37 @@ class HostMoveDest(_Side):
         jh.phase(MovePhase.PREPARE)
         # The record is the source host's word: checked against what fusuma makes
         # before anything is defined or started here.
+        record = dict(record)
+        thin = record.pop(boot.CARRIED_DISK, None)
         try:
             carried: dict[str, Any] = recorded.check_carried(record)
             nics = recorded.carried_nics(record)
-        except recorded.DeviceSetRefused as exc:
+            disk = None if thin is None else boot.check_carried(thin)
+        except (recorded.DeviceSetRefused, StateError) as exc:
             raise MigrationError(f"{exc}; nothing was started on host {a.host}") from exc
         if c.db.find_partition(part) is None:
             raise MigrationError(f"partition {part!r} does not exist on host {a.host}")
         fields = v.vm_spec_fields(part)
+        if disk is not None:
+            # A thin disk on this host's copy of its image (the same checksum), as large
+            # as at the source; its top layer is mirrored here before the stream.
+            try:
+                base = boot.base_for(c.db, disk, a.host)
+            except StateError as exc:
+                raise MoveRefused(str(exc)) from exc
+            fields.update(image=base.name, disk_size=str(disk.virtual_size))
         if nics or fields.get("nics"):
             # The same NICs (MAC, address) as at the source, on taps of this host's.
             fields["nics"] = [{"network": n, "mac": mac, "ip": ip}
                               for _, n, mac, ip in nics]
         a.owners.set("vms", v.name, Owner(v.uid, v.namespace, v.name))
         try:
-            c.vms.create(VmSpec.model_validate(fields))
+            rec = c.vms.create(VmSpec.model_validate(fields))
         except FusumaError:
             a.owners.remove("vms", v.name)
             raise
+        if disk is not None:
+            boot.adopt_carried(c.paths, rec, disk)
         if carried:
             c.db.set_vm(v.name, **carried)
         c.db.transition(v.name, VmState.STARTING, expect={VmState.STOPPED})
@@ -476,12 +508,13 @@ class HostMoveDest(_Side):
         if tls:
             a.move_creds()
         prep = c.parts.client(part).send(
-            rpc.RemoteIncoming(v.name, a.address, self.source, tls=tls, channels=channels),
+            rpc.RemoteIncoming(v.name, a.address, self.source, tls=tls, channels=channels,
+                               nbd=disk is not None),
             timeout=120)
         jh.phase(MovePhase.PREPARED, uri=prep.uri)
         self.record(MovePhase.PREPARED, {"uri": prep.uri, "destPid": prep.pid,
                                          "prepareMs": prep.prepare_ms, "tls": tls,
-                                         "channels": channels})
+                                         "channels": channels, "nbd": prep.nbd})
 
     def finish(self, jh: JobLock) -> None:
         """Wait until the incoming QEMU holds the whole stream; record "forward" (in the
@@ -556,9 +589,7 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
                "registered, live host (kubectl get fusumahosts).", state=v.state)
         return
     try:
-        # Its thin disk, NVRAM and seed stay with this host: refused, running or not
-        # (a stopped VM would otherwise be defined anew there, on an empty disk).
-        boot.check_host_move(local, dest)
+        boot.check_host_move(local, dest, running=state not in ("stopped", "crashed"))
     except StateError as exc:
         r.fail(v, "MoveFailed", str(exc), state=v.state)
         return
@@ -579,6 +610,14 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
         return       # this spec's move failed a moment ago: not again at once
     record: dict[str, Any] = {f: getattr(local, f) for f in CARRIED
                               if getattr(local, f, None) is not None}
+    if local.boot != "kernel":
+        # Its seed and what its thin disk is made on (the disk is mirrored with the
+        # move, its NVRAM travels in the stream).
+        try:
+            record[boot.CARRIED_DISK] = boot.carry(c.paths, c.db, local).as_record()
+        except FusumaError as exc:
+            r.fail(v, "MoveFailed", f"cannot move {v.name!r}: {exc}", state=v.state)
+            return
     nics = carried_nics(c, local.name)
     if nics:
         record[recorded.CARRIED_NICS] = nics
@@ -593,7 +632,7 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
             decision = src.outcome()
         except FusumaError as exc:
             LOG.warning("move of %s to %s: %s", v.name, dest, exc)
-            why = str(exc)
+            why = (exc.reason if isinstance(exc, MoveAborted) else None) or str(exc)
             decision = src.decide(Decision.BACK, f"host {a.host}: {exc}")
         if not src.confirm(decision, why):
             return
@@ -675,6 +714,10 @@ def _destination(a: AgentContext, v: VmView, m: Obj) -> None:
             if local is None:
                 dst.prepare(jh, m.get("record") or {})
             dst.finish(jh)
+        except MoveRefused as exc:
+            LOG.warning("incoming move of %s refused: %s", v.name, exc)
+            dst.refuse(str(exc))
+            return
         except FusumaError as exc:
             LOG.warning("incoming move of %s: %s", v.name, exc)
             if dst.decide(Decision.BACK, f"host {a.host}: {exc}") == Decision.FORWARD:

@@ -179,6 +179,8 @@ class VmView:
             "mergeable": bool(s.get("mergeable", False)),
             "qos": s.get("qos") or "burstable", "segments": list(s.get("segments") or []),
         }
+        if s.get("boot"):
+            fields["boot"] = s["boot"]
         if s.get("nics"):
             # NICs on the cluster's networks (FusumaNetwork), as `vm create --nic`.
             held = self.nic_ips if ips is None else ips

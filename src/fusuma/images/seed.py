@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from email.mime.multipart import MIMEMultipart
 from email.mime.text import MIMEText
 from pathlib import Path
+from typing import Any
 
 from fusuma.errors import HostError, ImageError, SpecError
 
@@ -122,14 +123,22 @@ def save_inputs(seed: Seed, path: Path) -> None:
 def load_inputs(path: Path) -> Seed:
     """What :func:`save_inputs` kept (a file of root's)."""
     try:
-        d = json.loads(path.read_text())
-        return Seed(instance_id=str(d["instance_id"]), hostname=str(d["hostname"]),
-                    ssh_keys=tuple(str(k) for k in d.get("ssh_keys") or ()),
-                    user_data=None if d.get("user_data") is None else str(d["user_data"]),
-                    macs=tuple(str(m) for m in d.get("macs") or ()),
-                    mtus=tuple((str(m), int(v)) for m, v in d.get("mtus") or ()))
+        return parse_inputs(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ImageError(f"cannot read the seed's inputs {path}: {exc}.") from exc
+
+
+def parse_inputs(d: Any) -> Seed:
+    """What :func:`save_inputs` writes, parsed (ValueError, KeyError or TypeError
+    when it is not)."""
+    if not isinstance(d, dict):
+        raise TypeError("not an object")
+    return Seed(instance_id=str(d["instance_id"]), hostname=str(d["hostname"]),
+                ssh_keys=tuple(str(k) for k in d.get("ssh_keys") or ()),
+                user_data=None if d.get("user_data") is None else str(d["user_data"]),
+                macs=tuple(str(m) for m in d.get("macs") or ()),
+                mtus=tuple((str(m), int(v)) for m, v in d.get("mtus") or ()))
+
 
 
 def write(seed: Seed, path: Path, size: int | None = None) -> None:

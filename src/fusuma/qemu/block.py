@@ -1,7 +1,10 @@
 """QEMU's block layer as snapshots and backups read it: ``query-block`` parsed into
 typed drives (their top node, format, size, internal snapshots and dirty bitmaps) and
 QEMU's jobs (``query-jobs``: a snapshot's save or load, a backup's copy) awaited to
-their end and dismissed.
+their end and dismissed; and a thin disk mirrored to another host's QEMU during a move
+(libvirt's way: the destination serves its fresh overlay over NBD, the source mirrors
+its top layer there with ``blockdev-mirror``, ``sync: top``, and ends the mirror once
+the guest is paused before the switch).
 
 Both answers come from a QEMU, which runs guest-driven code: each is checked against
 the shape QEMU documents (a list of objects, names that are strings, sizes and counts
@@ -13,6 +16,8 @@ too (:class:`JobFailed`), with QEMU's own words cut to one line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -263,3 +268,125 @@ async def wait(qmp: Qmp, ids: Collection[str], timeout: float, what: str, *,
             raise QemuError(f"VM {qmp.vm!r}: {what} did not end within {timeout:.0f} s.")
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.5)
+
+
+# -- a disk mirrored to another host's QEMU over NBD (a move between hosts) --------------
+#: The name of the export the destination serves the moving guest's disk under.
+EXPORT = "fusuma-disk"
+#: The source's mirror job and its NBD node.
+MIRROR_JOB = "fusuma-mirror"
+NBD_NODE = "fusuma-nbd"
+_LISTEN_FD = "fusuma-nbd-listen"
+
+
+async def serve(qmp: Qmp, listen: str, node: str, tls_creds: str | None = None,
+                tls_authz: str | None = None) -> int:
+    """Destination: serve ``node`` writable over NBD (export :data:`EXPORT`) on a new
+    port of address ``listen`` (the kernel picks it; returned), under TLS when given
+    ``tls_creds`` (letting in only ``tls_authz``'s identity). QEMU activates the node
+    for the export, as libvirt's incoming mirror relies on."""
+    host = listen.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        s.listen(8)
+        port = int(s.getsockname()[1])
+        await qmp.get_fd(s.fileno(), _LISTEN_FD)
+    args: dict[str, Any] = {"addr": {"type": "fd", "data": {"str": _LISTEN_FD}},
+                            "max-connections": 1}
+    if tls_creds is not None:
+        args["tls-creds"] = tls_creds
+        if tls_authz is not None:
+            args["tls-authz"] = tls_authz
+    await qmp.execute("nbd-server-start", args)
+    try:
+        await qmp.execute("block-export-add", {"type": "nbd", "id": EXPORT,
+                                               "node-name": node, "name": EXPORT,
+                                               "writable": True})
+    except QemuError:
+        with contextlib.suppress(QemuError):
+            await qmp.execute("nbd-server-stop")
+        raise
+    return port
+
+
+async def stop_serving(qmp: Qmp) -> None:
+    """Destination, before its guest runs: no one writes its disk from outside any
+    more (the export is removed, the server stopped). Best effort on a QEMU that no
+    longer has them."""
+    with contextlib.suppress(QemuError):
+        await qmp.execute("block-export-del", {"id": EXPORT, "mode": "hard"})
+    with contextlib.suppress(QemuError):
+        await qmp.execute("nbd-server-stop")
+
+
+async def mirror_start(qmp: Qmp, node: str, host: str, port: int,
+                       tls_creds: str | None = None, tls_hostname: str | None = None,
+                       speed: int = 0) -> None:
+    """Source: mirror ``node``'s top layer (``sync: top``: the destination has the
+    same base) to the destination's export at ``host``:``port``, under TLS to
+    ``tls_hostname`` when given ``tls_creds``; ``speed`` bytes/s at most (0: no
+    limit; fault injection in tests). What an earlier move left in this QEMU (its
+    supervisor killed mid-mirror) is cleared first."""
+    await mirror_abort(qmp)
+    nbd: dict[str, Any] = {"driver": "nbd", "node-name": NBD_NODE, "export": EXPORT,
+                           "server": {"type": "inet", "host": host.strip("[]"),
+                                      "port": str(port)}}
+    if tls_creds is not None:
+        nbd["tls-creds"] = tls_creds
+        if tls_hostname:
+            nbd["tls-hostname"] = tls_hostname
+    await qmp.execute("blockdev-add", nbd)
+    args: dict[str, Any] = {"job-id": MIRROR_JOB, "device": node, "target": NBD_NODE,
+                            "sync": "top", "auto-dismiss": False}
+    if speed > 0:
+        args["speed"] = speed
+    try:
+        await qmp.execute("blockdev-mirror", args)
+    except QemuError:
+        with contextlib.suppress(QemuError):
+            await qmp.execute("blockdev-del", {"node-name": NBD_NODE})
+        raise
+
+
+async def mirror_ready(qmp: Qmp, timeout: float) -> None:
+    """Wait until the mirror job copied the whole top layer (QEMU says "ready": from
+    then on it copies each guest write as it comes); :class:`JobFailed` if it ended
+    with an error (the destination went away), QemuError if not in ``timeout``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    delay = 0.05
+    while True:
+        job = (await jobs(qmp)).get(MIRROR_JOB)
+        if job is None:
+            raise QemuError(f"VM {qmp.vm!r}: QEMU lost the mirror of its disk.")
+        if job.status == "ready":
+            return
+        if job.status in ("concluded", "aborting", "null"):
+            await wait(qmp, [MIRROR_JOB], timeout, "the mirror of its disk")
+            raise QemuError(f"VM {qmp.vm!r}: the mirror of its disk ended early.")
+        if loop.time() > deadline:
+            raise QemuError(f"VM {qmp.vm!r}: the mirror of its disk was not ready within "
+                            f"{timeout:.0f} s.")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+async def mirror_finish(qmp: Qmp, timeout: float) -> None:
+    """Source, its guest paused: end the ready mirror with the destination's disk the
+    same as this one (a ``block-job-cancel`` of a ready mirror copies what is left and
+    ends without switching this QEMU to the copy), then drop the NBD node."""
+    await qmp.execute("block-job-cancel", {"device": MIRROR_JOB})
+    await wait(qmp, [MIRROR_JOB], timeout, "the mirror of its disk")
+    await qmp.execute("blockdev-del", {"node-name": NBD_NODE})
+
+
+async def mirror_abort(qmp: Qmp) -> None:
+    """Source, the move going back: end the mirror at once (what the destination got
+    is thrown away with it) and drop the NBD node; best effort."""
+    with contextlib.suppress(QemuError):
+        await qmp.execute("block-job-cancel", {"device": MIRROR_JOB, "force": True})
+    with contextlib.suppress(QemuError):
+        await wait(qmp, [MIRROR_JOB], 30.0, "the mirror of its disk", missing_ok=True)
+    with contextlib.suppress(QemuError):
+        await qmp.execute("blockdev-del", {"node-name": NBD_NODE})

@@ -28,7 +28,7 @@ import os
 import subprocess
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -389,9 +389,11 @@ class QemuInstance:
         await self.kill()
         return False
 
-    async def wait_migration(self, timeout: float) -> MigrationInfo:
-        """Poll ``query-migrate`` until this QEMU's migration ends (cancelled after
-        ``timeout``, refused once the process has exited)."""
+    async def wait_migration(self, timeout: float,
+                             until: Collection[str] = ()) -> MigrationInfo:
+        """Poll ``query-migrate`` until this QEMU's migration ends, or reaches a status
+        of ``until`` (cancelled after ``timeout``, refused once the process has
+        exited)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         delay = 0.001
@@ -400,7 +402,7 @@ class QemuInstance:
                 raise MigrationError(f"the source QEMU of {self.vm!r} exited during "
                                      "migration.")
             info = await self.qmp.query_migrate()
-            if info.status in ("completed", "failed", "cancelled"):
+            if info.status in ("completed", "failed", "cancelled") or info.status in until:
                 return info
             if loop.time() > deadline:
                 with contextlib.suppress(QemuError):

@@ -184,6 +184,12 @@ class Qmp:
         reply = await self.execute("add-fd", {"opaque": opaque})
         return int(reply["fdset-id"])
 
+    async def get_fd(self, fd: int, name: str) -> None:
+        """Pass descriptor ``fd`` to QEMU (SCM_RIGHTS) under ``name`` (``getfd``: what
+        a socket address of type fd names). ``fd`` stays open here: close it after."""
+        self._client.send_fd_scm(fd)
+        await self.execute("getfd", {"fdname": name})
+
     async def cont(self) -> None:
         await self.execute("cont")
 

@@ -149,7 +149,8 @@ class Supervisor:
                   lambda r: dest.prepare(h, r.vm, r.mode, r.fault_decide_delay)),
             route(rpc.MigrateOut, locked(lambda r: source.perform(
                 h, r.vm, r.uri, r.mode, max_bandwidth=r.max_bandwidth, tls_peer=r.tls_peer,
-                plain_tcp=r.plain_tcp, channels=r.channels))),
+                plain_tcp=r.plain_tcp, channels=r.channels, nbd=r.nbd,
+                mirror_speed=r.mirror_speed))),
             route(rpc.CprPrepare, lambda r: cpr.prepare(h, r.vm, r.fault_decide_delay)),
             route(rpc.CprTransfer, locked(lambda r: cpr.transfer(
                 h, r.vm, fault_incoming_delay=r.fault_incoming_delay))),
@@ -162,7 +163,7 @@ class Supervisor:
             route(rpc.ListInstances, self.instances),
             route(rpc.RemoteIncoming,
                   lambda r: remote.remote_incoming(h, r.vm, r.listen, r.peer, r.tls,
-                                                   r.channels)),
+                                                   r.channels, r.nbd)),
             route(rpc.RemoteIncomingWait,
                   lambda r: remote.remote_incoming_wait(h, r.vm, r.timeout)),
         ]

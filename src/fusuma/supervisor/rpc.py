@@ -188,6 +188,9 @@ class Prepared:
     dest_ram: str | None = None
     binary: str | None = None
     version: str | None = None
+    # A move from another host of a VM with a thin disk: where its disk is served
+    # (tcp:ADDRESS:PORT, NBD) for the source's mirror.
+    nbd: str | None = None
 
 
 @dataclass(frozen=True)
@@ -402,6 +405,11 @@ class MigrateOut(Request[Streamed]):
     tls_peer: str = ""
     plain_tcp: bool = False
     channels: int = 1          # multifd connections (as the destination prepared)
+    # A VM with a thin disk, to another host: the destination's NBD export
+    # (tcp:ADDRESS:PORT) its top layer is mirrored to before the stream; the mirror's
+    # bytes/s at most (0: no limit; fault injection in tests).
+    nbd: str = ""
+    mirror_speed: int = 0
 
 
 @dataclass(frozen=True)
@@ -482,6 +490,7 @@ class RemoteIncoming(Request[Prepared]):
     peer: str
     tls: bool = True
     channels: int = 1
+    nbd: bool = False          # serve the VM's thin disk for the source's mirror
 
 
 @dataclass(frozen=True)

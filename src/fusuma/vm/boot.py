@@ -4,12 +4,18 @@ for UEFI (a copy of OVMF's variables template) and its cloud-init seed."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import os
+import re
 import shutil
 import uuid
+import zlib
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from fusuma.errors import HostError, NotFoundError, SpecError, StateError
 from fusuma.images import seed, store
@@ -146,11 +152,116 @@ def prepare_clone(paths: Paths, rec: VmRecord, template_dir: Path,
         raise
 
 
-def check_host_move(rec: VmRecord, host: str) -> None:
-    """Refuse a move to another host of a VM that boots by firmware: its thin disk,
-    NVRAM and seed are files of this host, and that host has not its image. (Moves on
-    one host keep them: every kind of move's destination opens the same files.)"""
-    if rec.boot != "kernel":
-        raise StateError(f"VM {rec.name!r} boots by firmware from a thin disk on image "
-                         f"{rec.image!r} of this host, which host {host!r} does not "
+def check_host_move(rec: VmRecord, host: str, running: bool) -> None:
+    """Refuse the moves to another host that a VM booting by firmware cannot make: a
+    stopped one (its thin disk would be defined anew there, empty: it moves while it
+    runs, its disk mirrored with it) and a clone of a template (its disk is a layer on
+    the template's, which is a file of this host only)."""
+    if rec.boot == "kernel":
+        return
+    if rec.template is not None:
+        raise StateError(f"VM {rec.name!r} is a clone of template {rec.template!r}, whose "
+                         f"disk layer is a file of this host that host {host!r} does not "
                          "have: it moves between partitions of this host only.")
+    if not running:
+        raise StateError(f"VM {rec.name!r} boots by firmware from a thin disk of this "
+                         f"host: start it, then move it to host {host!r} (its disk is "
+                         "mirrored there as it runs).")
+
+
+# A move between hosts carries a firmware VM's files under this key of its record
+# (fusuma.cluster.hostmove): what its thin disk is an overlay of, how large it is, and
+# its seed byte for byte (the disk the guest read cloud-init's data from). Its NVRAM
+# travels in the migration stream itself: QEMU keeps a pflash device's whole content
+# in a RAM block, and the destination writes that back to its file when the guest
+# runs there (pflash_cfi01's post-load handler).
+CARRIED_DISK = "thinDisk"
+# The seed as carried (zlib, base64): an ISO of mostly zeros, a few KiB this way.
+MAX_CARRIED_SEED = 512 * 2**10
+MAX_SEED = 64 * 2**20
+SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")
+
+
+@dataclass(frozen=True)
+class CarriedDisk:
+    """A firmware VM's files as a move between hosts carries them, checked."""
+
+    image: str            # the base image's name on the source host (for sentences)
+    sha256: str           # and its checksum: the destination's base must have it
+    virtual_size: int     # the thin disk's size in bytes
+    seed_iso: bytes       # the seed disk, byte for byte
+    seed_inputs: seed.Seed
+
+    def as_record(self) -> dict[str, Any]:
+        return {"image": self.image, "sha256": self.sha256,
+                "virtualSize": self.virtual_size,
+                "seed": base64.b64encode(zlib.compress(self.seed_iso, 9)).decode(),
+                "seedInputs": asdict(self.seed_inputs)}
+
+
+def carry(paths: Paths, db: Database, rec: VmRecord) -> CarriedDisk:
+    """What a move of firmware VM ``rec`` to another host carries of its files."""
+    base = db.imported(str(rec.image))
+    return CarriedDisk(image=base.name, sha256=base.sha256,
+                       virtual_size=store.probe(disk_path(paths, rec.name),
+                                                "qcow2").virtual_size,
+                       seed_iso=seed_path(paths, rec.name).read_bytes(),
+                       seed_inputs=seed.load_inputs(paths.vm_dir(rec.name) / SEED_INPUTS))
+
+
+def check_carried(d: object) -> CarriedDisk:
+    """A move record's ``CARRIED_DISK``, checked (the source host's word); one
+    sentence otherwise."""
+    def refuse(what: str) -> StateError:
+        return StateError(f"the move's record carries a thin disk with {what}")
+
+    if not isinstance(d, dict):
+        raise refuse("no fields")
+    image, sha, size, text = (d.get(k) for k in ("image", "sha256", "virtualSize", "seed"))
+    if not isinstance(image, str) or not 0 < len(image) <= 64:
+        raise refuse("no image name")
+    if not isinstance(sha, str) or not SHA256_RE.match(sha):
+        raise refuse("no sha256 checksum")
+    if type(size) is not int or not 0 < size <= 2**50:
+        raise refuse("no size")
+    if not isinstance(text, str) or len(text) > MAX_CARRIED_SEED:
+        raise refuse("no seed, or one too large")
+    try:
+        z = zlib.decompressobj()
+        raw = z.decompress(base64.b64decode(text, validate=True), MAX_SEED)
+        if z.unconsumed_tail or not z.eof:
+            raise ValueError("too large")
+        inputs = seed.parse_inputs(d.get("seedInputs"))
+    except (ValueError, TypeError, KeyError, zlib.error, binascii.Error) as exc:
+        raise refuse(f"a malformed seed ({exc})") from exc
+    return CarriedDisk(image, sha, size, raw, inputs)
+
+
+def base_for(db: Database, carried: CarriedDisk, host: str) -> ImageRecord:
+    """This host's image that a moving VM's thin disk goes on: the one with the same
+    checksum (of the same name, if several); one sentence if there is none."""
+    same = [i for i in db.images() if i.sha256 == carried.sha256]
+    if not same:
+        raise StateError(f"host {host} has no image with checksum sha256:"
+                         f"{carried.sha256} (image {carried.image!r} of the VM's host); "
+                         "import the same image there first.")
+    return next((i for i in same if i.name == carried.image), same[0])
+
+
+def adopt_carried(paths: Paths, rec: VmRecord, carried: CarriedDisk) -> None:
+    """After :func:`prepare` made a moving VM's files here (its thin disk as large as
+    at its source, checked): the seed the guest read there (the same bytes, the same inputs)."""
+    size = store.probe(disk_path(paths, rec.name), "qcow2").virtual_size
+    if size != carried.virtual_size:
+        raise StateError(f"VM {rec.name!r}'s thin disk here has {size} bytes, at its "
+                         f"source {carried.virtual_size}.")
+    path = seed_path(paths, rec.name)
+    tmp = path.with_name(f".{path.name}.in")
+    try:
+        tmp.write_bytes(carried.seed_iso)
+        os.chmod(tmp, 0o400)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    seed.save_inputs(carried.seed_inputs, paths.vm_dir(rec.name) / SEED_INPUTS)

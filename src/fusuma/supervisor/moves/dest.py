@@ -33,7 +33,7 @@ from fusuma.errors import FusumaError, MigrationError, NotFoundError, QemuError,
 from fusuma.host.accel import probe_accel
 from fusuma.network import queues
 from fusuma.network.ifnames import tap_name
-from fusuma.qemu import privilege, tlscreds
+from fusuma.qemu import block, privilege, tlscreds
 from fusuma.qemu.cmdline import NET_ID, hostfwd
 from fusuma.qemu.instance import INCOMING_PREFIX, QemuInstance, Role
 from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_RESUME, event_time
@@ -64,6 +64,8 @@ class MoveIn:
     cpr_socket: Path | None = None
     # A move from another host: the TLS objects of its stream, dropped at the commit.
     tls: tlscreds.MoveTls | None = None
+    # ... and its thin disk served over NBD for the source's mirror, until the commit.
+    nbd: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     # The taps' handover at the decision, worked out before the pause (NICs only).
     handover: queues.Switch | None = None
@@ -194,6 +196,9 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
     steps["decided"] = time.time()
     status = "paused" if paused else await inst.qmp.query_status()
     resume_ts = time.time()
+    if move.nbd:
+        # Before the guest runs here: its disk is no one else's to write any more.
+        await block.stop_serving(inst.qmp)
     if status != "running":
         if move.nics:
             try:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from fusuma.errors import MigrationError, NotFoundError, StateError
 from fusuma.host.accel import probe_accel
-from fusuma.qemu import privilege, tlscreds
+from fusuma.qemu import block, privilege, tlscreds
+from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import Role
 from fusuma.qemu.qmp import EVENT_MIGRATION
 from fusuma.state import JobKind, vm_obj
@@ -40,10 +41,12 @@ from fusuma.undo import Reverter
 
 
 async def remote_incoming(h: PartitionHost, vm: str, listen: str, peer: str,
-                          tls: bool = True, channels: int = 1) -> rpc.Prepared:
+                          tls: bool = True, channels: int = 1,
+                          nbd: bool = False) -> rpc.Prepared:
     """Start a QEMU for ``vm`` waiting for a stream on ``tcp:LISTEN:<port>`` from host
     ``peer``, under TLS (``tls`` False: in the clear, for the benchmark's before), over
-    ``channels`` connections."""
+    ``channels`` connections; with ``nbd``, serving its thin disk (under the same TLS)
+    on another port of ``listen`` for the source's mirror (``block.serve``)."""
     rec = h.db.vm(vm)
     if rec.partition != h.partition:
         raise StateError(f"VM {vm!r} is defined in partition {rec.partition!r}, not "
@@ -75,6 +78,13 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str, peer: str,
         if creds is not None:
             move_tls = await tlscreds.arm(inst.qmp, run, privilege.uid_for(h.paths, rec),
                                           creds, tlscreds.SERVER, peer)
+        nbd_uri = None
+        if nbd:
+            node = (await block.drives(inst.qmp))[BOOT_DRIVE].node
+            nbd_port = await block.serve(
+                inst.qmp, listen, node, move_tls.creds_id if move_tls else None,
+                move_tls.authz_id if move_tls else None)
+            nbd_uri = f"tcp:{listen}:{nbd_port}"
         listener = inst.qmp.listener(EVENT_MIGRATION)
         await inst.qmp.migrate_incoming(f"tcp:{listen}:0")
         info = await inst.qmp.execute("query-migrate")
@@ -84,11 +94,11 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str, peer: str,
             raise MigrationError(f"the incoming QEMU of {vm!r} did not say which port it "
                                  f"listens on ({info}).")
         rev.commit()
-    inst.move = MoveIn(listener, "copy", "remote", tls=move_tls)
+    inst.move = MoveIn(listener, "copy", "remote", tls=move_tls, nbd=nbd)
     uri = f"tcp:{listen}:{port}"
     h.log.info("waiting for %s from another host on %s", vm, uri)
     return rpc.Prepared(uri=uri, pid=inst.pid, run_dir=str(run),
-                        prepare_ms=round((time.monotonic() - t0) * 1000, 2))
+                        prepare_ms=round((time.monotonic() - t0) * 1000, 2), nbd=nbd_uri)
 
 
 async def remote_incoming_wait(h: PartitionHost, vm: str, timeout: float = 2.0

@@ -18,7 +18,8 @@ from typing import Any
 from qemu.qmp import EventListener
 
 from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
-from fusuma.qemu import privilege, tlscreds
+from fusuma.qemu import block, privilege, tlscreds
+from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import QemuInstance, Role
 from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_STOP, MigrationInfo, Qmp, event_time
 from fusuma.state import Decision, VmState, vm_obj
@@ -37,12 +38,14 @@ TCG_DIRTY_FIX = (9, 0)
 MAX_CHANNELS = 8
 
 
-def capabilities(mode: str, channels: int = 1) -> dict[str, bool]:
+def capabilities(mode: str, channels: int = 1, mirror: bool = False) -> dict[str, bool]:
     """A move's migration capabilities (every one named, so that a QEMU's earlier move
     leaves nothing behind): RAM out of the stream for zero-copy; ``channels`` > 1
-    sends it over that many connections (multifd)."""
+    sends it over that many connections (multifd); with a disk ``mirror`` the stream
+    stops before the switch (``pause-before-switchover``), its guest paused and its
+    disks still active, so that the mirror ends there, as libvirt's does."""
     return {"x-ignore-shared": mode == "zero-copy", "events": True,
-            "multifd": channels > 1}
+            "multifd": channels > 1, "pause-before-switchover": mirror}
 
 
 # A stream over several channels (only moves between hosts, under TLS) is compressed:
@@ -69,12 +72,15 @@ async def set_channels(qmp: Qmp, channels: int) -> None:
 
 async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
                   timeout: float = 600.0, max_bandwidth: int = 0, tls_peer: str = "",
-                  plain_tcp: bool = False, channels: int = 1) -> rpc.Streamed:
+                  plain_tcp: bool = False, channels: int = 1, nbd: str = "",
+                  mirror_speed: int = 0) -> rpc.Streamed:
     """Stream ``vm`` to ``uri``. To another host (a ``tcp:`` URI) the stream goes under
     TLS to host ``tls_peer`` (``fusuma.qemu.tlscreds``): its certificate must name that
     host, this host's certificate proves who sends; ``plain_tcp`` sends it in the clear
     (the benchmark's before, never the agents' default); over ``channels`` connections
-    (as many as the destination prepared)."""
+    (as many as the destination prepared). With ``nbd`` (the destination's export,
+    tcp:ADDRESS:PORT) the thin disk's top layer is mirrored there first, under the
+    same TLS, and the mirror ends once the guest is paused, before the switch."""
     inst = h.instances.get(vm)
     rec = h.db.vm(vm)
     if inst is None:
@@ -89,11 +95,15 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
             raise StateError(f"the stream of {vm!r} to {uri} leaves this host: it must be "
                              "encrypted to a named destination host.")
         creds = tlscreds.require(h.paths)
+    if nbd and (not uri.startswith("tcp:") or rec.boot == "kernel"):
+        raise StateError(f"only a VM with a thin disk moving to another host has its "
+                         f"disk mirrored, not {vm!r}.")
     listener = inst.qmp.listener(EVENT_STOP, EVENT_MIGRATION)
     paused = False
     move_tls = None
+    mirroring = False
     try:
-        await inst.qmp.migrate_set_capabilities(capabilities(mode, channels))
+        await inst.qmp.migrate_set_capabilities(capabilities(mode, channels, bool(nbd)))
         await set_channels(inst.qmp, channels)
         if creds is not None:
             move_tls = await tlscreds.arm(inst.qmp, inst.run_dir,
@@ -104,10 +114,23 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
                                    {"max-bandwidth": max_bandwidth})
         if mode == "copy" and await _tcg_dirty_bug(inst, rec.accel_used):
             paused = True
+        if nbd:
+            where, _, port = nbd.removeprefix("tcp:").rpartition(":")
+            node = (await block.drives(inst.qmp))[BOOT_DRIVE].node
+            mirroring = True
+            await block.mirror_start(inst.qmp, node, where, int(port),
+                                     move_tls.creds_id if move_tls else None,
+                                     tls_peer or None, mirror_speed)
+            await block.mirror_ready(inst.qmp, timeout)
         t0 = time.time()
         if paused:
             await inst.qmp.stop()
         await inst.qmp.migrate(uri)
+        if nbd:
+            await _until_switchover(inst, timeout)
+            await block.mirror_finish(inst.qmp, timeout)
+            mirroring = False
+            await inst.qmp.execute("migrate-continue", {"state": "pre-switchover"})
         end = await stream_end(inst, listener, timeout)
         if end.status == "completed" and uri.startswith("unix:"):
             await outcome_or(h, vm, DECIDED_WAIT_S)
@@ -120,6 +143,10 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
         stop_ts, completed_ts = end.stop_ts, end.completed_ts
     finally:
         inst.qmp.drop_listener(listener)
+        if mirroring:     # the stream, if begun, cannot switch without the disk
+            with contextlib.suppress(QemuError):
+                await inst.qmp.migrate_cancel()
+            await block.mirror_abort(inst.qmp)
         if move_tls is not None:
             await tlscreds.drop(inst.qmp, move_tls)
     # The stream is complete; this QEMU is paused ("postmigrate"). It is the leaving
@@ -139,6 +166,15 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
     return rpc.Streamed(t0=t0, stop_ts=stop_ts, qemu_total_ms=info.total_ms,
                         qemu_downtime_ms=info.downtime_ms, bytes_sent=info.transferred,
                         source_pid=inst.pid, paused=paused, completed_ts=completed_ts)
+
+
+async def _until_switchover(inst: QemuInstance, timeout: float) -> None:
+    """Wait until the stream stopped before the switch (``pre-switchover``: the guest
+    paused, its disks still this QEMU's); MigrationError if it ended otherwise."""
+    info = await inst.wait_migration(timeout, until=("pre-switchover",))
+    if info.status != "pre-switchover":
+        raise MigrationError(f"migration of {inst.vm!r} failed "
+                             f"({info.error or info.status}).")
 
 
 @dataclass(frozen=True)
