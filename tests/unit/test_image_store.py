@@ -299,6 +299,11 @@ def test_host_moves_of_a_stopped_firmware_vm_or_a_clone_are_refused() -> None:
     with pytest.raises(StateError, match="clone of template 't', whose disk layer is a "
                        "file of this host"):
         boot.check_host_move(clone, "h2", running=True)
+    # Snapshots are files of this host the move does not carry: refused, any boot.
+    for rec in (kernel, fw):
+        with pytest.raises(StateError, match=r"has snapshots \(before-upgrade\), which a "
+                           "move to host 'h2' would not carry"):
+            boot.check_host_move(rec, "h2", running=True, snapshots=["before-upgrade"])
 
 
 UEFI = Uefi(Path("/usr/share/OVMF/OVMF_CODE_4M.fd"), Path("/h/vms/vm0/nvram.fd"),

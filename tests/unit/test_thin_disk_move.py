@@ -183,3 +183,26 @@ def test_a_mirror_whose_destination_went_away_fails_in_one_sentence() -> None:
     asyncio.run(block.mirror_abort(qmp))  # type: ignore[arg-type]
     assert ("block-job-cancel", {"device": block.MIRROR_JOB, "force": True}) in qmp.asked
     assert qmp.asked[-1] == ("blockdev-del", {"node-name": block.NBD_NODE})
+
+
+def test_a_disk_is_never_served_for_a_mirror_in_the_clear() -> None:
+    """The destination's NBD export takes writes to the guest's disk: only under TLS to
+    the source host's certificate, so a move in the clear (the benchmark's before) that
+    asks for a mirror is refused before anything starts."""
+    import asyncio
+
+    from fusuma.errors import StateError
+    from fusuma.state import JobKind
+    from fusuma.supervisor.moves.remote import remote_incoming
+
+    rec = type("Rec", (), {"partition": "p0"})()
+    job = type("Job", (), {"kind": JobKind.HOST_MOVE_IN})()
+    launched: list[str] = []
+    h: Any = type("Host", (), {
+        "partition": "p0",
+        "db": type("Db", (), {"vm": lambda self, n: rec, "find_job": lambda self, o: job})(),
+        "instances": type("I", (), {"get": lambda self, *a: None})(),
+        "launch": lambda self, *a, **k: launched.append("launch")})()
+    with pytest.raises(StateError, match="only under TLS"):
+        asyncio.run(remote_incoming(h, "vm0", "10.0.0.2", "h0", tls=False, nbd=True))
+    assert launched == []

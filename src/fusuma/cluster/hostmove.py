@@ -589,7 +589,9 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
                "registered, live host (kubectl get fusumahosts).", state=v.state)
         return
     try:
-        boot.check_host_move(local, dest, running=state not in ("stopped", "crashed"))
+        boot.check_host_move(local, dest, running=state not in ("stopped", "crashed"),
+                             snapshots=[s.name for s in c.db.snapshots(local.name,
+                                                                       every=True)])
     except StateError as exc:
         r.fail(v, "MoveFailed", str(exc), state=v.state)
         return

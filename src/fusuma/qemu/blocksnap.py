@@ -26,7 +26,7 @@ from fusuma.qemu.qmp import Qmp
 JOB_ID = "fusuma-snapshot"
 #: Capabilities that change what a snapshot's stream holds: off while one is written
 #: or read.
-STREAM_CAPS = ("x-ignore-shared", "multifd", "mapped-ram")
+STREAM_CAPS = ("x-ignore-shared", "multifd", "mapped-ram", "pause-before-switchover")
 SNAPSHOT_QEMU = (6, 0)
 
 

@@ -145,6 +145,16 @@ class Qmp:
             raise QemuError(f"VM {self.vm}: no {'/'.join(listener.names or [])} event "
                             f"within {timeout:.0f} s.") from exc
 
+    async def set_stream_capabilities(self, *, ignore_shared: bool, multifd: bool = False,
+                                      pause_before_switchover: bool = False) -> None:
+        """Every capability a stream of fusuma's may turn on, each named, so that what an
+        earlier stream of this QEMU set (a mirrored move's pause before the switch, a
+        move's channels) is never left behind for the next (a template's save, an
+        in-place move)."""
+        await self.migrate_set_capabilities({
+            "x-ignore-shared": ignore_shared, "events": True, "multifd": multifd,
+            "pause-before-switchover": pause_before_switchover})
+
     async def migrate_set_capabilities(self, caps: dict[str, bool]) -> None:
         await self.execute("migrate-set-capabilities", {"capabilities": [
             {"capability": k, "state": v} for k, v in caps.items()]})

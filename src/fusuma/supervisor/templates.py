@@ -120,7 +120,7 @@ async def _save(h: PartitionHost, rec: VmRecord, inst: QemuInstance, name: str,
         stopped = True
         _fault(fault, "stop")
         h.phase(vm, "save")
-        await inst.qmp.migrate_set_capabilities({"x-ignore-shared": True, "events": True})
+        await inst.qmp.set_stream_capabilities(ignore_shared=True)
         await inst.qmp.migrate(f"file:{out}")
         info = await inst.wait_migration(SAVE_TIMEOUT_S)
         if info.status != "completed":
@@ -302,7 +302,9 @@ async def _finish(h: PartitionHost, vm: str, t: TemplateRecord, ram_src: Path,
         h.db.transition(vm, VmState.STOPPING, ram_path=None)
     elif rec is not None and rec.ram_path:
         h.db.set_vm(vm, ram_path=None)
-    _take_ram(h, t, ram_src)
+    # In a thread: the zero-page scan reads the whole RAM file (a second or more for
+    # GiBs), which would stall this supervisor's other VMs' requests and moves.
+    await asyncio.to_thread(_take_ram, h, t, ram_src)
     h.phase(vm, "quit")
     if inst is not None:
         await inst.stop(10.0)
@@ -404,7 +406,7 @@ async def restore(h: PartitionHost, vm: VmRecord, inst: QemuInstance,
     t0 = time.monotonic()
     listener = inst.qmp.listener(EVENT_MIGRATION)
     try:
-        await inst.qmp.migrate_set_capabilities({"x-ignore-shared": True, "events": True})
+        await inst.qmp.set_stream_capabilities(ignore_shared=True)
         await inst.qmp.migrate_incoming(f"file:/dev/fdset/{TEMPLATE_STATE_FDSET}")
         deadline = time.monotonic() + timeout
         while True:

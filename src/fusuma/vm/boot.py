@@ -152,11 +152,18 @@ def prepare_clone(paths: Paths, rec: VmRecord, template_dir: Path,
         raise
 
 
-def check_host_move(rec: VmRecord, host: str, running: bool) -> None:
-    """Refuse the moves to another host that a VM booting by firmware cannot make: a
-    stopped one (its thin disk would be defined anew there, empty: it moves while it
-    runs, its disk mirrored with it) and a clone of a template (its disk is a layer on
-    the template's, which is a file of this host only)."""
+def check_host_move(rec: VmRecord, host: str, running: bool,
+                    snapshots: Sequence[str] = ()) -> None:
+    """Refuse the moves to another host that a VM cannot make: one with ``snapshots``
+    (they are this host's files and internal snapshots of its disk, which a move does
+    not carry, and the move removes the VM here), and, booting by firmware, a stopped
+    one (its thin disk would be defined anew there, empty: it moves while it runs, its
+    disk mirrored with it) and a clone of a template (its disk is a layer on the
+    template's, which is a file of this host only)."""
+    if snapshots:
+        raise StateError(f"VM {rec.name!r} has snapshots ({', '.join(snapshots)}), which "
+                         f"a move to host {host!r} would not carry: delete them (`fusuma "
+                         "vm snapshot delete`) or keep it on this host.")
     if rec.boot == "kernel":
         return
     if rec.template is not None:

@@ -76,7 +76,9 @@ CPR_SOCKET = "cpr.sock"
 MAIN_SOCKET = "migrate.sock"
 # Both sides of a migration must agree on x-ignore-shared (QEMU checks the source's
 # capabilities on load); in cpr-transfer mode every RAM block is skipped anyway.
-CAPABILITIES = {"x-ignore-shared": True, "events": True}
+# (Every stream capability is named: ``Qmp.set_stream_capabilities``.)
+CAPABILITIES = {"x-ignore-shared": True, "events": True, "multifd": False,
+                "pause-before-switchover": False}
 # How long the new QEMU may take to open its monitor once it has its descriptors.
 CONNECT_TIMEOUT_S = 30.0
 

@@ -56,6 +56,10 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str, peer: str,
     job = h.db.find_job(vm_obj(vm))
     if job is None or job.kind != JobKind.HOST_MOVE_IN:
         raise StateError(f"no move of {vm!r} from another host is under way.")
+    if nbd and not tls:
+        raise StateError(f"the disk of {vm!r} is served for its mirror only under TLS, to "
+                         "the source host's certificate: a move in the clear cannot "
+                         "mirror it.")
     creds = tlscreds.require(h.paths) if tls else None
     if tls and not peer:
         raise StateError(f"a move of {vm!r} from another host must name that host.")
