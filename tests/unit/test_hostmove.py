@@ -99,6 +99,9 @@ class FakeDb:
     def find_vm(self, name: str) -> Any:
         return self.vms.get(name)
 
+    def snapshots(self, vm: str, every: bool = False) -> list[Any]:
+        return []
+
     def nics(self, vm: str) -> list[Any]:
         return []
 

@@ -258,3 +258,112 @@ def test_a_stream_that_ends_after_back_was_decided_runs_the_guest_on_here() -> N
     got, commands, became = perform_with(None, None)
     assert isinstance(got, rpc.Streamed) and "cont" not in commands
     assert became == ["leaving"]
+
+
+class ResumeQmp:
+    """A source QEMU for ``resume``: its migration status steps through ``statuses``
+    (the last one repeated); it refuses `cont` while a stream is before its end."""
+
+    def __init__(self, statuses: list[str], runstate: str) -> None:
+        self.statuses, self.runstate = statuses, runstate
+        self.commands: list[str] = []
+
+    async def query_migrate(self) -> MigrationInfo:
+        status = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+        return MigrationInfo(status=status)
+
+    async def migrate_cancel(self) -> None:
+        self.commands.append("migrate_cancel")
+
+    async def query_status(self) -> str:
+        return self.runstate
+
+    async def cont(self) -> None:
+        from fusuma.supervisor.moves.source import STREAMING
+        if self.statuses[0] in STREAMING:
+            raise AssertionError("QEMU refuses cont: migration is not finalized yet")
+        self.commands.append("cont")
+
+
+def resume_with(qmp: ResumeQmp, streaming: bool) -> Any:
+    from fusuma.qemu.instance import Role
+    from fusuma.supervisor.moves import source
+
+    inst: Any = FakeInstance()
+    inst.qmp, inst.pid, inst.streaming, inst.resumed_back = qmp, 77, streaming, False
+    inst.role = Role.RUNNING
+    db = type("Db", (), {"decide": lambda self, o, d: "back",
+                         "find_job": lambda self, o: None})()
+    insts = type("Insts", (), {"get": lambda self, *a: inst})()
+    h: Any = type("Host", (), {"instances": insts, "db": db,
+                               "follow_runstate": lambda self, i: None})()
+    asyncio.run(source.resume(h, "vm0"))
+    return inst
+
+
+def test_resume_leaves_a_stream_to_its_owner_and_cancels_one_without() -> None:
+    """"back" reaches a source while its stream runs. With a ``perform`` owning it
+    (QEMU may be paused before its switch, refusing `cont`), ``resume`` only marks the
+    instance: ``perform`` runs the guest at the stream's end. With none (its supervisor
+    was killed mid-move), ``resume`` cancels the stream, waits for its end, then runs
+    the guest."""
+    owned = ResumeQmp(["pre-switchover"], "finish-migrate")
+    inst = resume_with(owned, streaming=True)
+    assert inst.resumed_back and owned.commands == []
+    orphan = ResumeQmp(["pre-switchover", "cancelling", "cancelling", "cancelled"],
+                       "paused")
+    resume_with(orphan, streaming=False)
+    assert orphan.commands == ["migrate_cancel", "cont"]
+    # No stream at all (the usual "back" after a failed one): just `cont`.
+    idle = ResumeQmp(["failed"], "paused")
+    resume_with(idle, streaming=False)
+    assert idle.commands == ["cont"]
+
+
+def test_a_stream_that_fails_after_back_was_decided_leaves_the_guest_running() -> None:
+    def fail_after_back(inst: Any) -> Any:
+        def during() -> None:
+            inst.resumed_back = True
+            inst.qmp.listener_events[:] = [ev("MIGRATION", 100.0, status="failed")]
+        return during
+
+    class FailingQmp(StreamQmp):
+        listener_events: list[dict[str, Any]]
+
+        def listener(self, *names: str) -> Any:
+            events = self.listener_events = [ev("STOP", 100.0)]
+            qmp = self
+
+            class Events(FakeListener):
+                async def get(self) -> dict[str, Any]:
+                    if qmp.during is not None:
+                        qmp.during()
+                        qmp.during = None
+                    return await super().get()
+            return Events(events)
+
+        async def query_migrate(self) -> MigrationInfo:
+            return MigrationInfo(status="failed", error="connection reset")
+
+        async def query_status(self) -> str:
+            return "paused"
+
+    from fusuma.state import VmState
+    from fusuma.supervisor.moves import source
+
+    inst: Any = FakeInstance()
+    inst.pid, inst.resumed_back = 4321, False
+    rec = type("Rec", (), {"state": VmState.MIGRATING, "accel_used": "kvm"})()
+    db = type("Db", (), {"vm": lambda self, n: rec, "find_job": lambda self, o: None})()
+    insts = type("Insts", (), {"get": lambda self, *a: inst})()
+    h: Any = type("Host", (), {"instances": insts, "db": db})()
+    inst.qmp = FailingQmp(None)
+    inst.qmp.during = fail_after_back(inst)
+    try:
+        asyncio.run(source.perform(h, "vm0", "tcp:10.0.0.2:4444", "copy", timeout=5.0,
+                                   plain_tcp=True))
+    except MigrationError as exc:
+        assert "failed" in str(exc)
+    else:
+        raise AssertionError("the failed stream was taken for a move")
+    assert inst.qmp.commands[-1] == "cont" and inst.streaming is False

@@ -144,6 +144,9 @@ class QemuInstance:
     # A move's outcome "back" reached it (``resume``) while its stream may still run:
     # the stream's end must not leave the guest paused.
     resumed_back: bool = False
+    # A move's ``perform`` owns this QEMU's outgoing stream (and runs the guest again at
+    # its end when "back" was decided meanwhile).
+    streaming: bool = False
     stop_note: str | None = None     # how that end went, if not cleanly (the record's)
     started_log: str | None = None   # QEMU's last log line at start: exits say newer ones
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])

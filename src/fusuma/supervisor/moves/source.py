@@ -102,6 +102,7 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
     paused = False
     move_tls = None
     mirroring = False
+    inst.streaming = True
     try:
         await inst.qmp.migrate_set_capabilities(capabilities(mode, channels, bool(nbd)))
         await set_channels(inst.qmp, channels)
@@ -141,7 +142,14 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
             raise MigrationError(f"migration of {vm!r} failed "
                                  f"({info.error or info.status or end.status}).")
         stop_ts, completed_ts = end.stop_ts, end.completed_ts
+    except BaseException:
+        if inst.resumed_back:     # "back" was decided meanwhile: the guest runs here
+            with contextlib.suppress(QemuError):
+                if await inst.qmp.query_status() in ("paused", "postmigrate"):
+                    await inst.qmp.cont()
+        raise
     finally:
+        inst.streaming = False
         inst.qmp.drop_listener(listener)
         if mirroring:     # the stream, if begun, cannot switch without the disk
             with contextlib.suppress(QemuError):
@@ -327,8 +335,13 @@ async def resume(h: PartitionHost, vm: str) -> rpc.Resumed:
         raise MigrationError(f"the source of {vm!r} must not run again: its destination "
                              "may already have run the guest.")
     inst.resumed_back = True     # a stream still running must end with the guest here
-    if await inst.qmp.query_status() != "running":
-        await inst.qmp.cont()
+    if not inst.streaming:
+        await end_unowned_stream(inst)
+        if await inst.qmp.query_status() != "running":
+            await inst.qmp.cont()
+    # Else ``perform`` owns the stream: QEMU may be paused before its switch or saving
+    # the device state, when it refuses `cont`; ``perform`` runs the guest at the
+    # stream's end (``resumed_back``), whichever way it ends.
     job = h.db.find_job(vm_obj(vm))
     if job is not None and job.detail.get("mode") == "cpr-transfer":
         await set_mode(inst, "normal")    # its next move may be an ordinary one
@@ -337,6 +350,30 @@ async def resume(h: PartitionHost, vm: str) -> rpc.Resumed:
     inst.owns_ram = True
     h.follow_runstate(inst)
     return rpc.Resumed(pid=inst.pid, resume_ts=time.time())
+
+
+# An outgoing stream's states before its end (QEMU's MigrationStatus).
+STREAMING = ("setup", "active", "pre-switchover", "device", "wait-unplug", "cancelling")
+CANCEL_WAIT_S = 30.0
+
+
+async def end_unowned_stream(inst: QemuInstance, wait: float = CANCEL_WAIT_S) -> None:
+    """Cancel a stream of ``inst`` that no ``perform`` of this supervisor owns (its
+    owner was a supervisor killed mid-move: a mirrored move's QEMU would wait before
+    its switch forever, and refuse `cont`), and wait until QEMU says it ended."""
+    info = await inst.qmp.query_migrate()
+    if info.status not in STREAMING:
+        return
+    with contextlib.suppress(QemuError):
+        await inst.qmp.migrate_cancel()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while (info := await inst.qmp.query_migrate()).status in STREAMING:
+        if loop.time() > deadline:
+            raise MigrationError(f"the stream of {inst.vm!r} that a killed supervisor "
+                                 f"began did not end in {wait:.0f} s after its cancel "
+                                 f"(QEMU says {info.status}).")
+        await asyncio.sleep(0.05)
 
 
 async def set_mode(inst: QemuInstance, mode: str) -> str | None:
