@@ -184,6 +184,7 @@ class StreamQmp:
     def __init__(self, during: Any) -> None:
         self.commands: list[str] = []
         self.during = during
+        self.events = [ev("STOP", 100.0), ev("MIGRATION", 100.002, status="completed")]
 
     def listener(self, *names: str) -> Any:
         qmp = self
@@ -194,7 +195,7 @@ class StreamQmp:
                     qmp.during()
                     qmp.during = None
                 return await super().get()
-        return Events([ev("STOP", 100.0), ev("MIGRATION", 100.002, status="completed")])
+        return Events(self.events)
 
     def drop_listener(self, listener: Any) -> None:
         pass
@@ -324,24 +325,10 @@ def test_a_stream_that_fails_after_back_was_decided_leaves_the_guest_running() -
     def fail_after_back(inst: Any) -> Any:
         def during() -> None:
             inst.resumed_back = True
-            inst.qmp.listener_events[:] = [ev("MIGRATION", 100.0, status="failed")]
+            inst.qmp.events[:] = [ev("MIGRATION", 100.0, status="failed")]
         return during
 
     class FailingQmp(StreamQmp):
-        listener_events: list[dict[str, Any]]
-
-        def listener(self, *names: str) -> Any:
-            events = self.listener_events = [ev("STOP", 100.0)]
-            qmp = self
-
-            class Events(FakeListener):
-                async def get(self) -> dict[str, Any]:
-                    if qmp.during is not None:
-                        qmp.during()
-                        qmp.during = None
-                    return await super().get()
-            return Events(events)
-
         async def query_migrate(self) -> MigrationInfo:
             return MigrationInfo(status="failed", error="connection reset")
 
