@@ -169,8 +169,21 @@ class Qmp:
     async def object_del(self, obj_id: str) -> None:
         await self.execute("object-del", {"id": obj_id})
 
-    async def migrate(self, uri: str) -> None:
-        await self.execute("migrate", {"uri": uri})
+    async def migrate(self, uri: str, settle: float = 2.0) -> None:
+        """Start a stream to ``uri``. QEMU says a failed stream has ended (its MIGRATION
+        event, ``query-migrate``) a moment before it has cleaned it up, and refuses a
+        new one meanwhile ("duplicate yank instance"): asked again for up to
+        ``settle`` seconds, as nothing was started."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settle
+        while True:
+            try:
+                await self.execute("migrate", {"uri": uri})
+                return
+            except QemuError as exc:
+                if "duplicate yank instance" not in str(exc) or loop.time() > deadline:
+                    raise
+            await asyncio.sleep(0.02)
 
     async def migrate_incoming(self, uri: str) -> None:
         await self.execute("migrate-incoming", {"uri": uri})
