@@ -149,7 +149,7 @@ def _nets(data: dict[str, Any]) -> None:
 
     click.echo()
     click.echo(table([network_row(d) for d in data["networks"]],
-                     ["network", "type", "bridge", "subnet", "options", "vms", "state"]))
+                     ["network", "type", "bridge", "subnet", "options", "mtu", "vms", "state"]))
     nrow = [[v["name"], str(n["index"]), n["network"], n["mac"], n["ip"] or "-",
              tap_cell(n)] for v in data["vms"] for n in v.get("nics", [])]
     if nrow:
