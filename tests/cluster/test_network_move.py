@@ -440,7 +440,7 @@ def runs_once_on(c: Cluster, host: str, mac: str, ip: str, md5: str,
     assert list(ps) == [host] and ps[host]["state"] == "running" \
         and ps[host]["pid"] == pid, ps
     (tap,) = taps(c)[host]
-    holding = holders(tap)
+    holding = holders(tap, next(lh.netns for lh in c.lab.hosts if lh.name == host))
     assert list(holding) == [pid] and all(q.attached for q in holding[pid]), holding
     h = c.host(host)
     nics = h.run("network", "show", "lan", "--json").json()["nics"]

@@ -72,13 +72,13 @@ def test_kill_during_move_with_a_nic(nic_host: tuple[Host, Net], phase: str,
     held.proc.communicate()
     truth = check_truth(host)
     if truth["checksum"] == "intact":
-        holding = holders(tap(net))
+        holding = holders(tap(net), net.ns)
         assert list(holding) == [host.vm("vm0")["pid"]], holding
         assert all(q.attached for q in holding[host.vm("vm0")["pid"]]), holding
         assert answers(net, NIC.ip), f"{NIC.ip} does not answer after {phase} x {target}"
     next_move_works(host)
     assert answers(net, NIC.ip), f"{NIC.ip} does not answer after the next move"
-    assert len(holders(tap(net))) == 1
+    assert len(holders(tap(net), net.ns)) == 1
 
 
 def tap(net: Net) -> str:

@@ -97,8 +97,10 @@ def down(c: Ctx, as_json: bool) -> None:
 @click.command()
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"partitions": [...], "vms": [...]} as JSON.')
+@click.option("--wide", is_flag=True,
+              help="Show the memory governance columns even when nothing is overcommitted.")
 @pass_ctx
-def ps(c: Ctx, as_json: bool) -> None:
+def ps(c: Ctx, as_json: bool, wide: bool) -> None:
     """Show partitions and VMs with their state.
 
     A partition is `running` while its supervisor answers, `supervisor-down` after the
@@ -111,34 +113,52 @@ def ps(c: Ctx, as_json: bool) -> None:
     --json adds the anon/file/shmem split. `fusuma share report` has host totals.
     qemu is the version of the QEMU a partition names and of the one running each VM
     (they differ while a VM still runs on its old QEMU; see `fusuma qemu list`).
-    mem_class is a VM's memory class (burstable with its floor); admitted_mib the guest
-    RAM admitted for it (a burstable VM's floor plus its RAM above that divided by its
-    partition's overcommit), resident_mib what its RAM holds on the host now and
-    reclaim_mib how much of that lies above a burstable VM's floor (0 for a guaranteed
-    VM); a partition's are its VMs' sums."""
+
+    The memory governance columns appear when a partition overcommits memory or a VM
+    is burstable (and always with --wide): a partition's overcommit; mem_class, a VM's
+    memory class (burstable with its floor); admitted_mib the guest RAM admitted for it
+    (a burstable VM's floor plus its RAM above that divided by its partition's
+    overcommit), resident_mib what its RAM holds on the host now and reclaim_mib how
+    much of that lies above a burstable VM's floor (0 for a guaranteed VM); a
+    partition's are its VMs' sums. --json always has them."""
     data = ps_data(c)
     if as_json:
         emit_json(data)
         return
     from fusuma.host.topology import format_cpulist
 
+    governed = wide or _governed(data)
     prow = [[p["name"], format_cpulist(p["cpus"]), str(p["memory_mib"]),
              str(p["supervisor_pid"] or "-"), p["state"],
              p["qemu_version"] or p["qemu"] or "-", p.get("cores_held_by") or "-",
-             f"{p['memory_overcommit']:g}", *_admission_cells(p.get("memory_admission"))]
+             *([f"{p['memory_overcommit']:g}", *_admission_cells(p.get("memory_admission"))]
+               if governed else [])]
             for p in data["partitions"]]
     click.echo(table(prow, ["partition", "cpus", "memory_mib", "supervisor", "state",
-                            "qemu", "cores_held_by", "overcommit", "admitted_mib",
-                            "resident_mib", "reclaim_mib"]))
+                            "qemu", "cores_held_by",
+                            *(MEMORY_HEADS[:1] + MEMORY_HEADS[2:] if governed else [])]))
     click.echo()
     vrow = [[v["name"], v["partition"], v["state"], str(v["pid"] or "-"), v["accel"],
              v["qemu"] or "-", str(v["vcpus"]), str(v["memory_mib"]),
-             *_mem_cells(v["host_memory"]), _mem_class(v.get("memory")),
-             *_admission_cells(v.get("memory")), _note(v)] for v in data["vms"]]
+             *_mem_cells(v["host_memory"]),
+             *([_mem_class(v.get("memory")), *_admission_cells(v.get("memory"))]
+               if governed else []),
+             _note(v)] for v in data["vms"]]
     click.echo(table(vrow, ["vm", "partition", "state", "pid", "accel", "qemu", "vcpus",
-                            "memory_mib", "pss_mib", "seg_mib", "ksm_mib", "mem_class",
-                            "admitted_mib", "resident_mib", "reclaim_mib", "note"]))
+                            "memory_mib", "pss_mib", "seg_mib", "ksm_mib",
+                            *(MEMORY_HEADS[1:] if governed else []), "note"]))
     _nets(data)
+
+
+# The memory governance columns: a partition's overcommit, a VM's class, then both's
+# admitted, resident and reclaimable MiB.
+MEMORY_HEADS = ["overcommit", "mem_class", "admitted_mib", "resident_mib", "reclaim_mib"]
+
+
+def _governed(data: dict[str, Any]) -> bool:
+    """Whether any memory is governed: a partition overcommits or a VM is burstable."""
+    return any(p["memory_overcommit"] != 1 for p in data["partitions"]) or any(
+        (v.get("memory") or {}).get("class") == "burstable" for v in data["vms"])
 
 
 def _nets(data: dict[str, Any]) -> None:
