@@ -174,3 +174,15 @@ def clean(cluster: Cluster) -> Iterator[Cluster]:
         if lh.agent is None or lh.agent.poll() is not None:
             cluster.lab.start_agent(lh)
     cluster.delete_all_vms()
+
+
+@pytest.fixture(autouse=True)
+def _save_logs_of_a_failed_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A failed test of a cluster module leaves its hosts' logs (each supervisor's and
+    VM's, before the module's hosts are taken down) in test-output/<test>/<host>/."""
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    c = request.node.funcargs.get("cluster")
+    if rep is not None and rep.failed and isinstance(c, Cluster):
+        for lh, h in zip(c.lab.hosts, c.hosts, strict=True):
+            h.save_logs(REPO / "test-output" / request.node.name / lh.name)
