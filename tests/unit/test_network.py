@@ -634,3 +634,25 @@ def test_a_spanning_networks_gateway_mac_and_table() -> None:
     assert 'oifname "fzv-lan" ether type ip udp dport { 67, 68 } counter drop' in text
     assert 'iifname "fzv-lan" ether type ip udp dport { 67, 68 } counter drop' in text
     assert text.startswith("table bridge fusuma-t-lan-span {")
+
+
+def test_a_network_spanning_hosts_fits_the_smallest_uplink() -> None:
+    from types import SimpleNamespace
+
+    from fusuma.cluster.networks import smallest_uplink
+    from fusuma.network import span
+
+    def hosts(*mtus: object) -> SimpleNamespace:
+        items = [{"metadata": {"name": f"h{i}"}, "status": {"uplinkMtu": m}}
+                 for i, m in enumerate(mtus)]
+        return SimpleNamespace(host="h0", hosts_informer=SimpleNamespace(items=lambda: items))
+
+    # This host (h0) reports 9000 too; h2 has a 1500-byte uplink: every host gets 1450.
+    least = smallest_uplink(hosts(9000, 9000, 1500), "eth0", 9000)  # type: ignore[arg-type]
+    assert least == ("the uplink of host h2", 1500)
+    assert span.span_mtu(*least) == 1450
+    # Hosts that report nothing (older agents) or nonsense are left out.
+    assert smallest_uplink(hosts(9000, None, True, "1500", 0), "eth0", 9000) == (  # type: ignore[arg-type]
+        "eth0", 9000)
+    # This host's own entry never names itself as another host.
+    assert smallest_uplink(hosts(1400, 9000), "eth0", 1500) == ("eth0", 1500)  # type: ignore[arg-type]

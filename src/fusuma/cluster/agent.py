@@ -410,7 +410,14 @@ class Agent:
             versions = [q.version for q in installed(self.paths)]
         except (FusumaError, OSError) as exc:
             LOG.debug("qemu versions: %s", exc)
-        return {"address": self.address, "cores": len(hi.cpus),
+        uplink: dict[str, int] = {}
+        try:
+            from fusuma.network import span
+
+            uplink["uplinkMtu"] = span.uplink(self.address)[1]
+        except FusumaError as exc:       # no interface holds the address (yet)
+            LOG.debug("uplink: %s", exc)
+        return {"address": self.address, **uplink, "cores": len(hi.cpus),
                 "accelerator": accel.name, "memoryMiB": hi.memory_total_mib,
                 "availableMiB": avail, "freeMiB": free, "partitions": parts,
                 "vms": len(c.db.vms()), "qemuVersions": versions,

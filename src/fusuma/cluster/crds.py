@@ -212,6 +212,8 @@ PARTITION_INFO = _obj("One partition of the host.", {
 
 HOST_STATUS = _obj("Written by the host's agent.", {
     "address": _s("Address other hosts reach this host's migration listener at."),
+    "uplinkMtu": _i("MTU of the link that holds the address (a network spanning hosts "
+                    "takes the smallest host's, less the VXLAN's headers)."),
     "cores": _i("Cores of the host."),
     "accelerator": _s("kvm or tcg (and why, when tcg)."),
     "memoryMiB": _i("Host memory."),

@@ -4,8 +4,9 @@ of the segment the other hosts' bridges make (fusuma.network.span: a VXLAN port
 flooding to the other registered hosts' addresses). Each agent keeps its own entry of
 ``status.hosts``; the peers follow the FusumaHosts (a host that registers is added at
 the next pass, one that is gone removed). Its MTU is ``spec.mtu``, or the most this
-host's uplink carries after the VXLAN's headers (fusuma.network.span.span_mtu: 1450
-on a 1500-byte uplink); a host whose uplink cannot carry it reports why.
+uplink of the registered hosts carries after the VXLAN's headers (fusuma.network.span.
+span_mtu: 1450 on 1500-byte uplinks), the same on every host; a host whose uplink cannot
+carry it reports why.
 """
 
 from __future__ import annotations
@@ -25,11 +26,29 @@ LOG = logging.getLogger(__name__)
 
 def network_mtu(a: AgentContext, spec: dict[str, Any]) -> int:
     """The network's MTU on this host: ``spec.mtu`` if it fits this host's uplink, else
-    one sentence; unset, the most the uplink carries."""
+    one sentence; unset, the most the smallest uplink of the registered hosts carries
+    (each agent reports its own as ``status.uplinkMtu``): the segment's frames cross
+    every host's uplink, so every host must give its bridge the same MTU."""
     from fusuma.network import span
 
     want = spec.get("mtu")
-    return span.span_mtu(*span.uplink(a.address), None if want is None else int(want))
+    dev, mtu = span.uplink(a.address)
+    if want is not None:
+        return span.span_mtu(dev, mtu, int(want))
+    return span.span_mtu(*smallest_uplink(a, dev, mtu))
+
+
+def smallest_uplink(a: AgentContext, dev: str, mtu: int) -> tuple[str, int]:
+    """The smallest uplink among this host's (``dev``, MTU ``mtu``) and the other
+    registered hosts' reported ones, named for a sentence."""
+    least = (dev, mtu)
+    for h in a.hosts_informer.items():
+        theirs = (h.get("status") or {}).get("uplinkMtu")
+        name = (h.get("metadata") or {}).get("name")
+        if isinstance(theirs, int) and not isinstance(theirs, bool) and 0 < theirs < least[1] \
+                and name != a.host:
+            least = (f"the uplink of host {name}", theirs)
+    return least
 
 
 def peers(a: AgentContext) -> list[str]:
