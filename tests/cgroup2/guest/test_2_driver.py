@@ -121,11 +121,6 @@ def test_isolated_partition_and_an_explicit_mode_that_cannot_be(
     iso.delete("c")
 
 
-def _usage_us(leaf: Path) -> int:
-    return next(int(ln.split()[1]) for ln in read(leaf / "cpu.stat").splitlines()
-                if ln.startswith("usage_usec"))
-
-
 def test_qos_classes_and_the_governors_cap(drv: tuple[CgroupV2Driver, list[str]]) -> None:
     d, _ = drv
     d.create("q", limits([1]))
@@ -142,13 +137,19 @@ def test_qos_classes_and_the_governors_cap(drv: tuple[CgroupV2Driver, list[str]]
     burner = Burner()
     try:
         d.attach("q", "vm.b", burner.pid)
-        before, t0 = _usage_us(q / "vm.b"), time.monotonic()
+        first = d.cpu_stat("q", "vm.b")
         time.sleep(3.0)
-        used = (_usage_us(q / "vm.b") - before) / 1e6 / (time.monotonic() - t0)
         stat = d.cpu_stat("q", "vm.b")
-        # A busy loop held to its cap by the kernel (TCG timing: some slack).
-        assert used < 0.35, f"capped at 0.2 CPU but used {used:.2f}"
-        assert stat.nr_throttled > 0 and stat.usage_ns is not None
+        # A busy loop held to its cap by the kernel: throttled in (nearly) every period
+        # it ran in, by the kernel's own counters. Not its CPU time against the clock:
+        # beside the whole suite that read 0.83 CPU at a 0.2 cap once (under TCG on a
+        # busy host the guest's clock can jump while its vCPU waits for a host core,
+        # and the scheduler charges such a jump to the task that ran: the likely cause,
+        # not shown).
+        periods = stat.nr_periods - first.nr_periods
+        throttled = stat.nr_throttled - first.nr_throttled
+        assert periods > 0 and throttled >= 0.5 * periods, (first, stat)
+        assert stat.throttled_ns > first.throttled_ns and stat.usage_ns is not None
         d.set_cpu("q", "vm.b", policy_for(QosClass.BURSTABLE))
         assert read(q / "vm.b" / "cpu.max") == "max 100000"
     finally:
