@@ -41,8 +41,8 @@ minute under TCG); the tests run against them in order:
 4. The end: each guest stopped, ``qemu-img check`` finds its overlay clean, the variable
    is in the NVRAM file, the base's checksum is unchanged, and the image is deleted.
 5. Apart, in a network namespace of its own (fusuma's networks are never made in the
-   machine's namespace, where the module's guests run): a UEFI guest with a NIC on a
-   managed network, a template of it and two clones, each with its own MAC, lease and
+   machine's namespace, where the module's guests run): a SeaBIOS guest with a NIC on
+   a managed network, a template of it and a clone with its own MAC, lease and
    instance id, answering the gateway (this boots a third guest)."""
 
 from __future__ import annotations
@@ -638,14 +638,16 @@ LAN = "10.124.7"
 
 def test_clones_of_a_firmware_vm_with_a_nic_get_their_own_mac_lease_and_instance(
         disk_image: Path, tmp_path: Path) -> None:
-    """A template of a UEFI guest with a NIC on a managed network, and two clones of
-    it: each clone's guest has its own MAC (the template's was changed by the identity
-    step) and the lease dnsmasq gives that MAC (the address fusuma recorded; the
-    image's dhclient asked), a new cloud-init instance id, and answers the gateway
-    through the bridge's filter, which drops any frame with the template's MAC. All in
-    a network namespace of the test's own (its supervisors, bridge, taps, nftables and
-    dnsmasq), so this test boots a guest of its own: the module's run in the machine's
-    namespace, where no fusuma network may be made."""
+    """A template of a firmware guest (SeaBIOS: the template test above has OVMF's)
+    with a NIC on a managed network, and a clone of it: the clone's guest has its own
+    MAC (the template's was changed by the identity step) and the lease dnsmasq gives
+    that MAC (the address fusuma recorded; the image's dhclient asked), a new
+    cloud-init instance id, and answers the gateway through the bridge's filter, which
+    drops any frame with the template's MAC. (Two clones of one template, each with its
+    own MAC and address: tests/integration/test_networks.py.) All in a network
+    namespace of the test's own (its supervisors, bridge, taps, nftables and dnsmasq),
+    so this test boots a guest of its own: the module's run in the machine's namespace,
+    where no fusuma network may be made."""
     t0 = time.monotonic()
     ns = f"fusuma-t-{secrets.token_hex(3)}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
@@ -659,7 +661,7 @@ def test_clones_of_a_firmware_vm_with_a_nic_get_their_own_mac_lease_and_instance
                  "--qemu", "10.0")
         host.run("network", "create", "lan0", "--subnet", f"{LAN}.0/24")
         host.run("vm", "create", "tv", "-p", "p0", "--image", "deb", "--memory", "384",
-                 "--boot", "uefi", "--nic", "lan0")
+                 "--boot", "bios", "--nic", "lan0")
         host.run("vm", "start", "tv", "--wait", "--timeout", "400", timeout=450)
         boot_s = time.monotonic() - t0
         tnic = host.vm("tv")["nics"][0]
@@ -669,7 +671,7 @@ def test_clones_of_a_firmware_vm_with_a_nic_get_their_own_mac_lease_and_instance
             assert time.monotonic() < deadline, sh(host, "tv", "ip addr; true")
             time.sleep(2)
         host.run("template", "create", "t", "--from", "tv")
-        clones_ = ("c1", "c2")
+        clones_ = ("c1",)
         for c in clones_:
             host.run("vm", "create", c, "-p", "p0", "--template", "t", "--nic", "lan0")
             host.run("vm", "start", c)
@@ -691,7 +693,6 @@ def test_clones_of_a_firmware_vm_with_a_nic_get_their_own_mac_lease_and_instance
                 "instance_id"]
             assert sh(host, c, "cat /var/lib/cloud/data/instance-id").strip() == seed_id
             assert sh(host, c, "hostname").strip() == c
-        assert nics["c1"]["mac"] != nics["c2"]["mac"] and nics["c1"]["ip"] != nics["c2"]["ip"]
         # Each reaches the gateway (the bridge's address, in the test's namespace: its
         # dnsmasq's DNS port) and answers it (its sshd's banner, from that namespace),
         # through the bridge's filter, which passes only the clone's MAC and address.
@@ -706,7 +707,7 @@ def test_clones_of_a_firmware_vm_with_a_nic_get_their_own_mac_lease_and_instance
                                     capture_output=True, text=True, timeout=60)
             assert banner.stdout.startswith("SSH-2.0"), (c, banner)
             assert f"{LAN}.1 " in sh(host, c, "cat /proc/net/arp")
-        print(f"\ntemplate of a UEFI guest with a NIC, two clones: "
+        print(f"\ntemplate of a BIOS guest with a NIC, a clone: "
               f"{time.monotonic() - t0:.1f} s (boot {boot_s:.1f} s)")
     finally:
         try:

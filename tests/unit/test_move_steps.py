@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fusuma.errors import MigrationError
+from fusuma.errors import MigrationError, QemuError
 from fusuma.migration import downtime_steps
 from fusuma.qemu.qmp import MigrationInfo
 from fusuma.supervisor import rpc
@@ -179,12 +179,21 @@ def test_qemus_figures_are_asked_again_until_it_has_computed_them() -> None:
 
 class StreamQmp:
     """A source QEMU whose stream completes; ``during`` runs while it streams (what
-    another request of the supervisor does meanwhile)."""
+    another request of the supervisor does meanwhile). Like QEMU, it is still in
+    "finish-migrate" for the first ``finishing`` asks after its "completed" event, and
+    refuses `cont` then ("Migration is not finalized yet")."""
 
-    def __init__(self, during: Any) -> None:
+    def __init__(self, during: Any, finishing: int = 2) -> None:
         self.commands: list[str] = []
         self.during = during
+        self.finishing = finishing
         self.events = [ev("STOP", 100.0), ev("MIGRATION", 100.002, status="completed")]
+
+    async def query_status(self) -> str:
+        if self.finishing > 0:
+            self.finishing -= 1
+            return "finish-migrate"
+        return "postmigrate"
 
     def listener(self, *names: str) -> Any:
         qmp = self
@@ -210,6 +219,8 @@ class StreamQmp:
         return MigrationInfo(status="completed", total_ms=9.0, downtime_ms=4.0)
 
     async def cont(self) -> None:
+        if self.finishing > 0:
+            raise QemuError("Migration is not finalized yet")
         self.commands.append("cont")
 
 
@@ -251,6 +262,10 @@ def test_a_stream_that_ends_after_back_was_decided_runs_the_guest_on_here() -> N
 
     got, commands, became = perform_with(resume_asked, None)
     assert isinstance(got, MigrationError) and "decided back" in str(got)
+    # QEMU still finishing the stream (its "completed" event comes before it leaves
+    # "finish-migrate", where it refuses `cont`): the source waits for it, then runs
+    # the guest (a `cont` at once failed, and left the guest paused for good, in the
+    # lab once in about ten runs).
     assert commands[-1] == "cont" and became == ["follow"]
     # The same when the host's job holds "back" (mirrored there by the agent).
     got, commands, became = perform_with(None, "back")
@@ -344,7 +359,7 @@ def test_a_stream_that_fails_after_back_was_decided_leaves_the_guest_running() -
     db = type("Db", (), {"vm": lambda self, n: rec, "find_job": lambda self, o: None})()
     insts = type("Insts", (), {"get": lambda self, *a: inst})()
     h: Any = type("Host", (), {"instances": insts, "db": db})()
-    inst.qmp = FailingQmp(None)
+    inst.qmp = FailingQmp(None, finishing=0)
     inst.qmp.during = fail_after_back(inst)
     try:
         asyncio.run(source.perform(h, "vm0", "tcp:10.0.0.2:4444", "copy", timeout=5.0,
@@ -363,7 +378,6 @@ def test_a_new_stream_waits_for_qemu_to_clean_up_a_failed_one() -> None:
     import logging
     from pathlib import Path
 
-    from fusuma.errors import QemuError
     from fusuma.qemu.qmp import Qmp
 
     class Client:

@@ -144,9 +144,8 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
         stop_ts, completed_ts = end.stop_ts, end.completed_ts
     except BaseException:
         if inst.resumed_back:     # "back" was decided meanwhile: the guest runs here
-            with contextlib.suppress(QemuError):
-                if await inst.qmp.query_status() in ("paused", "postmigrate"):
-                    await inst.qmp.cont()
+            with contextlib.suppress(QemuError, MigrationError):
+                await run_again(inst)
         raise
     finally:
         inst.streaming = False
@@ -166,7 +165,7 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
     # paused guest and runs it.
     if inst.resumed_back or decided_back(h, vm):
         inst.resumed_back = False
-        await inst.qmp.cont()
+        await run_again(inst)
         h.follow_runstate(inst)
         raise MigrationError(f"the move of {vm!r} was decided back while it streamed; "
                              "the guest runs on here.")
@@ -337,8 +336,7 @@ async def resume(h: PartitionHost, vm: str) -> rpc.Resumed:
     inst.resumed_back = True     # a stream still running must end with the guest here
     if not inst.streaming:
         await end_unowned_stream(inst)
-        if await inst.qmp.query_status() != "running":
-            await inst.qmp.cont()
+        await run_again(inst)
     # Else ``perform`` owns the stream: QEMU may be paused before its switch or saving
     # the device state, when it refuses `cont`; ``perform`` runs the guest at the
     # stream's end (``resumed_back``), whichever way it ends.
@@ -350,6 +348,30 @@ async def resume(h: PartitionHost, vm: str) -> rpc.Resumed:
     inst.owns_ram = True
     h.follow_runstate(inst)
     return rpc.Resumed(pid=inst.pid, resume_ts=time.time())
+
+
+# How long a source QEMU whose stream ended may stay in "finish-migrate" before
+# ``run_again`` gives up on it.
+FINALIZE_WAIT_S = 10.0
+
+
+async def run_again(inst: QemuInstance, wait: float = FINALIZE_WAIT_S) -> None:
+    """Run the guest of a source QEMU whose stream ended (unless it already runs), once
+    QEMU has finished with the stream. QEMU sends its MIGRATION "completed" event
+    before its migration thread moves the guest from "finish-migrate" to
+    "postmigrate", and refuses `cont` in between ("Migration is not finalized yet"):
+    a `cont` sent at once on that event can fail, and the guest would stay paused for
+    good. After a failed stream QEMU runs the guest again itself, from the same
+    state."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while (status := await inst.qmp.query_status()) == "finish-migrate":
+        if loop.time() > deadline:
+            raise MigrationError(f"the source QEMU of {inst.vm!r} is still finishing its "
+                                 f"stream after {wait:.0f} s; it cannot run the guest.")
+        await asyncio.sleep(0.002)
+    if status != "running":
+        await inst.qmp.cont()
 
 
 # An outgoing stream's states before its end (QEMU's MigrationStatus).
