@@ -487,3 +487,34 @@ def test_a_destination_refuses_a_record_with_devices_fusuma_does_not_make() -> N
     assert "the recorded device set is refused: device 0 is 'virtio-9p-pci', not a " \
         "device kind fusuma makes" in m["message"]
     assert m["message"].endswith("nothing was started on host h1")
+
+
+def test_a_destination_prepares_from_the_record_as_it_is_now_not_an_older_view() -> None:
+    """A pass may begin with an older version of the FusumaVM (a watch's events queued
+    while the agent was busy or stopped): the record was rewritten since. The
+    destination reads it afresh and judges what the API server holds now."""
+    import json
+
+    ds = {"version": 1, "machine": "pc-q35-7.2",
+          "machine_props": [["sata", "off"], ["smbus", "off"], ["vmport", "off"],
+                            ["i8042", "off"]], "cpu": "max", "smp": 1, "memory": "128M",
+          "serial": "con0", "devices": [
+              {"driver": "virtio-9p-pci", "props": [["fsdev", "root"]]}]}
+    move = {**MID_MOVE, "phase": "Preparing", "record": {"machine": "pc-q35-7.2"}}
+    a, _ = world("h1", move, None)
+    a.owners.owned.clear()
+    older = VmView(a.kube.get(None, "vm0"))        # the view the pass began with
+    a.kube.obj["status"]["move"]["record"] = {"machine": "pc-q35-7.2",
+                                              "devices": json.dumps(ds)}
+    hostmove.step(a, a, older)
+    m = recorded(a)
+    assert (m["decision"], m["phase"]) == ("back", "Failed"), m
+    assert "'virtio-9p-pci', not a device kind fusuma makes" in m["message"]
+    # A view of a move that is no longer the one recorded: nothing is done this pass.
+    a2, here2 = world("h1", {**MID_MOVE, "phase": "Preparing", "record": {}}, None)
+    a2.owners.owned.clear()
+    stale = VmView(a2.kube.get(None, "vm0"))
+    a2.kube.obj["status"]["move"]["id"] = "another"
+    hostmove.step(a2, a2, stale)
+    assert not here2.sent and recorded(a2)["id"] == "another"
+    assert "decision" not in recorded(a2)

@@ -681,6 +681,19 @@ def _recover_source(a: AgentContext, v: VmView, m: Obj) -> None:
         src.forget(None, str(m.get("startedAt")))
 
 
+def current_record(a: AgentContext, v: VmView, m: Obj) -> dict[str, Any] | None:
+    """The record of move ``m`` as the API server holds it now, read afresh: the view a
+    pass began with may be an older version of the object (a watch's events queue while
+    the agent is busy or stopped, and a later one may have changed the record), and the
+    destination prepares from the latest. None if the move is no longer ``m`` (the next
+    pass takes up the one there is)."""
+    cur = fresh(a, v).move or {}
+    if cur.get("id") != m.get("id") or called_off(cur):
+        return None
+    out: dict[str, Any] = cur.get("record") or {}
+    return out
+
+
 def _destination(a: AgentContext, v: VmView, m: Obj) -> None:
     """This host is the move's destination: prepare and finish, or undo, as the record
     asks (the first pass and any pass after a restart alike)."""
@@ -710,11 +723,14 @@ def _destination(a: AgentContext, v: VmView, m: Obj) -> None:
         return
     if local is None and not at(m, MovePhase.PREPARE):
         return        # nothing here: the source will decide back
+    record = current_record(a, v, m) if local is None else {}
+    if record is None:
+        return
     failed: str | None = None
     with dst.job() as jh:
         try:
             if local is None:
-                dst.prepare(jh, m.get("record") or {})
+                dst.prepare(jh, record)
             dst.finish(jh)
         except MoveRefused as exc:
             LOG.warning("incoming move of %s refused: %s", v.name, exc)
