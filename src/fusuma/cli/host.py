@@ -136,7 +136,7 @@ def ps(c: Ctx, as_json: bool, wide: bool) -> None:
             for p in data["partitions"]]
     click.echo(table(prow, ["partition", "cpus", "memory_mib", "supervisor", "state",
                             "qemu", "cores_held_by",
-                            *(MEMORY_HEADS[:1] + MEMORY_HEADS[2:] if governed else [])]))
+                            *(PARTITION_MEMORY_HEADS if governed else [])]))
     click.echo()
     vrow = [[v["name"], v["partition"], v["state"], str(v["pid"] or "-"), v["accel"],
              v["qemu"] or "-", str(v["vcpus"]), str(v["memory_mib"]),
@@ -146,13 +146,13 @@ def ps(c: Ctx, as_json: bool, wide: bool) -> None:
              _note(v)] for v in data["vms"]]
     click.echo(table(vrow, ["vm", "partition", "state", "pid", "accel", "qemu", "vcpus",
                             "memory_mib", "pss_mib", "seg_mib", "ksm_mib",
-                            *(MEMORY_HEADS[1:] if governed else []), "note"]))
+                            *(VM_MEMORY_HEADS if governed else []), "note"]))
     _nets(data)
 
 
-# The memory governance columns: a partition's overcommit, a VM's class, then both's
-# admitted, resident and reclaimable MiB.
-MEMORY_HEADS = ["overcommit", "mem_class", "admitted_mib", "resident_mib", "reclaim_mib"]
+# The memory governance columns of partitions and of VMs.
+PARTITION_MEMORY_HEADS = ["overcommit", "admitted_mib", "resident_mib", "reclaim_mib"]
+VM_MEMORY_HEADS = ["mem_class", "admitted_mib", "resident_mib", "reclaim_mib"]
 
 
 def _governed(data: dict[str, Any]) -> bool:
