@@ -152,6 +152,9 @@ class FakeHost:
     def client(self, part: str) -> FakeHost:
         return self
 
+    def supervisor_pid(self, part: str) -> int:
+        return 1        # each partition's supervisor runs
+
     def send(self, req: Any, timeout: float | None = None) -> Any:
         self.sent.append(req)
         return self.answers.get(type(req))

@@ -72,6 +72,7 @@ from fusuma.errors import FusumaError, MigrationError, StateError
 from fusuma.migration import FAULT_STREAM_BPS
 from fusuma.qemu import recorded
 from fusuma.state import Decision, JobKind, MovePhase, VmState, vm_obj
+from fusuma.state.lock import host_lock
 from fusuma.supervisor import rpc
 from fusuma.supervisor.moves.source import MAX_CHANNELS
 from fusuma.vm import boot
@@ -80,6 +81,7 @@ if TYPE_CHECKING:
     from fusuma.ops.context import Ctx
     from fusuma.state import VmRecord
     from fusuma.state.joblock import JobLock
+    from fusuma.supervisor.client import SupervisorClient
 
 LOG = logging.getLogger(__name__)
 PREPARE_TIMEOUT_S = 60.0
@@ -276,6 +278,19 @@ class _Side:
         supervisor does with the guest's QEMU (release, resume, commit)."""
         self.c.db.decide(vm_obj(self.v.name), decision)
 
+    def supervisor(self) -> SupervisorClient:
+        """This side's partition's supervisor, started first if it is not running
+        (killed mid-move): a new one adopts the move's QEMUs, asking each what it holds,
+        so the move's next step finds the guest's QEMU rather than giving it up for
+        lost, and need not wait for the agent's next pass over the partitions."""
+        parts = self.c.parts
+        if parts.supervisor_pid(self.partition) is None:
+            LOG.warning("move %s of %s: the supervisor of partition %s is not running; "
+                        "starting it", self.move_id, self.v.name, self.partition)
+            with host_lock(self.c.paths.home), contextlib.suppress(StateError):
+                parts.start_supervisor(self.partition)
+        return parts.client(self.partition)
+
     def remove(self) -> None:
         """After this host's job (a delete takes its own): the VM is no longer here."""
         if self.c.db.find_vm(self.v.name) is not None:
@@ -373,7 +388,7 @@ class HostMoveSource(_Side):
         if decision == Decision.FORWARD:
             self.mirror(Decision.FORWARD)
             with contextlib.suppress(FusumaError):
-                self.c.parts.client(self.partition).send(rpc.Release(self.v.name))
+                self.supervisor().send(rpc.Release(self.v.name))
             return True
         self._back(why)
         return False
@@ -383,7 +398,7 @@ class HostMoveSource(_Side):
         self.mirror(Decision.BACK)
         state = RUNNING
         try:
-            res = c.parts.client(self.partition).send(rpc.ResumeSource(v.name))
+            res = self.supervisor().send(rpc.ResumeSource(v.name))
             if c.db.vm(v.name).state == VmState.MIGRATING:
                 c.db.transition(v.name, VmState.RUNNING, expect={VmState.MIGRATING},
                                 partition=self.partition, pid=res.pid)
@@ -520,7 +535,7 @@ class HostMoveDest(_Side):
         """Wait until the incoming QEMU holds the whole stream; record "forward" (in the
         cluster, then in the job), run the guest here and record the switch."""
         a, c, v = self.a, self.c, self.v
-        dst = c.parts.client(self.partition)
+        dst = self.supervisor()
         deadline = time.monotonic() + STREAM_TIMEOUT_S
         while True:
             status = dst.send(rpc.RemoteIncomingWait(v.name, timeout=1.0), timeout=30).status
@@ -542,7 +557,9 @@ class HostMoveDest(_Side):
         delay = float(os.environ.get(FAULT_DECIDED_DELAY) or 0)
         if delay > 0:    # fault injection (tests): this agent is killed here
             time.sleep(delay)
-        fin = dst.send(rpc.IncomingCommit(v.name))
+        # Asked afresh: a supervisor killed since "forward" is started again, and adopts
+        # the incoming QEMU, which holds the only copy of the guest now.
+        fin = self.supervisor().send(rpc.IncomingCommit(v.name))
         jh.phase(MovePhase.SWITCHED)
         with contextlib.suppress(FusumaError):
             dst.send(rpc.Settle(v.name))
@@ -560,7 +577,7 @@ class HostMoveDest(_Side):
         """Under the job: the move went back; end the incoming QEMU."""
         self.mirror(Decision.BACK)
         with contextlib.suppress(FusumaError, NotFoundApiError):
-            self.c.parts.client(self.partition).send(rpc.IncomingAbort(self.v.name))
+            self.supervisor().send(rpc.IncomingAbort(self.v.name))
 
     def refuse(self, why: str) -> None:
         """Call the move off before preparing anything here."""

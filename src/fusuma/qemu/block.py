@@ -381,6 +381,39 @@ async def mirror_finish(qmp: Qmp, timeout: float) -> None:
     await qmp.execute("blockdev-del", {"node-name": NBD_NODE})
 
 
+def names(reply: object, command: str, key: str, what: str) -> set[str]:
+    """The ``key`` strings of an answer of QEMU's that is a list of objects
+    (``command``'s, each ``what``), checked; QemuError in one sentence if malformed."""
+    def refuse(why: str) -> QemuError:
+        return QemuError(f"QEMU's answer to {command} is malformed: {why}.")
+
+    if not isinstance(reply, list) or len(reply) > MAX_ITEMS:
+        raise refuse("not a list")
+    out = set()
+    for item in reply:
+        if not isinstance(item, dict) or not isinstance(item.get(key), str):
+            raise refuse(f"{what} has no {key}")
+        out.add(item[key])
+    return out
+
+
+def parse_exports(reply: object) -> set[str]:
+    """``query-block-exports``'s answer, checked: the ids of the exports served."""
+    return names(reply, "query-block-exports", "id", "an export")
+
+
+async def serving(qmp: Qmp) -> bool:
+    """Destination: whether this QEMU serves the moving guest's disk (:data:`EXPORT`).
+    Asked by a supervisor that adopts an incoming QEMU another one prepared."""
+    return EXPORT in parse_exports(await qmp.execute("query-block-exports"))
+
+
+async def mirror_left(qmp: Qmp) -> bool:
+    """Source: whether this QEMU still holds a move's mirror job (in any state: an
+    earlier move's, whose supervisor was killed mid-mirror)."""
+    return MIRROR_JOB in await jobs(qmp)
+
+
 async def mirror_abort(qmp: Qmp) -> None:
     """Source, the move going back: end the mirror at once (what the destination got
     is thrown away with it) and drop the NBD node; best effort."""

@@ -41,6 +41,7 @@ from typing import Any
 
 from fusuma.errors import FusumaError, HostError
 from fusuma.paths import PRIVATE_DIR, Paths
+from fusuma.qemu import block
 from fusuma.qemu.qmp import Qmp
 
 # The host's store: one file (replaced atomically, so a reader never gets a new
@@ -173,6 +174,10 @@ def for_qemu(run: Path, uid: int, creds: HostCreds, endpoint: str) -> Iterator[P
         os.close(parent)
 
 
+# The names of a move's TLS objects in a QEMU: these, then the move's own tag.
+CREDS_PREFIX, AUTHZ_PREFIX = "fz-tls-", "fz-authz-"
+
+
 @dataclass(frozen=True)
 class MoveTls:
     """The QOM objects and migration parameters of one move's TLS on one side."""
@@ -183,7 +188,8 @@ class MoveTls:
     @classmethod
     def new(cls, endpoint: str) -> MoveTls:
         tag = uuid.uuid4().hex[:8]
-        return cls(f"fz-tls-{tag}", f"fz-authz-{tag}" if endpoint == SERVER else None)
+        return cls(f"{CREDS_PREFIX}{tag}",
+                   f"{AUTHZ_PREFIX}{tag}" if endpoint == SERVER else None)
 
     def creds_object(self, directory: Path, endpoint: str) -> dict[str, Any]:
         """``object-add`` arguments of the credentials (the peer must present a
@@ -204,6 +210,28 @@ class MoveTls:
     def outgoing_parameters(self, peer: str) -> dict[str, Any]:
         """The source's: ``peer``'s certificate must name it (its DNS SAN)."""
         return {"tls-creds": self.creds_id, "tls-hostname": peer}
+
+
+def parse_armed(reply: object) -> list[MoveTls]:
+    """``qom-list /objects``'s answer: the TLS objects of moves (``MoveTls.new``'s
+    names) that a QEMU holds, each credentials object with the authorization of the
+    same move, if any; other objects are left out. QemuError if malformed."""
+    names = block.names(reply, "qom-list", "name", "a property")
+    out = []
+    for name in sorted(n for n in names if n.startswith(CREDS_PREFIX)):
+        authz = AUTHZ_PREFIX + name.removeprefix(CREDS_PREFIX)
+        out.append(MoveTls(name, authz if authz in names else None))
+    # An authorization whose credentials are gone already (a drop cut short).
+    paired = {t.authz_id for t in out}
+    out += [MoveTls("", n) for n in sorted(names)
+            if n.startswith(AUTHZ_PREFIX) and n not in paired]
+    return out
+
+
+async def armed(qmp: Qmp) -> list[MoveTls]:
+    """The moves' TLS objects this QEMU holds (``parse_armed``): a supervisor that
+    adopts a QEMU asks it what an earlier one armed."""
+    return parse_armed(await qmp.execute("qom-list", {"path": "/objects"}))
 
 
 # Migration parameters that turn TLS off again (an empty string disables it in QEMU).
@@ -237,6 +265,6 @@ async def drop(qmp: Qmp, tls: MoveTls) -> None:
     with contextlib.suppress(FusumaError):
         await qmp.migrate_set_parameters(TLS_OFF)
     for obj in (tls.authz_id, tls.creds_id):
-        if obj is not None:
+        if obj:
             with contextlib.suppress(FusumaError):
                 await qmp.object_del(obj)

@@ -25,7 +25,7 @@ from fusuma.state import LOCAL_JOBS, JobKind, VmState, vm_obj
 from fusuma.state.machine import ALIVE
 from fusuma.supervisor import vms
 from fusuma.supervisor.host import PartitionHost
-from fusuma.supervisor.moves import cpr, dest
+from fusuma.supervisor.moves import cpr, dest, remote
 
 
 async def adopt(h: PartitionHost) -> None:
@@ -43,7 +43,7 @@ async def adopt(h: PartitionHost) -> None:
     for vm in h.db.vms(h.partition):
         job = h.db.find_job(vm_obj(vm.name))
         if vm.state in ALIVE and h.instances.get(vm.name) is None and (
-                job is None or job.kind != JobKind.MIGRATE):
+                job is None or job.kind not in (JobKind.MIGRATE, JobKind.HOST_MOVE_IN)):
             if vm.pid and process.pid_alive(vm.pid) and process.is_vm_process(
                     vm.pid, vm.name, h.paths.vm_run_dir(vm.name)):
                 h.log.error("%s (pid %d) runs but could not be adopted; left alone (see "
@@ -132,6 +132,23 @@ async def _adopt_one(h: PartitionHost, name: str, pid: int) -> None:
         if not await _register(h, inst):
             return
         h.log.info("adopted %s (pid %d) as the incoming side of a move", name, pid)
+        return
+    if job is not None and job.kind == JobKind.HOST_MOVE_IN and job.source == h.partition \
+            and not mine:
+        # A move from another host's destination, not yet the VM's QEMU: its agent
+        # decides its fate (it may be "forward" already: then it holds the only copy of
+        # the guest, its disk served over NBD until the commit).
+        inst.role = Role.INCOMING
+        try:
+            inst.move = await remote.adopted_incoming(inst)
+        except QemuError as exc:
+            h.log.warning("%s (pid %d): what its move holds is unknown (%s)", name, pid,
+                          exc)
+            inst.move = dest.MoveIn(None, "copy", "remote")
+        if not await _register(h, inst):
+            return
+        h.log.info("adopted %s (pid %d) as the incoming side of a move from another "
+                   "host%s", name, pid, " serving its disk" if inst.move.nbd else "")
         return
     if job is not None and job.kind == JobKind.MIGRATE and job.source == h.partition \
             and not mine:

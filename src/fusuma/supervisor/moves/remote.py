@@ -30,7 +30,7 @@ from fusuma.errors import MigrationError, NotFoundError, StateError
 from fusuma.host.accel import probe_accel
 from fusuma.qemu import block, privilege, tlscreds
 from fusuma.qemu.cmdline import BOOT_DRIVE
-from fusuma.qemu.instance import Role
+from fusuma.qemu.instance import QemuInstance, Role
 from fusuma.qemu.qmp import EVENT_MIGRATION
 from fusuma.state import JobKind, vm_obj
 from fusuma.supervisor import rpc
@@ -103,6 +103,19 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str, peer: str,
     h.log.info("waiting for %s from another host on %s", vm, uri)
     return rpc.Prepared(uri=uri, pid=inst.pid, run_dir=str(run),
                         prepare_ms=round((time.monotonic() - t0) * 1000, 2), nbd=nbd_uri)
+
+
+async def adopted_incoming(inst: QemuInstance) -> MoveIn:
+    """The incoming side of a move from another host as its QEMU shows it to a
+    supervisor that adopts it (the one that prepared it was killed): whether it serves
+    the guest's disk over NBD, and the TLS objects it holds. The commit then stops
+    serving the disk before the guest runs and drops the objects, as it would have for
+    ``remote_incoming``: once "forward" is recorded this QEMU holds the only copy of
+    the guest, its disk included. (An incoming QEMU is new for its move: what it holds
+    is that move's.)"""
+    armed = await tlscreds.armed(inst.qmp)
+    return MoveIn(None, "copy", "remote", tls=armed[0] if armed else None,
+                  nbd=await block.serving(inst.qmp))
 
 
 async def remote_incoming_wait(h: PartitionHost, vm: str, timeout: float = 2.0

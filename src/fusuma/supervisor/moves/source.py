@@ -336,6 +336,7 @@ async def resume(h: PartitionHost, vm: str) -> rpc.Resumed:
     inst.resumed_back = True     # a stream still running must end with the guest here
     if not inst.streaming:
         await end_unowned_stream(inst)
+        await clear_leftovers(h, inst)
         await run_again(inst)
     # Else ``perform`` owns the stream: QEMU may be paused before its switch or saving
     # the device state, when it refuses `cont`; ``perform`` runs the guest at the
@@ -372,6 +373,24 @@ async def run_again(inst: QemuInstance, wait: float = FINALIZE_WAIT_S) -> None:
         await asyncio.sleep(0.002)
     if status != "running":
         await inst.qmp.cont()
+
+
+async def clear_leftovers(h: PartitionHost, inst: QemuInstance) -> None:
+    """Remove what a move that went back left in its source QEMU when the supervisor
+    that began it was killed mid-move (no ``perform`` of this one owns it): the disk's
+    mirror job and its NBD node, which would go on writing to the destination, and the
+    move's TLS objects (the host's key in QEMU's memory) and parameters, so that the
+    next move starts clean. Best effort: the guest runs on here either way."""
+    try:
+        if await block.mirror_left(inst.qmp):
+            h.log.warning("ending the mirror of %s's disk a killed supervisor began",
+                             inst.vm)
+            await block.mirror_abort(inst.qmp)
+        for tls in await tlscreds.armed(inst.qmp):
+            await tlscreds.drop(inst.qmp, tls)
+    except QemuError as exc:
+        h.log.warning("what a move left in the QEMU of %s is not all removed: %s",
+                         inst.vm, exc)
 
 
 # An outgoing stream's states before its end (QEMU's MigrationStatus).
