@@ -9,9 +9,17 @@ tests build, imported on h0 and h1 like any user's image, not on h2), booted onc
 2. the destination's QEMU killed -9 while the mirror copies (slowed down): the move goes
    back, the guest runs on at h0 with its data (its checksum, ``qemu-img check``), h1
    has nothing of it;
-3. the move to h1: the guest runs there with its data, read from the mirrored disk;
-   the NVRAM and the seed are the source's, byte for byte; h0 has nothing left of it;
-   stopped, ``qemu-img check`` finds the destination's overlay clean.
+3. ``kill -9`` of the source host's supervisor of the guest's partition, of the source
+   agent (started again at once) and of the destination's supervisor, each while the
+   mirror copies: the move goes back (or, had the decision been "forward" already,
+   on: then the guest runs at h1 and is moved back), with the same checks as 2 and
+   one QEMU of the guest across the hosts, `ps` and the FusumaVM's status true;
+4. the move to h1, the destination's supervisor killed -9 once "forward" is recorded
+   (its incoming QEMU, then the only copy of the guest, serves the disk over NBD: the
+   supervisor started again takes it back and runs the guest): the guest runs there
+   with its data, read from the mirrored disk; the NVRAM and the seed are the
+   source's, byte for byte; h0 has nothing left of it; stopped, ``qemu-img check``
+   finds the destination's overlay clean.
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from fusuma.cluster.hostmove import FAULT_MIRROR_SPEED
+from fusuma.cluster.hostmove import FAULT_DECIDED_DELAY, FAULT_MIRROR_SPEED
 from fusuma.images import diskimage
 from tests.cluster.conftest import Cluster, wait_for
 from tests.cluster.test_cluster import vm_yaml
@@ -71,6 +81,84 @@ def nothing_of_it(c: Cluster, host: str) -> None:
     """Host ``host`` has no VM, file or QEMU of the guest."""
     assert VM not in [v["name"] for v in c.host(host).ps()["vms"]], host
     assert not files(c, host).exists(), sorted(files(c, host).iterdir())
+
+
+def supervisor_pid(c: Cluster, host: str) -> int:
+    """The pid of the supervisor of the guest's partition (p0) on ``host``."""
+    return int(next(p["supervisor_pid"] for p in c.host(host).ps()["partitions"]
+                    if p["name"] == "p0"))
+
+
+def mirroring(c: Cluster) -> dict[str, Any]:
+    """Begin the move to h1 (the spec's host set anew: a new generation, tried at once)
+    and return its record once the mirror is writing h1's disk."""
+    patch_host(c, VM, "h0")
+    patch_host(c, VM, "h1")
+    move = wait_for(
+        lambda: (m := c.vm(VM)["status"].get("move") or {}).get("phase") == "Streaming"
+        and m.get("destPid") and m, 180, "the move streaming")
+    assert isinstance(move, dict)
+    made = files(c, "h1") / "disk.qcow2"
+    size0 = made.stat().st_size
+    wait_for(lambda: made.stat().st_size > size0 + 2**20, 60,
+             "the mirror writing the destination's disk")
+    return move
+
+
+def ended(c: Cluster, move: dict[str, Any]) -> dict[str, Any]:
+    """Move ``move``'s lastMove once it is over and the guest runs."""
+    out = wait_for(
+        lambda: (v := c.vm(VM)["status"]).get("lastMove", {}).get("id") == move["id"]
+        and not v.get("move") and v.get("state") == "Running" and c.running(VM)
+        and v["lastMove"], 240, f"the end of move {move['id']}")
+    assert isinstance(out, dict)
+    return out
+
+
+def runs_once_on(c: Cluster, host: str, before: str, tmp: Path) -> int:
+    """The guest runs in one QEMU across the hosts, on ``host``, as the FusumaVM and
+    that host's `ps` say, with its data; its disk there is sound (a copy checked as
+    QEMU opens a dirty image, then again); the other hosts keep nothing of it. Its
+    QEMU's pid."""
+    other = "h0" if host == "h1" else "h1"
+    wait_for(lambda: not files(c, other).exists() and not qemus(c).get(other), 120,
+             f"{other} to remove what it made")
+    nothing_of_it(c, other)
+    nothing_of_it(c, "h2")
+    st = c.vm(VM)["status"]
+    (pid,) = qemus(c)[host]
+    assert qemus(c) == {host: [pid]} and (st["host"], st["pid"], st["state"]) == (
+        host, pid, "Running"), (qemus(c), st)
+    ps = [v for v in c.host(host).ps()["vms"] if v["name"] == VM]
+    assert [(v["state"], v["pid"]) for v in ps] == [("running", pid)], ps
+    assert sh(c, host, CHECK).split()[0] == before
+    copy = tmp / f"{host}-disk.qcow2"
+    shutil.copyfile(files(c, host) / "disk.qcow2", copy)
+    repaired = img_check(copy, "-r", "all")
+    check = img_check(copy)
+    assert repaired.returncode == 0 and check.returncode == 0 and \
+        "No errors were found" in check.stdout, repaired.stdout + check.stdout
+    copy.unlink()
+    return pid
+
+
+def killed_mid_mirror(c: Cluster, kill: Callable[[dict[str, Any]], None], before: str,
+                      tmp: Path) -> tuple[str, int]:
+    """One move to h1 whose mirror ``kill`` interrupts: it ends back at h0 (or, had
+    "forward" been recorded first, at h1, whence the guest is moved back); each end
+    checked (``runs_once_on``). The decision and the guest's pid at h0 after."""
+    move = mirroring(c)
+    kill(move)
+    last = ended(c, move)
+    if last["result"] == "ok":
+        assert last["decision"] == "forward", last
+        runs_once_on(c, "h1", before, tmp)
+        patch_host(c, VM, "h0")
+        moved(c, VM, "h0", timeout=300)
+    else:
+        assert (last["result"], last.get("decision")) == ("failed", "back"), last
+        patch_host(c, VM, "h0")
+    return str(last.get("decision")), runs_once_on(c, "h0", before, tmp)
 
 
 def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
@@ -142,7 +230,33 @@ def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
     nothing_of_it(c, "h1")
     killed_s = time.monotonic() - t
 
-    # 3. The move: the agent restarted as usual tries it again at once.
+    # 3. kill -9 of the source's supervisor, the source agent, the destination's
+    # supervisor, each while the mirror copies.
+    slow = {FAULT_MIRROR_SPEED: str(2 * 2**20)}
+    kills: dict[str, str] = {}
+    t = time.monotonic()
+    decision, pid = killed_mid_mirror(
+        c, lambda m: os.kill(supervisor_pid(c, "h0"), signal.SIGKILL), before, tmp_path)
+    assert pid == pid0 and decision == "back"     # it never reached "forward"
+    kills["source supervisor"] = f"{time.monotonic() - t:.1f} s"
+    t = time.monotonic()
+
+    def source_agent(m: dict[str, Any]) -> None:
+        lh = c.lab_host("h0")
+        c.lab.stop_agent(lh, signal.SIGKILL)
+        c.lab.start_agent(lh, env=slow)
+
+    decision, pid0 = killed_mid_mirror(c, source_agent, before, tmp_path)
+    kills["source agent"] = f"{decision} {time.monotonic() - t:.1f} s"
+    t = time.monotonic()
+    decision, pid = killed_mid_mirror(
+        c, lambda m: os.kill(supervisor_pid(c, "h1"), signal.SIGKILL), before, tmp_path)
+    assert pid == pid0 and decision == "back"
+    kills["destination supervisor"] = f"{time.monotonic() - t:.1f} s"
+
+    # 4. The move, its destination's supervisor killed once "forward" is recorded
+    # (h1's agent waits there): the agent starts it again, which takes the incoming
+    # QEMU back (it serves the guest's disk) and the guest runs at h1.
     t = time.monotonic()
     nvram = (files(c, "h0") / "nvram.fd").read_bytes()
     seed = (files(c, "h0") / "seed.iso").read_bytes()
@@ -150,10 +264,25 @@ def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
 
     assert nvram != ovmf()[1].read_bytes(), "the guest's NVRAM is still the template"
     restart_agents(c, {}, "h0")
+    restart_agents(c, {FAULT_DECIDED_DELAY: "8"}, "h1")
+    sup1 = supervisor_pid(c, "h1")
+    log1 = c.host("h1").home / "partitions" / "p0" / "supervisor.log"
+    seen = log1.stat().st_size
+    patch_host(c, VM, "h0")
+    patch_host(c, VM, "h1")
+    decided = wait_for(lambda: (m := c.vm(VM)["status"].get("move") or {})
+                       .get("decision") and m, 300, "the decision", every=0.1)
+    os.kill(sup1, signal.SIGKILL)
+    assert (decided["decision"], decided["decidedBy"]) == ("forward", "h1"), decided
     last = moved(c, VM, "h1", timeout=300)
+    with log1.open("rb") as f:
+        f.seek(seen)
+        adopted = f.read().decode(errors="replace")
+    assert "as the incoming side of a move from another host serving its disk" in \
+        adopted, adopted[-2000:]
     assert (last["result"], last["decision"]) == ("ok", "forward"), last
     pid1 = c.vm(VM)["status"]["pid"]
-    assert qemus(c) == {"h1": [pid1]} and pid1 != pid0
+    assert qemus(c) == {"h1": [pid1]} and pid1 != pid0 and pid1 == decided["destPid"]
     assert sh(c, "h1", CHECK).split()[0] == before
     assert sh(c, "h1", f"od -An -c {VAR}").split()[-5:] == list("moved")
     there = files(c, "h1")
@@ -172,5 +301,5 @@ def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
     assert check.returncode == 0 and "No errors were found" in check.stdout, \
         check.stdout + check.stderr
     print(f"import x2 {import_s:.1f} s, boot {boot_s:.1f} s, refused {refused_s:.1f} s, "
-          f"killed {killed_s:.1f} s, moved {moved_s:.1f} s (downtime "
+          f"killed {killed_s:.1f} s, {kills}, moved {moved_s:.1f} s (downtime "
           f"{last.get('downtimeMs')} ms), {hashlib.sha256(nvram).hexdigest()[:12]}")
