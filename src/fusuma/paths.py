@@ -42,10 +42,12 @@ another user made.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import pwd
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +129,18 @@ def console_log_max(raw: str | None) -> int:
         raise HostError(f"FUSUMA_CONSOLE_LOG_MAX={raw!r} is not a size of at least 64K; "
                         "give bytes or a number with K, M or G (default 16M).")
     return size
+
+
+@contextlib.contextmanager
+def exclusive(path: Path, mode: int = 0o600) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the file ``path`` (made with ``mode`` if
+    missing) for the block: one holder at a time, across processes."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def ensure_dir(path: Path, mode: int, owner: int | None = None) -> Path:

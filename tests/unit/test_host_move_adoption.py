@@ -19,7 +19,7 @@ import pytest
 
 from fusuma.errors import QemuError
 from fusuma.paths import Paths
-from fusuma.qemu import block, tlscreds
+from fusuma.qemu import block, process, tlscreds
 from fusuma.qemu.instance import Instances, QemuInstance, Role
 from fusuma.state import Database, Decision, Job, JobKind, JobOwner, VmRecord, VmState, vm_obj
 from fusuma.supervisor import adopt
@@ -148,11 +148,12 @@ def incoming_here(paths: Paths, db: Database, peer: Peer,  # noqa: F811
 
     async def adopted(vm: str, pid: int, run: Path, ram: Path | None, *a: Any
                       ) -> tuple[QemuInstance, str]:
-        return QemuInstance(vm, pid, peer, run_dir=run, ram_file=ram), "inmigrate"
+        qmp: Any = peer
+        return QemuInstance(vm, pid, qmp, run_dir=run, ram_file=ram), "inmigrate"
 
     monkeypatch.setattr(QemuInstance, "adopt", adopted)
     monkeypatch.setattr(adopt, "end_unmanaged", lambda pid, *a, **k: ended.append(pid))
-    monkeypatch.setattr(adopt.process, "cmdline", lambda pid: [])
+    monkeypatch.setattr(process, "cmdline", lambda pid: [])
     asyncio.run(adopt._adopt_one(h, VM, PID))  # type: ignore[arg-type]
     return h, ended
 
@@ -248,3 +249,42 @@ def test_a_malformed_export_list_is_one_sentence(reply: object) -> None:
     with pytest.raises(QemuError, match=r"^QEMU's answer to query-block-exports is "
                        r"malformed: (not a list|an export has no id)\.$"):
         block.parse_exports(reply)
+
+
+def test_two_processes_finding_a_supervisor_dead_start_one(
+        paths: Paths, db: Database, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """An agent's pass over its partitions and a move's next step both find the
+    supervisor killed, and both start one: the second waits for the first's start
+    (until its socket answers, its pidfile written) and takes that one; two would adopt
+    the same QEMUs, and the second, refused by QEMU's monitor, would serve the
+    partition with none of them."""
+    import threading
+    import time
+
+    from fusuma.partition.manager import PartitionManager
+
+    parts = PartitionManager(paths, db, host=object())  # type: ignore[arg-type]
+    alive: list[int] = []
+    started: list[int] = []
+    entered = threading.Event()
+
+    def start(name: str, pdir: Path, timeout: float) -> int:
+        entered.set()
+        started.append(len(started) + 100)
+        time.sleep(0.3)        # adopting its QEMUs before its socket answers
+        alive.append(started[-1])
+        return started[-1]
+
+    monkeypatch.setattr(parts, "supervisor_pid", lambda name: alive[-1] if alive else None)
+    monkeypatch.setattr(parts, "_start", start)
+    got: list[int] = []
+    first = threading.Thread(target=lambda: got.append(parts.start_supervisor("p0")))
+    first.start()
+    assert entered.wait(5)
+    # The second looked before the first's socket answered: none alive then.
+    looks = iter([None])
+    monkeypatch.setattr(parts, "supervisor_pid",
+                        lambda name: next(looks, alive[-1] if alive else None))
+    got.append(parts.start_supervisor("p0"))
+    first.join()
+    assert started == [100] and sorted(got) == [100, 100]

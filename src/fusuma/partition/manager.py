@@ -34,7 +34,7 @@ from fusuma.host.topology import HostInfo, format_cpulist, host_info, siblings_t
 from fusuma.names import check_name
 from fusuma.partition import liveness
 from fusuma.partition.liveness import SUPERVISOR_MODULE
-from fusuma.paths import PRIVATE_DIR, Paths, ensure_dir
+from fusuma.paths import PRIVATE_DIR, Paths, ensure_dir, exclusive
 from fusuma.qemu import process
 from fusuma.state import Database, DiskRecord, Job, JobKind, PartitionRecord
 from fusuma.state.joblock import JobLock, Recover, ensure_recovered
@@ -360,6 +360,18 @@ class PartitionManager:
         if self.supervisor_pid(name) is not None:
             raise StateError(f"partition {name!r} already has a running supervisor.")
         pdir = ensure_dir(self.paths.partition_dir(name), PRIVATE_DIR)
+        # One start at a time per partition, until its socket answers (its pidfile is
+        # written by then).
+        with exclusive(pdir / "supervisor.start"):
+            # Another process may have started one while this one waited here (an
+            # agent's pass over its partitions and a move's next step, both finding the
+            # supervisor killed): that one adopts the QEMUs, and a second must not.
+            pid = self.supervisor_pid(name)
+            if pid is not None:
+                return pid
+            return self._start(name, pdir, timeout)
+
+    def _start(self, name: str, pdir: Path, timeout: float) -> int:
         self.paths.ensure_runtime()   # the socket's dir: runtime/partitions, 0711
         logf = pdir / "supervisor.log"
         units = self.units
@@ -539,3 +551,4 @@ class PartitionManager:
             why = storage.delete_file(disk)
             if why is not None:
                 self.notice(f"fusuma: notice: disk {name!r} removed, its file kept: {why}.")
+

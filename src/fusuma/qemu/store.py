@@ -8,12 +8,10 @@ for it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from fusuma.paths import Paths, ensure_dir
+from fusuma.paths import Paths, ensure_dir, exclusive
 
 
 def qemu_dir(paths: Paths) -> Path:
@@ -30,10 +28,5 @@ def ensure_qemu_dir(paths: Paths) -> Path:
 @contextlib.contextmanager
 def install_lock(paths: Paths) -> Iterator[None]:
     """One install or removal at a time in this cache (other namespaces share it)."""
-    base = ensure_qemu_dir(paths)
-    fd = os.open(base / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with exclusive(ensure_qemu_dir(paths) / ".lock", 0o644):
         yield
-    finally:
-        os.close(fd)
