@@ -143,12 +143,12 @@ def test_a_busy_vm_at_the_top_weight_does_not_starve_the_control_path(host: Host
     # The load is real: the guest's loop holds its core, at a VM's highest weight.
     assert hog_cores > 0.6, figures
     assert figures["hog_weight"] == top_vm, figures
-    assert figures["supervisor_weight"] == control, figures
     assert statistics.median(pings) <= PING_MEDIAN_MS, figures
     assert p90(pings) <= PING_P90_MS, figures
     assert wait_per_run <= WAIT_PER_RUN_MS, figures
     for to, m in moves.items():
         assert m["downtime_ms"] is not None and m["downtime_ms"] <= DOWNTIME_MS, (to, figures)
+    assert figures["supervisor_weight"] == control, figures
     # The moved VM's leaf is back at its class's weight (burstable: 100, shares 1024).
     moved = leaf(host, "p0", "vm.mover")[0].read_text().strip()
     assert moved in ("1024", "100"), moved
