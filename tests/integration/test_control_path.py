@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
+from fusuma.paths import Paths
 from fusuma.supervisor import rpc
+from fusuma.supervisor.client import SupervisorClient
 from tests.conftest import Host
 from tests.integration.test_qos import BUSY, wait_for
 
@@ -44,19 +46,9 @@ def leaf(host: Host, partition: str, name: str) -> tuple[Path, str, str]:
     return v2 / "cpu.weight", "10000", "10000"
 
 
-def ping_ms(sock: Path) -> float:
+def ping_ms(client: SupervisorClient) -> float:
     t0 = time.perf_counter()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(30)
-        s.connect(str(sock))
-        s.sendall(rpc.encode_request(rpc.Ping()))
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-    assert rpc.decode_reply(rpc.Ping(), buf, "p0").pid > 0
+    assert client.send(rpc.Ping(), timeout=30.0, wait_up=0.0).pid > 0
     return (time.perf_counter() - t0) * 1000
 
 
@@ -110,13 +102,14 @@ def test_a_busy_vm_at_the_top_weight_does_not_starve_the_control_path(host: Host
     weight.write_text(top_vm)
     hog = host.vm("hog")["pid"]
     sup = host.part("p0")["supervisor_pid"]
-    sock = host.runtime / "partitions" / "p0.sock"
+    with mock.patch.dict(os.environ, host.env):
+        client = SupervisorClient(Paths.from_env(), "p0")
 
     c0, t0 = cpu_s(hog), time.monotonic()
     w0, r0 = schedstat(sup)
     pings = []
     for _ in range(PINGS):
-        pings.append(ping_ms(sock))
+        pings.append(ping_ms(client))
         time.sleep(0.03)
     w1, r1 = schedstat(sup)
     hog_cores = (cpu_s(hog) - c0) / (time.monotonic() - t0)
