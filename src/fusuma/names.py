@@ -29,3 +29,7 @@ def check_name(kind: str, name: str) -> str:
 def vm_leaf(vm: str) -> str:
     """The cgroup leaf of a VM's QEMU in its partition."""
     return f"vm.{vm}"
+
+
+# The cgroup leaf of a partition's supervisor (beside its VMs' ``vm.*`` leaves).
+SUPERVISOR_LEAF = "supervisor"

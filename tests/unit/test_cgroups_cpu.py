@@ -9,8 +9,13 @@ from typing import Any
 import pytest
 
 from fusuma.errors import CgroupError, SpecError
-from fusuma.host.cgroups import CpuPolicy, parse_flat_keyed, parse_pressure_total
-from fusuma.host.cgroups.v1 import CgroupV1Driver, shares_for_weight
+from fusuma.host.cgroups import (
+    CPU_WEIGHT_MAX,
+    CpuPolicy,
+    parse_flat_keyed,
+    parse_pressure_total,
+)
+from fusuma.host.cgroups.v1 import SHARES_MAX, CgroupV1Driver, shares_for_weight
 from tests.unit.test_cgroups import (
     LIMITS,
     V1_CHILD,
@@ -142,3 +147,63 @@ def test_parsers() -> None:
                                 "full avg10=0.00 avg60=0.00 avg300=0.00 total=3") == 17
     assert parse_pressure_total("garbage") is None
     assert parse_flat_keyed("a 1\nb x\nc -2\n") == {"a": 1, "c": -2}
+
+
+# -- the control weight: the supervisor's leaf, a moving VM's paused QEMU ---------------
+
+def test_v1_control_weight_is_above_any_vms(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    driver, fake, leaf = v1_with(tmp_path, monkeypatch, V1_CPU)
+    sup = leaf.parent / "supervisor"
+    driver.create_leaf("p0", "supervisor")
+    # The highest a VM gets: a guaranteed VM the governor raised to 10000.
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=CPU_WEIGHT_MAX))
+    driver.set_control_cpu("p0", "supervisor")
+    assert read(sup / "cpu.shares") == str(SHARES_MAX) == "262144"
+    assert int(read(sup / "cpu.shares")) > 2 * int(read(leaf / "cpu.shares")) == 204800
+    assert read(sup / "cpu.cfs_quota_us") == "-1" and read(sup / "cpu.idle") == "0"
+    # A VM leaf taken from idle to control weight: idle off before the shares.
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=1, idle=True))
+    fake.writes.clear()
+    driver.set_control_cpu("p0", "vm.a")
+    names = [p.name for p, _ in fake.writes]
+    assert names.index("cpu.idle") < names.index("cpu.shares")
+    assert read(leaf / "cpu.shares") == "262144" and read(leaf / "cpu.idle") == "0"
+    # And back to a class's policy.
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=1000))
+    assert read(leaf / "cpu.shares") == "10240"
+
+
+def test_v1_control_weight_without_cpu_controller_does_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    driver, fake, _ = make_v1(tmp_path, monkeypatch)
+    del driver.mounts["cpu"]
+    driver.create("p0", LIMITS)
+    driver.create_leaf("p0", "supervisor")
+    fake.writes.clear()
+    driver.set_control_cpu("p0", "supervisor")
+    assert fake.writes == []
+    with pytest.raises(CgroupError, match="does not exist"):
+        v1_with(tmp_path / "b", monkeypatch, V1_CPU)[0].set_control_cpu("p0", "nope")
+
+
+def test_v2_control_weight_is_the_top_of_the_scale(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    driver, fake, mount = make_v2(tmp_path, monkeypatch, child=V2_CPU)
+    driver.create("p0", LIMITS)
+    for leaf in ("supervisor", "vm.a"):
+        driver.create_leaf("p0", leaf)
+    sup = mount / "fusuma" / "p0" / "supervisor"
+    driver.set_control_cpu("p0", "supervisor")
+    assert read(sup / "cpu.weight") == "10000" == str(CPU_WEIGHT_MAX)
+    assert read(sup / "cpu.max") == "max 100000" and read(sup / "cpu.idle") == "0"
+    # No VM's weight is above it: CpuPolicy refuses one.
+    with pytest.raises(SpecError):
+        CpuPolicy(weight=CPU_WEIGHT_MAX + 1)
+    vm = mount / "fusuma" / "p0" / "vm.a"
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=1, idle=True))
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=100, quota_us=10000))
+    fake.writes.clear()
+    driver.set_control_cpu("p0", "vm.a")
+    assert read(vm / "cpu.weight") == "10000" and read(vm / "cpu.max") == "max 100000"
+    assert "cpu.idle" not in [p.name for p, _ in fake.writes]

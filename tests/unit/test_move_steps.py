@@ -224,9 +224,11 @@ class StreamQmp:
         self.commands.append("cont")
 
 
-def perform_with(during: Any, decision: str | None) -> tuple[Any, list[str], list[str]]:
-    """Run the source's ``perform`` of a move to another host against fakes: the
-    result (or the error), QMP's commands, and whether it became the leaving side."""
+def perform_with(during: Any, decision: str | None, mode: str = "copy"
+                 ) -> tuple[Any, list[str], list[str]]:
+    """Run the source's ``perform`` of a move against fakes: the result (or the
+    error), QMP's commands, and what became of the source (the leaving side, its
+    runstate followed again, the control weight or its class's given to its leaf)."""
     from fusuma.state import VmState
     from fusuma.supervisor.moves import source
 
@@ -238,13 +240,15 @@ def perform_with(during: Any, decision: str | None) -> tuple[Any, list[str], lis
     db = type("Db", (), {"vm": lambda self, n: rec, "find_job": lambda self, o: job})()
     insts = type("Insts", (), {"get": lambda self, *a: inst})()
     h: Any = type("Host", (), {"instances": insts, "db": db,
-                               "follow_runstate": lambda self, i: became.append("follow")})()
+                               "follow_runstate": lambda self, i: became.append("follow"),
+                               "control_cpu": lambda self, vm: became.append("control"),
+                               "class_cpu": lambda self, vm, pid: became.append("class")})()
     inst.qmp = StreamQmp(during(inst) if during else None)
     real = source.leaving
     source.leaving = lambda h, i, owns_ram: became.append("leaving")  # type: ignore[assignment]
     try:
         try:
-            got: Any = asyncio.run(source.perform(h, "vm0", "tcp:10.0.0.2:4444", "copy",
+            got: Any = asyncio.run(source.perform(h, "vm0", "tcp:10.0.0.2:4444", mode,
                                                   timeout=5.0, plain_tcp=True))
         except MigrationError as exc:
             got = exc
@@ -266,7 +270,7 @@ def test_a_stream_that_ends_after_back_was_decided_runs_the_guest_on_here() -> N
     # "finish-migrate", where it refuses `cont`): the source waits for it, then runs
     # the guest (a `cont` at once failed, and left the guest paused for good, in the
     # lab once in about ten runs).
-    assert commands[-1] == "cont" and became == ["follow"]
+    assert commands[-1] == "cont" and became == ["class", "follow"]
     # The same when the host's job holds "back" (mirrored there by the agent).
     got, commands, became = perform_with(None, "back")
     assert isinstance(got, MigrationError) and commands[-1] == "cont"
@@ -274,6 +278,23 @@ def test_a_stream_that_ends_after_back_was_decided_runs_the_guest_on_here() -> N
     got, commands, became = perform_with(None, None)
     assert isinstance(got, rpc.Streamed) and "cont" not in commands
     assert became == ["leaving"]
+
+
+def test_a_zero_copy_source_streams_at_the_control_weight() -> None:
+    """The guest is paused for nearly all of a zero-copy stream, while its QEMU saves
+    the device state: its leaf gets the control weight just before `migrate` (a busy
+    guaranteed VM beside it must not hold the move up), and its class's weight again
+    when the guest runs on here."""
+    got, _, became = perform_with(None, None, mode="zero-copy")
+    assert isinstance(got, rpc.Streamed) and became == ["control", "leaving"]
+    got, _, became = perform_with(None, "back", mode="zero-copy")
+    assert isinstance(got, MigrationError) and became == ["control", "class", "follow"]
+
+    def fails(inst: Any) -> Any:
+        return lambda: inst.qmp.events.__setitem__(
+            slice(None), [ev("MIGRATION", 100.0, status="failed")])
+    got, _, became = perform_with(fails, None, mode="zero-copy")
+    assert isinstance(got, MigrationError) and became == ["control", "class"]
 
 
 class ResumeQmp:
@@ -315,8 +336,11 @@ def resume_with(qmp: ResumeQmp, streaming: bool) -> Any:
     db = type("Db", (), {"decide": lambda self, o, d: "back",
                          "find_job": lambda self, o: None})()
     insts = type("Insts", (), {"get": lambda self, *a: inst})()
+    inst.weights = []
     h: Any = type("Host", (), {"instances": insts, "db": db,
-                               "follow_runstate": lambda self, i: None})()
+                               "follow_runstate": lambda self, i: None,
+                               "class_cpu": lambda self, vm, pid:
+                                   inst.weights.append(("class", vm, pid))})()
     asyncio.run(source.resume(h, "vm0"))
     return inst
 
@@ -336,8 +360,10 @@ def test_resume_leaves_a_stream_to_its_owner_and_cancels_one_without() -> None:
     assert orphan.commands == ["migrate_cancel", "cont"]
     # No stream at all (the usual "back" after a failed one): just `cont`.
     idle = ResumeQmp(["failed"], "paused")
-    resume_with(idle, streaming=False)
+    inst = resume_with(idle, streaming=False)
     assert idle.commands == ["cont"]
+    # Its leaf, at the control weight while it streamed, is back at its class's.
+    assert inst.weights == [("class", "vm0", 77)]
 
 
 def test_a_stream_that_fails_after_back_was_decided_leaves_the_guest_running() -> None:
@@ -362,7 +388,9 @@ def test_a_stream_that_fails_after_back_was_decided_leaves_the_guest_running() -
     rec = type("Rec", (), {"state": VmState.MIGRATING, "accel_used": "kvm"})()
     db = type("Db", (), {"vm": lambda self, n: rec, "find_job": lambda self, o: None})()
     insts = type("Insts", (), {"get": lambda self, *a: inst})()
-    h: Any = type("Host", (), {"instances": insts, "db": db})()
+    weights: list[str] = []
+    h: Any = type("Host", (), {"instances": insts, "db": db,
+                               "class_cpu": lambda self, vm, pid: weights.append(vm)})()
     inst.qmp = FailingQmp(None, finishing=0)
     inst.qmp.during = fail_after_back(inst)
     try:
@@ -373,6 +401,7 @@ def test_a_stream_that_fails_after_back_was_decided_leaves_the_guest_running() -
     else:
         raise AssertionError("the failed stream was taken for a move")
     assert inst.qmp.commands[-1] == "cont" and inst.streaming is False
+    assert weights == ["vm0"]
 
 
 def test_a_new_stream_waits_for_qemu_to_clean_up_a_failed_one() -> None:

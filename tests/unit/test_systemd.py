@@ -244,6 +244,15 @@ def test_driver_leaves_are_threaded(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert drv.pids("p0") == [os.getpid()]
 
 
+def test_driver_supervisor_leaf_gets_the_control_weight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    drv, _run, part = make_driver(tmp_path, monkeypatch)
+    drv.create_leaf("p0", "supervisor")
+    drv.set_control_cpu("p0", "supervisor")
+    assert read(part / "supervisor" / "cpu.weight") == "10000"
+    assert read(part / "supervisor" / "cpu.max") == "max 100000"
+
+
 def test_driver_without_cpuset_delegated(tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     drv, _run, part = make_driver(tmp_path, monkeypatch, controllers="cpu memory pids")

@@ -33,7 +33,7 @@ from fusuma.governor.loop import Governor
 from fusuma.governor.memloop import Actions, MemoryGovernor
 from fusuma.host import cgroups
 from fusuma.memshare import holes
-from fusuma.names import vm_leaf
+from fusuma.names import SUPERVISOR_LEAF, vm_leaf
 from fusuma.paths import Paths
 from fusuma.state import LOCAL_JOBS, Database, JobKind, VmRecord
 from fusuma.supervisor import adopt, backups, rpc, snapshots, templates, vms
@@ -192,8 +192,14 @@ class Supervisor:
     async def run(self) -> None:
         h = self.host
         rec = h.db.partition(self.partition)
-        h.cg.create_leaf(self.partition, "supervisor")
-        h.cg.attach(self.partition, "supervisor", os.getpid())
+        h.cg.create_leaf(self.partition, SUPERVISOR_LEAF)
+        h.cg.attach(self.partition, SUPERVISOR_LEAF, os.getpid())
+        try:
+            # Above any VM's weight: a guaranteed VM busy on the partition's only core
+            # must not keep the control path waiting (docs/explanation/governor.md).
+            h.cg.set_control_cpu(self.partition, SUPERVISOR_LEAF)
+        except FusumaError as exc:
+            self.log.warning("cannot give the supervisor its control weight: %s", exc)
         sock = self.paths.supervisor_socket(self.partition)
         sock.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):

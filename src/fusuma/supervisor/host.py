@@ -462,6 +462,25 @@ class PartitionHost:
         self.log.info("allocated %s (%d MiB) in its RAM cgroup in %.0f ms", ram.name,
                       memory_mib, (time.monotonic() - t0) * 1000)
 
+    # -- the control weight of a moving VM's QEMU -------------------------------------
+    def control_cpu(self, vm: str) -> None:
+        """The control weight for VM ``vm``'s leaf while a move holds its guest paused
+        (or about to be): the QEMU then does the move's work (saving or loading the
+        device state), which a guaranteed VM busy beside it must not hold up. Best
+        effort: a move goes on at the class's weight."""
+        try:
+            self.cg.set_control_cpu(self.partition, vm_leaf(vm))
+        except FusumaError as exc:
+            self.log.warning("%s: cannot give its QEMU the control weight: %s", vm, exc)
+
+    def class_cpu(self, vm: str, pid: int) -> None:
+        """VM ``vm``'s leaf back at its class's policy, its guest running here again."""
+        try:
+            self.apply_class(self.db.vm(vm), pid)
+        except FusumaError as exc:
+            self.log.warning("%s: cannot give its QEMU its class's weight again: %s",
+                             vm, exc)
+
     def delete_leaf(self, vm: str) -> None:
         if vm in self.instances:
             return    # an in-place move's other QEMU of this VM still lives in it

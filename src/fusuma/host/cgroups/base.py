@@ -10,7 +10,9 @@ Layout, the same in both versions (``prefix`` is ``fusuma`` unless told otherwis
 
 Processes live only in leaves because cgroup v2's no-internal-process rule forbids
 processes in a cgroup whose children have controllers enabled; the governor later puts
-per-VM QoS on the ``vm.*`` leaves.
+per-VM QoS on the ``vm.*`` leaves, and the ``supervisor`` leaf gets the control weight
+(:meth:`CgroupDriver.set_control_cpu`), above any VM's, so that a guaranteed VM busy on
+the partition's only core cannot keep the partition's supervisor waiting.
 
 This module is the drivers' interface and the types they share; the drivers (v1, v2,
 systemd) import it and nothing else of the package, and the package's ``__init__``
@@ -194,6 +196,14 @@ class CgroupDriver(CgroupFiles, abc.ABC):
     @abc.abstractmethod
     def set_cpu(self, group: str, leaf: str, policy: CpuPolicy) -> None:
         """Give leaf ``prefix/group/leaf`` this CPU weight, quota and idle flag."""
+
+    @abc.abstractmethod
+    def set_control_cpu(self, group: str, leaf: str) -> None:
+        """Give leaf ``prefix/group/leaf`` the control weight: the highest this hierarchy
+        takes (v1 ``cpu.shares`` 262144, 2.56x a VM at weight 10000; v2 ``cpu.weight``
+        10000, a VM's highest too), no quota, not idle. For the control path (the
+        supervisor, a moving VM's paused QEMU): what it asks for it gets within one
+        scheduler slice, and what it does not ask for costs the VMs nothing."""
 
     @abc.abstractmethod
     def cpu_stat(self, group: str, leaf: str) -> CpuStat:

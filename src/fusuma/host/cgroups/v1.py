@@ -12,7 +12,9 @@ Kernel rules this driver follows (checked on 6.18):
   first (the caller), then the receiver grows to old+new, its leaves follow, and the
   partition finally settles on the new set.
 - Lowering ``memory.limit_in_bytes`` below current usage fails with EBUSY after reclaim.
-- ``cpu.shares`` (2..262144, default 1024) is cpu.weight x 10.24; the kernel refuses
+- ``cpu.shares`` (2..262144, default 1024) is cpu.weight x 10.24, so a VM's highest
+  weight (10000) is 102400 and the control path's leaves (262144) stay above it; the
+  kernel refuses
   a new value (EINVAL) while ``cpu.idle`` is 1, so the driver orders the two writes.
   ``cpu.cfs_quota_us`` -1 means no cap.
 - Block I/O weight is ``blkio.bfq.weight`` (1..1000, BFQ only) on current kernels;
@@ -271,6 +273,14 @@ class CgroupV1Driver(CgroupDriver):
         self._set(path / "cpu.cfs_period_us", str(policy.period_us), f"cpu period of {label}")
         quota = str(policy.quota_us) if policy.quota_us is not None else "-1"
         self._set(path / "cpu.cfs_quota_us", quota, f"cpu quota of {label}")
+
+    def set_control_cpu(self, group: str, leaf: str) -> None:
+        path = self._cpu_leaf(group, leaf)
+        if path is None:
+            return
+        label = self._label(group, leaf)
+        self._set_weight_idle(path, "cpu.shares", str(SHARES_MAX), False, label)
+        self._set(path / "cpu.cfs_quota_us", "-1", f"cpu quota of {label}")
 
     def cpu_stat(self, group: str, leaf: str) -> CpuStat:
         path = self._cpu_leaf(group, leaf)

@@ -41,6 +41,8 @@ from pathlib import Path
 
 from fusuma.errors import CgroupError
 from fusuma.host.cgroups.base import (
+    CPU_PERIOD_US,
+    CPU_WEIGHT_MAX,
     CPU_WEIGHT_MIN,
     HELD_EXCLUSIVE,
     HELD_PARTITION_ISOLATED,
@@ -408,6 +410,17 @@ class CgroupV2Driver(CgroupDriver):
         self._set_weight_idle(path, "cpu.weight", str(weight), policy.idle, label)
         quota = str(policy.quota_us) if policy.quota_us is not None else "max"
         self._set(path / "cpu.max", f"{quota} {policy.period_us}", f"cpu quota of {label}")
+
+    def set_control_cpu(self, group: str, leaf: str) -> None:
+        # cpu.weight stops at 10000, a boosted VM's weight too: beside such a VM the
+        # control leaf is woken within one slice (EEVDF gives equal weights equal
+        # deadlines), but a control path busy for long gets half the core, not more.
+        path = self._cpu_leaf(group, leaf)
+        if path is None:
+            return
+        label = self._label(group, leaf)
+        self._set_weight_idle(path, "cpu.weight", str(CPU_WEIGHT_MAX), False, label)
+        self._set(path / "cpu.max", f"max {CPU_PERIOD_US}", f"cpu quota of {label}")
 
     def cpu_stat(self, group: str, leaf: str) -> CpuStat:
         path = self._cpu_leaf(group, leaf)

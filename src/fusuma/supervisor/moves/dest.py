@@ -121,6 +121,9 @@ async def prepare(h: PartitionHost, vm: str, mode: str,
         inst = await h.launch(rec, accel, run, ram, "defer", rev, role=Role.INCOMING,
                               owns_ram=mode == "copy", disk_owner=rec.partition,
                               join_taps=True)
+        # Paused (-S) until the stream has arrived: the control weight costs the
+        # partition's VMs nothing, and loading the device state waits for none of them.
+        h.control_cpu(vm)
         await inst.qmp.migrate_set_capabilities(capabilities(mode))
         listener = inst.qmp.listener(EVENT_MIGRATION)
         uri = f"unix:{run}/migrate.sock"
@@ -231,6 +234,7 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
             h.log.warning("%s: announce-self failed after the move: %s", vm, exc)
     inst.move = None
     h.instances.change(inst, Role.RUNNING)
+    h.class_cpu(vm, inst.pid)
     # The guest's RAM is this QEMU's now (removal still waits until no QEMU maps it).
     inst.owns_ram = True
     rec = h.db.vm(vm)

@@ -126,6 +126,10 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
         t0 = time.time()
         if paused:
             await inst.qmp.stop()
+        if mode == "zero-copy":
+            # Device state only: the guest is paused for nearly all of the stream, and
+            # its QEMU does the move's work then, whatever busy VM shares its cores.
+            h.control_cpu(vm)
         await inst.qmp.migrate(uri)
         if nbd:
             await _until_switchover(inst, timeout)
@@ -146,6 +150,8 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
         if inst.resumed_back:     # "back" was decided meanwhile: the guest runs here
             with contextlib.suppress(QemuError, MigrationError):
                 await run_again(inst)
+        if not inst.exited.is_set():    # a failed stream: the guest runs on here
+            h.class_cpu(vm, inst.pid)
         raise
     finally:
         inst.streaming = False
@@ -166,6 +172,7 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
     if inst.resumed_back or decided_back(h, vm):
         inst.resumed_back = False
         await run_again(inst)
+        h.class_cpu(vm, inst.pid)
         h.follow_runstate(inst)
         raise MigrationError(f"the move of {vm!r} was decided back while it streamed; "
                              "the guest runs on here.")
@@ -347,6 +354,7 @@ async def resume(h: PartitionHost, vm: str) -> rpc.Resumed:
     if inst.role == Role.LEAVING:
         h.instances.change(inst, Role.RUNNING)
     inst.owns_ram = True
+    h.class_cpu(vm, inst.pid)
     h.follow_runstate(inst)
     return rpc.Resumed(pid=inst.pid, resume_ts=time.time())
 
