@@ -132,6 +132,9 @@ class Host:
     def apply_class(self, rec: VmRecord, pid: int) -> None:
         pass
 
+    def class_cpu(self, vm: str, pid: int) -> None:
+        pass
+
 
 def incoming_here(paths: Paths, db: Database, peer: Peer,  # noqa: F811
                   monkeypatch: pytest.MonkeyPatch) -> tuple[Host, list[int]]:
