@@ -140,6 +140,11 @@ VM_SPEC = _obj("The VM as asked for: fusuma's VM spec, plus where it runs.", {
     "boot": _s("How a guest of an imported disk image boots: bios (SeaBIOS, the "
                "default) or uefi (OVMF, with its own NVRAM variables).",
                enum=["bios", "uefi"]),
+    "storage": _s("A guest of an imported disk image: a storage directory every host it "
+                  "may run on declared shared (`fusuma storage add DIR --shared`); its "
+                  "thin disk, NVRAM and seed live in DIR/vm-NAME and stay there when it "
+                  "moves between hosts (no disk is copied). Empty: each host's own "
+                  "directory, the disk mirrored over NBD with a move.", maxLength=4096),
     "accel": _s("Accelerator: auto (KVM where it works, else TCG), kvm or tcg.",
                 enum=["auto", "kvm", "tcg"], default="auto"),
     "sharedRam": _b("Guest RAM in a named shared file (needed for zero-copy moves).",
