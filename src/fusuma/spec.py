@@ -16,6 +16,7 @@ A spec is a TOML file applied with ``fusuma up``::
 
     [[storage]]           # a directory for disk files (FUSUMA_HOME/disks always is one)
     path = "/srv/fusuma-disks"
+    shared = false        # true: other hosts see the same files (VMs' `storage`)
 
     [[disk]]
     name = "d0"

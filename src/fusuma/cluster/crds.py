@@ -105,6 +105,10 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                 "nbd": _s("Between hosts, a VM of an imported disk image: where the "
                           "destination serves its fresh thin disk over NBD "
                           "(tcp:ADDR:PORT) for the source's mirror."),
+                "sharedStorage": _b("Between hosts, a VM on shared storage "
+                                    "(spec.storage): its files stay where they are, the "
+                                    "destination proved it sees the same directory, and "
+                                    "no disk is mirrored."),
                 "tls": _b("Between hosts: the stream is encrypted and both hosts proved who "
                           "they are with certificates of the cluster's move CA (false only "
                           "in the benchmark's before)."),
