@@ -89,7 +89,13 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                                            "seedInputs": _obj(
                                                "What the seed says.", {},
                                                **{"x-kubernetes-preserve-unknown-fields":
-                                                  True})})}),
+                                                  True})}),
+                                   "sharedStorage": _obj(
+                                       "A VM on shared storage (spec.storage): where its "
+                                       "files are and the token the source wrote there, "
+                                       "which the destination must read at that path.", {
+                                           "path": _s("The directory of its files."),
+                                           "token": _s("A random token, hex.")})}),
                 "destPid": _i("Between hosts: the destination QEMU's pid."),
                 "prepareMs": _n("Between hosts: time to start the destination QEMU, ms."),
                 "resumeTs": _n("Between hosts: when the guest resumed at the destination "

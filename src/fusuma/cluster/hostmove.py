@@ -505,7 +505,10 @@ class HostMoveDest(_Side):
             except StateError as exc:
                 raise MoveRefused(str(exc)) from exc
             fields.update(image=base.name, disk_size=str(disk.virtual_size))
-        fields.pop("storage", None)
+        if fields.pop("storage", None) and where is None:
+            raise MoveRefused(f"VM {v.name!r} is placed on shared storage (spec.storage), "
+                              "and the move's record does not say where its files are: "
+                              "nothing was made on host " + a.host + ".")
         if where is not None:
             fields["storage"] = str(where.parent)
         if nics or fields.get("nics"):
