@@ -143,7 +143,7 @@ def test_a_vm_on_shared_storage_moves_between_hosts_without_its_disk(
     assert disk.stat().st_ino == ino
     nothing_of_it(c, "h0")
     log1 = qmp_log(c, "h1")
-    assert '"late-block-activate": true' in log1, log1[-2000:]
+    assert "'capability': 'late-block-activate', 'state': True" in log1, log1[-3000:]
     assert "nbd-server-start" not in log1 and "blockdev-mirror" not in log1
     there_s = time.monotonic() - t
     t = time.monotonic()
@@ -154,6 +154,7 @@ def test_a_vm_on_shared_storage_moves_between_hosts_without_its_disk(
     assert disk.stat().st_ino == ino
     nothing_of_it(c, "h1")
     log0 = qmp_log(c, "h0")
+    assert "'capability': 'late-block-activate', 'state': True" in log0, log0[-3000:]
     assert "nbd-server-start" not in log0 and "blockdev-mirror" not in log0
     back_s = time.monotonic() - t
     c.lab.kubectl("patch", "fusumavm", VM, "--type=merge",
