@@ -29,6 +29,8 @@ LOG = logging.getLogger(__name__)
 class Plan:
     # Storage directories to declare (their real paths), before any disk is added.
     add_storage: list[str] = field(default_factory=list)
+    # ... of which these are declared shared (``shared = true``).
+    shared_storage: set[str] = field(default_factory=set)
     create_partitions: list[PartitionSpec] = field(default_factory=list)
     resize_partitions: list[tuple[PartitionSpec, bool]] = field(default_factory=list)
     add_disks: list[DiskSpec] = field(default_factory=list)
@@ -59,7 +61,8 @@ class Plan:
     def describe(self) -> list[str]:
         out = [f"install systemd unit {path}" for path in self.installed]
         out += [f"start the supervisor of partition {n}" for n in self.start_supervisors]
-        out += [f"declare storage directory {d}" for d in self.add_storage]
+        out += [f"declare {'shared ' if d in self.shared_storage else ''}storage "
+                f"directory {d}" for d in self.add_storage]
         out += [f"create network {n.name} ({n.type})" for n in self.create_networks]
         out += [f"bring back network {n}" for n in self.ensure_networks]
         if self.host_overcommit is not None:
@@ -110,8 +113,14 @@ def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> 
     check_host_fit(spec, parts.host, source)
     p = Plan()
     have = {str(d) for d in storage.declared(parts.paths, db)}
+    shared = set(db.shared_storage_dirs())
     for i, st in enumerate(spec.storage):
         real = os.path.realpath(st.path)
+        if real in have and st.shared != (real in shared) and real not in p.add_storage:
+            raise SpecError(f"{source}: storage[{i}].shared: {real} is declared "
+                            f"{'shared' if real in shared else 'not shared'} on this host "
+                            "already; remove it (`fusuma storage remove`) and declare it "
+                            "again to change that.")
         if real in have or real == os.path.realpath(storage.default_dir(parts.paths)):
             continue
         try:
@@ -119,6 +128,8 @@ def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> 
         except FusumaError as exc:
             raise SpecError(f"{source}: storage[{i}].path: {exc}") from exc
         p.add_storage.append(real)
+        if st.shared:
+            p.shared_storage.add(real)
         have.add(real)
     _plan_networks(db, parts, spec, source, p)
     for ps in spec.partition:
@@ -234,7 +245,7 @@ def _up(db: Database, parts: PartitionManager, vms: VmManager, spec: HostSpec,
             rev.add(lambda n=ns.name: nets.delete(n))  # type: ignore[misc]
         for d in the_plan.add_storage:
             progress(f"declaring storage directory {d}")
-            parts.add_storage(d)
+            parts.add_storage(d, d in the_plan.shared_storage)
             rev.add(lambda d=d: parts.remove_storage(d))  # type: ignore[misc]
         # Overcommits first: a raised one makes room for what the spec adds.
         if the_plan.host_overcommit is not None:

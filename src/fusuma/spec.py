@@ -16,6 +16,7 @@ A spec is a TOML file applied with ``fusuma up``::
 
     [[storage]]           # a directory for disk files (FUSUMA_HOME/disks always is one)
     path = "/srv/fusuma-disks"
+    shared = false        # true: other hosts see the same files (VMs' `storage`)
 
     [[disk]]
     name = "d0"
@@ -163,6 +164,9 @@ class StorageSpec(_Model):
     path: str
     """The directory's absolute path; disks' files must lie inside a storage directory
     (FUSUMA_HOME/disks always is one)."""
+    shared: bool = False
+    """Other hosts see the same files at the same path (NFS, a cluster file system):
+    VMs placed there (`storage` of a VM) move between them without copying disks."""
 
     @field_validator("path")
     @classmethod
@@ -340,6 +344,11 @@ class VmSpec(_Model):
     user_data: Annotated[str, Field(max_length=65536)] | None = None
     """An imported image: cloud-init user-data as text (a #cloud-config, a script or a
     MIME multipart), run at its first boot."""
+    storage: Annotated[str, Field(max_length=4096)] | None = None
+    """An imported image: a storage directory root declared shared (`fusuma storage
+    add DIR --shared`) for its thin disk, NVRAM and seed (in `DIR/vm-NAME`), so that
+    it moves between hosts sharing it without copying its disk; unset: its own
+    directory under FUSUMA_HOME."""
 
     _check_name = field_validator("name")(_name_field)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from fusuma.cluster.context import AgentConfig
 from fusuma.cluster.kube import ADDRESS, HOST
 from fusuma.cluster.owners import Owner
 from fusuma.cluster.resources import VmView
+from fusuma.paths import Paths
 from fusuma.state import Decision, JobKind, MovePhase, VmState
 from fusuma.supervisor import rpc
 
@@ -92,9 +94,16 @@ class FakeDb:
     decisions: list[str] = field(default_factory=list)
     jobs: list[FakeJob] = field(default_factory=list)
     held: FakeJob | None = None
+    shared: list[str] = field(default_factory=list)
 
     def find_job(self, obj: str) -> None:
         return None
+
+    def find_partition(self, name: str) -> Any:
+        return name
+
+    def shared_storage_dirs(self) -> list[str]:
+        return list(self.shared)
 
     def find_vm(self, name: str) -> Any:
         return self.vms.get(name)
@@ -134,6 +143,10 @@ class FakeHost:
 
     def __init__(self) -> None:
         self.db = FakeDb()
+        # No VM's files are anywhere here (fusuma.images.store.placed_in finds none).
+        self.paths = Paths(home=Path("/nonexistent/fusuma-unit"), runtime=Path("/nonexistent"),
+                           shm=Path("/nonexistent"), cache=Path("/nonexistent"),
+                           cgroup_prefix="fusuma-unit")
         self.sent: list[Any] = []
         self.deleted: list[str] = []
         self.parts = self

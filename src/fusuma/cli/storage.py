@@ -19,11 +19,16 @@ def storage() -> None:
 
 @storage.command("add")
 @click.argument("directory")
+@click.option("--shared", is_flag=True,
+              help="Other hosts see the same files at the same path (NFS, a cluster "
+                   "file system): VMs placed here (`vm create --storage DIR`) move "
+                   "between hosts that declared it shared too without copying their "
+                   "disks. Declare it so on each host.")
 @pass_ctx
-def add(c: Ctx, directory: str) -> None:
+def add(c: Ctx, directory: str, shared: bool) -> None:
     """Declare DIRECTORY for disk files (created 0700 if missing)."""
-    real = c.parts.add_storage(directory)
-    click.echo(f"storage directory {real} declared")
+    real = c.parts.add_storage(directory, shared)
+    click.echo(f"{'shared ' if shared else ''}storage directory {real} declared")
 
 
 @storage.command("remove")
@@ -47,5 +52,7 @@ def list_(c: Ctx, as_json: bool) -> None:
         emit_json(rows)
         return
     click.echo(table([[str(r["path"]), "yes" if r["default"] else "-",
-                       ",".join(r["disks"]) or "-"] for r in rows],
-                     ["directory", "default", "disks"]))
+                       "yes" if r["shared"] else "-",
+                       ",".join(r["disks"]) or "-", ",".join(r["vms"]) or "-"]
+                      for r in rows],
+                     ["directory", "default", "shared", "disks", "vms"]))

@@ -127,6 +127,11 @@ def vm() -> None:
               type=click.Path(exists=True, dir_okay=False),
               help="An imported image: cloud-init user-data (a #cloud-config or a "
                    "script) run at its first boot.")
+@click.option("--storage", default=None, metavar="DIR",
+              help="An imported image: keep its thin disk, NVRAM and seed in DIR/vm-NAME, "
+                   "DIR a storage directory root declared shared (`fusuma storage add DIR "
+                   "--shared`); it then moves between hosts that share DIR without copying "
+                   "its disk. Default: its own directory under FUSUMA_HOME.")
 @click.option("--start", is_flag=True, help="Start it right away (if that fails, the "
               "VM is not kept).")
 @click.option("--json", "as_json", is_flag=True)
@@ -137,8 +142,8 @@ def create(c: Ctx, name: str, partition: str, vcpus: int | None, memory_mib: int
            segments: tuple[str, ...], mergeable: bool, ports: tuple[str, ...],
            nics: tuple[str, ...], machine: str | None, emulator: str, page_reporting: bool | None,
            template: str | None, boot: str | None, disk_size: str | None,
-           ssh_keys: tuple[str, ...], user_data: str | None, start: bool,
-           as_json: bool) -> None:
+           ssh_keys: tuple[str, ...], user_data: str | None, storage: str | None,
+           start: bool, as_json: bool) -> None:
     """Define VM NAME in a partition (and optionally start it).
 
     \b
@@ -175,6 +180,8 @@ def create(c: Ctx, name: str, partition: str, vcpus: int | None, memory_mib: int
         fields["ssh_keys"] = [read_text(f, "SSH key file", 16384) for f in ssh_keys]
     if user_data is not None:
         fields["user_data"] = read_text(user_data, "user-data file", 65536)
+    if storage is not None:
+        fields["storage"] = storage
     if nics:
         from dataclasses import asdict
 

@@ -89,7 +89,13 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                                            "seedInputs": _obj(
                                                "What the seed says.", {},
                                                **{"x-kubernetes-preserve-unknown-fields":
-                                                  True})})}),
+                                                  True})}),
+                                   "sharedStorage": _obj(
+                                       "A VM on shared storage (spec.storage): where its "
+                                       "files are and the token the source wrote there, "
+                                       "which the destination must read at that path.", {
+                                           "path": _s("The directory of its files."),
+                                           "token": _s("A random token, hex.")})}),
                 "destPid": _i("Between hosts: the destination QEMU's pid."),
                 "prepareMs": _n("Between hosts: time to start the destination QEMU, ms."),
                 "resumeTs": _n("Between hosts: when the guest resumed at the destination "
@@ -105,6 +111,10 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                 "nbd": _s("Between hosts, a VM of an imported disk image: where the "
                           "destination serves its fresh thin disk over NBD "
                           "(tcp:ADDR:PORT) for the source's mirror."),
+                "sharedStorage": _b("Between hosts, a VM on shared storage "
+                                    "(spec.storage): its files stay where they are, the "
+                                    "destination proved it sees the same directory, and "
+                                    "no disk is mirrored."),
                 "tls": _b("Between hosts: the stream is encrypted and both hosts proved who "
                           "they are with certificates of the cluster's move CA (false only "
                           "in the benchmark's before)."),
@@ -140,6 +150,11 @@ VM_SPEC = _obj("The VM as asked for: fusuma's VM spec, plus where it runs.", {
     "boot": _s("How a guest of an imported disk image boots: bios (SeaBIOS, the "
                "default) or uefi (OVMF, with its own NVRAM variables).",
                enum=["bios", "uefi"]),
+    "storage": _s("A guest of an imported disk image: a storage directory every host it "
+                  "may run on declared shared (`fusuma storage add DIR --shared`); its "
+                  "thin disk, NVRAM and seed live in DIR/vm-NAME and stay there when it "
+                  "moves between hosts (no disk is copied). Empty: each host's own "
+                  "directory, the disk mirrored over NBD with a move.", maxLength=4096),
     "accel": _s("Accelerator: auto (KVM where it works, else TCG), kvm or tcg.",
                 enum=["auto", "kvm", "tcg"], default="auto"),
     "sharedRam": _b("Guest RAM in a named shared file (needed for zero-copy moves).",

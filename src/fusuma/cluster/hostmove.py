@@ -69,13 +69,14 @@ from fusuma.cluster.resources import (
     set_condition,
 )
 from fusuma.errors import FusumaError, MigrationError, StateError
+from fusuma.images import store
 from fusuma.migration import FAULT_STREAM_BPS
 from fusuma.qemu import recorded
 from fusuma.state import Decision, JobKind, MovePhase, VmState, vm_obj
 from fusuma.state.lock import host_lock
 from fusuma.supervisor import rpc
 from fusuma.supervisor.moves.source import MAX_CHANNELS
-from fusuma.vm import boot
+from fusuma.vm import boot, shared
 
 if TYPE_CHECKING:
     from fusuma.ops.context import Ctx
@@ -292,8 +293,11 @@ class _Side:
         return parts.client(self.partition)
 
     def remove(self) -> None:
-        """After this host's job (a delete takes its own): the VM is no longer here."""
+        """After this host's job (a delete takes its own): the VM is no longer here.
+        Its files on shared storage stay: they are the other host's now (forward) or
+        still (back)."""
         if self.c.db.find_vm(self.v.name) is not None:
+            shared.detach(self.c.paths, self.v.name)
             self.c.vms.delete(self.v.name, force=True)
         self.a.owners.remove("vms", self.v.name)
 
@@ -351,9 +355,10 @@ class HostMoveSource(_Side):
             raise MigrationError(f"the destination of the move asks for {channels!r} "
                                  f"channels, not 1 to {MAX_CHANNELS}.")
         nbd = ""
-        if self.c.db.vm(self.v.name).boot != "kernel":
+        if self.c.db.vm(self.v.name).boot != "kernel" \
+                and store.placed_in(self.c.paths, self.v.name) is None:
             # Its thin disk is mirrored to the destination's export, at the address
-            # that host registered, as the stream is.
+            # that host registered, as the stream is (on shared storage it stays put).
             nbd = stream_uri(self.a, self.dest, str(prep.get("nbd") or ""))
         if not plain:
             self.a.move_creds()
@@ -486,14 +491,26 @@ class HostMoveDest(_Side):
         # before anything is defined or started here.
         record = dict(record)
         thin = record.pop(boot.CARRIED_DISK, None)
+        placed = record.pop(shared.CARRIED_PLACE, None)
         try:
             carried: dict[str, Any] = recorded.check_carried(record)
             nics = recorded.carried_nics(record)
             disk = None if thin is None else boot.check_carried(thin)
+            place = None if placed is None else shared.check_carried(placed)
+            if place is not None and disk is None:
+                raise StateError("the move's record names shared storage for a VM with "
+                                 "no thin disk")
         except (recorded.DeviceSetRefused, StateError) as exc:
             raise MigrationError(f"{exc}; nothing was started on host {a.host}") from exc
         if c.db.find_partition(part) is None:
             raise MigrationError(f"partition {part!r} does not exist on host {a.host}")
+        where = None
+        if place is not None:
+            # The very directory the source's QEMU has its files in, or no move.
+            try:
+                where = shared.check_here(c.db, v.name, place, a.host)
+            except StateError as exc:
+                raise MoveRefused(str(exc)) from exc
         fields = v.vm_spec_fields(part)
         if disk is not None:
             # A thin disk on this host's copy of its image (the same checksum), as large
@@ -503,13 +520,19 @@ class HostMoveDest(_Side):
             except StateError as exc:
                 raise MoveRefused(str(exc)) from exc
             fields.update(image=base.name, disk_size=str(disk.virtual_size))
+        if fields.pop("storage", None) and where is None:
+            raise MoveRefused(f"VM {v.name!r} is placed on shared storage (spec.storage), "
+                              "and the move's record does not say where its files are: "
+                              "nothing was made on host " + a.host + ".")
+        if where is not None:
+            fields["storage"] = str(where.parent)
         if nics or fields.get("nics"):
             # The same NICs (MAC, address) as at the source, on taps of this host's.
             fields["nics"] = [{"network": n, "mac": mac, "ip": ip}
                               for _, n, mac, ip in nics]
         a.owners.set("vms", v.name, Owner(v.uid, v.namespace, v.name))
         try:
-            rec = c.vms.create(VmSpec.model_validate(fields))
+            rec = c.vms.create(VmSpec.model_validate(fields), adopt=where)
         except FusumaError:
             a.owners.remove("vms", v.name)
             raise
@@ -524,12 +547,14 @@ class HostMoveDest(_Side):
             a.move_creds()
         prep = c.parts.client(part).send(
             rpc.RemoteIncoming(v.name, a.address, self.source, tls=tls, channels=channels,
-                               nbd=disk is not None),
+                               nbd=disk is not None and where is None,
+                               shared_disk=where is not None),
             timeout=120)
         jh.phase(MovePhase.PREPARED, uri=prep.uri)
         self.record(MovePhase.PREPARED, {"uri": prep.uri, "destPid": prep.pid,
                                          "prepareMs": prep.prepare_ms, "tls": tls,
-                                         "channels": channels, "nbd": prep.nbd})
+                                         "channels": channels, "nbd": prep.nbd,
+                                         "sharedStorage": where is not None})
 
     def finish(self, jh: JobLock) -> None:
         """Wait until the incoming QEMU holds the whole stream; record "forward" (in the
@@ -605,10 +630,12 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
         r.fail(v, "MoveFailed", f"cannot move {v.name!r} to host {dest!r}: it is not a "
                "registered, live host (kubectl get fusumahosts).", state=v.state)
         return
+    placed = store.placed_in(c.paths, local.name) is not None
     try:
         boot.check_host_move(local, dest, running=state not in ("stopped", "crashed"),
                              snapshots=[s.name for s in c.db.snapshots(local.name,
-                                                                       every=True)])
+                                                                       every=True)],
+                             placed=placed)
     except StateError as exc:
         r.fail(v, "MoveFailed", str(exc), state=v.state)
         return
@@ -634,6 +661,14 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
         # move, its NVRAM travels in the stream).
         try:
             record[boot.CARRIED_DISK] = boot.carry(c.paths, c.db, local).as_record()
+            if placed:
+                # On shared storage: the token that proves the destination sees the
+                # very directory its files are in (fusuma.vm.shared).
+                record[shared.CARRIED_PLACE] = shared.mark(c.paths, local.name).as_record()
+        except OSError as exc:
+            r.fail(v, "MoveFailed", f"cannot move {v.name!r}: its shared storage cannot "
+                   f"be written ({exc.strerror}).", state=v.state)
+            return
         except FusumaError as exc:
             r.fail(v, "MoveFailed", f"cannot move {v.name!r}: {exc}", state=v.state)
             return

@@ -50,7 +50,8 @@ MOVE_IDENTITY = ("id", "kind", "mode", "from", "to", "fromHost", "toHost", "reco
                  "startedAt")
 MOVE_SOURCE = (*MOVE_IDENTITY, "bytesSent", "paused", "qemuDowntimeMs", "result",
                "finishedAt", "downtimeMs", "totalMs", "wallMs")
-MOVE_DEST = ("uri", "destPid", "prepareMs", "resumeTs", "tls", "channels", "nbd")
+MOVE_DEST = ("uri", "destPid", "prepareMs", "resumeTs", "tls", "channels", "nbd",
+             "sharedStorage")
 MOVE_EITHER = ("phase", "decision", "decidedBy", "message")
 
 # The VM status fields each kind of writer may change (every other one must stay).

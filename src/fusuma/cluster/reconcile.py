@@ -346,6 +346,10 @@ class VmReconciler:
         """This host's copy of a VM the cluster runs elsewhere now (restarted there
         after this host was lost): end it, so one guest never runs twice."""
         if local is not None:
+            from fusuma.vm import shared
+
+            # Files on shared storage are not this copy's alone: they stay.
+            shared.detach(c.paths, v.name)
             try:
                 c.vms.delete(v.name, force=True)
             except FusumaError as exc:

@@ -181,6 +181,8 @@ class VmView:
         }
         if s.get("boot"):
             fields["boot"] = s["boot"]
+        if s.get("storage"):
+            fields["storage"] = s["storage"]
         if s.get("nics"):
             # NICs on the cluster's networks (FusumaNetwork), as `vm create --nic`.
             held = self.nic_ips if ips is None else ips

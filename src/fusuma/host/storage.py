@@ -92,8 +92,11 @@ def check_dir(paths: Paths, path: str) -> Path:
     return real
 
 
-def add(paths: Paths, db: Database, path: str) -> Path:
-    """Declare a storage directory (created, 0700, if missing); returns its real path."""
+def add(paths: Paths, db: Database, path: str, shared: bool = False) -> Path:
+    """Declare a storage directory (created, 0700, if missing); returns its real path.
+    ``shared``: other hosts see the same files at the same path (NFS, a cluster file
+    system), so that VMs placed there (``vm create --storage``) move between hosts
+    without their disks."""
     real = check_dir(paths, path)
     if str(real) in db.storage_dirs():
         raise ConflictError(f"{real} is a storage directory already.")
@@ -102,8 +105,28 @@ def add(paths: Paths, db: Database, path: str) -> Path:
     except OSError as exc:
         raise HostError(f"cannot create the storage directory {real}: {exc.strerror}."
                         ) from exc
-    db.add_storage_dir(str(real))
+    db.add_storage_dir(str(real), shared)
     return real
+
+
+def shared_dir(paths: Paths, db: Database, path: str) -> Path:
+    """The storage directory declared shared that ``path`` names (its real path); one
+    sentence if it is missing, not declared, or declared but not shared."""
+    given = _normal(path, "storage directory")
+    real = Path(os.path.realpath(given))
+    shared = [Path(d) for d in db.shared_storage_dirs()]
+    if real in shared:
+        if not real.is_dir():
+            raise NotFoundError(f"storage directory {real} is missing (is its file system "
+                                "mounted?); mount it or pick another shared directory.")
+        return real
+    if str(real) in db.storage_dirs():
+        raise SpecError(f"storage directory {real} is not declared shared; a VM's files go "
+                        "only in a directory other hosts see too (`fusuma storage add DIR "
+                        "--shared`, as root on each host).")
+    raise NotFoundError(f"{given} is not a shared storage directory of this host (they "
+                        f"are: {_names(shared) or 'none'}); root declares one with "
+                        "`fusuma storage add DIR --shared`.")
 
 
 def holds(path: str, directory: Path) -> bool:

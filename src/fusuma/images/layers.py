@@ -92,25 +92,27 @@ def copy_sparse(src: Path, dst: Path, mode: int) -> int:
     return copied
 
 
-def freeze(vm_dir: Path, tdir: Path, uefi: bool) -> int:
+def freeze(vm_dir: Path, tdir: Path, uefi: bool, files: Path | None = None) -> int:
     """Copy a saved VM's thin disk (its QEMU saved and inactivated it), NVRAM and seed
-    inputs from ``vm_dir`` into template dir ``tdir``, read-only; the bytes of the
-    layer's data. The caller removes ``tdir`` on failure."""
+    inputs from ``vm_dir`` (its disk, NVRAM and seed from ``files``, if they are on
+    shared storage) into template dir ``tdir``, read-only; the bytes of the layer's
+    data. The caller removes ``tdir`` on failure."""
     inputs = vm_dir / SEED_INPUTS
+    files = files or vm_dir
     if not inputs.is_file():
         raise TemplateError(f"{vm_dir.name!r}'s cloud-init seed was written by an older "
                             "fusuma, which kept not what it said; delete and create the "
                             "VM again to make templates of it.")
-    copied = copy_sparse(vm_dir / DISK, layer_path(tdir), 0o400)
+    copied = copy_sparse(files / DISK, layer_path(tdir), 0o400)
     fd = os.open(layer_path(tdir), os.O_RDONLY | os.O_CLOEXEC)
     try:
         qcow2_size(fd, f"VM {vm_dir.name!r}'s disk")
     finally:
         os.close(fd)
     if uefi:
-        copy_sparse(vm_dir / NVRAM, tdir / NVRAM, 0o400)
+        copy_sparse(files / NVRAM, tdir / NVRAM, 0o400)
     said = seed.load_inputs(inputs)
-    iso_bytes = (vm_dir / SEED).stat().st_size
+    iso_bytes = (files / SEED).stat().st_size
     _write_json(tdir / SEED_INPUTS, {**asdict(said), "iso_bytes": iso_bytes})
     return copied
 

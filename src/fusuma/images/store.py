@@ -365,12 +365,43 @@ FILES = (DISK, NVRAM, SEED, SEED_INPUTS, FRESH)
 SNAPSHOTS = "snapshots"
 
 
+# A VM placed in a shared storage directory (``vm create --storage DIR``) keeps its
+# thin disk, NVRAM and seed in DIR/vm-NAME; this file in its own directory says where
+# (the directory's path, one line). Its other files (logs, seed inputs, snapshots'
+# NVRAM copies) stay in FUSUMA_HOME/vms/NAME.
+PLACED = "storage"
+PLACED_FILES = (DISK, NVRAM, SEED)
+# What a move between hosts leaves in DIR/vm-NAME to prove the destination sees the
+# very directory the source does (fusuma.vm.shared).
+MOVE_TOKEN = ".move-token"
+
+
+def placed_dir(directory: Path, vm: str) -> Path:
+    """Where VM ``vm``'s files go in storage directory ``directory``."""
+    return directory / f"vm-{vm}"
+
+
+def placed_in(paths: Paths, vm: str) -> Path | None:
+    """The directory in a storage directory that holds VM ``vm``'s files (None: they
+    are in its own directory)."""
+    try:
+        text = (paths.vm_dir(vm) / PLACED).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return Path(text) if text else None
+
+
+def files_dir(paths: Paths, vm: str) -> Path:
+    """The directory of VM ``vm``'s thin disk, NVRAM and seed."""
+    return placed_in(paths, vm) or paths.vm_dir(vm)
+
+
 def disk_path(paths: Paths, vm: str) -> Path:
-    return paths.vm_dir(vm) / DISK
+    return files_dir(paths, vm) / DISK
 
 
 def nvram_path(paths: Paths, vm: str) -> Path:
-    return paths.vm_dir(vm) / NVRAM
+    return files_dir(paths, vm) / NVRAM
 
 
 def snapshot_nvram_path(paths: Paths, vm: str, snapshot: str) -> Path:
@@ -380,4 +411,4 @@ def snapshot_nvram_path(paths: Paths, vm: str, snapshot: str) -> Path:
 
 
 def seed_path(paths: Paths, vm: str) -> Path:
-    return paths.vm_dir(vm) / SEED
+    return files_dir(paths, vm) / SEED

@@ -473,12 +473,23 @@ class PartitionManager:
 
     # -- storage directories ----------------------------------------------------------
     @locked
-    def add_storage(self, path: str) -> Path:
+    def add_storage(self, path: str, shared: bool = False) -> Path:
         """Declare a directory for disk files (root's CLI and spec only)."""
-        return storage.add(self.paths, self.db, path)
+        return storage.add(self.paths, self.db, path, shared)
 
     @locked
     def remove_storage(self, path: str) -> Path:
+        """Undeclare a storage directory; refused while a disk or a VM's files
+        (``vm create --storage``) lie in it."""
+        from fusuma.images.store import placed_in
+
+        real = Path(os.path.realpath(path)) if os.path.isabs(path) else None
+        held = [v.name for v in self.db.vms()
+                if real is not None and (p := placed_in(self.paths, v.name)) is not None
+                and p.parent == real]
+        if held:
+            raise StateError(f"storage directory {real} holds the files of VM(s) "
+                             f"{', '.join(held)}; delete them first (`fusuma vm delete`).")
         return storage.remove(self.paths, self.db, path)
 
     def storage_dirs(self) -> list[Path]:

@@ -222,10 +222,16 @@ class Database(NetworkTables, ImageTables, SnapshotTables):
         return [r["path"] for r in
                 self._conn.execute("SELECT path FROM storage ORDER BY path").fetchall()]
 
-    def add_storage_dir(self, path: str) -> bool:
+    def shared_storage_dirs(self) -> list[str]:
+        """The storage directories root declared shared (`fusuma storage add --shared`):
+        the same files at the same path on other hosts."""
+        return [r["path"] for r in self._conn.execute(
+            "SELECT path FROM storage WHERE shared=1 ORDER BY path").fetchall()]
+
+    def add_storage_dir(self, path: str, shared: bool = False) -> bool:
         """False when it was declared already."""
-        cur = self._conn.execute("INSERT OR IGNORE INTO storage VALUES (?, ?)",
-                                 (path, time.time()))
+        cur = self._conn.execute("INSERT OR IGNORE INTO storage (path, created_at, shared) "
+                                 "VALUES (?, ?, ?)", (path, time.time(), int(shared)))
         return cur.rowcount == 1
 
     def remove_storage_dir(self, path: str) -> None:

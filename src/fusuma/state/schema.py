@@ -22,7 +22,8 @@ CREATE TABLE IF NOT EXISTS disks (
 );
 CREATE TABLE IF NOT EXISTS storage (
     path TEXT PRIMARY KEY,           -- a directory root declared for disk files
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    shared INTEGER NOT NULL DEFAULT 0 -- the same files on other hosts (`--shared`)
 );
 CREATE TABLE IF NOT EXISTS vms (
     name TEXT PRIMARY KEY,
@@ -177,6 +178,7 @@ ADDED_COLUMNS = (
     ("partitions", "memory_overcommit", "REAL"),
     ("vms", "memory_class", "TEXT NOT NULL DEFAULT 'guaranteed'"),
     ("vms", "memory_min", "INTEGER"),
+    ("storage", "shared", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 # One id is one record's: a VM's uid is no other VM's, a template's gid no other

@@ -163,7 +163,7 @@ class Supervisor:
             route(rpc.ListInstances, self.instances),
             route(rpc.RemoteIncoming,
                   lambda r: remote.remote_incoming(h, r.vm, r.listen, r.peer, r.tls,
-                                                   r.channels, r.nbd)),
+                                                   r.channels, r.nbd, r.shared_disk)),
             route(rpc.RemoteIncomingWait,
                   lambda r: remote.remote_incoming_wait(h, r.vm, r.timeout)),
         ]

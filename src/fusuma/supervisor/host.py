@@ -172,6 +172,13 @@ class PartitionHost:
     # -- QEMU -------------------------------------------------------------------------
     def vm_logger(self, vm: str) -> logging.Logger:
         log = logging.getLogger(f"fusuma.vm.{vm}")
+        for old in list(log.handlers):
+            # A VM of that name deleted since (its directory with it) and made again,
+            # as a move between hosts that went back and came again does: a handler
+            # would write on into the deleted file.
+            if isinstance(old, logging.FileHandler) and not os.path.exists(old.baseFilename):
+                log.removeHandler(old)
+                old.close()
         if not log.handlers:
             vdir = ensure_dir(self.paths.vm_dir(vm), PRIVATE_DIR)
             h = logging.FileHandler(vdir / "qmp.log")

@@ -491,6 +491,9 @@ class RemoteIncoming(Request[Prepared]):
     tls: bool = True
     channels: int = 1
     nbd: bool = False          # serve the VM's thin disk for the source's mirror
+    # Its thin disk is on shared storage, the source's very files: kept inactive until
+    # the commit (late-block-activate), never mirrored.
+    shared_disk: bool = False
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from fusuma.errors import (
     StateError,
     TemplateError,
 )
-from fusuma.images import layers
+from fusuma.images import layers, store
 from fusuma.memshare import holes, reporting, templates
 from fusuma.paths import PRIVATE_DIR, ensure_dir
 from fusuma.qemu.cmdline import TEMPLATE_STATE_FDSET, DeviceSet
@@ -135,7 +135,8 @@ async def _save(h: PartitionHost, rec: VmRecord, inst: QemuInstance, name: str,
         if rec.boot != "kernel":
             # Its disk as the guest left it: the save flushed and inactivated it.
             try:
-                layer_bytes = layers.freeze(paths.vm_dir(vm), tdir, rec.boot == "uefi")
+                layer_bytes = layers.freeze(paths.vm_dir(vm), tdir, rec.boot == "uefi",
+                                            store.files_dir(paths, vm))
             except OSError as exc:
                 raise TemplateError(f"template {name!r} was not made: VM {vm!r}'s disk "
                                     f"could not be kept ({exc.strerror or exc}); it runs "

@@ -69,11 +69,22 @@ def check_inputs(base: ImageRecord, disk_size: str | None,
 
 def prepare(paths: Paths, rec: VmRecord, base: ImageRecord, size: int | None,
             keys: Sequence[str], user_data: str | None, macs: Sequence[str],
-            mtus: Sequence[tuple[str, int]] = ()) -> None:
+            mtus: Sequence[tuple[str, int]] = (), *, db: Database | None = None,
+            storage_dir: str | None = None) -> None:
     """Make ``rec``'s thin disk, NVRAM (UEFI) and seed (``mtus``: MAC -> MTU of the
-    NICs whose network's is not 1500); on failure remove them."""
+    NICs whose network's is not 1500), in shared storage directory ``storage_dir``
+    if given (fusuma.vm.shared); on failure remove them."""
     vdir = paths.vm_dir(rec.name)
     vdir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    if storage_dir is not None:
+        from fusuma.vm import shared
+
+        assert db is not None
+        try:
+            shared.place(paths, db, rec.name, storage_dir)
+        except BaseException:
+            remove(paths, rec.name)
+            raise
     try:
         store.create_overlay(base, disk_path(paths, rec.name), size, rec.uid)
         if rec.boot == "uefi":
@@ -96,7 +107,10 @@ def prepare(paths: Paths, rec: VmRecord, base: ImageRecord, size: int | None,
 
 def remove(paths: Paths, vm: str) -> None:
     """Remove what :func:`prepare` made (the VM's directory too, if nothing else is
-    in it)."""
+    in it), its files in a shared storage directory too."""
+    from fusuma.vm import shared
+
+    shared.remove(paths, vm)
     for name in FILES:
         with contextlib.suppress(FileNotFoundError):
             (paths.vm_dir(vm) / name).unlink()
@@ -106,15 +120,17 @@ def remove(paths: Paths, vm: str) -> None:
 
 
 def check_spec_fields(boot: str, *, disk_size: str | None, ssh_keys: Sequence[str],
-                      user_data: str | None, segments: Sequence[str]) -> None:
+                      user_data: str | None, segments: Sequence[str],
+                      storage: str | None = None) -> None:
     """Refuse the options that only one kind of boot has."""
     if boot == "kernel":
         given = [o for o, v in (("--disk-size", disk_size), ("--ssh-key", ssh_keys),
-                                ("--user-data", user_data)) if v]
+                                ("--user-data", user_data), ("--storage", storage)) if v]
         if given:
             raise SpecError(f"{', '.join(given)} apply to a VM of an imported image "
                             "(cloud-init and a thin disk); fusuma's own images have "
-                            "neither.")
+                            "neither (their disks are registered disks, `fusuma disk "
+                            "add`).")
         return
     if segments:
         raise SpecError("segments are mounted by fusuma's own images; a VM of an "
@@ -124,7 +140,7 @@ def check_spec_fields(boot: str, *, disk_size: str | None, ssh_keys: Sequence[st
 def check_clone_fields(template: str, given: Sequence[str]) -> None:
     """Refuse the boot options a clone does not take: its boot, disk, keys and
     user-data are its template's (``given``: the options the user gave)."""
-    named = [o for o in ("--boot", "--disk-size", "--ssh-key", "--user-data")
+    named = [o for o in ("--boot", "--disk-size", "--ssh-key", "--user-data", "--storage")
              if o in given]
     if named:
         raise SpecError(f"a clone of template {template!r} boots as its template's guest "
@@ -153,7 +169,7 @@ def prepare_clone(paths: Paths, rec: VmRecord, template_dir: Path,
 
 
 def check_host_move(rec: VmRecord, host: str, running: bool,
-                    snapshots: Sequence[str] = ()) -> None:
+                    snapshots: Sequence[str] = (), placed: bool = False) -> None:
     """Refuse the moves to another host that a VM cannot make: one with ``snapshots``
     (they are this host's files and internal snapshots of its disk, which a move does
     not carry, and the move removes the VM here), and, booting by firmware, a stopped
@@ -170,6 +186,10 @@ def check_host_move(rec: VmRecord, host: str, running: bool,
         raise StateError(f"VM {rec.name!r} is a clone of template {rec.template!r}, whose "
                          f"disk layer is a file of this host that host {host!r} does not "
                          "have: it moves between partitions of this host only.")
+    if not running and placed:
+        raise StateError(f"VM {rec.name!r} is stopped, and a stopped VM on shared storage "
+                         f"does not move between hosts: start it, then move it to host "
+                         f"{host!r} (its disk stays where it is).")
     if not running:
         raise StateError(f"VM {rec.name!r} boots by firmware from a thin disk of this "
                          f"host: start it, then move it to host {host!r} (its disk is "
@@ -257,18 +277,24 @@ def base_for(db: Database, carried: CarriedDisk, host: str) -> ImageRecord:
 
 def adopt_carried(paths: Paths, rec: VmRecord, carried: CarriedDisk) -> None:
     """After :func:`prepare` made a moving VM's files here (its thin disk as large as
-    at its source, checked): the seed the guest read there (the same bytes, the same inputs)."""
+    at its source, checked): the seed the guest read there (the same bytes, the same
+    inputs; on shared storage it is that very file already)."""
     size = store.probe(disk_path(paths, rec.name), "qcow2").virtual_size
     if size != carried.virtual_size:
         raise StateError(f"VM {rec.name!r}'s thin disk here has {size} bytes, at its "
                          f"source {carried.virtual_size}.")
-    path = seed_path(paths, rec.name)
+    if store.placed_in(paths, rec.name) is None:
+        write_seed(seed_path(paths, rec.name), carried.seed_iso)
+    seed.save_inputs(carried.seed_inputs, paths.vm_dir(rec.name) / SEED_INPUTS)
+
+
+def write_seed(path: Path, iso: bytes) -> None:
+    """The seed disk ``iso`` at ``path``, replaced in one step, read-only."""
     tmp = path.with_name(f".{path.name}.in")
     try:
-        tmp.write_bytes(carried.seed_iso)
+        tmp.write_bytes(iso)
         os.chmod(tmp, 0o400)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    seed.save_inputs(carried.seed_inputs, paths.vm_dir(rec.name) / SEED_INPUTS)

@@ -75,7 +75,9 @@ class VmManager:
         self.parts = parts
 
     @locked
-    def create(self, spec: VmSpec) -> VmRecord:
+    def create(self, spec: VmSpec, adopt: Path | None = None) -> VmRecord:
+        """Define VM ``spec``. ``adopt``: its files are there already, in a shared
+        storage directory (a move in from another host, fusuma.cluster.hostmove)."""
         check_name("VM", spec.name)
         if self.db.find_vm(spec.name) is not None:
             raise ConflictError(f"a VM named {spec.name!r} already exists.")
@@ -103,7 +105,12 @@ class VmManager:
 
         boot, base = fwboot.resolve(self.db, spec.image, spec.boot)
         fwboot.check_spec_fields(boot, disk_size=spec.disk_size, ssh_keys=spec.ssh_keys,
-                                 user_data=spec.user_data, segments=spec.segments)
+                                 user_data=spec.user_data, segments=spec.segments,
+                                 storage=spec.storage)
+        if spec.storage is not None and adopt is None:
+            from fusuma.host import storage
+
+            storage.shared_dir(self.paths, self.db, spec.storage)   # refused now
         if base is None:
             from fusuma.images import find_image
 
@@ -150,12 +157,21 @@ class VmManager:
                 fwboot.prepare_clone(self.paths, stored,
                                      template_dir(self.paths, spec.template),
                                      [n.mac for n in nics])
+            elif base is not None and adopt is not None:
+                from fusuma.vm import shared
+
+                shared.point(self.paths, rec.name, adopt)
             elif base is not None:
                 fwboot.prepare(self.paths, stored, base, disk_size, keys, spec.user_data,
-                               [n.mac for n in nics], nets.nic_mtus(nics))
+                               [n.mac for n in nics], nets.nic_mtus(nics), db=self.db,
+                               storage_dir=spec.storage)
             for net in sorted({n.network for n in nics}):
                 nets.refresh(net)
         except BaseException:
+            if adopt is not None:     # the files are the source's: only forget them
+                from fusuma.vm import shared
+
+                shared.detach(self.paths, rec.name)
             fwboot.remove(self.paths, rec.name)
             self.db.remove_vm(rec.name)
             for net in sorted({n.network for n in nics}):
@@ -351,6 +367,9 @@ class VmManager:
                 self._networks().refresh(net)
             except FusumaError as exc:
                 LOG.warning("network %s: not refreshed after VM %s went: %s", net, name, exc)
+        from fusuma.vm import shared
+
+        shared.remove(self.paths, name)      # its files on shared storage, if any
         for d in (self.paths.vm_dir(name), self.paths.vm_run_dir(name)):
             shutil.rmtree(d, ignore_errors=True)
         rams = {self.paths.ram_file(name), *([Path(vm.ram_path)] if vm.ram_path else [])}

@@ -42,11 +42,13 @@ from fusuma.undo import Reverter
 
 async def remote_incoming(h: PartitionHost, vm: str, listen: str, peer: str,
                           tls: bool = True, channels: int = 1,
-                          nbd: bool = False) -> rpc.Prepared:
+                          nbd: bool = False, shared_disk: bool = False) -> rpc.Prepared:
     """Start a QEMU for ``vm`` waiting for a stream on ``tcp:LISTEN:<port>`` from host
     ``peer``, under TLS (``tls`` False: in the clear, for the benchmark's before), over
     ``channels`` connections; with ``nbd``, serving its thin disk (under the same TLS)
-    on another port of ``listen`` for the source's mirror (``block.serve``)."""
+    on another port of ``listen`` for the source's mirror (``block.serve``); with
+    ``shared_disk`` (its files are the source's, on shared storage) its images stay
+    inactive until the commit's ``cont``."""
     rec = h.db.vm(vm)
     if rec.partition != h.partition:
         raise StateError(f"VM {vm!r} is defined in partition {rec.partition!r}, not "
@@ -56,6 +58,8 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str, peer: str,
     job = h.db.find_job(vm_obj(vm))
     if job is None or job.kind != JobKind.HOST_MOVE_IN:
         raise StateError(f"no move of {vm!r} from another host is under way.")
+    if nbd and shared_disk:
+        raise StateError(f"the disk of {vm!r} is on shared storage: it is not mirrored.")
     if nbd and not tls:
         raise StateError(f"the disk of {vm!r} is served for its mirror only under TLS, to "
                          "the source host's certificate: a move in the clear cannot "
@@ -76,7 +80,8 @@ async def remote_incoming(h: PartitionHost, vm: str, listen: str, peer: str,
             h.charge_ram(ram, rec.memory_mib)
         inst = await h.launch(rec, accel, run, ram, "defer", rev, role=Role.INCOMING,
                               disk_owner=rec.partition, own_taps=True)
-        await inst.qmp.migrate_set_capabilities(capabilities("copy", channels))
+        await inst.qmp.migrate_set_capabilities(capabilities("copy", channels,
+                                                             late_block=shared_disk))
         await set_channels(inst.qmp, channels)
         move_tls = None
         if creds is not None:

@@ -38,14 +38,20 @@ TCG_DIRTY_FIX = (9, 0)
 MAX_CHANNELS = 8
 
 
-def capabilities(mode: str, channels: int = 1, mirror: bool = False) -> dict[str, bool]:
+def capabilities(mode: str, channels: int = 1, mirror: bool = False,
+                 late_block: bool = False) -> dict[str, bool]:
     """A move's migration capabilities (every one named, so that a QEMU's earlier move
     leaves nothing behind): RAM out of the stream for zero-copy; ``channels`` > 1
     sends it over that many connections (multifd); with a disk ``mirror`` the stream
     stops before the switch (``pause-before-switchover``), its guest paused and its
-    disks still active, so that the mirror ends there, as libvirt's does."""
+    disks still active, so that the mirror ends there, as libvirt's does. At a
+    destination whose disks are the source's very files (shared storage),
+    ``late_block``: its images stay inactive when the stream completes and are
+    activated by the ``cont`` after "forward" (QEMU activates them at once otherwise,
+    while a "back" would leave the source to write them too)."""
     return {"x-ignore-shared": mode == "zero-copy", "events": True,
-            "multifd": channels > 1, "pause-before-switchover": mirror}
+            "multifd": channels > 1, "pause-before-switchover": mirror,
+            "late-block-activate": late_block}
 
 
 # A stream over several channels (only moves between hosts, under TLS) is compressed:
