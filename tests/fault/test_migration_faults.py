@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -102,10 +103,33 @@ def test_private_ram_refused_for_zero_copy_but_copies(host: Host) -> None:
     assert not list(host.shm.glob("v*.ram"))
 
 
-def test_stopped_vm_cannot_migrate(host: Host) -> None:
+def test_a_stopped_vm_changes_partition_keeping_its_disk_and_files(host: Host) -> None:
     host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
     host.run("partition", "create", "b", "--cpus", "1", "--memory", "768")
-    host.run("vm", "create", "v", "-p", "a")
-    err = host.fail("migrate", "v", "--to", "b").err
-    assert_one_sentence(err)
-    assert "is stopped; only a running VM can be migrated" in err
+    host.run("disk", "add", "d", "-p", "a", "--size-mib", "8")
+    host.run("vm", "create", "v", "-p", "a", "--disk", "d")
+    disk = Path(host.run("disk", "list", "--json").json()[0]["path"])
+    with disk.open("r+b") as f:
+        f.write(b"kept across the move")
+    st = disk.stat()
+    files = {p.name: p.stat().st_ino for p in (host.home / "vms" / "v").iterdir()}
+    # Bad input: one sentence each, nothing changed.
+    for to, says in (("a", "is already in partition 'a'"),
+                     ("nope", "nope")):
+        err = host.fail("migrate", "v", "--to", to).err
+        assert_one_sentence(err)
+        assert says in err, err
+    assert [(v["partition"], v["state"]) for v in host.ps()["vms"]] == [("a", "stopped")]
+    moved = host.run("migrate", "v", "--to", "b", "--json").json()
+    assert moved == {"vm": "v", "from": "a", "to": "b", "mode": "stopped"}, moved
+    assert [(v["partition"], v["state"]) for v in host.ps()["vms"]] == [("b", "stopped")]
+    assert [(d["name"], d["partition"]) for d in host.run("disk", "list", "--json").json()] \
+        == [("d", "b")]
+    after = disk.stat()
+    assert (after.st_ino, disk.read_bytes()[:20]) == (st.st_ino, b"kept across the move")
+    assert {p.name: p.stat().st_ino for p in (host.home / "vms" / "v").iterdir()} == files
+    host.run("vm", "start", "v", "--wait")
+    only_in(host, "v", "b")
+    host.run("vm", "delete", "v", "--force")
+
+

@@ -23,18 +23,30 @@ from fusuma.cli.common import Ctx, emit_json, pass_ctx, progress
                    'ms per step.')
 @pass_ctx
 def migrate(c: Ctx, vm: str, to: str, mode: str, as_json: bool) -> None:
-    """Move running VM to another partition's hypervisor on this host.
+    """Move VM to another partition's hypervisor on this host.
 
-    The guest keeps running; its memory and disks are intact afterwards, and its disks
-    now belong to the destination partition. If the move fails at any step the VM keeps
-    running where it was. total_ms counts from the migrate command to the guest running
-    at the destination; downtime_ms from the guest's stop at the source to that moment
-    (both from QEMU's own event timestamps). steps_ms splits the downtime: the source
-    QEMU sending the device state (source_saved), the destination QEMU loading it
-    (dest_loaded), its supervisor seeing that (event), recording the decision
-    (decision), handing the taps over (taps) and running the guest (cont)."""
+    A stopped VM just changes partition: its files and disks stay and it starts there
+    next time (--mode does not apply). A running guest keeps running; its memory and
+    disks are intact afterwards, and its disks now belong to the destination partition.
+    If the move fails at any step the VM keeps running where it was. total_ms counts
+    from the migrate command to the guest running at the destination; downtime_ms from
+    the guest's stop at the source to that moment (both from QEMU's own event
+    timestamps). steps_ms splits the downtime: the source QEMU sending the device state
+    (source_saved), the destination QEMU loading it (dest_loaded), its supervisor seeing
+    that (event), recording the decision (decision), handing the taps over (taps) and
+    running the guest (cont)."""
     from fusuma.migration import migrate as do_migrate
+    from fusuma.migration import move_stopped
+    from fusuma.vm import VmView
 
+    rec = c.db.vm(vm)
+    if VmView(rec).state in ("stopped", "crashed"):
+        move_stopped(c.parts, vm, to)
+        if as_json:
+            emit_json({"vm": vm, "from": rec.partition, "to": to, "mode": "stopped"})
+        else:
+            click.echo(f"{vm}: {rec.partition} -> {to} (stopped: it starts there)")
+        return
     res = do_migrate(c.parts, vm, to, mode, progress=progress)
     if res.paused:
         click.echo("fusuma: notice: the guest was paused during the copy: live pre-copy "

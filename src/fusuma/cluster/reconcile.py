@@ -279,18 +279,17 @@ class VmReconciler:
             return c.db.vm(v.name)
         if state not in ("stopped", "crashed"):
             return None      # starting or stopping: the next pass
-        # A stopped VM has nothing to carry: define it again in the new partition.
-        from fusuma.spec import VmSpec
+        # A stopped VM carries nothing but its record: it changes partition in place,
+        # its files and disks kept (defining it again would make it a new, empty disk).
+        from fusuma.migration import move_stopped
 
         try:
-            spec = VmSpec.model_validate(v.vm_spec_fields(part))
-            c.vms.delete(v.name, force=True)
-            new = c.vms.create(spec)
+            move_stopped(c.parts, v.name, part)
         except FusumaError as exc:
             self.fail(v, reason_of(exc), str(exc))
             return None
-        self.a.events.emit(v.obj, "Moved", f"stopped VM redefined in partition {part}")
-        return new
+        self.a.events.emit(v.obj, "Moved", f"stopped VM moved to partition {part}")
+        return c.db.vm(v.name)
 
     def _run_state(self, c: Ctx, v: VmView, rec: VmRecord) -> None:
         from fusuma.vm.view import VmView as LocalView

@@ -27,6 +27,7 @@ supervisor's ``cpr-prepare`` and ``cpr-transfer`` in place of ``incoming-prepare
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -174,6 +175,42 @@ def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
             parts.db.emit_context("lifecycle", "vm-moved", f"/1.0/vms/{vm}",
                                   {**res.as_json(), "result": "ok"})
             return res
+
+
+def move_stopped(parts: PartitionManager, vm: str, to: str) -> None:
+    """Give stopped (or crashed) ``vm`` partition ``to``: nothing runs, so nothing is
+    carried but its record. Its files (disk overlay, NVRAM, seed, snapshots) stay where
+    they are and its disks change partition with it, in one transaction, after the same
+    refusals as a move's (room, cores, QoS, machine type). It starts there next time."""
+    with host_lock(parts.paths.home):
+        parts.ensure_recovered(vm_obj(vm))
+        db = parts.db
+        rec = db.vm(vm)
+        job = db.find_job(vm_obj(vm))
+        state = VmView(rec).state
+        if job is not None or state not in ("stopped", "crashed"):
+            raise StateError(f"VM {vm!r} is {state}; only a stopped VM changes partition "
+                             "this way (a running one moves live: `fusuma migrate`).")
+        if rec.partition == to:
+            raise StateError(f"VM {vm!r} is already in partition {to!r}.")
+        dest = db.partition(to)
+        capacity.check_move(parts.paths, db, rec, to, "zero-copy", host=parts.host)
+        if rec.vcpus > len(dest.cpus):
+            raise ResourceError(f"partition {to!r} has {len(dest.cpus)} core(s), fewer "
+                                f"than the {rec.vcpus} vCPUs of {vm!r}.")
+        check_admission(to, len(dest.cpus), db.vms(to), rec)
+        from fusuma.governor.qos import check_emulators
+
+        check_emulators(to, dest.cpus, [*db.vms(to), rec.with_(partition=to)])
+        compat.check_destination(parts.paths, db, rec, to)
+        with db.atomic():
+            db.set_vm(vm, expect=rec.state, partition=to)
+            for disk in rec.disks:
+                db.move_disk(disk, to)
+        with contextlib.suppress(Exception):
+            parts.cg.delete_leaf(rec.partition, f"vm.{vm}")
+        db.emit("lifecycle", "vm-moved", f"/1.0/vms/{vm}", vm=vm, mode="stopped",
+                result="ok", **{"from": rec.partition, "to": to})
 
 
 class MovedNotRunning(MigrationError):
