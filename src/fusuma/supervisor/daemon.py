@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from fusuma import spawn
 from fusuma.errors import FusumaError, SupervisorError
+from fusuma.governor import balloons
 from fusuma.governor.loop import Governor
 from fusuma.governor.memloop import Actions, MemoryGovernor
 from fusuma.host import cgroups
@@ -111,7 +112,8 @@ class Supervisor:
         self.memory = MemoryGovernor(
             partition, h.cg, h.db,
             pids=lambda: {n: i.pid for n, i in h.instances.running().items()},
-            actions=memory_actions(h), reserved_mib=_reserved_mib(), log=self.log)
+            actions=memory_actions(h), reserved_mib=_reserved_mib(), log=self.log,
+            store=paths.partition_dir(partition) / balloons.FILE_NAME)
         self._handlers = self.handlers()
         self._server: asyncio.AbstractServer | None = None
         self._done = asyncio.Event()
