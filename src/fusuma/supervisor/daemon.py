@@ -32,7 +32,7 @@ from fusuma.errors import FusumaError, SupervisorError
 from fusuma.governor import balloons
 from fusuma.governor.loop import Governor
 from fusuma.governor.memloop import Actions, MemoryGovernor
-from fusuma.host import cgroups
+from fusuma.host import cgroups, oom
 from fusuma.memshare import holes
 from fusuma.names import vm_leaf
 from fusuma.paths import Paths
@@ -196,6 +196,7 @@ class Supervisor:
         rec = h.db.partition(self.partition)
         h.cg.create_leaf(self.partition, "supervisor")
         h.cg.attach(self.partition, "supervisor", os.getpid())
+        oom.set_score(os.getpid(), oom.SUPERVISOR, f"the supervisor of {self.partition}")
         sock = self.paths.supervisor_socket(self.partition)
         sock.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
