@@ -1,7 +1,8 @@
 """The memory governor's supervisor killed mid-reclaim (SIGKILL of the real process):
 the balloon target it wrote down (``balloons.json``, with the QEMU's pid) and had not yet
 given QEMU is found by its successor, which asks QEMU for it and goes on to the floor;
-the guest is never ballooned below its floor and stays alive. One busybox guest."""
+the guest is never ballooned below its floor and stays alive. The supervisor's and the
+QEMU's OOM scores are set, or their refusal said. One busybox guest."""
 
 from __future__ import annotations
 
@@ -67,6 +68,14 @@ def test_a_successor_finds_the_balloon_target_and_goes_on_to_the_floor(host: Hos
     # Still the same guest, alive and answering.
     assert host.vm("b")["pid"] == qemu and host.vm("b")["state"] == "running"
     host.run("vm", "exec", "b", "--", "true")
+    # The OOM scores: set, or refused (no CAP_SYS_RESOURCE, as in this lab) and said
+    # once by each supervisor, the killed one and its successor.
+    scores = {p: Path(f"/proc/{p}/oom_score_adj").read_text().strip()
+              for p in (host.part("a")["supervisor_pid"], qemu)}
+    said = (host.home / "partitions" / "a" / "supervisor.log").read_text().count(
+        "needs CAP_SYS_RESOURCE")
+    assert sorted(scores.values()) in (["-400", "-900"], ["0", "0"]), scores
+    assert said == (0 if "-900" in scores.values() else 2), said
     # Nothing of the partition's state outlives it.
     host.run("vm", "delete", "b", "--force")
     host.run("partition", "delete", "a")
