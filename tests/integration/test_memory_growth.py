@@ -116,7 +116,8 @@ def grow_and_reclaim(host: Host) -> None:
     assert done, json.dumps(st, indent=1)
     for name in ("b0", "b1"):        # the program ran to its end; the guest killed nothing
         out = host.run("vm", "exec", name, "--", "/bin/sh", "-c",
-                       "cat /tmp/grown; ls /tmp/grow.* | wc -l; "
+                       "n=0; while [ ! -e /tmp/grown ] && [ $n -lt 60 ]; do "
+                       "sleep 1; n=$((n+1)); done; cat /tmp/grown; ls /tmp/grow.* | wc -l; "
                        "dmesg | grep -ci 'out of memory' || true").out.split()
         assert out == ["grown", str(CHUNKS), "0"], (name, out)
         host.run("vm", "exec", name, "--", "/bin/sh", "-c", "rm -f /tmp/grow.*")
