@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fusuma.governor import memloop
+from fusuma.governor import balloons, memloop
 from fusuma.governor.memloop import Actions, MemoryGovernor
 from fusuma.state import Database, PartitionRecord, VmRecord, VmState
 
@@ -109,3 +109,87 @@ def test_a_successor_finds_the_balloons_and_puts_back_what_breaks_a_rule(
     gov2 = _gov(_db(tmp_path / "2"), fake2)
     assert asyncio.run(_ticks(gov2, 1)) == []
     assert gov2.controls["b"].balloon_mib == 512 and fake2.asked == []
+
+
+def _stored_gov(db: Database, fake: Fake, store: Path, pids: dict[str, int]
+                ) -> MemoryGovernor:
+    return MemoryGovernor("p0", FakeCg(), db,  # type: ignore[arg-type]
+                          pids=lambda: pids, actions=fake.actions(), reserved_mib=2048,
+                          log=logging.getLogger("test"), store=store)
+
+
+def test_targets_are_written_before_qemu_is_asked_and_a_successor_goes_on_from_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed after writing a target down and before QEMU got it: the successor takes
+    the target (not the balloon QEMU reports), asks QEMU for it again and goes on."""
+    monkeypatch.setattr(memloop, "mem_available_mib", lambda: 500.0)   # target 1024
+    monkeypatch.setattr(memloop, "memory_psi", lambda: None)
+    store = tmp_path / "balloons.json"
+    db = _db(tmp_path / "db")
+    fake = Fake({"g": 1024, "b": 1024})
+    gov = _stored_gov(db, fake, store, {"g": 1, "b": 2})
+    written: list[str] = []
+
+    async def balloon(vm: str, mib: int) -> None:     # what the file held when QEMU
+        written.append(store.read_text())             # was asked
+        fake.balloons[vm] = mib
+    gov.actions.balloon = balloon
+    assert asyncio.run(_ticks(gov, 2)) == ["b trim", "b inflate"]
+    assert balloons.parse(written[-1]) == {"b": balloons.Target(2, 768)}
+    assert balloons.parse(store.read_text()) == {"b": balloons.Target(2, 768)}
+    # QEMU never got 768 (the kill came first): it still reports 1024.
+    fake2 = Fake({"g": 1024, "b": 1024})
+    gov2 = _stored_gov(db, fake2, store, {"g": 1, "b": 2})
+    said = asyncio.run(_ticks(gov2, 2))
+    # Its first step is the cheapest again (it cannot know whether the guest trimmed).
+    assert said == ["b resume", "b trim", "b inflate"]
+    assert [a for a in fake2.asked if a[0] == "balloon"] == [
+        ("balloon", ("b", 768)), ("balloon", ("b", 512))]
+    d = gov2.status()["decisions"]
+    assert "set the balloon of b to 768 MiB (QEMU pid 2)" in d[0]["reason"]
+    assert "balloon of burstable b 768 -> 512 MiB (floor 256 MiB)" in d[2]["reason"]
+    assert balloons.parse(store.read_text()) == {"b": balloons.Target(2, 512)}
+
+
+def test_a_stale_target_is_ignored_and_one_below_the_floor_is_put_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memloop, "mem_available_mib", lambda: 1500.0)  # not short
+    monkeypatch.setattr(memloop, "memory_psi", lambda: None)
+    store = tmp_path / "balloons.json"
+    db = _db(tmp_path / "db")
+    # b's QEMU was restarted (pid 7 now): its old target is another QEMU's.
+    balloons.save(store, {"b": balloons.Target(2, 300), "g": balloons.Target(9, 100)})
+    fake = Fake({"g": 1024, "b": 1024})
+    gov = _stored_gov(db, fake, store, {"g": 1, "b": 7})
+    assert asyncio.run(_ticks(gov, 1)) == []
+    assert gov.controls["b"].balloon_mib == 1024 and fake.asked == []
+    assert not store.exists()          # nothing ballooned: nothing kept
+    # A target below the floor (the floor was raised since): back to the floor at once.
+    balloons.save(store, {"b": balloons.Target(7, 100)})
+    fake2 = Fake({"g": 1024, "b": 100})
+    gov2 = _stored_gov(db, fake2, store, {"g": 1, "b": 7})
+    assert asyncio.run(_ticks(gov2, 1)) == ["b resume", "b deflate"]
+    assert fake2.balloons["b"] == 256
+    assert balloons.parse(store.read_text()) == {"b": balloons.Target(7, 256)}
+
+
+@pytest.mark.parametrize("text", [
+    "", "[]", '{"version": 2, "vms": {}}', '{"version": 1, "vms": {"b": {"pid": 0, '
+    '"target_mib": 5}}}', '{"version": 1, "vms": {"b": {"pid": 3, "target_mib": "5"}}}'])
+def test_a_file_that_is_not_a_balloon_file_is_ignored(tmp_path: Path, text: str) -> None:
+    store = tmp_path / "balloons.json"
+    store.write_text(text)
+    assert balloons.load(store, {"b": 3}) == {}
+    with pytest.raises(ValueError):
+        balloons.parse(text)
+
+
+def test_the_file_round_trips_and_an_empty_set_removes_it(tmp_path: Path) -> None:
+    store = tmp_path / "balloons.json"
+    want = {"b": balloons.Target(3, 200), "a": balloons.Target(4, 64)}
+    balloons.save(store, want)
+    assert balloons.load(store, {"a": 4, "b": 3}) == want
+    assert balloons.load(store, {"a": 4}) == {"a": balloons.Target(4, 64)}
+    assert [p.name for p in tmp_path.iterdir()] == ["balloons.json"]   # no temp file
+    balloons.save(store, {})
+    assert not store.exists()

@@ -15,10 +15,14 @@ sets another): the governor starts taking memory back well before the kernel wou
 have to. Each tick it also asks QEMU where each burstable VM's balloon stands
 (``balloon_actual_mib`` in the status: what the guest has given so far).
 
-A supervisor that starts (or restarts, re-adopting running VMs) reads each VM's balloon
-size from QEMU (``query-balloon``) before it decides anything, so a governor killed
-mid-reclaim is followed by one that knows where the balloons stand, and puts back any
-balloon below its VM's floor (or any balloon of a guaranteed VM) at its first tick.
+Each balloon target is written to ``balloons.json`` beside the supervisor's state
+(:mod:`fusuma.governor.balloons`, with the pid of the QEMU it is for) before QEMU is
+asked for it. A supervisor that starts (or restarts, re-adopting running VMs) takes the
+targets whose QEMU still runs under that pid, asks QEMU for each again and goes on from
+it (a ``resume`` decision); for any other VM it reads the balloon's size from QEMU
+(``query-balloon``). So a governor killed mid-reclaim is followed by one that knows the
+targets, not only where the balloons stood when it looked, and puts back any balloon
+below its VM's floor (or any balloon of a guaranteed VM) at its first tick.
 
 Each partition's governor acts on its own VMs only; with several partitions each takes
 its own burstable VMs' part of the shortfall, so together they may take back more than
@@ -37,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from fusuma.governor import balloons
 from fusuma.governor.loop import Ticking
 from fusuma.governor.mempolicy import (
     CgroupPressure,
@@ -59,6 +64,9 @@ COMPACT_ARGV = ["/bin/sh", "-c", "echo 1 > /proc/sys/vm/compact_memory 2>/dev/nu
 DROP_ARGV = ["/bin/sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches; "
              "echo 1 > /proc/sys/vm/compact_memory 2>/dev/null; true"]
 ACTION_TIMEOUT_S = 30.0
+# Seconds between writing a balloon target down and asking QEMU for it (a fault test
+# kills the supervisor in that window).
+FAULT_BALLOON_DELAY = "FUSUMA_FAULT_BALLOON_DELAY"
 
 
 def mem_available_mib(path: Path = Path("/proc/meminfo")) -> float | None:
@@ -111,7 +119,8 @@ class MemoryGovernor(Ticking):
     def __init__(self, partition: str, cg: CgroupDriver, db: Database,
                  pids: Callable[[], dict[str, int]], actions: Actions, reserved_mib: int,
                  log: logging.Logger, interval: float = INTERVAL_S,
-                 thresholds: MemThresholds | None = None) -> None:
+                 thresholds: MemThresholds | None = None, store: Path | None = None
+                 ) -> None:
         self.partition = partition
         self.cg = cg
         self.db = db
@@ -133,6 +142,8 @@ class MemoryGovernor(Ticking):
         self.errors = 0
         self.last_error: str | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.store = store                          # balloons.json (None: kept nowhere)
+        self._stored: dict[str, balloons.Target] | None = None   # None: not written yet
 
     # -- measuring ----------------------------------------------------------------------
     def _vm(self, rec: VmRecord, pid: int) -> MemVm:
@@ -164,23 +175,41 @@ class MemoryGovernor(Ticking):
                      None if held is None else held / MIB, pressure, page_reporting=on,
                      balloon=on, agent=True)
 
-    def _measure(self) -> tuple[list[MemVm], HostMemory]:
+    def _measure(self) -> tuple[list[MemVm], HostMemory, dict[str, int]]:
         recs = {v.name: v for v in self.db.vms(self.partition)}
-        vms = [self._vm(recs[name], pid) for name, pid in sorted(self.pids().items())
-               if name in recs]
+        pids = {name: pid for name, pid in self.pids().items() if name in recs}
+        vms = [self._vm(recs[name], pid) for name, pid in sorted(pids.items())]
         for gone in set(self.fails) - {v.name for v in vms}:
             self.fails.pop(gone, None)
         self._balloons = {k: on for k, on in self._balloons.items() if k[0] in recs}
         free = mem_available_mib()
         host = HostMemory(free if free is not None else float("inf"), self.target_free_mib,
                           memory_psi())
-        return vms, host
+        return vms, host, pids
 
-    async def _adopt(self, vms: list[MemVm]) -> None:
-        """Controls for VMs seen for the first time: where QEMU says their balloons
-        stand (a predecessor may have inflated them)."""
-        for v in vms:
-            if v.name in self.controls:
+    async def _adopt(self, vms: list[MemVm], pids: dict[str, int]) -> list[Decision]:
+        """Controls for VMs seen for the first time: the target a predecessor wrote
+        down for the same QEMU (asked of QEMU again), else where QEMU says the balloon
+        stands (a predecessor may have inflated it)."""
+        new = [v for v in vms if v.name not in self.controls]
+        if not new:
+            return []
+        found = balloons.load(self.store, pids) if self.store is not None else {}
+        said = []
+        for v in new:
+            kept = found.get(v.name)
+            if kept is not None and v.balloon:
+                target = min(v.ram_mib, kept.target_mib)
+                self.controls[v.name] = MemControl(balloon_mib=target)
+                said.append(Decision(time.time(), v.name, "resume", (
+                    f"an earlier supervisor set the balloon of {v.name} to {target} MiB "
+                    f"(QEMU pid {kept.pid}); asking QEMU for it again and going on"), {
+                        "balloon_mib": float(target), "ram_mib": float(v.ram_mib),
+                        "floor_mib": float(v.floor_mib)}))
+                try:
+                    await self.actions.balloon(v.name, target)
+                except Exception as exc:
+                    self.log.warning("memory governor: the balloon of %s: %s", v.name, exc)
                 continue
             size = None
             if v.balloon:
@@ -188,6 +217,23 @@ class MemoryGovernor(Ticking):
                     size = await self.actions.balloon_now(v.name)
             self.controls[v.name] = MemControl(
                 balloon_mib=v.ram_mib if size is None else min(v.ram_mib, size))
+        return said
+
+    def _write_targets(self, pids: dict[str, int]) -> None:
+        """Write down every balloon below its VM's RAM, before QEMU is asked for it."""
+        if self.store is None:
+            return
+        want = {name: balloons.Target(pids[name], ctl.balloon_mib)
+                for name, ctl in self.controls.items()
+                if name in pids and name in self.seen
+                and ctl.balloon_mib < self.seen[name].ram_mib}
+        if want == self._stored:
+            return
+        try:
+            balloons.save(self.store, want)
+            self._stored = want
+        except OSError as exc:
+            self.log.warning("memory governor: cannot write %s: %s", self.store, exc)
 
     # -- acting -------------------------------------------------------------------------
     def _spawn(self, what: str, aw: Awaitable[None]) -> None:
@@ -200,13 +246,20 @@ class MemoryGovernor(Ticking):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _balloon(self, vm: str, mib: int) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            await asyncio.sleep(float(os.environ[FAULT_BALLOON_DELAY]))
+        await self.actions.balloon(vm, mib)
+
     async def tick(self) -> list[Decision]:
-        vms, host = self._measure()
-        await self._adopt(vms)
+        vms, host, pids = self._measure()
+        resumed = await self._adopt(vms, pids)
         old = self.controls
         new, self.state, decisions = decide(vms, old, self.state, host, self.th, time.time())
+        decisions = resumed + decisions
         self.controls = new
         self.seen = {v.name: v for v in vms}
+        self._write_targets(pids)
         for v in vms:
             if v.burstable and v.balloon:
                 with contextlib.suppress(Exception):
@@ -230,7 +283,7 @@ class MemoryGovernor(Ticking):
             if prev is not None and prev.balloon_mib != ctl.balloon_mib and \
                     self.seen[name].balloon:
                 self._spawn(f"the balloon of {name}",
-                            self.actions.balloon(name, ctl.balloon_mib))
+                            self._balloon(name, ctl.balloon_mib))
         self.decisions.extend(decisions)
         self.ticks += 1
         return decisions

@@ -259,7 +259,7 @@ class PartitionManager:
         self.cg.sweep_ram_groups(self.paths.shm)
         self.cg.remove_parent_if_empty()
         self._repin_disturbed(name)
-        for log in ("supervisor.log", "recovery.log"):
+        for log in ("supervisor.log", "recovery.log", "balloons.json"):
             with contextlib.suppress(OSError):
                 (self.paths.partition_dir(name) / log).unlink()
         with contextlib.suppress(OSError):

@@ -29,9 +29,10 @@ from typing import Any, TypeVar
 
 from fusuma import spawn
 from fusuma.errors import FusumaError, SupervisorError
+from fusuma.governor import balloons
 from fusuma.governor.loop import Governor
 from fusuma.governor.memloop import Actions, MemoryGovernor
-from fusuma.host import cgroups
+from fusuma.host import cgroups, oom
 from fusuma.memshare import holes
 from fusuma.names import SUPERVISOR_LEAF, vm_leaf
 from fusuma.paths import Paths
@@ -111,7 +112,8 @@ class Supervisor:
         self.memory = MemoryGovernor(
             partition, h.cg, h.db,
             pids=lambda: {n: i.pid for n, i in h.instances.running().items()},
-            actions=memory_actions(h), reserved_mib=_reserved_mib(), log=self.log)
+            actions=memory_actions(h), reserved_mib=_reserved_mib(), log=self.log,
+            store=paths.partition_dir(partition) / balloons.FILE_NAME)
         self._handlers = self.handlers()
         self._server: asyncio.AbstractServer | None = None
         self._done = asyncio.Event()
@@ -200,6 +202,7 @@ class Supervisor:
             h.cg.set_control_cpu(self.partition, SUPERVISOR_LEAF)
         except FusumaError as exc:
             self.log.warning("cannot give the supervisor its control weight: %s", exc)
+        oom.set_score(os.getpid(), oom.SUPERVISOR, f"the supervisor of {self.partition}")
         sock = self.paths.supervisor_socket(self.partition)
         sock.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):

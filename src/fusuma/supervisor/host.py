@@ -29,7 +29,7 @@ from typing import Any
 from fusuma import capacity
 from fusuma.errors import FusumaError, NotFoundError, StateError
 from fusuma.governor.qos import emulator_cores, vcpu_order
-from fusuma.host import cgroups
+from fusuma.host import cgroups, oom
 from fusuma.memshare import clones
 from fusuma.memshare.ksm import enable_merge_any
 from fusuma.names import vm_leaf
@@ -298,6 +298,8 @@ class PartitionHost:
                     self.db.set_vm(vm.name, machine=devices.machine,
                                    devices=devices.dumps())
                 self.apply_class(vm, pid)
+                oom.set_score(pid, oom.qemu_score(vm.memory_class),
+                              f"the QEMU of {vm.name}")
 
             held = self.instances.get(vm.name, role)
             if held is not None:
