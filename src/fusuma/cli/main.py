@@ -53,7 +53,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "maintain": ("fusuma.cli.migrate:maintain",
                  "Restart PARTITION's hypervisor instance with ~no downtime for its VMs."),
     "migrate": ("fusuma.cli.migrate:migrate",
-                "Move running VM to another partition's hypervisor on this host."),
+                "Move VM to another partition's hypervisor on this host."),
     "network": ("fusuma.cli.network:network",
                 "Networks for VMs: bridges with DHCP, DNS, NAT and filtering, or the "
                 "host's own."),
