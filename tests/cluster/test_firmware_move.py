@@ -46,7 +46,7 @@ from tests.fault.movekit import qemu_pids
 
 __all__ = ["agents_restored"]          # the fixture, used by name
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1500)]
 
 VM = "fw"
 BLOB = "/var/tmp/fusuma-blob"
@@ -176,7 +176,7 @@ def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
     wait_for(lambda: c.running(VM), 300, "fw running on h0")
     wait_for(lambda: c.host("h0").run("vm", "exec", VM, "--timeout", "20", "--",
                                       "/bin/true", check=False, timeout=60).code == 0,
-             400, "fw's guest agent")
+             800, "fw's guest agent")
     boot_s = time.monotonic() - t0 - import_s
     before = sh(c, "h0", WRITE).split()[0]
     pid0 = c.vm(VM)["status"]["pid"]

@@ -45,7 +45,7 @@ from tests.cluster.test_move_tls import agents_restored, moved, patch_host, rest
 __all__ = ["agents_restored"]          # the fixture, used by name
 
 WRITE = f"head -c 24M /dev/urandom > {BLOB} && sync && sha256sum {BLOB}"
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1500)]
 
 SLOW = str(2 * 2**20)          # bytes/s: a stream slow enough to kill its destination
 FAST = str(2**40)              # the source QEMU keeps a limit: lifted for the real move
@@ -83,7 +83,7 @@ def test_a_vm_on_shared_storage_moves_between_hosts_without_its_disk(
     wait_for(lambda: c.running(VM), 300, "the VM running on h0")
     wait_for(lambda: c.host("h0").run("vm", "exec", VM, "--timeout", "20", "--",
                                       "/bin/true", check=False, timeout=60).code == 0,
-             400, "its guest agent")
+             800, "its guest agent")
     boot_s = time.monotonic() - t0
     before = sh(c, "h0", WRITE).split()[0]
     disk = d / f"vm-{VM}" / "disk.qcow2"
