@@ -47,6 +47,8 @@ PIPE_BYTES = 2**20
 CHUNK = 65536
 # Most one wake-up of the event loop copies, so a flood does not starve the rest.
 PER_WAKE = 2**20
+# After a wake that copied something, the next read is this much later (below).
+PAUSE_S = 0.02
 
 
 def rotated(path: Path) -> Path:
@@ -169,19 +171,33 @@ class ConsolePump:
         self._loop.add_reader(self._fd, self._drain, PER_WAKE)
 
     def _drain(self, limit: int) -> None:
+        got = self._copy(limit)
+        if got and self._fd is not None and self._loop is not None:
+            # Read again in PAUSE_S, not at the guest's next write: the supervisor's
+            # cgroup weight is above its VMs' (the control path), so waking per write
+            # of a flooding guest would take its core from the guests (the pipe holds
+            # PIPE_BYTES meanwhile, far more than a console writes in PAUSE_S).
+            self._loop.remove_reader(self._fd)
+            self._loop.call_later(PAUSE_S, self._resume)
+
+    def _resume(self) -> None:
+        if self._fd is not None and self._loop is not None:
+            self._loop.add_reader(self._fd, self._drain, PER_WAKE)
+
+    def _copy(self, limit: int) -> int:
         got = 0
         while self._fd is not None and got < limit:
             try:
                 data = os.read(self._fd, CHUNK)
             except BlockingIOError:
-                return
+                return got
             except OSError as exc:
                 self.logger.warning("console of this VM unreadable: %s", exc)
                 self._end()
-                return
+                return got
             if not data:           # every writer has gone: QEMU exited
                 self._end()
-                return
+                return got
             got += len(data)
             try:
                 self.log.write(data)
@@ -192,6 +208,7 @@ class ConsolePump:
                     self.logger.warning("cannot write console log %s: %s; console "
                                         "output is dropped", self.log.path, exc.strerror)
                 self._failed = True
+        return got
 
     def _end(self) -> None:
         fd, self._fd = self._fd, None
@@ -204,7 +221,7 @@ class ConsolePump:
 
     def close(self) -> None:
         """Copy what the pipe still holds, then stop."""
-        self._drain(2 * PIPE_BYTES)
+        self._copy(2 * PIPE_BYTES)
         self._end()
 
     @property
