@@ -77,6 +77,13 @@ def img_check(path: Path, *opts: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, check=False, timeout=120)
 
 
+def refused_move(c: Cluster, host: str) -> dict[str, object]:
+    """Ask the guest to move to ``host`` and wait for that move's refusal: its record."""
+    patch_host(c, VM, host)
+    return wait_for(lambda: (c.vm(VM)["status"].get("lastMove") or {}).get("result")
+                    == "failed" and c.vm(VM)["status"]["lastMove"], 120, "the refusal")
+
+
 def nothing_of_it(c: Cluster, host: str) -> None:
     """Host ``host`` has no VM, file or QEMU of the guest."""
     assert VM not in [v["name"] for v in c.host(host).ps()["vms"]], host
@@ -184,9 +191,7 @@ def test_a_firmware_vm_moves_between_hosts_with_its_disk_mirrored(
 
     # 1. h2 has not the image: one sentence, nothing changes.
     t = time.monotonic()
-    patch_host(c, VM, "h2")
-    last = wait_for(lambda: (c.vm(VM)["status"].get("lastMove") or {}).get("result")
-                    == "failed" and c.vm(VM)["status"]["lastMove"], 120, "the refusal")
+    last = refused_move(c, "h2")
     assert last["message"] == (
         f"move to h2 failed (host h2 has no image with checksum sha256:{sha} (image "
         "'deb' of the VM's host); import the same image there first); the VM stays on "

@@ -37,6 +37,7 @@ from tests.cluster.test_firmware_move import (
     img_check,
     nothing_of_it,
     qemus,
+    refused_move,
     sh,
 )
 from tests.cluster.test_firmware_move import files as home
@@ -95,9 +96,7 @@ def test_a_vm_on_shared_storage_moves_between_hosts_without_its_disk(
 
     # 1. h2 does not share the directory: one sentence, nothing changes.
     t = time.monotonic()
-    patch_host(c, VM, "h2")
-    last = wait_for(lambda: (c.vm(VM)["status"].get("lastMove") or {}).get("result")
-                    == "failed" and c.vm(VM)["status"]["lastMove"], 120, "the refusal")
+    last = refused_move(c, "h2")
     assert last["message"] == (
         f"move to h2 failed (VM '{VM}''s files are in {d}/vm-{VM} on its host, which is "
         "not in a directory host h2 declared shared (`fusuma storage add DIR --shared` "
