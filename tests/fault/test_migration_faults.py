@@ -107,7 +107,8 @@ def test_a_stopped_vm_changes_partition_keeping_its_disk_and_files(host: Host) -
     host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
     host.run("partition", "create", "b", "--cpus", "1", "--memory", "768")
     host.run("disk", "add", "d", "-p", "a", "--size-mib", "8")
-    host.run("vm", "create", "v", "-p", "a", "--disk", "d")
+    host.run("vm", "create", "v", "-p", "a", "--disk", "d", "--start")
+    host.run("vm", "stop", "v")          # so that it has files of its own in vms/v
     disk = Path(host.run("disk", "list", "--json").json()[0]["path"])
     with disk.open("r+b") as f:
         f.write(b"kept across the move")
