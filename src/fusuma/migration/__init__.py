@@ -43,7 +43,7 @@ from fusuma.migration import compat, inplace
 from fusuma.migration.inplace import MODE as CPR_MODE
 from fusuma.migration.resolve import recover_move
 from fusuma.partition.manager import PartitionManager
-from fusuma.state import Decision, JobKind, MovePhase, VmState, vm_obj
+from fusuma.state import Decision, JobKind, MovePhase, VmRecord, VmState, vm_obj
 from fusuma.state.joblock import JobLock
 from fusuma.state.lock import host_lock
 from fusuma.supervisor import rpc
@@ -110,7 +110,7 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
     """Every refusal happens here, before anything starts."""
     db = parts.db
     rec = db.vm(vm)
-    dest = db.partition(to)
+    db.partition(to)          # an unknown partition: refused first
     if mode == CPR_MODE:
         if rec.partition != to:
             raise StateError(f"{CPR_MODE} moves a VM to a new QEMU in its own partition "
@@ -135,20 +135,27 @@ def check(parts: PartitionManager, vm: str, to: str, mode: str) -> None:
     if mode == "zero-copy" and not rec.shared_ram:
         raise StateError(f"VM {vm!r} has private RAM, which zero-copy migration cannot "
                          "hand over (it needs RAM in a shared file); use --mode copy.")
-    capacity.check_move(parts.paths, db, rec, to, mode, host=parts.host)
-    if rec.vcpus > len(dest.cpus):
-        raise ResourceError(f"partition {to!r} has {len(dest.cpus)} core(s), fewer than the "
-                            f"{rec.vcpus} vCPUs of {vm!r}.")
-    check_admission(to, len(dest.cpus), db.vms(to), rec)
-    from fusuma.governor.qos import check_emulators
-
-    check_emulators(to, dest.cpus, [*db.vms(to), rec.with_(partition=to)])
+    _fits(parts, rec, to, mode)
     for name in (rec.partition, to):
         if parts.supervisor_pid(name) is None:
             raise StateError(f"the supervisor of partition {name!r} is not running; start "
                              f"it with `fusuma partition restart {name}`.")
     # The destination's QEMU must have the guest's machine type (fusuma.migration.compat).
     compat.check_destination(parts.paths, db, rec, to)
+
+
+def _fits(parts: PartitionManager, rec: VmRecord, to: str, mode: str) -> None:
+    """Refuse ``rec`` in partition ``to`` unless it fits there: room, cores, QoS."""
+    db = parts.db
+    dest = db.partition(to)
+    capacity.check_move(parts.paths, db, rec, to, mode, host=parts.host)
+    if rec.vcpus > len(dest.cpus):
+        raise ResourceError(f"partition {to!r} has {len(dest.cpus)} core(s), fewer than the "
+                            f"{rec.vcpus} vCPUs of {rec.name!r}.")
+    check_admission(to, len(dest.cpus), db.vms(to), rec)
+    from fusuma.governor.qos import check_emulators
+
+    check_emulators(to, dest.cpus, [*db.vms(to), rec.with_(partition=to)])
 
 
 def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
@@ -193,15 +200,7 @@ def move_stopped(parts: PartitionManager, vm: str, to: str) -> None:
                              "this way (a running one moves live: `fusuma migrate`).")
         if rec.partition == to:
             raise StateError(f"VM {vm!r} is already in partition {to!r}.")
-        dest = db.partition(to)
-        capacity.check_move(parts.paths, db, rec, to, "zero-copy", host=parts.host)
-        if rec.vcpus > len(dest.cpus):
-            raise ResourceError(f"partition {to!r} has {len(dest.cpus)} core(s), fewer "
-                                f"than the {rec.vcpus} vCPUs of {vm!r}.")
-        check_admission(to, len(dest.cpus), db.vms(to), rec)
-        from fusuma.governor.qos import check_emulators
-
-        check_emulators(to, dest.cpus, [*db.vms(to), rec.with_(partition=to)])
+        _fits(parts, rec, to, "zero-copy")
         compat.check_destination(parts.paths, db, rec, to)
         with db.atomic():
             db.set_vm(vm, expect=rec.state, partition=to)
