@@ -204,14 +204,15 @@ def lazy_ram_limit(size_bytes: int, overhead_bytes: int) -> int:
     return ram_group_limit(size_bytes) + 2 * overhead_bytes
 
 
-def definition_overhead(accel: str) -> int:
+def definition_overhead(accel: str, firmware: bool = False) -> int:
     """QEMU's overhead for a VM being defined with ``accel`` (auto, kvm or tcg): the
-    value stored in ``VmRecord.overhead_mib``. ``auto`` is resolved on this host now."""
+    value stored in ``VmRecord.overhead_mib``. ``auto`` is resolved on this host now.
+    ``firmware``: the VM boots by firmware (a larger TCG translation cache)."""
     if accel in ("kvm", "tcg"):
-        return overhead_mib(accel)
+        return overhead_mib(accel, firmware)
     from fusuma.host.accel import probe_accel
 
-    return overhead_mib(probe_accel("auto").name)
+    return overhead_mib(probe_accel("auto").name, firmware)
 
 
 def planned_vm(name: str, partition: str, memory_mib: int, accel: str,

@@ -58,8 +58,9 @@ CHECK = f"sync; echo 3 > /proc/sys/vm/drop_caches; sha256sum {BLOB}"
 
 
 def sh(c: Cluster, host: str, script: str) -> str:
-    return c.host(host).run("vm", "exec", VM, "--", "/bin/sh", "-c", script,
-                            timeout=120).out
+    # 24 MiB through sha256sum and a sync: minutes in a TCG guest of a loaded host.
+    return c.host(host).run("vm", "exec", VM, "--timeout", "400", "--", "/bin/sh", "-c",
+                            script, timeout=450).out
 
 
 def files(c: Cluster, host: str) -> Path:

@@ -406,3 +406,21 @@ def test_api_import_names_only_files_in_storage_directories(paths: Paths) -> Non
     got = client.get("/1.0/images/ok").json()
     assert got["format"] == "raw" and got["source"] == str(disks / "ok.raw")
     assert client.delete("/1.0/images/ok").json() == {"deleted": "/1.0/images/ok"}
+
+
+def test_a_firmware_boot_gets_the_larger_translation_cache_and_counts_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusuma.qemu.cmdline import (FIRMWARE_TCG_TB_MIB, TCG_TB_MIB, overhead_mib)
+
+    monkeypatch.delenv("FUSUMA_TCG_TB_MIB", raising=False)
+
+    def accel(argv: list[str]) -> str:
+        return argv[argv.index("-accel") + 1]
+    assert accel(build_argv(fw_cfg())) == f"tcg,tb-size={FIRMWARE_TCG_TB_MIB}"
+    assert FIRMWARE_TCG_TB_MIB > TCG_TB_MIB
+    assert overhead_mib("tcg", firmware=True) - overhead_mib("tcg") == \
+        FIRMWARE_TCG_TB_MIB - TCG_TB_MIB
+    assert overhead_mib("kvm", firmware=True) == overhead_mib("kvm")
+    monkeypatch.setenv("FUSUMA_TCG_TB_MIB", "64")       # the override wins for both
+    assert accel(build_argv(fw_cfg())) == "tcg,tb-size=64"
+    assert overhead_mib("tcg", firmware=True) == overhead_mib("tcg")

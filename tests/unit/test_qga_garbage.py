@@ -268,3 +268,49 @@ def test_silence_and_a_closed_channel(tmp_path: Path) -> None:
             assert time.monotonic() - t0 < 3
 
     asyncio.run(main())
+
+
+class SlowPeer(Peer):
+    """An agent of a loaded guest: each guest-exec-status answered ``delay`` s late,
+    the command still running."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(good)
+        self.delay = delay
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                msg = json.loads(line)
+                cmd, args = msg["execute"], msg.get("arguments", {})
+                if cmd == "guest-sync-delimited":
+                    out = self.sync(args["id"])
+                elif cmd == "guest-exec-status":
+                    await asyncio.sleep(self.delay)
+                    out = js({"return": {"exited": False}})
+                else:
+                    out = good(cmd, args)
+                writer.write(out or b"")
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+
+def test_a_slow_answer_at_the_deadline_names_the_unfinished_command(tmp_path: Path) -> None:
+    """A command that outlives its timeout in a guest whose agent answers late: the
+    error says the command did not finish (and its pid), not that the agent was silent
+    (as it did when the last status question got what was left of the deadline)."""
+    sock = tmp_path / "qga.sock"
+
+    async def main() -> None:
+        async with await _serve(sock, SlowPeer(1.2)), GuestAgent("vm0", sock) as ga:
+            await ga.connect(timeout=5)
+            t0 = time.monotonic()
+            with pytest.raises(GuestAgentError,
+                               match=r"did not finish within 1 s \(guest pid 7 left running"):
+                await ga.run(["/bin/sleep", "9"], timeout=1)
+            assert time.monotonic() - t0 < 1 + 1.2 + 1
+
+    asyncio.run(main())

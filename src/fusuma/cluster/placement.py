@@ -48,10 +48,14 @@ class HostView:
 
 def record(vm: VmView, partition: str, accelerator: str) -> VmRecord:
     """The record ``vm`` would get on a host with ``accelerator``: its footprint there."""
+    from fusuma.images import KINDS
+
     accel = vm.accel if vm.accel in ("kvm", "tcg") else accelerator
+    # Booted by firmware unless its image is a kind fusuma builds (fusuma.vm.boot).
+    firmware = str(vm.spec.get("image") or "minimal") not in KINDS
     return VmRecord(name=vm.name, partition=partition, vcpus=vm.vcpus,
                     memory_mib=vm.memory_mib, accel=vm.accel,
-                    overhead_mib=overhead_mib(accel), shared_ram=vm.shared_ram)
+                    overhead_mib=overhead_mib(accel, firmware), shared_ram=vm.shared_ram)
 
 
 def load(hosts: dict[str, HostView], vms: Iterable[VmView]) -> None:

@@ -25,8 +25,17 @@ QGA_PORT_NAME = "org.qemu.guest_agent.0"
 # memory stays small and predictable. 32 MiB holds the code of an idle or apache2-
 # serving Debian guest: against 128 MiB it saved 90 MiB of host memory per VM with no
 # loss of requests/s (`fusuma bench dcss --modes none --loads apache2`, 273-277 vs
-# 220-253 requests/s). FUSUMA_TCG_TB_MIB overrides it.
+# 220-253 requests/s). A whole OS booted by firmware (a user's image: systemd, udev,
+# Python's cloud-init) runs far more code than fits 32 MiB, and TCG then flushes and
+# translates again all the boot long: its VMs get FIRMWARE_TCG_TB_MIB. Measured side
+# by side, one core each, on a 2-core TCG host with fusuma's Debian test image under
+# SeaBIOS (noisy: other work ran on the host): raw QEMU to the login prompt, 32 MiB
+# 120 s, 256 MiB 95 s; fusuma to the guest agent / cloud-init's end, 32 MiB 170 / 227 s
+# against 256 MiB 120 / 148 s, and in another run 128 MiB 174 / 222 s against 256 MiB
+# 172 / 221 s. Both sizes count in the VM's overhead (overhead_mib), so 128 MiB, not
+# 256. FUSUMA_TCG_TB_MIB overrides both.
 TCG_TB_MIB = 32
+FIRMWARE_TCG_TB_MIB = 128
 # QEMU's seccomp filter: no obsolete syscalls, no set*id (fusuma drops privileges before
 # exec; QEMU's -runas would need them), no fork/exec, no scheduler or affinity changes
 # (the supervisor pins threads from outside).
@@ -69,9 +78,11 @@ def new_vmgenid() -> str | None:
     return str(uuid.uuid4())
 
 
-def tcg_tb_mib() -> int:
-    """The TCG translation cache size: FUSUMA_TCG_TB_MIB, else TCG_TB_MIB."""
-    return _env_int("FUSUMA_TCG_TB_MIB", TCG_TB_MIB, 1, 2048)
+def tcg_tb_mib(firmware: bool = False) -> int:
+    """The TCG translation cache size: FUSUMA_TCG_TB_MIB, else FIRMWARE_TCG_TB_MIB for a
+    VM booted by firmware and TCG_TB_MIB for a kernel boot."""
+    return _env_int("FUSUMA_TCG_TB_MIB", FIRMWARE_TCG_TB_MIB if firmware else TCG_TB_MIB,
+                    1, 2048)
 
 
 @dataclass(frozen=True)
@@ -423,9 +434,10 @@ class _FdSets:
         return f"/dev/fdset/{self.count}"
 
 
-def overhead_mib(accel: str) -> int:
-    """Host memory a VM's QEMU needs beyond guest RAM (used for admission checks)."""
-    return 96 + (tcg_tb_mib() if accel == "tcg" else 0)
+def overhead_mib(accel: str, firmware: bool = False) -> int:
+    """Host memory a VM's QEMU needs beyond guest RAM (used for admission checks);
+    ``firmware``: the VM boots by firmware (its larger translation cache)."""
+    return 96 + (tcg_tb_mib(firmware) if accel == "tcg" else 0)
 
 
 def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
@@ -443,7 +455,7 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
     if cfg.accel == "kvm":
         argv += ["-accel", "kvm", "-cpu", cpu]
     else:
-        argv += ["-accel", f"tcg,tb-size={tcg_tb_mib()}", "-cpu", cpu]
+        argv += ["-accel", f"tcg,tb-size={tcg_tb_mib(cfg.kernel is None)}", "-cpu", cpu]
     # No SATA controller, SMBus, VMware port or PS/2 controller (MACHINE_OPTS): the
     # guest uses none of them, and every device is state to save and load in a
     # migration's downtime. The memory backend and aux-ram-share are host-side.

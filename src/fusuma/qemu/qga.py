@@ -32,6 +32,8 @@ from fusuma.errors import GuestAgentError
 from fusuma.qemu.qgareply import MAX_LINE, ExecStarted, ExecStatus, parse_line, sync_id, unwrap
 
 LOG = logging.getLogger(__name__)
+# The least time one answer of the agent is given while a command runs (run()).
+ANSWER_S = 5.0
 
 # Members of a guest-agent request's arguments or reply that carry guest data.
 PAYLOAD_KEYS = frozenset({"path", "arg", "env", "input-data", "out-data", "err-data",
@@ -205,8 +207,8 @@ class GuestAgent:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
 
-        def left() -> float:
-            return max(0.1, min(30.0, deadline - loop.time()))
+        def left(least: float = 0.1) -> float:
+            return max(least, min(30.0, deadline - loop.time()))
         args: dict[str, Any] = {"path": argv[0], "arg": argv[1:], "capture-output": True}
         if stdin is not None:
             args["input-data"] = base64.b64encode(stdin).decode()
@@ -216,7 +218,11 @@ class GuestAgent:
             delay = 0.02
             while True:
                 status = ExecStatus.parse(self.vm, await self.execute(
-                    "guest-exec-status", {"pid": started.pid}, timeout=left()))
+                    # ``timeout`` bounds the command, not one answer: near the
+                    # deadline the agent still gets ANSWER_S to say how the command
+                    # is (a loaded TCG guest takes seconds to answer), so that an
+                    # unfinished command is named as such, not as a silent agent.
+                    "guest-exec-status", {"pid": started.pid}, timeout=left(ANSWER_S)))
                 if status.exited:
                     return ExecResult(
                         exit_code=-1 if status.exit_code is None else status.exit_code,

@@ -61,6 +61,9 @@ UNBIND = (f"d={BALLOON_DRIVER}; for x in $d/virtio*; do [ -e \"$x\" ] || continu
           "n=${x##*/}; echo \"$n\" > $d/unbind && echo \"$n\"; done; true")
 SAVE_TIMEOUT_S = 120.0
 AGENT_TIMEOUT_S = 30.0
+# The clone's identity script: a DHCP client asked again per NIC (a loaded TCG guest
+# takes tens of seconds).
+IDENTITY_TIMEOUT_S = 300.0
 # A clone of a firmware boot's template: its guest's cloud-init stages (TCG: a minute).
 CLOUD_INIT_TIMEOUT_S = 900.0
 # Fault injection (tests): fail the save right after this phase.
@@ -512,7 +515,7 @@ async def _give_identity(h: PartitionHost, vm: str, inst: QemuInstance, requeste
                 await ga.ping()
                 agent_ms = (time.time() - requested) * 1000
                 res = await ga.run(["/bin/sh", "-c", script], stdin=os.urandom(64),
-                                   timeout=AGENT_TIMEOUT_S)
+                                   timeout=IDENTITY_TIMEOUT_S)
                 identity_ms = (time.time() - requested) * 1000
                 if res.exit_code != 0:
                     # Logged and published: the guest's stderr only as its size.

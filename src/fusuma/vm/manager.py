@@ -126,7 +126,8 @@ class VmManager:
                        shared_ram=spec.shared_ram, qos=spec.qos,
                        segments=list(spec.segments), mergeable=spec.mergeable,
                        ports=list(spec.ports),
-                       overhead_mib=capacity.definition_overhead(spec.accel),
+                       overhead_mib=capacity.definition_overhead(spec.accel,
+                                                                firmware=boot != "kernel"),
                        machine=machine, emulator=spec.emulator,
                        page_reporting=reporting.resolve(
                            spec.page_reporting, spec.shared_ram, spec.template,
