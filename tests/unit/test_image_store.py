@@ -410,7 +410,7 @@ def test_api_import_names_only_files_in_storage_directories(paths: Paths) -> Non
 
 def test_a_firmware_boot_gets_the_larger_translation_cache_and_counts_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from fusuma.qemu.cmdline import (FIRMWARE_TCG_TB_MIB, TCG_TB_MIB, overhead_mib)
+    from fusuma.qemu.cmdline import FIRMWARE_TCG_TB_MIB, TCG_TB_MIB, overhead_mib
 
     monkeypatch.delenv("FUSUMA_TCG_TB_MIB", raising=False)
 
