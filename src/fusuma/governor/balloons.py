@@ -29,6 +29,14 @@ LOG = logging.getLogger(__name__)
 
 VERSION = 1
 FILE_NAME = "balloons.json"
+# A write's temporary file, renamed over the file (by the writer's pid).
+TEMP_PREFIX = f".{FILE_NAME}."
+
+
+def temp_files(directory: Path) -> list[Path]:
+    """Temporary files of writes in ``directory`` (a writer killed before its rename
+    leaves one)."""
+    return sorted(directory.glob(f"{TEMP_PREFIX}*"))
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,7 @@ def save(path: Path, targets: dict[str, Target]) -> None:
     if not targets:
         path.unlink(missing_ok=True)
         return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp = path.with_name(f"{TEMP_PREFIX}{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(render(targets))
         f.flush()

@@ -32,6 +32,7 @@ from fusuma.governor.qos import check_cores
 from fusuma.host import cgroups, storage
 from fusuma.host.topology import HostInfo, format_cpulist, host_info, siblings_text
 from fusuma.names import check_name
+from fusuma.partition import files as partition_files
 from fusuma.partition import liveness
 from fusuma.partition.liveness import SUPERVISOR_MODULE
 from fusuma.paths import PRIVATE_DIR, Paths, ensure_dir, exclusive
@@ -259,11 +260,7 @@ class PartitionManager:
         self.cg.sweep_ram_groups(self.paths.shm)
         self.cg.remove_parent_if_empty()
         self._repin_disturbed(name)
-        for log in ("supervisor.log", "recovery.log", "balloons.json"):
-            with contextlib.suppress(OSError):
-                (self.paths.partition_dir(name) / log).unlink()
-        with contextlib.suppress(OSError):
-            self.paths.partition_dir(name).rmdir()
+        partition_files.remove(self.paths.partition_dir(name))
         LOG.info("deleted partition %s (cores %s)", name, format_cpulist(rec.cpus))
 
     def _wait_empty(self, name: str, timeout: float = 10.0) -> None:
@@ -362,7 +359,7 @@ class PartitionManager:
         pdir = ensure_dir(self.paths.partition_dir(name), PRIVATE_DIR)
         # One start at a time per partition, until its socket answers (its pidfile is
         # written by then).
-        with exclusive(pdir / "supervisor.start"):
+        with exclusive(pdir / partition_files.START_LOCK):
             # Another process may have started one while this one waited here (an
             # agent's pass over its partitions and a move's next step, both finding the
             # supervisor killed): that one adopts the QEMUs, and a second must not.
@@ -373,7 +370,7 @@ class PartitionManager:
 
     def _start(self, name: str, pdir: Path, timeout: float) -> int:
         self.paths.ensure_runtime()   # the socket's dir: runtime/partitions, 0711
-        logf = pdir / "supervisor.log"
+        logf = pdir / partition_files.SUPERVISOR_LOG
         units = self.units
         if units is not None:
             return self._start_unit(units, name, logf, timeout)
