@@ -240,7 +240,9 @@ class QemuInstance:
             except QemuError:
                 continue
         raise QemuError(f"VM {self.vm}: QEMU did not open its QMP socket within "
-                        f"{CONNECT_TIMEOUT_S:.0f} s; see {log}.", log_tail=process.tail(log))
+                        f"{CONNECT_TIMEOUT_S:.0f} s"
+                        f"{process.cpu_note(self.pid, CONNECT_TIMEOUT_S)}; see {log}.",
+                        log_tail=process.tail(log))
 
     async def _wait_listening(self, sock: Path, log: Path) -> None:
         """Wait until a new QEMU listens on its cpr channel (its monitor opens only
@@ -255,7 +257,8 @@ class QemuInstance:
                                 exit_status=self.child.returncode, log_tail=process.tail(log))
             if time.monotonic() > deadline:
                 raise QemuError(f"VM {self.vm}: the new QEMU did not listen on {sock} "
-                                f"within {LISTEN_TIMEOUT_S:.0f} s; see {log}.",
+                                f"within {LISTEN_TIMEOUT_S:.0f} s"
+                                f"{process.cpu_note(self.pid, LISTEN_TIMEOUT_S)}; see {log}.",
                                 log_tail=process.tail(log))
             await asyncio.sleep(0.002)
 
@@ -430,6 +433,14 @@ class QemuInstance:
             self.run_dir.rmdir()
         self.run_dir = target
         self.qmp.socket = target / "qmp.sock"
+
+    @property
+    def how_ended(self) -> str:
+        """How the process ended, in words (once ``exited`` is set)."""
+        status = self.status
+        return (f"killed by signal {-status}" if status is not None and status < 0
+                else f"exited with status {status}" if status is not None
+                else "exited (status unknown: adopted process)")
 
     @property
     def alive(self) -> bool:

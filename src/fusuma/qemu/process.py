@@ -77,6 +77,35 @@ def threads(pid: int) -> list[int]:
         return []
 
 
+def sched_seconds(pid: int, proc: Path = PROC) -> tuple[float, float] | None:
+    """Seconds process ``pid``'s threads ran on a CPU and waited runnable for one, from
+    their ``schedstat`` (threads gone meanwhile are not counted); None when the
+    process cannot be read."""
+    ran = waited = 0
+    try:
+        tids = os.listdir(proc / str(pid) / "task")
+    except OSError:
+        return None
+    for t in tids:
+        with contextlib.suppress(OSError, ValueError):
+            run_ns, wait_ns, _ = (proc / str(pid) / "task" / t / "schedstat").read_text().split()
+            ran, waited = ran + int(run_ns), waited + int(wait_ns)
+    return ran / 1e9, waited / 1e9
+
+
+def cpu_note(pid: int, waited_s: float, proc: Path = PROC) -> str:
+    """What a process that kept someone waiting ``waited_s`` seconds did meanwhile,
+    for an error message: a starved process is not a hung one (empty if unknown)."""
+    got = sched_seconds(pid, proc)
+    if got is None:
+        return ""
+    ran, queued = got
+    note = f" (it ran {ran:.2f} s and waited {queued:.1f} s for a CPU"
+    if queued > waited_s / 2:
+        note += ": starved of CPU by busier processes on its cores, not hung"
+    return note + ")"
+
+
 def is_thread_of(pid: int, tid: int) -> bool:
     """True if ``tid`` is a thread of process ``pid`` now. The kernel shows
     ``/proc/PID/task/TID`` only for a thread of PID's own thread group, so the id of

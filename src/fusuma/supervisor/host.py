@@ -201,13 +201,16 @@ class PartitionHost:
                      role: Role = Role.RUNNING, owns_ram: bool = True,
                      disk_owner: str | None = None,
                      cpr_socket: Path | None = None,
-                     own_taps: bool = False, join_taps: bool = False) -> QemuInstance:
+                     own_taps: bool = False, join_taps: bool = False,
+                     control: bool = False) -> QemuInstance:
         """Start one QEMU for ``vm`` in this partition's cgroup, as the VM's own uid,
         and connect QMP (``cpr_socket``: an in-place move's new QEMU, which opens QMP
         only once the old one has sent the guest's descriptors: wait until it listens
         there instead; ``join_taps``: a move's destination on this host, whose NICs
-        join the taps the VM's running QEMU holds). Every step registers its undo with
-        ``rev`` (the caller's transaction). The instance is registered and watched."""
+        join the taps the VM's running QEMU holds; ``control``: its leaf gets the
+        control weight, not its class's, from before the QEMU exists, see
+        :meth:`control_cpu`). Every step registers its undo with ``rev`` (the caller's
+        transaction). The instance is registered and watched."""
         q = self.qemu()
         uid = privilege.uid_for(self.paths, vm)
         groups = privilege.groups_for(accel)
@@ -235,6 +238,11 @@ class PartitionHost:
         leaf = vm_leaf(vm.name)
         self.cg.create_leaf(self.partition, leaf)
         rev.add(lambda: self.delete_leaf(vm.name))
+        if control:
+            # Before the exec: a QEMU starting at its class's weight beside a VM busy
+            # at the top weight gets ~1% of the core, and its start (~0.3 s of CPU)
+            # then takes tens of seconds, against the QMP connect's deadline.
+            self.control_cpu(vm.name)
         cg, part, mergeable = self.cg, self.partition, vm.mergeable
         # Where the memory hierarchy is separate (cgroup v1), QEMU's memory membership is
         # its RAM file's group: guest RAM is faulted lazily and charged there, wherever
@@ -297,7 +305,8 @@ class PartitionHost:
                     # from now on.
                     self.db.set_vm(vm.name, machine=devices.machine,
                                    devices=devices.dumps())
-                self.apply_class(vm, pid)
+                if not control:
+                    self.apply_class(vm, pid)
                 oom.set_score(pid, oom.qemu_score(vm.memory_class),
                               f"the QEMU of {vm.name}")
 
@@ -379,17 +388,24 @@ class PartitionHost:
                 self.settle_state(inst.vm, VmState.STOPPED, pid=None, error=inst.stop_note)
             self.log.info("%s stopped", inst.vm)
             return
-        status = inst.status
-        how = (f"killed by signal {-status}" if status is not None and status < 0
-               else f"exited with status {status}" if status is not None
-               else "exited (status unknown: adopted process)")
-        msg = f"QEMU {how} unexpectedly"
-        tail = process.tail(self.paths.vm_dir(inst.vm) / "qemu.log", 1)
-        if tail and (inst.started_log is None or tail != inst.started_log):
-            msg += f": {tail}"
+        msg = f"QEMU {inst.how_ended} unexpectedly{self._log_news(inst)}"
         with contextlib.suppress(FusumaError):
             self.settle_state(inst.vm, VmState.CRASHED, pid=None, error=msg)
         self.log.warning("%s crashed: %s", inst.vm, msg)
+
+    def _log_news(self, inst: QemuInstance) -> str:
+        """``": <QEMU's last log line>"`` if QEMU wrote it after its start, else empty."""
+        tail = process.tail(self.paths.vm_dir(inst.vm) / "qemu.log", 1)
+        return f": {tail}" if tail and tail != inst.started_log else ""
+
+    async def end_note(self, inst: QemuInstance, wait: float = 2.0) -> str:
+        """For the message of a QMP command that ``inst`` broke off: how the QEMU ended,
+        once its end is seen within ``wait`` seconds; empty while it runs on."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(inst.exited.wait(), wait)
+        if not inst.exited.is_set():
+            return ""
+        return f" (its QEMU, pid {inst.pid}, {inst.how_ended}{self._log_news(inst)})"
 
     def end_unmanaged(self, rec: VmRecord) -> None:
         """A QEMU no instance holds (it never answered QMP): end it by its checked pid,
@@ -474,9 +490,9 @@ class PartitionHost:
     # -- the control weight of a moving VM's QEMU -------------------------------------
     def control_cpu(self, vm: str) -> None:
         """The control weight for VM ``vm``'s leaf while a move holds its guest paused
-        (or about to be): the QEMU then does the move's work (saving or loading the
-        device state), which a guaranteed VM busy beside it must not hold up. Best
-        effort: a move goes on at the class's weight."""
+        (or about to be): the QEMU then does the move's work (a destination's start,
+        saving or loading the device state), which a guaranteed VM busy beside it must
+        not hold up. Best effort: a move goes on at the class's weight."""
         try:
             self.cg.set_control_cpu(self.partition, vm_leaf(vm))
         except FusumaError as exc:

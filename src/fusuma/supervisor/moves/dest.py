@@ -118,16 +118,22 @@ async def prepare(h: PartitionHost, vm: str, mode: str,
             # The destination's own RAM file, made like a new VM's (0600, the VM's uid).
             privilege.create_ram_file(ram, privilege.uid_for(h.paths, rec))
             h.charge_ram(ram, rec.memory_mib)
+        # At the control weight from its start to the guest's run here (``commit``):
+        # paused (-S) until the stream has arrived, it costs the partition's VMs
+        # nothing but its start, and neither its start nor loading the device state
+        # waits for them.
         inst = await h.launch(rec, accel, run, ram, "defer", rev, role=Role.INCOMING,
                               owns_ram=mode == "copy", disk_owner=rec.partition,
-                              join_taps=True)
-        # Paused (-S) until the stream has arrived: the control weight costs the
-        # partition's VMs nothing, and loading the device state waits for none of them.
-        h.control_cpu(vm)
-        await inst.qmp.migrate_set_capabilities(capabilities(mode))
-        listener = inst.qmp.listener(EVENT_MIGRATION)
+                              join_taps=True, control=True)
         uri = f"unix:{run}/migrate.sock"
-        await inst.qmp.migrate_incoming(uri)
+        try:
+            await inst.qmp.migrate_set_capabilities(capabilities(mode))
+            listener = inst.qmp.listener(EVENT_MIGRATION)
+            await inst.qmp.migrate_incoming(uri)
+        except QemuError as exc:
+            # "Disconnected" alone does not say that (or how) the QEMU ended.
+            raise QemuError(f"{exc}{await h.end_note(inst)}", log_tail=exc.log_tail,
+                            exit_status=inst.status) from exc
         rev.commit()
     move = MoveIn(listener, mode, rec.partition,
                   done=asyncio.get_running_loop().create_future(),
