@@ -455,7 +455,7 @@ def build_argv(cfg: VmConfig, binary: str = "qemu-system-x86_64") -> list[str]:
     if cfg.accel == "kvm":
         argv += ["-accel", "kvm", "-cpu", cpu]
     else:
-        argv += ["-accel", f"tcg,tb-size={tcg_tb_mib(cfg.kernel is None)}", "-cpu", cpu]
+        argv += ["-accel", f"tcg,tb-size={tcg_tb_mib(firmware_of(cfg) is not None)}", "-cpu", cpu]
     # No SATA controller, SMBus, VMware port or PS/2 controller (MACHINE_OPTS): the
     # guest uses none of them, and every device is state to save and load in a
     # migration's downtime. The memory backend and aux-ram-share are host-side.
