@@ -28,6 +28,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 FUSUMA = [sys.executable, "-m", "fusuma.cli.main"]
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# The limit on a full Debian booted by firmware under TCG (`vm start --wait`): 2-3 min
+# on a quiet 2-core host, up to 7 min beside the rest of a suite run (CI logs). It
+# catches a guest that hangs; how fast one boots is `fusuma bench images`'s to say.
+FULL_OS_BOOT_S = 900
 
 
 # -- running on several workers (make test: pytest -n 2) -------------------------------

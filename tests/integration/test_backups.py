@@ -52,12 +52,12 @@ from pathlib import Path
 import pytest
 
 from fusuma.images import diskimage
-from tests.conftest import FUSUMA, Host
+from tests.conftest import FULL_OS_BOOT_S, FUSUMA, Host
 from tests.integration import guestdisk
 from tests.integration.phasekill import finish, job_of, kill_in_phase, kill_when
 from tests.integration.test_firmware_vms import qemus_of
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 VM = "src"
 MARK = "/var/tmp/fusuma-backup"
@@ -97,7 +97,8 @@ def guest(module_host: Host) -> Iterator[Host]:
     host.run("partition", "create", "p0", "--cpus", "0-1", "--memory", "1000")
     host.run("vm", "create", VM, "-p", "p0", "--image", "deb", "--memory", "384",
              "--boot", "uefi")
-    host.run("vm", "start", VM, "--wait", "--timeout", "400", timeout=450)
+    host.run("vm", "start", VM, "--wait", "--timeout", str(FULL_OS_BOOT_S),
+             timeout=FULL_OS_BOOT_S + 60)
     TIMES["boot"] = time.monotonic() - t0
     yield host
     print("\ntimes (s): " + ", ".join(f"{k} {v:.1f}" for k, v in TIMES.items()))
@@ -208,7 +209,8 @@ def test_full_and_incremental_backups_restore_into_a_new_vm(guest: Host) -> None
     qemu_check(host.home / "vms" / "copy" / "disk.qcow2")
     # It boots (once) in p1 while the next case runs in p0; the last case checks it.
     BOOTING["copy"] = (time.monotonic(), subprocess.Popen(
-        [*host.wrap, *FUSUMA, "vm", "start", "copy", "--wait", "--timeout", "400"],
+        [*host.wrap, *FUSUMA, "vm", "start", "copy", "--wait", "--timeout",
+         str(FULL_OS_BOOT_S)],
         env=host.env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
 
 
@@ -405,7 +407,7 @@ def test_the_restored_vm_holds_the_data_of_each_backup(guest: Host) -> None:
     host = guest
     t0, p = BOOTING.pop("copy")
     try:
-        _, err = p.communicate(timeout=450)
+        _, err = p.communicate(timeout=FULL_OS_BOOT_S + 60)
     finally:
         if p.poll() is None:
             p.kill()

@@ -39,12 +39,12 @@ from pathlib import Path
 import pytest
 
 from fusuma.images import diskimage
-from tests.conftest import FUSUMA, Host
+from tests.conftest import FULL_OS_BOOT_S, FUSUMA, Host
 from tests.integration import guestdisk
 from tests.integration.phasekill import finish, job_of, kill_in_phase
 from tests.integration.test_firmware_vms import qemus_of, sh
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 VM = "sv"
 MARK = "/var/tmp/fz-snap"          # on the guest's disk
@@ -72,7 +72,8 @@ def guest(module_host: Host) -> Iterator[Host]:
     host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1536")
     host.run("vm", "create", VM, "-p", "p0", "--image", "deb", "--memory", "320",
              "--boot", "bios")
-    host.run("vm", "start", VM, "--wait", "--timeout", "400", timeout=450)
+    host.run("vm", "start", VM, "--wait", "--timeout", str(FULL_OS_BOOT_S),
+             timeout=FULL_OS_BOOT_S + 60)
     took("boot", t0)
     yield host
     print("\nsnapshot tests: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()))
