@@ -3,8 +3,10 @@ host: a Debian disk with cloud-init, extlinux and GRUB, built from Debian packag
 (fusuma.images.diskimage, cached in FUSUMA_CACHE) and imported like any user's image.
 
 Two guests on the one read-only base, one booted by OVMF and one by SeaBIOS, boot at
-once and once for the whole module (a Debian with systemd and cloud-init takes about a
-minute under TCG); the tests run against them in order:
+once and once for the whole module (a Debian with systemd and cloud-init takes minutes
+under TCG); the tests run against them in order. The module's fusuma runs in a network
+namespace of its own (fusuma's networks are never made in the machine's namespace), so
+that the SeaBIOS guest has a NIC on a managed network:
 
 1. The image and the boot: cloud-init gives each its hostname and the SSH key and runs
    the user-data; each booted by the firmware it asked for, under its own uid; the thin
@@ -38,12 +40,10 @@ minute under TCG); the tests run against them in order:
    cloud-init runs its per-instance steps again (hostname, SSH host keys) and the
    template's data and EFI variable are there; it moves by copy; refusals;
    ``qemu-img check`` of the overlays and the layer.
-4. The end: each guest stopped, ``qemu-img check`` finds its overlay clean, the variable
-   is in the NVRAM file, the base's checksum is unchanged, and the image is deleted.
-5. Apart, in a network namespace of its own (fusuma's networks are never made in the
-   machine's namespace, where the module's guests run): a SeaBIOS guest with a NIC on
-   a managed network, a template of it and a clone with its own MAC, lease and
-   instance id, answering the gateway (this boots a third guest)."""
+4. The SeaBIOS guest with its NIC (its lease, after every move above): a template of
+   it and a clone with its own MAC, lease and instance id, answering the gateway.
+5. The end: each guest stopped, ``qemu-img check`` finds its overlay clean, the variable
+   is in the NVRAM file, the base's checksum is unchanged, and the image is deleted."""
 
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ echo FUSUMA-USER-DATA-DONE > /dev/ttyS0
 """
 # Two guests on the one base, one by each firmware, booted at once (one per core).
 VMS = {"vu": ("uefi", "p0"), "vb": ("bios", "p1")}
+NIC_VM = "vb"             # the SeaBIOS guest has a NIC on the module's network
 # A vendor GUID of the test's own, for the EFI variable the guest writes.
 VAR = "/sys/firmware/efi/efivars/FusumaMark-5f0c2a7e-8d1b-4e6f-9a3c-2b7d1e0f4a59"
 MARK = "/var/tmp/fusuma-mark"
@@ -109,6 +110,27 @@ class Booted:
     token: str = ""          # the EFI variable's and the moves' files' (test 2)
 
 
+LAN = "10.124.7"
+
+
+@pytest.fixture(scope="module")
+def module_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    """The module's fusuma namespace (conftest's), run in a network namespace of the
+    module's own, where its managed network, bridge, taps and dnsmasq live."""
+    ns = f"fusuma-t-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    h = Host(tmp_path_factory.mktemp("shared"))
+    h.wrap = ["nsenter", f"--net=/run/netns/{ns}", "--"]
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        yield h
+    finally:
+        try:
+            _tear_down(h)
+        finally:
+            subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
 @pytest.fixture(scope="module")
 def booted(module_host: Host, disk_image: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted]:
@@ -137,12 +159,14 @@ def booted(module_host: Host, disk_image: Path,
     assert "bad" not in [v["name"] for v in host.ps()["vms"]]
     assert not (host.home / "vms" / "bad").exists()
 
+    host.run("network", "create", "lan0", "--subnet", f"{LAN}.0/24")
     t0 = time.monotonic()
     for vm, (fw, part) in VMS.items():
         t = time.monotonic()
+        nic = ["--nic", "lan0"] if vm == NIC_VM else []
         host.run("vm", "create", vm, "-p", part, "--image", "deb", "--memory", "384",
                  "--boot", fw, "--disk-size", "3G", "--ssh-key", str(key),
-                 "--user-data", str(ud))
+                 "--user-data", str(ud), *nic)
         assert time.monotonic() - t < 10          # a thin disk: made in no time
     with ThreadPoolExecutor(len(VMS)) as pool:     # both boot at once, one per core
         list(pool.map(lambda vm: host.run("vm", "start", vm, "--wait", "--timeout",
@@ -617,6 +641,64 @@ def test_a_template_of_a_firmware_vm_gives_clones_their_own_disk_nvram_and_insta
           f"{time.monotonic() - t_start:.1f} s")
 
 
+def test_a_template_of_the_guest_with_a_nic_gives_a_clone_its_own_mac_lease_and_instance(
+        booted: Booted) -> None:
+    """A template of the SeaBIOS guest (the template test above has OVMF's), whose NIC is
+    on the module's managed network, and a clone of it: the clone's guest has its own
+    MAC (the template's was changed by the identity step) and the lease dnsmasq gives
+    that MAC (the address fusuma recorded; the image's dhclient asked), a new cloud-init
+    instance id, and answers the gateway through the bridge's filter, which drops any
+    frame with the template's MAC. (Two clones of one template, each with its own MAC
+    and address: tests/integration/test_networks.py.)"""
+    host = booted.host
+    t0 = time.monotonic()
+    tnic = host.vm(NIC_VM)["nics"][0]
+    # The guest has its lease (cloud-init's config, the image's dhclient), after every
+    # kind of move above.
+    deadline = time.monotonic() + 120
+    while f"inet {tnic['ip']}/24" not in sh(host, NIC_VM, "ip -4 -o addr; true"):
+        assert time.monotonic() < deadline, sh(host, NIC_VM, "ip addr; true")
+        time.sleep(2)
+    host.run("template", "create", "tn", "--from", NIC_VM)
+    c = "n1"
+    host.run("vm", "create", c, "-p", "p0", "--template", "tn", "--nic", "lan0")
+    host.run("vm", "start", c)
+    ev = clone_ready(host, c, time.monotonic() + 600)
+    assert ev["error"] is None and ev["cloud_init_exit"] in (0, 1), ev
+    nic = host.vm(c)["nics"][0]
+    mac, ip = nic["mac"], nic["ip"]
+    assert mac != tnic["mac"] and ip != tnic["ip"], (nic, tnic)
+    # The guest's NIC has the clone's MAC and the clone's lease.
+    got = sh(host, c, f"for x in /sys/class/net/*; do [ \"$(cat $x/address)\" = "
+                      f"{mac} ] && ip -4 -o addr show dev ${{x##*/}}; done; true")
+    assert f"inet {ip}/24" in got, (c, got)
+    assert tnic["mac"] not in sh(host, c, "cat /sys/class/net/*/address")
+    # A new instance: cloud-init ran for the clone's id.
+    seed_id = json.loads((host.home / "vms" / c / "seed.json").read_text())["instance_id"]
+    assert sh(host, c, "cat /var/lib/cloud/data/instance-id").strip() == seed_id
+    assert sh(host, c, "hostname").strip() == c
+    # It reaches the gateway (the bridge's address, in the module's namespace: its
+    # dnsmasq's DNS port) and answers it (its sshd's banner, from that namespace),
+    # through the bridge's filter, which passes only the clone's MAC and address.
+    probe = ("import socket, sys; c = socket.create_connection((sys.argv[1], "
+             "int(sys.argv[2])), 10); c.settimeout(10); "
+             "print(c.recv(8).decode() if len(sys.argv) > 3 else 'connected')")
+    got = sh(host, c, f"python3 -c \"{probe}\" {LAN}.1 53")
+    assert got.strip() == "connected", (c, got)
+    banner = subprocess.run([*host.wrap, sys.executable, "-c", probe, ip, "22", "banner"],
+                            capture_output=True, text=True, timeout=60)
+    assert banner.stdout.startswith("SSH-2.0"), (c, banner)
+    assert f"{LAN}.1 " in sh(host, c, "cat /proc/net/arp")
+    # The clone and the template go; the guests themselves are the next test's.
+    host.run("vm", "stop", c, "--timeout", "60", timeout=120)
+    host.run("vm", "delete", c)
+    host.run("template", "delete", "tn")
+    assert not (host.home / "vms" / c).exists()
+    assert not (host.home / "templates" / "tn").exists()
+    print(f"\ntemplate of the SeaBIOS guest with a NIC, a clone: "
+          f"{time.monotonic() - t0:.1f} s")
+
+
 def test_the_end_each_disk_is_clean_and_the_image_goes(booted: Booted) -> None:
     host, imported, token = booted.host, booted.imported, booted.token
     for vm in VMS:
@@ -637,86 +719,3 @@ def test_the_end_each_disk_is_clean_and_the_image_goes(booted: Booted) -> None:
     host.run("image", "delete", "deb")
     assert not booted.base.exists()
 
-
-LAN = "10.124.7"
-
-
-def test_clones_of_a_firmware_vm_with_a_nic_get_their_own_mac_lease_and_instance(
-        disk_image: Path, tmp_path: Path) -> None:
-    """A template of a firmware guest (SeaBIOS: the template test above has OVMF's)
-    with a NIC on a managed network, and a clone of it: the clone's guest has its own
-    MAC (the template's was changed by the identity step) and the lease dnsmasq gives
-    that MAC (the address fusuma recorded; the image's dhclient asked), a new
-    cloud-init instance id, and answers the gateway through the bridge's filter, which
-    drops any frame with the template's MAC. (Two clones of one template, each with its
-    own MAC and address: tests/integration/test_networks.py.) All in a network
-    namespace of the test's own (its supervisors, bridge, taps, nftables and dnsmasq),
-    so this test boots a guest of its own: the module's run in the machine's namespace,
-    where no fusuma network may be made."""
-    t0 = time.monotonic()
-    ns = f"fusuma-t-{secrets.token_hex(3)}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    host = Host(tmp_path)
-    host.wrap = ["nsenter", f"--net=/run/netns/{ns}", "--"]
-    try:
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        need_qemu_10(host)
-        host.run("image", "import", "deb", str(disk_image))
-        host.run("partition", "create", "p0", "--cpus", "0-1", "--memory", "2048",
-                 "--qemu", "10.0")
-        host.run("network", "create", "lan0", "--subnet", f"{LAN}.0/24")
-        host.run("vm", "create", "tv", "-p", "p0", "--image", "deb", "--memory", "384",
-                 "--boot", "bios", "--nic", "lan0")
-        host.run("vm", "start", "tv", "--wait", "--timeout", str(FULL_OS_BOOT_S),
-             timeout=FULL_OS_BOOT_S + 60)
-        boot_s = time.monotonic() - t0
-        tnic = host.vm("tv")["nics"][0]
-        # The template's guest has its lease (cloud-init's config, the image's dhclient).
-        deadline = time.monotonic() + 120
-        while f"inet {tnic['ip']}/24" not in sh(host, "tv", "ip -4 -o addr; true"):
-            assert time.monotonic() < deadline, sh(host, "tv", "ip addr; true")
-            time.sleep(2)
-        host.run("template", "create", "t", "--from", "tv")
-        clones_ = ("c1",)
-        for c in clones_:
-            host.run("vm", "create", c, "-p", "p0", "--template", "t", "--nic", "lan0")
-            host.run("vm", "start", c)
-        deadline = time.monotonic() + 600
-        nics = {}
-        for c in clones_:
-            ev = clone_ready(host, c, deadline)
-            assert ev["error"] is None and ev["cloud_init_exit"] in (0, 1), ev
-            nics[c] = host.vm(c)["nics"][0]
-            mac, ip = nics[c]["mac"], nics[c]["ip"]
-            assert mac != tnic["mac"] and ip != tnic["ip"], (nics[c], tnic)
-            # The guest's NIC has the clone's MAC and the clone's lease.
-            got = sh(host, c, f"for x in /sys/class/net/*; do [ \"$(cat $x/address)\" = "
-                              f"{mac} ] && ip -4 -o addr show dev ${{x##*/}}; done; true")
-            assert f"inet {ip}/24" in got, (c, got)
-            assert tnic["mac"] not in sh(host, c, "cat /sys/class/net/*/address")
-            # A new instance: cloud-init ran for the clone's id.
-            seed_id = json.loads((host.home / "vms" / c / "seed.json").read_text())[
-                "instance_id"]
-            assert sh(host, c, "cat /var/lib/cloud/data/instance-id").strip() == seed_id
-            assert sh(host, c, "hostname").strip() == c
-        # Each reaches the gateway (the bridge's address, in the test's namespace: its
-        # dnsmasq's DNS port) and answers it (its sshd's banner, from that namespace),
-        # through the bridge's filter, which passes only the clone's MAC and address.
-        probe = ("import socket, sys; c = socket.create_connection((sys.argv[1], "
-                 "int(sys.argv[2])), 10); c.settimeout(10); "
-                 "print(c.recv(8).decode() if len(sys.argv) > 3 else 'connected')")
-        for c in clones_:
-            got = sh(host, c, f"python3 -c \"{probe}\" {LAN}.1 53")
-            assert got.strip() == "connected", (c, got)
-            banner = subprocess.run([*host.wrap, sys.executable, "-c", probe,
-                                     nics[c]["ip"], "22", "banner"],
-                                    capture_output=True, text=True, timeout=60)
-            assert banner.stdout.startswith("SSH-2.0"), (c, banner)
-            assert f"{LAN}.1 " in sh(host, c, "cat /proc/net/arp")
-        print(f"\ntemplate of a BIOS guest with a NIC, a clone: "
-              f"{time.monotonic() - t0:.1f} s (boot {boot_s:.1f} s)")
-    finally:
-        try:
-            _tear_down(host)
-        finally:
-            subprocess.run(["ip", "netns", "del", ns], check=False)
