@@ -34,7 +34,7 @@ from fusuma.images import debian
 
 LOG = logging.getLogger(__name__)
 
-VERSION = 3                    # of this recipe: a change rebuilds the image
+VERSION = 4                    # of this recipe: a change rebuilds the image
 SIZE = 2 * 2**30               # the disk the guest sees
 ESP_START = 2048               # the ESP's first sector (1 MiB)
 ESP_MIB = 16
@@ -72,13 +72,24 @@ cloud_final_modules: [ write-files-deferred, scripts-vendor, scripts-per-once,
 # checked at boot (fstab's pass 0): 6 s, and the image is made fresh.
 MASKED = ("e2scrub_reap.service", "e2scrub_all.timer", "apt-daily.timer",
           "apt-daily-upgrade.timer", "man-db.timer", "fstrim.timer", "logrotate.timer",
-          "dpkg-db-backup.timer", "getty-static.service")
+          "dpkg-db-backup.timer", "getty-static.service",
+          # File systems and modules for what a cloud guest of fusuma's tests never
+          # uses (binfmt, debugfs, tracefs, configfs, mqueue, hugetlbfs, fuse, pstore):
+          # each a unit systemd starts at every boot.
+          "systemd-binfmt.service", "proc-sys-fs-binfmt_misc.automount",
+          "sys-kernel-debug.mount", "sys-kernel-tracing.mount", "sys-kernel-config.mount",
+          "dev-mqueue.mount", "dev-hugepages.mount", "sys-fs-fuse-connections.mount",
+          "modprobe@fuse.service", "modprobe@configfs.service", "modprobe@drm.service",
+          "modprobe@efi_pstore.service", "systemd-pstore.service")
+# The journal kept in memory (/run): no flush to the disk at each boot.
+JOURNALD = "[Journal]\nStorage=volatile\n"
 
 Progress = Callable[[str], None]
 
 
 def _digest(suite: str, mirror: str) -> str:
-    text = json.dumps([VERSION, suite, mirror, PACKAGES, APPEND, CLOUD_CFG, MASKED, SIZE])
+    text = json.dumps([VERSION, suite, mirror, PACKAGES, APPEND, CLOUD_CFG, MASKED, JOURNALD,
+                       SIZE])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -211,6 +222,9 @@ def _configure(root: Path, root_uuid: str) -> tuple[str, str, str]:
         link = root / "etc/systemd/system" / unit
         link.unlink(missing_ok=True)
         link.symlink_to("/dev/null")
+    journald = root / "etc/systemd/journald.conf.d"
+    journald.mkdir(parents=True, exist_ok=True)
+    (journald / "90-fusuma.conf").write_text(JOURNALD)
     (root / "etc/hostname").write_text("debian\n")
     (root / "etc/hosts").write_text("127.0.0.1 localhost\n")
     (root / "etc/cloud/cloud.cfg.d/90_fusuma.cfg").write_text(CLOUD_CFG)
