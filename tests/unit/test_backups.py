@@ -16,7 +16,7 @@ from fusuma.errors import ConflictError, NotFoundError, SpecError, StateError
 from fusuma.images import backup as bk
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.state import VmRecord
-from fusuma.supervisor.backups import Target, drives, plan
+from fusuma.supervisor.backups import Target, drives, filled, plan
 
 
 def _config() -> bk.VmConfig:
@@ -270,3 +270,29 @@ def test_a_restore_flattens_every_point_onto_the_image(tmp_path: Path) -> None:
                     str(top)], check=True)
     with pytest.raises(bk.CorruptManifest, match="is not the qcow2 its manifest"):
         bk.check_backing(bk.load_chain(chain, verify_files=False))
+
+
+def test_a_full_filesystem_at_fusumas_own_write_is_the_same_one_sentence(
+        tmp_path: Path) -> None:
+    """The NVRAM's copy into a destination the block job has already filled fails with
+    ENOSPC in the supervisor itself (seen in a CI run as "internal supervisor error:
+    OSError(28, ...)"): it is the sentence a full filesystem gets, naming the
+    directory and its free room; any other error is left as it is."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "fusuma-test-full",
+                    str(small)], check=True)
+    try:
+        with pytest.raises(OSError) as got:
+            (small / "nvram.fd").write_bytes(b"\0" * 2**20)
+        full = filled(got.value, "vm0", small / "b")
+        assert isinstance(full, StateError)
+        text = str(full)
+        assert text.startswith(f"VM 'vm0': the backup into {small / 'b'} filled its "
+                               "filesystem (0 MiB free of 0 MiB)"), text
+        assert "nothing of it was kept and the VM runs on" in text
+        assert filled(OSError(13, "Permission denied"), "vm0", small / "b") is None
+        assert filled(ValueError("x"), "vm0", small / "b") is None
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import time
 import uuid
@@ -177,6 +178,15 @@ def full_sentence(vm: str, chain_dir: Path) -> str:
             "to another directory.")
 
 
+def filled(exc: BaseException, vm: str, chain_dir: Path) -> StateError | None:
+    """The one sentence for a backup that failed because its destination's filesystem
+    filled at one of fusuma's own writes (the NVRAM's copy, the manifest), as at QEMU's
+    (which `_wait` names); None for any other failure."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return StateError(full_sentence(vm, chain_dir))
+    return None
+
+
 async def backup(h: PartitionHost, req: rpc.Backup) -> rpc.BackedUp:
     disks = drives(h.vm(req.vm))       # before "start it": a VM that never could
     h.running(req.vm)
@@ -272,13 +282,16 @@ async def _backup(h: PartitionHost, rec: VmRecord, inst: QemuInstance,
                         previous=previous, frozen=frozen)
         h.phase(vm, "commit")
         await asyncio.to_thread(bk.commit, pt, m)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(Exception):
             if started:
                 await _cancel(inst, [t.job for t in targets])
             await _detach(inst, [t.node for t in targets])
             await _drop_bitmaps(inst, [d for d, _ in disks], None, only=new_bitmap)
         bk.abandon(pt)
+        full = filled(exc, vm, chain_dir)
+        if full is not None:
+            raise full from exc
         raise
     pt.close()
     # The point exists: from now on only its bitmap tracks what the next one copies.
