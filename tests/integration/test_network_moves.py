@@ -131,12 +131,13 @@ def test_every_move_keeps_the_nic_and_its_tcp_stream(
     assert all(q.attached for q in held[after["pid"]]), held
     got = guest(h, "a", "cat /sys/class/net/eth0/address; ip -4 -o addr show eth0")
     assert mac in got and f"inet {GUEST_IP}/24" in got, got
-    # The loss is what the guest's pause allows: one ping a millisecond, plus a few
-    # tens per move (the switch itself under TCG, both QEMUs and the supervisors on two
-    # shared cores: measured 15-25 ms beyond QEMU's downtime).
+    # The loss is what the guest's pause allows: one ping a millisecond, plus up to a
+    # hundred per move (the switch itself under TCG, both QEMUs and the supervisors on
+    # two shared cores: measured 15-25 ms beyond QEMU's downtime on a quiet host, 52-54
+    # in a fresh-clone CI run of 9c4b568). A NIC that did not come back loses thousands.
     moves = seen["result"].get("moves") or [seen["result"]]
     pause = sum(float(m.get("downtime_ms") or 0) for m in moves)
-    allowed = pause + 50 * len(moves)
+    allowed = pause + 100 * len(moves)
     record = {"kind": kind, "lost": seen["lost"], "sent": seen["sent"],
               "longest_lost_run": seen["longest_lost_run"],
               "downtime_ms": pause, "moves": len(moves), "stream_max_gap_ms": stream["max_gap_ms"],
