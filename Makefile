@@ -39,7 +39,7 @@ venv: deps $(VENV)/.installed
 # Every fusuma command, supervisor and agent is a new Python process (the tests run
 # thousands): fusuma's sources compiled ahead, none compiles them at its start, even
 # where PYTHONDONTWRITEBYTECODE keeps Python from writing them itself (`fusuma ps`:
-# 0.27 s without them, 0.18 s with them, on this 2-core host).
+# 0.25-0.28 s without them, 0.17-0.19 s with them, on this 2-core host).
 bytecode: venv
 	$(VENV)/bin/python -m compileall -q -j 0 src > /dev/null
 
