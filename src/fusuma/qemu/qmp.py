@@ -11,13 +11,32 @@ from typing import Any
 
 from qemu.qmp import EventListener, QMPClient, QMPError
 
-from fusuma.errors import QemuError
+from fusuma.errors import MigrationError, QemuError
 
 # QMP event names used by fusuma.
 EVENT_SHUTDOWN = "SHUTDOWN"
 EVENT_STOP = "STOP"
 EVENT_RESUME = "RESUME"
 EVENT_MIGRATION = "MIGRATION"
+
+# The outgoing migration states in which QEMU refuses a new stream ("There's a
+# migration process in progress"): ``migration_is_running()``, migration/migration.c.
+RUNNING = frozenset({"setup", "active", "pre-switchover", "device", "wait-unplug",
+                     "cancelling", "postcopy-active", "postcopy-paused",
+                     "postcopy-recover-setup", "postcopy-recover", "colo"})
+# ... of which none is cancelled as a leftover: past the switch the source cannot take
+# the guest back (``qmp_migrate_cancel`` refuses postcopy), and fusuma starts no COLO.
+UNCANCELLABLE = frozenset({"postcopy-active", "postcopy-paused", "postcopy-recover-setup",
+                           "postcopy-recover", "colo"})
+# The one yank instance all of a QEMU's migration channels hang on, from `migrate`
+# until the stream's cleanup (``migration_cleanup``) has run.
+MIGRATION_YANK: dict[str, Any] = {"type": "migration"}
+# How QEMU refuses `migrate` while an earlier stream is not cleaned up.
+LEFTOVER_REFUSALS = ("duplicate yank instance", "There's a migration process in progress")
+# How long a failed stream's own cleanup is waited for before its channels are yanked,
+# and the bound on clearing an earlier stream's leftovers before a new one.
+SETTLE_S = 2.0
+CLEAR_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,10 @@ class Qmp:
         self.socket = socket
         self.log = log
         self._client = QMPClient(vm)
+        # A stream this connection's `migrate` started and no `query-migrate` has seen
+        # end yet: never cancelled as a leftover.
+        self._own_stream = False
+        self._listeners: list[EventListener] = []
 
     async def connect(self, timeout: float = 10.0) -> None:
         """Connect, retrying while QEMU creates its socket."""
@@ -132,9 +155,12 @@ class Qmp:
         """Start collecting events ``names``; call ``drop_listener`` when done."""
         listener = EventListener(names)
         self._client.register_listener(listener)
+        self._listeners.append(listener)
         return listener
 
     def drop_listener(self, listener: EventListener) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
         with contextlib.suppress(Exception):
             self._client.remove_listener(listener)
 
@@ -169,21 +195,118 @@ class Qmp:
     async def object_del(self, obj_id: str) -> None:
         await self.execute("object-del", {"id": obj_id})
 
-    async def migrate(self, uri: str, settle: float = 2.0) -> None:
-        """Start a stream to ``uri``. QEMU says a failed stream has ended (its MIGRATION
-        event, ``query-migrate``) a moment before it has cleaned it up, and refuses a
-        new one meanwhile ("duplicate yank instance"): asked again for up to
-        ``settle`` seconds, as nothing was started."""
+    async def migrate(self, uri: str | None = None, *,
+                      channels: list[dict[str, Any]] | None = None,
+                      settle: float = SETTLE_S, timeout: float = CLEAR_TIMEOUT_S) -> None:
+        """Start a stream to ``uri`` (or over ``channels``). QEMU refuses it while an
+        earlier stream is not cleaned up, and a refused `migrate` leaves QEMU in
+        "setup" with nothing running there (``qmp_migrate_finish`` returns on
+        "duplicate yank instance" after ``migrate_init`` set "setup"), which refuses
+        every later stream ("There's a migration process in progress"). On either
+        refusal the leftovers are cleared (``clear_stale_stream``) and the stream asked
+        again, for up to ``timeout`` seconds; then one MigrationError."""
+        args: dict[str, Any] = {"uri": uri} if channels is None else {"channels": channels}
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + settle
+        deadline = loop.time() + timeout
         while True:
             try:
-                await self.execute("migrate", {"uri": uri})
-                return
+                await self.execute("migrate", args)
             except QemuError as exc:
-                if "duplicate yank instance" not in str(exc) or loop.time() > deadline:
+                reason = next((r for r in LEFTOVER_REFUSALS if r in str(exc)), None)
+                if reason is None:
                     raise
-            await asyncio.sleep(0.02)
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise MigrationError(
+                        f"VM {self.vm}: QEMU still refuses a new stream ({reason}) after "
+                        f"{timeout:.0f} s of clearing what an earlier stream left; stop "
+                        "and start the VM, then move it again.") from exc
+                self.log.warning("%s: QEMU refused the stream (%s); clearing what an "
+                                 "earlier stream left, then asking again", self.vm, reason)
+                await self.clear_stale_stream(settle, left)
+                await asyncio.sleep(0.02)
+                continue
+            self._own_stream = True
+            return
+
+    async def clear_stale_stream(self, settle: float = SETTLE_S,
+                                 timeout: float = CLEAR_TIMEOUT_S) -> bool:
+        """Make sure nothing of an earlier stream is left before a new one begins
+        (before its capabilities too, which QEMU refuses while one runs); True if
+        something was. Called under the VM's job, so a stream running here is one no
+        caller runs; one this connection started is never touched.
+
+        What clears what, in QEMU 10.0 (migration/migration.c, util/yank.c): a stream
+        QEMU already says "failed" holds the migration yank instance until
+        ``migration_cleanup`` runs, once its threads have ended: that is awaited for
+        ``settle`` seconds, then its channels are yanked (QMP ``yank`` shuts them down,
+        so that threads blocked on them end). A stream left running (the "setup" a
+        refused `migrate` leaves) is cancelled: ``migration_cancel`` ends a "setup"
+        that has no channel at once (since 10.0), any other through its thread.
+        MigrationError if that does not clear it within ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        left = cancelled = yanked = False
+        delay = 0.005
+        while True:
+            info = await self.query_migrate()
+            held = await self.migration_yank_held()
+            running = info.status in RUNNING
+            if not running and not held:
+                if left:
+                    self.log.warning("%s: an earlier stream's leftovers are cleared after "
+                                     "%.2f s (%s)", self.vm, loop.time() - start,
+                                     ", ".join(["waited for its cleanup"]
+                                               + ["cancelled it"] * cancelled
+                                               + ["yanked its channels"] * yanked))
+                    # Its events (and a refused `migrate`'s "setup") are no part of
+                    # the stream asked next.
+                    await self._drop_migration_events()
+                return left
+            left = True
+            if running and self._own_stream:
+                raise MigrationError(f"VM {self.vm}: the stream this supervisor started "
+                                     f"is still {info.status}; a new one waits for its end.")
+            if running and info.status in UNCANCELLABLE:
+                raise MigrationError(f"VM {self.vm}: an earlier stream is {info.status}, "
+                                     "which QEMU cannot cancel; end or recover that move "
+                                     "first.")
+            if running and not cancelled and info.status != "cancelling":
+                self.log.warning("%s: QEMU holds a stream in %r that no move runs; "
+                                 "cancelling it", self.vm, info.status)
+                await self.migrate_cancel()
+                cancelled = True
+                continue
+            waited = loop.time() - start
+            if held and not yanked and waited >= settle:
+                self.log.warning("%s: an earlier stream (%s) still holds its channels "
+                                 "%.1f s on; yanking them", self.vm, info.status, waited)
+                with contextlib.suppress(QemuError):    # cleaned up meanwhile
+                    await self.execute("yank", {"instances": [MIGRATION_YANK]})
+                yanked = True
+            if waited >= timeout:
+                raise MigrationError(
+                    f"VM {self.vm}: QEMU still holds an earlier stream ({info.status}"
+                    f"{', its channels registered' if held else ''}) after {timeout:.0f} s "
+                    "of clearing it; stop and start the VM, then move it again.")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    async def migration_yank_held(self) -> bool:
+        """Whether QEMU holds its migration yank instance (a stream, either way, not
+        yet cleaned up): `migrate` is refused while it does."""
+        reply = await self.execute("query-yank")
+        return any(isinstance(i, dict) and i.get("type") == "migration"
+                   for i in reply or [])
+
+    async def _drop_migration_events(self) -> None:
+        """Drop the MIGRATION events queued for this connection's listeners, keeping
+        the others in their order (no await in between: ``put`` does not wait on an
+        unbounded queue)."""
+        for listener in self._listeners:
+            for event in listener.clear():
+                if event.get("event") != EVENT_MIGRATION:
+                    await listener.put(event)
 
     async def migrate_incoming(self, uri: str) -> None:
         await self.execute("migrate-incoming", {"uri": uri})
@@ -194,6 +317,8 @@ class Qmp:
     async def query_migrate(self) -> MigrationInfo:
         r = await self.execute("query-migrate")
         ram = r.get("ram") or {}
+        if r.get("status", "none") not in RUNNING:
+            self._own_stream = False
         return MigrationInfo(status=str(r.get("status", "none")),
                              total_ms=r.get("total-time"), downtime_ms=r.get("downtime"),
                              setup_ms=r.get("setup-time"),

@@ -119,6 +119,7 @@ async def _save(h: PartitionHost, rec: VmRecord, inst: QemuInstance, name: str,
         unbound = await _prepare_guest(h, rec, inst)
         _fault(fault, "guest")
         h.phase(vm, "stop", template=name, unbound=unbound)
+        await inst.qmp.clear_stale_stream()     # before the guest pauses for the save
         await inst.qmp.stop()
         stopped = True
         _fault(fault, "stop")

@@ -204,6 +204,10 @@ async def transfer(h: PartitionHost, vm: str, timeout: float = 600.0,
         raise StateError(f"VM {vm!r} is {rec.state.value}; no move of it is under way.")
     new, move = found
     main, cpr = new.run_dir / MAIN_SOCKET, Path(str(move.cpr_socket))
+    # A cpr-transfer's `migrate` registers its yank instance only once the new QEMU
+    # hangs up the cpr channel, and QEMU drops that refusal unsaid: an earlier
+    # stream's leftovers are cleared before it, and before the listeners.
+    await old.qmp.clear_stale_stream()
     stopped = old.qmp.listener(EVENT_STOP)
     migrated = old.qmp.listener(EVENT_MIGRATION)
     try:
@@ -218,11 +222,11 @@ async def transfer(h: PartitionHost, vm: str, timeout: float = 600.0,
         # arrive, sets each tap's header size to its default under the old QEMU.
         headers = queues.header_sizes(old.pid, taps_of(h, vm))
         t0 = time.time()
-        await old.qmp.execute("migrate", {"channels": [
+        await old.qmp.migrate(channels=[
             {"channel-type": "main", "addr": {"transport": "socket", "type": "unix",
                                               "path": str(main)}},
             {"channel-type": "cpr", "addr": {"transport": "socket", "type": "unix",
-                                             "path": str(cpr)}}]})
+                                             "path": str(cpr)}}])
         try:
             await _connect_new(new, CONNECT_TIMEOUT_S)
             if headers:

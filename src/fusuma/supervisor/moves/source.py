@@ -104,6 +104,10 @@ async def perform(h: PartitionHost, vm: str, uri: str, mode: str,
     if nbd and (not uri.startswith("tcp:") or rec.boot == "kernel"):
         raise StateError(f"only a VM with a thin disk moving to another host has its "
                          f"disk mirrored, not {vm!r}.")
+    # What an earlier stream of this QEMU left (a failed one not yet cleaned up, the
+    # "setup" a refused `migrate` leaves) goes before the listener takes this
+    # stream's events and before the capabilities, which QEMU refuses meanwhile.
+    await inst.qmp.clear_stale_stream()
     listener = inst.qmp.listener(EVENT_STOP, EVENT_MIGRATION)
     paused = False
     move_tls = None
