@@ -64,12 +64,17 @@ from fusuma_bench.mint_probe import (
     TESTS,
     ProbeError,
     ProbeParams,
+    TscMismatch,
     parse_output,
     probe_argv,
 )
 from fusuma_bench.report import meta
 
 LOG = logging.getLogger(__name__)
+
+# A run whose TSC time disagrees with CLOCK_MONOTONIC's (its calibration disturbed by a
+# preemption on a loaded host) is run again, up to this many times in all.
+TSC_ATTEMPTS = 3
 
 PART_A, PART_B = "mint-a", "mint-b"
 VM_1, VM_2, HOG = "mint-1", "mint-2", "mint-hog"
@@ -332,17 +337,27 @@ class Bench:
             if test == "io":
                 for i in instances:
                     drop_cache(i.disk)
-            cpu0, t0 = (qemu_cpu_s(hog_pid), time.monotonic()) if hog_pid else (0.0, 0.0)
-            if instances[0].vm is None:
-                outputs = self.run_host(instances, test)
-            else:
-                outputs = self.run_guests(instances, test)
-            hog_pct = None
-            if hog_pid:
-                hog_pct = round(100 * (qemu_cpu_s(hog_pid) - cpu0)
-                                / (time.monotonic() - t0), 1)
-            for inst, text in zip(instances, outputs, strict=True):
-                for line in parse_output(text, test, self.params, inst.where):
+            for attempt in range(1, TSC_ATTEMPTS + 1):
+                cpu0, t0 = (qemu_cpu_s(hog_pid), time.monotonic()) if hog_pid else (0.0, 0.0)
+                if instances[0].vm is None:
+                    outputs = self.run_host(instances, test)
+                else:
+                    outputs = self.run_guests(instances, test)
+                hog_pct = None
+                if hog_pid:
+                    hog_pct = round(100 * (qemu_cpu_s(hog_pid) - cpu0)
+                                    / (time.monotonic() - t0), 1)
+                try:
+                    parsed = [parse_output(text, test, self.params, inst.where)
+                              for inst, text in zip(instances, outputs, strict=True)]
+                    break
+                except TscMismatch as exc:
+                    if attempt == TSC_ATTEMPTS:
+                        raise
+                    self.say(f"  {exc} Running it again ({attempt + 1} of "
+                             f"{TSC_ATTEMPTS}).")
+            for inst, lines in zip(instances, parsed, strict=True):
+                for line in lines:
                     s = line.summary()
                     self.rows.append({"config": config, "test": s.pop("test"),
                                       "size_kib": s.pop("size_kib"), "vm": inst.vm,

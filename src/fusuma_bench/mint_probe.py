@@ -30,6 +30,12 @@ class ProbeError(FusumaError):
     """The probe failed, or printed something that is not its output."""
 
 
+class TscMismatch(ProbeError):
+    """A run's TSC time and CLOCK_MONOTONIC's disagree: its calibration was disturbed
+    (the probe preempted between its clock reads, on a loaded host) or cannot be
+    trusted; the run may be repeated."""
+
+
 @dataclass(frozen=True)
 class ProbeParams:
     """Repetitions and loop counts; the same in every configuration of one run."""
@@ -162,7 +168,7 @@ def parse_output(text: str, test: str, params: ProbeParams, where: str) -> list[
     for x in lines:
         wall = sum(x.wall_ns)
         if abs(sum(x.ns) - wall) > TSC_WALL_TOLERANCE * wall + TSC_WALL_SLACK_NS * len(x.ns):
-            raise ProbeError(f"the probe in {where}: {x.test} time by the TSC is "
+            raise TscMismatch(f"the probe in {where}: {x.test} time by the TSC is "
                              f"{x.tsc_vs_wall:.3f}x CLOCK_MONOTONIC's; the TSC calibration "
                              "cannot be trusted on this machine.")
     return lines
