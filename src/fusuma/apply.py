@@ -12,15 +12,18 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fusuma.errors import ConflictError, FusumaError, SpecError
 from fusuma.host import storage
 from fusuma.partition.manager import PartitionManager
-from fusuma.spec import DiskSpec, HostSpec, NetworkSpec, PartitionSpec, VmSpec, check_host_fit
 from fusuma.state import Database
 from fusuma.state.lock import host_lock
 from fusuma.undo import Reverter
 from fusuma.vm import VmManager, VmView
+
+if TYPE_CHECKING:   # fusuma.spec needs pydantic: not imported by `fusuma down`
+    from fusuma.spec import DiskSpec, HostSpec, NetworkSpec, PartitionSpec, VmSpec
 
 LOG = logging.getLogger(__name__)
 
@@ -110,6 +113,8 @@ def _same_qemu(parts: PartitionManager, a: str | None, b: str | None) -> bool:
 
 
 def plan(db: Database, parts: PartitionManager, spec: HostSpec, source: str) -> Plan:
+    from fusuma.spec import check_host_fit
+
     check_host_fit(spec, parts.host, source)
     p = Plan()
     have = {str(d) for d in storage.declared(parts.paths, db)}

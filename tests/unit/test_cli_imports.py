@@ -88,6 +88,14 @@ def test_read_only_commands_stay_light(tmp_path: Path, args: tuple[str, ...]) ->
         f"fusuma {' '.join(args)} imported them"
 
 
+def test_down_does_not_import_pydantic(tmp_path: Path) -> None:
+    """`fusuma down` (every test's teardown, and a script's) needs no spec: no pydantic
+    (half its CPU when it did)."""
+    mods = modules_after(tmp_path, "down")
+    assert "fusuma.apply" in mods
+    assert not offenders(mods, (*HEAVY, "pydantic", "fusuma.spec", "fusuma_bench"))
+
+
 def test_a_builtin_command_does_not_read_entry_points(tmp_path: Path) -> None:
     mods = modules_after(tmp_path, "ps", "--json")
     assert "importlib.metadata" not in mods
