@@ -74,11 +74,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from fusuma.errors import ResourceError
+from fusuma.frozen import frozen
 from fusuma.host.topology import HostInfo
 from fusuma.paths import Paths
 from fusuma.qemu.cmdline import overhead_mib
@@ -259,7 +259,7 @@ def _ram_label(rec: VmRecord, what: str) -> str:
 
 
 # -- sums ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Term:
     """One addend of a sum: ``vm0 384``, or a bare number when it has no label."""
 
@@ -270,7 +270,7 @@ class Term:
         return f"{self.label} {self.mib}" if self.label else str(self.mib)
 
 
-@dataclass(frozen=True)
+@frozen
 class Need:
     """A sum of memory terms, rendered as ``64 + vm0 384 + web0 384 = 832``."""
 
@@ -442,7 +442,7 @@ def check_host_overcommit(db: Database, host: HostInfo, value: float) -> None:
 
 
 # -- the shm filesystem -------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class ShmSpace:
     """Free space of the filesystem that holds (or will hold) Paths.shm."""
 

@@ -48,10 +48,10 @@ import os
 import pwd
 import stat
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from fusuma.errors import HostError
+from fusuma.frozen import frozen
 
 # sockaddr_un.sun_path is 108 bytes including the NUL.
 MAX_SOCKET_PATH = 107
@@ -213,7 +213,7 @@ def check_root_owned(path: Path, what: str, env: str) -> None:
                             f"root made it on purpose, else {fix}.")
 
 
-@dataclass(frozen=True)
+@frozen
 class Paths:
     """Resolved fusuma directories for one host namespace."""
 

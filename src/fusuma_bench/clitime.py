@@ -44,11 +44,11 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusuma.errors import FusumaError, NotFoundError, ResourceError, SpecError
+from fusuma.frozen import frozen
 from fusuma_bench.agents import wait_agents
 from fusuma_bench.report import meta
 from fusuma_bench.steady import qemu_cpu_s, wait_quiet
@@ -70,7 +70,7 @@ TARGETS = {"ps_json_empty_ms": 100.0, "vm_list_json_empty_ms": 100.0, "help_ms":
            "ps_json_vms_ms": 150.0, "migrate_startup_ms": 50.0}
 
 
-@dataclass(frozen=True)
+@frozen
 class Probe:
     metric: str
     argv: list[str]

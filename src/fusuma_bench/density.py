@@ -48,6 +48,7 @@ from typing import Any
 
 from fusuma.capacity import SUPERVISOR_MIB
 from fusuma.errors import FusumaError, ResourceError
+from fusuma.frozen import frozen
 from fusuma_bench.dcss import PAPER as DCSS_PAPER
 from fusuma_bench.steady import settle as settle
 
@@ -251,7 +252,7 @@ def derive(runs: Sequence[ModeRun]) -> list[dict[str, Any]]:
 
 
 # -- the run ------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Config:
     budget_mib: int = DEFAULT_BUDGET_MIB
     modes: tuple[str, ...] = MODES

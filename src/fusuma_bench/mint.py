@@ -40,13 +40,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fusuma import guest
 from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, HostError, ResourceError
+from fusuma.frozen import frozen
 from fusuma.host.accel import probe_accel
 from fusuma.host.cgroups import CgroupDriver
 from fusuma.host.storage import default_dir
@@ -109,7 +109,7 @@ CONFIGS: dict[int, tuple[str, str]] = {
 Progress = Callable[[str], None]
 
 
-@dataclass(frozen=True)
+@frozen
 class Instance:
     """One probe of a configuration: on the host (vm None) or in a VM."""
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from fusuma.errors import FusumaError
+from fusuma.frozen import frozen
 
 TESTS = ("register", "copy", "io")
 GUEST_PROBE = "/usr/bin/probe"
@@ -36,7 +36,7 @@ class TscMismatch(ProbeError):
     trusted; the run may be repeated."""
 
 
-@dataclass(frozen=True)
+@frozen
 class ProbeParams:
     """Repetitions and loop counts; the same in every configuration of one run."""
 
@@ -77,7 +77,7 @@ def probe_argv(binary: str, test: str, params: ProbeParams, disk: str | None = N
     return argv
 
 
-@dataclass(frozen=True)
+@frozen
 class ProbeLine:
     """One (test, size) of one probe run: every repetition."""
 

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from fusuma.frozen import frozen
 from fusuma_bench.report import figure, load_result, table, write_report
 
 TESTS = ("register", "copy", "io")
 CONFIG_IDS = tuple(range(1, 10))
 
 
-@dataclass(frozen=True)
+@frozen
 class Comparison:
     """One of the paper's findings as a ratio of two configurations' figures."""
 
@@ -67,7 +67,7 @@ COMPARISONS: tuple[Comparison, ...] = (
 )
 
 
-@dataclass(frozen=True)
+@frozen
 class Row:
     """The repetitions of one probe in one configuration, for one (test, size)."""
 
@@ -83,7 +83,7 @@ class Row:
     hog_cpu_pct: float | None = None
 
 
-@dataclass(frozen=True)
+@frozen
 class Result:
     meta: dict[str, Any]
     rows: list[Row]
@@ -155,7 +155,7 @@ def render(result_file: Path, out_dir: Path) -> list[Path]:
 
 
 # -- ratios -------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Ratio:
     comparison: Comparison
     size_kib: int | None

@@ -16,8 +16,9 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+from fusuma.frozen import frozen
 
 T = TypeVar("T")
 
@@ -100,7 +101,7 @@ ECHO = textwrap.dedent("""
 """)
 
 
-@dataclass(frozen=True)
+@frozen
 class Seen(Generic[T]):
     """What the probes saw around one move, and the move's own answer."""
 

@@ -17,12 +17,12 @@ import platform
 import subprocess
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
 
 from fusuma import __version__
 from fusuma.errors import SpecError
+from fusuma.frozen import frozen
 
 T = TypeVar("T")
 
@@ -31,7 +31,7 @@ T = TypeVar("T")
 PASS, FAIL, UNMEASURED = "PASS", "FAIL", "NOT MEASURED"
 
 
-@dataclass(frozen=True)
+@frozen
 class Check:
     """One target judged against a result file's numbers."""
 

@@ -9,11 +9,11 @@ how much, and why.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from fusuma.frozen import frozen
 from fusuma_bench.report import (
     FAIL,
     PASS,
@@ -35,7 +35,7 @@ LABELS = {"zero-copy": "--via, zero-copy (2 moves per VM + supervisor restart)",
           "cpr-transfer": "--in-place, cpr-transfer (1 move per VM)"}
 
 
-@dataclass(frozen=True)
+@frozen
 class Row:
     method: str
     vms: int
@@ -50,7 +50,7 @@ class Row:
     error: str | None
 
 
-@dataclass(frozen=True)
+@frozen
 class Result:
     meta: dict[str, Any]
     rows: list[Row]

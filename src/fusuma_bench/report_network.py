@@ -9,18 +9,18 @@ without a NIC, side by side (DIR/network-moves.png).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from fusuma.frozen import frozen
 from fusuma_bench.report import dash, figure, load_result, opt_float, table, write_report
 
 LABELS = {"host_to_vm": "host -> VM", "vm_to_vm": "VM -> VM",
           "vm_to_nat": "VM -> server through NAT"}
 
 
-@dataclass(frozen=True)
+@frozen
 class Row:
     path: str
     tap: float | None
@@ -33,7 +33,7 @@ class Row:
     runs: int
 
 
-@dataclass(frozen=True)
+@frozen
 class Result:
     meta: dict[str, Any]
     rows: list[Row]

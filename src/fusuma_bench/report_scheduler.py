@@ -10,11 +10,11 @@ file has no numbers for is NOT MEASURED, never PASS.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from fusuma.frozen import frozen
 from fusuma_bench.report import (
     FAIL,
     PASS,
@@ -43,7 +43,7 @@ STYLES = {"default": ("tab:red", "o"), "nice": ("tab:orange", "s"),
           "governor": ("tab:green", "^"), "partition": ("tab:blue", "D")}
 
 
-@dataclass(frozen=True)
+@frozen
 class Result:
     meta: dict[str, Any]
     solo: dict[str, Any]

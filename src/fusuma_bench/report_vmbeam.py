@@ -9,11 +9,11 @@ PASS.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from fusuma.frozen import frozen
 from fusuma.migration import DOWNTIME_STEPS
 from fusuma_bench.report import (
     FAIL,
@@ -50,7 +50,7 @@ RAW = "raw"
 
 TICK_MS = 10.0               # /proc/<pid>/stat CPU time resolution (USER_HZ 100)
 
-@dataclass(frozen=True)
+@frozen
 class Row:
     """The median of the moves of one (mode, size)."""
 
@@ -76,7 +76,7 @@ class Row:
         return 100.0 * self.cpu_s / (self.total_ms / 1000)
 
 
-@dataclass(frozen=True)
+@frozen
 class Result:
     meta: dict[str, Any]
     rows: list[Row]

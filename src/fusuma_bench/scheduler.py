@@ -38,11 +38,11 @@ import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import GuestAgentError, SpecError
+from fusuma.frozen import frozen
 from fusuma.governor.policy import Thresholds
 from fusuma.governor.qos import CLASSES, QOS_NAMES, QosClass
 from fusuma.spec import PartitionSpec, Qos
@@ -129,7 +129,7 @@ BUSY = ("setsid sh -c 'i=0; while :; do i=$((i+1)); if [ $((i % 2000)) -eq 0 ]; 
         "echo $i 1<>/tmp/busy.n; fi; done' </dev/null >/dev/null 2>&1 &")
 
 
-@dataclass(frozen=True)
+@frozen
 class Config:
     dummies: list[int]
     policies: list[str]
@@ -140,7 +140,7 @@ class Config:
     target_emulator: str = "shared"   # the target's emulator threads (VmSpec.emulator)
 
 
-@dataclass(frozen=True)
+@frozen
 class Layout:
     """Where a policy puts the VMs and how it treats them."""
 
@@ -152,7 +152,7 @@ class Layout:
     nice: bool
 
 
-@dataclass(frozen=True)
+@frozen
 class Score:
     """The workload in the target: one run, or the median of several (:func:`combine`)."""
 

@@ -34,6 +34,7 @@ from qemu.qmp import QMPError
 
 from fusuma.capacity import SUPERVISOR_MIB, vm_footprint
 from fusuma.errors import FusumaError, GuestAgentError, ResourceError
+from fusuma.frozen import frozen
 from fusuma.host.accel import probe_accel
 from fusuma.migration import MigrationResult, migrate
 from fusuma.partition.manager import PartitionManager
@@ -74,7 +75,7 @@ CHURN = ("setsid sh -c 'echo $$ > " + CHURN_PID + "; while :; do dd if=/dev/zero
 Progress = Callable[[str], None]
 
 
-@dataclass(frozen=True)
+@frozen
 class GuestCheck:
     """What the guest looked like after a move."""
 
@@ -84,7 +85,7 @@ class GuestCheck:
     error: str | None = None     # the check itself failed (e.g. the agent is gone)
 
 
-@dataclass(frozen=True)
+@frozen
 class Move:
     """One migration and the check that followed it."""
 

@@ -30,8 +30,9 @@ import logging
 import resource
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
+
+from fusuma.frozen import frozen
 
 LOG = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ KEEP_ALIVE_S = 5.0            # an idle keep-alive connection
 REFUSED_MAX = 64              # refused connections waiting for their answer, per listener
 
 
-@dataclass(frozen=True)
+@frozen
 class ClientLimits:
     """What `fusuma serve` takes from its clients (``--max-connections``,
     ``--max-connections-per-client``, ``--client-timeout``)."""
@@ -56,7 +57,7 @@ class ClientLimits:
         return listeners * (self.max_connections + REFUSED_MAX) + 256
 
 
-@dataclass(frozen=True)
+@frozen
 class Refusal:
     """Why a connection is not served: its HTTP status and one sentence."""
 

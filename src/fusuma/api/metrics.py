@@ -52,7 +52,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -67,6 +66,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from fusuma.errors import FusumaError
+from fusuma.frozen import frozen
 from fusuma.governor.measure import ThreadStat, read_threads
 from fusuma.host.cgroups import CgroupDriver, CgroupV2Driver, parse_pressure_total
 from fusuma.memshare.bases import BaseUser, bases_in_use
@@ -96,7 +96,7 @@ _R = TypeVar("_R")
 
 # -- read at scrape time -----------------------------------------------------------------
 
-@dataclass(frozen=True)
+@frozen
 class _Process:
     """What one scrape read of one VM's QEMU."""
 
@@ -106,14 +106,14 @@ class _Process:
     memory: VmMemory
 
 
-@dataclass(frozen=True)
+@frozen
 class _VmSample:
     record: VmRecord
     state: str
     process: _Process | None  # None: not running, or its QEMU ended during the scrape
 
 
-@dataclass(frozen=True)
+@frozen
 class _Families:
     vm_state: GaugeMetricFamily
     vm_vcpus: GaugeMetricFamily

@@ -20,11 +20,12 @@ import os
 import pwd
 import socket
 import struct
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from fusuma.api.roles import Identity, local
 from fusuma.errors import SpecError
+from fusuma.frozen import frozen
 from fusuma.state.roles import ROLES, Role
 
 PEER = "fusuma_peer"                    # the request state's key for the Peer
@@ -34,7 +35,7 @@ NO_ID = 2**32 - 1                        # (uid_t) -1: the kernel knows no peer
 _MAX_GROUPS_BUF = 1024                   # Python's getsockopt takes at most this
 
 
-@dataclass(frozen=True)
+@frozen
 class Peer:
     """The credentials of a socket's peer when it connected."""
 
@@ -82,7 +83,7 @@ def parse_group_role(value: str) -> tuple[str, Role]:
     return name, Role(role)
 
 
-@dataclass(frozen=True)
+@frozen
 class LocalAccess:
     """The socket's groups and their roles: ``admin_group`` (admin) and ``mapped``
     (gid -> group name and role)."""

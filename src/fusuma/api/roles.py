@@ -18,13 +18,13 @@ refuses an app holding a route made any other way.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.routing import APIRoute, iter_route_contexts
 from starlette.exceptions import HTTPException
 
+from fusuma.frozen import frozen
 from fusuma.state.records import TokenRecord
 from fusuma.state.roles import Role
 
@@ -32,7 +32,7 @@ OPENAPI_KEY = "x-fusuma-role"
 PUBLIC_ROLE = "public"       # what x-fusuma-role says of a route that needs no identity
 
 
-@dataclass(frozen=True)
+@frozen
 class Identity:
     """Who sent a request: ``name`` for the 403 sentence, the role held, and the
     token's name when a token (or a session made from one) carried it."""

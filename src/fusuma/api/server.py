@@ -21,19 +21,20 @@ import socket
 import stat
 from collections.abc import Callable, Generator
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from fusuma.api.guard import ClientLimits
 from fusuma.errors import ConflictError, HostError, SpecError, StateError
+from fusuma.frozen import frozen
 from fusuma.paths import Paths
 from fusuma.state.roles import Role
 
 LOG = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@frozen
 class ServeOptions:
     listen: tuple[str, int] | None = None
     cert: Path | None = None

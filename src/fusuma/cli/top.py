@@ -10,18 +10,18 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import click
 
 from fusuma.cli.common import Ctx, emit_json, pass_ctx, table
 from fusuma.errors import FusumaError
+from fusuma.frozen import frozen
 from fusuma.governor import measure
 from fusuma.vm.view import VmView
 
 
-@dataclass(frozen=True)
+@frozen
 class Target:
     name: str
     partition: str

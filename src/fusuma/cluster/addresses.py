@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fusuma.cluster import ConflictApiError, NotFoundApiError
 from fusuma.cluster.kube import ADDRESS, NETWORK, VM, Kind, Obj
 from fusuma.cluster.resources import VmView
 from fusuma.errors import ConflictError, SpecError
+from fusuma.frozen import frozen
 from fusuma.network import addr
 
 LOG = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def object_name(network: str, ip: str) -> str:
     return f"{network}.{ip}"
 
 
-@dataclass(frozen=True)
+@frozen
 class Held:
     """A FusumaAddress as the allocator reads it."""
 

@@ -38,6 +38,7 @@ from fusuma.cluster import SYSTEM_NAMESPACE, ClusterError, ConflictApiError, Not
 from fusuma.cluster.identity import certificate_secret
 from fusuma.cluster.kube import HOST, VM, Kind, Kube, Obj
 from fusuma.cluster.resources import condition
+from fusuma.frozen import frozen
 from fusuma.qemu.tlscreds import HostCreds
 
 SECRET = Kind("", "v1", "secrets", True, "Secret")
@@ -80,7 +81,7 @@ def _put(kube: Kube, kind: Kind, obj: Obj) -> None:
 
 
 # -- the CA -----------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Authority:
     """The CA that issues now, and the one it replaced (trusted still, if any)."""
 

@@ -6,7 +6,6 @@ implements it and builds them, so none of them imports the agent.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from fusuma.cluster.events import Recorder
@@ -14,6 +13,7 @@ from fusuma.cluster.informer import Informer
 from fusuma.cluster.kube import Kind, Kube, Obj
 from fusuma.cluster.owners import Owners
 from fusuma.cluster.resources import FAILED, VmView
+from fusuma.frozen import frozen
 
 if TYPE_CHECKING:
     from fusuma.ops.context import Ctx
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 PLAIN_MOVES_ENV = "FUSUMA_BENCH_PLAIN_MOVES"
 
 
-@dataclass(frozen=True)
+@frozen
 class AgentConfig:
     host: str
     address: str | None = None

@@ -51,7 +51,6 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fusuma.cluster import ConflictApiError, NotFoundApiError, addresses
@@ -69,6 +68,7 @@ from fusuma.cluster.resources import (
     set_condition,
 )
 from fusuma.errors import FusumaError, MigrationError, StateError
+from fusuma.frozen import frozen
 from fusuma.images import store
 from fusuma.migration import FAULT_STREAM_BPS
 from fusuma.qemu import recorded
@@ -249,7 +249,7 @@ def stream_uri(a: AgentContext, dest: str, published: str) -> str:
 
 
 # -- the two sides ------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class _Side:
     """What either half of one move holds: this host's agent and context, the VM, the
     move's id and the VM's partition on this host."""
@@ -302,7 +302,7 @@ class _Side:
         self.a.owners.remove("vms", self.v.name)
 
 
-@dataclass(frozen=True)
+@frozen
 class HostMoveSource(_Side):
     """The source host's half (libvirt's ``qemuMigrationSrc*``), under its host-move
     job (``job``): ``prepare`` begins the move, ``perform`` streams the guest once the
@@ -467,7 +467,7 @@ class HostMoveSource(_Side):
                       f"{last['bytesSent']} bytes")
 
 
-@dataclass(frozen=True)
+@frozen
 class HostMoveDest(_Side):
     """The destination host's half (libvirt's ``qemuMigrationDst*``), under its
     host-move-in job (``job``): ``prepare`` defines the VM here and starts its incoming

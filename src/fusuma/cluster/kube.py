@@ -17,7 +17,6 @@ import os
 import ssl
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -34,12 +33,13 @@ from fusuma.cluster import (
     ConflictApiError,
     NotFoundApiError,
 )
+from fusuma.frozen import frozen
 
 LOG = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 
-@dataclass(frozen=True)
+@frozen
 class Kind:
     """Where a kind lives in the API: group/version, plural, namespaced or not."""
 
@@ -95,7 +95,7 @@ MANIFEST_KINDS = {k.kind: k for k in (
 )}
 
 
-@dataclass(frozen=True)
+@frozen
 class KubeConfig:
     """The parts of a kubeconfig's current context the agent uses."""
 

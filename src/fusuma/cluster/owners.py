@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from fusuma.frozen import frozen
 
 Section = Literal["vms", "partitions", "segments", "networks"]
 
 
-@dataclass(frozen=True)
+@frozen
 class Owner:
     uid: str
     namespace: str

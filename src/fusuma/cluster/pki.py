@@ -17,7 +17,6 @@ import datetime
 import hashlib
 import ipaddress
 import uuid
-from dataclasses import dataclass
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -26,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fusuma.cluster import ClusterError
+from fusuma.frozen import frozen
 
 CA_DAYS = 3650
 HOST_DAYS = 365
@@ -33,7 +33,7 @@ HOST_DAYS = 365
 BACKDATE = datetime.timedelta(minutes=10)
 
 
-@dataclass(frozen=True)
+@frozen
 class KeyPair:
     """A certificate and its private key, PEM."""
 

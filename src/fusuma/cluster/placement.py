@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 from fusuma import capacity
 from fusuma.cluster.resources import Obj, VmView
+from fusuma.frozen import frozen
 from fusuma.qemu.cmdline import overhead_mib
 from fusuma.state import VmRecord
 
 
-@dataclass(frozen=True)
+@frozen
 class PartView:
     name: str
     cpus: int
@@ -68,7 +69,7 @@ def load(hosts: dict[str, HostView], vms: Iterable[VmView]) -> None:
         h.vms.append(record(v, part, h.accelerator))
 
 
-@dataclass(frozen=True)
+@frozen
 class Choice:
     host: str
     partition: str

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from fusuma.cluster import FINALIZER
+from fusuma.frozen import frozen
 
 Obj = dict[str, Any]
 
@@ -79,7 +79,7 @@ def same_conditions(a: list[Obj], b: list[Obj]) -> bool:
     return strip(a) == strip(b)
 
 
-@dataclass(frozen=True)
+@frozen
 class VmView:
     """A FusumaVM as the agents read it."""
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
+
+from fusuma.frozen import frozen
 
 LOG = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def temp_files(directory: Path) -> list[Path]:
     return sorted(directory.glob(f"{TEMP_PREFIX}*"))
 
 
-@dataclass(frozen=True)
+@frozen
 class Target:
     """A balloon target the governor set: for the QEMU with ``pid``, ``target_mib``."""
 

@@ -12,16 +12,16 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from fusuma.frozen import frozen
 from fusuma.host.cgroups import CpuStat, parse_pressure_total
 
 _VCPU = re.compile(r"^CPU (\d+)/")
 PROC = Path("/proc")
 
 
-@dataclass(frozen=True)
+@frozen
 class ThreadStat:
     tid: int
     name: str
@@ -62,7 +62,7 @@ def vcpu_threads(threads: dict[int, ThreadStat]) -> list[int]:
     return [tid for _, tid in found]
 
 
-@dataclass(frozen=True)
+@frozen
 class Reading:
     """One look at a VM's QEMU."""
 
@@ -75,7 +75,7 @@ def read(pid: int, cgroup: CpuStat | None = None) -> Reading:
     return Reading(time.monotonic(), read_threads(pid), cgroup)
 
 
-@dataclass(frozen=True)
+@frozen
 class Load:
     """A VM's share of the CPUs between two readings.
 

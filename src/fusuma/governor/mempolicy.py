@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any
 
+from fusuma.frozen import frozen
 from fusuma.governor.policy import Decision
 
 
-@dataclass(frozen=True)
+@frozen
 class MemThresholds:
     psi_high_pct: float = 10.0      # host (or a VM's RAM cgroup) pressure: short above this
     give_back_mib: int = 256        # free beyond the target before balloons deflate
@@ -54,7 +54,7 @@ class MemThresholds:
         return {k: float(v) for k, v in dataclasses.asdict(self).items()}
 
 
-@dataclass(frozen=True)
+@frozen
 class HostMemory:
     """The host this tick: its free memory (MiB, MemAvailable), the free memory it must
     keep (its target), and its memory pressure (PSI some avg10 %, None without PSI)."""
@@ -64,7 +64,7 @@ class HostMemory:
     psi_pct: float | None = None
 
 
-@dataclass(frozen=True)
+@frozen
 class CgroupPressure:
     """A VM's RAM cgroup: PSI some avg10 % (cgroup v2), else usage against its limit and
     the failures to charge since the last tick (cgroup v1 ``memory.failcnt``)."""
@@ -91,7 +91,7 @@ class CgroupPressure:
         return used + 100.0 * min(self.failcnt_delta, 1)
 
 
-@dataclass(frozen=True)
+@frozen
 class MemVm:
     """One running VM as the memory governor sees it this tick."""
 
@@ -110,7 +110,7 @@ class MemVm:
         return self.memory_class == "burstable" and self.floor_mib < self.ram_mib
 
 
-@dataclass(frozen=True)
+@frozen
 class MemControl:
     """What the memory governor has done to one VM."""
 
@@ -123,7 +123,7 @@ class MemControl:
                 "dropped_at": self.dropped_at}
 
 
-@dataclass(frozen=True)
+@frozen
 class MemState:
     """The governor's state between ticks beyond the VMs' controls."""
 

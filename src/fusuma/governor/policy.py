@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
+from fusuma.frozen import frozen
 from fusuma.governor.measure import Load
 from fusuma.governor.qos import (
     CLASSES,
@@ -36,7 +37,7 @@ from fusuma.governor.qos import (
 )
 
 
-@dataclass(frozen=True)
+@frozen
 class Thresholds:
     wait_high_pct: float = 10.0   # a guaranteed vCPU waiting more than this is short
     wait_low_pct: float = 3.0     # ... and calm below this
@@ -50,7 +51,7 @@ class Thresholds:
         return {k: float(v) for k, v in dataclasses.asdict(self).items()}
 
 
-@dataclass(frozen=True)
+@frozen
 class VmInput:
     """One running VM as the governor sees it this tick."""
 
@@ -60,7 +61,7 @@ class VmInput:
     load: Load | None           # None until there are two readings
 
 
-@dataclass(frozen=True)
+@frozen
 class Control:
     """What the governor has done to one VM (a fresh Control is the class's base)."""
 
@@ -93,7 +94,7 @@ class Control:
                 "calm_ticks": self.calm, "relax_after_ticks": self.relax_after}
 
 
-@dataclass(frozen=True)
+@frozen
 class Decision:
     """One change the governor made, why, and the numbers it saw."""
 

@@ -16,9 +16,9 @@ import contextlib
 import enum
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from fusuma.errors import ResourceError
+from fusuma.frozen import frozen
 from fusuma.host.cgroups import CPU_PERIOD_US, CPU_WEIGHT_DEFAULT, CPU_WEIGHT_MAX, CpuPolicy
 from fusuma.state import VmRecord
 
@@ -39,7 +39,7 @@ BURSTABLE_WEIGHT = CPU_WEIGHT_DEFAULT
 BURSTABLE_FLOOR_CPUS = 0.1
 
 
-@dataclass(frozen=True)
+@frozen
 class ClassPolicy:
     """A class's starting point and the floor the governor never goes below."""
 

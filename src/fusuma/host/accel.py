@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from fusuma.errors import HostError, SpecError
+from fusuma.frozen import frozen
 
 LOG = logging.getLogger(__name__)
 
 _TCG_SUFFIX = "using TCG (software emulation, slower)"
 
 
-@dataclass(frozen=True)
+@frozen
 class AccelChoice:
     """The accelerator to pass to QEMU and, on a fallback, the one line to tell the user."""
 

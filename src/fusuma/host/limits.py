@@ -7,15 +7,14 @@ properties, and the cgroup package itself uses the units, so neither can own the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from fusuma.errors import SpecError
+from fusuma.frozen import frozen
 
 IO_WEIGHT_MIN = 1
 IO_WEIGHT_MAX = 10000
 
 
-@dataclass(frozen=True)
+@frozen
 class Limits:
     """What a partition cgroup may use.
 

@@ -21,10 +21,10 @@ import contextlib
 import os
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from fusuma.errors import ConflictError, HostError, NotFoundError, SpecError, StateError
+from fusuma.frozen import frozen
 from fusuma.paths import PRIVATE_DIR, Paths
 from fusuma.state import Database, DiskRecord
 
@@ -157,7 +157,7 @@ def remove(paths: Paths, db: Database, path: str) -> Path:
     return Path(real)
 
 
-@dataclass(frozen=True)
+@frozen
 class Place:
     """Where a disk file is: a storage directory (its real path) and the file's path
     inside it (of its real location: symlinked directories on the way resolved)."""
@@ -223,7 +223,7 @@ def examine(place: Place) -> tuple[os.stat_result, str | None]:
 
 
 # -- which file a disk is -----------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Identity:
     dev: int
     ino: int

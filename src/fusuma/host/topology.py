@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from fusuma.errors import HostError, SpecError
+from fusuma.frozen import frozen
 
 LOG = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def host_reserve_mib(total_mib: int) -> int:
     return max(_MIN_RESERVE_MIB, total_mib // 10)
 
 
-@dataclass(frozen=True)
+@frozen
 class HostInfo:
     """CPUs, NUMA nodes and memory of the host."""
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fusuma.errors import ConflictError, HostError, ImageError, NotFoundError, SpecError
+from fusuma.frozen import frozen
 from fusuma.host import storage
 from fusuma.names import check_name
 from fusuma.paths import PRIVATE_DIR, Paths
@@ -87,7 +88,7 @@ def bitmap_name(chain: str, point: int) -> str:
 
 
 # -- the manifest ---------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class DiskEntry:
     drive: str              # QEMU's drive id (disk-fusuma-boot)
     file: str               # the qcow2 in the point's directory
@@ -97,7 +98,7 @@ class DiskEntry:
     backing: str | None = None     # the previous point's file, relative (incremental)
 
 
-@dataclass(frozen=True)
+@frozen
 class VmConfig:
     """What a restore needs to define the VM again."""
 
@@ -113,7 +114,7 @@ class VmConfig:
     networks: list[str] = field(default_factory=list)   # each NIC's network, in order
 
 
-@dataclass(frozen=True)
+@frozen
 class Manifest:
     chain: str              # the chain's id (a hex string)
     point: int
@@ -422,7 +423,7 @@ def commit(pt: NewPoint, m: Manifest) -> None:
 
 
 # -- reading a chain back -----------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Chain:
     """A chain checked whole: its points' manifests, 0001 first, up to the one asked."""
 

@@ -38,13 +38,14 @@ import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from fusuma import guest
 from fusuma.errors import ImageError, ImageMissing, SpecError
+from fusuma.frozen import frozen
 from fusuma.host import distro
 from fusuma.images import debian, elf, erofs, modules
 from fusuma.images.initramfs import Tree
@@ -59,7 +60,7 @@ BUILD_HINT = "run `fusuma image build`"
 Progress = Callable[[str], None]
 
 
-@dataclass(frozen=True)
+@frozen
 class ImageKind:
     """What goes into one kind of image."""
 
@@ -122,7 +123,7 @@ KINDS: dict[str, ImageKind] = {
 SCRIPTS = ("init.sh", "init-debian.sh", "lib.sh", "shutdown.sh")
 
 
-@dataclass(frozen=True)
+@frozen
 class GuestImage:
     """A built image: the files to pass to QEMU's -kernel / -initrd / -append."""
 
@@ -139,7 +140,7 @@ class GuestImage:
 _LATER_FIELDS = ("module_tree", "pycs_zero_mtime")
 
 
-@dataclass(frozen=True)
+@frozen
 class Inputs:
     """Everything that decides an image's bytes; its hash names the image."""
 

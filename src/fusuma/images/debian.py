@@ -14,15 +14,15 @@ import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from fusuma.errors import ImageError
+from fusuma.frozen import frozen
 
 LOG = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@frozen
 class KernelDeb:
     """A concrete kernel package, e.g. linux-image-6.1.0-56-cloud-amd64 6.1.192-2."""
 

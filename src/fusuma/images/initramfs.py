@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Protocol
+
+from fusuma.frozen import frozen
 
 
 class Writable(Protocol):
@@ -21,7 +22,7 @@ class Writable(Protocol):
     def write(self, data: bytes, /) -> object: ...
 
 
-@dataclass(frozen=True)
+@frozen
 class Entry:
     """One archive member: a directory, file, symlink or character device."""
 

@@ -19,10 +19,10 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from fusuma.errors import ImageError
+from fusuma.frozen import frozen
 from fusuma.images import elf
 
 LOG = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def read_module(path: Path) -> bytes:
                          ) from exc
 
 
-@dataclass(frozen=True)
+@frozen
 class ModuleSelection:
     """The modules to put in the initramfs, in load order, and those built in."""
 

@@ -16,13 +16,14 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from email.mime.multipart import MIMEMultipart
 from email.mime.text import MIMEText
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import HostError, ImageError, SpecError
+from fusuma.frozen import frozen
 
 LABEL = "cidata"
 KEY_RE = re.compile(r"^(ssh-(rsa|dss|ed25519)|ecdsa-sha2-nistp(256|384|521)|"
@@ -36,7 +37,7 @@ PAD = 2**20
 ROOM = 64 * 2**10
 
 
-@dataclass(frozen=True)
+@frozen
 class Seed:
     """What a VM's seed says."""
 

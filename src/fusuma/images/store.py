@@ -26,10 +26,10 @@ import stat
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from fusuma.errors import ConflictError, HostError, ImageError, SpecError, StateError
+from fusuma.frozen import frozen
 from fusuma.host import storage
 from fusuma.names import check_name
 from fusuma.paths import PRIVATE_DIR, Paths
@@ -52,7 +52,7 @@ def store_dir(paths: Paths) -> Path:
     return paths.home / "images"
 
 
-@dataclass(frozen=True)
+@frozen
 class ImageInfo:
     """What ``qemu-img info`` says of a file, and why fusuma will not use it (None:
     it will)."""

@@ -35,17 +35,17 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import HostError
+from fusuma.frozen import frozen
 from fusuma.images.store import verify
 from fusuma.memshare.footprint import resident_bytes_fd
 from fusuma.state.records import ImageRecord
 
 
-@dataclass(frozen=True)
+@frozen
 class BaseUser:
     """A running VM whose thin disk is an overlay of imported image ``image``."""
 
@@ -54,7 +54,7 @@ class BaseUser:
     image: str
 
 
-@dataclass(frozen=True)
+@frozen
 class BaseUse:
     """One base in use: its size, its cached pages and the VMs that share them.
     ``error`` says why its pages could not be counted (the file is not the one

@@ -30,17 +30,17 @@ import ctypes
 import ctypes.util
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import HostError
+from fusuma.frozen import frozen
 from fusuma.memshare.smaps import DELETED, Mapping, pss_split, read_smaps
 
 TMPFS = "tmpfs"
 
 
-@dataclass(frozen=True)
+@frozen
 class FileMemory:
     """A file and what it holds in memory: a tmpfs file its allocated blocks, a disk
     file its resident page-cache pages."""
@@ -56,7 +56,7 @@ class FileMemory:
         return {"path": self.path, "mib": self.mib}
 
 
-@dataclass(frozen=True)
+@frozen
 class ProcessMemory:
     """One process: ``own_kib`` is what it costs beyond the tmpfs files; ``private_kib``
     its pages no other process maps (Private_Clean + Private_Dirty); ``exec_anon_kib``
@@ -69,7 +69,7 @@ class ProcessMemory:
     exec_anon_kib: int
 
 
-@dataclass(frozen=True)
+@frozen
 class Footprint:
     processes: tuple[ProcessMemory, ...]
     files: tuple[FileMemory, ...]        # tmpfs: in the total, once each

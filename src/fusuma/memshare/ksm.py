@@ -22,11 +22,11 @@ import errno
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import HostError, SpecError, StateError
+from fusuma.frozen import frozen
 
 DEFAULT_ROOT = Path("/sys/kernel/mm/ksm")
 
@@ -50,7 +50,7 @@ def _mib(nbytes: int) -> float:
     return round(nbytes / 2**20, 1)
 
 
-@dataclass(frozen=True)
+@frozen
 class KsmSettings:
     """One reading of /sys/kernel/mm/ksm. Counters absent on older kernels are None."""
 
@@ -220,7 +220,7 @@ def _steady(prev: int, cur: int) -> bool:
     return cur == prev or abs(cur - prev) < SETTLE_CHANGE * max(prev, cur)
 
 
-@dataclass(frozen=True)
+@frozen
 class ProcessKsm:
     """``/proc/PID/ksm_stat``; a field the kernel does not print is None.
 

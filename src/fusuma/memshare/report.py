@@ -25,11 +25,11 @@ sharing a KSM page, host-wide, at least 2) and ``private`` (the rest: its own pa
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import NotFoundError
+from fusuma.frozen import frozen
 from fusuma.memshare.bases import BaseUse, bases_json, bases_saved_bytes
 from fusuma.memshare.ksm import DEFAULT_ROOT, Ksm, KsmSettings, ProcessKsm, process_ksm
 from fusuma.memshare.smaps import (
@@ -51,7 +51,7 @@ def _mib_b(nbytes: int | None) -> float | None:
     return None if nbytes is None else round(nbytes / 2**20, 1)
 
 
-@dataclass(frozen=True)
+@frozen
 class VmMemory:
     """Host memory of one QEMU process."""
 
@@ -120,13 +120,13 @@ def vm_memory(pid: int, segment_files: dict[str, Path], procfs: Path = Path("/pr
                     ksm_sharers=ksm_sharers)
 
 
-@dataclass(frozen=True)
+@frozen
 class VmRow:
     name: str
     memory: VmMemory
 
 
-@dataclass(frozen=True)
+@frozen
 class Skipped:
     """A VM listed as running whose process could not be read (it ended meanwhile)."""
 
@@ -134,7 +134,7 @@ class Skipped:
     reason: str
 
 
-@dataclass(frozen=True)
+@frozen
 class HostReport:
     vms: list[VmRow]
     skipped: list[Skipped]

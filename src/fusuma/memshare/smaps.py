@@ -14,11 +14,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import HostError, NotFoundError
+from fusuma.frozen import frozen
 
 DELETED = " (deleted)"
 # A template's RAM file (fusuma.memshare.templates): ``<shm>/<T>.template``.
@@ -29,7 +30,7 @@ _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+)\s+([r-][w-][x-][sp])\s+([0-9a-f]
                      r"(\S+)\s+(\d+)\s*(.*)$")
 
 
-@dataclass(frozen=True)
+@frozen
 class Mapping:
     """One mapping; ``kib`` holds every ``Name: N kB`` line (Rss, Pss, Shared_Clean,
     Private_Dirty, Anonymous, KSM, Swap, ... and, in smaps_rollup, Pss_Anon/File/Shmem)."""
@@ -111,7 +112,7 @@ def shareable_fraction(modes: dict[str, int]) -> float:
     return sum(kib for mode, kib in modes.items() if mode[1] != "w") / total
 
 
-@dataclass(frozen=True)
+@frozen
 class ModeAnalysis:
     """The paper's Table 4 for one process."""
 
@@ -157,7 +158,7 @@ def analyze(pid: int, procfs: Path = Path("/proc")) -> ModeAnalysis:
                         shareable_fraction=shareable_fraction(modes))
 
 
-@dataclass(frozen=True)
+@frozen
 class SegmentUse:
     """What one process has of one segment file: pages resident in its mappings (RSS)
     and its fair part of them (PSS: each page divided by the number of mappers)."""
@@ -194,7 +195,7 @@ def segment_usage(mappings: Iterable[Mapping],
             for name, ms in sorted(found.items())}
 
 
-@dataclass(frozen=True)
+@frozen
 class TemplateUse:
     """What a clone has of its template's RAM file: the template's pages it maps
     (RSS, and PSS: its fair part of pages all clones share), apart from the pages it
@@ -228,7 +229,7 @@ def template_usage(mappings: Iterable[Mapping]) -> TemplateUse | None:
                        copied_kib=copied)
 
 
-@dataclass(frozen=True)
+@frozen
 class PssSplit:
     """A process's PSS split by page kind, as smaps_rollup reports it.
 

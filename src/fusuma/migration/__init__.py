@@ -32,12 +32,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from fusuma import capacity
 from fusuma.errors import FusumaError, MigrationError, ResourceError, StateError
+from fusuma.frozen import frozen
 from fusuma.governor.qos import check_admission
 from fusuma.migration import compat, inplace
 from fusuma.migration.inplace import MODE as CPR_MODE
@@ -66,7 +67,7 @@ FAULT_AFTER_RELEASE = "FUSUMA_FAULT_SLEEP_AFTER_RELEASE"
 FAULT_BEFORE_INCOMING = "FUSUMA_FAULT_SLEEP_BEFORE_INCOMING"
 
 
-@dataclass(frozen=True)
+@frozen
 class MigrationResult:
     vm: str
     source: str
@@ -216,7 +217,7 @@ class MovedNotRunning(MigrationError):
     """The guest reached its destination, whose QEMU then did not run it."""
 
 
-@dataclass(frozen=True)
+@frozen
 class LocalMove:
     """The two sides of a move inside this host, each a partition's supervisor asked
     by typed request (``fusuma.supervisor.moves``): between two partitions (zero-copy

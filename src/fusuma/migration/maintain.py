@@ -7,10 +7,10 @@ move back — onto QEMU processes started by the new supervisor."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from fusuma import capacity
 from fusuma.errors import FusumaError, MigrationError, StateError
+from fusuma.frozen import frozen
 from fusuma.migration import MigrationResult, check, compat, inplace, migrate
 from fusuma.migration.inplace import MODE as CPR_MODE
 from fusuma.partition.manager import PartitionManager
@@ -21,7 +21,7 @@ from fusuma.state.lock import host_lock
 from fusuma.vm import VmView
 
 
-@dataclass(frozen=True)
+@frozen
 class MaintainResult:
     partition: str
     via: str | None           # None: in place (cpr-transfer)

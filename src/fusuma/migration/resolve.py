@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 
 from fusuma.errors import FusumaError
+from fusuma.frozen import frozen
 from fusuma.partition.manager import PartitionManager
 from fusuma.state import Decision, Job, VmState, vm_obj
 from fusuma.supervisor import rpc
@@ -26,7 +26,7 @@ from fusuma.supervisor import rpc
 LOG = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@frozen
 class Outcome:
     vm: str
     decision: str           # a Decision, or "lost"

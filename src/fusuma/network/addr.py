@@ -11,9 +11,9 @@ import random
 import re
 import subprocess
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from fusuma.errors import ConflictError, HostError, SpecError
+from fusuma.frozen import frozen
 
 # QEMU's own OUI (what `-device virtio-net` gives by default): a VM's NIC looks like a
 # QEMU NIC to every tool, and the locally administered bit is not needed to avoid
@@ -35,7 +35,7 @@ def check_mtu(mtu: int) -> int:
     return mtu
 
 
-@dataclass(frozen=True)
+@frozen
 class Subnet:
     """A managed network's IPv4 subnet; the gateway (the host, on the bridge) is its
     first address."""
@@ -72,7 +72,7 @@ def parse_subnet(text: str) -> Subnet:
     return Subnet(net)
 
 
-@dataclass(frozen=True)
+@frozen
 class Route:
     dst: ipaddress.IPv4Network
     dev: str
@@ -234,7 +234,7 @@ def allocate_ip(subnet: Subnet, taken: Iterable[str]) -> str:
                         "or make a larger network.")
 
 
-@dataclass(frozen=True)
+@frozen
 class PortForward:
     """``[ADDR:]HOSTPORT:GUESTPORT`` (TCP); ADDR 127.0.0.1 when left out."""
 

@@ -16,10 +16,10 @@ import ipaddress
 import pwd
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from fusuma.errors import HostError
+from fusuma.frozen import frozen
 
 DNSMASQ = "dnsmasq"
 # The unprivileged user dnsmasq runs as (Debian's dnsmasq-base makes it); nobody
@@ -28,7 +28,7 @@ USERS = ("dnsmasq", "nobody")
 LEASE_TIME = "1h"
 
 
-@dataclass(frozen=True)
+@frozen
 class Files:
     """Where one network's dnsmasq keeps its files (fusuma.paths: the runtime dir's
     ``networks/NAME``, passable by dnsmasq's user; the lease file under FUSUMA_HOME)."""
@@ -39,7 +39,7 @@ class Files:
     pid: Path
 
 
-@dataclass(frozen=True)
+@frozen
 class Host:
     mac: str
     ip: str

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +29,7 @@ from fusuma.errors import (
     SpecError,
     StateError,
 )
+from fusuma.frozen import frozen
 from fusuma.names import check_name
 from fusuma.network import addr, dnsmasq, ifnames, keeper, link, nft
 from fusuma.paths import PASSABLE_DIR, PRIVATE_DIR, Paths, ensure_dir
@@ -45,7 +45,7 @@ LOG = logging.getLogger(__name__)
 TYPES = ("managed", "bridged")
 
 
-@dataclass(frozen=True)
+@frozen
 class NicRequest:
     """A NIC a VM asks for: ``NET[,mac=..][,ip=..]``."""
 
@@ -68,7 +68,7 @@ def parse_nic(text: str) -> NicRequest:
     return NicRequest(name, fields.get("mac"), fields.get("ip"))
 
 
-@dataclass(frozen=True)
+@frozen
 class NetworkStatus:
     record: NetworkRecord
     bridge_up: bool

@@ -25,15 +25,15 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from fusuma.errors import HostError, NetworkError
+from fusuma.frozen import frozen
 from fusuma.network.ifnames import BRIDGE_PREFIX
 
 NFT = "nft"
 
 
-@dataclass(frozen=True)
+@frozen
 class NftSet:
     name: str
     type: str                         # "ifname . ether_addr"
@@ -46,7 +46,7 @@ class NftSet:
         return [*out, "  }"]
 
 
-@dataclass(frozen=True)
+@frozen
 class Chain:
     """A chain; a base chain when ``hook`` is set."""
 
@@ -66,7 +66,7 @@ class Chain:
         return [*out, "  }"]
 
 
-@dataclass(frozen=True)
+@frozen
 class Table:
     family: str                       # "inet" | "bridge"
     name: str
@@ -82,7 +82,7 @@ class Table:
         return "\n".join([*lines, "}"]) + "\n"
 
 
-@dataclass(frozen=True)
+@frozen
 class Port:
     """One NIC as the filter sees it: its tap, MAC and address."""
 
@@ -91,7 +91,7 @@ class Port:
     ip: str | None
 
 
-@dataclass(frozen=True)
+@frozen
 class Forward:
     """A port forward: TCP to ``addr:host_port`` (addr "0.0.0.0": any of the host's
     addresses) goes to ``ip:guest_port``."""
@@ -106,7 +106,7 @@ class Forward:
         return f"{dst} tcp dport {self.host_port} dnat ip to {self.ip}:{self.guest_port}"
 
 
-@dataclass(frozen=True)
+@frozen
 class ManagedNet:
     """What the tables of one managed network are made from."""
 

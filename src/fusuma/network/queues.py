@@ -34,10 +34,10 @@ import fcntl
 import os
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from fusuma.errors import NetworkError
+from fusuma.frozen import frozen
 
 TUNGETIFF = 0x800454D2
 TUNSETQUEUE = 0x400454D9
@@ -51,7 +51,7 @@ TUN_PATH = "/dev/net/tun"
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-@dataclass(frozen=True)
+@frozen
 class Queue:
     """One tap descriptor a process holds: its number there, the tap, its state."""
 
@@ -181,7 +181,7 @@ def attach_first(pid: int, firsts: dict[str, int]) -> int:
     return n
 
 
-@dataclass(frozen=True)
+@frozen
 class Switch:
     """A handover worked out before a move's pause: the descriptor numbers of every
     queue the leaving QEMUs hold of the VM's taps, and of each tap's queue 0 in the

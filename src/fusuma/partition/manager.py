@@ -13,7 +13,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +28,7 @@ from fusuma.errors import (
     StateError,
     SupervisorError,
 )
+from fusuma.frozen import frozen
 from fusuma.governor.qos import check_cores
 from fusuma.host import cgroups, storage
 from fusuma.host.topology import HostInfo, format_cpulist, host_info, siblings_text
@@ -56,7 +57,7 @@ __all__ = ["SUPERVISOR_MIB", "PartitionManager", "PartitionStatus", "vm_need_mib
 vm_need_mib = capacity.vm_footprint
 
 
-@dataclass(frozen=True)
+@frozen
 class PartitionStatus:
     record: PartitionRecord
     supervisor_alive: bool

@@ -19,10 +19,10 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from typing import Any
 
 from fusuma.errors import ImageError, QemuError
+from fusuma.frozen import frozen
 from fusuma.qemu.qmp import Qmp
 
 #: More entries than this in one answer is not a QEMU fusuma started.
@@ -35,7 +35,7 @@ JOB_STATES = frozenset({"undefined", "created", "running", "paused", "ready", "s
 
 
 # -- query-block ------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class DiskSnapshot:
     """One internal snapshot of a qcow2 disk, as qemu-img or QEMU lists it."""
 
@@ -62,7 +62,7 @@ def parse_snapshots(items: object) -> list[DiskSnapshot]:
     return out
 
 
-@dataclass(frozen=True)
+@frozen
 class Bitmap:
     """A dirty bitmap of a drive: its name, whether QEMU keeps it in the image, and
     whether it is inconsistent (its QEMU ended without saving it: it no longer says
@@ -73,7 +73,7 @@ class Bitmap:
     inconsistent: bool
 
 
-@dataclass(frozen=True)
+@frozen
 class Drive:
     """A drive with a medium as ``query-block`` shows it: its id, its top node and
     format, its size in bytes, the internal snapshots and the dirty bitmaps of its
@@ -165,7 +165,7 @@ async def drives(qmp: Qmp) -> dict[str, Drive]:
 
 
 # -- jobs -----------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Job:
     """A QEMU job as ``query-jobs`` shows it (block jobs included: a backup's copy)."""
 

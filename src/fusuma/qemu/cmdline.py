@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Literal
+
+from fusuma.frozen import frozen
 
 QGA_PORT_NAME = "org.qemu.guest_agent.0"
 # TCG's translation cache defaults to 1 GiB on 64-bit hosts; bound it so a VM's host
@@ -85,7 +87,7 @@ def tcg_tb_mib(firmware: bool = False) -> int:
                     1, 2048)
 
 
-@dataclass(frozen=True)
+@frozen
 class DiskConfig:
     name: str
     path: Path
@@ -99,7 +101,7 @@ class DiskConfig:
     ino: int | None = None
 
 
-@dataclass(frozen=True)
+@frozen
 class ThinDisk:
     """A VM's boot disk: a qcow2 overlay of its own on a read-only base image (an
     imported image, fusuma.images.store). QEMU gets both as descriptors; the base's
@@ -116,7 +118,7 @@ class ThinDisk:
     layer_fd: int | None = None
 
 
-@dataclass(frozen=True)
+@frozen
 class Uefi:
     """OVMF: its code (read-only, shared by every VM) and the VM's own NVRAM
     variables file (read-write)."""
@@ -130,7 +132,7 @@ class Uefi:
 BOOTS = ("kernel", "bios", "uefi")
 
 
-@dataclass(frozen=True)
+@frozen
 class SegmentConfig:
     """A shared segment: a read-only virtio-pmem device backed by ``path``."""
 
@@ -141,7 +143,7 @@ class SegmentConfig:
     fd: int | None = None  # the file opened read-only for QEMU
 
 
-@dataclass(frozen=True)
+@frozen
 class NicConfig:
     """A NIC on a tap (fusuma.network): the supervisor makes the tap and passes one
     descriptor per queue (``fds``); QEMU never opens /dev/net/tun itself."""
@@ -170,7 +172,7 @@ class NicConfig:
         return f"tap,id={self.id},{fds},vhost=off"
 
 
-@dataclass(frozen=True)
+@frozen
 class VmConfig:
     """Everything QEMU needs to know about one VM."""
 
@@ -274,7 +276,7 @@ DEVICE_SET_VERSION = 1
 BACKEND_PROPS = ("chardev", "drive", "netdev", "memdev")
 
 
-@dataclass(frozen=True)
+@frozen
 class Device:
     """One guest-visible device: a ``-device`` driver and its properties, in order."""
 
@@ -288,7 +290,7 @@ class Device:
         return [v for k, v in self.props if k in BACKEND_PROPS]
 
 
-@dataclass(frozen=True)
+@frozen
 class DeviceSet:
     """What a guest sees of its virtual machine, recorded when it boots.
 

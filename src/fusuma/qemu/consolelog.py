@@ -33,9 +33,9 @@ import fcntl
 import logging
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 
+from fusuma.frozen import frozen
 from fusuma.paths import CONSOLE_LOG_MAX
 
 LOG = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def rotated(path: Path) -> Path:
     return path.with_name(path.name + ROTATED_SUFFIX)
 
 
-@dataclass(frozen=True)
+@frozen
 class ConsoleLog:
     """Where a VM's console log goes and how large one file of it may grow."""
 

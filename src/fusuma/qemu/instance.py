@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fusuma.errors import MigrationError, QemuError, StateError
+from fusuma.frozen import frozen
 from fusuma.qemu import process
 from fusuma.qemu.consolelog import FIFO_NAME, ConsoleLog, ConsolePump
 from fusuma.qemu.qmp import EVENT_RESUME, EVENT_STOP, MigrationInfo, Qmp
@@ -104,7 +105,7 @@ def end_unmanaged(pid: int, vm: str, run_root: Path, timeout: float = 10.0) -> b
     return not process.pid_alive(pid)
 
 
-@dataclass(frozen=True)
+@frozen
 class LaunchPlan:
     """How to start one QEMU: all of it decided by the caller (argv, fds, cgroup and
     privileges in ``preexec``), so the instance only runs it."""

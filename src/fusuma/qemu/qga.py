@@ -24,11 +24,11 @@ import contextlib
 import json
 import logging
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import GuestAgentError
+from fusuma.frozen import frozen
 from fusuma.qemu.qgareply import MAX_LINE, ExecStarted, ExecStatus, parse_line, sync_id, unwrap
 
 LOG = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def redact(msg: Any) -> Any:
     return out
 
 
-@dataclass(frozen=True)
+@frozen
 class ExecResult:
     exit_code: int
     stdout: bytes

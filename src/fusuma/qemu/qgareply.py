@@ -16,10 +16,10 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from fusuma.errors import GuestAgentError
+from fusuma.frozen import frozen
 
 # qemu-ga keeps at most 16 MiB of a command's stdout and of its stderr
 # (GUEST_EXEC_MAX_OUTPUT); a guest-exec-status reply carries both in base64.
@@ -127,7 +127,7 @@ def sync_id(msg: dict[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-@dataclass(frozen=True)
+@frozen
 class ExecStarted:
     """``guest-exec``'s reply: the guest pid of the command."""
 
@@ -141,7 +141,7 @@ class ExecStarted:
         return cls(pid)
 
 
-@dataclass(frozen=True)
+@frozen
 class ExecStatus:
     """``guest-exec-status``'s reply: whether the command ended, how, and its output."""
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qemu.qmp import EventListener, QMPClient, QMPError
 
 from fusuma.errors import MigrationError, QemuError
+from fusuma.frozen import frozen
 
 # QMP event names used by fusuma.
 EVENT_SHUTDOWN = "SHUTDOWN"
@@ -39,7 +39,7 @@ SETTLE_S = 2.0
 CLEAR_TIMEOUT_S = 10.0
 
 
-@dataclass(frozen=True)
+@frozen
 class MigrationInfo:
     """The fields of ``query-migrate`` fusuma uses (times in ms, sizes in bytes)."""
 
@@ -57,7 +57,7 @@ def event_time(event: Any) -> float:
     return float(ts["seconds"]) + float(ts["microseconds"]) / 1e6
 
 
-@dataclass(frozen=True)
+@frozen
 class VcpuInfo:
     index: int
     thread_id: int

@@ -35,11 +35,11 @@ import json
 import os
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import FusumaError, HostError
+from fusuma.frozen import frozen
 from fusuma.paths import PRIVATE_DIR, Paths
 from fusuma.qemu import block
 from fusuma.qemu.qmp import Qmp
@@ -69,7 +69,7 @@ def identity(host: str) -> str:
     return f"CN={host}"
 
 
-@dataclass(frozen=True)
+@frozen
 class HostCreds:
     """One host's move credentials: the CA bundle it trusts, its certificate, its key
     (PEM)."""
@@ -178,7 +178,7 @@ def for_qemu(run: Path, uid: int, creds: HostCreds, endpoint: str) -> Iterator[P
 CREDS_PREFIX, AUTHZ_PREFIX = "fz-tls-", "fz-authz-"
 
 
-@dataclass(frozen=True)
+@frozen
 class MoveTls:
     """The QOM objects and migration parameters of one move's TLS on one side."""
 

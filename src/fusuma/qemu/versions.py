@@ -32,11 +32,12 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import HostError, NotFoundError, SpecError, StateError
+from fusuma.frozen import frozen
 from fusuma.paths import Paths
 from fusuma.qemu.store import ensure_qemu_dir, install_lock, qemu_dir
 from fusuma.state.db import VmRecord
@@ -91,7 +92,7 @@ def check_machine_name(machine: str) -> str:
     return machine
 
 
-@dataclass(frozen=True)
+@frozen
 class Qemu:
     """One QEMU fusuma can start, and what fusuma needs to know about it."""
 
@@ -148,7 +149,7 @@ class Qemu:
 
 
 # -- probing ------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Probe:
     version: str
     machines: tuple[str, ...]

@@ -14,9 +14,11 @@ from __future__ import annotations
 import enum
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
+
+from fusuma.frozen import frozen
 
 
 def vm_obj(name: str) -> str:
@@ -46,7 +48,7 @@ def start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
-@dataclass(frozen=True)
+@frozen
 class JobOwner:
     pid: int
     start: int
@@ -116,7 +118,7 @@ DOING: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True)
+@frozen
 class Job:
     obj: str
     kind: str

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 
+from fusuma.frozen import frozen
 from fusuma.state.machine import VmState
 from fusuma.state.roles import Role
 
 
-@dataclass(frozen=True)
+@frozen
 class PartitionRecord:
     name: str
     cpus: list[int]
@@ -25,7 +26,7 @@ class PartitionRecord:
     memory_overcommit: float | None = None
 
 
-@dataclass(frozen=True)
+@frozen
 class DiskRecord:
     name: str
     path: str
@@ -38,7 +39,7 @@ class DiskRecord:
     ino: int | None = None
 
 
-@dataclass(frozen=True)
+@frozen
 class VmRecord:
     name: str
     partition: str
@@ -98,7 +99,7 @@ class VmRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True)
+@frozen
 class ImageRecord:
     """A disk image a user imported (fusuma.images.store): a read-only file in the
     image store that VMs' thin disks are overlays of."""
@@ -113,7 +114,7 @@ class ImageRecord:
     created_at: float = field(default_factory=time.time)
 
 
-@dataclass(frozen=True)
+@frozen
 class SegmentRecord:
     name: str
     path: str
@@ -122,7 +123,7 @@ class SegmentRecord:
     created_at: float = field(default_factory=time.time)
 
 
-@dataclass(frozen=True)
+@frozen
 class TemplateRecord:
     """A booted guest kept as a RAM file and a device state file, for clones to start
     from (fusuma.memshare.templates)."""
@@ -150,7 +151,7 @@ class TemplateRecord:
     gid: int = field(default=0, compare=False)
 
 
-@dataclass(frozen=True)
+@frozen
 class TokenRecord:
     """An API token (its SHA-256 only, which this record does not carry) and its role."""
 
@@ -162,7 +163,7 @@ class TokenRecord:
     before_roles: bool = False
 
 
-@dataclass(frozen=True)
+@frozen
 class NetworkRecord:
     """A network VMs' NICs attach to (fusuma.network): ``managed`` (a bridge fusuma
     makes, with a subnet, DHCP/DNS and NAT) or ``bridged`` (a bridge the host has)."""
@@ -183,7 +184,7 @@ class NetworkRecord:
         return self.type == "managed"
 
 
-@dataclass(frozen=True)
+@frozen
 class NicRecord:
     """One NIC of a VM: its network, its MAC (generated once) and, on a managed
     network, its address."""

@@ -12,9 +12,10 @@ import enum
 import json
 import sqlite3
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from fusuma.errors import ConflictError, NotFoundError
+from fusuma.frozen import frozen
 
 
 class SnapState(enum.StrEnum):
@@ -23,7 +24,7 @@ class SnapState(enum.StrEnum):
     DELETING = "deleting"
 
 
-@dataclass(frozen=True)
+@frozen
 class SnapshotRecord:
     vm: str
     name: str

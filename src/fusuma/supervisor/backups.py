@@ -32,11 +32,11 @@ import errno
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import FusumaError, QemuError, StateError
+from fusuma.frozen import frozen
 from fusuma.images import backup as bk
 from fusuma.images.store import nvram_path
 from fusuma.qemu import block
@@ -51,7 +51,7 @@ COPY_S = 6 * 3600.0       # a backup's copy (its rate is the disk's or --max-ban
 CANCEL_S = 30.0
 
 
-@dataclass(frozen=True)
+@frozen
 class Target:
     drive: str           # the disk's drive id
     file: str            # its file in the point

@@ -24,10 +24,11 @@ import dataclasses
 import json
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, ClassVar, Generic, TypeVar
 
 from fusuma import errors
+from fusuma.frozen import frozen
 
 PROTOCOL_VERSION = 2
 
@@ -52,30 +53,30 @@ def reply_type(req: type[Request[Any]]) -> type[Any]:
 
 
 # -- replies ------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Pong:
     pid: int
     partition: str
     vms: list[str]
 
 
-@dataclass(frozen=True)
+@frozen
 class VmPid:
     vm: str
     pid: int | None = None
 
 
-@dataclass(frozen=True)
+@frozen
 class Running:
     vms: list[VmPid]
 
 
-@dataclass(frozen=True)
+@frozen
 class Seconds:
     seconds: float
 
 
-@dataclass(frozen=True)
+@frozen
 class Ended:
     """A QEMU ended, or was already gone: ``was`` says which."""
 
@@ -84,7 +85,7 @@ class Ended:
     pid: int | None = None
 
 
-@dataclass(frozen=True)
+@frozen
 class ExecResult:
     exit_code: int
     signal: int | None
@@ -92,7 +93,7 @@ class ExecResult:
     stderr: str          # base64
 
 
-@dataclass(frozen=True)
+@frozen
 class Trimmed:
     vm: str
     resident_before_mib: float | None
@@ -101,7 +102,7 @@ class Trimmed:
     seconds: float
 
 
-@dataclass(frozen=True)
+@frozen
 class Resized:
     vm: str
     drive: str
@@ -109,7 +110,7 @@ class Resized:
     size: int
 
 
-@dataclass(frozen=True)
+@frozen
 class BackedUp:
     """A backup point written whole (its manifest last)."""
 
@@ -127,7 +128,7 @@ class BackedUp:
     whole: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@frozen
 class Snapshot:
     """A snapshot taken (fusuma.supervisor.snapshots), as recorded."""
 
@@ -142,7 +143,7 @@ class Snapshot:
     seconds: float = 0.0
 
 
-@dataclass(frozen=True)
+@frozen
 class SnapshotDone:
     """A snapshot restored or deleted; ``state``: the VM's state after it."""
 
@@ -152,7 +153,7 @@ class SnapshotDone:
     seconds: float
 
 
-@dataclass(frozen=True)
+@frozen
 class TemplateSaved:
     template: str
     vm: str
@@ -161,7 +162,7 @@ class TemplateSaved:
     unbound: list[str]
 
 
-@dataclass(frozen=True)
+@frozen
 class GovernorReport:
     """The governor's controls and decisions, a document for display (``governor
     status``, ``top``, the API): its shape is ``Governor.status``'s."""
@@ -169,14 +170,14 @@ class GovernorReport:
     status: dict[str, Any]
 
 
-@dataclass(frozen=True)
+@frozen
 class Pins:
     """Each VM's vCPU cores after a repin."""
 
     cores: dict[str, list[int]]
 
 
-@dataclass(frozen=True)
+@frozen
 class Prepared:
     """A move's destination QEMU, waiting for the stream (or, in place, for the old
     QEMU's descriptors)."""
@@ -193,7 +194,7 @@ class Prepared:
     nbd: str | None = None
 
 
-@dataclass(frozen=True)
+@frozen
 class Streamed:
     """A move's source after its stream completed (it is then the leaving side)."""
 
@@ -214,7 +215,7 @@ class Streamed:
     completed_ts: float | None = None
 
 
-@dataclass(frozen=True)
+@frozen
 class Resumed:
     """The guest runs on this QEMU (a destination that took it, or a source again)."""
 
@@ -226,14 +227,14 @@ class Resumed:
     steps: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@frozen
 class Settled:
     vm: str
     moved: bool
     unbound_ports: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@frozen
 class Instance:
     """One QEMU a supervisor holds of a VM, as QEMU itself reports it."""
 
@@ -244,12 +245,12 @@ class Instance:
     run_dir: str
 
 
-@dataclass(frozen=True)
+@frozen
 class Instances:
     instances: list[Instance]
 
 
-@dataclass(frozen=True)
+@frozen
 class StreamState:
     """An incoming stream from another host: ``completed``, ``failed``, ``cancelled``,
     ``gone`` (its QEMU exited), ``running`` (committed) or still in progress."""
@@ -259,24 +260,24 @@ class StreamState:
 
 
 # -- requests -----------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Ping(Request[Pong]):
     OP: ClassVar[str] = "ping"
 
 
-@dataclass(frozen=True)
+@frozen
 class Status(Request[Running]):
     OP: ClassVar[str] = "status"
 
 
-@dataclass(frozen=True)
+@frozen
 class Start(Request[VmPid]):
     OP: ClassVar[str] = "start"
     vm: str
     wait_agent: float = 0.0
 
 
-@dataclass(frozen=True)
+@frozen
 class WaitAgent(Request[Seconds]):
     """Wait until the guest agent answers; the reply is seconds since QEMU started."""
 
@@ -285,20 +286,20 @@ class WaitAgent(Request[Seconds]):
     timeout: float = 60.0
 
 
-@dataclass(frozen=True)
+@frozen
 class Stop(Request[Ended]):
     OP: ClassVar[str] = "stop"
     vm: str
     timeout: float = 10.0
 
 
-@dataclass(frozen=True)
+@frozen
 class Kill(Request[Ended]):
     OP: ClassVar[str] = "kill"
     vm: str
 
 
-@dataclass(frozen=True)
+@frozen
 class Exec(Request[ExecResult]):
     OP: ClassVar[str] = "exec"
     vm: str
@@ -307,14 +308,14 @@ class Exec(Request[ExecResult]):
     timeout: float = 60.0
 
 
-@dataclass(frozen=True)
+@frozen
 class Trim(Request[Trimmed]):
     OP: ClassVar[str] = "trim"
     vm: str
     timeout: float = 60.0
 
 
-@dataclass(frozen=True)
+@frozen
 class ResizeDisk(Request[Resized]):
     """Grow a VM's disk, online while it runs (QMP ``block_resize``), else offline: its
     thin disk (``disk`` "") or a registered disk attached to it."""
@@ -325,7 +326,7 @@ class ResizeDisk(Request[Resized]):
     size: int
 
 
-@dataclass(frozen=True)
+@frozen
 class Backup(Request[BackedUp]):
     """Back up a running VM's disks into backup ``dest`` (a name, or from root's CLI
     a path in a storage directory: ``anywhere``), fully or on its last point."""
@@ -338,7 +339,7 @@ class Backup(Request[BackedUp]):
     max_bandwidth: int = 0     # bytes/s for the copy; 0: no limit
 
 
-@dataclass(frozen=True)
+@frozen
 class SnapshotCreate(Request[Snapshot]):
     """Snapshot a VM's qcow2 disks (``memory``: its RAM and device state too)."""
 
@@ -348,21 +349,21 @@ class SnapshotCreate(Request[Snapshot]):
     memory: bool = False
 
 
-@dataclass(frozen=True)
+@frozen
 class SnapshotRestore(Request[SnapshotDone]):
     OP: ClassVar[str] = "snapshot-restore"
     vm: str
     name: str
 
 
-@dataclass(frozen=True)
+@frozen
 class SnapshotDelete(Request[SnapshotDone]):
     OP: ClassVar[str] = "snapshot-delete"
     vm: str
     name: str
 
 
-@dataclass(frozen=True)
+@frozen
 class TemplateSave(Request[TemplateSaved]):
     OP: ClassVar[str] = "template-save"
     vm: str
@@ -370,18 +371,18 @@ class TemplateSave(Request[TemplateSaved]):
     fault: str = ""
 
 
-@dataclass(frozen=True)
+@frozen
 class GovernorStatus(Request[GovernorReport]):
     OP: ClassVar[str] = "governor-status"
     limit: int = 50
 
 
-@dataclass(frozen=True)
+@frozen
 class Repin(Request[Pins]):
     OP: ClassVar[str] = "repin"
 
 
-@dataclass(frozen=True)
+@frozen
 class IncomingPrepare(Request[Prepared]):
     """Destination, same host: a QEMU waiting for the stream of ``vm``."""
 
@@ -391,7 +392,7 @@ class IncomingPrepare(Request[Prepared]):
     fault_decide_delay: float = 0.0
 
 
-@dataclass(frozen=True)
+@frozen
 class MigrateOut(Request[Streamed]):
     """Source: stream ``vm`` to ``uri``; it is then the leaving side."""
 
@@ -412,7 +413,7 @@ class MigrateOut(Request[Streamed]):
     mirror_speed: int = 0
 
 
-@dataclass(frozen=True)
+@frozen
 class CprPrepare(Request[Prepared]):
     """In place: a new QEMU waiting for the old one's descriptors."""
 
@@ -421,14 +422,14 @@ class CprPrepare(Request[Prepared]):
     fault_decide_delay: float = 0.0
 
 
-@dataclass(frozen=True)
+@frozen
 class CprTransfer(Request[Streamed]):
     OP: ClassVar[str] = "cpr-transfer"
     vm: str
     fault_incoming_delay: float = 0.0
 
 
-@dataclass(frozen=True)
+@frozen
 class IncomingFinish(Request[Resumed]):
     """Destination: wait until the guest runs here."""
 
@@ -437,7 +438,7 @@ class IncomingFinish(Request[Resumed]):
     timeout: float = 30.0
 
 
-@dataclass(frozen=True)
+@frozen
 class IncomingCommit(Request[Resumed]):
     """Destination: record "forward" and run the guest here."""
 
@@ -445,13 +446,13 @@ class IncomingCommit(Request[Resumed]):
     vm: str
 
 
-@dataclass(frozen=True)
+@frozen
 class IncomingAbort(Request[Ended]):
     OP: ClassVar[str] = "incoming-abort"
     vm: str
 
 
-@dataclass(frozen=True)
+@frozen
 class Release(Request[Ended]):
     """Source: end the leaving QEMU once the outcome is "forward"."""
 
@@ -459,7 +460,7 @@ class Release(Request[Ended]):
     vm: str
 
 
-@dataclass(frozen=True)
+@frozen
 class ResumeSource(Request[Resumed]):
     """Source: run the guest again once the outcome is "back"."""
 
@@ -467,19 +468,19 @@ class ResumeSource(Request[Resumed]):
     vm: str
 
 
-@dataclass(frozen=True)
+@frozen
 class Settle(Request[Settled]):
     OP: ClassVar[str] = "settle"
     vm: str
 
 
-@dataclass(frozen=True)
+@frozen
 class ListInstances(Request[Instances]):
     OP: ClassVar[str] = "instances"
     vm: str
 
 
-@dataclass(frozen=True)
+@frozen
 class RemoteIncoming(Request[Prepared]):
     """Destination, another host's move: a QEMU listening on ``tcp:LISTEN:<port>``
     for host ``peer``'s stream, under TLS (``tls`` False: the benchmark's before)."""
@@ -496,7 +497,7 @@ class RemoteIncoming(Request[Prepared]):
     shared_disk: bool = False
 
 
-@dataclass(frozen=True)
+@frozen
 class RemoteIncomingWait(Request[StreamState]):
     OP: ClassVar[str] = "remote-incoming-wait"
     vm: str

@@ -45,7 +45,6 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from fusuma.errors import (
@@ -55,6 +54,7 @@ from fusuma.errors import (
     SpecError,
     StateError,
 )
+from fusuma.frozen import frozen
 from fusuma.images import snapshots as offline
 from fusuma.images.store import disk_path, nvram_path, snapshot_nvram_path
 from fusuma.names import check_name
@@ -82,7 +82,7 @@ STOP_S = 30.0
 EXIT_S = 10.0            # a QEMU that stopped answering, to be seen gone
 
 
-@dataclass(frozen=True)
+@frozen
 class SnapDisk:
     """A disk a snapshot covers: QEMU's drive id and the qcow2 file."""
 

@@ -9,11 +9,11 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusuma.errors import ConflictError, FusumaError, NotFoundError, StateError
+from fusuma.frozen import frozen
 from fusuma.images import backup as bk
 from fusuma.images.store import disk_path, nvram_path
 from fusuma.names import check_name
@@ -59,7 +59,7 @@ def backup(vms: VmManager, name: str, dest: str, *, incremental: bool = False,
                     progress(job.phase, job.detail)
 
 
-@dataclass(frozen=True)
+@frozen
 class Restored:
     vm: str
     partition: str

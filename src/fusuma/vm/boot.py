@@ -13,11 +13,12 @@ import shutil
 import uuid
 import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import HostError, NotFoundError, SpecError, StateError
+from fusuma.frozen import frozen
 from fusuma.images import seed, store
 from fusuma.images.store import (  # where a firmware VM's files live (the supervisor's too)
     FILES,
@@ -209,7 +210,7 @@ MAX_SEED = 64 * 2**20
 SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")
 
 
-@dataclass(frozen=True)
+@frozen
 class CarriedDisk:
     """A firmware VM's files as a move between hosts carries them, checked."""
 

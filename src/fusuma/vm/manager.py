@@ -9,12 +9,12 @@ import dataclasses
 import logging
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fusuma import capacity
 from fusuma.errors import ConflictError, FusumaError, NotFoundError, SpecError, StateError
+from fusuma.frozen import frozen
 from fusuma.names import check_name
 from fusuma.paths import Paths
 from fusuma.qemu import process
@@ -60,7 +60,7 @@ class Partitions(Protocol):
 
 
 
-@dataclass(frozen=True)
+@frozen
 class ExecOutput:
     exit_code: int
     stdout: bytes

@@ -20,11 +20,11 @@ import hmac
 import os
 import secrets
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import ConflictError, StateError
+from fusuma.frozen import frozen
 from fusuma.host import storage
 from fusuma.images.store import MOVE_TOKEN, PLACED, PLACED_FILES, placed_dir, placed_in
 from fusuma.paths import PRIVATE_DIR, Paths
@@ -85,7 +85,7 @@ def remove(paths: Paths, vm: str) -> None:
 
 
 # -- the proof that two hosts see one directory -----------------------------------------
-@dataclass(frozen=True)
+@frozen
 class CarriedPlace:
     """What a move's record says of a VM on shared storage: the directory of its files
     and the token the source wrote there."""

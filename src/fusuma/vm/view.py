@@ -11,16 +11,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fusuma.errors import FusumaError
+from fusuma.frozen import frozen
 from fusuma.qemu import process
 from fusuma.state import ALIVE, VmRecord, VmState
 
 
-@dataclass(frozen=True)
+@frozen
 class VmView:
     """A VM as `ps` shows it: the DB record checked against the live process."""
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusuma.errors import HostError
+from fusuma.frozen import frozen
 from fusuma.host import systemd as sd
 from fusuma.host.cgroups.base import (
     CPU_PERIOD_US,
@@ -87,7 +87,7 @@ LOG = logging.getLogger(__name__)
 V1_CONTROLLERS = ("cpuset", "cpu", "memory", "blkio")
 
 
-@dataclass(frozen=True)
+@frozen
 class CgroupMount:
     """One cgroup filesystem mount from mountinfo."""
 

@@ -31,10 +31,10 @@ import os
 import re
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from fusuma.errors import CgroupError, SpecError
+from fusuma.frozen import frozen
 from fusuma.host.cgroups.files import CgroupFiles
 from fusuma.host.limits import Limits
 
@@ -65,7 +65,7 @@ CPU_WEIGHT_MAX = 10000
 CPU_PERIOD_US = 100_000
 
 
-@dataclass(frozen=True)
+@frozen
 class CpuPolicy:
     """How the scheduler treats one leaf (a VM's QEMU) against its siblings.
 
@@ -92,7 +92,7 @@ class CpuPolicy:
                             "of 1000 us")
 
 
-@dataclass(frozen=True)
+@frozen
 class CpuStat:
     """A leaf's CPU counters; ``None`` where this kernel or hierarchy has no such file."""
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from qemu.qmp import EventListener
 
 from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
+from fusuma.frozen import frozen
 from fusuma.qemu import block, privilege, tlscreds
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import QemuInstance, Role
@@ -201,7 +201,7 @@ async def _until_switchover(inst: QemuInstance, timeout: float) -> None:
                              f"({info.error or info.status}).")
 
 
-@dataclass(frozen=True)
+@frozen
 class StreamEnd:
     """How a source QEMU's stream ended, by its own events: the MIGRATION status
     (completed, failed, cancelled) and the times of its STOP and "completed"."""

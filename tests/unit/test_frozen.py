@@ -1,0 +1,91 @@
+"""``@frozen`` behaves as ``@dataclass(frozen=True)``: the same repr, equality, hash,
+fields, replace and refusal to change, class by class, side by side."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from fusuma.frozen import frozen
+
+
+def pair(body: dict[str, Any], base: tuple[type, type] | None = None) -> tuple[type, type]:
+    """The class ``body`` made twice: by ``@dataclass(frozen=True)`` and by ``@frozen``
+    (each on its own base of ``base``, if given)."""
+    def make(deco: Any, bases: tuple[type, ...]) -> type:
+        return deco(type("Thing", bases, dict(body)))
+    std_base, ours_base = base or (object, object)
+    return make(dataclass(frozen=True), (std_base,)), make(frozen, (ours_base,))
+
+
+BODIES = [
+    {"__annotations__": {"a": "str", "b": "int"}},
+    {"__annotations__": {"a": "str", "b": "list[int] | None"}, "b": None},
+    {"__annotations__": {"a": "str", "slot": "int", "note": "str"},
+     "slot": field(default=0, compare=False), "note": field(default="", repr=False)},
+    {"__annotations__": {"a": "str", "h": "int"}, "h": field(default=1, hash=False)},
+    {"__annotations__": {}},
+]
+VALUES = [
+    [("x", 1), ("x", 2), ("y", 1)],
+    [("x",), ("x", [1, 2]), ("y", None)],
+    [("x", 1, "n"), ("x", 2, "n"), ("x", 1, "m"), ("y", 1, "n")],
+    [("x", 1), ("x", 2), ("y", 1)],
+    [(), (), ()],
+]
+
+
+@pytest.mark.parametrize(("body", "values"), list(zip(BODIES, VALUES, strict=True)))
+def test_same_behaviour_as_a_frozen_dataclass(body: dict[str, Any],
+                                              values: list[tuple[Any, ...]]) -> None:
+    std, ours = pair(body)
+    for args in values:
+        s, o = std(*args), ours(*args)
+        assert repr(s) == repr(o)
+        assert [f.name for f in dataclasses.fields(s)] == [f.name for f in dataclasses.fields(o)]
+        assert dataclasses.asdict(s) == dataclasses.asdict(o)
+        assert std.__match_args__ == ours.__match_args__
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            o.a = "changed"                       # type: ignore[attr-defined]
+        try:
+            want: object = hash(s)
+        except TypeError as exc:
+            want = type(exc)
+        try:
+            got: object = hash(o)
+        except TypeError as exc:
+            got = type(exc)
+        assert got == want, args
+    for a in values:
+        for b in values:
+            assert (std(*a) == std(*b)) == (ours(*a) == ours(*b)), (a, b)
+            assert (std(*a) != std(*b)) == (ours(*a) != ours(*b)), (a, b)
+    if values[0]:
+        changed = dataclasses.replace(ours(*values[0]), a="z")
+        assert type(changed) is ours and changed.a == "z"
+    # Another class with the same fields is never equal (as a dataclass's __eq__).
+    other = frozen(type("Other", (), dict(body)))
+    assert ours(*values[0]) != other(*values[0])
+    assert std(*values[0]) != dataclass(frozen=True)(type("Other", (), dict(body)))(*values[0])
+
+
+def test_a_subclass_compares_and_shows_its_own_fields() -> None:
+    std_base, ours_base = pair({"__annotations__": {"a": "str"}})
+    std, ours = pair({"__annotations__": {"b": "int"}}, base=(std_base, ours_base))
+    assert repr(std("x", 1)) == repr(ours("x", 1)) == "Thing(a='x', b=1)"
+    assert ours("x", 1) == ours("x", 1) and ours("x", 1) != ours("x", 2)
+    assert ours("x", 1) != ours_base("x") and hash(ours("x", 1)) == hash(std("x", 1))
+
+
+def test_a_class_keeps_its_own_methods() -> None:
+    @frozen
+    class Named:
+        name: str
+
+        def __repr__(self) -> str:
+            return f"<{self.name}>"
+
+    assert repr(Named("a")) == "<a>" and Named("a") == Named("a")
