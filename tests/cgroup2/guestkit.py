@@ -37,6 +37,7 @@ PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
 EXTRA = ["pytest>=8", "pytest-timeout>=2.2"]
 BUILD = ["setuptools>=68", "wheel"]
 RESULTS = "/run/fusuma-cg2/results.json"
+CALLS = "/run/fusuma-cg2/calls.json"       # each fusuma CLI call's seconds (guest/kit.py)
 
 
 def requirements() -> list[str]:

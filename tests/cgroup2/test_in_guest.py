@@ -87,6 +87,9 @@ def guest_run(request: pytest.FixtureRequest,
         (OUT / "guest-pytest.txt").write_text(run.out + run.err)
         got = h.run("vm", "exec", "g", "--", "cat", guestkit.RESULTS, check=False)
         results: dict[str, Any] = json.loads(got.out) if got.code == 0 else {}
+        calls = h.run("vm", "exec", "g", "--", "cat", str(guestkit.CALLS), check=False)
+        if calls.code == 0:
+            (OUT / "calls.json").write_text(calls.out)
         (OUT / "results.json").write_text(json.dumps(
             {"timings": {k: round(v, 1) for k, v in timings.items()}, "results": results},
             indent=1))

@@ -15,6 +15,16 @@ import pytest
 
 RESULTS = Path(os.environ.get("FUSUMA_CG2_RESULTS", "/run/fusuma-cg2/results.json"))
 _results: dict[str, dict[str, Any]] = {}
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+def _guest_cpu() -> float:
+    """CPU seconds the whole guest spent (all vCPUs, /proc/stat), idle and iowait not."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(f) - f[3] - f[4]) / _HZ
+
+
+_START: dict[str, float] = {}
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -23,6 +33,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     setattr(item, "rep_" + rep.when, rep)
     cur = _results.setdefault(item.nodeid, {"outcome": "passed", "seconds": 0.0,
                                             "detail": ""})
+    # The guest's CPU during the test, set-up to teardown (all vCPUs).
+    if rep.when == "setup":
+        _START[item.nodeid] = _guest_cpu()
+    elif rep.when == "teardown" and item.nodeid in _START:
+        cur["guest_cpu_s"] = round(_guest_cpu() - _START[item.nodeid], 1)
     cur["seconds"] = round(cur["seconds"] + rep.duration, 2)
     if rep.failed or (rep.skipped and cur["outcome"] == "passed"):
         cur["outcome"] = "failed" if rep.failed else "skipped"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -14,6 +15,15 @@ from typing import Any
 
 CGROUP = Path("/sys/fs/cgroup")
 FUSUMA = [sys.executable, "-m", "fusuma.cli.main"]
+# Each CLI call's command, seconds and CPU seconds, for the host's test-output (each call
+# costs seconds under TCG: where the guest's time goes).
+CALLS_FILE = Path("/run/fusuma-cg2/calls.json")
+CALLS: list[dict[str, Any]] = []
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 @dataclass
@@ -35,8 +45,13 @@ class Fusuma:
     wrap: list[str] = field(default_factory=list)
 
     def run(self, *args: str, check: bool = True, timeout: float = 600) -> Result:
+        t0, c0 = time.monotonic(), _children_cpu()
         p = subprocess.run([*self.wrap, *FUSUMA, *args], env={**os.environ, **self.env},
                            capture_output=True, text=True, timeout=timeout)
+        CALLS.append({"args": " ".join(args[:3]), "s": round(time.monotonic() - t0, 2),
+                      "cpu_s": round(_children_cpu() - c0, 2)})
+        CALLS_FILE.parent.mkdir(parents=True, exist_ok=True)
+        CALLS_FILE.write_text(json.dumps(CALLS, indent=0))
         res = Result(p.returncode, p.stdout, p.stderr)
         if check and p.returncode != 0:
             raise AssertionError(f"fusuma {' '.join(args)} exited {p.returncode}:\n"
