@@ -98,6 +98,37 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return rep
 
 
+# -- where a run's time goes ------------------------------------------------------------
+# Each test's start and end (wall clock) and the machine's busy and idle CPU seconds
+# meanwhile, one line per test in test-output/timeline-WORKER.jsonl: beside the other
+# worker's lines, it shows when the two cores idle and which tests were running then.
+TIMELINE = REPO / "test-output"
+
+
+def _cpu_split() -> tuple[float, float]:
+    """The machine's busy and idle CPU seconds since boot (/proc/stat, all cores)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(f) - f[3] - f[4]) / hz, (f[3] + f[4]) / hz
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    t0, (busy0, idle0) = time.time(), _cpu_split()
+    try:
+        return (yield)
+    finally:
+        busy1, idle1 = _cpu_split()
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with contextlib.suppress(OSError):
+            TIMELINE.mkdir(exist_ok=True)
+            with open(TIMELINE / f"timeline-{worker}.jsonl", "a") as f:
+                f.write(json.dumps({"test": item.nodeid, "start": round(t0, 2),
+                                    "end": round(time.time(), 2),
+                                    "busy_s": round(busy1 - busy0, 2),
+                                    "idle_s": round(idle1 - idle0, 2)}) + "\n")
+
+
 @dataclass
 class Result:
     code: int
