@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+import fusuma.frozen
 from fusuma.frozen import frozen
 
 
@@ -48,8 +49,16 @@ def test_same_behaviour_as_a_frozen_dataclass(body: dict[str, Any],
         assert [f.name for f in dataclasses.fields(s)] == [f.name for f in dataclasses.fields(o)]
         assert dataclasses.asdict(s) == dataclasses.asdict(o)
         assert std.__match_args__ == ours.__match_args__
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            o.a = "changed"                       # type: ignore[attr-defined]
+        for obj in (s, o):
+            with pytest.raises(dataclasses.FrozenInstanceError,
+                               match=r"^cannot assign to field 'a'$"):
+                obj.a = "changed"                 # type: ignore[attr-defined]
+            with pytest.raises(dataclasses.FrozenInstanceError,
+                               match=r"^cannot delete field 'a'$"):
+                del obj.a                         # type: ignore[attr-defined]
+            with pytest.raises(dataclasses.FrozenInstanceError,
+                               match=r"^cannot assign to field 'other'$"):
+                obj.other = 1                     # type: ignore[attr-defined]
         try:
             want: object = hash(s)
         except TypeError as exc:
@@ -78,6 +87,48 @@ def test_a_subclass_compares_and_shows_its_own_fields() -> None:
     assert repr(std("x", 1)) == repr(ours("x", 1)) == "Thing(a='x', b=1)"
     assert ours("x", 1) == ours("x", 1) and ours("x", 1) != ours("x", 2)
     assert ours("x", 1) != ours_base("x") and hash(ours("x", 1)) == hash(std("x", 1))
+
+
+def test_the_same_docstring() -> None:
+    """Made when read, the text dataclass would have made; a class's own stays."""
+    for body in BODIES:
+        std, ours = pair(body)
+        assert ours.__doc__ == std.__doc__ and ours.__doc__.startswith("Thing(")
+        assert ours(*VALUES[BODIES.index(body)][0]).__doc__ == std.__doc__
+    std, ours = pair({"__annotations__": {"a": "str"}, "__doc__": "Its own."})
+    assert std.__doc__ == ours.__doc__ == "Its own."
+
+
+def test_a_plain_subclass_may_set_its_own_attributes() -> None:
+    """As with dataclass: only the fields stay frozen in a subclass that is not a
+    dataclass itself."""
+    std_base, ours_base = pair({"__annotations__": {"a": "str"}})
+    for base in (std_base, ours_base):
+        sub = type("Sub", (base,), {})
+        obj = sub("x")
+        obj.extra = 1
+        del obj.extra
+        with pytest.raises(dataclasses.FrozenInstanceError, match="'a'"):
+            obj.a = "y"
+        with pytest.raises(dataclasses.FrozenInstanceError, match="'a'"):
+            del obj.a
+
+
+def test_the_standard_dataclass_is_left_alone() -> None:
+    """``@frozen`` lends dataclasses its own frozen methods only for its own call."""
+    @frozen
+    class Ours:
+        a: str
+
+    @dataclass(frozen=True)
+    class Std:
+        a: str
+
+    assert Std.__setattr__.__code__.co_filename == "<string>"
+    if fusuma.frozen._STD_FROZEN_ATTRS is not None:      # Python 3.11, 3.12
+        assert Ours.__setattr__.__code__.co_filename != "<string>"
+    assert Ours.__setattr__.__qualname__ == Std.__setattr__.__qualname__.replace("Std", "Ours")
+    assert Ours.__setattr__.__module__ == Std.__setattr__.__module__ == __name__
 
 
 def test_a_class_keeps_its_own_methods() -> None:
