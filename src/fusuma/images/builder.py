@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
 import shutil
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -162,6 +160,8 @@ class Inputs:
     pycs_zero_mtime: bool = False
 
     def digest(self) -> str:
+        import hashlib
+
         fields = asdict(self)
         # Added after images were cached: left out while unset, so that the kinds
         # without it keep their images (and their names).
@@ -286,6 +286,8 @@ def _replace_kernel(inputs: Inputs, deb: debian.KernelDeb) -> Inputs:
 
 def _inputs(spec: ImageKind, debs: Path,
             say: Progress) -> tuple[Inputs, debian.KernelDeb]:
+    import hashlib
+
     busybox = debian.package_version("busybox-static")
     qemu_ga = debian.package_version("qemu-guest-agent")
     try:
@@ -334,6 +336,8 @@ def _fetch(deb: debian.KernelDeb, debs: Path,
 
 def _build(spec: ImageKind, inputs: Inputs, deb_path: Path, images: Path,
            say: Progress) -> GuestImage:
+    import tempfile
+
     digest = inputs.digest()
     final = _final_dir(images, inputs)
     started = time.monotonic()

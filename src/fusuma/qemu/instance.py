@@ -27,7 +27,6 @@ import logging
 import os
 import subprocess
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,7 +149,8 @@ class QemuInstance:
     streaming: bool = False
     stop_note: str | None = None     # how that end went, if not cleanly (the record's)
     started_log: str | None = None   # QEMU's last log line at start: exits say newer ones
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # 12 random hex digits (uuid4's first 48 bits, without importing uuid and platform)
+    id: str = field(default_factory=lambda: os.urandom(6).hex())
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     status: int | None = None        # exit status (a child's only)
     # A move's destination side keeps its own state here (fusuma.supervisor.moves.dest).
