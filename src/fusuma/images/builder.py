@@ -37,7 +37,6 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +173,8 @@ class Inputs:
 
 def guest_script(name: str) -> bytes:
     """A script shipped as package data (init.sh, shutdown.sh)."""
+    from importlib import resources
+
     return resources.files("fusuma.images").joinpath(name).read_bytes()
 
 
