@@ -21,9 +21,12 @@ work as on any dataclass; a type checker sees a frozen dataclass (``dataclass_tr
 from __future__ import annotations
 
 import dataclasses
+import marshal
 import sys
 from collections.abc import Callable
 from dataclasses import FrozenInstanceError, dataclass, fields
+from pathlib import Path
+from types import CodeType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -93,6 +96,75 @@ _STD_FROZEN_ATTRS = (getattr(dataclasses, "_frozen_get_del_attr", None)
                      if sys.version_info[:2] in ((3, 11), (3, 12)) else None)
 
 
+# Python 3.11: each class's ``__init__`` is still the text dataclass writes, but compiled
+# once: ``make bytecode`` stores the code of every fusuma class's (``python -m
+# fusuma.frozen``) beside fusuma's bytecode, and a text found there is not compiled
+# again (any other, e.g. from another dataclasses, is compiled as before).
+INIT_CACHE = (Path(__file__).parent / "__pycache__"
+              / f"frozen-inits.{sys.implementation.cache_tag}.marshal")
+_CODES: dict[str, CodeType] | None = None
+_COMPILED: dict[str, CodeType] = {}       # texts this process compiled itself
+_STD_CREATE_FN = (getattr(dataclasses, "_create_fn", None)
+                  if sys.version_info[:2] == (3, 11) else None)
+
+
+def _codes() -> dict[str, CodeType]:
+    global _CODES
+    if _CODES is None:
+        try:
+            got = marshal.loads(INIT_CACHE.read_bytes())
+        except (OSError, ValueError, EOFError, TypeError):
+            got = {}
+        ok = isinstance(got, dict) and all(
+            isinstance(k, str) and isinstance(v, CodeType) for k, v in got.items())
+        _CODES = got if ok else {}
+    return _CODES
+
+
+def _create_fn(name: str, args: list[str], body: list[str], *,
+               globals: dict[str, Any] | None = None, locals: dict[str, Any] | None = None,
+               return_type: Any = dataclasses.MISSING) -> Any:
+    """dataclasses._create_fn of Python 3.11, line for line, but the text's code is
+    looked up before it is compiled."""
+    if locals is None:
+        locals = {}
+    return_annotation = ""
+    if return_type is not dataclasses.MISSING:
+        locals["_return_type"] = return_type
+        return_annotation = "->_return_type"
+    arglist = ",".join(args)
+    lines = "\n".join(f"  {b}" for b in body)
+    txt = f" def {name}({arglist}){return_annotation}:\n{lines}"
+    local_vars = ", ".join(locals.keys())
+    txt = f"def __create_fn__({local_vars}):\n{txt}\n return {name}"
+    code = _codes().get(txt) or _COMPILED.get(txt)
+    if code is None:
+        # As exec(txt) in dataclasses: no __future__ flag of this module's.
+        code = _COMPILED[txt] = compile(txt, "<string>", "exec", dont_inherit=True)
+    ns: dict[str, Any] = {}
+    exec(code, globals, ns)
+    return ns["__create_fn__"](**locals)
+
+
+def write_init_cache() -> int:
+    """Import every fusuma module and store the ``__init__`` code of each ``@frozen``
+    class (INIT_CACHE, for ``make bytecode``); returns how many."""
+    import importlib
+    import pkgutil
+
+    import fusuma
+
+    for mod in pkgutil.walk_packages(fusuma.__path__, "fusuma."):
+        if not mod.name.endswith("__main__"):
+            importlib.import_module(mod.name)
+    codes = {**_codes(), **_COMPILED}
+    INIT_CACHE.parent.mkdir(exist_ok=True)
+    tmp = INIT_CACHE.with_name(INIT_CACHE.name + ".tmp")
+    tmp.write_bytes(marshal.dumps(codes))
+    tmp.replace(INIT_CACHE)
+    return len(codes)
+
+
 class _Doc:
     """The docstring ``dataclass`` gives a class without one (its name and signature:
     ``Pong(pid: 'int', ...)``), made when first read instead of by ``inspect.signature``
@@ -124,13 +196,23 @@ def frozen(cls: type[T]) -> type[T]:
         out = dataclass(frozen=True, repr=False, eq=False)(cls)
     else:
         dataclasses._frozen_get_del_attr = _frozen_get_del_attr   # type: ignore[attr-defined]
+        if _STD_CREATE_FN is not None:
+            dataclasses._create_fn = _create_fn                   # type: ignore[attr-defined]
         try:
             out = dataclass(frozen=True, repr=False, eq=False)(cls)
         finally:
             dataclasses._frozen_get_del_attr = _STD_FROZEN_ATTRS  # type: ignore[attr-defined]
+            if _STD_CREATE_FN is not None:
+                dataclasses._create_fn = _STD_CREATE_FN           # type: ignore[attr-defined]
     if undocumented:
         out.__doc__ = _Doc(out)                 # type: ignore[assignment]
     for name, fn in (("__repr__", _repr), ("__eq__", _eq), ("__hash__", _hash)):
         if name not in cls.__dict__:
             setattr(out, name, fn)
     return out
+
+
+if __name__ == "__main__":     # the classes use the module fusuma.frozen, not this copy
+    from fusuma import frozen as _module
+
+    print(f"{_module.write_init_cache()} __init__ codes in {_module.INIT_CACHE}")

@@ -140,3 +140,27 @@ def test_a_class_keeps_its_own_methods() -> None:
             return f"<{self.name}>"
 
     assert repr(Named("a")) == "<a>" and Named("a") == Named("a")
+
+
+def test_an_init_from_the_cache_is_the_one_dataclass_writes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A class whose ``__init__`` text is in the cache (``make bytecode``) is not
+    compiled again, and gets the same ``__init__``: signature, defaults, factories."""
+    if fusuma.frozen._STD_CREATE_FN is None:
+        pytest.skip("the cache is for Python 3.11's dataclasses")
+    body = {"__annotations__": {"a": "str", "b": "list[int]", "c": "int"},
+            "b": field(default_factory=list), "c": 3}
+    monkeypatch.setattr(fusuma.frozen, "_CODES", {})
+    monkeypatch.setattr(fusuma.frozen, "_COMPILED", {})
+    std, _ = pair(body)
+    assert len(fusuma.frozen._COMPILED) == 1           # the text, compiled once
+    monkeypatch.setattr(fusuma.frozen, "_CODES", dict(fusuma.frozen._COMPILED))
+    monkeypatch.setattr(fusuma.frozen, "_COMPILED", {})
+    ours = frozen(type("Thing", (), dict(body)))
+    assert fusuma.frozen._COMPILED == {}                # found, not compiled
+    import inspect
+
+    assert inspect.signature(ours) == inspect.signature(std)
+    assert ours.__init__.__annotations__ == std.__init__.__annotations__  # type: ignore[misc]
+    assert repr(ours("x")) == repr(std("x")) == "Thing(a='x', b=[], c=3)"
+    assert ours("x").b is not ours("x").b
