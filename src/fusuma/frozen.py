@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import marshal
 import sys
+import typing
 from collections.abc import Callable
 from dataclasses import FrozenInstanceError, dataclass, fields
 from pathlib import Path
@@ -98,27 +99,29 @@ _STD_FROZEN_ATTRS = (getattr(dataclasses, "_frozen_get_del_attr", None)
 
 # Python 3.11: each class's ``__init__`` is still the text dataclass writes, but compiled
 # once: ``make bytecode`` stores the code of every fusuma class's (``python -m
-# fusuma.frozen``) beside fusuma's bytecode, and a text found there is not compiled
-# again (any other, e.g. from another dataclasses, is compiled as before).
+# fusuma.frozen``) beside fusuma's bytecode, a file per module, and a text found there
+# is not compiled again (any other, e.g. from another dataclasses, is compiled as before).
 INIT_CACHE = (Path(__file__).parent / "__pycache__"
-              / f"frozen-inits.{sys.implementation.cache_tag}.marshal")
-_CODES: dict[str, CodeType] | None = None
-_COMPILED: dict[str, CodeType] = {}       # texts this process compiled itself
+              / f"frozen-inits.{sys.implementation.cache_tag}")
+# By module: the codes its file holds (read at its first class), those compiled here.
+_CODES: dict[str, dict[str, CodeType]] = {}
+_COMPILED: dict[str, dict[str, CodeType]] = {}
 _STD_CREATE_FN = (getattr(dataclasses, "_create_fn", None)
                   if sys.version_info[:2] == (3, 11) else None)
 
 
-def _codes() -> dict[str, CodeType]:
-    global _CODES
-    if _CODES is None:
+def _codes(module: str) -> dict[str, CodeType]:
+    got: Any = _CODES.get(module)
+    if got is None:
         try:
-            got = marshal.loads(INIT_CACHE.read_bytes())
+            got = marshal.loads((INIT_CACHE / f"{module}.marshal").read_bytes())
         except (OSError, ValueError, EOFError, TypeError):
             got = {}
-        ok = isinstance(got, dict) and all(
-            isinstance(k, str) and isinstance(v, CodeType) for k, v in got.items())
-        _CODES = got if ok else {}
-    return _CODES
+        if not (isinstance(got, dict) and all(
+                isinstance(k, str) and isinstance(v, CodeType) for k, v in got.items())):
+            got = {}
+        _CODES[module] = got
+    return typing.cast(dict[str, CodeType], got)
 
 
 def _create_fn(name: str, args: list[str], body: list[str], *,
@@ -137,10 +140,12 @@ def _create_fn(name: str, args: list[str], body: list[str], *,
     txt = f" def {name}({arglist}){return_annotation}:\n{lines}"
     local_vars = ", ".join(locals.keys())
     txt = f"def __create_fn__({local_vars}):\n{txt}\n return {name}"
-    code = _codes().get(txt) or _COMPILED.get(txt)
+    module = str((globals or {}).get("__name__", ""))
+    mine = _COMPILED.setdefault(module, {})
+    code = _codes(module).get(txt) or mine.get(txt)
     if code is None:
         # As exec(txt) in dataclasses: no __future__ flag of this module's.
-        code = _COMPILED[txt] = compile(txt, "<string>", "exec", dont_inherit=True)
+        code = mine[txt] = compile(txt, "<string>", "exec", dont_inherit=True)
     ns: dict[str, Any] = {}
     exec(code, globals, ns)
     return ns["__create_fn__"](**locals)
@@ -157,12 +162,18 @@ def write_init_cache() -> int:
     for mod in pkgutil.walk_packages(fusuma.__path__, "fusuma."):
         if not mod.name.endswith("__main__"):
             importlib.import_module(mod.name)
-    codes = {**_codes(), **_COMPILED}
-    INIT_CACHE.parent.mkdir(exist_ok=True)
-    tmp = INIT_CACHE.with_name(INIT_CACHE.name + ".tmp")
-    tmp.write_bytes(marshal.dumps(codes))
-    tmp.replace(INIT_CACHE)
-    return len(codes)
+    INIT_CACHE.mkdir(parents=True, exist_ok=True)
+    for old in INIT_CACHE.glob("*.marshal"):
+        old.unlink()
+    count = 0
+    for module, codes in _COMPILED.items():
+        codes = {**_codes(module), **codes}
+        if module.startswith("fusuma") and codes:
+            tmp = INIT_CACHE / f".{module}.tmp"
+            tmp.write_bytes(marshal.dumps(codes))
+            tmp.replace(INIT_CACHE / f"{module}.marshal")
+            count += len(codes)
+    return count
 
 
 class _Doc:

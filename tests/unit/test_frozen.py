@@ -150,14 +150,15 @@ def test_an_init_from_the_cache_is_the_one_dataclass_writes(
         pytest.skip("the cache is for Python 3.11's dataclasses")
     body = {"__annotations__": {"a": "str", "b": "list[int]", "c": "int"},
             "b": field(default_factory=list), "c": 3}
-    monkeypatch.setattr(fusuma.frozen, "_CODES", {})
+    monkeypatch.setattr(fusuma.frozen, "_CODES", {__name__: {}})
     monkeypatch.setattr(fusuma.frozen, "_COMPILED", {})
     std, _ = pair(body)
-    assert len(fusuma.frozen._COMPILED) == 1           # the text, compiled once
-    monkeypatch.setattr(fusuma.frozen, "_CODES", dict(fusuma.frozen._COMPILED))
+    compiled = fusuma.frozen._COMPILED
+    assert list(compiled) == [__name__] and len(compiled[__name__]) == 1   # compiled once
+    monkeypatch.setattr(fusuma.frozen, "_CODES", compiled)
     monkeypatch.setattr(fusuma.frozen, "_COMPILED", {})
     ours = frozen(type("Thing", (), dict(body)))
-    assert fusuma.frozen._COMPILED == {}                # found, not compiled
+    assert {__name__: {}} == fusuma.frozen._COMPILED    # found, not compiled
     import inspect
 
     assert inspect.signature(ours) == inspect.signature(std)
