@@ -96,12 +96,12 @@ def test_down_does_not_import_pydantic(tmp_path: Path) -> None:
     assert not offenders(mods, (*HEAVY, "pydantic", "fusuma.spec", "fusuma_bench"))
 
 
-# What the commands tests and scripts call most (`ps --json`, `vm exec`) do not need:
-# the supervisor's asyncio, the mover (only a dead move's recovery runs it), the image
-# builder and its stdlib; `vm exec` only talks to a supervisor: no QEMU command line,
-# no cgroup drivers or QoS, no storage.
+# What the commands tests and scripts call most (`ps --json`, `vm exec`, `down`) do not
+# need: the supervisor's asyncio, the mover (only a dead move's recovery runs it), the
+# image builder and its stdlib; `vm exec` only talks to a supervisor: no QEMU command
+# line, no cgroup drivers or QoS, no storage.
 SCRIPTED = ("asyncio", "ssl", "email", "tempfile", "ctypes", "fusuma.migration",
-            "fusuma.images")
+            "fusuma.images.builder")
 
 
 def populated_home(tmp_path: Path) -> None:
@@ -123,6 +123,7 @@ def populated_home(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "banned"), [
     (("ps", "--json"), ()),
+    (("down",), ("fusuma.qemu.instance", "qemu", "fusuma.images.builder", "hmac")),
     (("vm", "exec", "vm0", "--", "true"),
      ("fusuma.qemu.cmdline", "fusuma.governor.qos", "fusuma.host.cgroups",
       "fusuma.host.storage", "shutil")),
@@ -135,6 +136,11 @@ def test_scripted_commands_import_only_what_they_run(tmp_path: Path, args: tuple
     if args[0] == "ps":
         assert "fusuma.memshare.reporting" in mods  # it did read the VM's memory
         banned += READ_ONLY
+    elif args[0] == "down":
+        # It did delete the VM (a pid that is no QEMU of it: nothing to end) and its
+        # files, without the QMP/asyncio stack or the image builder.
+        assert "fusuma.vm.shared" in mods and "fusuma.images.store" in mods
+        banned += (*HEAVY, "pydantic", "fusuma.spec")
     else:
         assert "fusuma.supervisor.rpc" in mods      # it did reach for a supervisor
         banned += (*HEAVY, "pydantic", "fusuma.spec")

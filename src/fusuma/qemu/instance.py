@@ -36,6 +36,7 @@ from fusuma.errors import MigrationError, QemuError, StateError
 from fusuma.frozen import frozen
 from fusuma.qemu import process
 from fusuma.qemu.consolelog import FIFO_NAME, ConsoleLog, ConsolePump
+from fusuma.qemu.process import end_unmanaged as end_unmanaged  # it lives there now
 from fusuma.qemu.qmp import EVENT_RESUME, EVENT_STOP, MigrationInfo, Qmp
 
 LOG = logging.getLogger(__name__)
@@ -90,18 +91,6 @@ def remove_run_files(run: Path) -> None:
     if incoming:
         with contextlib.suppress(OSError):
             run.rmdir()
-
-
-def end_unmanaged(pid: int, vm: str, run_root: Path, timeout: float = 10.0) -> bool:
-    """End a QEMU of ``vm`` that no instance holds (one that never opened QMP), by its
-    pid checked against its command line; True if it was one and is gone."""
-    if not (process.pid_alive(pid) and process.is_vm_process(pid, vm, run_root)):
-        return False
-    process.kill(pid)
-    deadline = time.monotonic() + timeout
-    while process.pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return not process.pid_alive(pid)
 
 
 @frozen

@@ -350,10 +350,8 @@ class VmManager:
         Run under the VM's delete job, or by recovery of one."""
         vm = self.db.vm(name)
         run = self.paths.vm_run_dir(name)
-        from fusuma.qemu.instance import end_unmanaged  # asyncio: not for `ps`
-
         for pid in sorted({*([vm.pid] if vm.pid else []), *process.vm_pids(name, run)}):
-            end_unmanaged(pid, name, run)     # checked against its command line
+            process.end_unmanaged(pid, name, run)     # checked against its command line
         # The supervisor records the exit; without one (or if it is slow) say it here.
         deadline = time.monotonic() + 3
         while self.db.vm(name).state in ALIVE and time.monotonic() < deadline:
