@@ -104,8 +104,8 @@ SCRIPTED = ("asyncio", "ssl", "email", "tempfile", "ctypes", "fusuma.migration",
             "fusuma.images.builder")
 
 
-def populated_home(tmp_path: Path) -> None:
-    """A state file with a partition and a running VM (no supervisor, no QEMU: a
+def populated_home(tmp_path: Path, running: bool = True) -> None:
+    """A state file with a partition and a (running) VM (no supervisor, no QEMU: a
     command that would talk to one fails after importing what it needs)."""
     from fusuma.ops.context import Ctx
     from fusuma.paths import Paths
@@ -116,8 +116,9 @@ def populated_home(tmp_path: Path) -> None:
                    cache=tmp_path / "cache", cgroup_prefix="fusuma-test-imports")).db
     db.add_partition(PartitionRecord("p0", [0], 400))
     db.add_vm(VmRecord("vm0", "p0", 1, 128, overhead_mib=96))
-    db.transition("vm0", VmState.STARTING, pid=1)
-    db.transition("vm0", VmState.RUNNING)
+    if running:
+        db.transition("vm0", VmState.STARTING, pid=1)
+        db.transition("vm0", VmState.RUNNING)
     db.close()
 
 
@@ -130,15 +131,15 @@ def populated_home(tmp_path: Path) -> None:
 ])
 def test_scripted_commands_import_only_what_they_run(tmp_path: Path, args: tuple[str, ...],
                                                      banned: tuple[str, ...]) -> None:
-    populated_home(tmp_path)
+    populated_home(tmp_path, running=args[0] != "down")   # (no wait for a QEMU's end)
     mods = modules_after(tmp_path, *args)
     assert "fusuma.state" in mods and "fusuma.cli.main" in mods
     if args[0] == "ps":
         assert "fusuma.memshare.reporting" in mods  # it did read the VM's memory
         banned += READ_ONLY
     elif args[0] == "down":
-        # It did delete the VM (a pid that is no QEMU of it: nothing to end) and its
-        # files, without the QMP/asyncio stack or the image builder.
+        # It did delete the VM and its files, without the QMP/asyncio stack or the
+        # image builder.
         assert "fusuma.vm.shared" in mods and "fusuma.images.store" in mods
         banned += (*HEAVY, "pydantic", "fusuma.spec")
     else:
