@@ -75,14 +75,15 @@ import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from fusuma.errors import ResourceError
 from fusuma.frozen import frozen
-from fusuma.host.topology import HostInfo
 from fusuma.paths import Paths
-from fusuma.qemu.cmdline import overhead_mib
 from fusuma.state import Database, VmRecord
+
+if TYPE_CHECKING:
+    from fusuma.host.topology import HostInfo
 
 MIB = 1024 * 1024
 
@@ -208,6 +209,8 @@ def definition_overhead(accel: str, firmware: bool = False) -> int:
     """QEMU's overhead for a VM being defined with ``accel`` (auto, kvm or tcg): the
     value stored in ``VmRecord.overhead_mib``. ``auto`` is resolved on this host now.
     ``firmware``: the VM boots by firmware (a larger TCG translation cache)."""
+    from fusuma.qemu.cmdline import overhead_mib
+
     if accel in ("kvm", "tcg"):
         return overhead_mib(accel, firmware)
     from fusuma.host.accel import probe_accel
@@ -231,6 +234,8 @@ def vm_overhead(rec: VmRecord) -> int:
     larger figure when unknown)."""
     if rec.overhead_mib is not None:
         return rec.overhead_mib
+    from fusuma.qemu.cmdline import overhead_mib  # state files older than the record
+
     accel = rec.accel_used or (rec.accel if rec.accel in ("kvm", "tcg") else "tcg")
     return overhead_mib(accel)
 

@@ -29,7 +29,6 @@ import sys
 from collections.abc import Callable
 
 from fusuma.errors import FusumaError, StateError
-from fusuma.migration.resolve import recover_move
 from fusuma.partition.manager import PartitionManager
 from fusuma.state import LOCAL_JOBS, Job, JobKind, JobOwner
 from fusuma.state.joblock import wait_until
@@ -74,6 +73,8 @@ def _local(parts: PartitionManager, held: Job, wait: float) -> None:
 
 
 def _move(parts: PartitionManager, j: Job) -> None:
+    from fusuma.migration.resolve import recover_move  # only a dead move needs the mover
+
     out = recover_move(parts, j)
     LOG.warning("move of %s: %s", j.name, out.sentence())
     parts.db.emit_context("lifecycle", "vm-move-recovered", f"/1.0/vms/{j.name}",

@@ -96,6 +96,74 @@ def test_down_does_not_import_pydantic(tmp_path: Path) -> None:
     assert not offenders(mods, (*HEAVY, "pydantic", "fusuma.spec", "fusuma_bench"))
 
 
+# What the commands tests and scripts call most (`ps --json`, `vm exec`, `down`) do not
+# need: the supervisor's asyncio, the mover (only a dead move's recovery runs it), the
+# image builder and its stdlib; `vm exec` only talks to a supervisor: no QEMU command
+# line, no cgroup drivers or QoS, no storage.
+SCRIPTED = ("asyncio", "ssl", "email", "tempfile", "ctypes", "fusuma.migration",
+            "fusuma.images.builder")
+
+
+def populated_home(tmp_path: Path, running: bool = True) -> None:
+    """A state file with a partition and a (running) VM (no supervisor, no QEMU: a
+    command that would talk to one fails after importing what it needs)."""
+    from fusuma.ops.context import Ctx
+    from fusuma.paths import Paths
+    from fusuma.state.machine import VmState
+    from fusuma.state.records import PartitionRecord, VmRecord
+
+    db = Ctx(Paths(home=tmp_path / "home", runtime=tmp_path / "run", shm=tmp_path / "shm",
+                   cache=tmp_path / "cache", cgroup_prefix="fusuma-test-imports")).db
+    db.add_partition(PartitionRecord("p0", [0], 400))
+    db.add_vm(VmRecord("vm0", "p0", 1, 128, overhead_mib=96))
+    if running:
+        db.transition("vm0", VmState.STARTING, pid=1)
+        db.transition("vm0", VmState.RUNNING)
+    db.close()
+
+
+@pytest.mark.parametrize(("args", "banned"), [
+    (("ps", "--json"), ()),
+    (("down",), ("fusuma.qemu.instance", "qemu", "fusuma.images.builder", "hmac")),
+    (("vm", "exec", "vm0", "--", "true"),
+     ("fusuma.qemu.cmdline", "fusuma.governor.qos", "fusuma.host.cgroups",
+      "fusuma.host.storage", "shutil")),
+])
+def test_scripted_commands_import_only_what_they_run(tmp_path: Path, args: tuple[str, ...],
+                                                     banned: tuple[str, ...]) -> None:
+    populated_home(tmp_path, running=args[0] != "down")   # (no wait for a QEMU's end)
+    mods = modules_after(tmp_path, *args)
+    assert "fusuma.state" in mods and "fusuma.cli.main" in mods
+    if args[0] == "ps":
+        assert "fusuma.memshare.reporting" in mods  # it did read the VM's memory
+        banned += READ_ONLY
+    elif args[0] == "down":
+        # It did delete the VM and its files, without the QMP/asyncio stack or the
+        # image builder.
+        assert "fusuma.vm.shared" in mods and "fusuma.images.store" in mods
+        banned += (*HEAVY, "pydantic", "fusuma.spec")
+    else:
+        assert "fusuma.supervisor.rpc" in mods      # it did reach for a supervisor
+        banned += (*HEAVY, "pydantic", "fusuma.spec")
+    assert not offenders(mods, (*SCRIPTED, *banned)), f"fusuma {' '.join(args)} imported them"
+
+
+def test_a_supervisor_imports_no_builder_stdlib() -> None:
+    """A partition's supervisor (started ~440 times in a suite run) imports the image
+    builder's and the seed writer's modules, not what only writing a seed (email) or
+    reading a kernel module (gzip) runs."""
+    p = subprocess.run([sys.executable, "-c",
+                        "import json, sys\n"
+                        "import fusuma.supervisor.daemon, fusuma.supervisor.host, "
+                        "fusuma.supervisor.vms, fusuma.supervisor.moves\n"
+                        "print(json.dumps(sorted(sys.modules)))"],
+                       env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+                       capture_output=True, text=True, timeout=60, check=True)
+    mods = set(json.loads(p.stdout))
+    assert "fusuma.images.seed" in mods and "asyncio" in mods
+    assert not offenders(mods, ("email", "gzip", "fusuma.migration"))
+
+
 def test_a_builtin_command_does_not_read_entry_points(tmp_path: Path) -> None:
     mods = modules_after(tmp_path, "ps", "--json")
     assert "importlib.metadata" not in mods

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+import fusuma.frozen
 from fusuma.frozen import frozen
 
 
@@ -48,8 +49,16 @@ def test_same_behaviour_as_a_frozen_dataclass(body: dict[str, Any],
         assert [f.name for f in dataclasses.fields(s)] == [f.name for f in dataclasses.fields(o)]
         assert dataclasses.asdict(s) == dataclasses.asdict(o)
         assert std.__match_args__ == ours.__match_args__
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            o.a = "changed"                       # type: ignore[attr-defined]
+        for obj in (s, o):
+            with pytest.raises(dataclasses.FrozenInstanceError,
+                               match=r"^cannot assign to field 'a'$"):
+                obj.a = "changed"                 # type: ignore[attr-defined]
+            with pytest.raises(dataclasses.FrozenInstanceError,
+                               match=r"^cannot delete field 'a'$"):
+                del obj.a                         # type: ignore[attr-defined]
+            with pytest.raises(dataclasses.FrozenInstanceError,
+                               match=r"^cannot assign to field 'other'$"):
+                obj.other = 1                     # type: ignore[attr-defined]
         try:
             want: object = hash(s)
         except TypeError as exc:
@@ -80,6 +89,48 @@ def test_a_subclass_compares_and_shows_its_own_fields() -> None:
     assert ours("x", 1) != ours_base("x") and hash(ours("x", 1)) == hash(std("x", 1))
 
 
+def test_the_same_docstring() -> None:
+    """Made when read, the text dataclass would have made; a class's own stays."""
+    for body in BODIES:
+        std, ours = pair(body)
+        assert ours.__doc__ == std.__doc__ and ours.__doc__.startswith("Thing(")
+        assert ours(*VALUES[BODIES.index(body)][0]).__doc__ == std.__doc__
+    std, ours = pair({"__annotations__": {"a": "str"}, "__doc__": "Its own."})
+    assert std.__doc__ == ours.__doc__ == "Its own."
+
+
+def test_a_plain_subclass_may_set_its_own_attributes() -> None:
+    """As with dataclass: only the fields stay frozen in a subclass that is not a
+    dataclass itself."""
+    std_base, ours_base = pair({"__annotations__": {"a": "str"}})
+    for base in (std_base, ours_base):
+        sub = type("Sub", (base,), {})
+        obj = sub("x")
+        obj.extra = 1
+        del obj.extra
+        with pytest.raises(dataclasses.FrozenInstanceError, match="'a'"):
+            obj.a = "y"
+        with pytest.raises(dataclasses.FrozenInstanceError, match="'a'"):
+            del obj.a
+
+
+def test_the_standard_dataclass_is_left_alone() -> None:
+    """``@frozen`` lends dataclasses its own frozen methods only for its own call."""
+    @frozen
+    class Ours:
+        a: str
+
+    @dataclass(frozen=True)
+    class Std:
+        a: str
+
+    assert Std.__setattr__.__code__.co_filename == "<string>"
+    if fusuma.frozen._STD_FROZEN_ATTRS is not None:      # Python 3.11, 3.12
+        assert Ours.__setattr__.__code__.co_filename != "<string>"
+    assert Ours.__setattr__.__qualname__ == Std.__setattr__.__qualname__.replace("Std", "Ours")
+    assert Ours.__setattr__.__module__ == Std.__setattr__.__module__ == __name__
+
+
 def test_a_class_keeps_its_own_methods() -> None:
     @frozen
     class Named:
@@ -89,3 +140,28 @@ def test_a_class_keeps_its_own_methods() -> None:
             return f"<{self.name}>"
 
     assert repr(Named("a")) == "<a>" and Named("a") == Named("a")
+
+
+def test_an_init_from_the_cache_is_the_one_dataclass_writes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A class whose ``__init__`` text is in the cache (``make bytecode``) is not
+    compiled again, and gets the same ``__init__``: signature, defaults, factories."""
+    if fusuma.frozen._STD_CREATE_FN is None:
+        pytest.skip("the cache is for Python 3.11's dataclasses")
+    body = {"__annotations__": {"a": "str", "b": "list[int]", "c": "int"},
+            "b": field(default_factory=list), "c": 3}
+    monkeypatch.setattr(fusuma.frozen, "_CODES", {__name__: {}})
+    monkeypatch.setattr(fusuma.frozen, "_COMPILED", {})
+    std, _ = pair(body)
+    compiled = fusuma.frozen._COMPILED
+    assert list(compiled) == [__name__] and len(compiled[__name__]) == 1   # compiled once
+    monkeypatch.setattr(fusuma.frozen, "_CODES", compiled)
+    monkeypatch.setattr(fusuma.frozen, "_COMPILED", {})
+    ours = frozen(type("Thing", (), dict(body)))
+    assert {__name__: {}} == fusuma.frozen._COMPILED    # found, not compiled
+    import inspect
+
+    assert inspect.signature(ours) == inspect.signature(std)
+    assert ours.__init__.__annotations__ == std.__init__.__annotations__  # type: ignore[misc]
+    assert repr(ours("x")) == repr(std("x")) == "Thing(a='x', b=[], c=3)"
+    assert ours("x").b is not ours("x").b

@@ -13,6 +13,18 @@ It raises no errors of its own: admission refusals are ``ResourceError`` and cgr
 failures ``CgroupError`` (see ``fusuma.errors``).
 """
 
-from fusuma.governor.qos import QOS_NAMES, QosClass, check_admission
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["QOS_NAMES", "QosClass", "check_admission"]
+
+if TYPE_CHECKING:
+    from fusuma.governor.qos import QOS_NAMES, QosClass, check_admission
+else:
+    def __getattr__(name: str) -> Any:
+        """``qos``'s names, imported when first asked for: a partition's files
+        (``balloons``) come without the cgroup drivers ``qos`` needs."""
+        if name in __all__:
+            from fusuma.governor import qos
+
+            return getattr(qos, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,14 +9,26 @@ what is wrong and how to fix it (a missing host package, no network for the kern
 download, an image that was never built).
 """
 
-from fusuma.images.builder import (
-    BUILDER_VERSION,
-    KINDS,
-    GuestImage,
-    build_image,
-    find_image,
-    probe_path,
-)
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["BUILDER_VERSION", "KINDS", "GuestImage", "build_image", "find_image",
            "probe_path"]
+
+if TYPE_CHECKING:
+    from fusuma.images.builder import (
+        BUILDER_VERSION,
+        KINDS,
+        GuestImage,
+        build_image,
+        find_image,
+        probe_path,
+    )
+else:
+    def __getattr__(name: str) -> Any:
+        """The builder's names, imported when first asked for: the image store
+        (`fusuma down` deleting a VM) comes without the builder."""
+        if name in __all__:
+            from fusuma.images import builder
+
+            return getattr(builder, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

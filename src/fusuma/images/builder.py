@@ -29,17 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
 import shutil
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +159,8 @@ class Inputs:
     pycs_zero_mtime: bool = False
 
     def digest(self) -> str:
+        import hashlib
+
         fields = asdict(self)
         # Added after images were cached: left out while unset, so that the kinds
         # without it keep their images (and their names).
@@ -174,6 +173,8 @@ class Inputs:
 
 def guest_script(name: str) -> bytes:
     """A script shipped as package data (init.sh, shutdown.sh)."""
+    from importlib import resources
+
     return resources.files("fusuma.images").joinpath(name).read_bytes()
 
 
@@ -286,6 +287,8 @@ def _replace_kernel(inputs: Inputs, deb: debian.KernelDeb) -> Inputs:
 
 def _inputs(spec: ImageKind, debs: Path,
             say: Progress) -> tuple[Inputs, debian.KernelDeb]:
+    import hashlib
+
     busybox = debian.package_version("busybox-static")
     qemu_ga = debian.package_version("qemu-guest-agent")
     try:
@@ -334,6 +337,8 @@ def _fetch(deb: debian.KernelDeb, debs: Path,
 
 def _build(spec: ImageKind, inputs: Inputs, deb_path: Path, images: Path,
            say: Progress) -> GuestImage:
+    import tempfile
+
     digest = inputs.digest()
     final = _final_dir(images, inputs)
     started = time.monotonic()

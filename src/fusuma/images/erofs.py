@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import os
 import subprocess
-import uuid
 from pathlib import Path
 
 from fusuma.errors import SegmentError
 
 ALIGN = 2 * 2**20
-_NS = uuid.UUID("5f1c0e2a-6a43-4c1e-9a6f-2f5d1b0c7e11")
+_NS = "5f1c0e2a-6a43-4c1e-9a6f-2f5d1b0c7e11"    # the namespace of its uuid5s
 INSTALL_HINT = "run `apt-get install erofs-utils`"
 
 
 def make_image(src: Path, out: Path, *, label: str) -> int:
     """Write ``src`` (a directory) as an erofs image to ``out``; return its size in
     bytes after padding. SegmentError (one sentence) when mkfs.erofs fails."""
-    fs_uuid = uuid.uuid5(_NS, label)
+    import uuid  # (and platform): not for every supervisor that imports the builder
+
+    fs_uuid = uuid.uuid5(uuid.UUID(_NS), label)
     # noinline_data: erofs serves a file's tail packed into its inode block through
     # the page cache even under dax=always; stored in blocks of their own, whole
     # files are mapped in place.

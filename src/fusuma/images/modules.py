@@ -12,9 +12,7 @@ depmod, for the guest's kmod to load modules on demand as a stock host does.
 
 from __future__ import annotations
 
-import gzip
 import logging
-import lzma
 import os
 import shutil
 import subprocess
@@ -89,6 +87,9 @@ def resolve(wanted: Iterable[str], deps: Mapping[str, Iterable[str]],
 
 def read_module(path: Path) -> bytes:
     """The uncompressed ELF bytes of a module file."""
+    import gzip
+    import lzma
+
     name = path.name
     try:
         if name.endswith(".ko.xz"):

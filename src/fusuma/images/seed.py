@@ -14,11 +14,8 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict
-from email.mime.multipart import MIMEMultipart
-from email.mime.text import MIMEText
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +80,9 @@ def user_data(seed: Seed) -> str:
     ours = "#cloud-config\n" + (f"ssh_authorized_keys:\n{keys}" if keys else "")
     if seed.user_data is None:
         return ours
+    from email.mime.multipart import MIMEMultipart
+    from email.mime.text import MIMEText
+
     msg = MIMEMultipart()
     msg.attach(MIMEText(ours, "cloud-config"))
     first = seed.user_data.lstrip()[:64]
@@ -146,6 +146,8 @@ def write(seed: Seed, path: Path, size: int | None = None) -> None:
     """Write the seed ISO at ``path`` (0400), replacing it whole, padded with zeros to
     ``size`` bytes (a clone's seed: as large as its template's guest saw) or else to a
     whole MiB with :data:`ROOM` to spare."""
+    import tempfile
+
     files = {"meta-data": meta_data(seed), "user-data": user_data(seed)}
     net = network_config(seed)
     if net is not None:

@@ -26,12 +26,13 @@ it read-only and map it privately); only root punches it.
 
 from __future__ import annotations
 
-import ctypes
 import errno
+import functools
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from fusuma.errors import TemplateError
 
@@ -46,8 +47,6 @@ TRIM_ENV = "FUSUMA_TEMPLATE_TRIM_S"
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _ZERO_PAGE = bytes(PAGE)
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 Extents = list[tuple[int, int]]
 
@@ -103,8 +102,21 @@ def hole_extents(fd: int) -> Extents:
     return out
 
 
+@functools.cache
+def _libc() -> Any:
+    """libc, for fallocate(2) with its flags (os has no such call): loaded by the first
+    punch, not by every process that imports this module."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return libc
+
+
 def punch(fd: int, offset: int, length: int) -> None:
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset,
+    import ctypes
+
+    if _libc().fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset,
                        length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))

@@ -19,7 +19,6 @@ refused for shared RAM (private RAM is the partition's anyway, so it may have it
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from pathlib import Path
@@ -126,6 +125,8 @@ async def settled_bytes(vm: VmRecord, pid: int | None) -> int | None:
     """The guest RAM's resident size once it holds still: reports come 2 s after the
     guest's free memory crosses its threshold, then in batches, so wait until the
     size has stopped falling for ``SETTLE_S`` (at most ``TRIM_TIMEOUT_S``)."""
+    import asyncio  # the supervisor's; `fusuma ps` reads resident_bytes without it
+
     last, since = resident_bytes(vm, pid), time.monotonic()
     deadline = time.monotonic() + TRIM_TIMEOUT_S
     await asyncio.sleep(2.0)

@@ -17,8 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fusuma import capacity, spawn
-from fusuma.capacity import SUPERVISOR_MIB
+from fusuma import spawn
 from fusuma.errors import (
     ConflictError,
     FusumaError,
@@ -29,8 +28,6 @@ from fusuma.errors import (
     SupervisorError,
 )
 from fusuma.frozen import frozen
-from fusuma.governor.qos import check_cores
-from fusuma.host import cgroups, storage
 from fusuma.host.topology import HostInfo, format_cpulist, host_info, siblings_text
 from fusuma.names import check_name
 from fusuma.partition import files as partition_files
@@ -47,14 +44,26 @@ from fusuma.supervisor.client import SupervisorClient
 from fusuma.undo import Reverter
 
 if TYPE_CHECKING:   # fusuma.spec needs pydantic: not imported by `fusuma ps`
+    from fusuma.host import cgroups
     from fusuma.host.systemd import Units
     from fusuma.spec import DiskSpec, PartitionSpec
 
 LOG = logging.getLogger(__name__)
 
-# The memory arithmetic lives in fusuma.capacity; these names stay for older callers.
-__all__ = ["SUPERVISOR_MIB", "PartitionManager", "PartitionStatus", "vm_need_mib"]
-vm_need_mib = capacity.vm_footprint
+__all__ = ["PartitionManager", "PartitionStatus"]
+
+
+def __getattr__(name: str) -> object:
+    """The memory arithmetic lives in fusuma.capacity; ``SUPERVISOR_MIB`` and
+    ``vm_need_mib`` stay here for older callers, from there when first asked for: a
+    command that only talks to a supervisor (`vm exec`) does not import it."""
+    from fusuma import capacity
+
+    if name == "SUPERVISOR_MIB":
+        return capacity.SUPERVISOR_MIB
+    if name == "vm_need_mib":
+        return capacity.vm_footprint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @frozen
@@ -83,6 +92,8 @@ class PartitionManager:
 
     @property
     def cg(self) -> cgroups.CgroupDriver:
+        from fusuma.host import cgroups
+
         if self._cg is None:
             self._cg = cgroups.for_paths(self.paths)
             self._cg.notice = lambda text: self.notice(text)
@@ -180,6 +191,8 @@ class PartitionManager:
                      overcommit: float | None = None) -> None:
         """Refuse a size (and a memory overcommit being set) the host or the
         partition's VMs cannot take."""
+        from fusuma import capacity
+
         capacity.check_host_room(self.db, self.host, name, memory_mib, overcommit)
         if self.db.find_partition(name) is not None:
             capacity.check_resize(self.db, name, memory_mib)
@@ -200,6 +213,8 @@ class PartitionManager:
     # -- create / delete --------------------------------------------------------------
     @locked
     def create(self, spec: PartitionSpec) -> PartitionRecord:
+        from fusuma import capacity
+
         check_name("partition", spec.name)
         if self.db.find_partition(spec.name) is not None:
             raise ConflictError(f"a partition named {spec.name!r} already exists.")
@@ -283,8 +298,9 @@ class PartitionManager:
             raise SpecError("a partition needs at least one core.")
         self.check_cpus(name, new_cpus)
         self.check_memory(name, new_mem, memory_overcommit)
+        from fusuma.governor.qos import check_cores, check_emulators
+
         check_cores(name, len(new_cpus), self.db.vms(name))
-        from fusuma.governor.qos import check_emulators
 
         check_emulators(name, sorted(new_cpus), self.db.vms(name))
         new = PartitionRecord(**{**rec.__dict__, "cpus": sorted(new_cpus),
@@ -317,6 +333,8 @@ class PartitionManager:
     def set_memory_overcommit(self, name: str, value: float | None) -> PartitionRecord:
         """Set a partition's memory overcommit (None: the host's again), refused while
         the VMs already admitted would not fit at it."""
+        from fusuma import capacity
+
         rec = self.db.partition(name)
         effective = capacity.effective_overcommit(value, capacity.host_overcommit(self.db))
         capacity.check_host_room(self.db, self.host, name, rec.memory_mib, effective)
@@ -330,6 +348,8 @@ class PartitionManager:
     def set_host_overcommit(self, value: float) -> float:
         """Set the host's memory overcommit, refused while the VMs already admitted would
         not fit at it; returns the old one."""
+        from fusuma import capacity
+
         old = capacity.host_overcommit(self.db)
         if value != old:
             capacity.check_host_overcommit(self.db, self.host, value)
@@ -339,6 +359,8 @@ class PartitionManager:
         return old
 
     def limits(self, rec: PartitionRecord) -> cgroups.Limits:
+        from fusuma.host import cgroups
+
         return cgroups.Limits(cpus=rec.cpus, mems=self.host.mems,
                               memory_bytes=rec.memory_mib * 1024 * 1024,
                               io_weight=rec.io_weight)
@@ -473,12 +495,15 @@ class PartitionManager:
     @locked
     def add_storage(self, path: str, shared: bool = False) -> Path:
         """Declare a directory for disk files (root's CLI and spec only)."""
+        from fusuma.host import storage
+
         return storage.add(self.paths, self.db, path, shared)
 
     @locked
     def remove_storage(self, path: str) -> Path:
         """Undeclare a storage directory; refused while a disk or a VM's files
         (``vm create --storage``) lie in it."""
+        from fusuma.host import storage
         from fusuma.images.store import placed_in
 
         real = Path(os.path.realpath(path)) if os.path.isabs(path) else None
@@ -491,6 +516,8 @@ class PartitionManager:
         return storage.remove(self.paths, self.db, path)
 
     def storage_dirs(self) -> list[Path]:
+        from fusuma.host import storage
+
         return storage.declared(self.paths, self.db)
 
     # -- disks ------------------------------------------------------------------------
@@ -498,6 +525,8 @@ class PartitionManager:
     def add_disk(self, spec: DiskSpec) -> DiskRecord:
         """Register (or, with ``size_mib`` and no file there, create) a disk file inside
         a storage directory (``fusuma.host.storage``), with its device and inode."""
+        from fusuma.host import storage
+
         check_name("disk", spec.name)
         self.db.partition(spec.partition)
         if self.db.find_disk(spec.name) is not None:
@@ -534,6 +563,8 @@ class PartitionManager:
     def remove_disk(self, name: str, delete_file: bool = False) -> None:
         """Unregister disk ``name``; ``delete_file``: also delete its file, which is
         refused (nothing changes) unless fusuma created it and it is still that file."""
+        from fusuma.host import storage
+
         disk = self.db.disk(name)
         users = [v.name for v in self.db.vms() if name in v.disks]
         if users:
@@ -554,6 +585,8 @@ class PartitionManager:
         """Unregister disk ``name`` as part of removing more (a partition, the host):
         its file goes if fusuma created it and it is still that file, else it stays
         with a notice when fusuma created it."""
+        from fusuma.host import storage
+
         disk = self.db.disk(name)
         self.db.remove_disk(name)
         if disk.created_file:

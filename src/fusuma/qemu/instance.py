@@ -27,7 +27,6 @@ import logging
 import os
 import subprocess
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from fusuma.errors import MigrationError, QemuError, StateError
 from fusuma.frozen import frozen
 from fusuma.qemu import process
 from fusuma.qemu.consolelog import FIFO_NAME, ConsoleLog, ConsolePump
+from fusuma.qemu.process import end_unmanaged as end_unmanaged  # it lives there now
 from fusuma.qemu.qmp import EVENT_RESUME, EVENT_STOP, MigrationInfo, Qmp
 
 LOG = logging.getLogger(__name__)
@@ -93,18 +93,6 @@ def remove_run_files(run: Path) -> None:
             run.rmdir()
 
 
-def end_unmanaged(pid: int, vm: str, run_root: Path, timeout: float = 10.0) -> bool:
-    """End a QEMU of ``vm`` that no instance holds (one that never opened QMP), by its
-    pid checked against its command line; True if it was one and is gone."""
-    if not (process.pid_alive(pid) and process.is_vm_process(pid, vm, run_root)):
-        return False
-    process.kill(pid)
-    deadline = time.monotonic() + timeout
-    while process.pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return not process.pid_alive(pid)
-
-
 @frozen
 class LaunchPlan:
     """How to start one QEMU: all of it decided by the caller (argv, fds, cgroup and
@@ -150,7 +138,8 @@ class QemuInstance:
     streaming: bool = False
     stop_note: str | None = None     # how that end went, if not cleanly (the record's)
     started_log: str | None = None   # QEMU's last log line at start: exits say newer ones
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # 12 random hex digits (uuid4's first 48 bits, without importing uuid and platform)
+    id: str = field(default_factory=lambda: os.urandom(6).hex())
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     status: int | None = None        # exit status (a child's only)
     # A move's destination side keeps its own state here (fusuma.supervisor.moves.dest).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 
 from fusuma.paths import Paths
@@ -274,3 +275,15 @@ def vm_pids(vm: str, run_dir: Path) -> list[int]:
                 and pid_alive(int(d.name)):
             out.append(int(d.name))
     return out
+
+
+def end_unmanaged(pid: int, vm: str, run_root: Path, timeout: float = 10.0) -> bool:
+    """End a QEMU of ``vm`` that no instance holds (one that never opened QMP), by its
+    pid checked against its command line; True if it was one and is gone."""
+    if not (pid_alive(pid) and is_vm_process(pid, vm, run_root)):
+        return False
+    kill(pid)
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not pid_alive(pid)

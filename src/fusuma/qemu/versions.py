@@ -28,9 +28,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
-import subprocess
-import uuid
 from collections.abc import Callable
 from dataclasses import field
 from pathlib import Path
@@ -193,6 +190,8 @@ def parse_machine_help(text: str) -> tuple[tuple[str, ...], dict[str, str]]:
 
 def probe(binary: Path, env: dict[str, str] | None = None, timeout: float = 20) -> Probe:
     """Ask ``binary`` its version and machine types (two short runs, no guest)."""
+    import subprocess
+
     full_env = {**os.environ, **(env or {})}
     outs = []
     for args in (["--version"], ["-machine", "help"]):
@@ -219,6 +218,8 @@ def probe_cpu(binary: Path, env: dict[str, str], timeout: float = 20
               ) -> dict[str, bool] | None:
     """The feature flags of ``-cpu max`` under TCG: a QEMU with no machine, asked over
     QMP on its stdin (what libvirt does to learn a QEMU's CPU models)."""
+    import subprocess
+
     cmds = [{"execute": "qmp_capabilities"},
             {"execute": "query-cpu-model-expansion",
              "arguments": {"type": "static", "model": {"name": "max"}}},
@@ -240,6 +241,8 @@ def probe_cpu(binary: Path, env: dict[str, str], timeout: float = 20
 
 def write_json(path: Path, data: Any) -> None:
     """Atomically (rename), world-readable: QEMU trees are for every VM's uid."""
+    import uuid
+
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     os.chmod(tmp, 0o644)
@@ -311,6 +314,8 @@ def check_passable(paths: Paths) -> None:
 
 # -- what is installed ------------------------------------------------------------------
 def system_binary() -> Path | None:
+    import shutil
+
     found = shutil.which(DEFAULT_BINARY)
     return Path(found) if found else None
 
@@ -577,6 +582,9 @@ def users(paths: Paths, q: Qemu) -> list[str]:
 def remove(paths: Paths, series: str, progress: Callable[[str], None] = lambda s: None
            ) -> Qemu:
     """Remove an unpacked QEMU; refused while a VM runs on it or a partition names it."""
+    import shutil
+    import uuid
+
     if not SERIES_RE.match(series):
         raise SpecError(f"{series!r} is not a QEMU version like 10.0.")
     base = qemu_dir(paths)

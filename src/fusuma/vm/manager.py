@@ -7,12 +7,10 @@ import base64
 import contextlib
 import dataclasses
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from fusuma import capacity
 from fusuma.errors import ConflictError, FusumaError, NotFoundError, SpecError, StateError
 from fusuma.frozen import frozen
 from fusuma.names import check_name
@@ -78,6 +76,8 @@ class VmManager:
     def create(self, spec: VmSpec, adopt: Path | None = None) -> VmRecord:
         """Define VM ``spec``. ``adopt``: its files are there already, in a shared
         storage directory (a move in from another host, fusuma.cluster.hostmove)."""
+        from fusuma import capacity
+
         check_name("VM", spec.name)
         if self.db.find_vm(spec.name) is not None:
             raise ConflictError(f"a VM named {spec.name!r} already exists.")
@@ -260,6 +260,8 @@ class VmManager:
 
             find_image(self.paths.cache, kind=vm.image)
         if VmView(vm).state in ("stopped", "crashed"):
+            from fusuma import capacity
+
             capacity.check_start(self.paths, vm, self.db)
         self._send(name, rpc.Start(name, wait_agent=wait_agent), 120 + wait_agent)
         return self.db.vm(name)
@@ -348,10 +350,8 @@ class VmManager:
         Run under the VM's delete job, or by recovery of one."""
         vm = self.db.vm(name)
         run = self.paths.vm_run_dir(name)
-        from fusuma.qemu.instance import end_unmanaged  # asyncio: not for `ps`
-
         for pid in sorted({*([vm.pid] if vm.pid else []), *process.vm_pids(name, run)}):
-            end_unmanaged(pid, name, run)     # checked against its command line
+            process.end_unmanaged(pid, name, run)     # checked against its command line
         # The supervisor records the exit; without one (or if it is slow) say it here.
         deadline = time.monotonic() + 3
         while self.db.vm(name).state in ALIVE and time.monotonic() < deadline:
@@ -371,6 +371,8 @@ class VmManager:
         from fusuma.vm import shared
 
         shared.remove(self.paths, name)      # its files on shared storage, if any
+        import shutil
+
         for d in (self.paths.vm_dir(name), self.paths.vm_run_dir(name)):
             shutil.rmtree(d, ignore_errors=True)
         rams = {self.paths.ram_file(name), *([Path(vm.ram_path)] if vm.ram_path else [])}

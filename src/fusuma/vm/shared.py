@@ -16,9 +16,7 @@ that name (not the same file system) are told so in one sentence, nothing made.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import os
-import secrets
 import stat
 from pathlib import Path
 from typing import Any
@@ -100,6 +98,8 @@ class CarriedPlace:
 def mark(paths: Paths, vm: str) -> CarriedPlace:
     """At the source, before a move between hosts: write a fresh token into the
     directory of VM ``vm``'s files (0600, root's, replacing an older one)."""
+    import secrets  # (and hashlib, random): only a move between hosts writes one
+
     where = placed_in(paths, vm)
     if where is None:
         raise StateError(f"VM {vm!r} has no files on shared storage.")
@@ -133,6 +133,8 @@ def check_here(db: Database, vm: str, carried: CarriedPlace, host: str) -> Path:
     """At the destination, before anything is made: the place the record names is
     ``vm-NAME`` in a directory this host declared shared, and holds the very token the
     source wrote (so it is the same directory); one sentence otherwise."""
+    import hmac
+
     where = Path(os.path.normpath(carried.path))
     refuse = f"VM {vm!r}'s files are in {where} on its host, "
     if where.name != f"vm-{vm}" or str(where) != carried.path:
