@@ -88,6 +88,10 @@ def _venv(stage: Path, wheel_dir: Path, fusuma_whl: Path) -> None:
         script.chmod(0o755)
     subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(site)],
                    check=False, capture_output=True)
+    # And the __init__ of fusuma's @frozen classes, as `make bytecode` does (the guest's
+    # python is 3.11 too): each CLI call there imports them under TCG.
+    subprocess.run([sys.executable, "-m", "fusuma.frozen"], env={**os.environ,
+                   "PYTHONPATH": str(site)}, cwd=stage, check=False, capture_output=True)
 
 
 def build_disk(cache: Path, minimal_dir: Path, out: Path, size_mib: int = 1536) -> Path:
