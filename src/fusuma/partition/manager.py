@@ -53,19 +53,6 @@ LOG = logging.getLogger(__name__)
 __all__ = ["PartitionManager", "PartitionStatus"]
 
 
-def __getattr__(name: str) -> object:
-    """The memory arithmetic lives in fusuma.capacity; ``SUPERVISOR_MIB`` and
-    ``vm_need_mib`` stay here for older callers, from there when first asked for: a
-    command that only talks to a supervisor (`vm exec`) does not import it."""
-    from fusuma import capacity
-
-    if name == "SUPERVISOR_MIB":
-        return capacity.SUPERVISOR_MIB
-    if name == "vm_need_mib":
-        return capacity.vm_footprint
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @frozen
 class PartitionStatus:
     record: PartitionRecord

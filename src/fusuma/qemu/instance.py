@@ -8,7 +8,7 @@ before the error is raised); :meth:`stop` asks QEMU to quit and kills it if it d
 not; the process's end is learnt through a pidfd, after which its sockets are removed
 whatever happened (:meth:`_exited`, in ``finally``). An instance taken back by a new
 supervisor is :meth:`adopt`-ed, and a QEMU nothing can talk to is ended by
-:func:`end_unmanaged`, by its checked pid.
+:func:`fusuma.qemu.process.end_unmanaged`, by its checked pid.
 
 Its :class:`Role` says what it is to its VM: the VM's running QEMU, a move's incoming
 destination, or a move's leaving source. Roles change only along :data:`TRANSITIONS`,
@@ -36,7 +36,6 @@ from fusuma.errors import MigrationError, QemuError, StateError
 from fusuma.frozen import frozen
 from fusuma.qemu import process
 from fusuma.qemu.consolelog import FIFO_NAME, ConsoleLog, ConsolePump
-from fusuma.qemu.process import end_unmanaged as end_unmanaged  # it lives there now
 from fusuma.qemu.qmp import EVENT_RESUME, EVENT_STOP, MigrationInfo, Qmp
 
 LOG = logging.getLogger(__name__)

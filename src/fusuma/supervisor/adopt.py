@@ -18,9 +18,9 @@ from fusuma.qemu.instance import (
     INCOMING_PREFIX,
     QemuInstance,
     Role,
-    end_unmanaged,
     remove_run_files,
 )
+from fusuma.qemu.process import end_unmanaged
 from fusuma.state import LOCAL_JOBS, JobKind, VmState, vm_obj
 from fusuma.state.machine import ALIVE
 from fusuma.supervisor import vms

@@ -43,9 +43,9 @@ from fusuma.qemu.instance import (
     LaunchPlan,
     QemuInstance,
     Role,
-    end_unmanaged,
     remove_run_files,
 )
+from fusuma.qemu.process import end_unmanaged
 from fusuma.qemu.qga import GuestAgent
 from fusuma.state import (
     LOCAL_JOBS,
