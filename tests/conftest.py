@@ -129,6 +129,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
                                     "idle_s": round(idle1 - idle0, 2)}) + "\n")
 
 
+# Tests of two workers run side by side and their namespaces may share cores
+# (FUSUMA_CPU_EXCLUSIVE=0): if both put their guests on core 0, the other core idles.
+# So each worker numbers the cores from its own end (`Host.core`).
+CORES = len(os.sched_getaffinity(0))
+CORE_OFFSET = 1 if os.environ.get("PYTEST_XDIST_WORKER") == "gw1" and CORES > 1 else 0
+
+
 @dataclass
 class Result:
     code: int
@@ -164,6 +171,11 @@ class Host:
         # What the CLI runs under: e.g. ``nsenter --net=...`` for a network namespace
         # of the test's own (tests/integration/test_networks.py).
         self.wrap: list[str] = []
+
+    def core(self, i: int) -> str:
+        """Host core ``i`` of this worker's map: the other worker counts from the other
+        end, so that the tests' guests (most on "core 0") load both cores, not one."""
+        return str((i + CORE_OFFSET) % CORES)
 
     def run(self, *args: str, check: bool = True, timeout: float = 300,
             input: str | None = None) -> Result:

@@ -78,8 +78,8 @@ class Nic:
 def two_partitions(host: Host, vm: str = "vm0", nic: Nic | None = None) -> str:
     """p0 (core 0) runs ``vm`` with 8 MiB of known data (and ``nic``, its address
     leased); p1 (core 1) is empty. Returns the data's md5 line."""
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024")
     extra = []
     if nic is not None:
         host.run("network", "create", nic.network, "--subnet", nic.subnet)

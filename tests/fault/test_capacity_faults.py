@@ -60,7 +60,7 @@ def shm_files(host: Host) -> list[str]:
 
 def test_vm_create_refused_with_the_sum(host: Host) -> None:
     # a's budget holds its supervisor and one QEMU (guest RAM is admitted host-wide).
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "300")
+    host.run("partition", "create", "a", "--cpus", host.core(0), "--memory", "300")
     host.run("vm", "create", "v0", "-p", "a", "--memory", "256")
     err = host.fail("vm", "create", "v1", "-p", "a", "--memory", "256").err
     assert_one_sentence(err)
@@ -81,8 +81,8 @@ def test_vm_create_refused_with_the_sum(host: Host) -> None:
 
 def test_copy_move_refused_without_room_for_a_second_ram_file(small_shm: Host) -> None:
     host = small_shm
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
-    host.run("partition", "create", "b", "--cpus", "1", "--memory", "768")
+    host.run("partition", "create", "a", "--cpus", host.core(0), "--memory", "768")
+    host.run("partition", "create", "b", "--cpus", host.core(1), "--memory", "768")
     host.run("vm", "create", "v", "-p", "a", "--memory", "256", "--start")
     pid = host.vm("v")["pid"]
     assert shm_files(host) == ["v.ram"]
@@ -108,7 +108,7 @@ def test_copy_move_refused_without_room_for_a_second_ram_file(small_shm: Host) -
 
 def test_vm_start_refused_when_the_ram_file_cannot_fit(small_shm: Host) -> None:
     host = small_shm
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "1024")
+    host.run("partition", "create", "a", "--cpus", host.core(0), "--memory", "1024")
     host.run("vm", "create", "v", "-p", "a", "--memory", "512")
     res = host.fail("vm", "start", "v")
     assert_one_sentence(res.err)

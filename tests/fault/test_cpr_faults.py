@@ -54,7 +54,7 @@ TARGETS = ("cli", "supervisor", "old-qemu", "new-qemu")
 
 def one_partition(host: Host, vm: str = "vm0") -> None:
     need_qemu_10(host)
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024",
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024",
              "--qemu", "10.0")
     host.run("vm", "create", vm, "-p", "p0", "--start")
     host.run("vm", "exec", vm, "--", "/bin/sh", "-c", WRITE)
@@ -147,7 +147,7 @@ def test_kill_during_in_place_move(shared_logs: Host, phase: str, target: str) -
 
 
 def test_in_place_on_qemu_7_2_is_refused_naming_via(host: Host) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
     host.run("vm", "create", "vm0", "-p", "p0", "--start")
     before = host.vm("vm0")
     qemu_before = host.part("p0")["qemu"]

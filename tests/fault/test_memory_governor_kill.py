@@ -30,7 +30,7 @@ def test_a_successor_finds_the_balloon_target_and_goes_on_to_the_floor(host: Hos
     # kill lands in that window, so QEMU never hears of the first target.
     host.env["FUSUMA_MEMORY_TARGET_FREE_MIB"] = str(10**9)
     host.env["FUSUMA_FAULT_BALLOON_DELAY"] = "30"
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "320",
+    host.run("partition", "create", "a", "--cpus", host.core(0), "--memory", "320",
              "--memory-overcommit", "2")
     host.run("vm", "create", "b", "-p", "a", "--memory", "256", "--memory-class",
              "burstable", "--memory-min", "160", "--start")

@@ -20,7 +20,7 @@ def part(shared_logs: Host) -> Iterator[Host]:
     """Partition ``a`` at overcommit 2.0 with no VMs, before and after each case."""
     h = shared_logs
     if not h.ps()["partitions"]:
-        h.run("partition", "create", "a", "--cpus", "0", "--memory", "512",
+        h.run("partition", "create", "a", "--cpus", h.core(0), "--memory", "512",
               "--memory-overcommit", "2")
     yield h
     for v in h.ps()["vms"]:
@@ -43,7 +43,7 @@ def test_a_burstable_vm_without_a_floor(part: Host) -> None:
 
 
 def test_an_overcommit_below_one(part: Host, tmp_path: Path) -> None:
-    err = part.fail("partition", "create", "b", "--cpus", "1", "--memory", "256",
+    err = part.fail("partition", "create", "b", "--cpus", part.core(1), "--memory", "256",
                     "--memory-overcommit", "0.5").err
     assert_one_sentence(err)
     assert "partition 'b': memory overcommit 0.5 is below 1.0" in err

@@ -77,9 +77,9 @@ def test_source_killed_after_completion_destination_runs_on(host: Host) -> None:
 
 
 def test_destination_without_room_is_refused_before_anything(host: Host) -> None:
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
+    host.run("partition", "create", "a", "--cpus", host.core(0), "--memory", "768")
     # b's budget holds its supervisor but not v's QEMU (guest RAM is host-wide).
-    host.run("partition", "create", "b", "--cpus", "1", "--memory", "150")
+    host.run("partition", "create", "b", "--cpus", host.core(1), "--memory", "150")
     host.run("vm", "create", "v", "-p", "a", "--start")
     err = host.fail("migrate", "v", "--to", "b").err
     assert_one_sentence(err)
@@ -90,8 +90,8 @@ def test_destination_without_room_is_refused_before_anything(host: Host) -> None
 
 
 def test_private_ram_refused_for_zero_copy_but_copies(host: Host) -> None:
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
-    host.run("partition", "create", "b", "--cpus", "1", "--memory", "768")
+    host.run("partition", "create", "a", "--cpus", host.core(0), "--memory", "768")
+    host.run("partition", "create", "b", "--cpus", host.core(1), "--memory", "768")
     host.run("vm", "create", "v", "-p", "a", "--private-ram", "--start")
     assert not list(host.shm.glob("v*.ram"))
     err = host.fail("migrate", "v", "--to", "b").err
@@ -104,8 +104,8 @@ def test_private_ram_refused_for_zero_copy_but_copies(host: Host) -> None:
 
 
 def test_a_stopped_vm_changes_partition_keeping_its_disk_and_files(host: Host) -> None:
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
-    host.run("partition", "create", "b", "--cpus", "1", "--memory", "768")
+    host.run("partition", "create", "a", "--cpus", host.core(0), "--memory", "768")
+    host.run("partition", "create", "b", "--cpus", host.core(1), "--memory", "768")
     host.run("disk", "add", "d", "-p", "a", "--size-mib", "8")
     host.run("vm", "create", "v", "-p", "a", "--disk", "d", "--start")
     host.run("vm", "stop", "v")          # so that it has files of its own in vms/v

@@ -232,7 +232,7 @@ def test_disks_of_an_older_fusuma_are_taken_over(host: Host, tmp_path: Path) -> 
     gets them at its VM's first start; one outside every storage directory is refused
     with the sentence naming them, until root declares its directory."""
     srv = tmp_path / "srv"
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "768")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "768")
     host.run("storage", "add", str(srv))
     host.run("disk", "add", "a", "-p", "p0", "--size-mib", "4")
     host.run("disk", "add", "b", str(srv / "b.img"), "-p", "p0", "--size-mib", "4")

@@ -49,7 +49,7 @@ def test_a_planted_package_in_roots_cwd_is_never_imported(host: Host,
     (cwd / "fusuma" / "supervisor").mkdir()
     (cwd / "fusuma" / "supervisor" / "__main__.py").write_text(
         (cwd / "fusuma" / "__init__.py").read_text())
-    run_in(cwd, host, "partition", "create", "p0", "--cpus", "0", "--memory", "512")
+    run_in(cwd, host, "partition", "create", "p0", "--cpus", host.core(0), "--memory", "512")
     pid, argv, where = supervisor(host, "p0")
     assert argv[1:5] == ["-P", "-m", "fusuma.supervisor", "p0"], argv
     assert where == "/"

@@ -38,19 +38,19 @@ def intact(host: Host, vm: str) -> bool:
 
 
 def test_a_version_that_is_not_installed(host: Host) -> None:
-    res = host.fail("partition", "create", "p0", "--cpus", "0", "--memory", "1024",
+    res = host.fail("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024",
                     "--qemu", "9.9")
     line = one_sentence(res.err)
     assert "QEMU 9.9 is not installed" in line and "`fusuma qemu install 9.9`" in line
     assert host.ps()["partitions"] == []
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024")
     res = host.fail("maintain", "p0", "--via", "p1", "--qemu", "9.9")
     assert "`fusuma qemu install 9.9`" in one_sentence(res.err)
     assert all(p["qemu"] is None for p in host.ps()["partitions"])
     res = host.fail("qemu", "remove", "9.9")
     assert "not installed" in one_sentence(res.err)
-    res = host.fail("partition", "create", "p2", "--cpus", "1", "--memory", "1024",
+    res = host.fail("partition", "create", "p2", "--cpus", host.core(1), "--memory", "1024",
                     "--qemu", "ten")
     one_sentence(res.err)
 
@@ -81,8 +81,8 @@ def test_a_download_that_fails_leaves_nothing_half_unpacked(host: Host) -> None:
 def test_a_guest_whose_machine_type_the_destination_lacks_is_refused_first(
         host: Host) -> None:
     install_10(host)
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024",
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024",
              "--qemu", "10.0")
     # 7.2 has no pc-q35-10.0: such a VM cannot even be defined there.
     res = host.fail("vm", "create", "x", "-p", "p0", "--machine", "pc-q35-10.0")
@@ -121,8 +121,8 @@ def test_the_new_qemu_failing_during_an_upgrade_leaves_the_vm_on_the_old_one(
                        "echo 'qemu-broken: simulated crash at start' >&2\nexit 1\n")
     wrapper.chmod(0o755)
     assert stat.S_IMODE(wrapper.stat().st_mode) == 0o755
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024")
     host.run("vm", "create", "vm0", "-p", "p0", "--start")
     host.run("vm", "exec", "vm0", "--", "/bin/sh", "-c", WRITE)
     res = host.fail("maintain", "p0", "--via", "p1", "--qemu", str(wrapper))
@@ -149,8 +149,8 @@ def test_a_new_qemu_killed_while_it_waits_for_the_guest(host: Host) -> None:
     from tests.conftest import FUSUMA
 
     install_10(host)
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024")
     host.run("vm", "create", "vm0", "-p", "p0", "--start")
     host.run("vm", "exec", "vm0", "--", "/bin/sh", "-c", WRITE)
     proc = subprocess.Popen([*FUSUMA, "maintain", "p0", "--via", "p1", "--qemu", "10.0"],
@@ -178,7 +178,7 @@ def test_a_new_qemu_killed_while_it_waits_for_the_guest(host: Host) -> None:
 
 def test_a_version_in_use_cannot_be_removed(host: Host) -> None:
     q10 = install_10(host)
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024",
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024",
              "--qemu", "10.0")
     res = host.fail("qemu", "remove", "10.0")
     assert "partition p1" in one_sentence(res.err)

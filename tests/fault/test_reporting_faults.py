@@ -17,7 +17,7 @@ UNBIND = ("for d in /sys/bus/virtio/drivers/virtio_balloon/virtio*; do "
 
 
 def test_trim_refused_without_reporting(host: Host) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "512")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "512")
     host.run("vm", "create", "off", "-p", "p0", "--memory", "192", "--no-page-reporting",
              "--start")
     host.run("vm", "create", "on", "-p", "p0", "--memory", "192", "--start")
@@ -39,7 +39,7 @@ def test_trim_refused_without_reporting(host: Host) -> None:
 
 
 def test_a_stopped_vm_cannot_be_trimmed(host: Host) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "512")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "512")
     host.run("vm", "create", "s", "-p", "p0", "--memory", "192")
     res = host.fail("vm", "trim", "s")
     assert_one_sentence(res.err)

@@ -67,7 +67,7 @@ def test_segment_on_a_full_disk(host: Host, tmp_path: Path) -> None:
 
 
 def test_vm_with_unknown_segment_or_bad_ports(host: Host) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
     res = host.fail("vm", "create", "a", "-p", "p0", "--segment", "ghost")
     assert_one_sentence(res.err)
     assert res.code == 3 and "no segment named 'ghost'" in res.err
@@ -98,7 +98,7 @@ def test_segment_file_gone_before_start(host: Host, tmp_path: Path) -> None:
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "f").write_text("x")
     seg = host.run("segment", "create", "s", "--from", str(tmp_path / "t"), "--json").json()
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
     host.run("vm", "create", "a", "-p", "p0", "--segment", "s")
     Path(seg["path"]).unlink()
     res = host.fail("vm", "start", "a")
@@ -128,7 +128,7 @@ def test_analyze_a_pid_that_does_not_exist(host: Host) -> None:
 
 
 def test_bench_dcss_refuses_beside_partitions(host: Host) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "512")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "512")
     res = host.fail("bench", "dcss", "--quick")
     assert_one_sentence(res.err)
     assert "needs every core" in res.err and "p0" in res.err

@@ -40,9 +40,9 @@ def shm_files(host: Host) -> list[str]:
 
 
 def test_template_faults(host: Host) -> None:
-    host.run("partition", "create", "p10", "--cpus", "0", "--memory", "1400",
+    host.run("partition", "create", "p10", "--cpus", host.core(0), "--memory", "1400",
              "--qemu", "10.0")
-    host.run("partition", "create", "p72", "--cpus", "1", "--memory", "512")
+    host.run("partition", "create", "p72", "--cpus", host.core(1), "--memory", "512")
     host.run("vm", "create", "src", "-p", "p10", "--start")
 
     # Refused before anything changes: a VM that is not running, an unknown VM.
@@ -131,7 +131,7 @@ def test_template_faults(host: Host) -> None:
     # so, and the next start works.
     host.run("partition", "delete", "p72")
     assert run_env(host, {"FUSUMA_FAULT_CLONE_RESTORE_DELAY": "3"}, "partition", "create",
-                   "slow", "--cpus", "1", "--memory", "700", "--qemu", "10.0").code == 0
+                   "slow", "--cpus", host.core(1), "--memory", "700", "--qemu", "10.0").code == 0
     host.run("vm", "create", "k1", "-p", "slow", "--template", "t")
     p = subprocess.Popen([*FUSUMA, "vm", "start", "k1"], env=host.env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -236,7 +236,7 @@ def test_runtime_dir_others_cannot_pass_is_refused_up_front(host: Host,
     closed.mkdir(mode=0o700)
     host.runtime = closed / "run"
     host.env["FUSUMA_RUNTIME_DIR"] = str(host.runtime)
-    err = host.fail("partition", "create", "p0", "--cpus", "0", "--memory", "512").err
+    err = host.fail("partition", "create", "p0", "--cpus", host.core(0), "--memory", "512").err
     assert_one_sentence(err)
     assert f"below {closed}, which other users cannot pass" in err, err
     assert f"chmod o+x {closed}" in err
@@ -245,7 +245,7 @@ def test_runtime_dir_others_cannot_pass_is_refused_up_front(host: Host,
     host.runtime = Path(f"/tmp/fz-{host.tag}") / "nested" / "run"
     host.env["FUSUMA_RUNTIME_DIR"] = str(host.runtime)
     try:
-        host.run("partition", "create", "p0", "--cpus", "0", "--memory", "512")
+        host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "512")
         host.run("vm", "create", "v", "-p", "p0", "--memory", "128", "--start")
         assert host.run("vm", "exec", "v", "--", "/bin/true").code == 0
         assert (host.runtime.parent.stat().st_mode & 0o777) == 0o711

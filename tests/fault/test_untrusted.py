@@ -75,7 +75,7 @@ ANSWERS = {
 
 
 def boot(host: Host, vm: str = "v") -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "768")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "768")
     host.run("vm", "create", vm, "-p", "p0", "--memory", "128", "--start")
     assert host.run("vm", "exec", vm, "--", "/bin/true").code == 0   # the agent is up
 
@@ -218,7 +218,7 @@ def test_a_directory_another_user_made_first_is_refused(host: Host, which: str, 
     assert not (host.home / "state.db").exists()
     # The fix the sentence names works (the shm dir is made at a VM's first start).
     shutil.rmtree(evil)
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "512")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "512")
     assert which == "shm" or evil.stat().st_uid == 0
 
 

@@ -81,8 +81,8 @@ def api_partitions(c: httpx.Client) -> None:
 
 def cli_setup(host: Host, vm: str = "v0") -> None:
     """Partitions p0 (core 0) and p1 (core 1), and VM ``vm`` running in p0, by the CLI."""
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024")
     host.run("vm", "create", vm, "-p", "p0", "--memory", "128", "--start")
 
 
@@ -463,7 +463,7 @@ def test_daemon_restart_keeps_vms(host: Host, daemons: Callable[..., Api]) -> No
 # -- templates ----------------------------------------------------------------------------
 def test_templates_over_the_api(host: Host, daemons: Callable[..., Api]) -> None:
     api = daemons()
-    host.run("partition", "create", "p10", "--cpus", "0", "--memory", "1024",
+    host.run("partition", "create", "p10", "--cpus", host.core(0), "--memory", "1024",
              "--qemu", "10.0")
     host.run("vm", "create", "src", "-p", "p10", "--start")
     with api.unix() as c:

@@ -121,8 +121,8 @@ def test_every_route_fuzzed(netns: str, host: Host, daemons: Callable[..., Api],
                             tmp_path: Path) -> None:
     host.wrap = ["nsenter", f"--net=/run/netns/{netns}", "--"]
     # Defined with the shared image cache: two partitions, a disk, a stopped VM.
-    host.run("partition", "create", "0", "--cpus", "0", "--memory", "512")
-    host.run("partition", "create", "1", "--cpus", "1", "--memory", "512")
+    host.run("partition", "create", "0", "--cpus", host.core(0), "--memory", "512")
+    host.run("partition", "create", "1", "--cpus", host.core(1), "--memory", "512")
     host.run("disk", "add", "0", "-p", "0", "--size-mib", "4")
     host.run("vm", "create", "0", "-p", "0", "--memory", "64")
     token = host.run("token", "create", "fuzz", "--role", "admin", "--json").json()["token"]

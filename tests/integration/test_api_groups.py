@@ -92,7 +92,7 @@ def as_user(api: Api, user: str) -> Callable[..., tuple[int, Any]]:
 
 def test_local_groups_hold_their_roles(host: Host, daemons: Callable[..., Api],
                                        people: dict[str, User]) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "512")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "512")
     view, ops = people["view"].name, people["ops"].name
     api = daemons(args=("--group-role", f"{view}=viewer", "--group-role", f"{ops}=operator"))
     assert api.info["group_roles"] == {"fusuma": "admin", view: "viewer", ops: "operator"}

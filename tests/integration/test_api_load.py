@@ -151,8 +151,8 @@ class DiskWriter(Worker):
 
 
 def test_api_under_load_no_5xx_no_lost_update(host: Host, tmp_path: Path) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024")
     api = Api(host)
     report: dict[str, Any] = {"run_s": RUN_S, "clients": CLIENTS}
     try:

@@ -110,8 +110,8 @@ def poll(url: str, promql: str, ready: Any, what: str) -> list[dict[str, Any]]:
 
 
 def test_prometheus_scrapes_vm_cpu_and_move_downtime(host: Host, tmp_path: Path) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024")
     # Prometheus scrapes with a metrics token; the VM is made and moved by an operator.
     token = host.run("token", "create", "prom", "--role", "metrics", "--json").json()["token"]
     ops = host.run("token", "create", "ops", "--role", "operator", "--json").json()["token"]

@@ -71,7 +71,7 @@ def exec_ops(c: httpx.Client) -> int:
 
 def test_each_role_at_real_doors(host: Host, daemons: Callable[..., Any],
                                  tmp_path: Path) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
     host.run("vm", "create", "v0", "-p", "p0", "--memory", "128", "--start")
     tok = make_tokens(host)
     api = daemons(listen=True)
@@ -84,7 +84,7 @@ def test_each_role_at_real_doors(host: Host, daemons: Callable[..., Any],
 
     # -- below admin: no partition (even with a script as its QEMU), no host file as a
     # disk, no segment from a host directory.
-    p1 = {"name": "p1", "cpus": "1", "memory_mib": 1024, "qemu": str(script)}
+    p1 = {"name": "p1", "cpus": host.core(1), "memory_mib": 1024, "qemu": str(script)}
     for role in (Role.METRICS, Role.VIEWER, Role.OPERATOR):
         with api.tcp(tok[role]) as c:
             refused(c.post("/1.0/partitions", json=p1), Role.ADMIN, role,
@@ -129,7 +129,7 @@ def test_each_role_at_real_doors(host: Host, daemons: Callable[..., Any],
     # may not name a QEMU binary for its maintenance.
     with api.tcp(tok[Role.ADMIN]) as adm:
         got = Api.ok(adm, adm.post("/1.0/partitions", json={**p1, "qemu": None}))
-        assert (got["name"], got["cpus"]) == ("p1", [1])
+        assert (got["name"], got["cpus"]) == ("p1", [int(host.core(1))])
     with api.tcp(tok[Role.OPERATOR]) as ops:
         moved = Api.ok(ops, ops.post("/1.0/vms/v0/move", json={"partition": "p1"}))
         assert (moved["from"], moved["to"]) == ("p0", "p1")
@@ -162,7 +162,7 @@ def test_each_role_at_real_doors(host: Host, daemons: Callable[..., Any],
 
 def test_a_dashboard_session_holds_its_tokens_role(host: Host,
                                                    daemons: Callable[..., Any]) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
     host.run("vm", "create", "v0", "-p", "p0", "--memory", "128", "--start")
     tok = make_tokens(host)
     api = daemons(listen=True)

@@ -195,8 +195,8 @@ def test_full_and_incremental_backups_restore_into_a_new_vm(guest: Host) -> None
 
     # Restore the chain into a new VM, booted once in a partition of its own (p0 gives
     # it a core: the restored VM boots while the kill case runs in p0).
-    host.run("partition", "resize", "p0", "--cpus", "0")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "700")
+    host.run("partition", "resize", "p0", "--cpus", host.core(0))
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "700")
     t = time.monotonic()
     res = host.run("vm", "restore", "nightly", "copy", "-p", "p1", "--json",
                    timeout=400).json()

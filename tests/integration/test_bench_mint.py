@@ -63,7 +63,7 @@ def test_bench_mint_quick(host: Host, tmp_path: Path) -> None:
 
 
 def test_bench_mint_refuses_beside_a_partition(host: Host) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "256")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "256")
     err = host.fail("bench", "mint", "--quick", "--json", "/dev/null").err
     assert "needs every core" in err and "p0" in err
     assert len([line for line in err.splitlines() if "error" in line]) == 1

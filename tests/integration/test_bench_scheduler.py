@@ -75,7 +75,7 @@ def test_bench_scheduler_quick(host: Host, tmp_path: Path) -> None:
 
 
 def test_bench_scheduler_refuses_beside_a_partition(host: Host) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "256")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "256")
     err = host.fail("bench", "scheduler", "--quick", "--json", "/dev/null").err
     assert "needs both cores" in err and "p0" in err
     assert len(err.strip().splitlines()) == 1

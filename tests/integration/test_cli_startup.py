@@ -26,7 +26,7 @@ def _dead(pid: int) -> bool:
 
 
 def test_kill9_shows_crashed_in_the_very_next_ps(host: Host) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "768")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "768")
     host.run("vm", "create", "v0", "-p", "p0", "--start")
     wait_for(lambda: host.vm("v0")["state"] == "running", what="v0 running")
     pid = host.vm("v0")["pid"]

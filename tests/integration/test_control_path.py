@@ -95,8 +95,8 @@ def p90(xs: list[float]) -> float:
 
 
 def test_a_busy_vm_at_the_top_weight_does_not_starve_the_control_path(host: Host) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "768")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "512")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "768")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "512")
     for name, qos in (("hog", "guaranteed"), ("mover", "burstable")):
         host.run("vm", "create", name, "-p", "p0", "--memory", "128", "--qos", qos)
         host.run("vm", "start", name, "--wait")

@@ -50,7 +50,8 @@ def intact(host: Host, vm: str) -> bool:
 
 def test_in_place_moves_every_vm_to_a_new_qemu_by_cpr_transfer(host: Host) -> None:
     need_qemu_10(host)
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024", "--qemu", "10.0")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024",
+             "--qemu", "10.0")
     host.run("vm", "create", "vm0", "-p", "p0", "--port", f"{PORT}:80", "--start")
     # vm1 has a disk: its image's data and its write access survive the move.
     host.run("disk", "add", "d0", "-p", "p0", "--size-mib", "64")

@@ -123,8 +123,8 @@ def png(path: Path, w: int = 4, h: int = 3) -> None:
 
 # -- the page with real VMs ----------------------------------------------------------
 def test_dashboard_live(host: Host) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", FULL_MIB)
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", FULL_MIB)
     host.run("vm", "create", "v0", "-p", "p0", "--memory", "128", "--start")
     # v1 is guaranteed, so the governor has something to decide and show.
     host.run("vm", "create", "v1", "-p", "p1", "--memory", "128", "--qos", "guaranteed",

@@ -29,7 +29,7 @@ def qcow2_info(path: Path) -> dict[str, object]:
 def test_stopped_vms_disks_grow_and_bad_sizes_are_refused(host: Host,
                                                           tmp_path: Path) -> None:
     host.run("image", "import", "tiny", str(raw_image(tmp_path / "tiny.raw", mib=8)))
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "512")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "512")
     host.run("vm", "create", "s0", "-p", "p0", "--image", "tiny", "--memory", "128")
     host.run("disk", "add", "d0", "-p", "p0", "--size-mib", "8")
     host.run("disk", "add", "d1", "-p", "p0", "--size-mib", "8")

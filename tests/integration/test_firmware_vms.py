@@ -139,8 +139,8 @@ def booted(module_host: Host, disk_image: Path,
     t0 = time.monotonic()
     imported = host.run("image", "import", "deb", str(disk_image), "--json").json()
     import_s = time.monotonic() - t0
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "2048")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "2048")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "2048")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "2048")
     tmp = tmp_path_factory.mktemp("seed")
     key = tmp / "id.pub"
     key.write_text(KEY + "\n")

@@ -53,8 +53,8 @@ def test_half_the_host_moves_out_and_back_with_no_spare_memory(host: Host) -> No
     big = (host_mib() // 2 + 255) // 256 * 256          # half the host or more
     if os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize < (big + 512) * MIB:
         pytest.skip("/dev/shm cannot hold a RAM file of half the host")
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "b", "--cpus", "1", "--memory", "512")
+    host.run("partition", "create", "a", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "b", "--cpus", host.core(1), "--memory", "512")
     host.run("vm", "create", "big", "-p", "a", "--memory", str(big), "--port", "18480:80",
              "--start")
     md5 = host.run("vm", "exec", "big", "--", "/bin/sh", "-c",

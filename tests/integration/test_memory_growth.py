@@ -67,7 +67,7 @@ def memory(host: Host, part: str) -> dict[str, Any]:
 
 def test_burstable_guests_grow_and_are_reclaimed_beside_an_untouched_guaranteed_one(
         host: Host) -> None:
-    os.sched_setaffinity(0, {0})         # this test and its CLI calls: core 0
+    os.sched_setaffinity(0, {int(host.core(0))})   # this test and its CLI calls: core 0
     try:
         grow_and_reclaim(host)
     finally:
@@ -76,9 +76,9 @@ def test_burstable_guests_grow_and_are_reclaimed_beside_an_untouched_guaranteed_
 
 def grow_and_reclaim(host: Host) -> None:
     oom0 = oom_kills()
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "640",
+    host.run("partition", "create", "a", "--cpus", host.core(0), "--memory", "640",
              "--memory-overcommit", "2")
-    host.run("partition", "create", "gp", "--cpus", "1", "--memory", "384")
+    host.run("partition", "create", "gp", "--cpus", host.core(1), "--memory", "384")
     for name in ("b0", "b1"):
         host.run("vm", "create", name, "-p", "a", "--memory", str(RAM), "--memory-class",
                  "burstable", "--memory-min", str(FLOOR), "--start")

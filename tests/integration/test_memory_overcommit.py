@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def test_overcommit_admits_burstable_vms_and_ps_shows_their_memory(host: Host) -> None:
     # A target no host reaches: its memory governor sees the host short at every tick.
     host.env["FUSUMA_MEMORY_TARGET_FREE_MIB"] = str(10**9)
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "640",
+    host.run("partition", "create", "a", "--cpus", host.core(0), "--memory", "640",
              "--memory-overcommit", "2")
     # Defined, never started: 2 x 16 GiB of RAM is more than this 24 GiB host admits at
     # 1.0, but at 2.0 each counts 64 + (16384 - 64) / 2 = 8224 MiB.

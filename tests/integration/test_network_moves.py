@@ -80,8 +80,8 @@ def holders(tap: str, netns: str) -> dict[int, list[queues.Queue]]:
 def nic_guest(world: tuple[Host, Net]) -> Iterator[tuple[Host, Net, str]]:
     h, net = world
     need_qemu_10(h)
-    h.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    h.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
+    h.run("partition", "create", "p0", "--cpus", h.core(0), "--memory", "1024")
+    h.run("partition", "create", "p1", "--cpus", h.core(1), "--memory", "1024")
     h.run("network", "create", "lan0", "--subnet", f"{LAN0}.0/24")
     h.run("vm", "create", "a", "-p", "p0", "--memory", "128", "--nic",
           f"lan0,ip={GUEST_IP}", "--start")

@@ -141,7 +141,7 @@ def wait_address(h: Host, vm: str, ip: str, timeout: float = 90) -> None:
 @pytest.fixture(scope="module")
 def booted(world: tuple[Host, Net]) -> tuple[Host, Net]:
     h, net = world
-    h.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
+    h.run("partition", "create", "p0", "--cpus", h.core(0), "--memory", "1024")
     h.run("network", "create", "lan0", "--subnet", f"{LAN0}.0/24")
     h.run("network", "create", "lan1", "--subnet", f"{LAN1}.0/24")
     h.run("vm", "create", "a", "-p", "p0", "--memory", "128", "--nic", "lan0",
@@ -344,7 +344,7 @@ def test_template_clones_get_nics_of_their_own(booted: tuple[Host, Net]) -> None
     """A template made from a VM on lan0; two clones of it, each with a MAC, an address
     and a tap of its own, which they ping each other through (and the gateway)."""
     h, net = booted
-    h.run("partition", "create", "p10", "--cpus", "1", "--memory", "1024", "--qemu", "10.0")
+    h.run("partition", "create", "p10", "--cpus", h.core(1), "--memory", "1024", "--qemu", "10.0")
     h.run("vm", "create", "t0", "-p", "p10", "--memory", "192", "--nic", "lan0", "--start")
     t0 = {n["vm"]: n for n in h.run("network", "show", "lan0", "--json").json()["nics"]}["t0"]
     wait_address(h, "t0", t0["ip"])

@@ -158,8 +158,8 @@ def test_resize_moves_cores_and_memory_and_repins(host: Host) -> None:
 
 
 def test_disks_belong_to_one_partition(host: Host) -> None:
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
-    host.run("partition", "create", "b", "--cpus", "1", "--memory", "768")
+    host.run("partition", "create", "a", "--cpus", host.core(0), "--memory", "768")
+    host.run("partition", "create", "b", "--cpus", host.core(1), "--memory", "768")
     # Without a path: d0.img in the default storage directory, FUSUMA_HOME/disks.
     host.run("disk", "add", "d0", "-p", "a", "--size-mib", "16")
     img = host.home / "disks" / "d0.img"

@@ -148,7 +148,7 @@ def test_each_qemu_runs_as_its_own_uid_and_nobody_reaches_its_files(host: Host) 
 
 
 def test_disk_of_an_unprivileged_qemu(host: Host) -> None:
-    host.run("partition", "create", "a", "--cpus", "0", "--memory", "768")
+    host.run("partition", "create", "a", "--cpus", host.core(0), "--memory", "768")
     img = host.home / "disks" / "d0.img"
     host.run("disk", "add", "d0", str(img), "-p", "a", "--size-mib", "16")
     # Created by root under umask 077 in a root-only directory: QEMU's uid could not

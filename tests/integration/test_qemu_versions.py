@@ -90,8 +90,8 @@ def test_install_list_and_a_partition_on_10_boots_a_vm(host: Host) -> None:
     text = host.run("qemu", "list").out
     assert "10.0.2" in text or q10["version"] in text
 
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024",
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024",
              "--qemu", "10.0")
     host.run("vm", "create", "old", "-p", "p0", "--start")
     host.run("vm", "create", "new", "-p", "p1", "--start")
@@ -126,8 +126,8 @@ def test_install_list_and_a_partition_on_10_boots_a_vm(host: Host) -> None:
 
 def test_moves_between_7_2_and_10_0_keep_the_guest_and_its_data(host: Host) -> None:
     q10 = install_10(host)
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024",
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024",
              "--qemu", "10.0")
     host.run("vm", "create", "vm0", "-p", "p0", "--memory", "256", "--start")
     host.run("vm", "exec", "vm0", "--", "/bin/sh", "-c", WRITE)
@@ -174,8 +174,8 @@ def test_moves_between_7_2_and_10_0_keep_the_guest_and_its_data(host: Host) -> N
 def test_maintain_upgrades_a_partition_from_7_2_to_10_0_under_running_vms(
         host: Host) -> None:
     q10 = install_10(host)
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024")
     host.run("vm", "create", "web", "-p", "p0", "--port", f"{PORT}:80", "--start")
     host.run("vm", "exec", "web", "--", "/bin/sh", "-c", WRITE)
     served = host.run("vm", "exec", "web", "--", "/bin/sh", "-c", SERVE).out.strip()
@@ -227,9 +227,9 @@ def _live_copy(host: Host, to: str) -> tuple[dict[str, Any], int]:
 
 def test_live_copy_on_10_0_while_the_guest_writes_and_7_2_still_pauses(host: Host) -> None:
     install_10(host)
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024",
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024",
              "--qemu", "10.0")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024",
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024",
              "--qemu", "10.0")
     host.run("vm", "create", "vm0", "-p", "p0", "--memory", "256", "--start")
     host.run("vm", "exec", "vm0", "--", "/bin/sh", "-c", WRITE)
@@ -243,7 +243,7 @@ def test_live_copy_on_10_0_while_the_guest_writes_and_7_2_still_pauses(host: Hos
 
     # The same from a 7.2 source: the guest is paused for the copy (TCG dirty-bitmap bug).
     host.run("partition", "delete", "p0")
-    host.run("partition", "create", "p2", "--cpus", "0", "--memory", "1024")
+    host.run("partition", "create", "p2", "--cpus", host.core(0), "--memory", "1024")
     host.run("vm", "create", "vm1", "-p", "p2", "--memory", "128", "--start")
     host.run("vm", "exec", "vm1", "--", "/bin/true")
     res2 = host.run("migrate", "vm1", "--to", "p1", "--mode", "copy", "--json")
@@ -260,8 +260,8 @@ def test_a_vm_started_before_machine_types_were_pinned_keeps_what_it_runs(
 
     install_10(host)
     host.env["FUSUMA_VMGENID"] = "0"   # that fusuma gave guests no vmgenid device
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024",
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024",
              "--qemu", "10.0")
     host.run("vm", "create", "vm0", "-p", "p0", "--start")
     host.run("vm", "exec", "vm0", "--", "/bin/sh", "-c", WRITE)

@@ -79,7 +79,7 @@ def test_classes_are_set_on_the_leaves_and_survive_a_supervisor_restart(host: Ho
 
 
 def test_admission_refuses_guaranteed_vcpus_beyond_the_cores(host: Host) -> None:
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
     host.run("vm", "create", "g1", "-p", "p0", "--memory", "128", "--qos", "guaranteed")
     res = host.fail("vm", "create", "g2", "-p", "p0", "--memory", "128", "--qos", "guaranteed")
     assert res.code == 5
@@ -90,7 +90,7 @@ def test_admission_refuses_guaranteed_vcpus_beyond_the_cores(host: Host) -> None
     # Burstable and best-effort VMs are not counted.
     host.run("vm", "create", "b1", "-p", "p0", "--memory", "128", "--qos", "burstable")
     # A partition cannot shrink below its guaranteed vCPUs.
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "512")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "512")
     host.run("vm", "create", "g3", "-p", "p1", "--memory", "128", "--qos", "guaranteed")
     err = host.fail("vm", "create", "g4", "-p", "p1", "--vcpus", "2", "--qos",
                     "guaranteed").err
@@ -134,7 +134,7 @@ def test_governor_raises_a_waiting_guaranteed_vm(host: Host) -> None:
     """One core, a guaranteed VM and two burstable VMs all busy: at weight 10:1:1 the
     guaranteed vCPU still waits (~17%), so the governor raises its weight; with no
     spare core it may also cap the burstable ones. When the load ends, caps go."""
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1280")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1280")
     for name, qos in (("g", "guaranteed"), ("b1", "burstable"), ("b2", "burstable")):
         host.run("vm", "create", name, "-p", "p0", "--memory", "128", "--qos", qos)
         host.run("vm", "start", name, "--wait")

@@ -58,8 +58,8 @@ def test_segment_is_shared_with_dax_and_survives_zero_copy_migration(
     assert seg["size_mib"] >= 4 and seg["size_mib"] % 2 == 0, seg   # padded to 2 MiB
     assert Path(seg["path"]).is_file()
 
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024")
     host.run("vm", "create", "a", "-p", "p0", "--segment", "tools", "--start")
     host.run("vm", "create", "b", "-p", "p1", "--segment", "tools:/opt/tools", "--start")
     mounts = sh(host, "a", "grep ' /mnt/tools ' /proc/mounts")
@@ -127,8 +127,8 @@ def test_debian_guest_serves_apache2_with_its_root_from_a_segment(
     (tmp_path / "tools" / "hello").write_text("hello\n")
     host.run("segment", "create", "root", "--from-image", "debian")
     host.run("segment", "create", "tools", "--from", str(tmp_path / "tools"))
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1536")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1536")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024")
     host.run("vm", "create", "web", "-p", "p0", "--image", "debian", "--segment", "root:/",
              "--segment", "tools", "--port", "18711:80", "--start")
     host.run("vm", "create", "plain", "-p", "p0", "--image", "debian", "--port",
@@ -186,7 +186,7 @@ def test_debian_guest_whose_root_cannot_be_mounted_says_so_and_stops(
                    "--json").json()
     # Not an erofs image any more (the file keeps its size and owner).
     Path(seg["path"]).write_bytes(b"\0" * Path(seg["path"]).stat().st_size)
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "512")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "512")
     host.run("vm", "create", "v", "-p", "p0", "--image", "debian", "--segment", "bad:/",
              "--start")
     deadline = time.monotonic() + 120
@@ -205,8 +205,8 @@ def test_mergeable_vms_merge_with_ksm_and_refuse_zero_copy(host: Host,
                                                           ksm_restored: None) -> None:
     host.run("share", "ksm", "on", "--pages-to-scan", "4000", "--sleep-ms", "20")
     assert (KSM / "run").read_text().strip() == "1"
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1024")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1024")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1024")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1024")
     for vm in ("k0", "k1"):
         host.run("vm", "create", vm, "-p", "p0", "--mergeable", "--start")
     vm0 = host.vm("k0")

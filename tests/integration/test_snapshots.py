@@ -68,8 +68,8 @@ def guest(module_host: Host) -> Iterator[Host]:
     t0 = time.monotonic()
     image = diskimage.build(Path(os.environ.get("FUSUMA_CACHE", "/var/cache/fusuma")))
     host.run("image", "import", "deb", str(image))
-    host.run("partition", "create", "p0", "--cpus", "0", "--memory", "1536")
-    host.run("partition", "create", "p1", "--cpus", "1", "--memory", "1536")
+    host.run("partition", "create", "p0", "--cpus", host.core(0), "--memory", "1536")
+    host.run("partition", "create", "p1", "--cpus", host.core(1), "--memory", "1536")
     host.run("vm", "create", VM, "-p", "p0", "--image", "deb", "--memory", "320",
              "--boot", "bios")
     host.run("vm", "start", VM, "--wait", "--timeout", str(FULL_OS_BOOT_S),

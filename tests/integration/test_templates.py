@@ -60,9 +60,9 @@ def test_clones_share_the_template_and_move_by_copy(host: Host) -> None:
     # Its supervisors punch what clones fill in the template's holes every second (ten
     # by default), so the test sees it without waiting long.
     host.env[holes.TRIM_ENV] = "1"
-    host.run("partition", "create", "p10", "--cpus", "0", "--memory", "1400",
+    host.run("partition", "create", "p10", "--cpus", host.core(0), "--memory", "1400",
              "--qemu", "10.0")
-    host.run("partition", "create", "q10", "--cpus", "1", "--memory", "1024",
+    host.run("partition", "create", "q10", "--cpus", host.core(1), "--memory", "1024",
              "--qemu", "10.0")
     host.run("vm", "create", "src", "-p", "p10", "--port", "18765:80", "--start")
     src_id = sh(host, "src", "cat /etc/machine-id 2>/dev/null || echo none").split()
