@@ -136,6 +136,11 @@ CORES = len(os.sched_getaffinity(0))
 CORE_OFFSET = 1 if os.environ.get("PYTEST_XDIST_WORKER") == "gw1" and CORES > 1 else 0
 
 
+def core(i: int) -> str:
+    """Host core ``i`` of this worker's map."""
+    return str((i + CORE_OFFSET) % CORES)
+
+
 @dataclass
 class Result:
     code: int
@@ -175,7 +180,7 @@ class Host:
     def core(self, i: int) -> str:
         """Host core ``i`` of this worker's map: the other worker counts from the other
         end, so that the tests' guests (most on "core 0") load both cores, not one."""
-        return str((i + CORE_OFFSET) % CORES)
+        return core(i)
 
     def run(self, *args: str, check: bool = True, timeout: float = 300,
             input: str | None = None) -> Result:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import pytest
 
 from fusuma.cluster.lab import Lab, LabHost, missing_parts
-from tests.conftest import REPO, Host
+from tests.conftest import REPO, Host, core
 
 T = TypeVar("T")
 
@@ -41,12 +41,12 @@ PARTITIONS = """
 apiVersion: fusuma.io/v1alpha1
 kind: FusumaPartition
 metadata: {{name: {h}-p0}}
-spec: {{host: {h}, name: p0, cpus: [0], memoryMiB: 1024{q}}}
+spec: {{host: {h}, name: p0, cpus: [{c0}], memoryMiB: 1024{q}}}
 ---
 apiVersion: fusuma.io/v1alpha1
 kind: FusumaPartition
 metadata: {{name: {h}-p1}}
-spec: {{host: {h}, name: p1, cpus: [1], memoryMiB: 1024{q}}}
+spec: {{host: {h}, name: p1, cpus: [{c1}], memoryMiB: 1024{q}}}
 """
 
 
@@ -140,7 +140,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory,
             lab.start_agent(lh)
         c = Cluster(lab, hosts)
         q = f", qemu: '{QEMU}'" if QEMU else ""
-        c.apply("---".join(PARTITIONS.format(h=lh.name, q=q) for lh in lab.hosts))
+        c.apply("---".join(PARTITIONS.format(h=lh.name, q=q, c0=core(0), c1=core(1))
+                           for lh in lab.hosts))
         wait_for(lambda: all(
             (p.get("status") or {}).get("state") == "Ready"
             for p in lab.get("fusumapartition", namespace=None)["items"]) and len(

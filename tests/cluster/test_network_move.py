@@ -34,6 +34,7 @@ from fusuma.migration import FAULT_STREAM_BPS
 from tests.cluster.conftest import Cluster, wait_for
 from tests.fault.movekit import job, qemu_pids
 from tests.integration.test_network_moves import holders
+from tests.netns import wrap as netns_wrap
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -108,7 +109,7 @@ def lan(cluster: Cluster) -> Iterator[str]:
     c = cluster
     lab = c.lab
     for lh, h in zip(lab.hosts, c.hosts, strict=True):
-        h.wrap = ["nsenter", f"--net=/run/netns/{lh.netns}", "--"]
+        h.wrap = netns_wrap(lh.netns)
     c.apply(yaml.safe_dump({
         "apiVersion": "fusuma.io/v1alpha1", "kind": "FusumaNetwork",
         "metadata": {"name": "lan"},

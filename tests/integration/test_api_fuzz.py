@@ -36,7 +36,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -45,6 +44,8 @@ import pytest
 from tests.apikit import Api
 from tests.conftest import Host
 from tests.integration import test_api
+from tests.netns import netns as netns_of
+from tests.netns import wrap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -108,18 +109,13 @@ def failures(report: Path) -> list[str]:
 def netns() -> Iterator[str]:
     """A network namespace with only its loopback up; set up before the host fixture
     and so removed after its teardown (`fusuma down` inside it)."""
-    ns = f"fzfz-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+    with netns_of("fzfz") as ns:
         yield ns
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
 def test_every_route_fuzzed(netns: str, host: Host, daemons: Callable[..., Api],
                             tmp_path: Path) -> None:
-    host.wrap = ["nsenter", f"--net=/run/netns/{netns}", "--"]
+    host.wrap = wrap(netns)
     # Defined with the shared image cache: two partitions, a disk, a stopped VM.
     host.run("partition", "create", "0", "--cpus", host.core(0), "--memory", "512")
     host.run("partition", "create", "1", "--cpus", host.core(1), "--memory", "512")

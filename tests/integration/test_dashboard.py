@@ -158,7 +158,7 @@ def test_dashboard_live(host: Host) -> None:
             page.set_viewport_size(WIDE)
 
             _refused_move(api, token, page, console)
-            _move_clicked(api, page)
+            _move_clicked(host, api, page)
             _stop_from_cli(host, page)
             _start_stop_resize_clicked(host, page)
 
@@ -214,7 +214,7 @@ def _refused_move(api: Api, token: str, page: Page, console: Console) -> None:
     toast.locator(".toast-close").click()
 
 
-def _move_clicked(api: Api, page: Page) -> None:
+def _move_clicked(host: Host, api: Api, page: Page) -> None:
     """v1 into p0 by a click: the row follows and the event shows the downtime."""
     row = page.locator('#vms tr[data-vm="v1"]')
     with api.events("lifecycle") as events:
@@ -238,8 +238,8 @@ def _move_clicked(api: Api, page: Page) -> None:
     # The action's own result says it too.
     expect(page.locator(".toast-ok").filter(has_text="v1 moved p1 → p0")).to_contain_text(
         "downtime")
-    expect(page.locator('#coremap .core[data-core="0"]')).to_contain_text("v1/0",
-                                                                         timeout=5000)
+    expect(page.locator(f'#coremap .core[data-core="{host.core(0)}"]')).to_contain_text(
+        "v1/0", timeout=5000)
 
 
 def _stop_from_cli(host: Host, page: Page) -> None:

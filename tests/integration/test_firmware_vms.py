@@ -64,6 +64,7 @@ from pathlib import Path
 import pytest
 
 from fusuma.images import diskimage, store
+from tests import netns
 from tests.conftest import FULL_OS_BOOT_S, FUSUMA, Host, _tear_down
 from tests.integration.test_cpr import need_qemu_10
 from tests.integration.test_templates import ready_events
@@ -117,18 +118,13 @@ LAN = "10.124.7"
 def module_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
     """The module's fusuma namespace (conftest's), run in a network namespace of the
     module's own, where its managed network, bridge, taps and dnsmasq live."""
-    ns = f"fusuma-t-{secrets.token_hex(3)}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    h = Host(tmp_path_factory.mktemp("shared"))
-    h.wrap = ["nsenter", f"--net=/run/netns/{ns}", "--"]
-    try:
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        yield h
-    finally:
+    with netns.netns() as ns:
+        h = Host(tmp_path_factory.mktemp("shared"))
+        h.wrap = netns.wrap(ns)
         try:
-            _tear_down(h)
+            yield h
         finally:
-            subprocess.run(["ip", "netns", "del", ns], check=False)
+            _tear_down(h)
 
 
 @pytest.fixture(scope="module")

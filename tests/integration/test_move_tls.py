@@ -41,6 +41,8 @@ from fusuma.qemu.tlscreds import CLIENT, SERVER, HostCreds
 from fusuma.supervisor.moves.source import capabilities, set_channels
 from tests.capture import Capture, tcp_flows
 from tests.conftest import REPO
+from tests.netns import add as add_netns
+from tests.netns import delete as delete_netns
 from tests.stranger import connect_first, refused
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -77,8 +79,7 @@ def world(request: pytest.FixtureRequest) -> Iterator[World]:
     netns = f"fz-tls-{tag}"
     base = Path(f"/tmp/fz-tls-{tag}")
     base.mkdir(mode=0o711)
-    subprocess.run(["ip", "netns", "add", netns], check=True)
-    subprocess.run(["ip", "-n", netns, "link", "set", "lo", "up"], check=True)
+    add_netns(netns)
     ca, other = pki.new_ca(), pki.new_ca()
     creds = {h: HostCreds(ca.cert, (kp := pki.issue(ca, h, ["127.0.0.1"])).cert, kp.key)
              for h in ("h0", "h1", "h2")}
@@ -100,7 +101,7 @@ def world(request: pytest.FixtureRequest) -> Iterator[World]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGKILL)
                 p.wait(10)
-        subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+        delete_netns(netns)
         shutil.rmtree(base, ignore_errors=True)
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert netns not in left and not base.exists()

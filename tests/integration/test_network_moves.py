@@ -29,6 +29,7 @@ from fusuma_bench import netprobe
 from tests.conftest import Host
 from tests.integration.test_cpr import need_qemu_10
 from tests.integration.test_networks import LAN0, Net, guest, wait_address, world
+from tests.netns import wrap as netns_wrap
 
 __all__ = ["world"]
 # Alone (after the rest of the suite): the packet loss it bounds is counted in
@@ -46,7 +47,7 @@ SPAN_S = {"zero-copy": 3.0, "copy": 5.0, "via": 10.0, "in-place": 4.0}
 
 
 def in_ns(net: Net, *argv: str) -> list[str]:
-    return ["nsenter", f"--net=/run/netns/{net.ns}", "--", *argv]
+    return [*netns_wrap(net.ns), *argv]
 
 
 def tap_state(net: Net, tap: str) -> dict[str, Any]:

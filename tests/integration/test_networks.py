@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from tests import netns
 from tests.apikit import Api
 from tests.conftest import FUSUMA, Host, _tear_down
 
@@ -52,8 +53,7 @@ class Net:
 
     def make(self) -> None:
         for ns in (self.ns, self.up):
-            subprocess.run(["ip", "netns", "add", ns], check=True)
-            subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+            netns.add(ns)
         subprocess.run(["ip", "-n", self.ns, "link", "add", "uplink0", "type", "veth",
                         "peer", "name", "down0", "netns", self.up], check=True)
         for ns, dev, ip in ((self.ns, "uplink0", UP_HOST), (self.up, "down0", UP_PEER)):
@@ -80,7 +80,7 @@ class Net:
                 self.server.kill()
                 self.server.wait()
         for ns in (self.ns, self.up):
-            subprocess.run(["ip", "netns", "del", ns], check=False)
+            netns.delete(ns)
 
     def links(self) -> list[dict[str, Any]]:
         out = subprocess.run(["ip", "-n", self.ns, "-j", "-d", "link", "show"],
@@ -103,7 +103,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Host, Net]
     tmp = tmp_path_factory.mktemp("net")
     net = Net(tmp)
     h = Host(tmp)
-    h.wrap = ["nsenter", f"--net=/run/netns/{net.ns}", "--"]
+    h.wrap = netns.wrap(net.ns)
     try:
         net.make()
         yield h, net

@@ -11,12 +11,12 @@ import os
 import struct
 import subprocess
 import threading
-import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from fusuma.network import link, queues
+from tests.netns import netns as netns_of
 from tests.stranger import enter_netns
 
 pytestmark = pytest.mark.integration
@@ -26,12 +26,8 @@ TAP = "fzt-qtest"
 
 @pytest.fixture
 def netns() -> Iterator[str]:
-    ns = f"fzq-{uuid.uuid4().hex[:6]}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
+    with netns_of("fzq") as ns:
         yield ns
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=True)
 
 
 def tap_queue(ns: str) -> int:
