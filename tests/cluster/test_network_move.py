@@ -34,6 +34,7 @@ from fusuma.migration import FAULT_STREAM_BPS
 from tests.cluster.conftest import Cluster, wait_for
 from tests.fault.movekit import job, qemu_pids
 from tests.integration.test_network_moves import holders
+from tests.netns import add as add_netns
 from tests.netns import wrap as netns_wrap
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -119,15 +120,14 @@ def lan(cluster: Cluster) -> Iterator[str]:
              60, "network lan on the three hosts")
     # A client on h2's bridge (a veth into a namespace of its own).
     client = f"fz{lab.tag}-cl"
-    subprocess.run(["ip", "netns", "add", client], check=True)
+    add_netns(client)                       # its loopback up
     lab.namespaces.append(client)           # removed (and checked) with the lab
     h2 = lab.hosts[2].netns
     for cmd in (["-n", h2, "link", "add", "cl0", "type", "veth", "peer", "name", "eth0",
                  "netns", client],
                 ["-n", h2, "link", "set", "cl0", "master", "fzb-lan", "up"],
                 ["-n", client, "addr", "add", f"{CLIENT_IP}/24", "dev", "eth0"],
-                ["-n", client, "link", "set", "eth0", "up"],
-                ["-n", client, "link", "set", "lo", "up"]):
+                ["-n", client, "link", "set", "eth0", "up"]):
         subprocess.run(["ip", *cmd], check=True)
     c.apply(yaml.safe_dump({
         "apiVersion": "fusuma.io/v1alpha1", "kind": "FusumaVM",
