@@ -112,6 +112,50 @@ def test_supervisor_dropin_and_limits(tmp_path: Path) -> None:
             "revert fusuma-supervisor@fusuma-test-ab12:p0.service"]
 
 
+def test_dropins_cost_one_reload_before_the_verb_that_needs_them(tmp_path: Path) -> None:
+    # A daemon-reload takes seconds on a slow host: a partition's limits and its
+    # supervisor's drop-in are read by one, just before the unit starts.
+    run = FakeSystemctl()
+    u = units(tmp_path, run=run)
+    unit = u.supervisor("p0")
+    lim = Limits(cpus=[1], mems=[0], memory_bytes=256 * MIB)
+    u.write_limits(unit, lim)
+    u.write_supervisor("p0", {}, Path("/var/log/sup.log"))
+    assert run.verbs() == []
+    u.start(unit)
+    assert run.verbs() == ["daemon-reload", f"start {unit}"]
+    u.start(unit)                                       # nothing new: no reload
+    u.write_limits(unit, lim)                           # the same text: nothing new
+    u.set_limits(unit, Limits(cpus=[0], mems=[0], memory_bytes=256 * MIB))
+    assert run.verbs()[2:] == [f"start {unit}", "daemon-reload", "set-property --runtime"]
+    # forget: `revert` reloads (its own and our removed drop-ins); a failed one does not.
+    run.calls.clear()
+    u.forget(unit)
+    assert run.verbs() == [f"stop {unit}", f"reset-failed {unit}", f"revert {unit}"]
+    assert not u.dropin_path(unit).parent.exists()
+    failing = FakeSystemctl({"revert": "Failed to revert unit: Unit file is masked."})
+    units(tmp_path, run=failing).forget(unit)
+    assert failing.verbs()[-2:] == [f"revert {unit}", "daemon-reload"]
+
+
+def test_a_wait_loop_asks_systemctl_once_a_second(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    run = FakeSystemctl()
+    u = units(tmp_path, run=run)
+    unit = u.supervisor("p0")
+    now = [100.0]
+    monkeypatch.setattr(systemd.time, "monotonic", lambda: now[0])
+    active = u.active_check(unit)
+    run.active.add(unit)
+    assert active() and active()
+    now[0] += 0.5
+    run.active.clear()
+    assert active()                                      # what it heard 0.5 s ago
+    now[0] += 0.5
+    assert not active()
+    assert run.verbs() == ["is-active --quiet"] * 2
+
+
 def test_a_refusing_systemd_is_one_sentence(tmp_path: Path) -> None:
     run = FakeSystemctl({"start": "Failed to start fusuma-supervisor@p0.service: Unit "
                                   "fusuma.slice is masked.\n"})

@@ -67,6 +67,7 @@ KEEPER = "keeper"
 SETTINGS = ("auto", "1", "0")
 _PREFIX = re.compile(r"^[A-Za-z0-9_]+(-[A-Za-z0-9_]+)*\Z")
 _TIMEOUT_S = 60.0
+ACTIVE_POLL_S = 1.0
 
 # A command's result: (exit code, stdout, stderr). Tests replace the runner.
 Runner = Callable[[list[str]], tuple[int, str, str]]
@@ -171,6 +172,11 @@ class Units:
     unit_dir: Path = UNIT_DIR
     runtime_dir: Path = RUNTIME_UNIT_DIR
     run: Runner = _run
+    # A drop-in was written since the last daemon-reload. systemd reads drop-ins only
+    # at a reload, and a reload takes seconds on a slow host (~5 s in a TCG guest): the
+    # next verb that needs them (start, set-property) reloads once for all of them, so
+    # that a partition's limits and its supervisor's command line cost one reload.
+    stale: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if not _PREFIX.match(self.prefix):
@@ -315,9 +321,16 @@ Before=slices.target
         except OSError as exc:
             raise HostError(f"cannot install fusuma's systemd units into {self.unit_dir}: "
                             f"{exc.strerror or exc}; run as root") from exc
-        self.systemctl("daemon-reload", what="reload its units")
+        self.stale = True
+        self.reload()
         LOG.info("installed %s", ", ".join(str(p) for p in todo))
         return todo
+
+    def reload(self) -> None:
+        """``systemctl daemon-reload`` if a unit file or drop-in changed since the last."""
+        if self.stale:
+            self.systemctl("daemon-reload", what="reload its units")
+            self.stale = False
 
     # -- systemctl ---------------------------------------------------------------------
     def systemctl(self, *args: str, what: str) -> str:
@@ -340,6 +353,20 @@ Before=slices.target
 
     def active(self, unit: str) -> bool:
         return self.run(["systemctl", "is-active", "--quiet", unit])[0] == 0
+
+    def active_check(self, unit: str, every: float = ACTIVE_POLL_S) -> Callable[[], bool]:
+        """``active(unit)`` for a loop that waits for the unit's process to answer: asks
+        systemctl at most every ``every`` seconds and says what it last heard between.
+        Each ask is a process of its own, whose CPU (~0.1-0.5 s on a slow host, a TCG
+        guest) a poll every 50 ms takes from the very start it waits for."""
+        asked, was = float("-inf"), True
+
+        def check() -> bool:
+            nonlocal asked, was
+            if time.monotonic() - asked >= every:
+                asked, was = time.monotonic(), self.active(unit)
+            return was
+        return check
 
     def main_pid(self, unit: str) -> int | None:
         try:
@@ -415,7 +442,7 @@ Before=slices.target
         except OSError as exc:
             raise HostError(f"cannot write {path}: {exc.strerror or exc}; run as root") \
                 from exc
-        self.systemctl("daemon-reload", what="reload its units")
+        self.stale = True
 
     @staticmethod
     def _props(limits: Limits) -> list[str]:
@@ -427,9 +454,9 @@ Before=slices.target
         return props
 
     def write_limits(self, unit: str, limits: Limits) -> None:
-        """The partition's limits in the unit's drop-in, for its next start. (Not
-        set-property: on a unit that is not running it makes an empty cgroup that
-        nothing removes.)"""
+        """The partition's limits in the unit's drop-in, for its next start (which
+        reloads). (Not set-property: on a unit that is not running it makes an empty
+        cgroup that nothing removes.)"""
         text = "\n".join(["# Written by fusuma: the partition's limits.", "[Service]",
                           *self._props(limits)]) + "\n"
         self._write_dropin(unit, text, LIMITS_DROPIN)
@@ -437,11 +464,13 @@ Before=slices.target
     def set_limits(self, unit: str, limits: Limits) -> None:
         """Change the limits of a partition whose cgroup exists, at once."""
         self.write_limits(unit, limits)
+        self.reload()
         props = self._props(limits)
         self.systemctl("set-property", "--runtime", unit, *props,
                        what=f"set the limits of {unit} ({' '.join(props)})")
 
     def start(self, unit: str) -> None:
+        self.reload()
         self.systemctl("start", unit, what=f"start {unit} in {self.slice}")
 
     def stop(self, unit: str) -> None:
@@ -449,7 +478,7 @@ Before=slices.target
 
     def forget(self, unit: str) -> None:
         """Stop ``unit`` and remove every drop-in fusuma or set-property wrote for it."""
-        for args in (("stop", unit), ("reset-failed", unit), ("revert", unit)):
+        for args in (("stop", unit), ("reset-failed", unit)):
             code, _, err = self.run(["systemctl", *args])
             if code != 0 and "not loaded" not in err:
                 LOG.debug("systemctl %s: %s", " ".join(args), err.strip())
@@ -460,7 +489,13 @@ Before=slices.target
             folder.rmdir()
         except OSError:
             pass
-        self.run(["systemctl", "daemon-reload"])
+        # `revert` removes set-property's drop-ins and reloads (one reload for ours too);
+        # when it fails, nothing reloaded.
+        code, _, err = self.run(["systemctl", "revert", unit])
+        if code != 0:
+            LOG.debug("systemctl revert %s: %s", unit, err.strip())
+            self.run(["systemctl", "daemon-reload"])
+        self.stale = False
 
     def wait_gone(self, path: Path, timeout: float = 10.0) -> bool:
         """Wait for systemd to remove a stopped unit's cgroup ``path``."""

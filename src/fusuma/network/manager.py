@@ -391,12 +391,13 @@ class NetworkManager:
                                f"start: {exc}") from exc
         deadline = time.monotonic() + timeout
         f = self.files(rec.name)
+        active = units.active_check(unit)
         while time.monotonic() < deadline:
             if keeper.dnsmasq_pid(f) is not None:
                 pid = units.main_pid(unit)
                 if pid is not None:
                     return pid
-            if not units.active(unit):
+            if not active():
                 why = process.tail(log, 1) or units.why_failed(unit)
                 units.forget(unit)
                 raise NetworkError(f"the dnsmasq keeper of network {rec.name!r} ({unit}) "

@@ -427,12 +427,13 @@ class PartitionManager:
                                   f"{exc}") from exc
         deadline = time.monotonic() + timeout
         client = self.client(name)
+        active = units.active_check(unit)
         while time.monotonic() < deadline:
             if client.alive():
                 pid = units.main_pid(unit)
                 if pid is not None:
                     return pid
-            if not units.active(unit):
+            if not active():
                 why = process.tail(logf, 1) or units.why_failed(unit)
                 units.run(["systemctl", "reset-failed", unit])
                 raise SupervisorError(f"the supervisor of partition {name!r} ({unit}) "
