@@ -13,8 +13,11 @@ fusuma reaches it on a disk of its own (ext4, label ``fusuma-cg2``, mounted at
     cache/images/          the minimal image, for the one nested VM
     run.sh                 runs them and writes /run/fusuma-cg2/results.json
 
-Dependencies are downloaded once (their set's hash names the directory); fusuma's own
-wheel is rebuilt from the checkout for every disk, offline.
+Dependencies are downloaded once (their set's hash names the directory), installed and
+byte-compiled once beside them (``site-*``, linked into each disk's venv), and so is
+the build backend (``build-*``); fusuma's own wheel is rebuilt from the checkout for
+every disk, offline, and unpacked into the venv (what pip's install of a wheel without
+scripts or data does): ~8 s instead of ~32 s for pip's isolated build and installs.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,9 +72,33 @@ def wheels(cache: Path) -> Path:
     return final
 
 
+def _installed(wheel_dir: Path, kind: str, reqs: list[str]) -> Path:
+    """``reqs`` installed from ``wheel_dir`` into a directory of their own beside it
+    (``pip install --target``, byte-compiled), once per wheel set."""
+    final = wheel_dir.with_name(wheel_dir.name.replace("wheels-", f"{kind}-"))
+    if final.is_dir():
+        return final
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _pip("install", "--quiet", "--no-index", "--find-links", str(wheel_dir), "--target",
+         str(tmp), *reqs)
+    shutil.rmtree(tmp / "bin", ignore_errors=True)   # scripts for this host's python
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(tmp)],
+                   check=False, capture_output=True)
+    tmp.rename(final)
+    return final
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _venv(stage: Path, wheel_dir: Path, fusuma_whl: Path) -> None:
     """A venv for the guest's python (same minor version): pyvenv.cfg, the interpreter
-    link and site-packages filled here by pip --target."""
+    link, and site-packages: the dependencies (installed once) and fusuma's wheel."""
     venv = stage / "venv"
     site = venv / "lib" / f"python{PYVER}" / "site-packages"
     (venv / "bin").mkdir(parents=True)
@@ -78,20 +106,29 @@ def _venv(stage: Path, wheel_dir: Path, fusuma_whl: Path) -> None:
                                      f"version = {PYVER}\n")
     (venv / "bin" / "python3").symlink_to(f"/usr/bin/python{PYVER}")
     (venv / "bin" / "python").symlink_to("python3")
-    _pip("install", "--quiet", "--no-index", "--find-links", str(wheel_dir), "--target",
-         str(site), str(fusuma_whl), *EXTRA)
-    shutil.rmtree(site / "bin", ignore_errors=True)   # scripts for this host's python
+    shutil.copytree(_installed(wheel_dir, "site", requirements()), site,
+                    copy_function=_link_or_copy)
+    with zipfile.ZipFile(fusuma_whl) as whl:
+        whl.extractall(site)
     for name, module in (("fusuma", "fusuma.cli.main"), ("pytest", "pytest")):
         script = venv / "bin" / name
         script.write_text(f"#!{MOUNT}/venv/bin/python3\nimport runpy\n"
                           f"runpy.run_module({module!r}, run_name='__main__')\n")
         script.chmod(0o755)
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(site)],
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0",
+                    *(str(site / top) for top in _tops(fusuma_whl))],
                    check=False, capture_output=True)
     # And the __init__ of fusuma's @frozen classes, as `make bytecode` does (the guest's
     # python is 3.11 too): each CLI call there imports them under TCG.
     subprocess.run([sys.executable, "-m", "fusuma.frozen"], env={**os.environ,
                    "PYTHONPATH": str(site)}, cwd=stage, check=False, capture_output=True)
+
+
+def _tops(whl: Path) -> list[str]:
+    """The top-level packages of a wheel."""
+    with zipfile.ZipFile(whl) as z:
+        return sorted({n.split("/", 1)[0] for n in z.namelist()
+                       if "/" in n and not n.split("/", 1)[0].endswith(".dist-info")})
 
 
 def build_disk(cache: Path, minimal_dir: Path, out: Path, size_mib: int = 1536) -> Path:
@@ -100,8 +137,15 @@ def build_disk(cache: Path, minimal_dir: Path, out: Path, size_mib: int = 1536) 
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     wheel_dir = wheels(cache)
-    _pip("wheel", "--quiet", "--no-deps", "--no-index", "--find-links", str(wheel_dir),
-         "--wheel-dir", str(stage / "dist"), str(REPO))
+    # The build backend from a directory of its own (pip's isolated build would install
+    # it again for every disk).
+    backend = _installed(wheel_dir, "build", BUILD)
+    p = subprocess.run([*PIP, "--disable-pip-version-check", "wheel", "--quiet", "--no-deps",
+                        "--no-index", "--no-build-isolation", "--wheel-dir",
+                        str(stage / "dist"), str(REPO)], capture_output=True, text=True,
+                       timeout=900, env={**os.environ, "PYTHONPATH": str(backend)})
+    if p.returncode != 0:
+        raise RuntimeError(f"pip wheel {REPO} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     whl = next((stage / "dist").glob("fusuma-*.whl"))
     _venv(stage, wheel_dir, whl)
     shutil.rmtree(stage / "dist")

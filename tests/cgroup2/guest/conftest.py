@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kit import close_servers
 
 RESULTS = Path(os.environ.get("FUSUMA_CG2_RESULTS", "/run/fusuma-cg2/results.json"))
 _results: dict[str, dict[str, Any]] = {}
@@ -46,3 +48,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(_results, indent=1))
     return rep
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_servers() -> Iterator[None]:
+    """The CLI's fork servers (guest/forkcli.py) end with the session."""
+    yield
+    close_servers()

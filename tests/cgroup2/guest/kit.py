@@ -1,7 +1,14 @@
-"""Helpers for the in-guest cgroup v2 tests: the real CLI, and what the kernel says."""
+"""Helpers for the in-guest cgroup v2 tests: the real CLI, and what the kernel says.
+
+Each CLI call is a process of its own, forked from a server that imported the CLI once
+(guest/forkcli.py): a new interpreter costs ~3-5 s here under TCG. The calls whose
+point is the entry point itself (test_1's, test_5's in a cgroup namespace) run
+``python -m fusuma.cli.main``; so does every call with FUSUMA_CG2_FORK=0.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -13,12 +20,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forkcli import ForkServer
+
 CGROUP = Path("/sys/fs/cgroup")
 FUSUMA = [sys.executable, "-m", "fusuma.cli.main"]
 # Each CLI call's command, seconds and CPU seconds, for the host's test-output (each call
 # costs seconds under TCG: where the guest's time goes).
 CALLS_FILE = Path("/run/fusuma-cg2/calls.json")
 CALLS: list[dict[str, Any]] = []
+# Where each call spends its wall time: a stack sampler beside it (guest/sampler.py),
+# its top stacks in calls.json.
+SAMPLER = Path(__file__).resolve().parent / "sampler.py"
+SAMPLES = CALLS_FILE.parent / "samples"
+# FUSUMA_CG2_FORK=0: every call in a new interpreter (no fork server).
+FORK = os.environ.get("FUSUMA_CG2_FORK", "1") != "0"
+_SERVERS: dict[tuple[str, ...], ForkServer] = {}
+
+
+def server(wrap: list[str]) -> ForkServer:
+    """The fork server for calls under ``wrap`` (started on first use)."""
+    key = tuple(wrap)
+    if key not in _SERVERS:
+        _SERVERS[key] = ForkServer(wrap, CALLS_FILE.parent / f"fork-{len(_SERVERS)}.sock")
+    return _SERVERS[key]
+
+
+def close_servers(wrap: list[str] | None = None) -> None:
+    """Stop the fork server for ``wrap`` (every one when None)."""
+    for key in [k for k in _SERVERS if wrap is None or k == tuple(wrap)]:
+        _SERVERS.pop(key).close()
 
 
 def _children_cpu() -> float:
@@ -46,16 +76,30 @@ class Fusuma:
 
     def run(self, *args: str, check: bool = True, timeout: float = 600) -> Result:
         t0, c0 = time.monotonic(), _children_cpu()
-        p = subprocess.run([*self.wrap, *FUSUMA, *args], env={**os.environ, **self.env},
-                           capture_output=True, text=True, timeout=timeout)
-        CALLS.append({"args": " ".join(args[:3]), "s": round(time.monotonic() - t0, 2),
-                      "cpu_s": round(_children_cpu() - c0, 2)})
+        SAMPLES.mkdir(parents=True, exist_ok=True)
+        sample = SAMPLES / f"{len(CALLS)}.json"
+        env = {**os.environ, **self.env}
+        if FORK:
+            code, out, err, cpu = server(self.wrap).run(
+                [FUSUMA[2], *args], env, timeout, str(sample))
+        else:
+            argv = [sys.executable, str(SAMPLER), str(sample), *FUSUMA[1:]]
+            p = subprocess.run([*self.wrap, *argv, *args], env=env, capture_output=True,
+                               text=True, timeout=timeout)
+            code, out, err, cpu = p.returncode, p.stdout, p.stderr, 0.0
+        call: dict[str, Any] = {"args": " ".join(args[:3]),
+                                "s": round(time.monotonic() - t0, 2),
+                                "cpu_s": round(_children_cpu() - c0 + cpu, 2),
+                                "forked": FORK}
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            call["where"] = json.loads(sample.read_text())["top"][:6]
+        CALLS.append(call)
         CALLS_FILE.parent.mkdir(parents=True, exist_ok=True)
         CALLS_FILE.write_text(json.dumps(CALLS, indent=0))
-        res = Result(p.returncode, p.stdout, p.stderr)
-        if check and p.returncode != 0:
-            raise AssertionError(f"fusuma {' '.join(args)} exited {p.returncode}:\n"
-                                 f"{p.stdout}\n{p.stderr}")
+        res = Result(code, out, err)
+        if check and code != 0:
+            raise AssertionError(f"fusuma {' '.join(args)} exited {code}:\n"
+                                 f"{out}\n{err}")
         return res
 
     def fail(self, *args: str) -> Result:

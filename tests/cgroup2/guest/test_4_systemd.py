@@ -46,8 +46,8 @@ def fz() -> Iterator[Fusuma]:
     f.run("down", check=False)
 
 
-def qemu_pid(fz: Fusuma) -> int:
-    vm = next(v for v in fz.ps()["vms"] if v["name"] == "v0")
+def qemu_pid(fz: Fusuma, ps: dict[str, Any] | None = None) -> int:
+    vm = next(v for v in (ps or fz.ps())["vms"] if v["name"] == "v0")
     assert vm["state"] == "running", vm
     return int(vm["pid"])
 
@@ -86,7 +86,8 @@ def test_vm_is_held_to_its_core_and_memory(fz: Fusuma) -> None:
     # supervisor and these tests must not wait behind.
     fz.run("vm", "create", "v0", "-p", "p0", "--memory", "128", "--qos", "best-effort",
            "--start")
-    pid = QEMU["v0"] = qemu_pid(fz)
+    ps = fz.ps()
+    pid = QEMU["v0"] = qemu_pid(fz, ps)
     assert cgroup_of(pid) == PART / "vm.v0"
     allowed = threads_allowed(pid)
     assert set(allowed.values()) == {"1"}, allowed
@@ -97,7 +98,7 @@ def test_vm_is_held_to_its_core_and_memory(fz: Fusuma) -> None:
     assert int(read(ram / "memory.current")) >= 128 * MIB
     part_mem = int(read(PART / "memory.current"))
     assert 0 < part_mem < 384 * MIB
-    use: dict[str, Any] = fz.ps()["partitions"][0]["memory_use"]
+    use: dict[str, Any] = ps["partitions"][0]["memory_use"]
     assert use["guest_ram_mib"] >= 128
 
 
