@@ -317,10 +317,19 @@ class PartitionHost:
             if held is not None:
                 raise StateError(f"VM {vm.name!r} already has a {role.value} QEMU (pid "
                                  f"{held.pid}) in partition {self.partition!r}.")
-            inst = await QemuInstance.launch(vm.name, plan, run_dir=run, ram_file=ram,
-                                             logger=self.vm_logger(vm.name), role=role,
-                                             version=q.version, on_spawn=spawned,
-                                             console_fd=files.take_console())
+            # Its start sets each tap's header size to its own default under the QEMU
+            # that runs the guest (``queues.HeaderHold``): held at that one's meanwhile.
+            hold = queues.HeaderHold(vm.pid, headers) if headers and vm.pid else None
+            if hold is not None:
+                hold.start()
+            try:
+                inst = await QemuInstance.launch(vm.name, plan, run_dir=run, ram_file=ram,
+                                                 logger=self.vm_logger(vm.name), role=role,
+                                                 version=q.version, on_spawn=spawned,
+                                                 console_fd=files.take_console())
+            finally:
+                if hold is not None:
+                    hold.stop()
         rev.add(lambda: asyncio.ensure_future(inst.qmp.disconnect()))
         rev.add(inst.reap)
         inst.owns_ram = owns_ram
