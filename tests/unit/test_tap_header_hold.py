@@ -62,13 +62,14 @@ def test_a_size_the_new_qemu_sets_is_put_back_within_milliseconds(taps: FakeTaps
                 await asyncio.sleep(0)
             wrong_for.append(loop.time() - t0)
             await asyncio.sleep(0.005)
+        taps.size["fzt-1-1"] = 10  # set just before the stop: its last check
         hold.stop()
         hold.stop()                # idempotent
         taps.size["fzt-1-1"] = 10  # after stop: nothing holds it any more
         await asyncio.sleep(0.01)
         return wrong_for, hold.fixed
     wrong_for, fixed = asyncio.run(main())
-    assert fixed == 3 and max(wrong_for) < 0.05, wrong_for
+    assert fixed == 4 and max(wrong_for) < 0.05, wrong_for
     assert taps.size == {"fzt-1-0": 12, "fzt-1-1": 10}
     assert taps.open_dups == 0      # the duplicates are closed at stop
 

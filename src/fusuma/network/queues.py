@@ -296,8 +296,11 @@ class HeaderHold:
             self._task = asyncio.ensure_future(self._run())
 
     def stop(self) -> None:
+        """A last check (a new QEMU that ended after setting the size leaves the guest
+        on the running QEMU with the right one), then nothing more."""
         if self._task is not None:
             self._task.cancel()
+        self.fix()
         self._stack.close()
         self._fds = {}
 
