@@ -355,11 +355,12 @@ class Database(NetworkTables, ImageTables, SnapshotTables):
 
         One IMMEDIATE transaction reads the state and writes it back conditionally, so
         of two processes racing on one VM exactly one succeeds; the other gets a
-        StateError naming the state it found."""
+        StateError naming the state it found. Inside a caller's transaction (see
+        :meth:`atomic`) it is one step of that one."""
         bad = set(fields) - self.VM_FIELDS
         if bad:
             raise ValueError(f"not a changeable VM field: {sorted(bad)}")
-        with self.transaction():
+        with self.atomic():
             cur = self.vm(name)
             if expect is not None and cur.state not in expect:
                 want = " or ".join(sorted(s.value for s in expect))

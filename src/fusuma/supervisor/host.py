@@ -106,26 +106,29 @@ class PartitionHost:
         return rec, inst
 
     def settle_state(self, name: str, to: VmState, **fields: Any) -> None:
-        """Bring a VM to ``to`` from whatever non-final state it was left in."""
-        rec = self.db.vm(name)
-        if rec.state == to:
-            if fields:
-                self.db.set_vm(name, **fields)
-            return
-        via = {VmState.CRASHED: (), VmState.STOPPED: (VmState.STOPPING,),
-               VmState.RUNNING: (), VmState.PAUSED: ()}.get(to, ())
-        if not valid_transition(rec.state, to):
-            for step in via:
-                if valid_transition(rec.state, step):
-                    self.db.transition(name, step)
-                    break
-            else:
-                if rec.state == VmState.STOPPING and to in (VmState.RUNNING,
-                                                            VmState.PAUSED):
-                    # A stop that never happened: the QEMU is still there.
-                    self.db.transition(name, VmState.CRASHED)
-                    self.db.transition(name, VmState.STARTING)
-        self.db.transition(name, to, **fields)
+        """Bring a VM to ``to`` (with ``fields``) from whatever non-final state it was
+        left in, in one transaction: no reader sees a step on the way, such as a
+        crashed VM without the reason that ``fields`` bring."""
+        with self.db.atomic():
+            rec = self.db.vm(name)
+            if rec.state == to:
+                if fields:
+                    self.db.set_vm(name, **fields)
+                return
+            via = {VmState.CRASHED: (), VmState.STOPPED: (VmState.STOPPING,),
+                   VmState.RUNNING: (), VmState.PAUSED: ()}.get(to, ())
+            if not valid_transition(rec.state, to):
+                for step in via:
+                    if valid_transition(rec.state, step):
+                        self.db.transition(name, step)
+                        break
+                else:
+                    if rec.state == VmState.STOPPING and to in (VmState.RUNNING,
+                                                                VmState.PAUSED):
+                        # A stop that never happened: the QEMU is still there.
+                        self.db.transition(name, VmState.CRASHED)
+                        self.db.transition(name, VmState.STARTING)
+            self.db.transition(name, to, **fields)
 
     # -- locks and jobs ---------------------------------------------------------------
     def lock(self, vm: str) -> asyncio.Lock:
@@ -314,10 +317,19 @@ class PartitionHost:
             if held is not None:
                 raise StateError(f"VM {vm.name!r} already has a {role.value} QEMU (pid "
                                  f"{held.pid}) in partition {self.partition!r}.")
-            inst = await QemuInstance.launch(vm.name, plan, run_dir=run, ram_file=ram,
-                                             logger=self.vm_logger(vm.name), role=role,
-                                             version=q.version, on_spawn=spawned,
-                                             console_fd=files.take_console())
+            # Its start sets each tap's header size to its own default under the QEMU
+            # that runs the guest (``queues.HeaderHold``): held at that one's meanwhile.
+            hold = queues.HeaderHold(vm.pid, headers) if headers and vm.pid else None
+            if hold is not None:
+                hold.start()
+            try:
+                inst = await QemuInstance.launch(vm.name, plan, run_dir=run, ram_file=ram,
+                                                 logger=self.vm_logger(vm.name), role=role,
+                                                 version=q.version, on_spawn=spawned,
+                                                 console_fd=files.take_console())
+            finally:
+                if hold is not None:
+                    hold.stop()
         rev.add(lambda: asyncio.ensure_future(inst.qmp.disconnect()))
         rev.add(inst.reap)
         inst.owns_ram = owns_ram

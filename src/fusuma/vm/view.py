@@ -44,6 +44,20 @@ class VmView:
             return VmState.CRASHED.value
         return r.state.value
 
+    def reason(self, state: str) -> str | None:
+        """The record's error; for a VM shown ``state`` "crashed", never None. A crash
+        that only /proc has seen (the record still says the VM lives: its supervisor
+        is still cleaning up after the QEMU, or is down) has no recorded reason yet, so
+        it is said what is known: which QEMU is gone, and that its end is not recorded."""
+        r = self.record
+        if state != VmState.CRASHED.value:
+            return r.error
+        if r.state != VmState.CRASHED:
+            qemu = f"QEMU pid {r.pid}" if r.pid else "its QEMU"
+            return (f"{qemu} is gone; the supervisor of partition {r.partition!r} has "
+                    "not recorded how it ended yet")
+        return r.error or "its QEMU ended; no reason was recorded"
+
     def as_json(self) -> dict[str, Any]:
         r = self.record
         state = self.state
@@ -65,7 +79,7 @@ class VmView:
                 "emulator": r.emulator, "template": r.template, "image": r.image,
                 "boot": r.boot,
                 "host_memory": mem,
-                "disks": r.disks, "error": r.error}
+                "disks": r.disks, "error": self.reason(state)}
 
 
 def read_memory(pid: int, segments: Sequence[str], segments_dir: Path,

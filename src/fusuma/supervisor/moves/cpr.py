@@ -210,6 +210,7 @@ async def transfer(h: PartitionHost, vm: str, timeout: float = 600.0,
     await old.qmp.clear_stale_stream()
     stopped = old.qmp.listener(EVENT_STOP)
     migrated = old.qmp.listener(EVENT_MIGRATION)
+    hold: queues.HeaderHold | None = None
     try:
         await old.qmp.migrate_set_capabilities(CAPABILITIES)
         await old.qmp.execute("migrate-set-parameters", {"mode": MODE})
@@ -219,8 +220,12 @@ async def transfer(h: PartitionHost, vm: str, timeout: float = 600.0,
                                  f"(it says {mode}).")
         # QEMU 10.0 carries no tap in its cpr state: the new QEMU has queues of its own
         # (``h.launch(join_taps=True)``), and its machine, built once the descriptors
-        # arrive, sets each tap's header size to its default under the old QEMU.
+        # arrive, sets each tap's header size to its default under the old QEMU, which
+        # runs the guest until the main channel connects: held at the old QEMU's from
+        # `migrate` until the new QEMU's monitor answers (its machine is built then).
         headers = queues.header_sizes(old.pid, taps_of(h, vm))
+        hold = queues.HeaderHold(old.pid, headers)
+        hold.start()
         t0 = time.time()
         await old.qmp.migrate(channels=[
             {"channel-type": "main", "addr": {"transport": "socket", "type": "unix",
@@ -229,8 +234,12 @@ async def transfer(h: PartitionHost, vm: str, timeout: float = 600.0,
                                              "path": str(cpr)}}])
         try:
             await _connect_new(new, CONNECT_TIMEOUT_S)
+            hold.stop()
             if headers:
                 queues.restore_header(new.pid, headers)
+            if hold.fixed:
+                h.log.info("%s: put its taps' header size back %d time(s) while its new "
+                           "QEMU built its machine", vm, hold.fixed)
             if fault_incoming_delay > 0:
                 await asyncio.sleep(fault_incoming_delay)
             if new.exited.is_set():
@@ -277,6 +286,8 @@ async def transfer(h: PartitionHost, vm: str, timeout: float = 600.0,
             await set_mode(old, "normal")
         raise
     finally:
+        if hold is not None:
+            hold.stop()
         old.qmp.drop_listener(stopped)
         old.qmp.drop_listener(migrated)
     # The old QEMU is paused (postmigrate): the leaving side now, as a source is.
