@@ -150,12 +150,14 @@ def test_scripted_commands_import_only_what_they_run(tmp_path: Path, args: tuple
 
 def test_a_supervisor_imports_no_builder_stdlib() -> None:
     """A partition's supervisor (started ~440 times in a suite run) imports the image
-    builder's and the seed writer's modules, not what only writing a seed (email) or
-    reading a kernel module (gzip) runs."""
+    builder's and the seed writer's modules (when it starts a VM, moves one or saves a
+    template: tests/unit/test_supervisor_imports.py), not what only writing a seed
+    (email) or reading a kernel module (gzip) runs."""
     p = subprocess.run([sys.executable, "-c",
                         "import json, sys\n"
                         "import fusuma.supervisor.daemon, fusuma.supervisor.host, "
-                        "fusuma.supervisor.vms, fusuma.supervisor.moves\n"
+                        "fusuma.supervisor.vms, fusuma.supervisor.moves.dest, "
+                        "fusuma.supervisor.templates, fusuma.images.builder\n"
                         "print(json.dumps(sorted(sys.modules)))"],
                        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
                        capture_output=True, text=True, timeout=60, check=True)

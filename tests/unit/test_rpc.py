@@ -10,20 +10,25 @@ import pytest
 
 from fusuma.errors import FusumaError, StateError, SupervisorError
 from fusuma.supervisor import rpc
-from fusuma.supervisor.daemon import Supervisor
+from fusuma.supervisor.daemon import LAZY, Supervisor
 from fusuma.supervisor.host import PartitionHost
 
 
 def test_every_request_has_a_reply_class_and_one_handler() -> None:
     # The table from name to request and the supervisor's table from request to
-    # handler hold the same operations (mypy checks each handler's reply type through
-    # ``route``).
+    # handler, with the groups loaded on first use, hold the same operations (mypy
+    # checks each handler's reply type through ``route``).
     for name, cls in rpc.REQUESTS.items():
         assert name == cls.OP
         assert dataclasses.is_dataclass(rpc.reply_type(cls)), name
     sup = object.__new__(Supervisor)
-    sup.host = object.__new__(PartitionHost)
-    assert set(Supervisor.handlers(sup)) == set(rpc.REQUESTS.values())
+    sup.host = h = object.__new__(PartitionHost)
+    eager = set(Supervisor.handlers(sup))
+    assert not eager & set(LAZY)
+    assert eager | set(LAZY) == set(rpc.REQUESTS.values())
+    # Each group answers exactly the requests the lazy table sends it.
+    for group in set(LAZY.values()):
+        assert [cls for cls, _ in group(h)] == [c for c, g in LAZY.items() if g is group]
 
 
 def test_requests_round_trip() -> None:

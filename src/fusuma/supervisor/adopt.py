@@ -25,7 +25,6 @@ from fusuma.state import LOCAL_JOBS, JobKind, VmState, vm_obj
 from fusuma.state.machine import ALIVE
 from fusuma.supervisor import vms
 from fusuma.supervisor.host import PartitionHost
-from fusuma.supervisor.moves import cpr, dest, remote
 
 
 async def adopt(h: PartitionHost) -> None:
@@ -90,7 +89,11 @@ def _run_dir_of(h: PartitionHost, name: str, pid: int) -> Path:
     for arg in process.cmdline(pid):
         if "path=" in arg and "qmp.sock" in arg:
             sock = Path(arg.split("path=", 1)[1].split(",", 1)[0])
-            if sock.exists() or (sock.parent / cpr.CPR_SOCKET).exists():
+            if sock.exists():
+                return sock.parent
+            from fusuma.supervisor.moves import cpr
+
+            if (sock.parent / cpr.CPR_SOCKET).exists():
                 return sock.parent
     return base
 
@@ -100,7 +103,11 @@ async def _adopt_one(h: PartitionHost, name: str, pid: int) -> None:
     job = h.db.find_job(vm_obj(name))
     run = _run_dir_of(h, name, pid)
     mine = rec is not None and rec.partition == h.partition and rec.pid == pid
-    side = cpr.in_place_side(job, h.partition, rec, pid)
+    side = None
+    if job is not None:     # (the mover's modules only for a QEMU a job names)
+        from fusuma.supervisor.moves import cpr
+
+        side = cpr.in_place_side(job, h.partition, rec, pid)
     ram = Path(rec.ram_path) if rec and rec.ram_path else None
     try:
         if side == Role.INCOMING and not (run / "qmp.sock").exists():
@@ -123,6 +130,8 @@ async def _adopt_one(h: PartitionHost, name: str, pid: int) -> None:
     if job is not None and job.kind == JobKind.MIGRATE and job.peer == h.partition \
             and not mine and side != Role.LEAVING:
         # A move's destination, not yet the VM's QEMU: recovery decides its fate.
+        from fusuma.supervisor.moves import dest
+
         inst.role = Role.INCOMING
         inst.owns_ram = mode == "copy"
         if mode == "copy":
@@ -138,6 +147,8 @@ async def _adopt_one(h: PartitionHost, name: str, pid: int) -> None:
         # A move from another host's destination, not yet the VM's QEMU: its agent
         # decides its fate (it may be "forward" already: then it holds the only copy of
         # the guest, its disk served over NBD until the commit).
+        from fusuma.supervisor.moves import dest, remote
+
         inst.role = Role.INCOMING
         try:
             inst.move = await remote.adopted_incoming(inst)
@@ -169,6 +180,8 @@ async def _adopt_one(h: PartitionHost, name: str, pid: int) -> None:
             if run.name.startswith(INCOMING_PREFIX):
                 # Migrated in, its sockets never moved to their usual place; the
                 # source is gone (no job), so that is safe now.
+                from fusuma.supervisor.moves import dest
+
                 with contextlib.suppress(FusumaError):
                     await dest.settle(h, name)
         h.log.info("adopted %s (pid %d, %s)", name, pid, status)

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 from fusuma.errors import HostError, SegmentError, StateError
 from fusuma.host import cgroups, storage
-from fusuma.images import find_image
 from fusuma.memshare import clones, reporting
 from fusuma.network import addr, ifnames, link, queues
 from fusuma.paths import MAX_SOCKET_PATH, Paths
@@ -83,6 +82,8 @@ def devices(h: Where, vm: VmRecord, cfg: VmConfig, q: versions.Qemu,
 
 def vm_config(h: Where, vm: VmRecord, accel: str, run: Path, ram_file: Path | None,
               incoming: str | None = None, disk_owner: str | None = None) -> VmConfig:
+    from fusuma.images import find_image  # the image builder: only a VM's start needs it
+
     image = find_image(h.paths.cache, kind=vm.image) if vm.boot == "kernel" else None
     vdir = h.paths.vm_dir(vm.name)
     disks = []

@@ -3,7 +3,10 @@
 Run as ``python -m fusuma.supervisor PARTITION``. It moves itself into the partition's
 cgroup, re-adopts QEMU processes left running by an earlier supervisor
 (``fusuma.supervisor.adopt``), then serves typed requests (``fusuma.supervisor.rpc``)
-on its UNIX socket, one handler per request in :meth:`Supervisor.handlers`. Handlers
+on its UNIX socket, one handler per request in :meth:`Supervisor.handlers`, or in a
+group of :data:`LAZY` whose modules (moves, backups, snapshots, template saves: the
+image, block-job and TLS code behind them) are imported with the group's first request,
+as most supervisors never get one (tests/unit/test_supervisor_imports.py). Handlers
 get the partition (``PartitionHost``: its QEMUs, state and cgroups), never this
 daemon. QEMU processes are started in their own session, so killing the supervisor
 (even with SIGKILL) never touches them; SIGTERM ends the supervisor and leaves the VMs
@@ -36,14 +39,14 @@ from fusuma.host import cgroups, oom
 from fusuma.memshare import holes
 from fusuma.names import SUPERVISOR_LEAF, vm_leaf
 from fusuma.paths import Paths
-from fusuma.state import LOCAL_JOBS, Database, JobKind, VmRecord
-from fusuma.supervisor import adopt, backups, rpc, snapshots, templates, vms
+from fusuma.state import LOCAL_JOBS, Database, Job, JobKind, VmRecord
+from fusuma.supervisor import adopt, rpc, vms
 from fusuma.supervisor.host import PartitionHost
-from fusuma.supervisor.moves import cpr, dest, remote, source
 
 LOG = logging.getLogger("fusuma.supervisor")
 
 Handler = Callable[[Any], Awaitable[Any]]
+Routes = list[tuple[type[rpc.Request[Any]], Handler]]
 R = TypeVar("R")
 
 
@@ -52,6 +55,104 @@ def route(req: type[rpc.Request[R]], handler: Callable[[Any], Awaitable[R]]
     """One row of the handler table: mypy checks that ``handler`` answers with the
     reply class ``req`` names."""
     return req, handler
+
+
+def locked(h: PartitionHost, fn: Callable[[Any], Awaitable[R]]
+           ) -> Callable[[Any], Awaitable[R]]:
+    """``fn`` run holding the lock of the request's VM."""
+    async def run(req: Any) -> R:
+        async with h.lock(req.vm):
+            return await fn(req)
+    return run
+
+
+# -- the handlers loaded on first use (each function imports its group's modules) ------
+def backup_routes(h: PartitionHost) -> Routes:
+    from fusuma.supervisor import backups
+
+    return [route(rpc.Backup, lambda r: backups.backup(h, r))]
+
+
+def snapshot_routes(h: PartitionHost) -> Routes:
+    from fusuma.supervisor import snapshots
+
+    return [
+        route(rpc.SnapshotCreate, lambda r: snapshots.create(h, r)),
+        route(rpc.SnapshotRestore, lambda r: snapshots.restore(h, r)),
+        route(rpc.SnapshotDelete, lambda r: snapshots.delete(h, r)),
+    ]
+
+
+def template_routes(h: PartitionHost) -> Routes:
+    from fusuma.supervisor import templates
+
+    return [route(rpc.TemplateSave, lambda r: templates.save(h, r.vm, r.template, r.fault))]
+
+
+def move_routes(h: PartitionHost) -> Routes:
+    from fusuma.supervisor.moves import cpr, dest, remote, source
+
+    async def instances(req: rpc.ListInstances) -> rpc.Instances:
+        return rpc.Instances(await source.instances(h, req.vm))
+    return [
+        route(rpc.IncomingPrepare,
+              lambda r: dest.prepare(h, r.vm, r.mode, r.fault_decide_delay)),
+        route(rpc.MigrateOut, locked(h, lambda r: source.perform(
+            h, r.vm, r.uri, r.mode, max_bandwidth=r.max_bandwidth, tls_peer=r.tls_peer,
+            plain_tcp=r.plain_tcp, channels=r.channels, nbd=r.nbd,
+            mirror_speed=r.mirror_speed))),
+        route(rpc.CprPrepare, lambda r: cpr.prepare(h, r.vm, r.fault_decide_delay)),
+        route(rpc.CprTransfer, locked(h, lambda r: cpr.transfer(
+            h, r.vm, fault_incoming_delay=r.fault_incoming_delay))),
+        route(rpc.IncomingFinish, lambda r: dest.finish(h, r.vm, timeout=r.timeout)),
+        route(rpc.IncomingCommit, lambda r: dest.commit(h, r.vm)),
+        route(rpc.IncomingAbort, lambda r: dest.abort(h, r.vm)),
+        route(rpc.Release, lambda r: source.release(h, r.vm)),
+        route(rpc.ResumeSource, lambda r: source.resume(h, r.vm)),
+        route(rpc.Settle, lambda r: dest.settle(h, r.vm)),
+        route(rpc.ListInstances, instances),
+        route(rpc.RemoteIncoming,
+              lambda r: remote.remote_incoming(h, r.vm, r.listen, r.peer, r.tls,
+                                               r.channels, r.nbd, r.shared_disk)),
+        route(rpc.RemoteIncomingWait,
+              lambda r: remote.remote_incoming_wait(h, r.vm, r.timeout)),
+    ]
+
+
+# Request class -> the function that imports its group's modules and returns the
+# group's routes (a unit test holds each group and this table together).
+LAZY: dict[type[rpc.Request[Any]], Callable[[PartitionHost], Routes]] = {
+    rpc.Backup: backup_routes,
+    **dict.fromkeys((rpc.SnapshotCreate, rpc.SnapshotRestore, rpc.SnapshotDelete),
+                    snapshot_routes),
+    rpc.TemplateSave: template_routes,
+    **dict.fromkeys((rpc.IncomingPrepare, rpc.MigrateOut, rpc.CprPrepare, rpc.CprTransfer,
+                     rpc.IncomingFinish, rpc.IncomingCommit, rpc.IncomingAbort, rpc.Release,
+                     rpc.ResumeSource, rpc.Settle, rpc.ListInstances, rpc.RemoteIncoming,
+                     rpc.RemoteIncomingWait), move_routes),
+}
+
+
+async def recover_snapshot(h: PartitionHost, job: Job) -> None:
+    from fusuma.supervisor import snapshots
+
+    await snapshots.recover(h, job)
+
+
+async def recover_backup(h: PartitionHost, job: Job) -> None:
+    from fusuma.supervisor import backups
+
+    await backups.recover(h, job)
+
+
+def templates_of_running(h: PartitionHost) -> set[str]:
+    """The templates whose clones run in this partition."""
+    out = set()
+    for vm in h.instances.running():
+        rec = h.db.find_vm(vm)
+        if rec is not None and rec.template is not None:
+            out.add(rec.template)
+    return out
 
 
 def _reserved_mib() -> int:
@@ -101,8 +202,8 @@ class Supervisor:
         self.host = h = PartitionHost(paths, partition, Database(paths.db),
                                       cgroups.for_paths(paths), self.log)
         h.recover_local = functools.partial(vms.recover_local, h)
-        h.local_recoverers[JobKind.SNAPSHOT] = functools.partial(snapshots.recover, h)
-        h.local_recoverers[JobKind.BACKUP] = functools.partial(backups.recover, h)
+        h.local_recoverers[JobKind.SNAPSHOT] = functools.partial(recover_snapshot, h)
+        h.local_recoverers[JobKind.BACKUP] = functools.partial(recover_backup, h)
         self.governor = Governor(
             partition, h.cg, h.db,
             pids=lambda: {n: i.pid for n, i in h.instances.running().items()},
@@ -121,15 +222,10 @@ class Supervisor:
         self._recoverers: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
 
     def handlers(self) -> dict[type[rpc.Request[Any]], Handler]:
-        """The one table from request class to handler (every class of
-        ``rpc.REQUESTS`` has one; a unit test holds them together)."""
+        """The table from request class to handler, but for the groups of :data:`LAZY`
+        (:meth:`handler` adds each with its first request); together they cover
+        ``rpc.REQUESTS`` (a unit test holds them together)."""
         h = self.host
-
-        def locked(fn: Callable[[Any], Awaitable[R]]) -> Callable[[Any], Awaitable[R]]:
-            async def run(req: Any) -> R:
-                async with h.lock(req.vm):
-                    return await fn(req)
-            return run
         routes = [
             route(rpc.Ping, self.ping),
             route(rpc.Status, self.status),
@@ -140,36 +236,16 @@ class Supervisor:
             route(rpc.Exec, lambda r: vms.exec_(h, r)),
             route(rpc.Trim, lambda r: vms.trim(h, r)),
             route(rpc.ResizeDisk, lambda r: vms.resize_disk(h, r)),
-            route(rpc.Backup, lambda r: backups.backup(h, r)),
-            route(rpc.SnapshotCreate, lambda r: snapshots.create(h, r)),
-            route(rpc.SnapshotRestore, lambda r: snapshots.restore(h, r)),
-            route(rpc.SnapshotDelete, lambda r: snapshots.delete(h, r)),
-            route(rpc.TemplateSave, lambda r: templates.save(h, r.vm, r.template, r.fault)),
             route(rpc.GovernorStatus, self.governor_status),
             route(rpc.Repin, self.repin),
-            route(rpc.IncomingPrepare,
-                  lambda r: dest.prepare(h, r.vm, r.mode, r.fault_decide_delay)),
-            route(rpc.MigrateOut, locked(lambda r: source.perform(
-                h, r.vm, r.uri, r.mode, max_bandwidth=r.max_bandwidth, tls_peer=r.tls_peer,
-                plain_tcp=r.plain_tcp, channels=r.channels, nbd=r.nbd,
-                mirror_speed=r.mirror_speed))),
-            route(rpc.CprPrepare, lambda r: cpr.prepare(h, r.vm, r.fault_decide_delay)),
-            route(rpc.CprTransfer, locked(lambda r: cpr.transfer(
-                h, r.vm, fault_incoming_delay=r.fault_incoming_delay))),
-            route(rpc.IncomingFinish, lambda r: dest.finish(h, r.vm, timeout=r.timeout)),
-            route(rpc.IncomingCommit, lambda r: dest.commit(h, r.vm)),
-            route(rpc.IncomingAbort, lambda r: dest.abort(h, r.vm)),
-            route(rpc.Release, lambda r: source.release(h, r.vm)),
-            route(rpc.ResumeSource, lambda r: source.resume(h, r.vm)),
-            route(rpc.Settle, lambda r: dest.settle(h, r.vm)),
-            route(rpc.ListInstances, self.instances),
-            route(rpc.RemoteIncoming,
-                  lambda r: remote.remote_incoming(h, r.vm, r.listen, r.peer, r.tls,
-                                                   r.channels, r.nbd, r.shared_disk)),
-            route(rpc.RemoteIncomingWait,
-                  lambda r: remote.remote_incoming_wait(h, r.vm, r.timeout)),
         ]
         return dict(routes)
+
+    def handler(self, req: type[rpc.Request[Any]]) -> Handler:
+        """The handler of ``req``, its group's modules imported on first use."""
+        if req not in self._handlers:
+            self._handlers.update(LAZY[req](self.host))
+        return self._handlers[req]
 
     # -- the daemon's own requests ------------------------------------------------------
     async def ping(self, req: rpc.Ping) -> rpc.Pong:
@@ -186,9 +262,6 @@ class Supervisor:
 
     async def repin(self, req: rpc.Repin) -> rpc.Pins:
         return rpc.Pins(await self.host.repin_all())
-
-    async def instances(self, req: rpc.ListInstances) -> rpc.Instances:
-        return rpc.Instances(await source.instances(self.host, req.vm))
 
     # -- lifecycle of the supervisor itself ------------------------------------------
     async def run(self) -> None:
@@ -254,7 +327,7 @@ class Supervisor:
                       writer: asyncio.StreamWriter) -> None:
         try:
             req = rpc.decode_request(await reader.readline())
-            out = rpc.encode_reply(await self._handlers[type(req)](req))
+            out = rpc.encode_reply(await self.handler(type(req))(req))
         except FusumaError as exc:
             out = rpc.encode_error(exc)
         except Exception as exc:  # report, keep serving
@@ -289,7 +362,11 @@ class Supervisor:
         while True:
             await asyncio.sleep(every)
             try:
-                now = templates.templates_of_running(self.host)
+                now = templates_of_running(self.host)
+                if not now | last:
+                    continue
+                from fusuma.supervisor import templates
+
                 targets = templates.trim_targets(self.host, now | last)
                 freed = await asyncio.to_thread(templates.trim_files, self.host, targets)
                 last = now

@@ -362,16 +362,6 @@ def trim_files(h: PartitionHost, targets: list[tuple[str, str, Path]]) -> dict[s
     return freed
 
 
-def templates_of_running(h: PartitionHost) -> set[str]:
-    """The templates whose clones run in this partition."""
-    out = set()
-    for vm in h.instances.running():
-        rec = h.db.find_vm(vm)
-        if rec is not None and rec.template is not None:
-            out.add(rec.template)
-    return out
-
-
 async def recover(h: PartitionHost, job: Job) -> None:
     """Finish or undo the save of a supervisor that died: finished once its record
     exists (committed), else undone, asking QEMU."""

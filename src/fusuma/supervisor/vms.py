@@ -17,15 +17,13 @@ from pathlib import Path
 from fusuma.errors import FusumaError, GuestAgentError, QemuError, SpecError, StateError
 from fusuma.host import storage
 from fusuma.host.accel import probe_accel
-from fusuma.images import snapshots as offline
 from fusuma.images.store import disk_path
 from fusuma.memshare import clones, reporting
-from fusuma.qemu import block, privilege
+from fusuma.qemu import privilege
 from fusuma.qemu.cmdline import BOOT_DRIVE
 from fusuma.qemu.instance import QemuInstance, remove_run_files
 from fusuma.state import ALIVE, DiskRecord, Job, JobKind, VmRecord, VmState
 from fusuma.supervisor import rpc
-from fusuma.supervisor import templates as template_ops
 from fusuma.supervisor.host import PartitionHost
 from fusuma.undo import Reverter
 
@@ -64,6 +62,8 @@ async def start_held(h: PartitionHost, vm: VmRecord, requested: float) -> QemuIn
             inst = await h.launch(vm, accel.name, run, ram, None, rev)
             restore_ms = None
             if resume:
+                from fusuma.supervisor import templates as template_ops
+
                 h.phase(vm.name, "restore", pid=inst.pid)
                 restore_ms = await template_ops.restore(h, vm, inst)
             h.phase(vm.name, "pin", pid=inst.pid)
@@ -79,6 +79,8 @@ async def start_held(h: PartitionHost, vm: VmRecord, requested: float) -> QemuIn
         raise
     h.log.info("started %s: pid %d, %s", vm.name, inst.pid, accel.name)
     if restore_ms is not None:
+        from fusuma.supervisor import templates as template_ops
+
         template_ops.begin_identity(h, vm.name, inst, requested, restore_ms)
     return inst
 
@@ -260,6 +262,8 @@ async def resize_disk(h: PartitionHost, req: rpc.ResizeDisk) -> rpc.Resized:
 async def _resize_online(inst: QemuInstance, req: rpc.ResizeDisk, drive: str,
                          what: str) -> int:
     """The size now is QEMU's own (``query-block``)."""
+    from fusuma.qemu import block
+
     found = (await block.drives(inst.qmp)).get(drive)
     if found is None:
         raise StateError(f"VM {req.vm!r}'s QEMU has no drive {drive}; stop and start it.")
@@ -276,6 +280,8 @@ def _resize_offline(h: PartitionHost, rec: VmRecord, d: DiskRecord | None,
     the supervisor holds the VM's lock, so no start comes in between."""
     if d is not None:
         return storage.grow(d.name, Path(d.path), d.dev, d.ino, req.size)
+    from fusuma.images import snapshots as offline
+
     path, uid = disk_path(h.paths, rec.name), privilege.uid_for(h.paths, rec)
     old = offline.size_of(path, uid)
     if req.size <= old:
@@ -300,6 +306,8 @@ async def recover_local(h: PartitionHost, job: Job) -> None:
     name = job.name
     inst = h.instances.get(name)
     if job.kind == JobKind.IDENTITY and inst is not None:
+        from fusuma.supervisor import templates as template_ops
+
         # A clone that runs and was never given its own identity: give it now (the
         # step ends the job).
         template_ops.begin_identity(h, name, inst, time.time(), 0.0,
@@ -321,6 +329,8 @@ async def recover_local(h: PartitionHost, job: Job) -> None:
             with contextlib.suppress(FusumaError):
                 h.settle_state(name, VmState.STOPPED, pid=None)
         elif job.kind == JobKind.TEMPLATE:
+            from fusuma.supervisor import templates as template_ops
+
             await template_ops.recover(h, job)
         elif job.kind == JobKind.START:
             status = None if inst is None else await inst.qmp.query_status()
