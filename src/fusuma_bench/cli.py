@@ -382,7 +382,7 @@ def scheduler_cmd(c: Ctx, dummies: str | None, policies: str | None, loads: str 
         if policies else list(scheduler.QUICK_POLICIES if quick else scheduler.POLICIES),
         loads=scheduler.parse_choice(loads, scheduler.LOADS, "loads") if loads else list(
             scheduler.QUICK_LOADS if quick else scheduler.LOADS),
-        test_s=test_s, progress_s=test_s,
+        test_s=test_s, progress_s=max(test_s, scheduler.MIN_PROGRESS_S),
         runs=runs or (scheduler.QUICK_RUNS if quick else scheduler.RUNS),
         target_emulator=target_emulator)
     run = scheduler_run.Bench(c.parts, c.vms, cfg, progress)

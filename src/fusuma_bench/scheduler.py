@@ -55,6 +55,11 @@ QUICK_LOADS = ("cpu",)
 DEFAULT_DUMMIES = (0, 1, 2, 4, 8, 16)
 QUICK_DUMMIES = (0, 4)
 TEST_S = 5.0
+# The dummies' progress is read over at least this long: a dummy writes its counter
+# every 2000 rounds of its loop, which a dummy starved to a fraction of a TCG core
+# can take over a second to reach; a shorter window says it made no progress when
+# it made some (a --test-seconds 0.5 run under load: 1 of 2 "progressing").
+MIN_PROGRESS_S = 2.0
 QUICK_TEST_S = 3.0
 RUNS = 3
 QUICK_RUNS = 1

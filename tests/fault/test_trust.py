@@ -47,7 +47,7 @@ path = "{keep.parent}"
 
 [[partition]]
 name = "p0"
-cpus = "0"
+cpus = "{host.core(0)}"
 memory_mib = 768
 
 [[disk]]

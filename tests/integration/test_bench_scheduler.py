@@ -22,7 +22,7 @@ def test_bench_scheduler_quick(host: Host, tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     meta = data["meta"]
     assert meta["benchmark"] == "scheduler" and meta["dummies"] == [0, 2]
-    assert meta["test_s"] == meta["progress_s"] == 0.5
+    assert (meta["test_s"], meta["progress_s"]) == (0.5, 2.0)    # progress: at least 2 s
     assert meta["policies"] == ["default", "governor"] and meta["loads"] == ["cpu"]
     for key in ("git_revision", "date", "host", "accel", "qemu", "cpu_test"):
         assert meta[key], key

@@ -26,7 +26,7 @@ import pytest
 
 from tests import netns
 from tests.apikit import Api
-from tests.conftest import FUSUMA, Host, _tear_down
+from tests.conftest import FUSUMA, Host, _tear_down, core
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -295,7 +295,7 @@ subnet = "{LAN1}.0/24"
 {more}
 [[partition]]
 name = "p0"
-cpus = "0"
+cpus = "{core(0)}"
 memory_mib = 1024
 
 [[vm]]

@@ -189,4 +189,13 @@ def ps_data(c: Ctx, vms_only: bool = False,
         v["memory"] = vm_admission(rec, ocs.get(rec.partition, 1.0),
                                    v["ram"]["resident_mib"])
         v["nics"] = nics[v["name"]]
+    # A partition's resident and reclaimable sums are the sums of the rows shown: read
+    # once, not again a moment apart (a guest touching its RAM meanwhile would show a
+    # VM holding more than its partition).
+    for p in parts:
+        adm = p.get("memory_admission")
+        if adm is not None:
+            rows = [v["memory"] for v in vms if v["partition"] == p["name"]]
+            adm["resident_mib"] = round(sum(r["resident_mib"] or 0.0 for r in rows), 1)
+            adm["reclaimable_mib"] = round(sum(r["reclaimable_mib"] or 0.0 for r in rows), 1)
     return {"partitions": parts, "vms": vms, "networks": nets}
