@@ -44,7 +44,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if rep.failed or (rep.skipped and cur["outcome"] == "passed"):
         cur["outcome"] = "failed" if rep.failed else "skipped"
         text = str(rep.longrepr) if rep.longrepr else ""
-        cur["detail"] = (cur["detail"] + f"\n[{rep.when}] " + text[-3000:]).strip()
+        # The error's own message first: a log that keeps only the head of a long
+        # traceback still says what failed (e.g. a CLI call's exit and stderr).
+        crash = getattr(rep.longrepr, "reprcrash", None)
+        head = f"{crash.message[:1500]}\n--- traceback:\n" if crash is not None else ""
+        cur["detail"] = (cur["detail"] + f"\n[{rep.when}] " + head + text[-3000:]).strip()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(_results, indent=1))
     return rep
