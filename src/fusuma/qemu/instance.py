@@ -216,8 +216,8 @@ class QemuInstance:
 
     async def _connect_or_fail(self, log: Path) -> None:
         assert self.child is not None
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        while time.monotonic() < deadline:
+        patience = process.Patience(self.child.pid, CONNECT_TIMEOUT_S)
+        while not patience.expired():
             if self.child.poll() is not None:
                 said = process.tail(log, 1)
                 raise QemuError(f"VM {self.vm}: QEMU exited at start with status "
@@ -228,26 +228,26 @@ class QemuInstance:
                 return
             except QemuError:
                 continue
-        raise QemuError(f"VM {self.vm}: QEMU did not open its QMP socket within "
-                        f"{CONNECT_TIMEOUT_S:.0f} s"
-                        f"{process.cpu_note(self.pid, CONNECT_TIMEOUT_S)}; see {log}.",
+        raise QemuError(f"VM {self.vm}: QEMU did not open its QMP socket "
+                        f"{patience.said()}"
+                        f"{process.cpu_note(self.pid, patience.elapsed())}; see {log}.",
                         log_tail=process.tail(log))
 
     async def _wait_listening(self, sock: Path, log: Path) -> None:
         """Wait until a new QEMU listens on its cpr channel (its monitor opens only
         after the descriptors arrived, so there is no QMP to wait for)."""
         assert self.child is not None
-        deadline = time.monotonic() + LISTEN_TIMEOUT_S
+        patience = process.Patience(self.child.pid, LISTEN_TIMEOUT_S)
         while not sock.exists():
             if self.child.poll() is not None:
                 raise QemuError(f"VM {self.vm}: the new QEMU exited at start with status "
                                 f"{self.child.returncode}: "
                                 f"{process.tail(log, 1) or 'no message'}",
                                 exit_status=self.child.returncode, log_tail=process.tail(log))
-            if time.monotonic() > deadline:
+            if patience.expired():
                 raise QemuError(f"VM {self.vm}: the new QEMU did not listen on {sock} "
-                                f"within {LISTEN_TIMEOUT_S:.0f} s"
-                                f"{process.cpu_note(self.pid, LISTEN_TIMEOUT_S)}; see {log}.",
+                                f"{patience.said()}"
+                                f"{process.cpu_note(self.pid, patience.elapsed())}; see {log}.",
                                 log_tail=process.tail(log))
             await asyncio.sleep(0.002)
 

@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fusuma.paths import Paths
@@ -92,6 +93,56 @@ def sched_seconds(pid: int, proc: Path = PROC) -> tuple[float, float] | None:
             run_ns, wait_ns, _ = (proc / str(pid) / "task" / t / "schedstat").read_text().split()
             ran, waited = ran + int(run_ns), waited + int(wait_ns)
     return ran / 1e9, waited / 1e9
+
+
+def main_thread_waited(pid: int, proc: Path = PROC) -> float | None:
+    """Seconds process ``pid``'s main thread has waited runnable for a CPU (its
+    ``schedstat``); None when it cannot be read."""
+    try:
+        return int((proc / str(pid) / "task" / str(pid) / "schedstat").read_text()
+                   .split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Patience:
+    """How long to wait for a new process's first sign of life (a QEMU's monitor
+    socket): ``limit_s`` seconds of the time it could have run. The seconds its main
+    thread (the one that sets the machine up) waited runnable for a CPU do not count,
+    up to ``cap_s`` of the clock in all. A process that hangs (asleep, or blocked on
+    I/O) waits for no CPU and is given up on after ``limit_s``; one starved by busier
+    processes on its cores (a best-effort VM beside a busy one, a nested guest on a
+    loaded host) is not called hung."""
+
+    def __init__(self, pid: int, limit_s: float, cap_s: float | None = None,
+                 proc: Path = PROC, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pid, self.limit_s, self.proc, self.clock = pid, limit_s, proc, clock
+        self.cap_s = cap_s if cap_s is not None else 10 * limit_s
+        self.t0 = clock()
+        self.q0 = main_thread_waited(pid, proc) or 0.0
+        self.starved_s = 0.0
+
+    def elapsed(self) -> float:
+        return self.clock() - self.t0
+
+    def expired(self) -> bool:
+        wall = self.elapsed()
+        if wall < self.limit_s:
+            return False
+        if wall >= self.cap_s:
+            return True
+        waited = main_thread_waited(self.pid, self.proc)
+        self.starved_s = max(0.0, (waited or 0.0) - self.q0) if waited is not None else 0.0
+        return wall - self.starved_s >= self.limit_s
+
+    def said(self) -> str:
+        """``within N s`` for an error message, with the clock's whole time when the
+        process was starved meanwhile."""
+        wall = self.elapsed()
+        if wall - self.limit_s < 1:
+            return f"within {self.limit_s:.0f} s"
+        return (f"within {self.limit_s:.0f} s of the time it could run ({wall:.0f} s in "
+                f"all, {self.starved_s:.0f} s of them waiting for a CPU)")
 
 
 def cpu_note(pid: int, waited_s: float, proc: Path = PROC) -> str:
