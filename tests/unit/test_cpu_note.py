@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fusuma.qemu.process import Patience, cpu_note, sched_seconds
+from fusuma.qemu.process import Patience, cpu_note, sched_seconds, thread_states
 
 
 def fake_proc(root: Path, pid: int, threads: dict[int, str]) -> Path:
@@ -95,3 +95,17 @@ def test_a_process_that_cannot_be_read_is_held_to_the_clock(tmp_path: Path) -> N
     p = Patience(7, 30.0, proc=tmp_path, clock=clock)
     clock.now += 30.0
     assert p.expired()
+
+
+def test_thread_states_name_what_each_non_vcpu_thread_waits_on(tmp_path: Path) -> None:
+    for tid, comm, state, wchan in ((50, "qemu-system-x86", "S", "do_sys_poll"),
+                                    (51, "CPU 0/TCG", "R", "0"),
+                                    (52, "live_migration", "D", "unix_stream_sendmsg")):
+        d = tmp_path / "50" / "task" / str(tid)
+        d.mkdir(parents=True)
+        (d / "comm").write_text(comm + "\n")
+        (d / "stat").write_text(f"{tid} ({comm}) {state} 1 2 3\n")
+        (d / "wchan").write_text(wchan)
+    assert thread_states(50, tmp_path) == (
+        "qemu-system-x86 S do_sys_poll; live_migration D unix_stream_sendmsg")
+    assert thread_states(51, tmp_path) == ""

@@ -149,6 +149,9 @@ class QemuInstance:
     _runstate: asyncio.Task[None] | None = None
     _exit_task: asyncio.Future[None] | None = None
 
+    def __post_init__(self) -> None:
+        self.qmp.pid = self.pid
+
     # -- start ----------------------------------------------------------------------------
     @classmethod
     async def launch(cls, vm: str, plan: LaunchPlan, *, run_dir: Path,

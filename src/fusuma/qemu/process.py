@@ -145,6 +145,34 @@ class Patience:
                 f"all, {self.starved_s:.0f} s of them waiting for a CPU)")
 
 
+def thread_states(pid: int, proc: Path = PROC, limit: int = 12) -> str:
+    """Process ``pid``'s threads other than vCPUs, each with its state and where the
+    kernel has it wait (``wchan``), for a message about a QEMU that does not finish
+    something: e.g. "live_migration S unix_stream_read_generic"; empty if unknown."""
+    out = []
+    try:
+        tids = sorted(os.listdir(proc / str(pid) / "task"), key=int)
+    except (OSError, ValueError):
+        return ""
+    for t in tids:
+        d = proc / str(pid) / "task" / t
+        try:
+            comm = (d / "comm").read_text().strip()
+            stat = (d / "stat").read_text()
+            state = stat.rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if comm.startswith("CPU "):
+            continue
+        try:
+            wchan = (d / "wchan").read_text().strip() or "-"
+        except OSError:
+            wchan = "?"
+        out.append(f"{comm} {state} {wchan}")
+    more = f", and {len(out) - limit} more" if len(out) > limit else ""
+    return "; ".join(out[:limit]) + more
+
+
 def cpu_note(pid: int, waited_s: float, proc: Path = PROC) -> str:
     """What a process that kept someone waiting ``waited_s`` seconds did meanwhile,
     for an error message: a starved process is not a hung one (empty if unknown)."""

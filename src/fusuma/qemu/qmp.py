@@ -12,6 +12,7 @@ from qemu.qmp import EventListener, QMPClient, QMPError
 
 from fusuma.errors import MigrationError, QemuError
 from fusuma.frozen import frozen
+from fusuma.qemu import process
 
 # QMP event names used by fusuma.
 EVENT_SHUTDOWN = "SHUTDOWN"
@@ -75,6 +76,9 @@ class Qmp:
         # end yet: never cancelled as a leftover.
         self._own_stream = False
         self._listeners: list[EventListener] = []
+        # The QEMU's pid when known (fusuma.qemu.instance sets it): what its threads
+        # were doing goes into the log when a stream will not clear.
+        self.pid: int | None = None
 
     async def connect(self, timeout: float = 10.0) -> None:
         """Connect, retrying while QEMU creates its socket."""
@@ -285,6 +289,10 @@ class Qmp:
                     await self.execute("yank", {"instances": [MIGRATION_YANK]})
                 yanked = True
             if waited >= timeout:
+                if self.pid is not None:
+                    self.log.warning("%s: QEMU (pid %d) threads while its earlier stream "
+                                     "will not clear: %s", self.vm, self.pid,
+                                     process.thread_states(self.pid) or "unknown")
                 raise MigrationError(
                     f"VM {self.vm}: QEMU still holds an earlier stream ({info.status}"
                     f"{', its channels registered' if held else ''}) after {timeout:.0f} s "
