@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from fusuma.network.keeper import FAULT_DNSMASQ_DELAY
 from tests import netns
 from tests.apikit import Api
 from tests.conftest import FUSUMA, Host, _tear_down, core
@@ -620,9 +621,11 @@ def test_kill9_during_create_and_start_of_a_nic_vm(booted: tuple[Host, Net]) -> 
 def test_keeper_and_cli_killed_between_bridge_and_dnsmasq(booted: tuple[Host, Net],
                                                           tmp_path: Path) -> None:
     h, net = booted
+    # The keeper waits before it starts dnsmasq (a fault hook): the kills below land
+    # between the bridge and dnsmasq however quickly the keeper starts.
     p = subprocess.Popen([*h.wrap, *FUSUMA, "network", "create", "lan3", "--subnet",
-                          "10.123.4.0/24"], env=h.env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+                          "10.123.4.0/24"], env={**h.env, FAULT_DNSMASQ_DELAY: "60"},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     keeper = None
     while keeper is None and time.monotonic() < deadline:

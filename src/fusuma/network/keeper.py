@@ -33,6 +33,9 @@ from fusuma.qemu import process
 
 LOG = logging.getLogger("fusuma.network.keeper")
 KEEPER_MODULE = "fusuma.network.keeper"
+# Fault injection (tests): seconds a keeper waits before it starts a dnsmasq, so that a
+# test can kill it between the bridge and dnsmasq at a point it knows.
+FAULT_DNSMASQ_DELAY = "FUSUMA_FAULT_KEEPER_DNSMASQ_DELAY"
 PIDFILE = "keeper.pid"
 RESTART_MIN, RESTART_MAX, STABLE_S = 0.2, 5.0, 30.0
 
@@ -91,6 +94,9 @@ class Keeper:
             return pid
         with contextlib.suppress(FileNotFoundError):
             self.files.pid.unlink()
+        delay = float(os.environ.get(FAULT_DNSMASQ_DELAY) or 0)
+        if delay > 0:
+            time.sleep(delay)
         self.child = subprocess.Popen(dnsmasq.argv(self.files), stdin=subprocess.DEVNULL,
                                       start_new_session=True, close_fds=True)
         LOG.info("started dnsmasq pid %d", self.child.pid)
