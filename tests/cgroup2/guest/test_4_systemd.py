@@ -3,7 +3,8 @@ installs the units, the partition's supervisor runs as fusuma-supervisor@p0.serv
 fusuma.slice, and one real VM (the minimal image under nested TCG, 128 MiB) runs in the
 unit's delegated cgroup, held to the partition's core and memory. Restarting the unit
 (or killing the supervisor) leaves the VM running, and a restart reloads a drop-in that
-a killed writer left unreloaded; deleting the partition leaves nothing. The tests share the partition and the VM, in order."""
+a killed writer left unreloaded; deleting the partition leaves nothing. The tests share
+the partition and the VM, in order."""
 
 from __future__ import annotations
 
