@@ -22,12 +22,14 @@ MIB = 1 << 20
 
 
 class FakeSystemctl:
-    """Records every command; answers 0 unless ``fail`` names the verb."""
+    """Records every command; answers 0 unless ``fail`` names the verb. ``changed``:
+    units whose files changed on disk since systemd read them (until a daemon-reload)."""
 
     def __init__(self, fail: dict[str, str] | None = None) -> None:
         self.calls: list[list[str]] = []
         self.fail = fail or {}
         self.active: set[str] = set()
+        self.changed: set[str] = set()
 
     def __call__(self, argv: list[str]) -> tuple[int, str, str]:
         self.calls.append(argv)
@@ -36,6 +38,10 @@ class FakeSystemctl:
             return 1, "", self.fail[verb]
         if verb == "is-active":
             return (0 if argv[-1] in self.active else 3), "", ""
+        if verb == "daemon-reload":
+            self.changed.clear()
+        if verb == "show" and argv[3:] == ["--property=NeedDaemonReload"]:
+            return 0, f"NeedDaemonReload={'yes' if argv[2] in self.changed else 'no'}\n", ""
         if verb == "show":
             return 0, "MainPID=4242\nResult=success\n", ""
         return 0, "", ""
@@ -124,10 +130,11 @@ def test_dropins_cost_one_reload_before_the_verb_that_needs_them(tmp_path: Path)
     assert run.verbs() == []
     u.start(unit)
     assert run.verbs() == ["daemon-reload", f"start {unit}"]
-    u.start(unit)                                       # nothing new: no reload
+    u.start(unit)                       # nothing new: systemd is asked, no reload
     u.write_limits(unit, lim)                           # the same text: nothing new
     u.set_limits(unit, Limits(cpus=[0], mems=[0], memory_bytes=256 * MIB))
-    assert run.verbs()[2:] == [f"start {unit}", "daemon-reload", "set-property --runtime"]
+    assert run.verbs()[2:] == [f"show {unit}", f"start {unit}", "daemon-reload",
+                               "set-property --runtime"]
     # forget: `revert` reloads (its own and our removed drop-ins); a failed one does not.
     run.calls.clear()
     u.forget(unit)
@@ -136,6 +143,41 @@ def test_dropins_cost_one_reload_before_the_verb_that_needs_them(tmp_path: Path)
     failing = FakeSystemctl({"revert": "Failed to revert unit: Unit file is masked."})
     units(tmp_path, run=failing).forget(unit)
     assert failing.verbs()[-2:] == [f"revert {unit}", "daemon-reload"]
+
+
+def test_a_killed_writers_dropins_are_reloaded_before_the_unit_starts(
+        tmp_path: Path) -> None:
+    # A CLI killed between writing a drop-in and the reload: the next process writes
+    # the same text (nothing new to it), and systemd still runs on the old one.
+    run = FakeSystemctl()
+    unit = units(tmp_path).supervisor("p0")
+    lim = Limits(cpus=[1], mems=[0], memory_bytes=256 * MIB)
+    killed = units(tmp_path, run=run)
+    killed.write_limits(unit, lim)
+    killed.write_supervisor("p0", {}, Path("/var/log/sup.log"))
+    assert run.verbs() == []                            # killed here: no reload
+    run.changed.add(unit)
+    u = units(tmp_path, run=run)
+    u.write_limits(unit, lim)
+    u.write_supervisor("p0", {}, Path("/var/log/sup.log"))
+    assert not u.stale
+    u.start(unit)
+    assert run.verbs() == [f"show {unit}", "daemon-reload", f"start {unit}"]
+    assert run.calls[0] == ["systemctl", "show", unit, "--property=NeedDaemonReload"]
+    # set-property too: a resize after the killed one reloads what it left.
+    run.calls.clear()
+    run.changed.add(unit)
+    u.set_limits(unit, lim)
+    assert run.verbs() == [f"show {unit}", "daemon-reload", "set-property --runtime"]
+    # A systemd that cannot say gets the reload: one too many is only slow.
+    mute = FakeSystemctl({"show": "Failed to connect to bus"})
+    units(tmp_path, run=mute).start(unit)
+    assert mute.verbs() == [f"show {unit}", "daemon-reload", f"start {unit}"]
+    # This process's own drop-ins: one reload, systemd not asked.
+    run.calls.clear()
+    u.write_limits(unit, Limits(cpus=[2], mems=[0], memory_bytes=256 * MIB))
+    u.start(unit)
+    assert run.verbs() == ["daemon-reload", f"start {unit}"]
 
 
 def test_a_wait_loop_asks_systemctl_once_a_second(tmp_path: Path,

@@ -175,7 +175,9 @@ class Units:
     # A drop-in was written since the last daemon-reload. systemd reads drop-ins only
     # at a reload, and a reload takes seconds on a slow host (~5 s in a TCG guest): the
     # next verb that needs them (start, set-property) reloads once for all of them, so
-    # that a partition's limits and its supervisor's command line cost one reload.
+    # that a partition's limits and its supervisor's command line cost one reload. A
+    # process killed between its write and that verb left the reload undone: when this
+    # one wrote nothing new, that verb asks systemd whether the unit needs one.
     stale: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -326,11 +328,19 @@ Before=slices.target
         LOG.info("installed %s", ", ".join(str(p) for p in todo))
         return todo
 
-    def reload(self) -> None:
-        """``systemctl daemon-reload`` if a unit file or drop-in changed since the last."""
-        if self.stale:
+    def reload(self, unit: str | None = None) -> None:
+        """``systemctl daemon-reload`` if this process changed a unit file or drop-in
+        since the last, or if systemd says ``unit``'s files changed since it read them
+        (another process wrote a drop-in and was killed before its reload)."""
+        if self.stale or (unit is not None and self.needs_reload(unit)):
             self.systemctl("daemon-reload", what="reload its units")
             self.stale = False
+
+    def needs_reload(self, unit: str) -> bool:
+        """systemd's NeedDaemonReload of ``unit``: one `systemctl show`, no reload. True
+        also when systemd cannot say (a reload too many is only slow)."""
+        code, out, _ = self.run(["systemctl", "show", unit, "--property=NeedDaemonReload"])
+        return code != 0 or out.strip() != "NeedDaemonReload=no"
 
     # -- systemctl ---------------------------------------------------------------------
     def systemctl(self, *args: str, what: str) -> str:
@@ -464,13 +474,13 @@ Before=slices.target
     def set_limits(self, unit: str, limits: Limits) -> None:
         """Change the limits of a partition whose cgroup exists, at once."""
         self.write_limits(unit, limits)
-        self.reload()
+        self.reload(unit)
         props = self._props(limits)
         self.systemctl("set-property", "--runtime", unit, *props,
                        what=f"set the limits of {unit} ({' '.join(props)})")
 
     def start(self, unit: str) -> None:
-        self.reload()
+        self.reload(unit)
         self.systemctl("start", unit, what=f"start {unit} in {self.slice}")
 
     def stop(self, unit: str) -> None:

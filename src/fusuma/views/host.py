@@ -21,9 +21,14 @@ def job_json(j: Job) -> dict[str, Any]:
             "owner_pid": j.owner.pid, "owner_alive": j.owner.alive()}
 
 
-def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None
+def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None,
+                    vms: list[VmRecord] | None = None,
+                    resident: dict[str, float | None] | None = None
                     ) -> list[dict[str, Any]]:
-    """What `partition list --json` prints (and `ps --json` under "partitions")."""
+    """What `partition list --json` prints (and `ps --json` under "partitions").
+    ``vms`` and ``resident``: the VM records and their guest RAM (read_resident_mib())
+    when the caller shows them too, so that a partition's sums are those of the rows
+    shown; read here otherwise."""
     records = c.db.partitions()
     if not records:
         return []       # an empty host: nothing more to read, or to import
@@ -33,7 +38,10 @@ def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None
     if jobs is None:
         jobs = {j.obj: job_json(j) for j in c.db.jobs()}
     parts = []
-    vms = c.db.vms()
+    if vms is None:
+        vms = c.db.vms()
+    if resident is None:
+        resident = read_resident_mib(vms)
     from fusuma import capacity
 
     ocs = capacity.overcommits(c.db)
@@ -49,21 +57,29 @@ def partitions_data(c: Ctx, jobs: dict[str, dict[str, Any]] | None = None
                                                            if v.partition == p.name]),
                       "memory_overcommit": ocs[p.name],
                       "memory_admission": partition_admission(
-                          [v for v in vms if v.partition == p.name], ocs[p.name]),
+                          [v for v in vms if v.partition == p.name], ocs[p.name],
+                          resident),
                       "cores_held_by": cores_held_by(c, p.name),
                       "job": jobs.get(f"partition:{p.name}")})
     return parts
 
 
-def _resident_mib(v: VmRecord) -> float | None:
-    """The guest RAM a running VM holds on the host now (fusuma.memshare.reporting: its
-    RAM file's allocated blocks, or its QEMU's anonymous memory for private RAM)."""
-    if v.state.value not in ("running", "paused", "migrating", "stopping"):
-        return None
+def read_resident_mib(vms: list[VmRecord]) -> dict[str, float | None]:
+    """The guest RAM each running VM holds on the host now, in MiB, by name; None for a
+    VM that does not run (fusuma.memshare.reporting: its RAM file's allocated blocks,
+    or its QEMU's anonymous memory for private RAM). Read once per view: a guest that
+    touches its RAM between two readings would show a VM holding more than its
+    partition."""
+    if not vms:
+        return {}       # nothing to read, or to import
     from fusuma.memshare import reporting
 
-    got = reporting.resident_bytes(v, v.pid)
-    return None if got is None else round(got / 2**20, 1)
+    out: dict[str, float | None] = {}
+    for v in vms:
+        got = (reporting.resident_bytes(v, v.pid)
+               if v.state.value in ("running", "paused", "migrating", "stopping") else None)
+        out[v.name] = None if got is None else round(got / 2**20, 1)
+    return out
 
 
 def vm_admission(v: VmRecord, overcommit: float,
@@ -80,10 +96,12 @@ def vm_admission(v: VmRecord, overcommit: float,
                                 if resident_mib is not None else None)}
 
 
-def partition_admission(vms: list[VmRecord], overcommit: float) -> dict[str, Any]:
+def partition_admission(vms: list[VmRecord], overcommit: float,
+                        resident: dict[str, float | None]) -> dict[str, Any]:
     """A partition's VMs' guest RAM, summed: RAM asked for, admitted, resident now and
-    reclaimable now (MiB; VMs that do not run hold and give nothing)."""
-    rows = [vm_admission(v, overcommit, _resident_mib(v)) for v in vms]
+    reclaimable now (MiB, from ``resident``: read_resident_mib(); VMs that do not run
+    hold and give nothing)."""
+    rows = [vm_admission(v, overcommit, resident[v.name]) for v in vms]
     return {"ram_mib": sum(v.memory_mib for v in vms),
             "admitted_mib": sum(r["admitted_mib"] for r in rows),
             "resident_mib": round(sum(r["resident_mib"] or 0.0 for r in rows), 1),
@@ -129,10 +147,10 @@ def memory_use(c: Ctx, partition: str, vms: list[VmRecord]) -> dict[str, Any]:
     return {"guest_ram_mib": round(ram / 2**20, 1), "other_mib": round(other_b / 2**20, 1)}
 
 
-def ram_use(cg: Any, v: VmRecord) -> dict[str, Any]:
-    """A VM's guest RAM on the host, in MiB: resident (the RAM file's allocated blocks,
-    or QEMU's anonymous memory for private RAM) and, with page reporting, what it handed
-    back since its peak (its RAM group's high-water mark less its usage now)."""
+def ram_use(cg: Any, v: VmRecord, resident: float | None) -> dict[str, Any]:
+    """A VM's guest RAM on the host, in MiB: resident (``resident``: its
+    read_resident_mib()) and, with page reporting, what it handed back since its peak
+    (its RAM group's high-water mark less its usage now)."""
     from fusuma.memshare import reporting
 
     # A clone carries its template's balloon (devices must match), driver unbound.
@@ -142,8 +160,7 @@ def ram_use(cg: Any, v: VmRecord) -> dict[str, Any]:
                            "resident_mib": None, "returned_mib": None}
     if v.state.value not in ("running", "paused", "migrating", "stopping"):
         return out
-    got = reporting.resident_bytes(v, v.pid)
-    out["resident_mib"] = None if got is None else round(got / 2**20, 1)
+    out["resident_mib"] = resident
     if out["page_reporting"] and v.ram_path and v.shared_ram and cg is not None:
         stem = Path(v.ram_path).name.removesuffix(".ram")
         peak, now = cg.ram_peak(stem), cg.ram_charged(stem)
@@ -159,8 +176,10 @@ def ps_data(c: Ctx, vms_only: bool = False,
     a QEMU killed a moment ago shows as crashed). ``memory``: a recent reading of each
     QEMU's host memory (the API daemon's sampler) instead of reading it now."""
     jobs = {j.obj: job_json(j) for j in c.db.jobs()}
-    parts = [] if vms_only else partitions_data(c, jobs)
     records = c.db.vms()
+    # Each VM's guest RAM read once, for its row and its partition's sums alike.
+    resident = read_resident_mib(records)
+    parts = [] if vms_only else partitions_data(c, jobs, records, resident)
     from fusuma.views.networks import networks_data, nics_by_vm, present_taps
 
     # The kernel's taps, read once for the networks and the VMs (when any NIC exists).
@@ -185,17 +204,7 @@ def ps_data(c: Ctx, vms_only: bool = False,
     for v in vms:
         rec = by_name[v["name"]]
         v["job"] = jobs.get(f"vm:{v['name']}")
-        v["ram"] = ram_use(cg, rec)
-        v["memory"] = vm_admission(rec, ocs.get(rec.partition, 1.0),
-                                   v["ram"]["resident_mib"])
+        v["ram"] = ram_use(cg, rec, resident[rec.name])
+        v["memory"] = vm_admission(rec, ocs.get(rec.partition, 1.0), resident[rec.name])
         v["nics"] = nics[v["name"]]
-    # A partition's resident and reclaimable sums are the sums of the rows shown: read
-    # once, not again a moment apart (a guest touching its RAM meanwhile would show a
-    # VM holding more than its partition).
-    for p in parts:
-        adm = p.get("memory_admission")
-        if adm is not None:
-            rows = [v["memory"] for v in vms if v["partition"] == p["name"]]
-            adm["resident_mib"] = round(sum(r["resident_mib"] or 0.0 for r in rows), 1)
-            adm["reclaimable_mib"] = round(sum(r["reclaimable_mib"] or 0.0 for r in rows), 1)
     return {"partitions": parts, "vms": vms, "networks": nets}

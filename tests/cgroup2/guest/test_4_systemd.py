@@ -2,8 +2,9 @@
 installs the units, the partition's supervisor runs as fusuma-supervisor@p0.service in
 fusuma.slice, and one real VM (the minimal image under nested TCG, 128 MiB) runs in the
 unit's delegated cgroup, held to the partition's core and memory. Restarting the unit
-(or killing the supervisor) leaves the VM running; deleting the partition leaves
-nothing. The tests share the partition and the VM, in order."""
+(or killing the supervisor) leaves the VM running, and a restart reloads a drop-in that
+a killed writer left unreloaded; deleting the partition leaves nothing. The tests share
+the partition and the VM, in order."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import pytest
 from kit import CGROUP, Fusuma, alive, cgroup_of, read, show, systemctl, threads_allowed, wait_for
 
 from fusuma.capacity import ram_group_limit
+from fusuma.host.limits import Limits
+from fusuma.host.systemd import Units
 
 UNIT = "fusuma-supervisor@p0.service"
 RAM_UNIT = "fusuma-ram@fusuma.service"
@@ -133,8 +136,17 @@ def test_killed_supervisor_leaves_the_vm_and_is_restarted(fz: Fusuma) -> None:
     wait_for("the unit to stop", lambda: show(UNIT, "ActiveState") != "active", 30)
     assert alive(pid)
     assert fz.ps()["partitions"][0]["state"] == "supervisor-down"
+    # A writer killed between its drop-in and the daemon-reload (as a `partition resize`
+    # killed there would leave it): the file says 480 MiB, the loaded unit 448 MiB.
+    Units("fusuma").write_limits(UNIT, Limits(cpus=[0], mems=[0], memory_bytes=480 * MIB))
+    assert show(UNIT, "NeedDaemonReload") == "yes"
+    assert show(UNIT, "MemoryMax") == str(448 * MIB)
     fz.run("partition", "restart", "p0")
     assert show(UNIT, "ActiveState") == "active" and qemu_pid(fz) == pid
+    # The restart reloaded before it started the unit: it runs with the file's limit.
+    assert show(UNIT, "NeedDaemonReload") == "no"
+    assert show(UNIT, "MemoryMax") == str(480 * MIB)
+    assert read(PART / "memory.max") == str(480 * MIB)
 
 
 def test_delete_leaves_nothing(fz: Fusuma) -> None:
