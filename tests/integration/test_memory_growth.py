@@ -109,8 +109,10 @@ def grow_and_reclaim(host: Host) -> None:
         mem = {v["name"]: v for v in st["vms"]}
         actual += [v["balloon_actual_mib"] for v in mem.values()
                    if v["balloon_actual_mib"] is not None]
-        done = all(mem[n]["balloon_mib"] == FLOOR and mem[n]["balloon_actual_mib"] is not
-                   None and mem[n]["balloon_actual_mib"] <= FLOOR + 8 for n in ("b0", "b1"))
+        # A VM shows once the restarted supervisor's governor has ticked with it.
+        done = all(n in mem and mem[n]["balloon_mib"] == FLOOR and
+                   mem[n]["balloon_actual_mib"] is not None and
+                   mem[n]["balloon_actual_mib"] <= FLOOR + 8 for n in ("b0", "b1"))
         if (done and len(loaded) >= RUNS) or time.monotonic() > deadline:
             break
     assert done, json.dumps(st, indent=1)
