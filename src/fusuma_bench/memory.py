@@ -157,7 +157,7 @@ class OvercommitFit:
     admitted: int
     running: int
     host_mib: float | None
-    stop: str                 # admission | cap | failed
+    stop: str                 # admission | cap
     refusal: str | None = None
 
     def as_json(self, computed: int) -> dict[str, Any]:

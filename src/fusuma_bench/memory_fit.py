@@ -107,9 +107,8 @@ class FitBench(Bench):
                     continue
                 if not self._start(mode, defined[-1], r):
                     if r.failed_starts >= MAX_FAILED_STARTS:
-                        stop, refusal = "failed", (f"{r.failed_starts} VMs did not start "
-                                                   "(see the VMs' console logs)")
-                        over_budget = True
+                        raise ResourceError(f"{r.failed_starts} VMs did not start (see "
+                                            "the VMs' console logs)")
                     continue
                 host, waited, ok = self._settled(mode, r)
                 if host > cfg.budget_mib:
@@ -125,8 +124,6 @@ class FitBench(Bench):
                                       r.points[-1][1] if r.points else None, stop, refusal))
             self.say(f"{mode} at overcommit {oc:g}: {len(defined)} admitted, "
                      f"{len(r.names)} running in the budget")
-            if stop != "admission":
-                break
 
     def _grow(self, mib: int) -> None:
         rec = self.parts.db.partition(PARTITION)

@@ -7,6 +7,7 @@ file has no numbers for is NOT MEASURED, never PASS.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ def load(path: Path) -> dict[str, Any]:
 
 def render(result_file: Path, out_dir: Path) -> list[Path]:
     data = load(result_file)
-    plots = {}
+    plots: dict[str, Callable[[Path], None]] = {}
     if any(m["overcommits"] for m in data["fit"]):
         plots["memory-fit.png"] = lambda png: _plot_fit(data, png)
     b = data["burst"]
