@@ -5,6 +5,7 @@ speed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from fusuma_bench.memory import (
 )
 
 CHUNK_MIB = 8
+QUIET_S = 10.0             # the growth done, the host not short this long: it will not be
 # A CPU-bound loop timed by the guest's clock (/proc/uptime, 10 ms ticks; under TCG the
 # guest's clock is the host's): the speed the guest sees.
 LOOP = ("read a _ </proc/uptime; i=0; while [ $i -lt {n} ]; do i=$((i+1)); done; "
@@ -114,13 +116,15 @@ class Burst:
         if free is None:
             raise ResourceError("the host has no MemAvailable in /proc/meminfo: the "
                                 "memory governor cannot read its free memory.")
-        target = round(free - TARGET_MARGIN_MIB)
+        margin = max(TARGET_MARGIN_MIB, cfg.burst_vms * cfg.burst_mib // 4)
+        target = round(free - margin)
         self.env["FUSUMA_MEMORY_TARGET_FREE_MIB"] = str(target)
         for part in (BURST_PARTITION, GUARANTEED_PARTITION):
             self._cli("partition", "restart", part)
         pids = {v.name: v.pid for v in self.parts.db.vms()}
         self.say(f"burst: target {target} MiB free ({free:.0f} free now); each burstable "
                  f"guest writes {cfg.burst_mib} MiB")
+        held0 = self._ram_files_mib()
         started = time.time()
         grow = GROW.format(chunks=cfg.burst_mib // CHUNK_MIB, chunk=CHUNK_MIB)
         for name in self.names:
@@ -128,16 +132,26 @@ class Burst:
         during: list[float] = []
         balloons: list[int] = []
         released: float | None = None
+        grown_at: float | None = None
+        held1 = held0
         rec: dict[str, Any] = {}
+        free_seen: list[tuple[float, float]] = []
         while True:
             during.append(self._loop())
+            free_seen.append((round(time.time() - started, 2), mem_available_mib() or 0.0))
             st = self._status(BURST_PARTITION)
             balloons += [v["balloon_actual_mib"] for v in st["vms"]
                          if v["balloon_actual_mib"] is not None]
             rec = episode(st["decisions"], started, released)
             now = time.time()
-            if released is None and ((self._grown() and self._done(st))
-                                     or now - started > HOLD_MAX_S):
+            if grown_at is None and self._grown():
+                grown_at, held1 = now, self._ram_files_mib()
+            # Released once the governor has nothing left to take, or when the host was
+            # not short QUIET_S after the growth (it will not be), or at HOLD_MAX_S.
+            if released is None and ((grown_at is not None and (
+                    self._done(st) or (rec["first_short_at"] is None
+                                       and now - grown_at > QUIET_S)))
+                    or now - started > HOLD_MAX_S):
                 for name in self.names:
                     self._exec(name, RELEASE)
                 released = time.time()
@@ -158,6 +172,11 @@ class Burst:
                  f" s after the release; guaranteed guest at "
                  f"{speed_ratio(alone + after, during)} of its speed")
         return {"target_free_mib": target, "free_before_mib": round(free, 1),
+                "target_margin_mib": margin,
+                "ram_files_grew_mib": round(held1 - held0, 1),
+                "grown_after_s": None if grown_at is None else round(grown_at - started, 2),
+                "host_free_seen_mib": [{"s": t, "mib": round(f, 1)} for t, f in free_seen],
+                "host_free_seen_min_mib": round(min(f for _, f in free_seen), 1),
                 "released_after_s": round(released - started, 2) if released else None,
                 "episode": rec, "alone_s": alone + after, "during_s": during,
                 "alone_s_median": median(alone + after), "during_s_median": median(during),
@@ -178,6 +197,14 @@ class Burst:
             raise ResourceError(f"`{script[:40]}...` in {name} exited {res.exit_code}: "
                                 f"{res.stderr.decode(errors='replace').strip()}")
         return res.stdout.decode(errors="replace")
+
+    def _ram_files_mib(self) -> float:
+        """What the burstable guests' RAM files hold on the host (allocated blocks)."""
+        held = 0
+        for name in self.names:
+            with contextlib.suppress(OSError):
+                held += self.parts.paths.ram_file(name).stat().st_blocks * 512
+        return held / 2**20
 
     def _grown(self) -> bool:
         return all(self._exec(n, CHECK).split()[0] == "grown" for n in self.names)

@@ -122,9 +122,14 @@ def _burst_md(data: dict[str, Any]) -> list[str]:
         f"{b['guaranteed_ram_mib']} MiB on core {b['cores']['guaranteed']}. The "
         f"governor's target: {b['target_free_mib']} MiB free "
         f"({b['free_before_mib']} free before the burst, less "
-        f"{data['meta']['target_margin_mib']} MiB). The guests freed what they wrote "
+        f"{b.get('target_margin_mib', data['meta']['target_margin_mib'])} MiB). "
+        "The guests freed what they wrote "
         f"{dash(b['released_after_s'], ' s')} after the burst began.", "",
         *table(["figure", "value"], [
+            ["the burstable guests' RAM files grew by (host side)",
+             dash(b.get("ram_files_grew_mib"), " MiB")],
+            ["least free memory (MemAvailable) the bench saw during the burst",
+             dash(b.get("host_free_seen_min_mib"), " MiB")],
             ["burst start to the governor's first short decision",
              dash(ep["burst_to_short_s"], " s")],
             ["shortage, first short decision to `recovered` (governor's short_s)",
