@@ -529,6 +529,10 @@ def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: i
 @click.option("--burst-mib", type=click.IntRange(8, 4096), default=None,
               help="Burst: MiB each burstable guest writes  [default: 128; with --quick "
                    "96].")
+@click.option("--hold-s", type=click.FloatRange(1, 600), default=None,
+              help="Burst: the guests free what they wrote once the governor has nothing "
+                   "left to take, or this many seconds after the burst began  [default: "
+                   "60].")
 @click.option("--quick", is_flag=True, help="Mode none only, a 2048 MiB budget, a "
               "smaller burst (a few minutes).")
 @_json_option("memory")
@@ -536,8 +540,9 @@ def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: i
 @pass_ctx
 def memory_cmd(c: Ctx, parts: str | None, budget_mib: int | None, modes: str | None,
                overcommits: str | None, memory_mib: int | None, floor_mib: int | None,
-               max_vms: int | None, runs: int | None, burst_mib: int | None, quick: bool,
-               json_file: Path | None, report_dir: Path | None) -> None:
+               max_vms: int | None, runs: int | None, burst_mib: int | None,
+               hold_s: float | None, quick: bool, json_file: Path | None,
+               report_dir: Path | None) -> None:
     """Memory as a governed resource: burstable minimal guests that fusuma admits and
     that run in a host memory budget, at each overcommit and way of sharing (fit); and
     a burst that pushes the host past the memory governor's target beside a guaranteed
@@ -568,7 +573,8 @@ def memory_cmd(c: Ctx, parts: str | None, budget_mib: int | None, modes: str | N
             memory_mib=memory_mib or memory.MEMORY_MIB,
             floor_mib=floor_mib or memory.FLOOR_MIB, max_vms=max_vms or memory.MAX_VMS,
             burst_mib=burst_mib or (memory.QUICK_BURST_MIB if quick else memory.BURST_MIB),
-            runs=runs or (memory.QUICK_RUNS if quick else memory.RUNS), quick=quick)
+            runs=runs or (memory.QUICK_RUNS if quick else memory.RUNS),
+            hold_s=hold_s or memory.HOLD_MAX_S, quick=quick)
     except ResourceError as exc:
         raise click.UsageError(str(exc)) from exc
     if cfg.floor_mib > cfg.memory_mib:

@@ -97,6 +97,7 @@ class Config:
     burst_vms: int = BURST_VMS
     burst_mib: int = BURST_MIB
     runs: int = RUNS
+    hold_s: float = HOLD_MAX_S
     quick: bool = False
 
 

@@ -26,7 +26,6 @@ from fusuma_bench.memory import (
     GUARANTEED,
     GUARANTEED_PARTITION,
     GUARANTEED_RAM_MIB,
-    HOLD_MAX_S,
     LOOP_ITERATIONS,
     RECOVER_MAX_S,
     TARGET_MARGIN_MIB,
@@ -89,6 +88,7 @@ class Burst:
         out.update({"burst_vms": cfg.burst_vms, "ram_mib": BURST_RAM_MIB,
                     "floor_mib": BURST_FLOOR_MIB, "burst_mib": cfg.burst_mib,
                     "guaranteed_ram_mib": GUARANTEED_RAM_MIB, "runs": cfg.runs,
+                    "hold_s": cfg.hold_s,
                     "loop_iterations": LOOP_ITERATIONS, "cores": {
                         "burstable": self.core_b, "guaranteed": self.core_g}})
         return out
@@ -147,11 +147,11 @@ class Burst:
             if grown_at is None and self._grown():
                 grown_at, held1 = now, self._ram_files_mib()
             # Released once the governor has nothing left to take, or when the host was
-            # not short QUIET_S after the growth (it will not be), or at HOLD_MAX_S.
+            # not short QUIET_S after the growth (it will not be), or at cfg.hold_s.
             if released is None and ((grown_at is not None and (
                     self._done(st) or (rec["first_short_at"] is None
                                        and now - grown_at > QUIET_S)))
-                    or now - started > HOLD_MAX_S):
+                    or now - started > cfg.hold_s):
                 for name in self.names:
                     self._exec(name, RELEASE)
                 released = time.time()

@@ -19,7 +19,7 @@ def test_bench_memory_quickest_run_writes_a_result_and_report(host: Host,
     out = tmp_path / "memory"
     res = host.run("bench", "memory", "--quick", "--modes", "none", "--overcommits", "1,2",
                    "--budget-mib", "1024", "--memory", "512", "--floor", "64",
-                   "--max-vms", "2", "--runs", "2", "--burst-mib", "64",
+                   "--max-vms", "2", "--runs", "2", "--hold-s", "12",
                    "--report", str(out), timeout=170)
     data = json.loads((out / "memory.json").read_text())
     m = data["meta"]
