@@ -561,13 +561,15 @@ def memory_cmd(c: Ctx, parts: str | None, budget_mib: int | None, modes: str | N
     from fusuma.errors import ResourceError
     from fusuma.memshare.segments import SegmentManager
     from fusuma_bench import memory, memory_run
+    from fusuma_bench.scheduler import parse_choice
 
     try:
         cfg = memory.Config(
-            parts=memory.parse_choice(parts, memory.PARTS, "part"),
+            parts=tuple(parse_choice(parts, memory.PARTS, "parts")) if parts
+            else memory.PARTS,
             budget_mib=budget_mib or (memory.QUICK_BUDGET_MIB if quick
                                       else memory.DEFAULT_BUDGET_MIB),
-            modes=memory.parse_choice(modes, memory.FIT_MODES, "mode") if modes
+            modes=tuple(parse_choice(modes, memory.FIT_MODES, "modes")) if modes
             else (("none",) if quick else memory.FIT_MODES),
             overcommits=memory.parse_overcommits(overcommits),
             memory_mib=memory_mib or memory.MEMORY_MIB,

@@ -101,18 +101,6 @@ class Config:
     quick: bool = False
 
 
-def parse_choice(text: str | None, allowed: Sequence[str], what: str) -> tuple[str, ...]:
-    """``a,b`` -> a checked tuple in ``allowed``'s order; None: all of them."""
-    if not text:
-        return tuple(allowed)
-    got = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in got if t not in allowed]
-    if bad or not got:
-        raise ResourceError(f"unknown {what} {bad[0] if bad else text!r}: the {what}s are "
-                            f"{', '.join(allowed)}.")
-    return tuple(a for a in allowed if a in got)
-
-
 def parse_overcommits(text: str | None) -> tuple[float, ...]:
     """``1,2`` -> (1.0, 2.0), rising, each in [1, 16]."""
     if not text:

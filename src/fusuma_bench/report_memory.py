@@ -22,6 +22,7 @@ from fusuma_bench.report import (
     table,
     write_report,
 )
+from fusuma_bench.report_density import draw_host_memory
 
 
 def _parse(data: dict[str, Any]) -> dict[str, Any]:
@@ -166,15 +167,7 @@ def _plot_fit(data: dict[str, Any], png: Path) -> None:
         ax.set_ylabel("VMs")
         ax.set_title("VMs per mode and overcommit")
         ax.legend(fontsize=8)
-        for r in rows:
-            bx.plot([p["vms"] for p in r["host_mib"]], [p["mib"] for p in r["host_mib"]],
-                    marker="o", label=r["mode"])
-        bx.axhline(data["meta"]["budget_mib"], color="grey", linestyle="--", label="budget")
-        bx.set_xlabel("VMs running")
-        bx.set_ylabel("host memory in use (MiB)")
-        bx.set_title("host memory vs VMs")
-        bx.grid(alpha=0.3)
-        bx.legend(fontsize=8)
+        draw_host_memory(bx, rows, data["meta"]["budget_mib"])
         fig.suptitle(f"fusuma bench memory: budget {data['meta']['budget_mib']} MiB")
 
 
