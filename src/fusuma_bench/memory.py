@@ -209,10 +209,12 @@ def targets(data: Mapping[str, Any]) -> list[tuple[str, str, bool | None]]:
                 else r >= TARGET_SPEED))
     name = f"host back over its target <= {TARGET_RECOVER_S:g} s after the release"
     ep = None if not b or "failed" in b else b.get("episode")
-    if ep is None or ep.get("first_short_at") is None:
-        out.append((name, (f"– (the host was never short: least free "
-                           f"{b.get('host_free_seen_min_mib')} MiB, target "
-                           f"{b.get('target_free_mib')} MiB)") if ep else "–", None))
+    if b is None or ep is None:
+        out.append((name, "–", None))
+    elif ep.get("first_short_at") is None:
+        out.append((name, f"– (the host was never short: least free "
+                    f"{b.get('host_free_seen_min_mib')} MiB, target "
+                    f"{b.get('target_free_mib')} MiB)", None))
     elif ep.get("release_to_recovered_s") is None:
         out.append((name, "never back within the run", False))
     else:
