@@ -508,6 +508,108 @@ def density_cmd(c: Ctx, budget_mib: int | None, modes: str | None, memory_mib: i
     publish(run.run(), json_file, report_dir, "density", summary)
 
 
+@bench.command("memory")
+@click.option("--parts", default=None, help="Any of fit,burst  [default: both].")
+@click.option("--budget-mib", type=click.IntRange(256, 10**7), default=None,
+              help="Fit: the host memory budget, MiB  [default: 4096; with --quick 2048].")
+@click.option("--modes", default=None,
+              help="Fit: any of none,ksm,template,template+ksm  [default: all; with "
+                   "--quick none].")
+@click.option("--overcommits", default=None,
+              help="Fit: memory overcommits, comma-separated  [default: 1,1.5,2].")
+@click.option("--memory", "memory_mib", type=click.IntRange(64, 65536), default=None,
+              help="Fit: each guest's RAM, MiB  [default: 1024].")
+@click.option("--floor", "floor_mib", type=click.IntRange(16, 65536), default=None,
+              help="Fit: each guest's floor (--memory-min), MiB  [default: 128].")
+@click.option("--max-vms", type=click.IntRange(1, 256), default=None,
+              help="Fit: VMs defined per mode at most  [default: 24].")
+@click.option("--runs", type=click.IntRange(1, 50), default=None,
+              help="Burst: the guaranteed guest's timed loops alone, before and again "
+                   "after  [default: 5; with --quick 3].")
+@click.option("--burst-mib", type=click.IntRange(8, 4096), default=None,
+              help="Burst: MiB each burstable guest writes  [default: 128; with --quick "
+                   "96].")
+@click.option("--hold-s", type=click.FloatRange(1, 600), default=None,
+              help="Burst: the guests free what they wrote once the governor has nothing "
+                   "left to take, or this many seconds after the burst began  [default: "
+                   "60].")
+@click.option("--quick", is_flag=True, help="Mode none only, a 2048 MiB budget, a "
+              "smaller burst (a few minutes).")
+@_json_option("memory")
+@_report_option("memory-*.png")
+@pass_ctx
+def memory_cmd(c: Ctx, parts: str | None, budget_mib: int | None, modes: str | None,
+               overcommits: str | None, memory_mib: int | None, floor_mib: int | None,
+               max_vms: int | None, runs: int | None, burst_mib: int | None,
+               hold_s: float | None, quick: bool, json_file: Path | None,
+               report_dir: Path | None) -> None:
+    """Memory as a governed resource: burstable minimal guests that fusuma admits and
+    that run in a host memory budget, at each overcommit and way of sharing (fit); and
+    a burst that pushes the host past the memory governor's target beside a guaranteed
+    guest: how long the host stays short, by the governor's decision log, and the
+    guaranteed guest's speed meanwhile against alone (burst).
+
+    \b
+    Needs both cores and no partition (scratch partitions, removed afterwards); it
+    changes the host's KSM settings in the ksm modes and puts them back. The template
+    modes need QEMU 10.0 (`fusuma qemu install 10.0`). See fusuma_bench/memory.py for
+    exactly what each figure covers.
+
+    \b
+    Example:
+      fusuma bench memory --quick --report docs/results/memory-report"""
+    from fusuma.errors import ResourceError
+    from fusuma.memshare.segments import SegmentManager
+    from fusuma_bench import memory, memory_run
+    from fusuma_bench.scheduler import parse_choice
+
+    try:
+        cfg = memory.Config(
+            parts=tuple(parse_choice(parts, memory.PARTS, "parts")) if parts
+            else memory.PARTS,
+            budget_mib=budget_mib or (memory.QUICK_BUDGET_MIB if quick
+                                      else memory.DEFAULT_BUDGET_MIB),
+            modes=tuple(parse_choice(modes, memory.FIT_MODES, "modes")) if modes
+            else (("none",) if quick else memory.FIT_MODES),
+            overcommits=memory.parse_overcommits(overcommits),
+            memory_mib=memory_mib or memory.MEMORY_MIB,
+            floor_mib=floor_mib or memory.FLOOR_MIB, max_vms=max_vms or memory.MAX_VMS,
+            burst_mib=burst_mib or (memory.QUICK_BURST_MIB if quick else memory.BURST_MIB),
+            runs=runs or (memory.QUICK_RUNS if quick else memory.RUNS),
+            hold_s=hold_s or memory.HOLD_MAX_S, quick=quick)
+    except ResourceError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if cfg.floor_mib > cfg.memory_mib:
+        raise click.BadParameter(f"the floor ({cfg.floor_mib} MiB) is above the RAM "
+                                 f"({cfg.memory_mib} MiB).", param_hint="--floor")
+    run = memory_run.Bench(c.parts, c.vms, SegmentManager(c.paths, c.db), cfg,
+                           progress=progress)
+    run.check_host()          # a refusal is the only line printed
+    c.accel_notice("auto")
+
+    def summary(data: dict[str, Any]) -> Iterable[str]:
+        for r in data["fit"]:
+            for o in r["overcommits"]:
+                yield (f"{r['mode']:12} overcommit {o['overcommit']:<4g} admitted "
+                       f"{o['admitted_vms']:3} (computed {o['admitted_vms_computed']}), "
+                       f"running in budget {o['running_vms']:3}")
+            if not r["overcommits"]:
+                yield f"{r['mode']:12} {r['stop']}: {r['note']}"
+        b = data["burst"]
+        if b is not None and "failed" in b:
+            yield f"burst FAILED: {b['failed']}"
+        elif b is not None:
+            ep = b["episode"]
+            yield (f"burst: host short {ep['short_s']} s, back over its target "
+                   f"{ep['release_to_recovered_s']} s after the release; steps "
+                   f"{ep['steps']}; guaranteed guest at {b['speed_ratio']} of its speed")
+        for t in data["targets"]:
+            met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+            yield f"target {t['target']}: {met} ({t['measured']})"
+
+    publish(run.run(), json_file, report_dir, "memory", summary)
+
+
 @bench.group("report")
 def report() -> None:
     """Render a report from an existing result file."""

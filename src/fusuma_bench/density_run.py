@@ -56,6 +56,13 @@ from fusuma_bench.steady import settle, settle_params
 
 
 class Bench:
+    """The density run. ``image_kind`` and :meth:`_ready` are what a guest is and when it
+    is ready (Debian, answering HTTP); `bench memory` (fusuma_bench.memory_fit) runs the
+    same modes with minimal guests, ready when their agent answers."""
+
+    image_kind = "debian"
+    bench_name = "density"
+
     def __init__(self, parts: PartitionManager, vms: VmManager, segs: SegmentManager,
                  cfg: Config, ksm: Ksm | None = None,
                  progress: Progress = lambda s: None) -> None:
@@ -79,10 +86,11 @@ class Bench:
         cfg = self.cfg
         existing = [p.name for p in self.parts.db.partitions()]
         if existing:
-            raise ResourceError(f"the density benchmark needs every core of this host but "
+            raise ResourceError(f"the {self.bench_name} benchmark needs every core of this "
+                                f"host but "
                                 f"partition(s) {', '.join(existing)} exist; remove them "
                                 "first (`fusuma down`).")
-        find_image(self.paths.cache, kind="debian")
+        find_image(self.paths.cache, kind=self.image_kind)
         if any("ksm" in m for m in cfg.modes) and not self.ksm.available():
             raise HostError("KSM is not available on this host (/sys/kernel/mm/ksm is "
                             "missing): leave out the ksm modes with --modes.")
@@ -117,6 +125,32 @@ class Bench:
         accel = probe_accel("auto").name
         started_meta = meta(accel)
         started = time.monotonic()
+        runs = self.run_modes()
+        image = find_image(self.paths.cache, kind="debian")
+        return {"meta": {**meta(accel), "git_revision": started_meta["git_revision"],
+                         "date": started_meta["date"],
+                         "duration_s": round(time.monotonic() - started, 1),
+                         "benchmark": "density", "budget_mib": cfg.budget_mib,
+                         "quick": cfg.quick, "modes": list(cfg.modes),
+                         "memory_mib": cfg.memory_mib, "requests": cfg.requests,
+                         "http_concurrency": HTTP_CONCURRENCY, "max_vms": cfg.max_vms,
+                         "loop_deadline_s": cfg.loop_deadline_s, "step_far": STEP_FAR,
+                         "ready_timeout_s": {"booted": READY_TIMEOUT_S,
+                                             "clone": CLONE_READY_TIMEOUT_S},
+                         "partition_qemu": self.qemu or "system",
+                         "cores": list(self.parts.host.cpus),
+                         "image": image.digest[:16], "root_mount": ROOT_MOUNT,
+                         "tcg_tb_mib": tcg_tb_mib() if accel == "tcg" else None,
+                         "settle": settle_params(),
+                         "ksm_pages_to_scan": KSM_PAGES_TO_SCAN,
+                         "ksm_load_pages_to_scan": KSM_LOAD_PAGES_TO_SCAN,
+                         "ksm_sleep_ms": KSM_SLEEP_MS},
+                "results": derive(runs), "paper": PAPER}
+
+    def run_modes(self) -> list[ModeRun]:
+        """Every mode in turn (a skipped one says why); the host's KSM settings put back
+        and everything made removed afterwards, also on failure."""
+        cfg = self.cfg
         # KSM is the host's: put back only what a ksm mode of this run changed, so a
         # run without one never writes settings someone else may have set meanwhile.
         saved = (self.ksm.read_settings()
@@ -138,26 +172,7 @@ class Bench:
             self._cleanup()
             if saved is not None:
                 self._restore_ksm(saved)
-        image = find_image(self.paths.cache, kind="debian")
-        return {"meta": {**meta(accel), "git_revision": started_meta["git_revision"],
-                         "date": started_meta["date"],
-                         "duration_s": round(time.monotonic() - started, 1),
-                         "benchmark": "density", "budget_mib": cfg.budget_mib,
-                         "quick": cfg.quick, "modes": list(cfg.modes),
-                         "memory_mib": cfg.memory_mib, "requests": cfg.requests,
-                         "http_concurrency": HTTP_CONCURRENCY, "max_vms": cfg.max_vms,
-                         "loop_deadline_s": cfg.loop_deadline_s, "step_far": STEP_FAR,
-                         "ready_timeout_s": {"booted": READY_TIMEOUT_S,
-                                             "clone": CLONE_READY_TIMEOUT_S},
-                         "partition_qemu": self.qemu or "system",
-                         "cores": list(self.parts.host.cpus),
-                         "image": image.digest[:16], "root_mount": ROOT_MOUNT,
-                         "tcg_tb_mib": tcg_tb_mib() if accel == "tcg" else None,
-                         "settle": settle_params(),
-                         "ksm_pages_to_scan": KSM_PAGES_TO_SCAN,
-                         "ksm_load_pages_to_scan": KSM_LOAD_PAGES_TO_SCAN,
-                         "ksm_sleep_ms": KSM_SLEEP_MS},
-                "results": derive(runs), "paper": PAPER}
+        return runs
 
     def _restore_ksm(self, saved: KsmSettings) -> None:
         with contextlib.suppress(FusumaError):
@@ -284,7 +299,7 @@ class Bench:
     def _disk_files(self, mode: str) -> list[Path]:
         if "segment" in mode:
             return [self.paths.segment_file(SEGMENT)]
-        root = find_image(self.paths.cache, kind="debian").root
+        root = find_image(self.paths.cache, kind=self.image_kind).root
         return [root] if root is not None else []
 
     def _footprint(self, mode: str, cache: bool = False) -> footprint.Footprint:
@@ -352,7 +367,7 @@ class Bench:
         cli_ms = round((time.monotonic() - t0) * 1000, 1)
         timeout = CLONE_READY_TIMEOUT_S if mode.startswith("template") else READY_TIMEOUT_S
         try:
-            ready_ms = httpload.wait_http(port, t0, timeout)
+            ready_ms = self._ready(name, port, t0, timeout)
         except httpload.NotReady as exc:
             r.failed_starts += 1
             self.say(f"{mode}: {name}: {exc} Removing it.")
@@ -364,6 +379,11 @@ class Bench:
         r.start_ms.append(ready_ms)
         return True
 
+    def _ready(self, name: str, port: int, started: float, timeout: float) -> float:
+        """Wait until VM ``name`` (started at ``started``, time.monotonic()) is ready: its
+        guest answers HTTP on ``port``; ms since ``started``, or httpload.NotReady."""
+        return httpload.wait_http(port, started, timeout)
+
     def _make_template(self) -> float | None:
         """Boot the template's source VM (root on the disk, apache2 answering), let it
         settle, make the template of it; what the shm dir holds afterwards (the
@@ -371,9 +391,9 @@ class Bench:
         port = httpload.free_port(self.taken)
         self.say(f"booting {SOURCE_VM} for template {TEMPLATE}")
         t0 = time.monotonic()
-        self._cli("vm", "create", SOURCE_VM, "-p", PARTITION, "--image", "debian",
+        self._cli("vm", "create", SOURCE_VM, "-p", PARTITION, "--image", self.image_kind,
                   "--memory", str(self.cfg.memory_mib), "--port", f"{port}:80", "--start")
-        httpload.wait_http(port, t0, READY_TIMEOUT_S)
+        self._ready(SOURCE_VM, port, t0, READY_TIMEOUT_S)
         settle(lambda: self._footprint("none").total_mib)
         self.say(f"making template {TEMPLATE} from {SOURCE_VM}")
         self._cli("template", "create", TEMPLATE, "--from", SOURCE_VM, "--json")
@@ -387,18 +407,7 @@ class Bench:
                      f"{(res.stderr or res.stdout).strip()}")
 
     def _cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        try:
-            proc = subprocess.run(spawn.module_argv("fusuma.cli.main", *args),
-                                  env=spawn.child_env(self.env), cwd=spawn.CWD,
-                                  capture_output=True, text=True,
-                                  timeout=CLI_TIMEOUT_S, check=False)
-        except subprocess.TimeoutExpired:
-            raise CliFailed(args, -1, f"no answer within {CLI_TIMEOUT_S:.0f} s") from None
-        if check and proc.returncode != 0:
-            lines = [ln for ln in proc.stderr.splitlines() if "PVM" not in ln]
-            raise CliFailed(args, proc.returncode,
-                            (lines[-1] if lines else proc.stdout.strip()).strip())
-        return proc
+        return run_cli(self.env, *args, check=check)
 
     def _cleanup(self) -> None:
         if self.parts.db.find_partition(PARTITION) is not None:
@@ -411,6 +420,24 @@ class Bench:
                 self.segs.delete(SEGMENT)
             except FusumaError as exc:
                 self.say(f"cleanup of segment {SEGMENT} failed: {exc}")
+
+
+def run_cli(env: dict[str, str], *args: str,
+            check: bool = True) -> subprocess.CompletedProcess[str]:
+    """`fusuma ARGS` as a child process with ``env``; CliFailed (its last error line)
+    when it exits non-zero and ``check``."""
+    try:
+        proc = subprocess.run(spawn.module_argv("fusuma.cli.main", *args),
+                              env=spawn.child_env(env), cwd=spawn.CWD,
+                              capture_output=True, text=True,
+                              timeout=CLI_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise CliFailed(args, -1, f"no answer within {CLI_TIMEOUT_S:.0f} s") from None
+    if check and proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if "PVM" not in ln]
+        raise CliFailed(args, proc.returncode,
+                        (lines[-1] if lines else proc.stdout.strip()).strip())
+    return proc
 
 
 def vm_name(i: int) -> str:

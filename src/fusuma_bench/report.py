@@ -129,6 +129,8 @@ REPORTS: dict[str, Report] = {
                    "OUT_DIR/dcss.png from a `bench dcss` result file."),
     "density": Report("fusuma_bench.report_density", "Write OUT_DIR/report.md and "
                       "OUT_DIR/density.png from a `bench density` file."),
+    "memory": Report("fusuma_bench.report_memory", "Write OUT_DIR/report.md and "
+                     "OUT_DIR/memory-*.png from a `bench memory` result file."),
     "network": Report("fusuma_bench.report_network", "Write OUT_DIR/report.md and "
                       "OUT_DIR/network.png from a `bench network` result file."),
 }

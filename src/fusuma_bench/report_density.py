@@ -204,17 +204,22 @@ def _plot(data: dict[str, Any], png: Path) -> None:
         _draw(data, fig, ax, bx)
 
 
-def _draw(data: dict[str, Any], fig: Any, ax: Any, bx: Any) -> None:
-    rows = [r for r in data["results"] if r["vms"]]
+def draw_host_memory(ax: Any, rows: list[dict[str, Any]], budget_mib: float) -> None:
+    """Host memory in use against the VMs running, a line per mode, and the budget."""
     for r in rows:
         ax.plot([p["vms"] for p in r["host_mib"]], [p["mib"] for p in r["host_mib"]],
                 marker="o", label=r["mode"])
-    ax.axhline(data["meta"]["budget_mib"], color="grey", linestyle="--", label="budget")
+    ax.axhline(budget_mib, color="grey", linestyle="--", label="budget")
     ax.set_xlabel("VMs")
     ax.set_ylabel("host memory in use (MiB)")
     ax.set_title("host memory vs VM count")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def _draw(data: dict[str, Any], fig: Any, ax: Any, bx: Any) -> None:
+    rows = [r for r in data["results"] if r["vms"]]
+    draw_host_memory(ax, rows, data["meta"]["budget_mib"])
     measured = [r for r in rows if r["per_vm_mib"] is not None]
     names = [r["mode"] for r in measured]
     full = [r["per_vm_mib"] for r in measured]

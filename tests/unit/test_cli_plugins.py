@@ -129,13 +129,14 @@ def test_every_report_has_its_command() -> None:
     for name in REPORTS:
         assert f"  {name} " in res.output
     assert set(REPORTS) == {"vmbeam", "maintain", "mint", "scheduler", "dcss", "density",
-                            "network"}
+                            "network", "memory"}
 
 
 @pytest.mark.parametrize("name, pngs", [
     ("vmbeam", ["vmbeam.png"]), ("maintain", ["maintain.png"]),
     ("mint", ["mint-register.png", "mint-copy.png", "mint-io.png"]),
     ("scheduler", ["scheduler.png"]), ("dcss", ["dcss.png"]), ("density", ["density.png"]),
+    ("memory", ["memory-fit.png", "memory-burst.png"]),
 ])
 def test_report_command_renders_a_result_file(tmp_path: Path, name: str,
                                               pngs: list[str]) -> None:

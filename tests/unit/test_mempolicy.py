@@ -104,6 +104,9 @@ CASES = [
          HostMemory(free_mib=1600, target_free_mib=1500), [b("b0", psi=40.0), b("b1")],
          controls={"b0": MemControl(512), "b1": MemControl(512)},
          want=[("b0", "deflate", 768)]),
+    Case("short no more: the shortage's end is said once, with how long it lasted", ROOMY,
+         [b("b0")], controls={"b0": MemControl(512)}, state=MemState(short_since=NOW - 8),
+         want=[("-", "recovered", None)]),
     Case("cgroup v1: a failed charge is pressure", HostMemory(1600, 1500),
          [MemVm("b0", "burstable", 1024, 256, 700.0,
                 CgroupPressure(usage_mib=700, limit_mib=1100, failcnt_delta=3),
@@ -145,4 +148,18 @@ def test_a_burst_is_met_then_given_back() -> None:
     for i in range(TH.relax_ticks + 3):
         ctl, state, ds = decide(vms, ctl, state, ROOMY, TH, NOW + 10 + i)
     assert ctl["b0"].balloon_mib == 1024 and ctl["g0"].balloon_mib == 1024
-    assert not state.stuck
+    assert not state.stuck and state.short_since is None
+
+
+def test_the_recovered_decision_says_how_long_the_host_was_short() -> None:
+    vms = [b("b0", page_reporting=False)]
+    ctl: dict[str, MemControl] = {}
+    state = MemState()
+    for i in range(3):
+        ctl, state, _ = decide(vms, ctl, state, SHORT, TH, NOW + 2 * i)
+    assert state.short_since == NOW
+    ctl, state, ds = decide(vms, ctl, state, ROOMY, TH, NOW + 6)
+    assert [d.action for d in ds] == ["recovered"] and state.short_since is None
+    assert ds[0].numbers["short_s"] == 6.0 and "met again after 6.0 s short" in ds[0].reason
+    _, state, ds = decide(vms, ctl, state, ROOMY, TH, NOW + 8)
+    assert ds == []

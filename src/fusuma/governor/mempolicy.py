@@ -27,7 +27,9 @@ guaranteed) gets its RAM back at once. When the host has had ``give_back_mib`` m
 its target free for ``relax_ticks`` ticks, balloons deflate a step per tick, the VM
 under most pressure first; a burstable VM whose own RAM cgroup is under pressure while
 the host is not short gets its step back first. When nothing is left to take, the
-governor says so once (``no-step-left``) until the host recovers.
+governor says so once (``no-step-left``) until the host recovers. The first tick that
+finds the host no longer short says so too (``recovered``, with ``short_s``: from the
+first short tick to this one), so the log shows where each shortage ended.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class MemState:
 
     roomy_ticks: int = 0          # consecutive ticks with give_back_mib beyond the target
     stuck: bool = False           # "no-step-left" said; quiet until the host recovers
+    short_since: float | None = None   # the first tick of the current shortage
 
 
 def _numbers(v: MemVm, host: HostMemory, **extra: float | None) -> dict[str, float | None]:
@@ -288,8 +291,9 @@ def decide(vms: list[MemVm], controls: dict[str, MemControl], state: MemState,
     if why is not None:
         shortfall = max(host.target_free_mib - host.free_mib, 0.0) or \
             float(min((t.step_mib(v) for v in t.vms.values()), default=0))
+        since = now if state.short_since is None else state.short_since
         if t.trim(why) or t.inflate(why, shortfall) or t.drop_caches(why):
-            return t.ctl, MemState(roomy_ticks=0, stuck=False), t.decisions
+            return t.ctl, MemState(roomy_ticks=0, stuck=False, short_since=since), t.decisions
         if not state.stuck:
             reclaimable = sum(max(0.0, min(v.resident_mib or 0.0, t.ctl[v.name].balloon_mib)
                                   - v.floor_mib) for v in t.vms.values() if v.burstable)
@@ -300,7 +304,14 @@ def decide(vms: list[MemVm], controls: dict[str, MemControl], state: MemState,
                                             "target_free_mib": host.target_free_mib,
                                             "host_psi_pct": host.psi_pct,
                                             "reclaimable_mib": reclaimable}))
-        return t.ctl, MemState(roomy_ticks=0, stuck=True), t.decisions
+        return t.ctl, MemState(roomy_ticks=0, stuck=True, short_since=since), t.decisions
+    if state.short_since is not None:
+        t.decisions.append(Decision(now, "-", "recovered", (
+            f"the host has {host.free_mib:.0f} MiB free, its target of "
+            f"{host.target_free_mib:.0f} MiB met again after "
+            f"{now - state.short_since:.1f} s short"), {
+                "host_free_mib": host.free_mib, "target_free_mib": host.target_free_mib,
+                "host_psi_pct": host.psi_pct, "short_s": round(now - state.short_since, 3)}))
     t.relieve_pressed()
     roomy = host.free_mib - host.target_free_mib - th.give_back_mib
     ticks = state.roomy_ticks + 1 if roomy > 0 else 0
