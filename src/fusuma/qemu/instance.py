@@ -489,3 +489,27 @@ class Instances:
 
     def __contains__(self, vm: object) -> bool:
         return any(v == vm for v, _ in self._held)
+
+
+# How long a source QEMU whose stream ended may stay in "finish-migrate" before
+# ``run_again`` gives up on it.
+FINALIZE_WAIT_S = 10.0
+
+
+async def run_again(inst: QemuInstance, wait: float = FINALIZE_WAIT_S) -> None:
+    """Run the guest of a source QEMU whose stream ended (unless it already runs), once
+    QEMU has finished with the stream. QEMU sends its MIGRATION "completed" event
+    before its migration thread moves the guest from "finish-migrate" to
+    "postmigrate", and refuses `cont` in between ("Migration is not finalized yet"):
+    a `cont` sent at once on that event can fail, and the guest would stay paused for
+    good. After a failed stream QEMU runs the guest again itself, from the same
+    state."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while (status := await inst.qmp.query_status()) == "finish-migrate":
+        if loop.time() > deadline:
+            raise MigrationError(f"the source QEMU of {inst.vm!r} is still finishing its "
+                                 f"stream after {wait:.0f} s; it cannot run the guest.")
+        await asyncio.sleep(0.002)
+    if status != "running":
+        await inst.qmp.cont()

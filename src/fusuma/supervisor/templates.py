@@ -33,6 +33,7 @@ from fusuma.errors import (
     ConflictError,
     FusumaError,
     GuestAgentError,
+    MigrationError,
     QemuError,
     StateError,
     TemplateError,
@@ -41,7 +42,7 @@ from fusuma.images import layers, store
 from fusuma.memshare import holes, reporting, templates
 from fusuma.paths import PRIVATE_DIR, ensure_dir
 from fusuma.qemu.cmdline import TEMPLATE_STATE_FDSET, DeviceSet
-from fusuma.qemu.instance import QemuInstance
+from fusuma.qemu.instance import QemuInstance, run_again
 from fusuma.qemu.process import tail
 from fusuma.qemu.qgareply import ExecStarted, ExecStatus
 from fusuma.qemu.qmp import EVENT_MIGRATION
@@ -262,9 +263,10 @@ async def _undo(h: PartitionHost, inst: QemuInstance, out: Path, tdir: Path | No
             info = await inst.qmp.query_migrate()
             if info.status in ("setup", "active", "device"):
                 await inst.qmp.migrate_cancel()
-            if await inst.qmp.query_status() != "running":
-                await inst.qmp.cont()
-        except QemuError as exc:
+            # QEMU refuses `cont` while a save that completed is still finishing
+            # ("Migration is not finalized yet"): run_again waits that out.
+            await run_again(inst)
+        except (QemuError, MigrationError) as exc:
             h.log.error("%s: could not resume the guest after a failed save: %s",
                           inst.vm, exc)
     if unbound:
