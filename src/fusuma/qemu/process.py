@@ -72,10 +72,11 @@ def is_vm_process(pid: int, vm: str, run_dir: Path) -> bool:
         return uid >= FIRST_SANDBOX_UID
 
 
-def threads(pid: int) -> list[int]:
+def threads(pid: int, proc: Path = PROC) -> list[int]:
+    """Process ``pid``'s thread ids, in order (empty when it cannot be read)."""
     try:
-        return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
-    except OSError:
+        return sorted(int(t) for t in os.listdir(proc / str(pid) / "task"))
+    except (OSError, ValueError):
         return []
 
 
@@ -150,12 +151,8 @@ def thread_states(pid: int, proc: Path = PROC, limit: int = 12) -> str:
     kernel has it wait (``wchan``), for a message about a QEMU that does not finish
     something: e.g. "live_migration S unix_stream_read_generic"; empty if unknown."""
     out = []
-    try:
-        tids = sorted(os.listdir(proc / str(pid) / "task"), key=int)
-    except (OSError, ValueError):
-        return ""
-    for t in tids:
-        d = proc / str(pid) / "task" / t
+    for t in threads(pid, proc):
+        d = proc / str(pid) / "task" / str(t)
         try:
             comm = (d / "comm").read_text().strip()
             stat = (d / "stat").read_text()
