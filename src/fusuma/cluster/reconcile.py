@@ -117,11 +117,11 @@ class VmReconciler:
         self.a.vms_informer.put(new)
 
     def fail(self, v: VmView, reason: str, message: str, *, event: bool = True,
-             state: str = FAILED) -> None:
+             state: str = FAILED, fields: dict[str, Any] | None = None) -> None:
         key = f"{v.namespace}/{v.name}"
         first = not (v.state == state and (v.status.get("message") == message))
         self.failed_at[key] = time.monotonic()
-        self.write_status(v, {"state": state, "message": message},
+        self.write_status(v, {"state": state, "message": message, **(fields or {})},
                           [("Ready", False, reason, message)])
         if event and first:
             self.a.events.emit(v.obj, reason, message, WARNING)
@@ -170,7 +170,9 @@ class VmReconciler:
                 from fusuma.cluster import hostmove
 
                 hostmove.begin(self.a, self, v, local)
-            elif mine and v.host != self.a.host:
+            elif mine and v.host != self.a.host and v.state != CREATING:
+                # Stale once the other host holds it; while it creates it (a create
+                # that fails gives the status back here), this copy may be the only.
                 self._drop_stale(c, v, local)
             return
         if v.host not in (None, self.a.host) and v.state != LOST:
@@ -192,7 +194,11 @@ class VmReconciler:
                       f"spec.partition or create a FusumaPartition.")
             return
         if local is None:
-            if v.state == FAILED and v.status.get("observedGeneration") == v.generation \
+            # A create that failed is tried again after a while, or at once for a
+            # new spec; the controller marking it Lost again (its old host's Lease
+            # still expired) is no new spec.
+            if v.state in (FAILED, LOST) \
+                    and v.status.get("observedGeneration") == v.generation \
                     and time.monotonic() - self.create_failed_at.get(
                         f"{v.namespace}/{v.name}", 0) < RETRY_FAILED_S:
                 return
@@ -208,6 +214,10 @@ class VmReconciler:
     def _create(self, c: Ctx, v: VmView, part: str) -> VmRecord | None:
         from fusuma.spec import VmSpec
 
+        # Where it was defined before (a lost host's copy may still run): a create
+        # that fails gives that back, so the status never names a host that holds
+        # nothing, and the lost host, back, does not end the only copy as stale.
+        was = {"host": v.host, "partition": v.status.get("partition")}
         self.write_status(v, {"state": CREATING, "host": self.a.host, "partition": part,
                               "message": None},
                           [("Ready", False, "Creating", f"creating on {self.a.host}")])
@@ -216,15 +226,15 @@ class VmReconciler:
             ips = self._addresses(c, v)
             spec = VmSpec.model_validate(v.vm_spec_fields(part, ips))
             rec = c.vms.create(spec)
-        except FusumaError as exc:
+        except Exception as exc:           # FusumaError, pydantic's ValidationError
             self.a.owners.remove("vms", v.name)
             self.create_failed_at[f"{v.namespace}/{v.name}"] = time.monotonic()
-            self.fail(v, reason_of(exc), str(exc))
-            return None
-        except Exception as exc:           # pydantic's ValidationError
-            self.a.owners.remove("vms", v.name)
-            self.create_failed_at[f"{v.namespace}/{v.name}"] = time.monotonic()
-            self.fail(v, "InvalidSpec", f"the VM spec is not valid: {exc}")
+            now = VmView(self.a.vms_informer.get(v.namespace, v.name) or v.obj)
+            if isinstance(exc, FusumaError):
+                self.fail(now, reason_of(exc), str(exc), fields=was)
+            else:
+                self.fail(now, "InvalidSpec", f"the VM spec is not valid: {exc}",
+                          fields=was)
             return None
         self.a.add_finalizer(VM, v.obj)
         self.a.events.emit(v.obj, "Created", f"defined on host {self.a.host} in partition "
