@@ -22,6 +22,7 @@ removed afterwards, also on failure.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -87,10 +88,35 @@ class Case:
                 "moves": len(self.moves),
                 "downtime_ms_max": max(downs) if downs else None,
                 "downtime_ms_median": _median(downs),
+                "downtime_ms_p99": _nearest_rank(downs, 0.99),
+                "wall_ms_sum": _wall_sums(self.moves),
                 "bytes_sent_median": _median([float(m["bytes_sent"]) for m in self.moves]),
                 "bytes_sent_total": sum(int(m["bytes_sent"]) for m in self.moves),
                 "vm_downtime_ms": per_vm, "data_intact": self.data_intact,
                 "busy_cores_before": self.busy_cores_before, "error": self.error}
+
+
+def _nearest_rank(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile by nearest rank (of 16 moves, p99 is the largest)."""
+    if not values:
+        return None
+    s = sorted(values)
+    rank = math.ceil(round(q * len(s), 9))      # 1-based; round: 0.99 * 100 is 98.999...
+    return s[min(len(s), max(rank, 1)) - 1]
+
+
+def _wall_sums(moves: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Each step of the moves' ``wall_ms`` (``fusuma.migration.WALL_STEPS``) summed
+    over the moves, in the steps' order: where a maintain's time went. A step of one
+    move can overlap another move's (the next destination prepared during a release),
+    so the sum can exceed the maintain's time."""
+    from fusuma.migration import WALL_STEPS
+
+    sums = {step: 0.0 for step in WALL_STEPS}
+    for m in moves:
+        for step, ms in (m.get("wall_ms") or {}).items():
+            sums[step] = sums.get(step, 0.0) + float(ms)
+    return {k: round(v, 2) for k, v in sums.items() if v}
 
 
 def _median(values: Sequence[float]) -> float | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from fusuma.errors import MigrationError, QemuError
 from fusuma.migration import downtime_steps
 from fusuma.qemu.qmp import MigrationInfo
@@ -410,3 +412,22 @@ def test_a_stream_that_fails_after_back_was_decided_leaves_the_guest_running() -
         raise AssertionError("the failed stream was taken for a move")
     assert inst.qmp.commands[-1] == "cont" and inst.streaming is False
     assert weights == ["vm0"]
+
+
+def test_a_moves_wall_steps_each_from_the_mark_before_in_their_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``wall_ms``: where the whole move went as its caller waited; a step not reached
+    (a failed move, an in-place move that settles nothing) is left out, and the steps
+    add up to the time from the first mark's making to the last step."""
+    from fusuma import migration
+
+    clock = iter([10.0, 10.001, 10.0015, 10.004, 10.070, 10.075, 10.0801, 10.090])
+    monkeypatch.setattr(migration.time, "monotonic", lambda: next(clock))
+    m = migration.Marks()
+    for step in ("lock", "job", "checks", "prepare", "stream", "release", "done"):
+        m.mark(step)
+    got = m.steps()
+    assert list(got) == ["lock", "job", "checks", "prepare", "stream", "release", "done"]
+    assert got == {"lock": 1.0, "job": 0.5, "checks": 2.5, "prepare": 66.0,
+                   "stream": 5.0, "release": 5.1, "done": 9.9}
+    assert round(sum(got.values()), 2) == 90.0

@@ -32,7 +32,8 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,9 @@ class MigrationResult:
     dest_pid: int | None = None
     # Where the downtime went (ms per step, in order; ``downtime_steps``).
     steps_ms: dict[str, float] | None = None
+    # Where the whole move went, as this process saw it (ms per step, in order;
+    # ``WALL_STEPS``): from the call of ``migrate`` to its return.
+    wall_ms: dict[str, float] | None = None
 
     def as_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -165,13 +169,21 @@ def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
     """Move running ``vm`` to partition ``to``. ``checkpoint`` is called once, at the
     last point where stopping leaves everything as it was (before the stream starts);
     a FusumaError it raises ends the move there, the VM staying where it ran."""
+    wall = Marks()
     with host_lock(parts.paths.home):
+        wall.mark("lock")
         parts.ensure_recovered(vm_obj(vm))
         source = parts.db.vm(vm).partition
         with parts.job(vm_obj(vm), JobKind.MIGRATE, source=source, peer=to) as jh:
+            wall.mark("job")
             check(parts, vm, to, mode)
+            wall.mark("checks")
+            steps = MoveSteps(parts, jh, vm, to, mode, progress, checkpoint, wall)
             try:
-                res = _migrate(parts, jh, vm, to, mode, progress, checkpoint)
+                steps.start()
+                steps.prepared(steps.move.dest_prepare)
+                steps.switch()
+                res = steps.release()
             except FusumaError as exc:
                 where = parts.db.find_vm(vm)
                 parts.db.emit("lifecycle", "vm-move-failed", f"/1.0/vms/{vm}", vm=vm,
@@ -182,7 +194,166 @@ def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
                 raise
             parts.db.emit_context("lifecycle", "vm-moved", f"/1.0/vms/{vm}",
                                   {**res.as_json(), "result": "ok"})
-            return res
+        wall.mark("done")
+    return replace(res, wall_ms=wall.steps())
+
+
+@frozen
+class Planned:
+    """One move of ``migrate_many``'s list."""
+    vm: str
+    to: str
+    mode: str
+
+
+class ManyFailed(MigrationError):
+    """A move of ``migrate_many``'s list failed: the moves before it are done (their
+    results in ``moved``), it and those after it are not (their VMs run where they
+    ran), and the message says which is which."""
+
+    def __init__(self, message: str, moved: list[MigrationResult]) -> None:
+        super().__init__(message)
+        self.moved = moved
+
+
+class _Open:
+    """A move of ``migrate_many`` begun: its job held, checked, ``migrating``, its
+    destination asked to prepare (on a thread: only the request, no state)."""
+
+    def __init__(self, parts: PartitionManager, p: Planned, pool: ThreadPoolExecutor,
+                 progress: Callable[[str], None]) -> None:
+        self.wall = Marks()
+        self.wall.mark("lock")
+        parts.ensure_recovered(vm_obj(p.vm))
+        self.parts, self.plan = parts, p
+        self.source = parts.db.vm(p.vm).partition
+        self.jh = parts.job(vm_obj(p.vm), JobKind.MIGRATE, source=self.source, peer=p.to)
+        try:
+            self.wall.mark("job")
+            check(parts, p.vm, p.to, p.mode)
+            self.wall.mark("checks")
+            self.steps = MoveSteps(parts, self.jh, p.vm, p.to, p.mode, progress,
+                                   wall=self.wall)
+            self.steps.start()
+        except BaseException:
+            self.jh.end()
+            raise
+        self.asked: Future[rpc.Prepared] = pool.submit(self.steps.move.dest_prepare)
+
+    def close(self, res: MigrationResult | None, exc: FusumaError | None) -> None:
+        """End its job and write its event, as ``migrate`` does."""
+        vm, db = self.plan.vm, self.parts.db
+        try:
+            if res is not None:
+                db.emit_context("lifecycle", "vm-moved", f"/1.0/vms/{vm}",
+                                {**res.as_json(), "result": "ok"})
+            else:
+                where = db.find_vm(vm)
+                db.emit("lifecycle", "vm-move-failed", f"/1.0/vms/{vm}", vm=vm,
+                        mode=self.plan.mode, result="failed", error=str(exc),
+                        partition=where.partition if where else None,
+                        state=where.state.value if where else None,
+                        **{"from": self.source, "to": self.plan.to})
+        finally:
+            self.jh.end()
+
+    def call_off(self, why: str) -> None:
+        """Undo a move that has not streamed: its destination's QEMU (once started)
+        ended, the VM running where it ran (the recovery of a move before its stream)."""
+        with contextlib.suppress(FusumaError):
+            self.asked.result()
+        try:
+            cur = self.parts.db.find_job(vm_obj(self.plan.vm))
+            if cur is not None:
+                recover_move(self.parts, cur)
+        finally:
+            self.close(None, MigrationError(why))
+
+
+def migrate_many(parts: PartitionManager, plan: list[Planned],
+                 progress: Callable[[str], None] = lambda s: None) -> list[MigrationResult]:
+    """Make the moves of ``plan`` one after another, each as ``migrate`` makes it, with
+    the next move's destination QEMU started while this one's guest already runs at
+    its destination and its source QEMU is being ended (its release): a QEMU never
+    starts during another guest's pause. Each move holds its own job, so a kill at any
+    point is recovered move by move (at most two are open). The first failure ends
+    the run: the next move, if begun, is called off; ManyFailed says which VMs moved
+    and which did not."""
+    done: list[MigrationResult] = []
+    if not plan:
+        return done
+    with host_lock(parts.paths.home), ThreadPoolExecutor(1) as pool:
+        nxt: _Open | None = _Open(parts, plan[0], pool, progress)
+        for i in range(len(plan)):
+            cur, nxt = nxt, None
+            assert cur is not None
+            steps = cur.steps
+            try:
+                steps.prepared(cur.asked.result)
+                steps.switch()
+            except FusumaError as exc:
+                cur.close(None, exc)
+                raise _many_failed(plan, done, i, exc) from exc
+            later: FusumaError | None = None
+            if i + 1 < len(plan) and not steps.over:
+                try:
+                    nxt = _Open(parts, plan[i + 1], pool, progress)
+                except FusumaError as exc:
+                    later = exc
+            try:
+                res = steps.release()
+            except FusumaError as exc:
+                cur.close(None, exc)
+                if nxt is not None:
+                    nxt.call_off(f"the move of {cur.plan.vm!r} before it failed")
+                raise _many_failed(plan, done, i, exc) from exc
+            cur.wall.mark("done")
+            res = replace(res, wall_ms=cur.wall.steps())
+            cur.close(res, None)
+            done.append(res)
+            if later is not None:
+                raise _many_failed(plan, done, i + 1, later) from later
+        return done
+
+
+def _many_failed(plan: list[Planned], done: list[MigrationResult], i: int,
+                 exc: FusumaError) -> ManyFailed:
+    """The sentence of a run whose move ``i`` failed (``exc`` says where that VM is)."""
+    moved = ", ".join(r.vm for r in done) or "none"
+    left = ", ".join(p.vm for p in plan[i + 1:])
+    rest = f"; not moved, running where they ran: {left}" if left else ""
+    return ManyFailed(f"{exc} Moved before it: {moved}{rest}.", list(done))
+
+
+# The steps of a whole move as ``migrate``'s caller waits for it (``wall_ms``): the
+# host lock, the job (recovering one whose owner died), the checks, the destination's
+# preparation (its QEMU started), the stream (to the source's "completed"), the
+# destination's finish (the guest runs there, its record taken), the source's release
+# (its QEMU ended), the destination's settling (its sockets renamed), and the rest
+# (the job closed, the event written).
+WALL_STEPS = ("lock", "job", "checks", "prepare", "stream", "finish", "release", "settle",
+              "done")
+
+
+class Marks:
+    """Monotonic marks of a move's steps, each step's time measured from the mark
+    before it (the first from this object's making)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.at: dict[str, float] = {}
+
+    def mark(self, step: str) -> None:
+        self.at[step] = time.monotonic()
+
+    def steps(self) -> dict[str, float]:
+        out, last = {}, self.t0
+        for step in WALL_STEPS:
+            at = self.at.get(step)
+            if at is not None:
+                out[step] = round((at - last) * 1000, 2)
+                last = at
+        return out
 
 
 def move_stopped(parts: PartitionManager, vm: str, to: str) -> None:
@@ -269,62 +440,114 @@ class LocalMove:
                 dst.send(rpc.Settle(self.vm))
 
 
-def _migrate(parts: PartitionManager, jh: JobLock, vm: str, to: str, mode: str,
-             progress: Callable[[str], None],
-             checkpoint: Callable[[], None] = lambda: None) -> MigrationResult:
-    """The move's steps, each phase (``MovePhase``) recorded before it is taken (see
-    the module docstring). Any failure after the VM became ``migrating`` is resolved by
-    the same procedure that recovers a move whose owner died (``migration.resolve``)."""
-    db = parts.db
-    rec = db.vm(vm)
-    move = LocalMove(parts, vm, rec.partition, to, mode)
-    db.transition(vm, VmState.MIGRATING, expect={VmState.RUNNING})
-    jh.phase(MovePhase.PREPARE, mode=mode, source_pid=rec.pid)
-    progress(f"preparing {vm} in {to} ({mode})")
-    switched = False     # the destination took the guest: a later failure is no undo
-    try:
-        prep = move.dest_prepare()
-        jh.phase(MovePhase.PREPARED, dest_pid=prep.pid, dest_run=prep.run_dir,
-                 dest_ram=prep.dest_ram)
-        src_pid, dst_pid = int(rec.pid or 0), prep.pid
-        cpu0 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
-        _fault_sleep(FAULT_BEFORE_STREAM)
-        checkpoint()
-        progress(f"moving {vm} {move.source} -> {to}")
-        jh.phase(MovePhase.STREAMING)
-        out = move.source_perform(prep)
-        jh.phase(MovePhase.STREAMED, bytes_sent=out.bytes_sent)
-        cpu1 = cpu_seconds(src_pid) + cpu_seconds(dst_pid)
-        _fault_sleep(FAULT_AFTER_COMPLETE)
-        fin = move.dest_finish()
-        switched = True
-        jh.phase(MovePhase.SWITCHED)
-        _fault_sleep(FAULT_AFTER_SWITCH)
-        move.source_confirm()
-        jh.phase(MovePhase.RELEASED)
-        _fault_sleep(FAULT_AFTER_RELEASE)
-        move.dest_settle(progress)
-        after = db.vm(vm)
-        if after.partition != to or after.state not in (VmState.RUNNING, VmState.PAUSED):
-            raise MovedNotRunning(f"{vm!r} moved to partition {to!r}, but is "
-                                  f"{after.state.value} there: {after.error or 'see ps'}; "
-                                  f"start it again with `fusuma vm start {vm}`.")
-    except MovedNotRunning:
-        raise
-    except FusumaError as exc:
-        _resolve_failed(parts, vm, move.source, exc, switched=switched, progress=progress)
-    # An in-place transfer answers once the guest runs again, with that moment.
-    resume_ts = out.resume_ts or fin.resume_ts
-    stop_ts = out.stop_ts
-    return MigrationResult(
-        vm=vm, source=move.source, to=to, mode=mode,
-        total_ms=round((resume_ts - out.t0) * 1000, 2),
-        downtime_ms=round((resume_ts - stop_ts) * 1000, 2) if stop_ts else None,
-        bytes_sent=out.bytes_sent, prepare_ms=prep.prepare_ms,
-        cpu_s=round(cpu1 - cpu0, 3), qemu_total_ms=out.qemu_total_ms,
-        qemu_downtime_ms=out.qemu_downtime_ms, paused=out.paused,
-        qemu_mode=out.source_mode, source_pid=src_pid, dest_pid=dst_pid,
-        steps_ms=downtime_steps(out, fin))
+class MoveSteps:
+    """A move's steps after its checks, each phase (``MovePhase``) recorded before it
+    is taken (see the module docstring), in four calls: ``start`` (the VM becomes
+    ``migrating``), ``prepared`` (the destination's QEMU waits for the stream),
+    ``switch`` (the stream, and the guest running at the destination) and ``release``
+    (the source's QEMU ended, the destination's sockets settled). ``migrate`` makes
+    them one after another; ``migrate_many`` overlaps the next move's preparation with
+    this one's release. Any failure after the VM became ``migrating`` is resolved by
+    the same procedure that recovers a move whose owner died (``migration.resolve``):
+    a step then raises, or, when the guest already runs at the destination, the
+    steps after it are skipped and the move counts as done."""
+
+    def __init__(self, parts: PartitionManager, jh: JobLock, vm: str, to: str, mode: str,
+                 progress: Callable[[str], None],
+                 checkpoint: Callable[[], None] = lambda: None,
+                 wall: Marks | None = None) -> None:
+        self.parts, self.jh, self.vm, self.to, self.mode = parts, jh, vm, to, mode
+        self.progress, self.checkpoint = progress, checkpoint
+        self.wall = wall or Marks()
+        self.rec = parts.db.vm(vm)
+        self.move = LocalMove(parts, vm, self.rec.partition, to, mode)
+        self.switched = False   # the destination took the guest: a later failure is no undo
+        self.over = False       # resolved forward after a failure: nothing more to do
+        self.cpu0 = self.cpu1 = 0.0
+        self.prep: rpc.Prepared | None = None
+        self.out: rpc.Streamed | None = None
+        self.fin: rpc.Resumed | None = None
+
+    def start(self) -> None:
+        self.parts.db.transition(self.vm, VmState.MIGRATING, expect={VmState.RUNNING})
+        self.jh.phase(MovePhase.PREPARE, mode=self.mode, source_pid=self.rec.pid)
+        self.progress(f"preparing {self.vm} in {self.to} ({self.mode})")
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        if self.over:
+            return
+        try:
+            fn()
+        except MovedNotRunning:
+            raise
+        except FusumaError as exc:
+            _resolve_failed(self.parts, self.vm, self.move.source, exc,
+                            switched=self.switched, progress=self.progress)
+            self.over = True
+
+    def prepared(self, prep: Callable[[], rpc.Prepared]) -> None:
+        """``prep``: the destination's answer (``LocalMove.dest_prepare``, or the
+        future of one asked ahead), or its error."""
+        def step() -> None:
+            self.prep = p = prep()
+            self.wall.mark("prepare")
+            self.jh.phase(MovePhase.PREPARED, dest_pid=p.pid, dest_run=p.run_dir,
+                          dest_ram=p.dest_ram)
+            self.cpu0 = cpu_seconds(int(self.rec.pid or 0)) + cpu_seconds(p.pid)
+        self._guard(step)
+
+    def switch(self) -> None:
+        def step() -> None:
+            assert self.prep is not None
+            _fault_sleep(FAULT_BEFORE_STREAM)
+            self.checkpoint()
+            self.progress(f"moving {self.vm} {self.move.source} -> {self.to}")
+            self.jh.phase(MovePhase.STREAMING)
+            self.out = self.move.source_perform(self.prep)
+            self.wall.mark("stream")
+            self.jh.phase(MovePhase.STREAMED, bytes_sent=self.out.bytes_sent)
+            self.cpu1 = cpu_seconds(int(self.rec.pid or 0)) + cpu_seconds(self.prep.pid)
+            _fault_sleep(FAULT_AFTER_COMPLETE)
+            self.fin = self.move.dest_finish()
+            self.wall.mark("finish")
+            self.switched = True
+            self.jh.phase(MovePhase.SWITCHED)
+            _fault_sleep(FAULT_AFTER_SWITCH)
+        self._guard(step)
+
+    def release(self) -> MigrationResult:
+        def step() -> None:
+            self.move.source_confirm()
+            self.wall.mark("release")
+            self.jh.phase(MovePhase.RELEASED)
+            _fault_sleep(FAULT_AFTER_RELEASE)
+            self.move.dest_settle(self.progress)
+            self.wall.mark("settle")
+            after = self.parts.db.vm(self.vm)
+            if after.partition != self.to \
+                    or after.state not in (VmState.RUNNING, VmState.PAUSED):
+                raise MovedNotRunning(
+                    f"{self.vm!r} moved to partition {self.to!r}, but is "
+                    f"{after.state.value} there: {after.error or 'see ps'}; start it "
+                    f"again with `fusuma vm start {self.vm}`.")
+        self._guard(step)
+        return self.result()
+
+    def result(self) -> MigrationResult:
+        prep, out, fin = self.prep, self.out, self.fin
+        assert prep is not None and out is not None and fin is not None
+        # An in-place transfer answers once the guest runs again, with that moment.
+        resume_ts = out.resume_ts or fin.resume_ts
+        stop_ts = out.stop_ts
+        return MigrationResult(
+            vm=self.vm, source=self.move.source, to=self.to, mode=self.mode,
+            total_ms=round((resume_ts - out.t0) * 1000, 2),
+            downtime_ms=round((resume_ts - stop_ts) * 1000, 2) if stop_ts else None,
+            bytes_sent=out.bytes_sent, prepare_ms=prep.prepare_ms,
+            cpu_s=round(self.cpu1 - self.cpu0, 3), qemu_total_ms=out.qemu_total_ms,
+            qemu_downtime_ms=out.qemu_downtime_ms, paused=out.paused,
+            qemu_mode=out.source_mode, source_pid=int(self.rec.pid or 0),
+            dest_pid=prep.pid, steps_ms=downtime_steps(out, fin))
 
 
 # The steps of a move's downtime: the source QEMU stopped the guest and sent the

@@ -9,9 +9,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fusuma import capacity
-from fusuma.errors import FusumaError, MigrationError, StateError
+from fusuma.errors import MigrationError, StateError
 from fusuma.frozen import frozen
-from fusuma.migration import MigrationResult, check, compat, inplace, migrate
+from fusuma.migration import (
+    ManyFailed,
+    MigrationResult,
+    Planned,
+    check,
+    compat,
+    inplace,
+    migrate_many,
+)
 from fusuma.migration.inplace import MODE as CPR_MODE
 from fusuma.partition.manager import PartitionManager
 from fusuma.qemu import versions
@@ -59,10 +67,9 @@ def _maintain(parts: PartitionManager, jh: JobLock, partition: str, via: str,
         for v in vms:
             compat.check_runs_on(parts.paths, db.vm(v.name), new, partition)
     capacity.check_many(parts.paths, db, vms, via, modes, host=parts.host)
-    moves: list[MigrationResult] = []
     jh.phase("moving out", vms=[v.name for v in vms])
-    for v in vms:
-        moves.append(migrate(parts, v.name, via, modes[v.name], progress))
+    moves = migrate_many(parts, [Planned(v.name, via, modes[v.name]) for v in vms],
+                         progress)
     if qemu is not None:
         progress(f"switching {partition} to {qemu}")
         parts.db.update_partition(type(rec)(**{**parts.db.partition(partition).__dict__,
@@ -71,21 +78,21 @@ def _maintain(parts: PartitionManager, jh: JobLock, partition: str, via: str,
     jh.phase("restarting")
     pid = parts.restart(partition)
     jh.phase("moving back")
-    for v in vms:
-        try:
-            moves.append(migrate(parts, v.name, partition, modes[v.name], progress))
-        except FusumaError as exc:
-            back = ""
-            if qemu is not None and qemu != rec.qemu:
-                # The new QEMU could not take the guest (it died, or will not start):
-                # what starts in the partition next runs on the old QEMU again, as
-                # before the upgrade. The guests keep the QEMUs they run on.
-                db.update_partition(type(rec)(**{**db.partition(partition).__dict__,
-                                                 "qemu": rec.qemu}))
-                back = (f" Partition {partition!r} is back on its old QEMU "
-                        f"({rec.qemu or 'the system one'}).")
-            raise MigrationError(f"{exc}{back} The VMs not yet moved back run in "
-                                 f"{via!r}.") from exc
+    try:
+        moves += migrate_many(parts, [Planned(v.name, partition, modes[v.name])
+                                      for v in vms], progress)
+    except ManyFailed as exc:
+        back = ""
+        if qemu is not None and qemu != rec.qemu:
+            # The new QEMU could not take the guest (it died, or will not start):
+            # what starts in the partition next runs on the old QEMU again, as
+            # before the upgrade. The guests keep the QEMUs they run on.
+            db.update_partition(type(rec)(**{**db.partition(partition).__dict__,
+                                             "qemu": rec.qemu}))
+            back = (f" Partition {partition!r} is back on its old QEMU "
+                    f"({rec.qemu or 'the system one'}).")
+        raise MigrationError(f"{exc}{back} The VMs not moved back run in "
+                             f"{via!r}.") from exc
     return MaintainResult(partition, via, qemu, pid, moves)
 
 
@@ -110,15 +117,8 @@ def maintain_in_place(parts: PartitionManager, partition: str, qemu: str | None 
             db.update_partition(type(rec)(**{**db.partition(partition).__dict__,
                                              "qemu": qemu}))
         jh.phase("moving in place", vms=[v.name for v in vms])
-        moves: list[MigrationResult] = []
-        for v in vms:
-            try:
-                moves.append(migrate(parts, v.name, partition, CPR_MODE, progress))
-            except MigrationError as exc:
-                left = [m.name for m in vms[len(moves) + 1:]]
-                if not left:
-                    raise
-                raise MigrationError(f"{exc} The VMs not yet moved ({', '.join(left)}) run "
-                                     "on their old QEMU.") from exc
+        # Those not moved run on their old QEMU (ManyFailed says which).
+        moves = migrate_many(parts, [Planned(v.name, partition, CPR_MODE) for v in vms],
+                             progress)
         return MaintainResult(partition, None, qemu, parts.supervisor_pid(partition) or 0,
                               moves)

@@ -1,0 +1,34 @@
+"""`bench maintain`'s figures of a case, as data: p99 by nearest rank, and where the
+moves' time went (each step of ``wall_ms`` summed over the moves)."""
+
+from __future__ import annotations
+
+from fusuma_bench.maintain import Case, _nearest_rank
+
+
+def test_p99_is_the_nearest_rank() -> None:
+    assert _nearest_rank([], 0.99) is None
+    assert _nearest_rank([5.0], 0.99) == 5.0
+    assert _nearest_rank([float(i) for i in range(16, 0, -1)], 0.99) == 16.0
+    assert _nearest_rank([float(i) for i in range(1, 101)], 0.99) == 99.0
+    assert _nearest_rank([float(i) for i in range(1, 201)], 0.99) == 198.0
+    assert _nearest_rank([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
+
+
+def test_a_case_sums_its_moves_steps_in_their_order() -> None:
+    c = Case("cpr-transfer", 2, "10.0.2", "10.0.2", maintain_s=0.3, data_intact=True)
+    c.moves = [
+        {"vm": "a", "downtime_ms": 5.0, "bytes_sent": 10,
+         "wall_ms": {"job": 2.0, "checks": 10.0, "prepare": 60.0, "stream": 40.0,
+                     "done": 3.0}},
+        {"vm": "b", "downtime_ms": 7.0, "bytes_sent": 10,
+         "wall_ms": {"job": 1.5, "prepare": 5.0, "stream": 41.0, "finish": 2.0}},
+        {"vm": "c", "downtime_ms": None, "bytes_sent": 0},      # no steps: an old result
+    ]
+    j = c.as_json()
+    assert j["wall_ms_sum"] == {"job": 3.5, "checks": 10.0, "prepare": 65.0,
+                                "stream": 81.0, "finish": 2.0, "done": 3.0}
+    assert list(j["wall_ms_sum"]) == ["job", "checks", "prepare", "stream", "finish",
+                                      "done"]
+    assert (j["downtime_ms_median"], j["downtime_ms_p99"], j["downtime_ms_max"]) == \
+        (6.0, 7.0, 7.0)
