@@ -290,11 +290,16 @@ def _error(r: dict[str, Any]) -> str:
 @click.option("--in-place", "in_place", is_flag=True,
               help="Then also `maintain --in-place` (cpr-transfer, --to -> --to) on the "
                    "same VMs, and compare.")
+@click.option("--serial-too", "serial_too", is_flag=True,
+              help="Run each method twice on the same VMs: first serially (each move "
+                   "begun once the one before is done), then pipelined (the next "
+                   "move's QEMU started while this one's source is released), to compare "
+                   "the two in one run.")
 @_json_option("maintain")
 @_report_option("maintain.png")
 @pass_ctx
 def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
-                 json_file: Path | None, report_dir: Path | None) -> None:
+                 serial_too: bool, json_file: Path | None, report_dir: Path | None) -> None:
     """Upgrade a partition's QEMU under N running VMs: the whole maintain's time, every
     move's downtime and bytes, data intact; --via (zero-copy) and, with --in-place,
     cpr-transfer.
@@ -306,9 +311,10 @@ def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
     counts = _counts(vms_opt) or list(maintain.DEFAULT_VMS)
     c.accel_notice("auto")
     data = maintain.run(c.parts, c.vms, counts, source, target, in_place,
-                        progress=progress)
+                        progress=progress, serial_too=serial_too)
     publish(data, json_file, report_dir, "maintain", lambda data: (
-        f"{r['method']:12} x{r['vms']:<3} {r['from_qemu']} -> {r['to_qemu']}: "
+        f"{r['method']:12} {'' if r.get('pipelined', True) else '(serial) '}"
+        f"x{r['vms']:<3} {r['from_qemu']} -> {r['to_qemu']}: "
         f"maintain {r['maintain_s']} s, downtime max {r['downtime_ms_max']} ms, "
         f"data intact {str(r['data_intact']).lower()}{_error(r)}" for r in data["results"]))
 

@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fusuma.capacity import SUPERVISOR_MIB, vm_overhead
@@ -75,6 +76,9 @@ class Case:
     data_intact: bool = False
     error: str | None = None
     busy_cores_before: float | None = None    # the guests' CPU use when it started
+    # The next move's QEMU started during this one's release (fusuma.migration.
+    # migrate_many); False: each move after the one before (--serial-too).
+    pipelined: bool = True
 
     def as_json(self) -> dict[str, Any]:
         downs = [float(m["downtime_ms"]) for m in self.moves
@@ -83,7 +87,8 @@ class Case:
         for m in self.moves:
             if m.get("downtime_ms") is not None:
                 per_vm[m["vm"]] = max(per_vm.get(m["vm"], 0.0), float(m["downtime_ms"]))
-        return {"method": self.method, "vms": self.vms, "from_qemu": self.source_qemu,
+        return {"method": self.method, "pipelined": self.pipelined, "vms": self.vms,
+                "from_qemu": self.source_qemu,
                 "to_qemu": self.target_qemu, "maintain_s": self.maintain_s,
                 "moves": len(self.moves),
                 "downtime_ms_max": max(downs) if downs else None,
@@ -128,7 +133,8 @@ def _median(values: Sequence[float]) -> float | None:
 
 
 def run(parts: PartitionManager, vms: VmManager, counts: Sequence[int], source: str,
-        target: str, in_place: bool, progress: Progress = lambda s: None) -> dict[str, Any]:
+        target: str, in_place: bool, progress: Progress = lambda s: None,
+        serial_too: bool = False) -> dict[str, Any]:
     accel = probe_accel("auto").name
     cores = _check_host(parts, counts, accel)
     q_from = versions.resolve(parts.paths, source)
@@ -139,16 +145,19 @@ def run(parts: PartitionManager, vms: VmManager, counts: Sequence[int], source: 
     all_moves: list[dict[str, Any]] = []
     for n in counts:
         for case in _one_count(parts, vms, cores, n, source, target, q_from.version,
-                               q_to.version, in_place, accel, progress):
+                               q_to.version, in_place, accel, progress, serial_too):
             results.append(case.as_json())
-            all_moves += [{**m, "method": case.method, "vms": n} for m in case.moves]
+            all_moves += [{**m, "method": case.method, "vms": n,
+                           "pipelined": case.pipelined} for m in case.moves]
             r = results[-1]
-            progress(f"{case.method} x{n}: maintain {r['maintain_s']} s, downtime max "
+            progress(f"{case.method}{'' if case.pipelined else ' (serial)'} x{n}: "
+                     f"maintain {r['maintain_s']} s, downtime max "
                      f"{r['downtime_ms_max']} ms, data intact {r['data_intact']}"
                      + (f"; {r['error']}" if r["error"] else ""))
     return {"meta": meta(accel, benchmark="maintain", vms=list(counts), source=source,
                          target=target, from_version=q_from.version,
                          to_version=q_to.version, in_place=in_place, cores=cores,
+                         serial_too=serial_too,
                          guest_memory_mib=MEMORY_MIB, blob_mib=BLOB_MIB,
                          quiet_cores=QUIET_CORES, quiesce_s=QUIESCE_S,
                          methods=[m for m in METHODS if in_place or m != "cpr-transfer"],
@@ -182,7 +191,7 @@ def _check_host(parts: PartitionManager, counts: Sequence[int], accel: str) -> l
 
 def _one_count(parts: PartitionManager, vms: VmManager, cores: list[int], n: int,
                source: str, target: str, v_from: str, v_to: str, in_place: bool,
-               accel: str, progress: Progress) -> list[Case]:
+               accel: str, progress: Progress, serial_too: bool = False) -> list[Case]:
     mem = partition_mib(n, accel)
     names = [f"{VM_PREFIX}{i}" for i in range(n)]
     cases: list[Case] = []
@@ -194,18 +203,29 @@ def _one_count(parts: PartitionManager, vms: VmManager, cores: list[int], n: int
             vms.create(VmSpec(name=name, partition=PARTITION, memory_mib=MEMORY_MIB))
         _boot(parts, vms, names, progress)
         digests = {name: _write_blob(vms, name) for name in names}
-        via = Case("zero-copy", n, v_from, v_to)
-        cases.append(via)
-        _measure(via, names, digests, vms, progress,
-                 lambda: maintain(parts, PARTITION, VIA, target, progress=progress))
-        if in_place:
-            cpr = Case("cpr-transfer", n, v_to, v_to)
-            cases.append(cpr)
+        # With --serial-too each method runs first as before the pipeline (each move
+        # begun once the one before is done), then pipelined: both in this run. The
+        # second --via maintain runs from --to to --to.
+        kinds = (False, True) if serial_too else (True,)
+        for ahead in kinds:
+            via = Case("zero-copy", n, v_from if not cases else v_to, v_to,
+                       pipelined=ahead)
+            cases.append(via)
+            _measure(via, names, digests, vms, progress,
+                     partial(maintain, parts, PARTITION, VIA, target, progress=progress,
+                             ahead=ahead))
             if via.error:
-                cpr.error = f"not run: the upgrade to {target} failed first"
-            else:
+                break
+        if in_place:
+            for ahead in kinds:
+                cpr = Case("cpr-transfer", n, v_to, v_to, pipelined=ahead)
+                cases.append(cpr)
+                if any(c.error for c in cases):
+                    cpr.error = "not run: a maintain before it failed"
+                    continue
                 _measure(cpr, names, digests, vms, progress,
-                         lambda: maintain_in_place(parts, PARTITION, progress=progress))
+                         partial(maintain_in_place, parts, PARTITION, progress=progress,
+                                 ahead=ahead))
         return cases
     finally:
         progress("removing the scratch partitions")

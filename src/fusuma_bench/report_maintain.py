@@ -9,6 +9,7 @@ how much, and why.
 from __future__ import annotations
 
 import math
+from dataclasses import field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,10 @@ class Row:
 @frozen
 class Result:
     meta: dict[str, Any]
-    rows: list[Row]
+    rows: list[Row]               # the pipelined maintains (fusuma's way)
     moves: list[dict[str, Any]]
+    # --serial-too: the same maintains with each move begun after the one before.
+    serial: list[Row] = field(default_factory=list)
 
     def row(self, method: str, vms: int) -> Row | None:
         return next((r for r in self.rows if r.method == method and r.vms == vms), None)
@@ -67,15 +70,42 @@ class Result:
 
 
 def parse(data: dict[str, Any]) -> Result:
-    rows = [Row(method=str(r["method"]), vms=int(r["vms"]),
-                from_qemu=str(r["from_qemu"]), to_qemu=str(r["to_qemu"]),
-                maintain_s=opt_float(r["maintain_s"]), moves=int(r["moves"]),
-                downtime_ms_max=opt_float(r["downtime_ms_max"]),
-                downtime_ms_median=opt_float(r["downtime_ms_median"]),
-                bytes_sent_median=opt_float(r["bytes_sent_median"]),
-                data_intact=bool(r["data_intact"]), error=r.get("error"))
-            for r in data["results"]]
-    return Result(meta=dict(data["meta"]), rows=rows, moves=list(data["moves"]))
+    def row(r: dict[str, Any]) -> Row:
+        return Row(method=str(r["method"]), vms=int(r["vms"]),
+                   from_qemu=str(r["from_qemu"]), to_qemu=str(r["to_qemu"]),
+                   maintain_s=opt_float(r["maintain_s"]), moves=int(r["moves"]),
+                   downtime_ms_max=opt_float(r["downtime_ms_max"]),
+                   downtime_ms_median=opt_float(r["downtime_ms_median"]),
+                   bytes_sent_median=opt_float(r["bytes_sent_median"]),
+                   data_intact=bool(r["data_intact"]), error=r.get("error"))
+    # A result from before the pipeline has no "pipelined": its rows are the rows.
+    return Result(meta=dict(data["meta"]),
+                  rows=[row(r) for r in data["results"] if r.get("pipelined", True)],
+                  moves=[m for m in data["moves"] if m.get("pipelined", True)],
+                  serial=[row(r) for r in data["results"]
+                          if not r.get("pipelined", True)])
+
+
+def serial_lines(res: Result) -> list[str]:
+    """Each method's maintain serially and pipelined, side by side in one run."""
+    rows = []
+    for s in sorted(res.serial, key=lambda r: (r.vms, r.method)):
+        p = res.row(s.method, s.vms)
+        if p is None or p.maintain_s is None or s.maintain_s is None:
+            continue
+        rows.append([LABELS.get(s.method, s.method), str(s.vms), fixed(s.maintain_s),
+                     fixed(p.maintain_s), f"{s.maintain_s / max(p.maintain_s, 1e-9):.2f}x",
+                     f"{fixed(s.downtime_ms_median)} / {fixed(p.downtime_ms_median)}",
+                     f"{fixed(s.downtime_ms_max)} / {fixed(p.downtime_ms_max)}"])
+    if not rows:
+        return []
+    return ["", "## Serial and pipelined, in this run", "",
+            "Each method first ran with each move begun once the one before was done "
+            "(fusuma before the pipeline), then pipelined (the next move's QEMU started "
+            "while this one's source QEMU is ended), on the same VMs.", "",
+            *table(["method", "VMs", "serial maintain_s", "pipelined maintain_s",
+                    "speed-up", "downtime_ms median serial / pipelined",
+                    "downtime_ms max serial / pipelined"], rows)]
 
 
 def load(path: Path) -> Result:
@@ -190,6 +220,7 @@ def markdown(res: Result, source: Path) -> str:
                       else f"{r.bytes_sent_median / 1000:.0f} KB",
                       str(r.data_intact).lower()]
                      for r in sorted(res.rows, key=lambda r: (r.vms, r.method))])
+    lines += serial_lines(res)
     lines += ["", "## Which method wins", "", *verdict_text(res)]
     lines += ["", "## Targets", ""]
     lines += check_table(checks(res))

@@ -168,3 +168,47 @@ def test_in_place_on_qemu_7_2_is_refused_naming_via(host: Host) -> None:
         assert "VM 'vm0' runs on QEMU 7.2" in res.err and "--via" in res.err, res.err
         assert host.part("p0")["qemu"] == qemu_before, "the partition was switched anyway"
         assert host.vm("vm0")["pid"] == before["pid"]
+
+
+def test_cli_killed_while_one_move_is_released_and_the_next_prepared(host: Host) -> None:
+    """maintain's pipeline holds two moves at once: vm0's guest already runs on its new
+    QEMU and its old one is being released, while vm1's new QEMU starts (its move
+    begun, not streamed). The CLI killed -9 there: each move is recovered on its own
+    (vm0 forward on its new QEMU, vm1 back on its old one), one QEMU per guest, data
+    intact, ps true, and the next maintain moves both."""
+    one_partition(host, "vm0")
+    host.run("vm", "create", "vm1", "-p", "p0", "--start")
+    host.run("vm", "exec", "vm1", "--", "/bin/sh", "-c", WRITE)
+    old = {vm: host.vm(vm)["pid"] for vm in ("vm0", "vm1")}
+    proc = subprocess.Popen([*FUSUMA, "maintain", "p0", "--in-place"],
+                            env={**host.env, "FUSUMA_FAULT_SLEEP_AFTER_RELEASE": "5"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        j0, j1 = job(host, "vm0"), job(host, "vm1")
+        if j0 is not None and j0["phase"] == "released" and j1 is not None \
+                and len(qemu_pids(host, "vm1")) == 2:
+            break
+        if proc.poll() is not None:
+            raise AssertionError(f"maintain ended first: {proc.communicate()}")
+        time.sleep(0.01)
+    else:
+        raise AssertionError("maintain never held vm0 released and vm1's QEMU started")
+    assert j1["phase"] in ("prepare", "prepared"), j1
+    new0 = host.vm("vm0")["pid"]
+    assert kill(proc.pid)
+    proc.communicate()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (job(host, "vm0") or job(host, "vm1")):
+        time.sleep(0.1)
+    assert job(host, "vm0") is None and job(host, "vm1") is None, "a job was left"
+    truth = {vm: check_truth(host, vm) for vm in ("vm0", "vm1")}
+    assert truth["vm0"]["checksum"] == truth["vm1"]["checksum"] == "intact", truth
+    v0, v1 = host.vm("vm0"), host.vm("vm1")
+    assert (v0["state"], v0["pid"]) == ("running", new0) and new0 != old["vm0"], v0
+    assert (v1["state"], v1["pid"]) == ("running", old["vm1"]), v1
+    res = host.run("maintain", "p0", "--in-place", "--json").json()
+    assert sorted(m["vm"] for m in res["moves"]) == ["vm0", "vm1"]
+    for vm in ("vm0", "vm1"):
+        assert qemu_pids(host, vm) == [host.vm(vm)["pid"]]
+        assert intact(host, vm)

@@ -32,3 +32,36 @@ def test_a_case_sums_its_moves_steps_in_their_order() -> None:
                                       "done"]
     assert (j["downtime_ms_median"], j["downtime_ms_p99"], j["downtime_ms_max"]) == \
         (6.0, 7.0, 7.0)
+
+
+def _result(method: str, vms: int, secs: float, pipelined: bool | None) -> dict[str, object]:
+    r: dict[str, object] = {
+        "method": method, "vms": vms, "from_qemu": "10.0.2", "to_qemu": "10.0.2",
+        "maintain_s": secs, "moves": vms, "downtime_ms_max": 9.0,
+        "downtime_ms_median": 5.0, "bytes_sent_median": 94000.0, "data_intact": True,
+        "error": None}
+    if pipelined is not None:
+        r["pipelined"] = pipelined
+    return r
+
+
+def test_the_report_sets_serial_beside_pipelined_and_checks_only_pipelined() -> None:
+    from fusuma_bench import report_maintain
+
+    data = {"meta": {}, "results": [_result("cpr-transfer", 16, 3.2, False),
+                                    _result("cpr-transfer", 16, 1.6, True)],
+            "moves": [{"vm": "a", "method": "cpr-transfer", "downtime_ms": 50.0,
+                       "pipelined": False},
+                      {"vm": "a", "method": "cpr-transfer", "downtime_ms": 4.0,
+                       "pipelined": True}]}
+    res = report_maintain.parse(data)
+    assert [r.maintain_s for r in res.rows] == [1.6]
+    assert [r.maintain_s for r in res.serial] == [3.2]
+    # The serial run's 50 ms move is no part of the targets' check.
+    assert [m["downtime_ms"] for m in res.moves] == [4.0]
+    lines = report_maintain.serial_lines(res)
+    assert lines[-1].split(" | ")[2:5] == ["3.20", "1.60", "2.00x"]
+    # A result from before the pipeline: its rows are the rows, nothing set beside.
+    old = report_maintain.parse({"meta": {}, "results": [_result("zero-copy", 4, 3.0, None)],
+                                 "moves": []})
+    assert len(old.rows) == 1 and old.serial == [] and report_maintain.serial_lines(old) == []

@@ -5,6 +5,7 @@ request type; the moves' own steps are the real ``MoveSteps``."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -220,3 +221,15 @@ def test_a_refused_next_move_still_finishes_the_one_before(
 
 def test_a_moves_error_is_a_migration_error() -> None:
     assert issubclass(ManyFailed, MigrationError)
+
+
+def test_serially_each_move_begins_after_the_one_before(world: World) -> None:
+    """``ahead=False`` (``bench maintain --serial-too``): the same moves, none overlapped."""
+    world.overlap_wait = 0.05
+    res = migrate_many(world, plan(), ahead=False)  # type: ignore[arg-type]
+    assert [r.vm for r in res] == VMS
+    assert world.overlapped == {"v1": False, "v2": False}
+    order = [(n, vm) for n, vm in world.log if n != "Settle"]
+    for prev, vm in itertools.pairwise(VMS):
+        assert order.index(("IncomingPrepare", vm)) > order.index(("Release", prev))
+    assert all(j.ended for j in world.jobs) and len(world.jobs) == 3

@@ -271,14 +271,16 @@ class _Open:
 
 
 def migrate_many(parts: PartitionManager, plan: list[Planned],
-                 progress: Callable[[str], None] = lambda s: None) -> list[MigrationResult]:
+                 progress: Callable[[str], None] = lambda s: None,
+                 ahead: bool = True) -> list[MigrationResult]:
     """Make the moves of ``plan`` one after another, each as ``migrate`` makes it, with
     the next move's destination QEMU started while this one's guest already runs at
     its destination and its source QEMU is being ended (its release): a QEMU never
     starts during another guest's pause. Each move holds its own job, so a kill at any
     point is recovered move by move (at most two are open). The first failure ends
     the run: the next move, if begun, is called off; ManyFailed says which VMs moved
-    and which did not."""
+    and which did not. ``ahead=False``: each move begun only once the one before is
+    done (as before the pipeline; ``bench maintain --serial-too`` compares)."""
     done: list[MigrationResult] = []
     if not plan:
         return done
@@ -295,7 +297,7 @@ def migrate_many(parts: PartitionManager, plan: list[Planned],
                 cur.close(None, exc)
                 raise _many_failed(plan, done, i, exc) from exc
             later: FusumaError | None = None
-            if i + 1 < len(plan) and not steps.over:
+            if ahead and i + 1 < len(plan) and not steps.over:
                 try:
                     nxt = _Open(parts, plan[i + 1], pool, progress)
                 except FusumaError as exc:
@@ -311,6 +313,11 @@ def migrate_many(parts: PartitionManager, plan: list[Planned],
             res = replace(res, wall_ms=cur.wall.steps())
             cur.close(res, None)
             done.append(res)
+            if nxt is None and later is None and i + 1 < len(plan):
+                try:
+                    nxt = _Open(parts, plan[i + 1], pool, progress)
+                except FusumaError as exc:
+                    later = exc
             if later is not None:
                 raise _many_failed(plan, done, i + 1, later) from later
         return done

@@ -39,16 +39,18 @@ class MaintainResult:
 
 
 def maintain(parts: PartitionManager, partition: str, via: str, qemu: str | None = None,
-             progress: Callable[[str], None] = lambda s: None) -> MaintainResult:
+             progress: Callable[[str], None] = lambda s: None,
+             ahead: bool = True) -> MaintainResult:
     """Every step under the host lock and a job on the partition, so no other change
     (a restart, a resize, another maintain) slips in between the moves."""
     with host_lock(parts.paths.home), \
             parts.job(partition_obj(partition), JobKind.MAINTAIN, peer=via) as jh:
-        return _maintain(parts, jh, partition, via, qemu, progress)
+        return _maintain(parts, jh, partition, via, qemu, progress, ahead)
 
 
 def _maintain(parts: PartitionManager, jh: JobLock, partition: str, via: str,
-              qemu: str | None, progress: Callable[[str], None]) -> MaintainResult:
+              qemu: str | None, progress: Callable[[str], None],
+              ahead: bool = True) -> MaintainResult:
     db = parts.db
     rec = db.partition(partition)
     db.partition(via)
@@ -69,7 +71,7 @@ def _maintain(parts: PartitionManager, jh: JobLock, partition: str, via: str,
     capacity.check_many(parts.paths, db, vms, via, modes, host=parts.host)
     jh.phase("moving out", vms=[v.name for v in vms])
     moves = migrate_many(parts, [Planned(v.name, via, modes[v.name]) for v in vms],
-                         progress)
+                         progress, ahead)
     if qemu is not None:
         progress(f"switching {partition} to {qemu}")
         parts.db.update_partition(type(rec)(**{**parts.db.partition(partition).__dict__,
@@ -80,7 +82,7 @@ def _maintain(parts: PartitionManager, jh: JobLock, partition: str, via: str,
     jh.phase("moving back")
     try:
         moves += migrate_many(parts, [Planned(v.name, partition, modes[v.name])
-                                      for v in vms], progress)
+                                      for v in vms], progress, ahead)
     except ManyFailed as exc:
         back = ""
         if qemu is not None and qemu != rec.qemu:
@@ -97,7 +99,8 @@ def _maintain(parts: PartitionManager, jh: JobLock, partition: str, via: str,
 
 
 def maintain_in_place(parts: PartitionManager, partition: str, qemu: str | None = None,
-                      progress: Callable[[str], None] = lambda s: None) -> MaintainResult:
+                      progress: Callable[[str], None] = lambda s: None,
+                      ahead: bool = True) -> MaintainResult:
     """Move every running VM of ``partition`` to a new QEMU process in the partition
     itself by cpr-transfer (``fusuma.supervisor.moves.cpr``), with ``qemu`` (a version or
     path) the partition's QEMU from now on. No second partition is needed. Refused,
@@ -119,6 +122,6 @@ def maintain_in_place(parts: PartitionManager, partition: str, qemu: str | None 
         jh.phase("moving in place", vms=[v.name for v in vms])
         # Those not moved run on their old QEMU (ManyFailed says which).
         moves = migrate_many(parts, [Planned(v.name, partition, CPR_MODE) for v in vms],
-                             progress)
+                             progress, ahead)
         return MaintainResult(partition, None, qemu, parts.supervisor_pid(partition) or 0,
                               moves)
