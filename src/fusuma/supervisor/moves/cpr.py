@@ -53,6 +53,7 @@ from typing import Any
 from fusuma.errors import FusumaError, MigrationError, QemuError, StateError
 from fusuma.host.accel import probe_accel
 from fusuma.network import queues
+from fusuma.qemu import process
 from fusuma.qemu.instance import QemuInstance, Role
 from fusuma.qemu.qmp import EVENT_MIGRATION, EVENT_STOP, event_time
 from fusuma.qemu.versions import CPR_MIN_VERSION as MIN_VERSION_TEXT
@@ -142,10 +143,12 @@ async def prepare(h: PartitionHost, vm: str, fault_decide_delay: float = 0.0) ->
 async def _connect_new(new: QemuInstance, timeout: float) -> None:
     """Connect to the new QEMU's monitor, giving up as soon as it exits. Its socket
     appears once the descriptors have arrived and the machine is built: watched every
-    2 ms (``Qmp.connect`` retries every 50 ms, which would all be move time)."""
-    deadline = time.monotonic() + timeout
+    2 ms (``Qmp.connect`` retries every 50 ms, which would all be move time).
+    ``timeout`` counts the time the new QEMU could run (``process.Patience``): on a
+    loaded host it may wait for a CPU longer than that, and is not given up on then."""
+    patience = process.Patience(new.pid, timeout)
     while not new.qmp.socket.exists() and not new.exited.is_set() \
-            and time.monotonic() < deadline:
+            and not patience.expired():
         await asyncio.sleep(0.002)
     connect = asyncio.ensure_future(new.qmp.connect(timeout=timeout))
     exited = asyncio.ensure_future(new.exited.wait())
