@@ -85,12 +85,23 @@ def test_each_pass_counts_what_moved_and_sends_the_next() -> None:
     assert (st["remaining"], st["waiting"], st["startedAt"]) == (2, 0, NOW)
     assert drain.describe(st) == ["moved default/a to h1/p0 (41.5 ms downtime)",
                                   "moving default/b to h2/p0", "moving default/c to h1/p1"]
+    # b runs on h2 now, but h0 has not yet ended its side of the move (the record is
+    # still there): still moving, the drain not done.
+    hosts[0]["status"]["drain"] = st
+    vms = [vm("a", on="h1"), vm("c", on="h1"),
+           vm("b", on="h2", move={"fromHost": "h0", "toHost": "h2", "to": "h2/p0",
+                                  "phase": "Switched"})]
+    st = drain.plan("h0", hosts, vms, set(), NOW).status
+    assert st is not None and st["state"] == "Draining" and st["remaining"] == 1
+    assert st["moving"] == [{"vm": "default/b", "to": "h2/p0"}]
+    assert [m["vm"] for m in st["moved"]] == ["default/a", "default/c"]
     # Then both are gone from h0: drained, every move listed.
     hosts[0]["status"]["drain"] = st
     done = drain.plan("h0", hosts, [vm("a", on="h1"), vm("b", on="h2"),
                                     vm("c", on="h1")], set(), NOW).status
     assert done is not None and done["state"] == "Drained" and done["remaining"] == 0
-    assert [m["vm"] for m in done["moved"]] == ["default/a", "default/b", "default/c"]
+    # In the order they finished.
+    assert [m["vm"] for m in done["moved"]] == ["default/a", "default/c", "default/b"]
     assert done["message"] == "no VM is left on host h0 (3 moved); `fusuma host " \
         "uncordon h0` lets VMs be placed here again."
 
@@ -293,14 +304,18 @@ def test_a_host_that_is_down_is_read_from_its_vms() -> None:
     """The controller restarted the restartable VM elsewhere and said why the others
     cannot be: `host drain --wait` shows each."""
     down = host("h0", drain_=True, status={"conditions": [
-        {"type": "Ready", "status": "False", "reason": "LeaseExpired"}]})
-    vms = [vm("keeper", on="h1", lostFrom="h0"),
-           vm("fragile", state="Lost", lostFrom="h0", message="host h0's Lease expired: "
+        {"type": "Ready", "status": "False", "reason": "LeaseExpired",
+         "lastTransitionTime": NOW}]})
+    lost = {"lostFrom": "h0", "lostAt": NOW}
+    vms = [vm("keeper", on="h1", **lost),
+           vm("fragile", state="Lost", message="host h0's Lease expired: "
               "the VM is lost; it is not restartable: set spec.restartable to start it "
-              "elsewhere from its image, or bring the host back."),
-           vm("starting", on=None, state="Placed", lostFrom="h0",
-              placement={"host": "h2", "partition": "p1"}),
-           vm("other", on="h1")]
+              "elsewhere from its image, or bring the host back.", **lost),
+           vm("starting", on=None, state="Placed",
+              placement={"host": "h2", "partition": "p1"}, **lost),
+           vm("other", on="h1"),
+           # Restarted after an earlier loss of h0: not this one's.
+           vm("before", on="h2", lostFrom="h0", lostAt="2025-12-31T00:00:00Z")]
     st = drain.progress(down, vms)
     assert st is not None and st["down"] and st["state"] == "Draining"
     assert st["moved"] == [{"vm": "default/keeper", "to": "h1/p0", "restarted": True}]
@@ -310,7 +325,7 @@ def test_a_host_that_is_down_is_read_from_its_vms() -> None:
         "image)"
     assert "cannot move default/fragile: host h0's Lease expired" in drain.describe(st)[2]
     # Once the last restartable runs: blocked by the one that cannot be.
-    vms[2] = vm("starting", on="h2", lostFrom="h0")
+    vms[2] = vm("starting", on="h2", **lost)
     st = drain.progress(down, vms)
     assert st is not None and st["state"] == "Blocked"
     err = hostctl.blocked("h0", st)

@@ -281,7 +281,8 @@ def host_cordon(name: str, kubeconfig: Path | None) -> None:
               help="With --wait: give up following after this many seconds (the drain "
                    "goes on).")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print the drain's progress (the FusumaHost's status.drain) as JSON.")
+              help="Print the drain's progress (the FusumaHost's status.drain) as JSON "
+                   "(without --wait: null until the host's agent took the drain up).")
 def host_drain(name: str, kubeconfig: Path | None, wait: bool, timeout: float,
                as_json: bool) -> None:
     """Move every VM off host NAME, live, to the other hosts; place no new VM there.

@@ -74,7 +74,11 @@ class Plan:
 
 
 def _here(v: VmView, me: str) -> bool:
-    """Whether VM ``v`` is (or is being made) on host ``me``."""
+    """Whether VM ``v`` is (or is being made) on host ``me``, or still moving off it:
+    a move from ``me`` ends when its source cleared the record (the guest runs at the
+    destination before that, but this host still holds its copy until then)."""
+    if v.move is not None and v.move.get("fromHost") == me:
+        return True
     if v.host is not None:
         return v.host == me
     return v.want_host == me and v.state != LOST
@@ -256,7 +260,8 @@ def progress(host: Obj, vms: list[Obj]) -> Obj | None:
     from its VMs, which the placement controller restarts elsewhere or says why not."""
     name = host["metadata"]["name"]
     if down(host):
-        return _down_progress(name, vms)
+        since = str((condition(host, "Ready") or {}).get("lastTransitionTime") or "")
+        return _down_progress(name, since, vms)
     st = dict((host.get("status") or {}).get("drain") or {})
     if int(st.get("observedGeneration") or -1) < int(host["metadata"].get("generation")
                                                      or 0):
@@ -264,13 +269,17 @@ def progress(host: Obj, vms: list[Obj]) -> Obj | None:
     return {**st, "down": False}
 
 
-def _down_progress(name: str, vms: list[Obj]) -> Obj:
+def _down_progress(name: str, since: str, vms: list[Obj]) -> Obj:
+    """The VMs host ``name`` had when it went down (at ``since``: its VMs were marked
+    lost then or later, not at an earlier loss), as the controller left them."""
     moving: list[Obj] = []
     moved: list[Obj] = []
     refused: list[Obj] = []
     for o in vms:
         v = VmView(o)
-        if deleting(o) or not (v.status.get("lostFrom") == name or _here(v, name)):
+        lost_here = v.status.get("lostFrom") == name \
+            and str(v.status.get("lostAt") or "") >= since
+        if deleting(o) or not (lost_here or _here(v, name)):
             continue
         who = label(o)
         if v.host and v.host != name and v.state == RUNNING:
