@@ -12,9 +12,10 @@ name that is not built in and for the `--help` listing, so a built-in command ne
 pays for the scan, and the runtime never imports those packages itself.
 
 The table is the program's one place that names every front door's commands: most
-live in ``fusuma.cli``; the daemons' own (`serve`, `agent`, `cluster`) live with their
-daemon (``fusuma.api.command``, ``fusuma.cluster.command``), so the CLI never imports
-the API or the cluster package, nor they the CLI.
+live in ``fusuma.cli``; the daemons' own (`serve`, `agent`, `cluster`, and `host`, which
+talks to the cluster) live with their daemon (``fusuma.api.command``,
+``fusuma.cluster.command``), so the CLI never imports the API or the cluster package,
+nor they the CLI.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "Remove every VM, disk and partition of this host (this FUSUMA_HOME)."),
     "governor": ("fusuma.cli.governor:governor",
                  "The CPU and memory governors that run in every partition supervisor."),
+    "host": ("fusuma.cluster.command:host",
+             "The cluster's hosts: list them, cordon, drain and uncordon one."),
     "image": ("fusuma.cli.image:image",
               "Build guest images, and import your own disk images."),
     "maintain": ("fusuma.cli.migrate:maintain",

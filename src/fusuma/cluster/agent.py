@@ -30,6 +30,7 @@ from fusuma.cluster import (
     ConflictApiError,
     NotFoundApiError,
     certs,
+    drain,
 )
 from fusuma.cluster.context import PLAIN_MOVES_ENV, AgentConfig
 from fusuma.cluster.controller import Placement
@@ -192,6 +193,9 @@ class Agent:
             self.submit(("segment", sg["metadata"]["name"]), self._segment)
         for nw in self.nets_informer.items():
             self.submit(("network", nw["metadata"]["name"]), self._network)
+        me = self.hosts_informer.get("", self.host)
+        if me is not None and drain.wanted(me):
+            self.submit(("drain",), self._drain)
         uids = set()
         for o in self.vms_informer.items():
             v = VmView(o)
@@ -274,6 +278,9 @@ class Agent:
         obj = self.vms_informer.get(k[1], k[2])
         if obj is not None:
             self.vm_rec.reconcile(obj)
+
+    def _drain(self, k: tuple[str, ...]) -> None:
+        drain.run(self)
 
     def _segment(self, k: tuple[str, ...]) -> None:
         obj = self.segs_informer.get("", k[1])

@@ -1,5 +1,5 @@
-"""`fusuma agent` and `fusuma cluster ...`: the cluster's own commands (listed in the
-program's command table, ``fusuma.cli.main.COMMANDS``).
+"""`fusuma agent`, `fusuma cluster ...` and `fusuma host ...`: the cluster's own
+commands (listed in the program's command table, ``fusuma.cli.main.COMMANDS``).
 
 Kept light: the agent's modules (and PyYAML) are imported when a command runs."""
 
@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from fusuma.console import pass_ctx, progress
 from fusuma.ops.context import Ctx
+
+if TYPE_CHECKING:
+    from fusuma.cluster.kube import Kube
 
 
 @click.command()
@@ -203,3 +207,143 @@ def rotate_certs(kubeconfig: Path, hosts: tuple[str, ...], new_ca: bool,
     kube = Kube(KubeConfig.load(kubeconfig))
     Rotation(kube, progress, timeout).run(list(hosts), new_ca=new_ca,
                                           drop_previous=drop_previous_ca)
+
+
+# `fusuma host ...`'s credentials: a user's, found as kubectl finds them.
+KUBECONFIG_OPTION = click.option(
+    "--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    help="Credentials for the API server that may change FusumaHosts (an admin's). "
+         "Default: $KUBECONFIG, else ~/.kube/config.")
+
+
+def _kube(kubeconfig: Path | None) -> Kube:
+    from fusuma.cluster.kube import Kube, KubeConfig, find_kubeconfig
+
+    return Kube(KubeConfig.load(find_kubeconfig(kubeconfig)))
+
+
+@click.group()
+def host() -> None:
+    """The cluster's hosts: list them, cordon, drain and uncordon one.
+
+    \b
+    These talk to the Kubernetes API server (--kubeconfig), not to this host: each
+    changes a FusumaHost's spec, and the agents do the work. Cordon: no new VM is
+    placed on the host. Drain: cordon, and move every VM off it live to the other
+    hosts. Uncordon: both end. For a host that is down, its restartable VMs are
+    started on other hosts by the placement controller whether it is drained or not
+    (`kubectl get fvm` says why for each that is not).
+    """
+
+
+@host.command("list")
+@KUBECONFIG_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Print the hosts as JSON.")
+def host_list(kubeconfig: Path | None, as_json: bool) -> None:
+    """Show each host: ready, whether it takes new VMs, its VMs, its drain."""
+    from fusuma.cluster.drain import summary
+    from fusuma.cluster.kube import HOST
+    from fusuma.console import emit_json, table
+
+    rows = summary(_kube(kubeconfig).list(HOST)[0])
+    if as_json:
+        emit_json(rows)
+        return
+    click.echo(table([[r["name"], "yes" if r["ready"] else "no",
+                       "draining" if r["drain"] else "yes" if r["schedulable"]
+                       else "cordoned", str(r["vms"] if r["vms"] is not None else "-"),
+                       str(r["freeMiB"] if r["freeMiB"] is not None else "-"),
+                       r["drainState"] or "-", r["address"] or "-"] for r in rows],
+                     ["host", "ready", "schedulable", "vms", "free_mib", "drain",
+                      "address"]))
+
+
+@host.command("cordon")
+@click.argument("name")
+@KUBECONFIG_OPTION
+def host_cordon(name: str, kubeconfig: Path | None) -> None:
+    """Place no new VM on host NAME; the VMs it runs stay (sets spec.unschedulable)."""
+    from fusuma.cluster import hostctl
+
+    new = hostctl.cordon(_kube(kubeconfig), name)
+    n = (new.get("status") or {}).get("vms")
+    progress(f"host {name} takes no new VM; its {'' if n is None else f'{n} '}VM(s) keep "
+             f"running there (`fusuma host drain {name}` moves them off)")
+
+
+@host.command("drain")
+@click.argument("name")
+@KUBECONFIG_OPTION
+@click.option("--wait", is_flag=True,
+              help="Follow the drain, a line per VM, until no VM is left or those left "
+                   "cannot leave; exit 1 then, saying why for each.")
+@click.option("--timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
+              help="With --wait: give up following after this many seconds (the drain "
+                   "goes on).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the drain's progress (the FusumaHost's status.drain) as JSON "
+                   "(without --wait: null until the host's agent took the drain up).")
+def host_drain(name: str, kubeconfig: Path | None, wait: bool, timeout: float,
+               as_json: bool) -> None:
+    """Move every VM off host NAME, live, to the other hosts; place no new VM there.
+
+    \b
+    Sets spec.drain and spec.unschedulable of FusumaHost NAME. Its agent then moves
+    each of its VMs live to the host and partition with the most room left (the same
+    capacity rules as placement), a few at a time, exactly as a change of the VM's
+    spec.host would; it writes the progress to the host's status.drain (`kubectl get
+    fh NAME -o yaml`): VMs left, moving, moved, and a sentence for each that cannot
+    leave:
+      - pinned to NAME by spec.host: clear it or name another host;
+      - no other host has room (the sums, per host and partition);
+      - its move failed (the reason; it is tried again within a minute).
+    The VMs keep running throughout; the host stays cordoned until `fusuma host
+    uncordon NAME`. A host that is down cannot move anything: its restartable VMs
+    are started on other hosts from their images by the placement controller
+    (failover), and --wait shows each VM's outcome or why it cannot be.
+
+    \b
+    Example:
+      fusuma host drain h0 --wait      # ... then upgrade or reboot h0
+      fusuma host uncordon h0
+    """
+    from fusuma.cluster import hostctl
+    from fusuma.cluster.drain import describe
+    from fusuma.cluster.drain import progress as drain_progress
+    from fusuma.cluster.kube import VM
+    from fusuma.console import emit_json
+
+    kube = _kube(kubeconfig)
+    new = hostctl.drain(kube, name)
+    if not wait:
+        st = drain_progress(new, kube.list(VM)[0])
+        if as_json:
+            emit_json(st)
+            return
+        progress(f"host {name} is cordoned and draining: its agent moves its VMs off; "
+                 f"`fusuma host drain {name} --wait` follows it")
+        for line in describe(st or {}):
+            click.echo(line)
+        return
+    st = hostctl.follow(kube, name, timeout, progress)
+    if as_json:
+        emit_json(st)
+    else:
+        click.echo(st["message"])
+    err = hostctl.blocked(name, st)
+    if err is not None:
+        raise err
+
+
+@host.command("uncordon")
+@click.argument("name")
+@KUBECONFIG_OPTION
+def host_uncordon(name: str, kubeconfig: Path | None) -> None:
+    """Let VMs be placed on host NAME again, and end its drain.
+
+    Clears spec.unschedulable and spec.drain. VMs moved off it stay where they went;
+    a move already under way finishes."""
+    from fusuma.cluster import hostctl
+
+    hostctl.uncordon(_kube(kubeconfig), name)
+    progress(f"host {name} takes new VMs again")

@@ -247,6 +247,23 @@ HOST_STATUS = _obj("Written by the host's agent.", {
                         "notAfter": _s("When it expires.", format="date-time"),
                         "trust": _arr("SHA-256 fingerprints of the CAs the host trusts.",
                                       _s("A fingerprint."))}),
+    "drain": _obj("While spec.drain is set: how moving every VM off the host goes.", {
+        "state": _s("Draining, Drained (no VM left), or Blocked (the VMs left cannot "
+                    "leave: refused says why).", enum=["Draining", "Drained", "Blocked"]),
+        "message": _s("The drain in one sentence."),
+        "startedAt": _s("When the drain began.", format="date-time"),
+        "observedGeneration": _i("The FusumaHost's metadata.generation it answers."),
+        "remaining": _i("VMs still on the host."),
+        "waiting": _i("VMs that will be moved once a move under way ends."),
+        "moving": _arr("VMs moving off now.", _obj("One VM.", {
+            "vm": _s("namespace/name."), "to": _s("Destination, as host/partition.")})),
+        "moved": _arr("VMs moved off since the drain began.", _obj("One VM.", {
+            "vm": _s("namespace/name."), "to": _s("Where it runs now, host/partition."),
+            "downtimeMs": _n("Its move's downtime, ms.")})),
+        "refused": _arr("VMs that cannot leave, each with the reason.", _obj("One VM.", {
+            "vm": _s("namespace/name."),
+            "message": _s("Why, and what to do, in one sentence.")})),
+    }),
     "conditions": CONDITIONS,
 })
 
@@ -395,6 +412,7 @@ def crds() -> list[Obj]:
         _col("Cores", ".status.cores", "integer"),
         _col("Free-MiB", ".status.freeMiB", "integer"),
         _col("VMs", ".status.vms", "integer"),
+        _col("Drain", ".status.drain.state"),
         _col("Accel", ".status.accelerator", priority=1),
         _col("QEMU", ".status.qemuVersions", priority=1),
     ]
@@ -413,7 +431,14 @@ def crds() -> list[Obj]:
         _col("Ready", ".status.conditions[?(@.type==\"Ready\")].status"),
     ]
     host_spec = _obj("What users may ask of a host.", {
-        "unschedulable": _b("Place no new VM here (running ones stay).", default=False)})
+        "unschedulable": _b("Place no new VM here (running ones stay): `fusuma host "
+                            "cordon`.", default=False),
+        "drain": _b("Move every VM off this host (`fusuma host drain`): no new VM is "
+                    "placed here, and the host's agent moves each VM not pinned here by "
+                    "its spec.host live to the other host with the most room, a few at a "
+                    "time; status.drain shows the progress. False or unset (`fusuma host "
+                    "uncordon`) ends it; moved VMs stay where they went.",
+                    default=False)})
     return [
         _crd("FusumaHost", "fusumahosts", "fusumahost", ["fh"], "Cluster", host_spec,
              HOST_STATUS, host_cols,

@@ -16,7 +16,7 @@ import logging
 import os
 import ssl
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -157,6 +157,23 @@ class KubeConfig:
             cert = (str(base / user["client-certificate"]), str(base / user["client-key"]))
             verify.load_cert_chain(*cert)
         return cls(server.rstrip("/"), verify, token, cert, ctx.get("namespace"), ca)
+
+
+def find_kubeconfig(given: Path | None, env: Mapping[str, str] | None = None) -> Path:
+    """The kubeconfig a user's command talks to the cluster with: ``given``, else the
+    first existing file of ``$KUBECONFIG`` (a list, as kubectl reads it), else
+    ``~/.kube/config``; ClusterError when there is none."""
+    if given is not None:
+        return given
+    vars_ = os.environ if env is None else env
+    for part in (vars_.get("KUBECONFIG") or "").split(os.pathsep):
+        if part and Path(part).is_file():
+            return Path(part)
+    home = Path(vars_.get("HOME") or "~").expanduser() / ".kube" / "config"
+    if home.is_file():
+        return home
+    raise ClusterError("no cluster configured: pass --kubeconfig FILE (credentials that "
+                       "may change FusumaHosts, e.g. an admin's), or set KUBECONFIG.")
 
 
 # Where inline client keys pass on their way into an SSLContext: a tmpfs, so that the

@@ -42,9 +42,11 @@ class HostView:
                           int(p.get("memoryMiB") or 0))
                  for p in st.get("partitions") or []]
         accel = str(st.get("accelerator") or "tcg").split()[0]
+        spec = obj.get("spec") or {}
+        # A host being drained (fusuma.cluster.drain) takes no new VM either.
         return cls(str(obj["metadata"]["name"]), int(st.get("availableMiB") or 0),
                    accel if accel in ("kvm", "tcg") else "tcg", parts,
-                   ready and not (obj.get("spec") or {}).get("unschedulable", False))
+                   ready and not spec.get("unschedulable") and not spec.get("drain"))
 
 
 def record(vm: VmView, partition: str, accelerator: str) -> VmRecord:
@@ -104,7 +106,7 @@ def choose(vm: VmView, hosts: dict[str, HostView], exclude: Iterable[str] = (),
             reasons.append(f"{h.name}: lost")
             continue
         if not h.schedulable:
-            reasons.append(f"{h.name}: not ready or unschedulable")
+            reasons.append(f"{h.name}: not ready, or unschedulable (cordoned or draining)")
             continue
         if taken_names and vm.name in taken_names.get(h.name, set()):
             reasons.append(f"{h.name}: a VM named {vm.name!r} is already there")
