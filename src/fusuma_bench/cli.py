@@ -290,16 +290,17 @@ def _error(r: dict[str, Any]) -> str:
 @click.option("--in-place", "in_place", is_flag=True,
               help="Then also `maintain --in-place` (cpr-transfer, --to -> --to) on the "
                    "same VMs, and compare.")
-@click.option("--serial-too", "serial_too", is_flag=True,
-              help="Run each method twice on the same VMs: first serially (each move "
-                   "begun once the one before is done), then pipelined (the next "
-                   "move's QEMU started while this one's source is released), to compare "
-                   "the two in one run.")
+@click.option("--compare-pipeline", "compare_pipeline", is_flag=True,
+              help="Run each method twice on the same VMs: first as maintain does (each "
+                   "move begun once the one before is done), then pipelined (the next "
+                   "move's QEMU started while this one's source QEMU is ended), to "
+                   "compare the two in one run.")
 @_json_option("maintain")
 @_report_option("maintain.png")
 @pass_ctx
 def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
-                 serial_too: bool, json_file: Path | None, report_dir: Path | None) -> None:
+                 compare_pipeline: bool, json_file: Path | None,
+                 report_dir: Path | None) -> None:
     """Upgrade a partition's QEMU under N running VMs: the whole maintain's time, every
     move's downtime and bytes, data intact; --via (zero-copy) and, with --in-place,
     cpr-transfer.
@@ -311,9 +312,9 @@ def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
     counts = _counts(vms_opt) or list(maintain.DEFAULT_VMS)
     c.accel_notice("auto")
     data = maintain.run(c.parts, c.vms, counts, source, target, in_place,
-                        progress=progress, serial_too=serial_too)
+                        progress=progress, compare_pipeline=compare_pipeline)
     publish(data, json_file, report_dir, "maintain", lambda data: (
-        f"{r['method']:12} {'' if r.get('pipelined', True) else '(serial) '}"
+        f"{r['method']:12} {'(pipelined) ' if r.get('pipelined') else ''}"
         f"x{r['vms']:<3} {r['from_qemu']} -> {r['to_qemu']}: "
         f"maintain {r['maintain_s']} s, downtime max {r['downtime_ms_max']} ms, "
         f"data intact {str(r['data_intact']).lower()}{_error(r)}" for r in data["results"]))

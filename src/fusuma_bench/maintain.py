@@ -77,8 +77,9 @@ class Case:
     error: str | None = None
     busy_cores_before: float | None = None    # the guests' CPU use when it started
     # The next move's QEMU started during this one's release (fusuma.migration.
-    # migrate_many); False: each move after the one before (--serial-too).
-    pipelined: bool = True
+    # migrate_many's ahead, --compare-pipeline); False: as maintain runs, each move
+    # after the one before.
+    pipelined: bool = False
 
     def as_json(self) -> dict[str, Any]:
         downs = [float(m["downtime_ms"]) for m in self.moves
@@ -134,7 +135,7 @@ def _median(values: Sequence[float]) -> float | None:
 
 def run(parts: PartitionManager, vms: VmManager, counts: Sequence[int], source: str,
         target: str, in_place: bool, progress: Progress = lambda s: None,
-        serial_too: bool = False) -> dict[str, Any]:
+        compare_pipeline: bool = False) -> dict[str, Any]:
     accel = probe_accel("auto").name
     cores = _check_host(parts, counts, accel)
     q_from = versions.resolve(parts.paths, source)
@@ -145,19 +146,20 @@ def run(parts: PartitionManager, vms: VmManager, counts: Sequence[int], source: 
     all_moves: list[dict[str, Any]] = []
     for n in counts:
         for case in _one_count(parts, vms, cores, n, source, target, q_from.version,
-                               q_to.version, in_place, accel, progress, serial_too):
+                               q_to.version, in_place, accel, progress,
+                               compare_pipeline):
             results.append(case.as_json())
             all_moves += [{**m, "method": case.method, "vms": n,
                            "pipelined": case.pipelined} for m in case.moves]
             r = results[-1]
-            progress(f"{case.method}{'' if case.pipelined else ' (serial)'} x{n}: "
+            progress(f"{case.method}{' (pipelined)' if case.pipelined else ''} x{n}: "
                      f"maintain {r['maintain_s']} s, downtime max "
                      f"{r['downtime_ms_max']} ms, data intact {r['data_intact']}"
                      + (f"; {r['error']}" if r["error"] else ""))
     return {"meta": meta(accel, benchmark="maintain", vms=list(counts), source=source,
                          target=target, from_version=q_from.version,
                          to_version=q_to.version, in_place=in_place, cores=cores,
-                         serial_too=serial_too,
+                         compare_pipeline=compare_pipeline,
                          guest_memory_mib=MEMORY_MIB, blob_mib=BLOB_MIB,
                          quiet_cores=QUIET_CORES, quiesce_s=QUIESCE_S,
                          methods=[m for m in METHODS if in_place or m != "cpr-transfer"],
@@ -191,7 +193,8 @@ def _check_host(parts: PartitionManager, counts: Sequence[int], accel: str) -> l
 
 def _one_count(parts: PartitionManager, vms: VmManager, cores: list[int], n: int,
                source: str, target: str, v_from: str, v_to: str, in_place: bool,
-               accel: str, progress: Progress, serial_too: bool = False) -> list[Case]:
+               accel: str, progress: Progress,
+               compare_pipeline: bool = False) -> list[Case]:
     mem = partition_mib(n, accel)
     names = [f"{VM_PREFIX}{i}" for i in range(n)]
     cases: list[Case] = []
@@ -203,10 +206,10 @@ def _one_count(parts: PartitionManager, vms: VmManager, cores: list[int], n: int
             vms.create(VmSpec(name=name, partition=PARTITION, memory_mib=MEMORY_MIB))
         _boot(parts, vms, names, progress)
         digests = {name: _write_blob(vms, name) for name in names}
-        # With --serial-too each method runs first as before the pipeline (each move
+        # With --compare-pipeline each method runs first as maintain does (each move
         # begun once the one before is done), then pipelined: both in this run. The
         # second --via maintain runs from --to to --to.
-        kinds = (False, True) if serial_too else (True,)
+        kinds = (False, True) if compare_pipeline else (False,)
         for ahead in kinds:
             via = Case("zero-copy", n, v_from if not cases else v_to, v_to,
                        pipelined=ahead)

@@ -171,7 +171,7 @@ def test_in_place_on_qemu_7_2_is_refused_naming_via(host: Host) -> None:
 
 
 def test_cli_killed_while_one_move_is_released_and_the_next_prepared(host: Host) -> None:
-    """maintain's pipeline holds two moves at once: vm0's guest already runs on its new
+    """maintain --pipeline holds two moves at once: vm0's guest already runs on its new
     QEMU and its old one is being released, while vm1's new QEMU starts (its move
     begun, not streamed). The CLI killed -9 there: each move is recovered on its own
     (vm0 forward on its new QEMU, vm1 back on its old one), one QEMU per guest, data
@@ -180,7 +180,7 @@ def test_cli_killed_while_one_move_is_released_and_the_next_prepared(host: Host)
     host.run("vm", "create", "vm1", "-p", "p0", "--start")
     host.run("vm", "exec", "vm1", "--", "/bin/sh", "-c", WRITE)
     old = {vm: host.vm(vm)["pid"] for vm in ("vm0", "vm1")}
-    proc = subprocess.Popen([*FUSUMA, "maintain", "p0", "--in-place"],
+    proc = subprocess.Popen([*FUSUMA, "maintain", "p0", "--in-place", "--pipeline"],
                             env={**host.env, "FUSUMA_FAULT_SLEEP_AFTER_RELEASE": "5"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60

@@ -45,23 +45,24 @@ def _result(method: str, vms: int, secs: float, pipelined: bool | None) -> dict[
     return r
 
 
-def test_the_report_sets_serial_beside_pipelined_and_checks_only_pipelined() -> None:
+def test_the_report_sets_pipelined_beside_serial_and_checks_only_serial() -> None:
     from fusuma_bench import report_maintain
 
     data = {"meta": {}, "results": [_result("cpr-transfer", 16, 3.2, False),
                                     _result("cpr-transfer", 16, 1.6, True)],
             "moves": [{"vm": "a", "method": "cpr-transfer", "downtime_ms": 50.0,
-                       "pipelined": False},
+                       "pipelined": True},
                       {"vm": "a", "method": "cpr-transfer", "downtime_ms": 4.0,
-                       "pipelined": True}]}
+                       "pipelined": False}]}
     res = report_maintain.parse(data)
-    assert [r.maintain_s for r in res.rows] == [1.6]
-    assert [r.maintain_s for r in res.serial] == [3.2]
-    # The serial run's 50 ms move is no part of the targets' check.
+    assert [r.maintain_s for r in res.rows] == [3.2]
+    assert [r.maintain_s for r in res.pipelined] == [1.6]
+    # The pipelined run's 50 ms move is no part of the targets' check.
     assert [m["downtime_ms"] for m in res.moves] == [4.0]
-    lines = report_maintain.serial_lines(res)
+    lines = report_maintain.pipeline_lines(res)
     assert lines[-1].split(" | ")[2:5] == ["3.20", "1.60", "2.00x"]
     # A result from before the pipeline: its rows are the rows, nothing set beside.
     old = report_maintain.parse({"meta": {}, "results": [_result("zero-copy", 4, 3.0, None)],
                                  "moves": []})
-    assert len(old.rows) == 1 and old.serial == [] and report_maintain.serial_lines(old) == []
+    assert len(old.rows) == 1 and old.pipelined == []
+    assert report_maintain.pipeline_lines(old) == []

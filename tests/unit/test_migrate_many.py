@@ -138,7 +138,7 @@ def plan() -> list[Planned]:
 
 def test_the_next_qemu_starts_during_the_release_never_during_a_pause(
         world: World) -> None:
-    res = migrate_many(world, plan())  # type: ignore[arg-type]
+    res = migrate_many(world, plan(), ahead=True)  # type: ignore[arg-type]
     assert [r.vm for r in res] == VMS
     assert all(r.wall_ms and "prepare" in r.wall_ms and "done" in r.wall_ms for r in res)
     assert world.overlapped == {"v1": True, "v2": True}
@@ -190,7 +190,7 @@ def test_a_failed_release_calls_off_the_move_begun_after_it(
         return Outcome("v1", Decision.BACK, "p0", True, "stayed")
     monkeypatch.setattr(migration, "recover_move", recover)
     with pytest.raises(ManyFailed) as e:
-        migrate_many(world, plan())  # type: ignore[arg-type]
+        migrate_many(world, plan(), ahead=True)  # type: ignore[arg-type]
     assert str(e.value).startswith("migration of 'v0' hit a fault after the guest moved "
                                    "(no answer); 'v0' is lost")
     assert str(e.value).endswith("Moved before it: none; not moved, running where they "
@@ -202,15 +202,16 @@ def test_a_failed_release_calls_off_the_move_begun_after_it(
     assert ("IncomingPrepare", "v2") not in world.log
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 def test_a_refused_next_move_still_finishes_the_one_before(
-        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+        world: World, monkeypatch: pytest.MonkeyPatch, ahead: bool) -> None:
     def check(parts: Any, vm: str, to: str, mode: str) -> None:
         if vm == "v1":
             raise StateError("partition 'p1' has no room for 'v1'.")
     monkeypatch.setattr(migration, "check", check)
     world.overlap_wait = 0.05         # v1 is never asked for
     with pytest.raises(ManyFailed) as e:
-        migrate_many(world, plan())  # type: ignore[arg-type]
+        migrate_many(world, plan(), ahead=ahead)  # type: ignore[arg-type]
     assert str(e.value) == ("partition 'p1' has no room for 'v1'. Moved before it: v0; "
                             "not moved, running where they ran: v2.")
     assert [r.vm for r in e.value.moved] == ["v0"]
@@ -223,10 +224,10 @@ def test_a_moves_error_is_a_migration_error() -> None:
     assert issubclass(ManyFailed, MigrationError)
 
 
-def test_serially_each_move_begins_after_the_one_before(world: World) -> None:
-    """``ahead=False`` (``bench maintain --serial-too``): the same moves, none overlapped."""
+def test_by_default_each_move_begins_after_the_one_before(world: World) -> None:
+    """As maintain runs them (``ahead=False``): the same moves, none overlapped."""
     world.overlap_wait = 0.05
-    res = migrate_many(world, plan(), ahead=False)  # type: ignore[arg-type]
+    res = migrate_many(world, plan())  # type: ignore[arg-type]
     assert [r.vm for r in res] == VMS
     assert world.overlapped == {"v1": False, "v2": False}
     order = [(n, vm) for n, vm in world.log if n != "Settle"]

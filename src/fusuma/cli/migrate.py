@@ -70,12 +70,18 @@ def migrate(c: Ctx, vm: str, to: str, mode: str, as_json: bool) -> None:
 @click.option("--qemu", default=None,
               help="The QEMU the partition's VMs run on from now on: a version from "
                    "`fusuma qemu list` or the absolute path of a qemu-system-x86_64.")
+@click.option("--pipeline", is_flag=True,
+              help="Start each next VM's new QEMU while the VM before it is already "
+                   "running on its new QEMU and its old one is being ended (never during "
+                   "a VM's pause). Faster only where the destination partition has a core "
+                   "to spare: on one-core partitions under TCG it measured slower (see "
+                   "docs/results/qemu-upgrade.md).")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"partition", "via", "qemu", "supervisor_pid", "moves": [{"vm", '
                    '"from", "to", "method", "downtime_ms", "total_ms", ...}]}.')
 @pass_ctx
 def maintain(c: Ctx, partition: str, via: str | None, in_place: bool, qemu: str | None,
-             as_json: bool) -> None:
+             pipeline: bool, as_json: bool) -> None:
     """Restart PARTITION's hypervisor instance with ~no downtime for its VMs.
 
     With --via: moves every running VM of PARTITION to --via (zero-copy where the VM has
@@ -91,10 +97,11 @@ def maintain(c: Ctx, partition: str, via: str | None, in_place: bool, qemu: str 
         raise SpecError("give either --via PARTITION (move the VMs out and back) or "
                         "--in-place (cpr-transfer, QEMU >= 10.0), not both or neither.")
     if in_place:
-        res = maintain_in_place(c.parts, partition, qemu, progress=progress)
+        res = maintain_in_place(c.parts, partition, qemu, progress=progress,
+                                ahead=pipeline)
     else:
         assert via is not None
-        res = do_maintain(c.parts, partition, via, qemu, progress=progress)
+        res = do_maintain(c.parts, partition, via, qemu, progress=progress, ahead=pipeline)
     if as_json:
         emit_json({"partition": res.partition, "via": res.via, "in_place": in_place,
                    "qemu": res.qemu, "supervisor_pid": res.supervisor_pid,
