@@ -264,10 +264,11 @@ class InHostMove:
 
     @classmethod
     def from_last_move(cls, lm: dict[str, Any]) -> InHostMove:
-        names = {field: step for step, (field, _) in MOVE_STEPS.items()}
+        # In the order of the steps (the API server gives the fields sorted by name).
+        got = lm.get("steps") or {}
         return cls(float(lm["downtimeMs"]), float(lm["totalMs"]), lm.get("prepareMs"),
-                   {names[f]: float(ms) for f, ms in (lm.get("steps") or {}).items()
-                    if f in names})
+                   {step: float(got[field]) for step, (field, _) in MOVE_STEPS.items()
+                    if field in got})
 
     @classmethod
     def from_cli(cls, out: dict[str, Any]) -> InHostMove:

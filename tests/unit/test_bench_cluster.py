@@ -21,6 +21,10 @@ def test_an_agent_move_and_a_cli_move_read_the_same() -> None:
     by_agent = InHostMove.from_last_move(last_move("h0", r, "t"))
     by_cli = InHostMove.from_cli(r.as_json())
     assert by_agent == by_cli == InHostMove(5.76, 11.52, 50.0, steps)
+    # As the API server gives it back: its fields sorted by name.
+    lm = last_move("h0", r, "t")
+    lm["steps"] = dict(sorted(lm["steps"].items()))
+    assert list(InHostMove.from_last_move(lm).steps) == list(steps)
 
 
 def test_medians_per_step_and_the_ratio_to_the_cli() -> None:
