@@ -294,3 +294,19 @@ def test_the_crd_names_every_phase_a_move_record_shows() -> None:
     text = props["status"]["properties"]["move"]["properties"]["phase"]["description"]
     listed = [p.strip(" .") for p in text.split(":", 1)[1].split(",")]
     assert listed == [*RECORD_PHASE.values(), RECORD_FAILED]
+
+
+def test_last_move_keeps_every_step_of_the_downtime() -> None:
+    # What the agent writes in lastMove.steps must survive structural pruning: a field
+    # per step of fusuma.migration.DOWNTIME_STEPS, each described.
+    from fusuma.cluster.crds import MOVE_STEPS
+    from fusuma.migration import DOWNTIME_STEPS
+
+    assert list(MOVE_STEPS) == list(DOWNTIME_STEPS.values())
+    vm = next(c for c in crds() if c["spec"]["names"]["kind"] == "FusumaVM")
+    props = vm["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    last = props["status"]["properties"]["lastMove"]["properties"]
+    steps = last["steps"]["properties"]
+    assert list(steps) == [field for field, _ in MOVE_STEPS.values()]
+    assert {s["type"] for s in steps.values()} == {"number"}
+    assert last["prepareMs"]["type"] == "number"

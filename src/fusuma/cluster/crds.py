@@ -55,6 +55,20 @@ CONDITIONS = _arr(
     }, required=["type", "status"]),
     **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
 
+# A move's downtime step by step (``fusuma.migration.DOWNTIME_STEPS``; `fusuma migrate
+# --json`'s steps_ms), as lastMove.steps names them: the CLI's name, its field, what it is.
+MOVE_STEPS = {
+    "source_saved": ("sourceSaved", "The source QEMU stopping the guest and sending its "
+                     "device state (its STOP to its migration's completed)"),
+    "dest_loaded": ("destLoaded", "The destination QEMU finishing loading the device "
+                    "state"),
+    "event": ("event", "The destination's supervisor seeing that its QEMU loaded it"),
+    "decision": ("decision", "The destination's supervisor recording the decision "
+                 "(forward) in the host's state file"),
+    "taps": ("taps", "Handing the guest's tap NICs over to the destination QEMU"),
+    "cont": ("cont", "The destination QEMU running the guest (cont to its RESUME)"),
+}
+
 MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or "
             "between hosts (live, copy mode over TCP).", {
                 "id": _s("The move's id (one per move)."),
@@ -97,7 +111,13 @@ MOVE = _obj("A move of the VM: inside a host (zero-copy, between partitions) or 
                                            "path": _s("The directory of its files."),
                                            "token": _s("A random token, hex.")})}),
                 "destPid": _i("Between hosts: the destination QEMU's pid."),
-                "prepareMs": _n("Between hosts: time to start the destination QEMU, ms."),
+                "prepareMs": _n("Time to start the destination QEMU, ready to receive "
+                                "the guest (before the stream), ms."),
+                "steps": _obj("Inside a host: where the downtime went, ms per step from "
+                              "the end of the one before (the same as `fusuma migrate "
+                              "--json`'s steps_ms).",
+                              {field: _n(f"{desc}, in ms.") for field, desc in
+                               MOVE_STEPS.values()}),
                 "resumeTs": _n("Between hosts: when the guest resumed at the destination "
                                "(epoch seconds)."),
                 "qemuDowntimeMs": _n("Downtime as the source QEMU reports it, in ms."),

@@ -49,7 +49,7 @@ ADMISSION = "admissionregistration.k8s.io/v1"
 MOVE_IDENTITY = ("id", "kind", "mode", "from", "to", "fromHost", "toHost", "record",
                  "startedAt")
 MOVE_SOURCE = (*MOVE_IDENTITY, "bytesSent", "paused", "qemuDowntimeMs", "result",
-               "finishedAt", "downtimeMs", "totalMs", "wallMs")
+               "finishedAt", "downtimeMs", "totalMs", "wallMs", "steps")
 MOVE_DEST = ("uri", "destPid", "prepareMs", "resumeTs", "tls", "channels", "nbd",
              "sharedStorage")
 MOVE_EITHER = ("phase", "decision", "decidedBy", "message")

@@ -45,6 +45,7 @@ from fusuma.errors import (
 )
 
 if TYPE_CHECKING:
+    from fusuma.migration import MigrationResult
     from fusuma.ops.context import Ctx
     from fusuma.state import VmRecord
 
@@ -90,6 +91,22 @@ def resident_mib(pid: int | None) -> int | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def last_move(host: str, res: MigrationResult, started: str) -> dict[str, Any]:
+    """status.lastMove of a move between partitions of this host: its figures as
+    `fusuma migrate --json` gives them, the downtime's steps included (MOVE_STEPS)."""
+    from fusuma.cluster.crds import MOVE_STEPS
+
+    move: dict[str, Any] = {
+        "kind": "in-host", "mode": res.mode, "from": f"{host}/{res.source}",
+        "to": f"{host}/{res.to}", "downtimeMs": res.downtime_ms, "totalMs": res.total_ms,
+        "prepareMs": res.prepare_ms, "bytesSent": res.bytes_sent, "paused": res.paused,
+        "result": "ok", "startedAt": started, "finishedAt": now_iso()}
+    if res.steps_ms:
+        move["steps"] = {MOVE_STEPS[k][0]: ms for k, ms in res.steps_ms.items()
+                         if k in MOVE_STEPS}
+    return move
 
 
 class VmReconciler:
@@ -277,12 +294,7 @@ class VmReconciler:
                 self.fail(v, "MoveFailed", f"move to partition {part!r} failed: {exc}",
                           state=local_state(c.db.find_vm(v.name)))
                 return None
-            move = {"kind": "in-host", "mode": mode, "from": f"{self.a.host}/{res.source}",
-                    "to": f"{self.a.host}/{res.to}", "downtimeMs": res.downtime_ms,
-                    "totalMs": res.total_ms, "bytesSent": res.bytes_sent,
-                    "paused": res.paused, "result": "ok", "startedAt": started,
-                    "finishedAt": now_iso()}
-            self.write_status(v, {"lastMove": move}, [])
+            self.write_status(v, {"lastMove": last_move(self.a.host, res, started)}, [])
             self.a.events.emit(v.obj, "Moved", f"moved {mode} {res.source} -> {res.to} "
                                f"on host {self.a.host}: {res.downtime_ms} ms downtime, "
                                f"{res.total_ms} ms total")

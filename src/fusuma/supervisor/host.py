@@ -61,7 +61,7 @@ from fusuma.state import (
 )
 from fusuma.state.joblock import JobLock
 from fusuma.state.machine import valid_transition
-from fusuma.supervisor import config
+from fusuma.supervisor import config, rpc
 from fusuma.undo import Reverter
 
 
@@ -87,6 +87,10 @@ class PartitionHost:
         self.local_recoverers: dict[str, Callable[[Job], Awaitable[None]]] = {}
         self.apply_class: Callable[[VmRecord, int], None] = lambda rec, pid: None
         self.pin_guaranteed: Callable[[], object] = lambda: None
+        # Each VM's last move into this partition as its commit answered it (when the
+        # guest resumed here, the steps): a caller that asks only after the commit
+        # ended gets those, not the moment it asked (fusuma.supervisor.moves.dest).
+        self.arrived: dict[str, rpc.Resumed] = {}
 
     # -- records ----------------------------------------------------------------------
     def vm(self, name: str) -> VmRecord:

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +194,7 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
     if found is None:
         running = h.instances.get(vm)
         if running is not None:
-            return rpc.Resumed(pid=running.pid, resume_ts=time.time(), already=True)
+            return arrived(h, vm, running)
         raise NotFoundError(f"no incoming QEMU of {vm!r} in partition {h.partition!r}.")
     inst, move = found
     steps = move.steps
@@ -259,7 +259,21 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
     await h.repin_all()
     if move.tls is not None:     # after the guest runs: not in the downtime
         await tlscreds.drop(inst.qmp, move.tls)
-    return rpc.Resumed(pid=inst.pid, resume_ts=resume_ts, steps=dict(steps))
+    h.arrived[vm] = rpc.Resumed(pid=inst.pid, resume_ts=resume_ts, steps=dict(steps))
+    return h.arrived[vm]
+
+
+def arrived(h: PartitionHost, vm: str, running: QemuInstance) -> rpc.Resumed:
+    """The answer to a caller that asks after the guest already runs here: the move
+    that brought it, if ``running`` is that move's QEMU (its true resume time and
+    steps: a caller that asks late, as a busy agent may, must not take the moment it
+    asked for the end of the guest's downtime); else now, saying nothing of steps."""
+    got = h.arrived.get(vm)
+    if got is not None and got.pid == running.pid:
+        h.log.info("%s: asked %.1f ms after the guest resumed here", vm,
+                   (time.time() - got.resume_ts) * 1000)
+        return replace(got, already=True)
+    return rpc.Resumed(pid=running.pid, resume_ts=time.time(), already=True)
 
 
 def nic_taps(h: PartitionHost, vm: str) -> dict[str, str]:
@@ -325,7 +339,7 @@ async def finish(h: PartitionHost, vm: str, timeout: float = 30.0) -> rpc.Resume
     if found is None:
         running = h.instances.get(vm)
         if running is not None:
-            return rpc.Resumed(pid=running.pid, resume_ts=time.time(), already=True)
+            return arrived(h, vm, running)
         raise NotFoundError(f"no incoming migration of {vm!r} in partition {h.partition!r}.")
     _, move = found
     if move.done is None:

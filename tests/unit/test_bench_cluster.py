@@ -1,0 +1,62 @@
+"""`fusuma bench cluster`'s in-host figures as data: the agent's moves (status.lastMove)
+and the CLI's (`fusuma migrate --json`) read alike, their medians, steps and ratio."""
+
+from __future__ import annotations
+
+from fusuma.cluster.reconcile import last_move
+from fusuma.migration import MigrationResult
+from fusuma_bench.cluster import InHostMove, in_host_summary, step_medians
+
+
+def res(down: float, steps: dict[str, float]) -> MigrationResult:
+    return MigrationResult(vm="v", source="p0", to="p1", mode="zero-copy", total_ms=2 * down,
+                           downtime_ms=down, bytes_sent=1, prepare_ms=50.0, cpu_s=0.0,
+                           qemu_total_ms=None, qemu_downtime_ms=None, steps_ms=steps)
+
+
+def test_an_agent_move_and_a_cli_move_read_the_same() -> None:
+    steps = {"source_saved": 1.0, "dest_loaded": 0.5, "event": 0.25, "decision": 3.0,
+             "taps": 0.01, "cont": 1.0}
+    r = res(5.76, steps)
+    by_agent = InHostMove.from_last_move(last_move("h0", r, "t"))
+    by_cli = InHostMove.from_cli(r.as_json())
+    assert by_agent == by_cli == InHostMove(5.76, 11.52, 50.0, steps)
+    # As the API server gives it back: its fields sorted by name.
+    lm = last_move("h0", r, "t")
+    lm["steps"] = dict(sorted(lm["steps"].items()))
+    assert list(InHostMove.from_last_move(lm).steps) == list(steps)
+
+
+def test_medians_per_step_and_the_ratio_to_the_cli() -> None:
+    agent = [InHostMove(30.0, 40.0, 90.0, {"source_saved": 2.0, "decision": 25.0,
+                                           "cont": 3.0}),
+             InHostMove(36.0, 50.0, 70.0, {"source_saved": 4.0, "decision": 29.0,
+                                           "cont": 3.0}),
+             InHostMove(12.0, 20.0, None, {"source_saved": 3.0, "decision": 6.0,
+                                           "cont": 3.0, "taps": 0.5})]
+    cli = [InHostMove(6.0, 10.0, 60.0, {"source_saved": 2.0, "decision": 1.0}),
+           InHostMove(5.0, 9.0, 62.0, {"source_saved": 1.5, "decision": 1.5})]
+    # In the order of the steps, each over the moves that report it.
+    assert list(step_medians(agent).items()) == [
+        ("source_saved", 3.0), ("decision", 25.0), ("taps", 0.5), ("cont", 3.0)]
+    out = in_host_summary(agent, cli)
+    assert out["in_host_downtime_ms_median"] == 30.0
+    assert out["in_host_total_ms_median"] == 40.0
+    assert out["in_host_prepare_ms_median"] == 80.0 and out["in_host_prepare_ms"] == [90.0,
+                                                                                     70.0]
+    assert out["in_host_step_decision_ms_median"] == 25.0
+    assert out["cli_in_host_downtime_ms_median"] == 5.5
+    assert out["cli_in_host_step_decision_ms_median"] == 1.25
+    assert "cli_in_host_step_cont_ms_median" not in out
+    assert out["in_host_agent_cli_downtime_ratio"] == round(30.0 / 5.5, 2) == 5.45
+    assert out["in_host_downtime_ms"] == [30.0, 36.0, 12.0]
+    assert out["cli_in_host_moves"][0] == {"downtime_ms": 6.0, "total_ms": 10.0,
+                                           "prepare_ms": 60.0,
+                                           "steps": {"source_saved": 2.0, "decision": 1.0}}
+
+
+def test_without_cli_moves_there_is_no_ratio() -> None:
+    out = in_host_summary([InHostMove(7.0, 9.0, 1.0, {})], [])
+    assert out["in_host_downtime_ms_median"] == 7.0
+    assert "in_host_agent_cli_downtime_ratio" not in out
+    assert not [k for k in out if k.startswith("cli_")]
