@@ -273,6 +273,9 @@ def plot(res: Result, png: Path) -> None:
         right.axhline(TARGET_DOWNTIME_MS, color="tab:green", linestyle=":",
                       label=f"downtime target ({TARGET_DOWNTIME_MS:g} ms)")
         for ax in (left, right):
+            # Set first: a run whose every maintain failed plots nothing, and a log
+            # axis of matplotlib's default (0, 1) range cannot be drawn.
+            ax.set_xlim(min(counts) / 1.5, max(counts) * 1.5)
             ax.set_xscale("log", base=2)
             ax.set_xticks(counts, [str(n) for n in counts])
             ax.set_xlabel("running VMs in the partition")

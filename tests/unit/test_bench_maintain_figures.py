@@ -66,3 +66,22 @@ def test_the_report_sets_pipelined_beside_serial_and_checks_only_serial() -> Non
                                  "moves": []})
     assert len(old.rows) == 1 and old.pipelined == []
     assert report_maintain.pipeline_lines(old) == []
+
+
+def test_a_run_whose_every_maintain_failed_still_renders(tmp_path: object) -> None:
+    """bench maintain wrote its result, then the report's plot raised on a log axis
+    with nothing on it; it now renders the failures."""
+    import json
+    from pathlib import Path
+
+    from fusuma_bench import report_maintain
+
+    failed = {**_result("zero-copy", 16, 0.387, False), "downtime_ms_max": None,
+              "downtime_ms_median": None, "error": "migration of 'vm0' failed"}
+    data = {"meta": {"benchmark": "maintain"}, "results": [failed], "moves": []}
+    out = Path(str(tmp_path))
+    (out / "maintain.json").write_text(json.dumps(data))
+    written = report_maintain.render(out / "maintain.json", out / "report")
+    assert (out / "report" / "maintain.png").stat().st_size > 0
+    assert "migration of 'vm0' failed" in (out / "report" / "report.md").read_text()
+    assert written
