@@ -291,10 +291,11 @@ def _error(r: dict[str, Any]) -> str:
               help="Then also `maintain --in-place` (cpr-transfer, --to -> --to) on the "
                    "same VMs, and compare.")
 @click.option("--compare-pipeline", "compare_pipeline", is_flag=True,
-              help="Run each method twice on the same VMs: first as maintain does (each "
-                   "move begun once the one before is done), then pipelined (the next "
-                   "move's QEMU started while this one's source QEMU is ended), to "
-                   "compare the two in one run.")
+              help="Run each method twice on the same VMs: first serially (each move "
+                   "begun once the one before is done, `maintain --serial`), then "
+                   "pipelined as maintain runs by default (the next move's QEMU started "
+                   "while this one's source QEMU is ended), to compare the two in one "
+                   "run.")
 @_json_option("maintain")
 @_report_option("maintain.png")
 @pass_ctx
@@ -314,7 +315,7 @@ def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
     data = maintain.run(c.parts, c.vms, counts, source, target, in_place,
                         progress=progress, compare_pipeline=compare_pipeline)
     publish(data, json_file, report_dir, "maintain", lambda data: (
-        f"{r['method']:12} {'(pipelined) ' if r.get('pipelined') else ''}"
+        f"{r['method']:12} {'' if r.get('pipelined', True) else '(serial) '}"
         f"x{r['vms']:<3} {r['from_qemu']} -> {r['to_qemu']}: "
         f"maintain {r['maintain_s']} s, downtime max {r['downtime_ms_max']} ms, "
         f"data intact {str(r['data_intact']).lower()}{_error(r)}" for r in data["results"]))

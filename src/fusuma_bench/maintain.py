@@ -77,9 +77,9 @@ class Case:
     error: str | None = None
     busy_cores_before: float | None = None    # the guests' CPU use when it started
     # The next move's QEMU started during this one's release (fusuma.migration.
-    # migrate_many's ahead, --compare-pipeline); False: as maintain runs, each move
-    # after the one before.
-    pipelined: bool = False
+    # migrate_many, as maintain runs by default); False: each move after the one
+    # before (--compare-pipeline).
+    pipelined: bool = True
 
     def as_json(self) -> dict[str, Any]:
         downs = [float(m["downtime_ms"]) for m in self.moves
@@ -152,7 +152,7 @@ def run(parts: PartitionManager, vms: VmManager, counts: Sequence[int], source: 
             all_moves += [{**m, "method": case.method, "vms": n,
                            "pipelined": case.pipelined} for m in case.moves]
             r = results[-1]
-            progress(f"{case.method}{' (pipelined)' if case.pipelined else ''} x{n}: "
+            progress(f"{case.method}{'' if case.pipelined else ' (serial)'} x{n}: "
                      f"maintain {r['maintain_s']} s, downtime max "
                      f"{r['downtime_ms_max']} ms, data intact {r['data_intact']}"
                      + (f"; {r['error']}" if r["error"] else ""))
@@ -206,10 +206,10 @@ def _one_count(parts: PartitionManager, vms: VmManager, cores: list[int], n: int
             vms.create(VmSpec(name=name, partition=PARTITION, memory_mib=MEMORY_MIB))
         _boot(parts, vms, names, progress)
         digests = {name: _write_blob(vms, name) for name in names}
-        # With --compare-pipeline each method runs first as maintain does (each move
-        # begun once the one before is done), then pipelined: both in this run. The
-        # second --via maintain runs from --to to --to.
-        kinds = (False, True) if compare_pipeline else (False,)
+        # With --compare-pipeline each method runs first serially (each move begun
+        # once the one before is done), then pipelined as maintain runs by default:
+        # both in this run. The second --via maintain runs from --to to --to.
+        kinds = (False, True) if compare_pipeline else (True,)
         for ahead in kinds:
             via = Case("zero-copy", n, v_from if not cases else v_to, v_to,
                        pipelined=ahead)

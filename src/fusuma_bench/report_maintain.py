@@ -54,10 +54,10 @@ class Row:
 @frozen
 class Result:
     meta: dict[str, Any]
-    rows: list[Row]               # the maintains as fusuma runs them
+    rows: list[Row]               # the maintains as fusuma runs them (pipelined)
     moves: list[dict[str, Any]]
-    # --compare-pipeline: the same maintains pipelined (migrate_many's ahead).
-    pipelined: list[Row] = field(default_factory=list)
+    # --compare-pipeline: the same maintains serially (`maintain --serial`).
+    serial: list[Row] = field(default_factory=list)
 
     def row(self, method: str, vms: int) -> Row | None:
         return next((r for r in self.rows if r.method == method and r.vms == vms), None)
@@ -80,18 +80,19 @@ def parse(data: dict[str, Any]) -> Result:
                    data_intact=bool(r["data_intact"]), error=r.get("error"))
     # A result from before the pipeline has no "pipelined": its rows are the rows.
     return Result(meta=dict(data["meta"]),
-                  rows=[row(r) for r in data["results"] if not r.get("pipelined")],
-                  moves=[m for m in data["moves"] if not m.get("pipelined")],
-                  pipelined=[row(r) for r in data["results"] if r.get("pipelined")])
+                  rows=[row(r) for r in data["results"] if r.get("pipelined", True)],
+                  moves=[m for m in data["moves"] if m.get("pipelined", True)],
+                  serial=[row(r) for r in data["results"]
+                          if not r.get("pipelined", True)])
 
 
 def pipeline_lines(res: Result) -> list[str]:
-    """Each method's maintain serially (as fusuma runs it) and pipelined, side by
+    """Each method's maintain serially and pipelined (as fusuma runs it), side by
     side in one run."""
     rows = []
-    for p in sorted(res.pipelined, key=lambda r: (r.vms, r.method)):
-        s = res.row(p.method, p.vms)
-        if s is None or p.maintain_s is None or s.maintain_s is None:
+    for s in sorted(res.serial, key=lambda r: (r.vms, r.method)):
+        p = res.row(s.method, s.vms)
+        if p is None or p.maintain_s is None or s.maintain_s is None:
             continue
         rows.append([LABELS.get(s.method, s.method), str(s.vms), fixed(s.maintain_s),
                      fixed(p.maintain_s), f"{s.maintain_s / max(p.maintain_s, 1e-9):.2f}x",
@@ -100,10 +101,10 @@ def pipeline_lines(res: Result) -> list[str]:
     if not rows:
         return []
     return ["", "## Serial and pipelined, in this run", "",
-            "Each method first ran as maintain runs it, each move begun once the one "
-            "before was done, then pipelined (the next move's QEMU started while this "
-            "one's source QEMU is ended), on the same VMs. A speed-up below 1 means the "
-            "pipeline was slower.", "",
+            "Each method first ran serially (`maintain --serial`: each move begun once "
+            "the one before was done), then pipelined as maintain runs by default (the "
+            "next move's QEMU started while this one's source QEMU is ended), on the same "
+            "VMs. A speed-up below 1 means the pipeline was slower.", "",
             *table(["method", "VMs", "serial maintain_s", "pipelined maintain_s",
                     "speed-up", "downtime_ms median serial / pipelined",
                     "downtime_ms max serial / pipelined"], rows)]

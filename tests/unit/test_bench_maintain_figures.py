@@ -45,26 +45,26 @@ def _result(method: str, vms: int, secs: float, pipelined: bool | None) -> dict[
     return r
 
 
-def test_the_report_sets_pipelined_beside_serial_and_checks_only_serial() -> None:
+def test_the_report_sets_serial_beside_pipelined_and_checks_only_pipelined() -> None:
     from fusuma_bench import report_maintain
 
     data = {"meta": {}, "results": [_result("cpr-transfer", 16, 3.2, False),
                                     _result("cpr-transfer", 16, 1.6, True)],
             "moves": [{"vm": "a", "method": "cpr-transfer", "downtime_ms": 50.0,
-                       "pipelined": True},
+                       "pipelined": False},
                       {"vm": "a", "method": "cpr-transfer", "downtime_ms": 4.0,
-                       "pipelined": False}]}
+                       "pipelined": True}]}
     res = report_maintain.parse(data)
-    assert [r.maintain_s for r in res.rows] == [3.2]
-    assert [r.maintain_s for r in res.pipelined] == [1.6]
-    # The pipelined run's 50 ms move is no part of the targets' check.
+    assert [r.maintain_s for r in res.rows] == [1.6]
+    assert [r.maintain_s for r in res.serial] == [3.2]
+    # The serial run's 50 ms move is no part of the targets' check.
     assert [m["downtime_ms"] for m in res.moves] == [4.0]
     lines = report_maintain.pipeline_lines(res)
     assert lines[-1].split(" | ")[2:5] == ["3.20", "1.60", "2.00x"]
     # A result from before the pipeline: its rows are the rows, nothing set beside.
     old = report_maintain.parse({"meta": {}, "results": [_result("zero-copy", 4, 3.0, None)],
                                  "moves": []})
-    assert len(old.rows) == 1 and old.pipelined == []
+    assert len(old.rows) == 1 and old.serial == []
     assert report_maintain.pipeline_lines(old) == []
 
 
@@ -76,7 +76,7 @@ def test_a_run_whose_every_maintain_failed_still_renders(tmp_path: object) -> No
 
     from fusuma_bench import report_maintain
 
-    failed = {**_result("zero-copy", 16, 0.387, False), "downtime_ms_max": None,
+    failed = {**_result("zero-copy", 16, 0.387, True), "downtime_ms_max": None,
               "downtime_ms_median": None, "error": "migration of 'vm0' failed"}
     data = {"meta": {"benchmark": "maintain"}, "results": [failed], "moves": []}
     out = Path(str(tmp_path))

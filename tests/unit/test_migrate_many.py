@@ -224,10 +224,10 @@ def test_a_moves_error_is_a_migration_error() -> None:
     assert issubclass(ManyFailed, MigrationError)
 
 
-def test_by_default_each_move_begins_after_the_one_before(world: World) -> None:
-    """As maintain runs them (``ahead=False``): the same moves, none overlapped."""
+def test_serially_each_move_begins_after_the_one_before(world: World) -> None:
+    """``ahead=False`` (``maintain --serial``): the same moves, none overlapped."""
     world.overlap_wait = 0.05
-    res = migrate_many(world, plan())  # type: ignore[arg-type]
+    res = migrate_many(world, plan(), ahead=False)  # type: ignore[arg-type]
     assert [r.vm for r in res] == VMS
     assert world.overlapped == {"v1": False, "v2": False}
     order = [(n, vm) for n, vm in world.log if n != "Settle"]

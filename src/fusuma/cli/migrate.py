@@ -70,12 +70,12 @@ def migrate(c: Ctx, vm: str, to: str, mode: str, as_json: bool) -> None:
 @click.option("--qemu", default=None,
               help="The QEMU the partition's VMs run on from now on: a version from "
                    "`fusuma qemu list` or the absolute path of a qemu-system-x86_64.")
-@click.option("--pipeline", is_flag=True,
-              help="Start each next VM's new QEMU while the VM before it is already "
-                   "running on its new QEMU and its old one is being ended (never during "
-                   "a VM's pause). Faster only where the destination partition has a core "
-                   "to spare: on one-core partitions under TCG it measured slower (see "
-                   "docs/results/qemu-upgrade.md).")
+@click.option("--pipeline/--serial", default=True, show_default=True,
+              help="--pipeline: start each next VM's new QEMU while the VM before it "
+                   "already runs on its new QEMU and its old one is being ended (never "
+                   "during a VM's pause). --serial: each VM's move begins once the one "
+                   "before is done (slower on a quiet host; steadier when other work "
+                   "loads the partition's cores).")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"partition", "via", "qemu", "supervisor_pid", "moves": [{"vm", '
                    '"from", "to", "method", "downtime_ms", "total_ms", ...}]}.')

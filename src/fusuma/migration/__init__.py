@@ -272,17 +272,17 @@ class _Open:
 
 def migrate_many(parts: PartitionManager, plan: list[Planned],
                  progress: Callable[[str], None] = lambda s: None,
-                 ahead: bool = False) -> list[MigrationResult]:
+                 ahead: bool = True) -> list[MigrationResult]:
     """Make the moves of ``plan`` one after another, each as ``migrate`` makes it
-    (its own job, so a kill at any point is recovered move by move). The first failure
-    ends the run; ManyFailed says which VMs moved and which did not.
+    (its own job, so a kill at any point is recovered move by move), the next move's
+    destination QEMU asked for while this move's guest already runs at its destination
+    and its source QEMU is being ended: a QEMU never starts during another guest's
+    pause, and at most two moves are open. The first failure ends the run: the next
+    move, if begun, is called off; ManyFailed says which VMs moved and which did not.
 
-    ``ahead=True`` pipelines them: the next move's destination QEMU is asked for while
-    this move's guest already runs at its destination and its source QEMU is being
-    ended (never during a pause; at most two moves open; a move begun is called off
-    when the one before fails). Not the default: measured on one-core partitions under
-    TCG (``bench maintain --compare-pipeline``), where the new QEMU's start and the old
-    one's end compete for the one core, it made a maintain slower, not faster
+    ``ahead=False``: each move begun once the one before is done. ``bench maintain
+    --compare-pipeline`` measures both in one run: on a quiet machine the pipeline made
+    16 VMs' maintain 1.3-1.4x faster; with other work on the cores it made it slower
     (docs/results/qemu-upgrade.md)."""
     done: list[MigrationResult] = []
     if not plan:

@@ -40,7 +40,7 @@ class MaintainResult:
 
 def maintain(parts: PartitionManager, partition: str, via: str, qemu: str | None = None,
              progress: Callable[[str], None] = lambda s: None,
-             ahead: bool = False) -> MaintainResult:
+             ahead: bool = True) -> MaintainResult:
     """Every step under the host lock and a job on the partition, so no other change
     (a restart, a resize, another maintain) slips in between the moves."""
     with host_lock(parts.paths.home), \
@@ -50,7 +50,7 @@ def maintain(parts: PartitionManager, partition: str, via: str, qemu: str | None
 
 def _maintain(parts: PartitionManager, jh: JobLock, partition: str, via: str,
               qemu: str | None, progress: Callable[[str], None],
-              ahead: bool = False) -> MaintainResult:
+              ahead: bool = True) -> MaintainResult:
     db = parts.db
     rec = db.partition(partition)
     db.partition(via)
@@ -100,7 +100,7 @@ def _maintain(parts: PartitionManager, jh: JobLock, partition: str, via: str,
 
 def maintain_in_place(parts: PartitionManager, partition: str, qemu: str | None = None,
                       progress: Callable[[str], None] = lambda s: None,
-                      ahead: bool = False) -> MaintainResult:
+                      ahead: bool = True) -> MaintainResult:
     """Move every running VM of ``partition`` to a new QEMU process in the partition
     itself by cpr-transfer (``fusuma.supervisor.moves.cpr``), with ``qemu`` (a version or
     path) the partition's QEMU from now on. No second partition is needed. Refused,
