@@ -234,3 +234,20 @@ def test_serially_each_move_begins_after_the_one_before(world: World) -> None:
     for prev, vm in itertools.pairwise(VMS):
         assert order.index(("IncomingPrepare", vm)) > order.index(("Release", prev))
     assert all(j.ended for j in world.jobs) and len(world.jobs) == 3
+
+
+def test_a_single_migrate_is_the_same_move(world: World, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    """``migrate`` makes one move of the same kind (its job, its steps, its event): done,
+    then failed in its stream (resolved back, the failure's event, the job ended)."""
+    res = migration.migrate(world, "v0", "p1")  # type: ignore[arg-type]
+    assert res.vm == "v0" and res.wall_ms and list(res.wall_ms)[-1] == "done"
+    assert [n for n, v in world.log if v == "v0" and n != "Settle"] == [
+        "IncomingPrepare", "MigrateOut", "IncomingFinish", "Release"]
+    world.fail[("MigrateOut", "v1")] = SupervisorError("the destination QEMU died")
+    monkeypatch.setattr(migration, "recover_move", lambda parts, job: Outcome(
+        "v1", Decision.BACK, "p0", True, "stayed"))
+    with pytest.raises(MigrationError, match="it stays in partition 'p0'"):
+        migration.migrate(world, "v1", "p1")  # type: ignore[arg-type]
+    assert world.events == [("moved", "v0"), ("failed", "v1")]
+    assert all(j.ended for j in world.jobs) and len(world.jobs) == 2

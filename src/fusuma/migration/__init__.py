@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -172,28 +172,19 @@ def migrate(parts: PartitionManager, vm: str, to: str, mode: str = "zero-copy",
     wall = Marks()
     with host_lock(parts.paths.home):
         wall.mark("lock")
-        parts.ensure_recovered(vm_obj(vm))
-        source = parts.db.vm(vm).partition
-        with parts.job(vm_obj(vm), JobKind.MIGRATE, source=source, peer=to) as jh:
-            wall.mark("job")
-            check(parts, vm, to, mode)
-            wall.mark("checks")
-            steps = MoveSteps(parts, jh, vm, to, mode, progress, checkpoint, wall)
-            try:
-                steps.start()
-                steps.prepared(steps.move.dest_prepare)
-                steps.switch()
-                res = steps.release()
-            except FusumaError as exc:
-                where = parts.db.find_vm(vm)
-                parts.db.emit("lifecycle", "vm-move-failed", f"/1.0/vms/{vm}", vm=vm,
-                              mode=mode, result="failed", error=str(exc),
-                              partition=where.partition if where else None,
-                              state=where.state.value if where else None,
-                              **{"from": source, "to": to})
-                raise
-            parts.db.emit_context("lifecycle", "vm-moved", f"/1.0/vms/{vm}",
-                                  {**res.as_json(), "result": "ok"})
+        op = _Open(parts, Planned(vm, to, mode), progress, checkpoint, wall)
+        op.begin()
+        try:
+            op.steps.prepared(op.asked)
+            op.steps.switch()
+            res = op.steps.release()
+        except FusumaError as exc:
+            op.close(None, exc)
+            raise
+        except BaseException:
+            op.jh.end()
+            raise
+        op.close(res, None)
         wall.mark("done")
     return replace(res, wall_ms=wall.steps())
 
@@ -217,13 +208,18 @@ class ManyFailed(MigrationError):
 
 
 class _Open:
-    """A move of ``migrate_many`` begun: its job held, checked, ``migrating``, its
-    destination asked to prepare (on a thread: only the request, no state)."""
+    """A move begun (``migrate``'s one, or one of ``migrate_many``'s): its job held and
+    its checks passed; ``begin`` makes the VM ``migrating`` and, given a pool, asks the
+    destination to prepare on its thread (only the request, no state); ``close`` ends
+    the job with its event."""
 
-    def __init__(self, parts: PartitionManager, p: Planned, pool: ThreadPoolExecutor,
-                 progress: Callable[[str], None]) -> None:
-        self.wall = Marks()
-        self.wall.mark("lock")
+    def __init__(self, parts: PartitionManager, p: Planned,
+                 progress: Callable[[str], None],
+                 checkpoint: Callable[[], None] = lambda: None,
+                 wall: Marks | None = None) -> None:
+        self.wall = wall or Marks()
+        if wall is None:
+            self.wall.mark("lock")
         parts.ensure_recovered(vm_obj(p.vm))
         self.parts, self.plan = parts, p
         self.source = parts.db.vm(p.vm).partition
@@ -233,12 +229,24 @@ class _Open:
             check(parts, p.vm, p.to, p.mode)
             self.wall.mark("checks")
             self.steps = MoveSteps(parts, self.jh, p.vm, p.to, p.mode, progress,
-                                   wall=self.wall)
-            self.steps.start()
+                                   checkpoint, self.wall)
         except BaseException:
             self.jh.end()
             raise
-        self.asked: Future[rpc.Prepared] = pool.submit(self.steps.move.dest_prepare)
+        # The destination's answer: asked when the move needs it, or ahead (begin).
+        self.asked: Callable[[], rpc.Prepared] = self.steps.move.dest_prepare
+
+    def begin(self, pool: ThreadPoolExecutor | None = None) -> None:
+        try:
+            self.steps.start()
+        except FusumaError as exc:
+            self.close(None, exc)
+            raise
+        except BaseException:
+            self.jh.end()
+            raise
+        if pool is not None:
+            self.asked = pool.submit(self.steps.move.dest_prepare).result
 
     def close(self, res: MigrationResult | None, exc: FusumaError | None) -> None:
         """End its job and write its event, as ``migrate`` does."""
@@ -261,7 +269,7 @@ class _Open:
         """Undo a move that has not streamed: its destination's QEMU (once started)
         ended, the VM running where it ran (the recovery of a move before its stream)."""
         with contextlib.suppress(FusumaError):
-            self.asked.result()
+            self.asked()
         try:
             cur = self.parts.db.find_job(vm_obj(self.plan.vm))
             if cur is not None:
@@ -288,13 +296,13 @@ def migrate_many(parts: PartitionManager, plan: list[Planned],
     if not plan:
         return done
     with host_lock(parts.paths.home), ThreadPoolExecutor(1) as pool:
-        nxt: _Open | None = _Open(parts, plan[0], pool, progress)
+        nxt: _Open | None = _begun(parts, plan[0], pool, progress)
         for i in range(len(plan)):
             cur, nxt = nxt, None
             assert cur is not None
             steps = cur.steps
             try:
-                steps.prepared(cur.asked.result)
+                steps.prepared(cur.asked)
                 steps.switch()
             except FusumaError as exc:
                 cur.close(None, exc)
@@ -302,7 +310,7 @@ def migrate_many(parts: PartitionManager, plan: list[Planned],
             later: FusumaError | None = None
             if ahead and i + 1 < len(plan) and not steps.over:
                 try:
-                    nxt = _Open(parts, plan[i + 1], pool, progress)
+                    nxt = _begun(parts, plan[i + 1], pool, progress)
                 except FusumaError as exc:
                     later = exc
             try:
@@ -318,12 +326,19 @@ def migrate_many(parts: PartitionManager, plan: list[Planned],
             done.append(res)
             if nxt is None and later is None and i + 1 < len(plan):
                 try:
-                    nxt = _Open(parts, plan[i + 1], pool, progress)
+                    nxt = _begun(parts, plan[i + 1], pool, progress)
                 except FusumaError as exc:
                     later = exc
             if later is not None:
                 raise _many_failed(plan, done, i + 1, later) from later
         return done
+
+
+def _begun(parts: PartitionManager, p: Planned, pool: ThreadPoolExecutor,
+           progress: Callable[[str], None]) -> _Open:
+    op = _Open(parts, p, progress)
+    op.begin(pool)
+    return op
 
 
 def _many_failed(plan: list[Planned], done: list[MigrationResult], i: int,
