@@ -113,6 +113,22 @@ class LaunchPlan:
     console: ConsoleLog | None = None
 
 
+
+def exit_status(pid: int) -> int | None:
+    """The exit status of ended child ``pid`` as ``Popen.returncode`` gives it (minus
+    the signal that killed it), read without reaping it: the kernel's reap of an ended
+    QEMU (``wait4``) took up to 400 ms on a loaded host, which the event loop, and a
+    move's release, must not wait for; the reap runs on a worker thread instead."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status
+    return -info.si_status
+
 @dataclass(eq=False)
 class QemuInstance:
     """One QEMU process of one VM (see the module docstring)."""
@@ -145,7 +161,11 @@ class QemuInstance:
     move: Any = None
     # Copies its console into the VM's capped log while it is watched.
     console: ConsolePump | None = None
+    # Monotonic times of its end: ``quit`` asked (``stop``), the process gone (pidfd).
+    quit_at: float | None = None
+    gone_at: float | None = None
     _pidfd: int | None = None
+    _reap: asyncio.Future[int] | None = None
     _runstate: asyncio.Task[None] | None = None
     _exit_task: asyncio.Future[None] | None = None
 
@@ -291,6 +311,7 @@ class QemuInstance:
         loop = asyncio.get_running_loop()
 
         def fire() -> None:
+            self.gone_at = time.monotonic()
             self._exit_task = asyncio.ensure_future(self._exited(on_exit, on_gone))
         if self.console is not None:
             self.console.start()
@@ -334,7 +355,11 @@ class QemuInstance:
             if self.console is not None:
                 self.console.close()       # what QEMU wrote last, then the FIFO
             if self.child is not None:
-                self.status = self.child.wait()
+                self.status = exit_status(self.pid)
+                self._reap = asyncio.get_running_loop().run_in_executor(
+                    None, self.child.wait)
+                if self.status is None:      # not reapable yet after all: wait for it
+                    self.status = await self._reap
             await self.qmp.disconnect()
             remove_run_files(self.run_dir)
             await on_exit(self)
@@ -374,6 +399,7 @@ class QemuInstance:
         self.stopping = True
         if self.exited.is_set():
             return True
+        self.quit_at = time.monotonic()
         with contextlib.suppress(QemuError):
             await self.qmp.quit()
         try:

@@ -83,6 +83,10 @@ class Ended:
     vm: str
     was: str
     pid: int | None = None
+    # A released move source: from QMP ``quit`` to the process's end, and from that to
+    # its exit handled (records, sockets), in ms.
+    quit_ms: float | None = None
+    handled_ms: float | None = None
 
 
 @frozen

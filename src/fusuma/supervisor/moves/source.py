@@ -338,7 +338,15 @@ async def release(h: PartitionHost, vm: str, timeout: float = 10.0) -> rpc.Ended
         h.instances.change(inst, Role.LEAVING)
     h.instances.remove(inst)
     await inst.stop(timeout)
-    return rpc.Ended(vm, was="released", pid=inst.pid)
+    done = time.monotonic()
+    quit_ms = handled_ms = None
+    if inst.quit_at is not None and inst.gone_at is not None:
+        quit_ms = round((inst.gone_at - inst.quit_at) * 1000, 2)
+        handled_ms = round((done - inst.gone_at) * 1000, 2)
+    h.log.info("released the source QEMU of %s (pid %d): quit took %s ms, its exit's "
+               "handling %s ms", vm, inst.pid, quit_ms, handled_ms)
+    return rpc.Ended(vm, was="released", pid=inst.pid, quit_ms=quit_ms,
+                     handled_ms=handled_ms)
 
 
 async def resume(h: PartitionHost, vm: str) -> rpc.Resumed:
