@@ -81,7 +81,7 @@ def test_the_supervisor_warns_and_pins_only_its_own(procs: tuple[int, int, int],
     h.partition = "p0"
     h.log = logging.getLogger("fusuma.test.pin")
     h.db = cast(Any, SimpleNamespace(partition=lambda name: SimpleNamespace(cpus=CPUS)))
-    inst = cast(Any, SimpleNamespace(vm="vm0", pid=qemu, qmp=Qmp()))
+    inst = cast(Any, SimpleNamespace(vm="vm0", pid=qemu, qmp=Qmp(), vcpu_tids=None))
     with caplog.at_level(logging.WARNING, logger="fusuma.test.pin"):
         got = asyncio.run(h._repin(inst))
     assert got == [CPUS[0]]
@@ -89,6 +89,37 @@ def test_the_supervisor_warns_and_pins_only_its_own(procs: tuple[int, int, int],
     assert [r.getMessage() for r in caplog.records] == [
         f"vm0: QEMU pid {qemu} reports vCPU thread id(s) {victim} that are not threads "
         "of its own; nothing is pinned there"]
+
+
+def test_a_qemu_is_asked_for_its_vcpu_threads_once(procs: tuple[int, int, int]) -> None:
+    """Each move's commit re-pins every VM of its partition: the vCPU threads, fixed
+    for a QEMU's life, are asked once per QEMU, not once per move; a report that named
+    a foreign thread is not kept, so the next re-pin asks again."""
+    qemu, tid, victim = procs
+    asked: list[str] = []
+
+    class Qmp:
+        def __init__(self, tids: list[int]) -> None:
+            self.tids = tids
+
+        async def query_cpus_fast(self) -> list[VcpuInfo]:
+            asked.append("q")
+            return [VcpuInfo(index=i, thread_id=t) for i, t in enumerate(self.tids)]
+
+    h = PartitionHost.__new__(PartitionHost)
+    h.partition = "p0"
+    h.log = logging.getLogger("fusuma.test.pin")
+    h.db = cast(Any, SimpleNamespace(partition=lambda name: SimpleNamespace(cpus=CPUS)))
+    inst = cast(Any, SimpleNamespace(vm="vm0", pid=qemu, qmp=Qmp([tid]), vcpu_tids=None))
+    for offset in (0, 1, 0):
+        assert asyncio.run(h._repin(inst, offset)) == [CPUS[offset]]
+        assert os.sched_getaffinity(tid) == {CPUS[offset]}
+    assert asked == ["q"] and inst.vcpu_tids == [tid]
+    liar = cast(Any, SimpleNamespace(vm="vm1", pid=qemu, qmp=Qmp([tid, victim]),
+                                     vcpu_tids=None))
+    asyncio.run(h._repin(liar))
+    asyncio.run(h._repin(liar))
+    assert asked == ["q", "q", "q"] and liar.vcpu_tids is None
 
 
 def test_a_reused_id_gets_its_affinity_back(procs: tuple[int, int, int],

@@ -164,6 +164,9 @@ class QemuInstance:
     # Monotonic times of its end: ``quit`` asked (``stop``), the process gone (pidfd).
     quit_at: float | None = None
     gone_at: float | None = None
+    # Its vCPUs' thread ids in index order (``query-cpus-fast``), asked once: they are
+    # fixed for the process's life (fusuma hot-plugs no vCPU).
+    vcpu_tids: list[int] | None = None
     _pidfd: int | None = None
     _reap: asyncio.Future[int] | None = None
     _runstate: asyncio.Task[None] | None = None

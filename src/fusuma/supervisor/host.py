@@ -461,17 +461,25 @@ class PartitionHost:
     async def _repin(self, inst: QemuInstance, offset: int = 0,
                      others: list[int] | None = None) -> list[int]:
         cpus = self.db.partition(self.partition).cpus
-        try:
-            vcpus = await inst.qmp.query_cpus_fast()
-        except FusumaError as exc:
-            self.log.warning("cannot query vCPUs of %s: %s", inst.vm, exc)
-            return []
-        tids = [v.thread_id for v in sorted(vcpus, key=lambda v: v.index)]
-        foreign = process.foreign_tids(inst.pid, tids)
-        if foreign:
-            self.log.warning("%s: QEMU pid %d reports vCPU thread id(s) %s that are not "
-                             "threads of its own; nothing is pinned there", inst.vm,
-                             inst.pid, ", ".join(map(str, foreign)))
+        tids = inst.vcpu_tids
+        if tids is None:
+            # Asked once per QEMU: each move's commit re-pins every VM of the
+            # partition, and a QMP round trip to each of them (every QEMU scheduled on
+            # the partition's busy cores) made a move's finish grow by about 8 ms per
+            # VM already there.
+            try:
+                vcpus = await inst.qmp.query_cpus_fast()
+            except FusumaError as exc:
+                self.log.warning("cannot query vCPUs of %s: %s", inst.vm, exc)
+                return []
+            tids = [v.thread_id for v in sorted(vcpus, key=lambda v: v.index)]
+            foreign = process.foreign_tids(inst.pid, tids)
+            if foreign:
+                self.log.warning("%s: QEMU pid %d reports vCPU thread id(s) %s that are "
+                                 "not threads of its own; nothing is pinned there",
+                                 inst.vm, inst.pid, ", ".join(map(str, foreign)))
+            else:
+                inst.vcpu_tids = tids
         given = process.pin(inst.pid, tids, cpus, offset, others)
         return [given[t][0] for t in tids if t in given]
 
