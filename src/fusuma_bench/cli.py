@@ -296,11 +296,15 @@ def _error(r: dict[str, Any]) -> str:
                    "pipelined as maintain runs by default (the next move's QEMU started "
                    "while this one's source QEMU is ended), to compare the two in one "
                    "run.")
+@click.option("--busy", is_flag=True,
+              help="Each guest runs a CPU loop (bounded to 10 minutes, ended after each "
+                   "maintain) while it is maintained, instead of maintaining idle "
+                   "guests; the guests' CPU use before each maintain is recorded.")
 @_json_option("maintain")
 @_report_option("maintain.png")
 @pass_ctx
 def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
-                 compare_pipeline: bool, json_file: Path | None,
+                 compare_pipeline: bool, busy: bool, json_file: Path | None,
                  report_dir: Path | None) -> None:
     """Upgrade a partition's QEMU under N running VMs: the whole maintain's time, every
     move's downtime and bytes, data intact; --via (zero-copy) and, with --in-place,
@@ -313,7 +317,7 @@ def maintain_cmd(c: Ctx, vms_opt: str, source: str, target: str, in_place: bool,
     counts = _counts(vms_opt) or list(maintain.DEFAULT_VMS)
     c.accel_notice("auto")
     data = maintain.run(c.parts, c.vms, counts, source, target, in_place,
-                        progress=progress, compare_pipeline=compare_pipeline)
+                        progress=progress, compare_pipeline=compare_pipeline, busy=busy)
     publish(data, json_file, report_dir, "maintain", lambda data: (
         f"{r['method']:12} {'' if r.get('pipelined', True) else '(serial) '}"
         f"x{r['vms']:<3} {r['from_qemu']} -> {r['to_qemu']}: "

@@ -12,6 +12,10 @@ writes a random blob and remembers its md5. Then:
    started with aux-ram-share=on): ``maintain P --in-place``, each VM to a new ``--to``
    QEMU in P itself. One move per VM, no second partition.
 
+With ``--busy`` every guest runs a CPU loop during each maintain (the issue's "with
+the guests busy"); its CPU use before the maintain is recorded. Without it, each
+maintain waits until the guests are idle.
+
 Recorded per (method, N): the whole maintain's wall time, every move's downtime,
 total and bytes sent, and whether every guest's blob still has its md5 afterwards
 (and every guest answers). The result file carries the ``meta`` block; the report
@@ -59,6 +63,10 @@ DEFAULT_VMS = (1, 4, 16)
 QUIET_CORES = 0.5
 QUIESCE_S = 30.0
 METHODS = ("zero-copy", "cpr-transfer")
+# --busy: every guest's CPU loop, stopped by this file, and by `timeout` at the latest.
+BUSY_STOP = "/tmp/fusuma-bench-busy.stop"
+BUSY_MAX_S = 600
+BUSY_SAMPLE_S = 2.0
 
 Progress = Callable[[str], None]
 
@@ -80,6 +88,7 @@ class Case:
     # migrate_many, as maintain runs by default); False: each move after the one
     # before (--compare-pipeline).
     pipelined: bool = True
+    busy: bool = False         # every guest ran a CPU loop during the maintain (--busy)
 
     def as_json(self) -> dict[str, Any]:
         downs = [float(m["downtime_ms"]) for m in self.moves
@@ -99,6 +108,7 @@ class Case:
                 "bytes_sent_median": _median([float(m["bytes_sent"]) for m in self.moves]),
                 "bytes_sent_total": sum(int(m["bytes_sent"]) for m in self.moves),
                 "vm_downtime_ms": per_vm, "data_intact": self.data_intact,
+                "busy_guests": self.busy,
                 "busy_cores_before": self.busy_cores_before, "error": self.error}
 
 
@@ -135,7 +145,7 @@ def _median(values: Sequence[float]) -> float | None:
 
 def run(parts: PartitionManager, vms: VmManager, counts: Sequence[int], source: str,
         target: str, in_place: bool, progress: Progress = lambda s: None,
-        compare_pipeline: bool = False) -> dict[str, Any]:
+        compare_pipeline: bool = False, busy: bool = False) -> dict[str, Any]:
     accel = probe_accel("auto").name
     cores = _check_host(parts, counts, accel)
     q_from = versions.resolve(parts.paths, source)
@@ -147,7 +157,7 @@ def run(parts: PartitionManager, vms: VmManager, counts: Sequence[int], source: 
     for n in counts:
         for case in _one_count(parts, vms, cores, n, source, target, q_from.version,
                                q_to.version, in_place, accel, progress,
-                               compare_pipeline):
+                               compare_pipeline, busy):
             results.append(case.as_json())
             all_moves += [{**m, "method": case.method, "vms": n,
                            "pipelined": case.pipelined} for m in case.moves]
@@ -159,7 +169,7 @@ def run(parts: PartitionManager, vms: VmManager, counts: Sequence[int], source: 
     return {"meta": meta(accel, benchmark="maintain", vms=list(counts), source=source,
                          target=target, from_version=q_from.version,
                          to_version=q_to.version, in_place=in_place, cores=cores,
-                         compare_pipeline=compare_pipeline,
+                         compare_pipeline=compare_pipeline, busy_guests=busy,
                          guest_memory_mib=MEMORY_MIB, blob_mib=BLOB_MIB,
                          quiet_cores=QUIET_CORES, quiesce_s=QUIESCE_S,
                          methods=[m for m in METHODS if in_place or m != "cpr-transfer"],
@@ -194,7 +204,7 @@ def _check_host(parts: PartitionManager, counts: Sequence[int], accel: str) -> l
 def _one_count(parts: PartitionManager, vms: VmManager, cores: list[int], n: int,
                source: str, target: str, v_from: str, v_to: str, in_place: bool,
                accel: str, progress: Progress,
-               compare_pipeline: bool = False) -> list[Case]:
+               compare_pipeline: bool = False, busy: bool = False) -> list[Case]:
     mem = partition_mib(n, accel)
     names = [f"{VM_PREFIX}{i}" for i in range(n)]
     cases: list[Case] = []
@@ -216,7 +226,7 @@ def _one_count(parts: PartitionManager, vms: VmManager, cores: list[int], n: int
             cases.append(via)
             _measure(via, names, digests, vms, progress,
                      partial(maintain, parts, PARTITION, VIA, target, progress=progress,
-                             ahead=ahead))
+                             ahead=ahead), busy)
             if via.error:
                 break
         if in_place:
@@ -228,7 +238,7 @@ def _one_count(parts: PartitionManager, vms: VmManager, cores: list[int], n: int
                     continue
                 _measure(cpr, names, digests, vms, progress,
                          partial(maintain_in_place, parts, PARTITION, progress=progress,
-                                 ahead=ahead))
+                                 ahead=ahead), busy)
         return cases
     finally:
         progress("removing the scratch partitions")
@@ -255,8 +265,40 @@ def _quiesce(case: Case, vms: VmManager, names: list[str], progress: Progress) -
 
 
 def _measure(case: Case, names: list[str], digests: dict[str, str], vms: VmManager,
-             progress: Progress, fn: Callable[[], MaintainResult]) -> None:
+             progress: Progress, fn: Callable[[], MaintainResult],
+             busy: bool = False) -> None:
     _quiesce(case, vms, names, progress)
+    if busy:
+        _busy(case, vms, names, progress)
+    try:
+        _maintain(case, names, digests, vms, progress, fn)
+    finally:
+        if busy:
+            for name in names:
+                try:
+                    _sh(vms, name, f"touch {BUSY_STOP}")
+                except FusumaError as exc:
+                    progress(f"could not end the CPU loop of {name} (it ends by itself "
+                             f"within {BUSY_MAX_S} s): {exc}")
+
+
+def _busy(case: Case, vms: VmManager, names: list[str], progress: Progress) -> None:
+    """Start a CPU loop in every guest (ended by BUSY_STOP, or by `timeout` after
+    BUSY_MAX_S), then record how many cores the guests use together."""
+    for name in names:
+        _sh(vms, name, f"rm -f {BUSY_STOP}; timeout {BUSY_MAX_S} sh -c 'while [ ! -e "
+                       f"{BUSY_STOP} ]; do :; done' </dev/null >/dev/null 2>&1 &")
+    pids = [p for p in (vms.db.vm(n).pid for n in names) if p]
+    cpu0, t0 = qemu_cpu_s(pids), time.monotonic()
+    time.sleep(BUSY_SAMPLE_S)
+    case.busy = True
+    case.busy_cores_before = round((qemu_cpu_s(pids) - cpu0)
+                                   / max(time.monotonic() - t0, 1e-6), 3)
+    progress(f"{case.method}: guests busy, using {case.busy_cores_before:.2f} core(s)")
+
+
+def _maintain(case: Case, names: list[str], digests: dict[str, str], vms: VmManager,
+              progress: Progress, fn: Callable[[], MaintainResult]) -> None:
     progress(f"{case.method}: maintaining {len(names)} VM(s), QEMU {case.source_qemu} -> "
              f"{case.target_qemu}")
     t0 = time.monotonic()

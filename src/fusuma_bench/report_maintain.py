@@ -205,7 +205,8 @@ def markdown(res: Result, source: Path) -> str:
              f"{m.get('host_cores')} cores), accelerator **{m.get('accel')}**, QEMU "
              f"{m.get('from_version')} -> {m.get('to_version')}; run took "
              f"{m.get('duration_s')} s.", "",
-             f"Per VM count, N idle 1-vCPU guests of {m.get('guest_memory_mib')} MiB (each "
+             f"Per VM count, N {'busy' if m.get('busy_guests') else 'idle'} 1-vCPU guests "
+             f"of {m.get('guest_memory_mib')} MiB (each "
              f"holding a {m.get('blob_mib')} MiB random blob whose md5 is checked "
              "afterwards) run in one partition on one core, on QEMU "
              f"{m.get('from_version')}. `maintain --via` upgrades that partition to QEMU "
@@ -236,10 +237,13 @@ def markdown(res: Result, source: Path) -> str:
               "the new one (QEMU event timestamps); it includes fusuma recording the "
               "move's outcome before the new QEMU may run (never two QEMUs running one "
               "guest).",
-              f"- Each maintain starts once the guests' QEMUs use less than "
+              ("- Busy guests: each guest runs a CPU loop through each maintain; the "
+               "guests' QEMUs used the cores given as busy_cores_before in the result "
+               "file just before it began." if m.get("busy_guests") else
+               f"- Each maintain starts once the guests' QEMUs use less than "
               f"{m.get('quiet_cores')} core together (waiting at most {m.get('quiesce_s')} "
               "s): under TCG a guest on a new QEMU process translates its code anew for a "
-              "while, which would otherwise be measured as the next method's time.",
+              "while, which would otherwise be measured as the next method's time."),
               f"- Under TCG on two cores shared with whatever else runs on the host: load "
               f"average {m.get('loadavg_1m_start')} at the start, {m.get('loadavg_1m_end')} "
               "at the end. Both methods wait on the same cores, so compare them with each "
