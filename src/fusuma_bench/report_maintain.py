@@ -29,9 +29,19 @@ from fusuma_bench.report import (
     write_report,
 )
 
-TARGET_DOWNTIME_MS = 5.0     # every move's downtime, zero-copy and cpr-transfer
-TARGET_MAINTAIN_S = 2.0      # the whole maintain of TARGET_VMS VMs, by the faster method
 TARGET_VMS = 16
+# The whole maintain of TARGET_VMS VMs of 256 MiB, per method, in s.
+TARGET_MAINTAIN_S = {"cpr-transfer": 2.0, "zero-copy": 3.0}
+# Every move's downtime with the guests busy: the median and the 99th percentile, in ms.
+TARGET_DOWNTIME_MS = 5.0
+TARGET_DOWNTIME_P99_MS = 10.0
+# The figures these targets were set against: 16 VMs, measured before maintain was a
+# pipeline (the closing notes of the QEMU-upgrade work, quoted by the maintenance issue).
+PREVIOUS = {"cpr-transfer": {"maintain_s": 3.37, "downtime_ms_median": 6.79,
+                             "downtime_ms_max": 23.0},
+            "zero-copy": {"maintain_s": 9.34}}
+PREVIOUS_SOURCE = ("before the pipeline: 16 VMs, `maintain --in-place` 3.37 s with "
+                   "downtime median 6.79 ms (max 23 ms), `maintain --via` 9.34 s")
 LABELS = {"zero-copy": "--via, zero-copy (2 moves per VM + supervisor restart)",
           "cpr-transfer": "--in-place, cpr-transfer (1 move per VM)"}
 
@@ -46,6 +56,7 @@ class Row:
     moves: int
     downtime_ms_max: float | None
     downtime_ms_median: float | None
+    downtime_ms_p99: float | None
     bytes_sent_median: float | None
     data_intact: bool
     error: str | None
@@ -76,6 +87,7 @@ def parse(data: dict[str, Any]) -> Result:
                    maintain_s=opt_float(r["maintain_s"]), moves=int(r["moves"]),
                    downtime_ms_max=opt_float(r["downtime_ms_max"]),
                    downtime_ms_median=opt_float(r["downtime_ms_median"]),
+                   downtime_ms_p99=opt_float(r.get("downtime_ms_p99")),
                    bytes_sent_median=opt_float(r["bytes_sent_median"]),
                    data_intact=bool(r["data_intact"]), error=r.get("error"))
     # A result from before the pipeline has no "pipelined": its rows are the rows.
@@ -134,33 +146,59 @@ def faster(res: Result, vms: int) -> Row | None:
     return min(done, key=lambda r: r.maintain_s or math.inf) if done else None
 
 
+def _prev(method: str, key: str, unit: str) -> str:
+    v = PREVIOUS.get(method, {}).get(key)
+    return f" (before: {v:g} {unit})" if v is not None else ""
+
+
 def checks(res: Result) -> list[Check]:
+    busy = bool(res.meta.get("busy_guests"))
     out = []
     for method in LABELS:
         downs = _downtimes(res, method)
         rows = [r for r in res.rows if r.method == method]
-        target = f"every {method} move's downtime <= {TARGET_DOWNTIME_MS:g} ms"
+        complete = bool(rows) and all(r.moves and not r.error for r in rows)
+        row = res.row(method, TARGET_VMS)
+        limit = TARGET_MAINTAIN_S[method]
+        target = f"{method}: maintain of {TARGET_VMS} VMs <= {limit:g} s"
+        if row is None or row.maintain_s is None:
+            out.append(Check(target, "not measured", UNMEASURED))
+        else:
+            out.append(Check(target, f"{row.maintain_s:.2f} s"
+                             + _prev(method, "maintain_s", "s"),
+                             PASS if row.maintain_s <= limit and not row.error
+                             and row.data_intact else FAIL))
+        target = (f"{method}: downtime median <= {TARGET_DOWNTIME_MS:g} ms and p99 <= "
+                  f"{TARGET_DOWNTIME_P99_MS:g} ms, guests busy")
         if not downs:
             out.append(Check(target, "no move measured", UNMEASURED))
             continue
-        over = [d for d in downs if d > TARGET_DOWNTIME_MS]
-        complete = all(r.moves and not r.error for r in rows)
-        verdict = FAIL if over else (PASS if complete else UNMEASURED)
-        out.append(Check(target, f"max {max(downs):.2f} ms over {len(downs)} moves "
-                         f"({len(over)} above)", verdict))
-    best = faster(res, TARGET_VMS)
-    target = f"maintain of {TARGET_VMS} VMs <= {TARGET_MAINTAIN_S:g} s (faster method)"
-    if best is None or best.maintain_s is None:
-        out.append(Check(target, "not measured", UNMEASURED))
-    else:
-        out.append(Check(target, f"{best.maintain_s:.2f} s ({best.method})",
-                         PASS if best.maintain_s <= TARGET_MAINTAIN_S else FAIL))
+        med, p99 = _median(downs), _rank(downs, 0.99)
+        ok = med <= TARGET_DOWNTIME_MS and p99 <= TARGET_DOWNTIME_P99_MS
+        said = (f"median {med:.2f} ms, p99 {p99:.2f} ms over {len(downs)} moves, "
+                f"{'busy' if busy else 'idle'} guests"
+                + _prev(method, "downtime_ms_median", "ms median"))
+        # Idle guests cannot pass a target set for busy ones, but can fail it.
+        verdict = FAIL if not ok else (PASS if complete and busy else UNMEASURED)
+        out.append(Check(target, said, verdict))
     intact = [r for r in res.rows if r.maintain_s is not None]
     out.append(Check("data intact in every guest after every maintain (failed ones too)",
                      f"{sum(r.data_intact for r in intact)}/{len(intact)} runs intact",
                      UNMEASURED if not intact else
                      PASS if all(r.data_intact for r in intact) else FAIL))
     return out
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def _rank(values: list[float], q: float) -> float:
+    """The nearest-rank percentile ``q`` (as the benchmark computes its p99)."""
+    v = sorted(values)
+    return v[max(0, math.ceil(q * len(v)) - 1)]
 
 
 # -- markdown -----------------------------------------------------------------------
@@ -225,7 +263,9 @@ def markdown(res: Result, source: Path) -> str:
                      for r in sorted(res.rows, key=lambda r: (r.vms, r.method))])
     lines += pipeline_lines(res)
     lines += ["", "## Which method wins", "", *verdict_text(res)]
-    lines += ["", "## Targets", ""]
+    lines += ["", "## Targets", "",
+              f"\"before\" is the figure each target was set against ({PREVIOUS_SOURCE}).",
+              ""]
     lines += check_table(checks(res))
     problems = [f"- {r.method} x{r.vms}: {r.error}" for r in res.rows if r.error]
     if problems:
@@ -253,7 +293,7 @@ def markdown(res: Result, source: Path) -> str:
 
 # -- plot ---------------------------------------------------------------------------
 def plot(res: Result, png: Path) -> None:
-    with figure(png, ncols=2, figsize=(11, 4.5)) as (_, (left, right)):
+    with figure(png, ncols=3, figsize=(16, 4.5)) as (_, (left, right, per_vm)):
         styles = {"zero-copy": ("tab:blue", "o"), "cpr-transfer": ("tab:orange", "s")}
         counts = res.counts()
         for method in res.methods():
@@ -263,6 +303,12 @@ def plot(res: Result, png: Path) -> None:
                   if r is not None and r.maintain_s is not None]
             ys = [r.maintain_s for r in rows if r is not None and r.maintain_s is not None]
             left.plot(xs, ys, color=color, marker=marker, label=LABELS[method])
+            left.axhline(TARGET_MAINTAIN_S[method], color=color, linestyle=":",
+                         label=f"{method} target ({TARGET_MAINTAIN_S[method]:g} s)")
+            prev = PREVIOUS.get(method, {}).get("maintain_s")
+            if prev is not None:
+                left.scatter([TARGET_VMS], [prev], facecolors="none", edgecolors=color,
+                             marker=marker, s=80, label=f"{method} before ({prev:g} s)")
             pts = [(int(m["vms"]), float(m["downtime_ms"])) for m in res.moves
                    if m.get("method") == method and m.get("downtime_ms") is not None]
             off = 0.94 if method == "zero-copy" else 1.06
@@ -273,10 +319,18 @@ def plot(res: Result, png: Path) -> None:
             if bad:
                 left.scatter([r.vms for r in bad], [r.maintain_s for r in bad],
                              color="black", marker="x", s=90, zorder=4)
-        left.axhline(TARGET_MAINTAIN_S, color="tab:green", linestyle=":",
-                     label=f"target for {TARGET_VMS} VMs ({TARGET_MAINTAIN_S:g} s)")
+            # Downtime per VM: each VM's moves in the largest run, in VM order.
+            most = max(counts)
+            mine = sorted(((_vm_index(str(m["vm"])), float(m["downtime_ms"]))
+                           for m in res.moves if m.get("method") == method
+                           and int(m["vms"]) == most and m.get("downtime_ms") is not None))
+            per_vm.scatter([i for i, _ in mine], [d for _, d in mine], color=color,
+                           marker=marker, alpha=0.7, s=20, label=f"{method}, {most} VMs")
         right.axhline(TARGET_DOWNTIME_MS, color="tab:green", linestyle=":",
-                      label=f"downtime target ({TARGET_DOWNTIME_MS:g} ms)")
+                      label=f"median target ({TARGET_DOWNTIME_MS:g} ms)")
+        for ax in (right, per_vm):
+            ax.axhline(TARGET_DOWNTIME_P99_MS, color="tab:red", linestyle=":",
+                       label=f"p99 target ({TARGET_DOWNTIME_P99_MS:g} ms)")
         for ax in (left, right):
             # Set first: a run whose every maintain failed plots nothing, and a log
             # axis of matplotlib's default (0, 1) range cannot be drawn.
@@ -284,6 +338,7 @@ def plot(res: Result, png: Path) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xticks(counts, [str(n) for n in counts])
             ax.set_xlabel("running VMs in the partition")
+        for ax in (left, right, per_vm):
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
         left.set_ylabel("whole maintain (s)")
@@ -291,3 +346,12 @@ def plot(res: Result, png: Path) -> None:
                        f"{res.meta.get('to_version')} ({res.meta.get('accel')})")
         right.set_ylabel("downtime per move (ms)")
         right.set_title("guest downtime of each move")
+        per_vm.set_xlabel("VM (index in the partition)")
+        per_vm.set_ylabel("downtime (ms)")
+        per_vm.set_title(f"downtime per VM ({'busy' if res.meta.get('busy_guests') else 'idle'}"
+                         " guests)")
+
+
+def _vm_index(name: str) -> int:
+    digits = name[len(name.rstrip("0123456789")):]
+    return int(digits) if digits else 0
