@@ -218,6 +218,7 @@ class PartitionHost:
         control weight, not its class's, from before the QEMU exists, see
         :meth:`control_cpu`). Every step registers its undo with ``rev`` (the caller's
         transaction). The instance is registered and watched."""
+        t0 = time.monotonic()
         q = self.qemu()
         uid = privilege.uid_for(self.paths, vm)
         groups = privilege.groups_for(accel)
@@ -326,6 +327,7 @@ class PartitionHost:
             hold = queues.HeaderHold(vm.pid, headers) if headers and vm.pid else None
             if hold is not None:
                 hold.start()
+            t1 = time.monotonic()
             try:
                 inst = await QemuInstance.launch(vm.name, plan, run_dir=run, ram_file=ram,
                                                  logger=self.vm_logger(vm.name), role=role,
@@ -334,6 +336,11 @@ class PartitionHost:
             finally:
                 if hold is not None:
                     hold.stop()
+        t2 = time.monotonic()
+        self.log.info("%s: QEMU pid %d (%s) up in %.0f ms: its plan %.0f ms, its start to "
+                      "%s %.0f ms", vm.name, inst.pid, role.value, (t2 - t0) * 1000,
+                      (t1 - t0) * 1000, "its cpr channel" if cpr_socket else "QMP",
+                      (t2 - t1) * 1000)
         rev.add(lambda: asyncio.ensure_future(inst.qmp.disconnect()))
         rev.add(inst.reap)
         inst.owns_ram = owns_ram

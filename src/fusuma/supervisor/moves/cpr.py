@@ -295,6 +295,14 @@ async def transfer(h: PartitionHost, vm: str, timeout: float = 600.0,
         old.qmp.drop_listener(migrated)
     # The old QEMU is paused (postmigrate): the leaving side now, as a source is.
     leaving(h, old, owns_ram=False)
+    end = time.time()
+    h.log.info("cpr-transfer of %s: the new QEMU took the descriptors, built its machine "
+               "and listened in %.0f ms; the guest stopped %.0f ms after that, ran again "
+               "%.0f ms after its stop; the old QEMU's results read %.0f ms later", vm,
+               (connected_ts - t0) * 1000,
+               ((stop_ts or connected_ts) - connected_ts) * 1000,
+               ((resume_ts or end) - (stop_ts or end)) * 1000,
+               (end - (resume_ts or end)) * 1000)
     return rpc.Streamed(t0=t0, connected_ts=connected_ts, stop_ts=stop_ts,
                         qemu_total_ms=info.total_ms, qemu_downtime_ms=info.downtime_ms,
                         bytes_sent=info.transferred, source_pid=old.pid, dest_pid=new.pid,
