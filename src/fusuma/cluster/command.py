@@ -21,7 +21,10 @@ if TYPE_CHECKING:
 @click.command()
 @click.option("--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               required=True, help="Credentials for the API server: this host's own "
-                                  "identity (`fusuma cluster join NAME`).")
+                                  "identity (`fusuma cluster join NAME`). Never found "
+                                  "by default as the admin commands' are: an agent "
+                                  "run with an admin's credentials could write any "
+                                  "host's objects.")
 @click.option("--namespace", "-n", default=None,
               help="Reconcile FusumaVMs of this namespace only (default: every namespace).")
 @click.option("--host-name", default=None,
@@ -80,7 +83,7 @@ def cluster() -> None:
               help="Create or update them in the cluster instead of printing them.")
 @click.option("--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               help="Credentials for --apply (an admin's: it creates CRDs, roles and the "
-                   "admission policy).")
+                   "admission policy). Default: $KUBECONFIG, else ~/.kube/config.")
 def install(do_apply: bool, kubeconfig: Path | None) -> None:
     """Print the CRDs, roles, namespace and admission policy as YAML for `kubectl apply -f -`.
 
@@ -100,13 +103,10 @@ def install(do_apply: bool, kubeconfig: Path | None) -> None:
     if not do_apply:
         click.echo(render_yaml(manifests()), nl=False)
         return
-    if kubeconfig is None:
-        raise click.UsageError("--apply needs --kubeconfig.")
     from fusuma.cluster.certs import ensure_ca
     from fusuma.cluster.install import apply, remove_legacy
-    from fusuma.cluster.kube import Kube, KubeConfig
 
-    kube = Kube(KubeConfig.load(kubeconfig))
+    kube = _kube(kubeconfig)
     apply(kube, manifests(), progress=progress)
     remove_legacy(kube, progress=progress)
     ensure_ca(kube, progress)
@@ -115,8 +115,8 @@ def install(do_apply: bool, kubeconfig: Path | None) -> None:
 @cluster.command("join")
 @click.argument("host")
 @click.option("--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              required=True, help="An admin's credentials (it creates the host's "
-                                  "ServiceAccount and roles).")
+              help="An admin's credentials (it creates the host's ServiceAccount and "
+                   "roles). Default: $KUBECONFIG, else ~/.kube/config.")
 @click.option("--output", "-o", type=click.Path(path_type=Path, dir_okay=False),
               help="Write the host's kubeconfig here (mode 0600) instead of to stdout.")
 @click.option("--server", default=None,
@@ -124,7 +124,7 @@ def install(do_apply: bool, kubeconfig: Path | None) -> None:
 @click.option("--token-hours", type=click.IntRange(1, 24 * 3650), show_default=True,
               default=24 * 365, help="How long the host's token is valid; run join "
                                      "again to renew it.")
-def join(host: str, kubeconfig: Path, output: Path | None, server: str | None,
+def join(host: str, kubeconfig: Path | None, output: Path | None, server: str | None,
          token_hours: int) -> None:
     """Make HOST's own identity and print (or write) a kubeconfig for its agent.
 
@@ -138,10 +138,10 @@ def join(host: str, kubeconfig: Path, output: Path | None, server: str | None,
     """
     from fusuma.cluster import identity
     from fusuma.cluster.install import apply
-    from fusuma.cluster.kube import Kube, KubeConfig
+    from fusuma.cluster.kube import Kube, KubeConfig, find_kubeconfig
 
     identity.check_host_name(host)
-    cfg = KubeConfig.load(kubeconfig)
+    cfg = KubeConfig.load(find_kubeconfig(kubeconfig))
     kube = Kube(cfg)
     apply(kube, identity.host_objects(host), progress=progress)
     token, expires = identity.request_token(kube, host, token_hours)
@@ -157,22 +157,22 @@ def join(host: str, kubeconfig: Path, output: Path | None, server: str | None,
 @cluster.command("leave")
 @click.argument("host")
 @click.option("--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              required=True, help="An admin's credentials.")
-def leave(host: str, kubeconfig: Path) -> None:
+              help="An admin's credentials. Default: $KUBECONFIG, else ~/.kube/config.")
+def leave(host: str, kubeconfig: Path | None) -> None:
     """Remove HOST's identity: its ServiceAccount (every token of it stops working at
     once), roles and bindings. Its FusumaHost and VMs stay (delete or move them)."""
     from fusuma.cluster import identity
-    from fusuma.cluster.kube import Kube, KubeConfig
 
     identity.check_host_name(host)
-    gone = identity.remove(Kube(KubeConfig.load(kubeconfig)), host)
+    gone = identity.remove(_kube(kubeconfig), host)
     progress(f"host {host}'s identity removed ({', '.join(gone)})" if gone else
              f"host {host} has no identity in this cluster")
 
 
 @cluster.command("rotate-certs")
 @click.option("--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              required=True, help="An admin's credentials (it reads the CA's Secret).")
+              help="An admin's credentials (it reads the CA's Secret). Default: "
+                   "$KUBECONFIG, else ~/.kube/config.")
 @click.option("--host", "hosts", multiple=True,
               help="Also issue a certificate for this host (repeatable): a host whose "
                    "agent has not registered yet.")
@@ -183,7 +183,7 @@ def leave(host: str, kubeconfig: Path) -> None:
 @click.option("--timeout", type=click.FloatRange(1, 86400), default=600, show_default=True,
               help="Seconds to wait for the agents to take up a new CA, and for the "
                    "moves under way to end.")
-def rotate_certs(kubeconfig: Path, hosts: tuple[str, ...], new_ca: bool,
+def rotate_certs(kubeconfig: Path | None, hosts: tuple[str, ...], new_ca: bool,
                  drop_previous_ca: bool, timeout: float) -> None:
     """Issue new certificates for the move stream between hosts.
 
@@ -202,9 +202,8 @@ def rotate_certs(kubeconfig: Path, hosts: tuple[str, ...], new_ca: bool,
       fusuma cluster rotate-certs --kubeconfig admin.conf --host h0 --host h1
     """
     from fusuma.cluster.certs import Rotation
-    from fusuma.cluster.kube import Kube, KubeConfig
 
-    kube = Kube(KubeConfig.load(kubeconfig))
+    kube = _kube(kubeconfig)
     Rotation(kube, progress, timeout).run(list(hosts), new_ca=new_ca,
                                           drop_previous=drop_previous_ca)
 
