@@ -321,9 +321,9 @@ def plot(res: Result, png: Path) -> None:
                              color="black", marker="x", s=90, zorder=4)
             # Downtime per VM: each VM's moves in the largest run, in VM order.
             most = max(counts)
-            mine = sorted(((_vm_index(str(m["vm"])), float(m["downtime_ms"]))
+            mine = sorted((_vm_index(str(m["vm"])), float(m["downtime_ms"]))
                            for m in res.moves if m.get("method") == method
-                           and int(m["vms"]) == most and m.get("downtime_ms") is not None))
+                           and int(m["vms"]) == most and m.get("downtime_ms") is not None)
             per_vm.scatter([i for i, _ in mine], [d for _, d in mine], color=color,
                            marker=marker, alpha=0.7, s=20, label=f"{method}, {most} VMs")
         right.axhline(TARGET_DOWNTIME_MS, color="tab:green", linestyle=":",
