@@ -85,3 +85,41 @@ def test_how_a_qemu_ended_with_what_it_said_last(paths: Paths, db: Database,  # 
     assert running == ""       # still running: nothing to add
     assert ended == (" (its QEMU, pid 4242, killed by signal 9: qemu-system-x86_64: "
                      "terminating on signal 9)")
+
+
+def test_an_in_place_moves_new_qemu_starts_at_the_control_weight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpr.prepare: the new QEMU shares the VM's leaf with the running one; beside 15
+    busy guests on one core, at its class's weight its start and its machine's build
+    took about 1 s each (bench maintain --busy). It starts at the control weight."""
+    from fusuma.supervisor.moves import cpr
+
+    launched: list[dict[str, Any]] = []
+    rec = type("Rec", (), {"partition": "p0", "shared_ram": True, "accel_used": "tcg",
+                           "accel": "tcg", "ram_path": str(tmp_path / "v.ram")})()
+    job = type("Job", (), {"kind": JobKind.MIGRATE, "peer": "p0", "source": "p0"})()
+    old = type("Old", (), {"pid": 4141})()
+    new = type("New", (), {"pid": 4242, "move": None})()
+
+    async def launch(self: Any, *args: Any, **kw: Any) -> Any:
+        launched.append(kw)
+        return new
+    q = type("Q", (), {"version": "10.0.2", "binary": "/q"})()
+    h = type("Host", (), {
+        "partition": "p0", "log": logging.getLogger("t"), "launch": launch,
+        "qemu": lambda self: q,
+        "db": type("Db", (), {"vm": lambda self, n: rec,
+                              "find_job": lambda self, o: job})(),
+        "instances": type("I", (), {
+            "get": lambda self, vm, role=None: old if role is None else None})()})()
+    monkeypatch.setattr(cpr, "has_cpr", lambda q: True)
+    monkeypatch.setattr(cpr, "incoming_run_dir", lambda h, vm: tmp_path / "in-1")
+    monkeypatch.setattr(cpr, "planned_handover", lambda h, vm, inst: None)
+    monkeypatch.setattr(cpr, "probe_accel", lambda a: type("A", (), {"name": "tcg"})())
+
+    async def run() -> Any:
+        return await cpr.prepare(h, "v")
+    got = asyncio.run(run())
+    assert got.pid == 4242
+    assert [(k["role"], k["control"], k["join_taps"]) for k in launched] == [
+        (Role.INCOMING, True, True)]

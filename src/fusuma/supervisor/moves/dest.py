@@ -388,4 +388,9 @@ async def abort(h: PartitionHost, vm: str) -> rpc.Ended:
     if move.task is not None:
         move.task.cancel()
     await inst.kill()
+    running = h.instances.get(vm)
+    if running is not None and running is not inst:
+        # An in-place move's: its leaf, which the running QEMU shares, had the control
+        # weight for the new one (``cpr.prepare``): back to the VM's class.
+        h.class_cpu(vm, running.pid)
     return rpc.Ended(vm, was="aborted", pid=inst.pid)
