@@ -9,7 +9,7 @@ made), so two VMs placed a second apart never both count on the same room.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from fusuma import capacity
@@ -43,7 +43,10 @@ class HostView:
                  for p in st.get("partitions") or []]
         accel = str(st.get("accelerator") or "tcg").split()[0]
         spec = obj.get("spec") or {}
-        # A host being drained (fusuma.cluster.drain) takes no new VM either.
+        # A host being drained (fusuma.cluster.drain) takes no new VM either, nor do
+        # the partitions of it being emptied.
+        draining = set(spec.get("drainPartitions") or [])
+        parts = [p for p in parts if p.name not in draining]
         return cls(str(obj["metadata"]["name"]), int(st.get("availableMiB") or 0),
                    accel if accel in ("kvm", "tcg") else "tcg", parts,
                    ready and not spec.get("unschedulable") and not spec.get("drain"))
@@ -95,15 +98,20 @@ def fits(h: HostView, p: PartView, rec: VmRecord) -> str | None:
 
 
 def choose(vm: VmView, hosts: dict[str, HostView], exclude: Iterable[str] = (),
-           taken_names: dict[str, set[str]] | None = None) -> Choice | str:
+           taken_names: dict[str, set[str]] | None = None,
+           avoid: Mapping[str, str] | None = None) -> Choice | str:
     """The host and partition for ``vm`` (the most free memory left after it, so VMs
-    spread), or one sentence saying why none fits."""
+    spread), or one sentence saying why none fits. ``exclude``: lost hosts; ``avoid``:
+    hosts not to use for now, each with the reason."""
     excluded = set(exclude)
     reasons: list[str] = []
     best: Choice | None = None
     for h in sorted(hosts.values(), key=lambda x: x.name):
         if h.name in excluded:
             reasons.append(f"{h.name}: lost")
+            continue
+        if avoid and h.name in avoid:
+            reasons.append(f"{h.name}: {avoid[h.name]}")
             continue
         if not h.schedulable:
             reasons.append(f"{h.name}: not ready, or unschedulable (cordoned or draining)")
