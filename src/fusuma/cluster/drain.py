@@ -458,7 +458,8 @@ def describe(st: Obj) -> list[str]:
     out = [f"moved {m['vm']} to {m['to']}" + (" (restarted from its image)"
            if m.get("restarted") else f" ({m['downtimeMs']} ms downtime)"
            if m.get("downtimeMs") is not None else "") for m in st.get("moved") or []]
-    out += [f"moving {m['vm']} to {m['to']}" for m in st.get("moving") or []]
+    out += [f"moving {m['vm']} to {m['to']}" + (f": {m['message']}" if m.get("message")
+                                                 else "") for m in st.get("moving") or []]
     out += [f"cannot move {r['vm']}: {r['message']}" for r in st.get("refused") or []]
     return out
 
