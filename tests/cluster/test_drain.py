@@ -1,6 +1,6 @@
 """`fusuma host drain` on a real cluster (issue 27, "Drain and evacuate"): the drained
 host's agent moves its VMs live to the other hosts, the CLI follows, `uncordon`
-reverses it. See conftest.py for the lab; the decisions themselves are
+reverses it; `drain --partition` moves a partition's VMs into the host's other one. See conftest.py for the lab; the decisions themselves are
 tests/unit/test_cluster_drain.py's."""
 
 from __future__ import annotations
@@ -87,5 +87,25 @@ def test_drain_moves_every_vm_off_live_and_uncordon_reverses_it(clean: Cluster) 
     rows = json.loads(host_cmd("list", "--json")[1])
     assert [(r["name"], r["schedulable"], r["drainState"]) for r in rows] == [
         ("h0", True, None), ("h1", True, None), ("h2", True, None)]
+
+    # Only a partition's QEMU to upgrade: its VMs go to the host's other partition,
+    # zero-copy, and stay on the host (spec.drainPartitions).
+    late = c.vm("late")["status"]
+    on, part = late["host"], late["partition"]
+    other = "p1" if part == "p0" else "p0"
+    up = uptime(c, on, "late")
+    t0 = time.monotonic()
+    rc, out, err = host_cmd("drain", on, "--partition", part, "--wait", "--timeout", "60")
+    part_s = time.monotonic() - t0
+    assert rc == 0, (out, err)
+    assert out.strip().startswith(f"no VM is left on partition(s) {part} of host {on} ("), out
+    assert f"moved default/late to {on}/{other}" in err, err
+    o = c.vm("late")["status"]
+    assert (o["host"], o["partition"], o["placement"]["reason"]) == (on, other, "Drained")
+    assert (o["lastMove"]["kind"], o["lastMove"]["result"]) == ("in-host", "ok")
+    assert uptime(c, on, "late") > up, "late rebooted"
+    assert host_cmd("uncordon", on, "--partition", part)[0] == 0
+    assert not lab.get("fusumahost", on, None)["spec"].get("drainPartitions")
     print(f"drain of 2 VMs: {drain_s:.1f} s; downtimes "
-          f"{[m.get('downtimeMs') for m in st['moved']]} ms")
+          f"{[m.get('downtimeMs') for m in st['moved']]} ms; drain of a partition: "
+          f"{part_s:.1f} s, {o['lastMove'].get('downtimeMs')} ms downtime")

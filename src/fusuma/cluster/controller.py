@@ -40,6 +40,7 @@ class Placement:
         self.observer = Observer()
         self.first_seen: dict[str, float] = {}
         self.room = room.Ledger(agent.kube, agent.host)
+        self.room_read = False
 
     def lost_hosts(self) -> set[str]:
         leases = {lease["metadata"]["name"]: lease
@@ -77,8 +78,9 @@ class Placement:
         for h in self.a.hosts_informer.items():
             if h["metadata"]["name"] in lost:
                 self._host_lost(h)
+        # Read when the pass first places a VM (most passes place none).
         self.room = room.Ledger(self.a.kube, self.a.host)
-        self.room.read()
+        self.room_read = False
         hosts = self._views(lost)
         vms = [VmView(o) for o in self.a.vms_informer.items()]
         for v in vms:
@@ -113,6 +115,13 @@ class Placement:
             self._unschedulable(v, "UnknownHost", msg)
             return None
         for _ in range(room.TRIES):
+            if not self.room_read:
+                # Count the room others hold, then choose.
+                self.room.read()
+                self.room_read = True
+                fresh = self._views(lost)
+                hosts.clear()
+                hosts.update(fresh)
             candidates = {k: h for k, h in hosts.items() if not pinned or k == pinned}
             got = choose(v, candidates, exclude=lost, taken_names=self._taken(vms, v))
             if isinstance(got, str):
@@ -123,10 +132,7 @@ class Placement:
                 break
             # Another writer (a draining host) reserved room since the ledger was
             # read: count it, and choose again.
-            self.room.read()
-            fresh = self._views(lost)
-            hosts.clear()
-            hosts.update(fresh)
+            self.room_read = False
         else:
             LOG.info("placement of %s/%s: the room ledger kept changing; next pass",
                      v.namespace, v.name)

@@ -358,7 +358,10 @@ def run(a: AgentContext) -> None:
     lost = {h["metadata"]["name"] for h in hosts
             if h["metadata"]["name"] != a.host and a.host_lost(h["metadata"]["name"])}
     ledger = Ledger(a.kube, a.host)
-    for _ in range(TRIES):
+    # The ledger is read only when there is something to send: room others hold only
+    # lessens what a plan may send.
+    p = plan(a.host, hosts, a.vms_informer.items(), lost, now_iso())
+    for _ in range(TRIES if p.sends else 0):
         holds = tuple(ledger.read())
         p = plan(a.host, hosts, a.vms_informer.items(), lost, now_iso(), holds=holds)
         views = {h["metadata"]["name"]: HostView.from_obj(h, True) for h in hosts}
@@ -368,10 +371,11 @@ def run(a: AgentContext) -> None:
         if ledger.take(new):
             break
     else:
-        # Others kept reserving room under this pass: send nothing now, say the rest
-        # waits, and try at the next pass.
-        p = plan(a.host, hosts, a.vms_informer.items(), lost, now_iso(), limit=0,
-                 holds=tuple(ledger.read()))
+        if p.sends:
+            # Others kept reserving room under this pass: send nothing now (the rest
+            # waits), and try again at the next pass.
+            p = plan(a.host, hosts, a.vms_informer.items(), lost, now_iso(), limit=0,
+                     holds=tuple(ledger.read()))
     for s in p.sends:
         obj = a.vms_informer.get(s.namespace, s.name)
         if obj is None:
