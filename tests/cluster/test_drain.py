@@ -1,7 +1,8 @@
 """`fusuma host drain` on a real cluster (issue 27, "Drain and evacuate"): the drained
 host's agent moves its VMs live to the other hosts, the CLI follows, `uncordon`
-reverses it; `drain --partition` moves a partition's VMs into the host's other one. See conftest.py for the lab; the decisions themselves are
-tests/unit/test_cluster_drain.py's."""
+reverses it; `drain --partition` moves a partition's VMs into the host's other one.
+See conftest.py for the lab; the decisions themselves are
+tests/unit/test_cluster_drain.py's and test_cluster_drain_places.py's."""
 
 from __future__ import annotations
 

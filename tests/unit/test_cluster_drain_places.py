@@ -15,7 +15,7 @@ from fusuma.cluster import drain, hostctl, room
 from fusuma.cluster.controller import Placement
 from fusuma.cluster.crds import rbac
 from fusuma.cluster.kube import HOST, VM
-from fusuma.cluster.placement import HostView, fits, load
+from fusuma.cluster.placement import Choice, HostView, choose, fits, load
 from fusuma.cluster.resources import VmView
 from tests.unit.test_cluster_drain import NOW, Agent, FakeKube, Informer, cli, host, sent, vm
 
@@ -61,6 +61,9 @@ def test_a_drained_partition_sends_its_vms_to_the_hosts_other_partitions() -> No
     # The drained partition takes no new VM; the host still does, in its others.
     view = HostView.from_obj(h0, ready=True)
     assert view.schedulable and [q.name for q in view.partitions] == ["p1", "p2"]
+    new = VmView(vm("new", on=None, spec={"partition": "p0"}))
+    assert "h0: partition 'p0' is being drained" in str(choose(new, {"h0": view}))
+    assert choose(VmView(vm("new", on=None)), {"h0": view}) == Choice("h0", "p1", 832)
     # a and b moved (zero-copy, inside h0): c goes next; pinned stays and says so.
     h0["status"]["drain"] = st
     vms[0] = in_part("a", "p2", lastMove={"result": "ok", "downtimeMs": 5.2})

@@ -212,8 +212,9 @@ def rotate_certs(kubeconfig: Path, hosts: tuple[str, ...], new_ca: bool,
 # `fusuma host ...`'s credentials: a user's, found as kubectl finds them.
 KUBECONFIG_OPTION = click.option(
     "--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-    help="Credentials for the API server that may change FusumaHosts (an admin's). "
-         "Default: $KUBECONFIG, else ~/.kube/config.")
+    help="Credentials for the API server that may patch FusumaHosts (an admin's, or "
+         "a user's with the fusuma-edit role bound cluster-wide). Default: "
+         "$KUBECONFIG, else ~/.kube/config.")
 
 
 def _kube(kubeconfig: Path | None) -> Kube:

@@ -34,6 +34,8 @@ class HostView:
     partitions: list[PartView]
     schedulable: bool = True
     vms: list[VmRecord] = field(default_factory=list)
+    # Its partitions being drained (spec.drainPartitions): left out of ``partitions``.
+    draining: tuple[str, ...] = ()
 
     @classmethod
     def from_obj(cls, obj: Obj, ready: bool) -> HostView:
@@ -45,11 +47,12 @@ class HostView:
         spec = obj.get("spec") or {}
         # A host being drained (fusuma.cluster.drain) takes no new VM either, nor do
         # the partitions of it being emptied.
-        draining = set(spec.get("drainPartitions") or [])
-        parts = [p for p in parts if p.name not in draining]
+        draining = tuple(sorted(str(p) for p in spec.get("drainPartitions") or []))
         return cls(str(obj["metadata"]["name"]), int(st.get("availableMiB") or 0),
-                   accel if accel in ("kvm", "tcg") else "tcg", parts,
-                   ready and not spec.get("unschedulable") and not spec.get("drain"))
+                   accel if accel in ("kvm", "tcg") else "tcg",
+                   [p for p in parts if p.name not in draining],
+                   ready and not spec.get("unschedulable") and not spec.get("drain"),
+                   draining=draining)
 
 
 def record(vm: VmView, partition: str, accelerator: str) -> VmRecord:
@@ -123,8 +126,9 @@ def choose(vm: VmView, hosts: dict[str, HostView], exclude: Iterable[str] = (),
                  if vm.spec.get("partition") in (None, "", p.name)]
         if not parts:
             want = vm.spec.get("partition")
-            reasons.append(f"{h.name}: no partition {want!r}" if want
-                           else f"{h.name}: no partitions")
+            reasons.append(f"{h.name}: partition {want!r} is being drained" if want
+                           and want in h.draining else f"{h.name}: no partition {want!r}"
+                           if want else f"{h.name}: no partitions")
             continue
         for p in parts:
             rec = record(vm, p.name, h.accelerator)
