@@ -445,14 +445,24 @@ def test_draining_a_host_that_is_down_says_what_became_of_each_vm(
     fragile = ("host h0's Lease expired: the VM is lost; it is not restartable: set "
                "spec.restartable to start it elsewhere from its image, or bring the host "
                "back.")
+    no_room = ("no host has room for 'big' (1 vCPU, 8000 MiB): h1/p0: 64 + big 8000 + "
+               "... > 1024 MiB; add a host or partition, or ask for less.")
     kube = FakeKube([down, host("h1")], [
         vm("keeper", on="h1", spec={"restartable": True}, **lost),
+        vm("big", on=None, state="Pending", message=no_room,
+           spec={"restartable": True, "memoryMiB": 8000}, **lost),
         vm("pinned", state="Lost", message=pinned, spec={"host": "h0"}, **lost),
         vm("fragile", state="Lost", message=fragile, **lost)])
+    r = cli(kube, monkeypatch, "drain", "h0")
+    assert r.output.startswith("... host h0 is cordoned; host h0 is down (its Lease "
+                               "expired): its restartable VMs are started again on other "
+                               "hosts"), r.output
     r = cli(kube, monkeypatch, "drain", "h0", "--wait", "--timeout", "2")
     lines = r.output.splitlines()
     assert "... moved default/keeper to h1/p0 (restarted from its image)" in lines
     assert f"... cannot move default/pinned: {pinned}" in lines
     assert f"... cannot move default/fragile: {fragile}" in lines
-    assert any(line.startswith("host h0 is down (its Lease expired)") for line in lines)
-    assert str(r.exception).startswith("host h0 is not drained: 2 VM(s) cannot leave it")
+    assert f"... cannot move default/big: {no_room}" in lines
+    assert any(line.startswith("host h0 is down (its Lease expired)") and
+               line.endswith("1 restarted, 0 starting, 3 cannot be.") for line in lines)
+    assert str(r.exception).startswith("host h0 is not drained: 3 VM(s) cannot leave it")

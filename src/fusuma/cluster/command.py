@@ -343,7 +343,9 @@ def host_drain(name: str, kubeconfig: Path | None, partitions: tuple[str, ...],
         if as_json:
             emit_json(st)
             return
-        if partitions:
+        if st is not None and st.get("down"):
+            progress(f"host {name} is cordoned; {st['message']}")
+        elif partitions:
             progress(f"partition(s) {', '.join(partitions)} of host {name} are draining: "
                      f"its agent moves their VMs to its other partitions; add --wait to "
                      "follow it")
