@@ -105,6 +105,13 @@ def test_drain_moves_every_vm_off_live_and_uncordon_reverses_it(clean: Cluster) 
     assert (o["host"], o["partition"], o["placement"]["reason"]) == (on, other, "Drained")
     assert (o["lastMove"]["kind"], o["lastMove"]["result"]) == ("in-host", "ok")
     assert uptime(c, on, "late") > up, "late rebooted"
+    # Each placement reserved its room first in the ledger, written by the hosts'
+    # own identities (the admission policy and their roles let them).
+    ledger = lab.get("lease", "fusuma-room", "fusuma-system")
+    holds = json.loads(ledger["metadata"]["annotations"]["fusuma.io/holds"])
+    assert {"vm": "default/late", "host": on, "partition": other}.items() <= \
+        holds[-1].items(), holds
+    assert ledger["spec"]["holderIdentity"] == on
     assert host_cmd("uncordon", on, "--partition", part)[0] == 0
     assert not lab.get("fusumahost", on, None)["spec"].get("drainPartitions")
     print(f"drain of 2 VMs: {drain_s:.1f} s; downtimes "
