@@ -1,7 +1,8 @@
 """`fusuma host drain` on a real cluster (issue 27, "Drain and evacuate"): the drained
 host's agent moves its VMs live to the other hosts, the CLI follows, `uncordon`
-reverses it. See conftest.py for the lab; the decisions themselves are
-tests/unit/test_cluster_drain.py's."""
+reverses it; `drain --partition` moves a partition's VMs into the host's other one.
+See conftest.py for the lab; the decisions themselves are
+tests/unit/test_cluster_drain.py's and test_cluster_drain_places.py's."""
 
 from __future__ import annotations
 
@@ -87,5 +88,32 @@ def test_drain_moves_every_vm_off_live_and_uncordon_reverses_it(clean: Cluster) 
     rows = json.loads(host_cmd("list", "--json")[1])
     assert [(r["name"], r["schedulable"], r["drainState"]) for r in rows] == [
         ("h0", True, None), ("h1", True, None), ("h2", True, None)]
+
+    # Only a partition's QEMU to upgrade: its VMs go to the host's other partition,
+    # zero-copy, and stay on the host (spec.drainPartitions).
+    late = c.vm("late")["status"]
+    on, part = late["host"], late["partition"]
+    other = "p1" if part == "p0" else "p0"
+    up = uptime(c, on, "late")
+    t0 = time.monotonic()
+    rc, out, err = host_cmd("drain", on, "--partition", part, "--wait", "--timeout", "60")
+    part_s = time.monotonic() - t0
+    assert rc == 0, (out, err)
+    assert out.strip().startswith(f"no VM is left on partition(s) {part} of host {on} ("), out
+    assert f"moved default/late to {on}/{other}" in err, err
+    o = c.vm("late")["status"]
+    assert (o["host"], o["partition"], o["placement"]["reason"]) == (on, other, "Drained")
+    assert (o["lastMove"]["kind"], o["lastMove"]["result"]) == ("in-host", "ok")
+    assert uptime(c, on, "late") > up, "late rebooted"
+    # Each placement reserved its room first in the ledger, written by the hosts'
+    # own identities (the admission policy and their roles let them).
+    ledger = lab.get("lease", "fusuma-room", "fusuma-system")
+    holds = json.loads(ledger["metadata"]["annotations"]["fusuma.io/holds"])
+    assert {"vm": "default/late", "host": on, "partition": other}.items() <= \
+        holds[-1].items(), holds
+    assert ledger["spec"]["holderIdentity"] == on
+    assert host_cmd("uncordon", on, "--partition", part)[0] == 0
+    assert not lab.get("fusumahost", on, None)["spec"].get("drainPartitions")
     print(f"drain of 2 VMs: {drain_s:.1f} s; downtimes "
-          f"{[m.get('downtimeMs') for m in st['moved']]} ms")
+          f"{[m.get('downtimeMs') for m in st['moved']]} ms; drain of a partition: "
+          f"{part_s:.1f} s, {o['lastMove'].get('downtimeMs')} ms downtime")

@@ -109,7 +109,7 @@ def test_a_host_identity_is_its_own_account_and_roles_by_name() -> None:
     assert objs["RoleBinding"]["subjects"] == subjects
     named = {(r["resources"][0], tuple(r["resourceNames"]))
              for r in objs["Role"]["rules"] if "resourceNames" in r}
-    assert named == {("leases", ("fusuma-host-h0", "fusuma-placement")),
+    assert named == {("leases", ("fusuma-host-h0", "fusuma-placement", "fusuma-room")),
                      ("secrets", ("fusuma-host-h0",))}
     # Nothing that deletes but addresses (the policy: only those it holds), and no
     # Secret of anyone else.

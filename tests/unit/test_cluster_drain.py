@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from fusuma.cluster import ClusterError, command, drain, hostctl
-from fusuma.cluster.kube import HOST, VM, find_kubeconfig
+from fusuma.cluster.kube import HOST, LEASE, VM, find_kubeconfig
 from fusuma.cluster.placement import HostView
 from fusuma.cluster.reconcile import VmReconciler
 from fusuma.errors import NotFoundError
@@ -144,13 +144,17 @@ def test_a_failed_move_is_said_and_does_not_hold_a_slot() -> None:
         "result": "failed", "to": "h1/p0",
         "message": "move to h1 failed (the stream broke); the VM stays on h0."})
     p = drain.plan("h0", hosts, [failed, vm("b"), vm("c")], set(), NOW)
-    # a's move is retried by hostmove, to the room it holds (h1/p0) still.
+    # No other host: a's move is retried by hostmove, to the room it holds (h1/p0).
     assert sent(p) == {"b": "h1/p1", "c": "h1/p0"}
     st = p.status
     assert st is not None
     assert st["refused"] == [{"vm": "default/a", "message": "move to h1 failed (the "
-                              "stream broke); the VM stays on h0. It is tried again "
-                              "within a minute."}]
+                              "stream broke); the VM stays on h0; no other place can take "
+                              "it (no host has room for 'a' (1 vCPU, 128 MiB): h1: where "
+                              "its move just failed; add a host or partition, or ask for "
+                              "less), so it is tried there again within a minute."}]
+    assert st["failed"] == [{"vm": "default/a", "avoid": "h1", "at": NOW, "message":
+                             "move to h1 failed (the stream broke); the VM stays on h0."}]
 
 
 def test_a_vm_named_like_one_on_a_host_goes_elsewhere() -> None:
@@ -171,14 +175,47 @@ def test_no_drain_no_status_and_a_draining_host_takes_no_new_vm() -> None:
 
 
 class FakeKube:
-    """FusumaHosts and FusumaVMs in memory; merge patches as the API server applies
-    them (without pruning: the test of an old CRD prunes by hand)."""
+    """FusumaHosts, FusumaVMs and Leases in memory; merge patches as the API server
+    applies them (without pruning: the test of an old CRD prunes by hand); a Lease is
+    replaced only at its current resourceVersion, as the API server does."""
 
     def __init__(self, hosts: list[Obj], vms: list[Obj]) -> None:
         self.hosts = {h["metadata"]["name"]: h for h in hosts}
         self.vms = {(v["metadata"]["namespace"], v["metadata"]["name"]): v for v in vms}
+        self.leases: dict[str, Obj] = {}
+        self.version = 0
         self.prune: set[str] = set()
         self.on_get: Any = lambda: None
+        self.on_replace: Any = lambda: None
+        self.calls: list[tuple[str, str, str | None]] = []
+
+    def _stamp(self, obj: Obj) -> Obj:
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        return copy.deepcopy(obj)
+
+    def create(self, kind: Any, obj: Obj, ns: str | None = None) -> Obj:
+        from fusuma.cluster import ConflictApiError
+
+        assert kind is LEASE
+        self.calls.append(("create", kind.plural, None))
+        if obj["metadata"]["name"] in self.leases:
+            raise ConflictApiError(409, "AlreadyExists", "exists", "POST", "")
+        self.leases[obj["metadata"]["name"]] = copy.deepcopy(obj)
+        return self._stamp(self.leases[obj["metadata"]["name"]])
+
+    def replace(self, kind: Any, obj: Obj, sub: str | None = None) -> Obj:
+        from fusuma.cluster import ConflictApiError
+
+        assert kind is LEASE
+        self.calls.append(("update", kind.plural, sub))
+        self.on_replace()
+        cur = self.leases[obj["metadata"]["name"]]
+        if cur["metadata"]["resourceVersion"] != obj["metadata"].get("resourceVersion"):
+            raise ConflictApiError(409, "Conflict", "the object has been modified", "PUT",
+                                   "")
+        self.leases[obj["metadata"]["name"]] = copy.deepcopy(obj)
+        return self._stamp(self.leases[obj["metadata"]["name"]])
 
     def _merge(self, into: Obj, patch: Obj) -> None:
         for k, val in patch.items():
@@ -190,6 +227,10 @@ class FakeKube:
                 into[k] = copy.deepcopy(val)
 
     def find(self, kind: Any, name: str, ns: str | None = None) -> Obj | None:
+        self.calls.append(("get", kind.plural, None))
+        if kind is LEASE:
+            got = self.leases.get(name)
+            return copy.deepcopy(got) if got else None
         assert kind is HOST
         h = self.hosts.get(name)
         return copy.deepcopy(h) if h else None
@@ -201,11 +242,13 @@ class FakeKube:
         return got
 
     def list(self, kind: Any, namespace: str | None = None) -> tuple[list[Obj], str]:
+        self.calls.append(("list", kind.plural, None))
         objs = self.hosts.values() if kind is HOST else self.vms.values()
         return [copy.deepcopy(o) for o in objs], "1"
 
     def patch(self, kind: Any, name: str, patch: Obj, ns: str | None = None,
               sub: str | None = None) -> Obj:
+        self.calls.append(("patch", kind.plural, sub))
         obj = self.hosts[name] if kind is HOST else self.vms[(str(ns), name)]
         spec = {k: v for k, v in (patch.get("spec") or {}).items() if k not in self.prune}
         if "spec" in patch:
@@ -215,7 +258,7 @@ class FakeKube:
         return copy.deepcopy(obj)
 
     def patch_status(self, kind: Any, name: str, status: Obj, ns: str | None = None) -> Obj:
-        return self.patch(kind, name, {"status": status}, ns)
+        return self.patch(kind, name, {"status": status}, ns, sub="status")
 
 
 class Informer:

@@ -341,7 +341,7 @@ def test_a_restarted_source_decides_back_and_resumes_its_guest() -> None:
     assert "the agent restarted mid-move" in last["message"]
     assert a.kube.obj["status"]["state"] == "Running" and not recorded(a)
     assert [r for r, _ in a.emitted] == ["MoveFailed"]
-    assert "default/vm0" in a.move_failed
+    assert "default/vm0>h1" in a.move_failed     # that destination waits a minute
 
 
 def test_a_restarted_source_follows_forward_and_forgets_the_guest() -> None:

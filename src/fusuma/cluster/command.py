@@ -211,8 +211,9 @@ def rotate_certs(kubeconfig: Path | None, hosts: tuple[str, ...], new_ca: bool,
 # `fusuma host ...`'s credentials: a user's, found as kubectl finds them.
 KUBECONFIG_OPTION = click.option(
     "--kubeconfig", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-    help="Credentials for the API server that may change FusumaHosts (an admin's). "
-         "Default: $KUBECONFIG, else ~/.kube/config.")
+    help="Credentials for the API server that may patch FusumaHosts (an admin's, or "
+         "a user's with the fusuma-edit role bound cluster-wide). Default: "
+         "$KUBECONFIG, else ~/.kube/config.")
 
 
 def _kube(kubeconfig: Path | None) -> Kube:
@@ -229,7 +230,10 @@ def host() -> None:
     These talk to the Kubernetes API server (--kubeconfig), not to this host: each
     changes a FusumaHost's spec, and the agents do the work. Cordon: no new VM is
     placed on the host. Drain: cordon, and move every VM off it live to the other
-    hosts. Uncordon: both end. For a host that is down, its restartable VMs are
+    hosts (or, with --partition, only one partition's VMs into the host's other
+    partitions, zero-copy, for a QEMU upgrade). Uncordon: both end. They need the
+    fusuma-edit role (or Kubernetes' edit) bound cluster-wide: a FusumaHost is not in a
+    namespace. For a host that is down, its restartable VMs are
     started on other hosts by the placement controller whether it is drained or not
     (`kubectl get fvm` says why for each that is not).
     """
@@ -273,6 +277,10 @@ def host_cordon(name: str, kubeconfig: Path | None) -> None:
 @host.command("drain")
 @click.argument("name")
 @KUBECONFIG_OPTION
+@click.option("--partition", "partitions", multiple=True, metavar="P",
+              help="Drain only partition P of the host (repeatable), into the host's "
+                   "other partitions, zero-copy: for upgrading P's QEMU. The host keeps "
+                   "taking VMs.")
 @click.option("--wait", is_flag=True,
               help="Follow the drain, a line per VM, until no VM is left or those left "
                    "cannot leave; exit 1 then, saying why for each.")
@@ -282,29 +290,44 @@ def host_cordon(name: str, kubeconfig: Path | None) -> None:
 @click.option("--json", "as_json", is_flag=True,
               help="Print the drain's progress (the FusumaHost's status.drain) as JSON "
                    "(without --wait: null until the host's agent took the drain up).")
-def host_drain(name: str, kubeconfig: Path | None, wait: bool, timeout: float,
-               as_json: bool) -> None:
+def host_drain(name: str, kubeconfig: Path | None, partitions: tuple[str, ...],
+               wait: bool, timeout: float, as_json: bool) -> None:
     """Move every VM off host NAME, live, to the other hosts; place no new VM there.
 
     \b
     Sets spec.drain and spec.unschedulable of FusumaHost NAME. Its agent then moves
     each of its VMs live to the host and partition with the most room left (the same
-    capacity rules as placement), a few at a time, exactly as a change of the VM's
-    spec.host would; it writes the progress to the host's status.drain (`kubectl get
-    fh NAME -o yaml`): VMs left, moving, moved, and a sentence for each that cannot
-    leave:
+    capacity rules as placement, with the room reserved so that the placement
+    controller cannot give it away meanwhile), a few at a time, exactly as a change of
+    the VM's spec.host would; it writes the progress to the host's status.drain
+    (`kubectl get fh NAME -o yaml`): VMs left, moving, moved, and a sentence for each
+    that cannot leave:
       - pinned to NAME by spec.host: clear it or name another host;
       - no other host has room (the sums, per host and partition);
-      - its move failed (the reason; it is tried again within a minute).
+      - its move failed and no other host can take it (the reason; it is tried again
+        within a minute). A move that fails where another host has room is sent
+        there instead, and the host where it failed is avoided for five minutes.
     The VMs keep running throughout; the host stays cordoned until `fusuma host
     uncordon NAME`. A host that is down cannot move anything: its restartable VMs
     are started on other hosts from their images by the placement controller
     (failover), and --wait shows each VM's outcome or why it cannot be.
 
     \b
-    Example:
+    With --partition P (for upgrading P's QEMU, or emptying P to resize or remove it)
+    only P is drained, into NAME's other partitions: it takes no new VM
+    (spec.drainPartitions), and each VM in it not pinned there by spec.partition moves
+    zero-copy to the partition with the most room, as a change of its spec.partition
+    would; the guests' RAM is not copied and the host keeps its VMs. On one host
+    without a cluster, `fusuma maintain P --via Q` does the same and moves the VMs back;
+    in a cluster the VMs' placements are the cluster's, so drain P here instead (the
+    agent would move them back to P under maintain).
+
+    \b
+    Examples:
       fusuma host drain h0 --wait      # ... then upgrade or reboot h0
       fusuma host uncordon h0
+      fusuma host drain h0 --partition p0 --wait   # p0's VMs to h0's other partitions
+      fusuma host uncordon h0 --partition p0
     """
     from fusuma.cluster import hostctl
     from fusuma.cluster.drain import describe
@@ -313,14 +336,21 @@ def host_drain(name: str, kubeconfig: Path | None, wait: bool, timeout: float,
     from fusuma.console import emit_json
 
     kube = _kube(kubeconfig)
-    new = hostctl.drain(kube, name)
+    new = hostctl.drain(kube, name, partitions)
     if not wait:
         st = drain_progress(new, kube.list(VM)[0])
         if as_json:
             emit_json(st)
             return
-        progress(f"host {name} is cordoned and draining: its agent moves its VMs off; "
-                 f"`fusuma host drain {name} --wait` follows it")
+        if st is not None and st.get("down"):
+            progress(f"host {name} is cordoned; {st['message']}")
+        elif partitions:
+            progress(f"partition(s) {', '.join(partitions)} of host {name} are draining: "
+                     f"its agent moves their VMs to its other partitions; add --wait to "
+                     "follow it")
+        else:
+            progress(f"host {name} is cordoned and draining: its agent moves its VMs off; "
+                     f"`fusuma host drain {name} --wait` follows it")
         for line in describe(st or {}):
             click.echo(line)
         return
@@ -337,12 +367,19 @@ def host_drain(name: str, kubeconfig: Path | None, wait: bool, timeout: float,
 @host.command("uncordon")
 @click.argument("name")
 @KUBECONFIG_OPTION
-def host_uncordon(name: str, kubeconfig: Path | None) -> None:
-    """Let VMs be placed on host NAME again, and end its drain.
+@click.option("--partition", "partitions", multiple=True, metavar="P",
+              help="End only partition P's drain (repeatable); the host's own cordon or "
+                   "drain stays.")
+def host_uncordon(name: str, kubeconfig: Path | None, partitions: tuple[str, ...]) -> None:
+    """Let VMs be placed on host NAME again, and end its drains.
 
-    Clears spec.unschedulable and spec.drain. VMs moved off it stay where they went;
-    a move already under way finishes."""
+    Clears spec.unschedulable, spec.drain and spec.drainPartitions (with --partition,
+    only those partitions). VMs moved off stay where they went; a move already under
+    way finishes."""
     from fusuma.cluster import hostctl
 
-    hostctl.uncordon(_kube(kubeconfig), name)
-    progress(f"host {name} takes new VMs again")
+    hostctl.uncordon(_kube(kubeconfig), name, partitions)
+    if partitions:
+        progress(f"partition(s) {', '.join(partitions)} of host {name} take new VMs again")
+    else:
+        progress(f"host {name} takes new VMs again")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
-from fusuma.cluster import FINALIZER
+from fusuma.cluster import FINALIZER, room
 from fusuma.cluster.context import AgentContext
 from fusuma.cluster.events import WARNING
 from fusuma.cluster.kube import HOST, VM, Obj
@@ -39,6 +39,8 @@ class Placement:
         self.a = agent
         self.observer = Observer()
         self.first_seen: dict[str, float] = {}
+        self.room = room.Ledger(agent.kube, agent.host)
+        self.room_read = False
 
     def lost_hosts(self) -> set[str]:
         leases = {lease["metadata"]["name"]: lease
@@ -59,16 +61,28 @@ class Placement:
                 lost.add(name)
         return lost
 
+    def _views(self, lost: set[str]) -> dict[str, HostView]:
+        """Each host and the room taken on it: by the VMs placed there (as this
+        process's informer has them, its own writes included) and by the holds of the
+        room ledger as last read."""
+        hosts = {h["metadata"]["name"]: HostView.from_obj(
+            h, h["metadata"]["name"] not in lost and _ready(h))
+            for h in self.a.hosts_informer.items()}
+        vms = [VmView(o) for o in self.a.vms_informer.items() if not deleting(o)]
+        load(hosts, vms)
+        room.count(hosts, vms, self.room.holds)
+        return hosts
+
     def run_once(self) -> None:
         lost = self.lost_hosts()
-        hosts_objs = self.a.hosts_informer.items()
-        for h in hosts_objs:
+        for h in self.a.hosts_informer.items():
             if h["metadata"]["name"] in lost:
                 self._host_lost(h)
-        hosts = {h["metadata"]["name"]: HostView.from_obj(
-            h, h["metadata"]["name"] not in lost and _ready(h)) for h in hosts_objs}
+        # Read when the pass first places a VM (most passes place none).
+        self.room = room.Ledger(self.a.kube, self.a.host)
+        self.room_read = False
+        hosts = self._views(lost)
         vms = [VmView(o) for o in self.a.vms_informer.items()]
-        load(hosts, (v for v in vms if not deleting(v.obj)))
         for v in vms:
             if deleting(v.obj):
                 if FINALIZER in (v.obj["metadata"].get("finalizers") or []) and (
@@ -96,14 +110,32 @@ class Placement:
     def _place(self, v: VmView, hosts: dict[str, HostView], vms: list[VmView],
                lost: set[str], reason: str = "Placed") -> Choice | None:
         pinned = v.spec.get("host")
-        candidates = {k: h for k, h in hosts.items() if not pinned or k == pinned}
         if pinned and pinned not in hosts:
             msg = f"host {pinned!r} is not registered (kubectl get fusumahosts)."
             self._unschedulable(v, "UnknownHost", msg)
             return None
-        got = choose(v, candidates, exclude=lost, taken_names=self._taken(vms, v))
-        if isinstance(got, str):
-            self._unschedulable(v, "Unschedulable", got)
+        for _ in range(room.TRIES):
+            if not self.room_read:
+                # Count the room others hold, then choose.
+                self.room.read()
+                self.room_read = True
+                fresh = self._views(lost)
+                hosts.clear()
+                hosts.update(fresh)
+            candidates = {k: h for k, h in hosts.items() if not pinned or k == pinned}
+            got = choose(v, candidates, exclude=lost, taken_names=self._taken(vms, v))
+            if isinstance(got, str):
+                self._unschedulable(v, "Unschedulable", got)
+                return None
+            hold = room.Hold.of(v, hosts[got.host], got.partition, self.room.clock())
+            if self.room.take([hold]):
+                break
+            # Another writer (a draining host) reserved room since the ledger was
+            # read: count it, and choose again.
+            self.room_read = False
+        else:
+            LOG.info("placement of %s/%s: the room ledger kept changing; next pass",
+                     v.namespace, v.name)
             return None
         placement = {"host": got.host, "partition": got.partition, "at": now_iso(),
                      "reason": reason}

@@ -267,7 +267,8 @@ HOST_STATUS = _obj("Written by the host's agent.", {
                         "notAfter": _s("When it expires.", format="date-time"),
                         "trust": _arr("SHA-256 fingerprints of the CAs the host trusts.",
                                       _s("A fingerprint."))}),
-    "drain": _obj("While spec.drain is set: how moving every VM off the host goes.", {
+    "drain": _obj("While spec.drain or spec.drainPartitions is set: how moving the VMs "
+                  "off the host (or off those partitions) goes.", {
         "state": _s("Draining, Drained (no VM left), or Blocked (the VMs left cannot "
                     "leave: refused says why).", enum=["Draining", "Drained", "Blocked"]),
         "message": _s("The drain in one sentence."),
@@ -275,14 +276,25 @@ HOST_STATUS = _obj("Written by the host's agent.", {
         "observedGeneration": _i("The FusumaHost's metadata.generation it answers."),
         "remaining": _i("VMs still on the host."),
         "waiting": _i("VMs that will be moved once a move under way ends."),
+        "partitions": _arr("While only partitions are drained (spec.drainPartitions, "
+                           "spec.drain unset): those partitions.", _s("A partition.")),
         "moving": _arr("VMs moving off now.", _obj("One VM.", {
-            "vm": _s("namespace/name."), "to": _s("Destination, as host/partition.")})),
+            "vm": _s("namespace/name."), "to": _s("Destination, as host/partition."),
+            "message": _s("Why it goes there, when an earlier move failed.")})),
         "moved": _arr("VMs moved off since the drain began.", _obj("One VM.", {
             "vm": _s("namespace/name."), "to": _s("Where it runs now, host/partition."),
             "downtimeMs": _n("Its move's downtime, ms.")})),
         "refused": _arr("VMs that cannot leave, each with the reason.", _obj("One VM.", {
             "vm": _s("namespace/name."),
             "message": _s("Why, and what to do, in one sentence.")})),
+        "failed": _arr("Moves that failed in the last five minutes: the drain sends "
+                       "that VM elsewhere, and not there again for that long.",
+                       _obj("One failed move.", {
+                           "vm": _s("namespace/name."),
+                           "avoid": _s("Where it failed: a host, or host/partition "
+                                       "for a move inside the host."),
+                           "at": _s("When the drain saw it fail.", format="date-time"),
+                           "message": _s("The failure, in one sentence.")})),
     }),
     "conditions": CONDITIONS,
 })
@@ -458,7 +470,14 @@ def crds() -> list[Obj]:
                     "its spec.host live to the other host with the most room, a few at a "
                     "time; status.drain shows the progress. False or unset (`fusuma host "
                     "uncordon`) ends it; moved VMs stay where they went.",
-                    default=False)})
+                    default=False),
+        "drainPartitions": _arr(
+            "Partitions of this host to empty into its other partitions (`fusuma host "
+            "drain HOST --partition P`), e.g. before their QEMU is upgraded: they take no "
+            "new VM, and the host's agent moves each VM in them not pinned by its "
+            "spec.partition to another partition of this host with room, zero-copy (the "
+            "guest's RAM is not copied); status.drain shows the progress. Ignored while "
+            "spec.drain is set (every VM leaves the host then).", _s("A partition."))})
     return [
         _crd("FusumaHost", "fusumahosts", "fusumahost", ["fh"], "Cluster", host_spec,
              HOST_STATUS, host_cols,
@@ -516,7 +535,13 @@ def rbac() -> list[Obj]:
              "rbac.authorization.k8s.io/aggregate-to-edit": "true"}},
          "rules": [{"apiGroups": [GROUP], "resources": ["fusumavms"],
                     "verbs": ["get", "list", "watch", "create", "update", "patch",
-                              "delete"]}]},
+                              "delete"]},
+                   # `fusuma host cordon|drain|uncordon`: a FusumaHost's spec holds
+                   # only those fields (its agent writes everything else, in its
+                   # status subresource), so patching it is exactly draining; no
+                   # create, update or delete of a host, and no status.
+                   {"apiGroups": [GROUP], "resources": ["fusumahosts"],
+                    "verbs": ["get", "list", "watch", "patch"]}]},
     ]
 
 

@@ -1,4 +1,6 @@
-"""Draining a host: every VM off it, live, to the other hosts (`fusuma host drain`).
+"""Draining a host: every VM off it, live, to the other hosts (`fusuma host drain`), or
+the VMs of some of its partitions into its other partitions, zero-copy, when only their
+hypervisor (QEMU) is to be upgraded (`fusuma host drain HOST --partition P`).
 
 A FusumaHost whose ``spec.drain`` is true takes no new VM (placement counts it
 unschedulable, ``fusuma.cluster.placement``), and its own agent moves its VMs away: each
@@ -6,8 +8,21 @@ pass (``run``) it re-places each VM not pinned by ``spec.host`` on the other hos
 partition with the most room (``placement.choose``, the capacity arithmetic every
 placement uses), at most ``MAX_MOVING`` at a time, by writing the VM's
 ``status.placement``. The VM's reconciler on this host then moves it live exactly as
-for a change of ``spec.host`` (``fusuma.cluster.hostmove``). What is left, moving, moved
-and refused (with one sentence per VM) goes to the FusumaHost's ``status.drain``.
+for a change of ``spec.host`` (``fusuma.cluster.hostmove``). A partition named in
+``spec.drainPartitions`` takes no new VM either, and the agent re-places each VM in it
+not pinned by ``spec.partition`` on another partition of the same host: the VM's
+reconciler moves it as for a change of ``spec.partition`` (zero-copy, the guest's RAM
+never copied). What is left, moving, moved and refused (with one sentence per VM) goes
+to the FusumaHost's ``status.drain``.
+
+A move that fails (or that the destination refuses) is not tried again at the same
+place while the drain can send the VM elsewhere: the destination (a host, or a
+partition for a move inside the host) is avoided for ``AVOID_S`` (``status.drain.failed``
+keeps it, with the reason), the VM is re-placed, and its entry says so in a sentence.
+
+Room is reserved before a placement is written (``fusuma.cluster.room``): the placement
+controller chooses room for new and lost VMs at the same time, and two writers each
+counting from their own informer could otherwise fill the same last room.
 
 Why the drained host's agent decides, and not the placement controller: the admission
 policy (``fusuma.cluster.policy``) lets the controller place only a VM that has no
@@ -24,7 +39,9 @@ what the CLI shows.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,21 +56,28 @@ from fusuma.cluster.resources import (
     deleting,
     label,
     now_iso,
+    parse_time,
     set_condition,
 )
 from fusuma.frozen import frozen
 
 if TYPE_CHECKING:
     from fusuma.cluster.context import AgentContext
+    from fusuma.cluster.room import Hold
 
 LOG = logging.getLogger(__name__)
 # VMs of a draining host that move at once: each move streams the guest's RAM out of
 # this host, so a few at a time finish sooner than all at once, and each one reserves
 # its room at its destination only when it is sent.
 MAX_MOVING = 2
+# How long a destination where a VM's move failed is not chosen for it again.
+AVOID_S = 300.0
 # status.drain.state values.
 DRAINING, DRAINED, BLOCKED = "Draining", "Drained", "Blocked"
 DONE = (DRAINED, BLOCKED)
+# The sentence the VM reconciler writes when a move between partitions fails
+# (fusuma.cluster.reconcile): what names the partition that failed.
+PARTITION_MOVE_FAILED = "move to partition {!r} failed"
 
 
 @frozen
@@ -84,17 +108,50 @@ def _here(v: VmView, me: str) -> bool:
     return v.want_host == me and v.state != LOST
 
 
-def _failed_move(v: VmView) -> str | None:
-    """The sentence of a move off this host that failed and is waiting to be tried
-    again (hostmove retries it), if that is where ``v`` stands."""
+def _in_parts(v: VmView, me: str, parts: set[str]) -> bool:
+    """Whether VM ``v`` is (or is being made) in one of partitions ``parts`` of ``me``."""
+    if v.move is not None:
+        return bool(v.move.get("fromHost") == me
+                    and str(v.move.get("from") or "").split("/")[-1] in parts)
+    if v.host is not None:
+        return v.host == me and v.status.get("partition") in parts
+    return v.want_host == me and v.want_partition in parts and v.state != LOST
+
+
+def _failure(v: VmView, me: str) -> tuple[str, str] | None:
+    """Where a move of ``v`` off here failed, as the place to avoid (a host, or
+    ``host/partition`` for a move inside ``me``), and its sentence; None when its last
+    try at its current destination did not fail. A refusal that does not name the
+    destination is the VM's own (its snapshots, its storage): see ``_refusal``."""
+    if v.move is not None:
+        return None
     last = v.status.get("lastMove") or {}
-    if v.move is None and last.get("result") == "failed" \
+    if v.want_host and v.want_host != me and last.get("result") == "failed" \
             and str(last.get("to") or "").split("/")[0] == v.want_host:
-        return (f"{last.get('message') or 'the move failed'} It is tried again within "
-                "a minute.")
-    reason = (condition(v.obj, "Ready") or {}).get("reason")
-    if v.move is None and reason == "MoveFailed":
-        return str(v.status.get("message") or "the move failed.")
+        return v.want_host, str(last.get("message") or "the move failed.")
+    ready = condition(v.obj, "Ready") or {}
+    msg = str(ready.get("message") or "")
+    if ready.get("reason") != "MoveFailed":
+        return None
+    if v.want_host and v.want_host != me and f"to host {v.want_host!r}" in msg:
+        return v.want_host, msg
+    part = v.want_partition
+    if v.want_host == me and part and part != v.status.get("partition") \
+            and msg.startswith(PARTITION_MOVE_FAILED.format(part)):
+        return f"{me}/{part}", msg
+    return None
+
+
+def _refusal(v: VmView, me: str) -> str | None:
+    """The sentence of a move this host refuses to begin for reasons of the VM's own
+    (they hold wherever it is sent)."""
+    ready = condition(v.obj, "Ready") or {}
+    msg = str(ready.get("message") or "")
+    # One that names its destination is that destination's (``_failure``, or an
+    # earlier destination's, the VM since sent elsewhere).
+    if v.move is None and ready.get("reason") == "MoveFailed" \
+            and "to host '" not in msg and not msg.startswith("move to partition "):
+        return str(v.status.get("message") or msg or "the move failed.")
     return None
 
 
@@ -106,77 +163,143 @@ class _Pass:
     # host.
     taken: dict[str, set[tuple[str, str]]]
     lost: set[str]
+    inside: bool                  # moves between this host's partitions
+    failed: list[Obj]             # status.drain.failed: where not to send whom
     moving: list[Obj] = field(default_factory=list)
     refused: list[Obj] = field(default_factory=list)
     waiting: int = 0
     sends: list[Send] = field(default_factory=list)
 
+    def avoided(self, who: str) -> list[str]:
+        return [str(f["avoid"]) for f in self.failed if f["vm"] == who]
+
     def where(self, v: VmView) -> Choice | str:
+        avoid = self.avoided(label(v.obj))
+        if self.inside:
+            h = self.hosts[self.me]
+            parts = [q for q in h.partitions if f"{self.me}/{q.name}" not in avoid]
+            return choose(v, {self.me: dataclasses.replace(h, partitions=parts)})
         if not self.hosts:
             return (f"no other host can take it: {self.me} is the cluster's only host; "
                     "add one (`fusuma cluster join`, then `fusuma agent` on it).")
         me = (v.namespace, v.name)
         others = {h: {n for ns, n in vms if (ns, n) != me} for h, vms in self.taken.items()}
-        return choose(v, self.hosts, exclude=self.lost, taken_names=others)
+        return choose(v, self.hosts, exclude=self.lost, taken_names=others,
+                      avoid={h: "where its move just failed" for h in avoid})
 
-    def send(self, v: VmView, got: Choice) -> None:
+    def send(self, v: VmView, got: Choice, note: str | None = None) -> None:
         self.sends.append(Send(v.namespace, v.name, got.host, got.partition))
-        self.moving.append({"vm": label(v.obj), "to": f"{got.host}/{got.partition}"})
+        entry = {"vm": label(v.obj), "to": f"{got.host}/{got.partition}"}
+        self.moving.append({**entry, "message": note} if note else entry)
         # Counted at once, so the next VM of this pass sees the room this one takes.
         h = self.hosts[got.host]
         h.vms.append(record(v, got.partition, h.accelerator))
         self.taken.setdefault(got.host, set()).add((v.namespace, v.name))
 
 
-def plan(me: str, hosts: list[Obj], vms: list[Obj], lost: set[str], now: str,
-         limit: int = MAX_MOVING) -> Plan:
-    """What host ``me``'s agent does about a drain this pass: the VMs to re-place and
-    the FusumaHost's ``status.drain``. ``hosts`` and ``vms`` are every FusumaHost and
-    FusumaVM as the informers hold them; ``lost`` the hosts whose Lease expired."""
-    mine = next((h for h in hosts if h["metadata"]["name"] == me), None)
-    if mine is None or not (mine.get("spec") or {}).get("drain"):
-        return Plan((), None)
-    prev = dict((mine.get("status") or {}).get("drain") or {})
-    views = {h["metadata"]["name"]: HostView.from_obj(
+def _note(avoid: str, msg: str) -> str:
+    """The sentence of a VM sent elsewhere after its move to ``avoid`` failed."""
+    return (f"{msg.rstrip('.')}; sent elsewhere instead ({avoid} is not tried for it "
+            f"again for {AVOID_S / 60:g} minutes).")
+
+
+def _views(me: str, mine: Obj, hosts: list[Obj], lost: set[str],
+           inside: bool) -> dict[str, HostView]:
+    """The hosts a drain may send VMs to: the others, or for a drain of partitions
+    this host itself (its drained partitions left out; cordoned or not, a VM already
+    here is no new VM)."""
+    if inside:
+        return {me: dataclasses.replace(HostView.from_obj(mine, True), schedulable=True)}
+    return {h["metadata"]["name"]: HostView.from_obj(
         h, h["metadata"]["name"] not in lost and _ready(h))
         for h in hosts if h["metadata"]["name"] != me}
+
+
+def _still_failed(prev: Obj, now: str) -> list[Obj]:
+    """status.drain.failed without the entries older than AVOID_S."""
+    t = parse_time(now) or time.time()
+    return [dict(f) for f in prev.get("failed") or []
+            if t - (parse_time(str(f.get("at") or "")) or 0.0) < AVOID_S]
+
+
+def plan(me: str, hosts: list[Obj], vms: list[Obj], lost: set[str], now: str,
+         limit: int = MAX_MOVING, holds: tuple[Hold, ...] = ()) -> Plan:
+    """What host ``me``'s agent does about a drain this pass: the VMs to re-place and
+    the FusumaHost's ``status.drain``. ``hosts`` and ``vms`` are every FusumaHost and
+    FusumaVM as the informers hold them; ``lost`` the hosts whose Lease expired;
+    ``holds`` the room other writers reserved (``fusuma.cluster.room``)."""
+    from fusuma.cluster import room
+
+    mine = next((h for h in hosts if h["metadata"]["name"] == me), None)
+    spec = (mine or {}).get("spec") or {}
+    parts = set(spec.get("drainPartitions") or [])
+    if mine is None or not (spec.get("drain") or parts):
+        return Plan((), None)
+    inside = not spec.get("drain")
+    prev = dict((mine.get("status") or {}).get("drain") or {})
+    views = _views(me, mine, hosts, lost, inside)
     live = [VmView(o) for o in vms if not deleting(o)]
     load(views, live)
+    room.count(views, live, holds)
     taken: dict[str, set[tuple[str, str]]] = {}
     for v in live:
         if v.want_host:
             taken.setdefault(v.want_host, set()).add((v.namespace, v.name))
-    p = _Pass(me, views, taken, lost)
-    here = sorted((v for v in live if _here(v, me)), key=lambda v: label(v.obj))
-    todo: list[VmView] = []
+    p = _Pass(me, views, taken, lost, inside, _still_failed(prev, now))
+    here = sorted((v for v in live if (_in_parts(v, me, parts) if inside
+                                       else _here(v, me))), key=lambda v: label(v.obj))
+    todo: list[tuple[VmView, str | None]] = []
     for v in here:
         who = label(v.obj)
-        failed = _failed_move(v) if v.want_host != me else None
+        failure = _failure(v, me)
+        refusal = _refusal(v, me)
+        gone = (v.want_host != me or v.want_partition not in parts) if inside \
+            else bool(v.want_host and v.want_host != me)
         if v.move is not None:
             p.moving.append({"vm": who, "to": str(v.move.get("to") or v.want_host)})
-        elif v.spec.get("host") == me:
+        elif not inside and v.spec.get("host") == me:
             p.refused.append({"vm": who, "message": f"pinned to {me} by spec.host; clear "
                               "it or name another host."})
-        elif failed is not None:
-            p.refused.append({"vm": who, "message": failed})
-        elif v.want_host and v.want_host != me:
-            p.moving.append({"vm": who, "to": f"{v.want_host}/{v.want_partition or '?'}"})
+        elif inside and v.spec.get("partition") in parts:
+            p.refused.append({"vm": who, "message": f"pinned to partition "
+                              f"{v.spec['partition']} by spec.partition; name another "
+                              "partition of this host there (the VM moves zero-copy) or "
+                              "clear it."})
+        elif failure is not None:
+            avoid, msg = failure
+            if avoid not in p.avoided(who):
+                p.failed.append({"vm": who, "avoid": avoid, "at": now, "message": msg})
+            todo.append((v, _note(avoid, msg)))
+        elif refusal is not None:
+            p.refused.append({"vm": who, "message": refusal})
+        elif gone:
+            entry = {"vm": who, "to": f"{v.want_host}/{v.want_partition or '?'}"}
+            f = next((f for f in reversed(p.failed) if f["vm"] == who), None)
+            p.moving.append(entry if f is None else
+                            {**entry, "message": _note(str(f["avoid"]), str(f["message"]))})
         else:
-            todo.append(v)
-    for v in todo:
+            todo.append((v, None))
+    for v, note in todo:
         got = p.where(v)
         if isinstance(got, str):
+            if note is not None:
+                # Nowhere else: it stays placed where it failed, and is tried there
+                # again (hostmove waits a minute between tries).
+                failed = next(f for f in reversed(p.failed) if f["vm"] == label(v.obj))
+                got = (f"{str(failed['message']).rstrip('.')}; no other place can take "
+                       f"it ({got.rstrip('.')}), so it is tried there again within a "
+                       "minute.")
             p.refused.append({"vm": label(v.obj), "message": got})
         elif len(p.moving) < limit:
-            p.send(v, got)
+            p.send(v, got, note)
         else:
             p.waiting += 1
-    status = _status(me, mine, prev, p, live, len(here), now)
+    status = _status(me, mine, prev, p, live, len(here), now, parts if inside else None)
     return Plan(tuple(p.sends), status)
 
 
 def _status(me: str, mine: Obj, prev: Obj, p: _Pass, live: list[VmView], left: int,
-            now: str) -> Obj:
+            now: str, parts: set[str] | None) -> Obj:
     """status.drain: what moved since the drain began (the VMs it listed as moving
     that now run elsewhere), what moves, what cannot leave, and one sentence."""
     by_label = {label(v.obj): v for v in live}
@@ -185,7 +308,8 @@ def _status(me: str, mine: Obj, prev: Obj, p: _Pass, live: list[VmView], left: i
     seen = {m["vm"] for m in moved}
     for m in prev.get("moving") or []:
         v = by_label.get(m["vm"])
-        if v is None or m["vm"] in seen or m["vm"] in moving_now or _here(v, me):
+        if v is None or m["vm"] in seen or m["vm"] in moving_now or (
+                _in_parts(v, me, parts) if parts is not None else _here(v, me)):
             continue
         entry = {"vm": m["vm"], "to": f"{v.host or v.want_host}/"
                  f"{v.status.get('partition') or v.want_partition or '?'}"}
@@ -194,22 +318,30 @@ def _status(me: str, mine: Obj, prev: Obj, p: _Pass, live: list[VmView], left: i
             entry["downtimeMs"] = last["downtimeMs"]
         moved.append(entry)
         seen.add(m["vm"])
+    where = f"host {me}" if parts is None else \
+        f"partition(s) {', '.join(sorted(parts))} of host {me}"
     if left == 0:
         state = DRAINED
-        msg = (f"no VM is left on host {me} ({len(moved)} moved); `fusuma host uncordon "
-               f"{me}` lets VMs be placed here again.")
+        again = "".join(f" --partition {q}" for q in sorted(parts or ()))
+        msg = f"no VM is left on {where} ({len(moved)} moved); `fusuma host uncordon " \
+              f"{me}{again}` lets VMs be placed here again."
     elif p.moving or p.waiting or left > len(p.refused):
         state = DRAINING
-        msg = (f"{left} VM(s) left on host {me}: {len(p.moving)} moving, {p.waiting} "
+        msg = (f"{left} VM(s) left on {where}: {len(p.moving)} moving, {p.waiting} "
                f"waiting, {len(p.refused)} that cannot leave.")
     else:
         state = BLOCKED
-        msg = (f"{len(p.refused)} VM(s) cannot leave host {me} (status.drain.refused "
+        msg = (f"{len(p.refused)} VM(s) cannot leave {where} (status.drain.refused "
                f"says why for each); fix them, or `fusuma host uncordon {me}`.")
-    return {"state": state, "message": msg, "startedAt": prev.get("startedAt") or now,
-            "observedGeneration": int(mine["metadata"].get("generation") or 0),
-            "remaining": left, "waiting": p.waiting, "moving": p.moving, "moved": moved,
-            "refused": p.refused}
+    out = {"state": state, "message": msg, "startedAt": prev.get("startedAt") or now,
+           "observedGeneration": int(mine["metadata"].get("generation") or 0),
+           "remaining": left, "waiting": p.waiting, "moving": p.moving, "moved": moved,
+           "refused": p.refused}
+    if parts is not None:
+        out["partitions"] = sorted(parts)
+    if p.failed:
+        out["failed"] = p.failed
+    return out
 
 
 def _ready(h: Obj) -> bool:
@@ -218,23 +350,48 @@ def _ready(h: Obj) -> bool:
 
 
 def run(a: AgentContext) -> None:
-    """The agent's pass: re-place what the plan sends, and show the drain's status."""
+    """The agent's pass: reserve the room the plan sends VMs to (planning again when
+    another writer reserved some meanwhile), re-place them, show the drain's status."""
+    from fusuma.cluster.room import TRIES, Hold, Ledger
+
     hosts = a.hosts_informer.items()
     lost = {h["metadata"]["name"] for h in hosts
             if h["metadata"]["name"] != a.host and a.host_lost(h["metadata"]["name"])}
+    ledger = Ledger(a.kube, a.host)
+    # The ledger is read only when there is something to send: room others hold only
+    # lessens what a plan may send.
     p = plan(a.host, hosts, a.vms_informer.items(), lost, now_iso())
+    for _ in range(TRIES if p.sends else 0):
+        holds = tuple(ledger.read())
+        p = plan(a.host, hosts, a.vms_informer.items(), lost, now_iso(), holds=holds)
+        views = {h["metadata"]["name"]: HostView.from_obj(h, True) for h in hosts}
+        new = [Hold.of(VmView(o), views[s.host], s.partition, ledger.clock())
+               for s in p.sends
+               if (o := a.vms_informer.get(s.namespace, s.name)) is not None]
+        if ledger.take(new):
+            break
+    else:
+        if p.sends:
+            # Others kept reserving room under this pass: send nothing now (the rest
+            # waits), and try again at the next pass.
+            p = plan(a.host, hosts, a.vms_informer.items(), lost, now_iso(), limit=0,
+                     holds=tuple(ledger.read()))
     for s in p.sends:
         obj = a.vms_informer.get(s.namespace, s.name)
         if obj is None:
             continue
         v = VmView(obj)
-        msg = f"host {a.host} is drained: moving live to {s.host}/{s.partition}"
+        if s.host != a.host:
+            msg = f"host {a.host} is drained: moving live to {s.host}/{s.partition}"
+        else:
+            msg = (f"partition {v.status.get('partition')} of host {a.host} is drained: "
+                   f"moving {'zero-copy' if v.shared_ram else 'by copy'} to {s.partition}")
         conds = set_condition(list(v.status.get("conditions") or []), "Placed", True,
                               "Drained", msg, v.generation)
-        new = a.kube.patch_status(VM, s.name, {
+        new_obj = a.kube.patch_status(VM, s.name, {
             "placement": {"host": s.host, "partition": s.partition, "at": now_iso(),
                           "reason": "Drained"}, "conditions": conds}, s.namespace)
-        a.vms_informer.put(new)
+        a.vms_informer.put(new_obj)
         a.events.emit(obj, "Drained", msg)
     mine = a.hosts_informer.get("", a.host) or {}
     if (mine.get("status") or {}).get("drain") != p.status:
@@ -243,7 +400,8 @@ def run(a: AgentContext) -> None:
 
 def wanted(host: Obj) -> bool:
     """Whether the agent has a drain to run or a drain's status to clear on ``host``."""
-    return bool((host.get("spec") or {}).get("drain")
+    spec = host.get("spec") or {}
+    return bool(spec.get("drain") or spec.get("drainPartitions")
                 or (host.get("status") or {}).get("drain"))
 
 
@@ -304,7 +462,8 @@ def describe(st: Obj) -> list[str]:
     out = [f"moved {m['vm']} to {m['to']}" + (" (restarted from its image)"
            if m.get("restarted") else f" ({m['downtimeMs']} ms downtime)"
            if m.get("downtimeMs") is not None else "") for m in st.get("moved") or []]
-    out += [f"moving {m['vm']} to {m['to']}" for m in st.get("moving") or []]
+    out += [f"moving {m['vm']} to {m['to']}" + (f": {m['message']}" if m.get("message")
+                                                 else "") for m in st.get("moving") or []]
     out += [f"cannot move {r['vm']}: {r['message']}" for r in st.get("refused") or []]
     return out
 

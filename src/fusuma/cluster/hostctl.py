@@ -1,5 +1,5 @@
 """What `fusuma host` asks of the API server: cordon, drain and uncordon a FusumaHost
-(its spec), follow a drain, list the hosts. The agents do the work
+or some of its partitions (the host's spec), follow a drain, list the hosts. The agents do the work
 (``fusuma.cluster.drain``); this module only asks and reads."""
 
 from __future__ import annotations
@@ -43,12 +43,36 @@ def cordon(kube: Kube, name: str) -> Obj:
     return set_spec(kube, name, {"unschedulable": True})
 
 
-def drain(kube: Kube, name: str) -> Obj:
-    return set_spec(kube, name, {"unschedulable": True, "drain": True})
+def drain(kube: Kube, name: str, partitions: tuple[str, ...] = ()) -> Obj:
+    """Drain host ``name``: every VM off it; or with ``partitions``, only those
+    partitions' VMs, into the host's other partitions (the host keeps taking VMs)."""
+    if not partitions:
+        return set_spec(kube, name, {"unschedulable": True, "drain": True})
+    h = get_host(kube, name)
+    has = [str(p.get("name")) for p in (h.get("status") or {}).get("partitions") or []]
+    unknown = [p for p in partitions if p not in has]
+    if unknown:
+        raise NotFoundError(f"host {name} has no partition {', '.join(unknown)} (it has: "
+                            f"{', '.join(has) or 'none'}); `kubectl get fusumapartitions` "
+                            "shows them.")
+    if not set(has) - set(partitions):
+        raise ClusterError(f"draining {', '.join(partitions)} would leave host {name} no "
+                           "partition to move their VMs to: create a FusumaPartition "
+                           "there first (on the new QEMU, for an upgrade), or drain the "
+                           f"whole host (`fusuma host drain {name}`).")
+    old = list((h.get("spec") or {}).get("drainPartitions") or [])
+    return set_spec(kube, name, {"drainPartitions": sorted({*old, *partitions})})
 
 
-def uncordon(kube: Kube, name: str) -> Obj:
-    return set_spec(kube, name, {"unschedulable": False, "drain": None})
+def uncordon(kube: Kube, name: str, partitions: tuple[str, ...] = ()) -> Obj:
+    """End host ``name``'s cordon and drains; with ``partitions``, only those
+    partitions' drain."""
+    if not partitions:
+        return set_spec(kube, name, {"unschedulable": False, "drain": None,
+                                     "drainPartitions": None})
+    old = (get_host(kube, name).get("spec") or {}).get("drainPartitions") or []
+    left = [p for p in old if p not in partitions]
+    return set_spec(kube, name, {"drainPartitions": left or None})
 
 
 def follow(kube: Kube, name: str, timeout: float, on_line: Callable[[str], None],
@@ -84,6 +108,10 @@ def blocked(name: str, st: Obj) -> ClusterError | None:
     if st["state"] != BLOCKED:
         return None
     n = len(st.get("refused") or [])
-    return ClusterError(f"host {name} is not drained: {n} VM(s) cannot leave it (each "
-                        f"said why above); fix them and drain again, or `fusuma host "
-                        f"uncordon {name}`.")
+    parts = st.get("partitions") or []
+    what = f"host {name}" if not parts else \
+        f"partition(s) {', '.join(parts)} of host {name}"
+    again = "".join(f" --partition {p}" for p in parts)
+    return ClusterError(f"{what} is not drained: {n} VM(s) cannot leave it (each said "
+                        f"why above); fix them and drain again, or `fusuma host uncordon "
+                        f"{name}{again}`.")

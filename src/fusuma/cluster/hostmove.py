@@ -424,7 +424,10 @@ class HostMoveSource(_Side):
                                                "conditions": conds}, v.namespace)
         a.vms_informer.put(new)
         a.events.emit(v.obj, "MoveFailed", msg, WARNING)
-        a.vm_rec.move_failed[f"{v.namespace}/{v.name}"] = (cur.generation, time.monotonic())
+        # Keyed by destination too: a drain that re-places the VM elsewhere after this
+        # failure (fusuma.cluster.drain) has it tried there at once.
+        a.vm_rec.move_failed[f"{v.namespace}/{v.name}>{self.dest}"] = (
+            cur.generation, time.monotonic())
 
     def forget(self, out: rpc.Streamed | None, started: str | None,
                began: float | None = None) -> None:
@@ -624,7 +627,7 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
     c = a.ctx()
     dest = str(v.want_host)
     part = v.want_partition or local.partition
-    key = f"{v.namespace}/{v.name}"
+    key = f"{v.namespace}/{v.name}>{dest}"
     state = LocalView(local).state
     if a.host_lost(dest) or a.hosts_informer.get("", dest) is None:
         r.fail(v, "MoveFailed", f"cannot move {v.name!r} to host {dest!r}: it is not a "

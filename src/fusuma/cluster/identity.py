@@ -26,7 +26,7 @@ import yaml
 
 from fusuma.cluster import GROUP, SYSTEM_NAMESPACE, ClusterError, NotFoundApiError
 from fusuma.cluster.kube import MANIFEST_KINDS, Kind, Kube, KubeConfig, Obj
-from fusuma.cluster.lease import PLACEMENT_LEASE, host_lease_name
+from fusuma.cluster.lease import PLACEMENT_LEASE, ROOM_LEASE, host_lease_name
 
 LOG = logging.getLogger(__name__)
 HOST_USER_PREFIX = "fusuma:host:"
@@ -91,13 +91,13 @@ def cluster_rules() -> list[Obj]:
 
 
 def namespace_rules(host: str) -> list[Obj]:
-    """What host ``host`` may do in fusuma-system: its own heartbeat Lease and the
-    placement Lease, its own certificate Secret (read)."""
+    """What host ``host`` may do in fusuma-system: its own heartbeat Lease, the
+    placement Lease and the room ledger, its own certificate Secret (read)."""
     return [
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
          "verbs": ["get", "list", "watch", "create"]},
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-         "resourceNames": [host_lease_name(host), PLACEMENT_LEASE],
+         "resourceNames": [host_lease_name(host), PLACEMENT_LEASE, ROOM_LEASE],
          "verbs": ["update", "patch"]},
         {"apiGroups": [""], "resources": ["secrets"],
          "resourceNames": [certificate_secret(host)], "verbs": ["get", "watch"]},

@@ -19,6 +19,8 @@ from fusuma.cluster.kube import LEASE, Kube, Obj
 
 LOG = logging.getLogger(__name__)
 PLACEMENT_LEASE = "fusuma-placement"
+# The room ledger (fusuma.cluster.room): a Lease used as a versioned record.
+ROOM_LEASE = "fusuma-room"
 
 
 def host_lease_name(host: str) -> str:

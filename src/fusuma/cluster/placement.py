@@ -9,7 +9,7 @@ made), so two VMs placed a second apart never both count on the same room.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from fusuma import capacity
@@ -34,6 +34,8 @@ class HostView:
     partitions: list[PartView]
     schedulable: bool = True
     vms: list[VmRecord] = field(default_factory=list)
+    # Its partitions being drained (spec.drainPartitions): left out of ``partitions``.
+    draining: tuple[str, ...] = ()
 
     @classmethod
     def from_obj(cls, obj: Obj, ready: bool) -> HostView:
@@ -43,10 +45,14 @@ class HostView:
                  for p in st.get("partitions") or []]
         accel = str(st.get("accelerator") or "tcg").split()[0]
         spec = obj.get("spec") or {}
-        # A host being drained (fusuma.cluster.drain) takes no new VM either.
+        # A host being drained (fusuma.cluster.drain) takes no new VM either, nor do
+        # the partitions of it being emptied.
+        draining = tuple(sorted(str(p) for p in spec.get("drainPartitions") or []))
         return cls(str(obj["metadata"]["name"]), int(st.get("availableMiB") or 0),
-                   accel if accel in ("kvm", "tcg") else "tcg", parts,
-                   ready and not spec.get("unschedulable") and not spec.get("drain"))
+                   accel if accel in ("kvm", "tcg") else "tcg",
+                   [p for p in parts if p.name not in draining],
+                   ready and not spec.get("unschedulable") and not spec.get("drain"),
+                   draining=draining)
 
 
 def record(vm: VmView, partition: str, accelerator: str) -> VmRecord:
@@ -95,15 +101,20 @@ def fits(h: HostView, p: PartView, rec: VmRecord) -> str | None:
 
 
 def choose(vm: VmView, hosts: dict[str, HostView], exclude: Iterable[str] = (),
-           taken_names: dict[str, set[str]] | None = None) -> Choice | str:
+           taken_names: dict[str, set[str]] | None = None,
+           avoid: Mapping[str, str] | None = None) -> Choice | str:
     """The host and partition for ``vm`` (the most free memory left after it, so VMs
-    spread), or one sentence saying why none fits."""
+    spread), or one sentence saying why none fits. ``exclude``: lost hosts; ``avoid``:
+    hosts not to use for now, each with the reason."""
     excluded = set(exclude)
     reasons: list[str] = []
     best: Choice | None = None
     for h in sorted(hosts.values(), key=lambda x: x.name):
         if h.name in excluded:
             reasons.append(f"{h.name}: lost")
+            continue
+        if avoid and h.name in avoid:
+            reasons.append(f"{h.name}: {avoid[h.name]}")
             continue
         if not h.schedulable:
             reasons.append(f"{h.name}: not ready, or unschedulable (cordoned or draining)")
@@ -115,8 +126,9 @@ def choose(vm: VmView, hosts: dict[str, HostView], exclude: Iterable[str] = (),
                  if vm.spec.get("partition") in (None, "", p.name)]
         if not parts:
             want = vm.spec.get("partition")
-            reasons.append(f"{h.name}: no partition {want!r}" if want
-                           else f"{h.name}: no partitions")
+            reasons.append(f"{h.name}: partition {want!r} is being drained" if want
+                           and want in h.draining else f"{h.name}: no partition {want!r}"
+                           if want else f"{h.name}: no partitions")
             continue
         for p in parts:
             rec = record(vm, p.name, h.accelerator)

@@ -8,7 +8,8 @@ Node, the pods bound to it). RBAC cannot filter by a field, so the per-host role
 requesting user's host name (``fusuma:host:NAME``, or the ServiceAccount
 ``fusuma-system/fusuma-host-NAME``), the old and new object:
 
-- **its own objects**: its FusumaHost (name), its heartbeat Lease, the FusumaPartitions
+- **its own objects**: its FusumaHost (name), its heartbeat Lease (and, as their
+  holder, the placement Lease and the room ledger, ``fusuma.cluster.room``), the FusumaPartitions
   whose ``spec.host`` it is, the FusumaVMs *placed on it*: ``status.host`` is it, or the
   VM is on no host (or Lost) and ``spec.host`` (else ``status.placement.host``) is it;
   its own entry of a FusumaSegment's or a FusumaNetwork's ``status.hosts``;
@@ -38,7 +39,7 @@ from fusuma.cluster.addresses import HOST_LABEL, NETWORK_LABEL, VM_UID_LABEL
 from fusuma.cluster.crds import HOST_STATUS, VM_STATUS, Obj
 from fusuma.cluster.identity import HOST_USER_PREFIX, SA_USER_PREFIX
 from fusuma.cluster.kube import ADDRESS
-from fusuma.cluster.lease import PLACEMENT_LEASE, host_lease_name
+from fusuma.cluster.lease import PLACEMENT_LEASE, ROOM_LEASE, host_lease_name
 
 POLICY = "fusuma-host-restriction"
 ADMISSION = "admissionregistration.k8s.io/v1"
@@ -184,10 +185,10 @@ def _validations() -> list[Obj]:
         _check("variables.res != 'leases' || ("
                f"request.namespace == '{SYSTEM_NAMESPACE}' && "
                f"({name} == '{host_lease_name('')}' + variables.me || "
-               f"{name} == '{PLACEMENT_LEASE}') && "
+               f"{name} == '{PLACEMENT_LEASE}' || {name} == '{ROOM_LEASE}') && "
                f"{_str('object.?spec.?holderIdentity')} == variables.me)",
-               "'may write only its own heartbeat Lease and the placement Lease, as "
-               "their holder.'"),
+               "'may write only its own heartbeat Lease, the placement Lease and the room "
+               "ledger, as their holder.'"),
         _check(f"variables.res != 'fusumahosts' || variables.status || {name} == "
                "variables.me",
                f"'may register only itself, not FusumaHost ' + {name} + '.'"),
