@@ -389,6 +389,11 @@ class PartitionHost:
         if inst.ram_file is not None and inst.owns_ram:
             self.remove_ram(inst.ram_file)
         self.delete_leaf(inst.vm)
+        running = self.instances.get(inst.vm)
+        if was == Role.LEAVING and running is not None and running is not inst:
+            # The old QEMU of an in-place move ended (released, or not): the leaf the
+            # new one runs in goes back from the move's control weight to its class's.
+            self.class_cpu(inst.vm, running.pid)
         rec = self.db.find_vm(inst.vm)
         job = self.db.find_job(vm_obj(inst.vm))
         if was != Role.RUNNING or rec is None or rec.partition != self.partition \
