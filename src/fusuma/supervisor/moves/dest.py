@@ -226,7 +226,7 @@ async def commit(h: PartitionHost, vm: str, paused: bool = False) -> rpc.Resumed
             inst.qmp.drop_listener(listener)
     old = h.instances.get(vm)
     in_place = old is not None and old is not inst
-    if in_place:
+    if old is not None and in_place:
         # An in-place move (fusuma.supervisor.moves.cpr): the old QEMU of this partition is
         # the leaving side now, ended by ``release``.
         h.instances.change(old, Role.LEAVING)
