@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from fusuma.host.cgroups import CONTROL_HEADROOM
+from fusuma.host.cgroups.v1 import shares_for_weight
 from tests.conftest import Host
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -33,10 +35,11 @@ def cpu_files(host: Host, partition: str, vm: str) -> dict[str, str]:
 
 
 def weight(files: dict[str, str]) -> int:
-    """cpu.shares, or cpu.weight on the v1 scale."""
+    """cpu.shares, or cpu.weight on the v1 scale (a v2 VM leaf holds its weight divided
+    by CONTROL_HEADROOM, rounded: back to the tens the classes' weights are made of)."""
     if "cpu.shares" in files:
         return int(files["cpu.shares"])
-    return round(int(files["cpu.weight"]) * 10.24)
+    return shares_for_weight(max(1, int(round(int(files["cpu.weight"]) * CONTROL_HEADROOM, -1))))
 
 
 def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]

@@ -10,12 +10,14 @@ import pytest
 
 from fusuma.errors import CgroupError, SpecError
 from fusuma.host.cgroups import (
+    CONTROL_HEADROOM,
     CPU_WEIGHT_MAX,
     CpuPolicy,
     parse_flat_keyed,
     parse_pressure_total,
 )
 from fusuma.host.cgroups.v1 import SHARES_MAX, CgroupV1Driver, shares_for_weight
+from fusuma.host.cgroups.v2 import vm_leaf_weight
 from tests.unit.test_cgroups import (
     LIMITS,
     V1_CHILD,
@@ -104,9 +106,10 @@ def test_v2_set_cpu_and_stat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     driver.create_leaf("p0", "vm.a")
     leaf = mount / "fusuma" / "p0" / "vm.a"
     driver.set_cpu("p0", "vm.a", CpuPolicy(weight=10000))
-    assert read(leaf / "cpu.weight") == "10000" and read(leaf / "cpu.max") == "max 100000"
+    # A VM's weight divided by CONTROL_HEADROOM: the control leaf's 10000 stays above.
+    assert read(leaf / "cpu.weight") == "3906" and read(leaf / "cpu.max") == "max 100000"
     driver.set_cpu("p0", "vm.a", CpuPolicy(weight=100, quota_us=50000, period_us=50000))
-    assert read(leaf / "cpu.max") == "50000 50000"
+    assert read(leaf / "cpu.max") == "50000 50000" and read(leaf / "cpu.weight") == "39"
     fake.writes.clear()
     driver.set_cpu("p0", "vm.a", CpuPolicy(weight=1, idle=True))
     names = [p.name for p, _ in fake.writes]
@@ -133,6 +136,25 @@ def test_v2_without_cpu_controller_does_nothing(tmp_path: Path,
                                                 (10000, 102400)])
 def test_shares_for_weight(weight: int, shares: int) -> None:
     assert shares_for_weight(weight) == shares
+
+
+@pytest.mark.parametrize(("weight", "leaf"), [(1, 1), (2, 1), (100, 39), (1000, 391),
+                                              (10000, 3906)])
+def test_v2_vm_leaf_weight(weight: int, leaf: int) -> None:
+    assert vm_leaf_weight(weight) == leaf
+
+
+def test_the_control_leaf_outweighs_the_top_vm_alike_in_both_versions() -> None:
+    """The same layout in v1 and v2: one level of leaves under the partition, the
+    control leaf CONTROL_HEADROOM times a VM at the top weight, and the VMs' weights in
+    the same ratios to each other."""
+    v1 = SHARES_MAX / shares_for_weight(CPU_WEIGHT_MAX)
+    v2 = CPU_WEIGHT_MAX / vm_leaf_weight(CPU_WEIGHT_MAX)
+    assert v1 == CONTROL_HEADROOM and abs(v2 - CONTROL_HEADROOM) < 0.01
+    for a, b in ((10000, 1000), (1000, 100), (10000, 100)):
+        r1 = shares_for_weight(a) / shares_for_weight(b)
+        r2 = vm_leaf_weight(a) / vm_leaf_weight(b)
+        assert abs(r2 / r1 - 1) < 0.02, (a, b, r1, r2)
 
 
 @pytest.mark.parametrize("kwargs", [{"weight": 0}, {"weight": 10001}, {"quota_us": 500},
@@ -187,7 +209,7 @@ def test_v1_control_weight_without_cpu_controller_does_nothing(
         v1_with(tmp_path / "b", monkeypatch, V1_CPU)[0].set_control_cpu("p0", "nope")
 
 
-def test_v2_control_weight_is_the_top_of_the_scale(tmp_path: Path,
+def test_v2_control_weight_is_the_top_of_the_scale_above_any_vms(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     driver, fake, mount = make_v2(tmp_path, monkeypatch, child=V2_CPU)
     driver.create("p0", LIMITS)
@@ -196,6 +218,10 @@ def test_v2_control_weight_is_the_top_of_the_scale(tmp_path: Path,
     sup = mount / "fusuma" / "p0" / "supervisor"
     driver.set_control_cpu("p0", "supervisor")
     assert read(sup / "cpu.weight") == "10000" == str(CPU_WEIGHT_MAX)
+    # A VM at the top weight stays CONTROL_HEADROOM below it, as on v1.
+    driver.set_cpu("p0", "vm.a", CpuPolicy(weight=CPU_WEIGHT_MAX))
+    vm_top = int(read(mount / "fusuma" / "p0" / "vm.a" / "cpu.weight"))
+    assert int(read(sup / "cpu.weight")) > 2.5 * vm_top
     assert read(sup / "cpu.max") == "max 100000" and read(sup / "cpu.idle") == "0"
     # No VM's weight is above it: CpuPolicy refuses one.
     with pytest.raises(SpecError):

@@ -125,11 +125,17 @@ def test_qos_classes_and_the_governors_cap(drv: tuple[CgroupV2Driver, list[str]]
     d, _ = drv
     d.create("q", limits([1]))
     q = CGROUP / PREFIX / "q"
-    for leaf in ("vm.g", "vm.b", "vm.e"):
+    for leaf in ("vm.g", "vm.b", "vm.e", "supervisor"):
         d.create_leaf("q", leaf)
+    # The governor's raise, and the supervisor's leaf 2.56x above it (CONTROL_HEADROOM,
+    # as v1's 262144 shares against 102400): a VM leaf holds its weight / 2.56.
+    d.set_control_cpu("q", "supervisor")
+    d.set_cpu("q", "vm.g", policy_for(QosClass.GUARANTEED, weight=10000))
+    assert read(q / "vm.g" / "cpu.weight") == "3906"
+    assert read(q / "supervisor" / "cpu.weight") == "10000"
     d.set_cpu("q", "vm.g", policy_for(QosClass.GUARANTEED))
     d.set_cpu("q", "vm.e", policy_for(QosClass.BEST_EFFORT))
-    assert read(q / "vm.g" / "cpu.weight") == "1000"
+    assert read(q / "vm.g" / "cpu.weight") == "391"
     assert read(q / "vm.e" / "cpu.idle") == "1" and d.cpu_idle_supported("q", "vm.e")
     # The governor caps a burstable VM while a guaranteed one waits: 0.2 CPU here.
     d.set_cpu("q", "vm.b", policy_for(QosClass.BURSTABLE, cap_cpus=0.2))
@@ -154,7 +160,7 @@ def test_qos_classes_and_the_governors_cap(drv: tuple[CgroupV2Driver, list[str]]
         assert read(q / "vm.b" / "cpu.max") == "max 100000"
     finally:
         burner.stop()
-    for leaf in ("vm.g", "vm.b", "vm.e"):
+    for leaf in ("vm.g", "vm.b", "vm.e", "supervisor"):
         d.delete_leaf("q", leaf)
     d.delete("q")
 

@@ -25,6 +25,7 @@ from fusuma.errors import HostError
 from fusuma.frozen import frozen
 from fusuma.host import systemd as sd
 from fusuma.host.cgroups.base import (
+    CONTROL_HEADROOM,
     CPU_PERIOD_US,
     CPU_WEIGHT_DEFAULT,
     CPU_WEIGHT_MAX,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from fusuma.paths import Paths
 
 __all__ = [
+    "CONTROL_HEADROOM",
     "CPU_PERIOD_US",
     "CPU_WEIGHT_DEFAULT",
     "CPU_WEIGHT_MAX",

@@ -63,6 +63,12 @@ CPU_WEIGHT_MIN = 1
 CPU_WEIGHT_DEFAULT = 100
 CPU_WEIGHT_MAX = 10000
 CPU_PERIOD_US = 100_000
+# The control path's leaves (``set_control_cpu``) outweigh a VM at the highest weight by
+# this factor in both versions: v1 cpu.shares 262144 (the kernel's most) against 102400
+# (10000 x 10.24); v2 cpu.weight 10000 (its most) against 3906, as each VM leaf's
+# cpu.weight there is its weight divided by this (weights count only between siblings,
+# so dividing every VM leaf's alike changes nothing between VMs).
+CONTROL_HEADROOM = 2.56
 
 
 @frozen
@@ -200,9 +206,9 @@ class CgroupDriver(CgroupFiles, abc.ABC):
     @abc.abstractmethod
     def set_control_cpu(self, group: str, leaf: str) -> None:
         """Give leaf ``prefix/group/leaf`` the control weight: the highest this hierarchy
-        takes (v1 ``cpu.shares`` 262144, 2.56x a VM at weight 10000; v2 ``cpu.weight``
-        10000, a VM's highest too), no quota, not idle. For the control path (the
-        supervisor, a moving VM's paused QEMU): what it asks for it gets within one
+        takes (v1 ``cpu.shares`` 262144, v2 ``cpu.weight`` 10000), :data:`CONTROL_HEADROOM`
+        times a VM's at weight 10000 in both, no quota, not idle. For the control path
+        (the supervisor, a moving VM's paused QEMU): what it asks for it gets within one
         scheduler slice, and what it does not ask for costs the VMs nothing."""
 
     @abc.abstractmethod

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from fusuma.errors import CgroupError
 from fusuma.host.cgroups.base import (
+    CONTROL_HEADROOM,
     CPU_PERIOD_US,
     CPU_WEIGHT_MAX,
     CPU_WEIGHT_MIN,
@@ -406,15 +407,14 @@ class CgroupV2Driver(CgroupDriver):
             return
         label = self._label(group, leaf)
         fallback = policy.idle and not (path / "cpu.idle").exists()
-        weight = CPU_WEIGHT_MIN if fallback else policy.weight
+        weight = CPU_WEIGHT_MIN if fallback else vm_leaf_weight(policy.weight)
         self._set_weight_idle(path, "cpu.weight", str(weight), policy.idle, label)
         quota = str(policy.quota_us) if policy.quota_us is not None else "max"
         self._set(path / "cpu.max", f"{quota} {policy.period_us}", f"cpu quota of {label}")
 
     def set_control_cpu(self, group: str, leaf: str) -> None:
-        # cpu.weight stops at 10000, a boosted VM's weight too: beside such a VM the
-        # control leaf is woken within one slice (EEVDF gives equal weights equal
-        # deadlines), but a control path busy for long gets half the core, not more.
+        # cpu.weight stops at 10000: the VM leaves' weights are divided by
+        # CONTROL_HEADROOM (vm_leaf_weight), so that this stays above a boosted VM's.
         path = self._cpu_leaf(group, leaf)
         if path is None:
             return
@@ -440,3 +440,12 @@ class CgroupV2Driver(CgroupDriver):
     def cpu_idle_supported(self, group: str, leaf: str) -> bool:
         path = self._cpu_leaf(group, leaf)
         return path is not None and (path / "cpu.idle").exists()
+
+
+def vm_leaf_weight(weight: int) -> int:
+    """``cpu.weight`` of a VM's leaf for a weight on fusuma's scale (1..10000): divided
+    by :data:`CONTROL_HEADROOM` (10000 -> 3906, 1000 -> 391, 100 -> 39), so that the
+    control leaf's 10000 stays that far above a VM's highest, as v1's 262144 shares
+    stay above 102400. An older supervisor wrote the weight itself; adoption rewrites
+    each leaf (``Governor.apply_class``)."""
+    return max(CPU_WEIGHT_MIN, round(weight / CONTROL_HEADROOM))
