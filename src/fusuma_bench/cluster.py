@@ -67,6 +67,8 @@ from fusuma.cluster.resources import parse_time
 from fusuma.errors import FusumaError
 from fusuma.paths import UID_SPAN
 from fusuma_bench import cluster_parallel
+from fusuma_bench.clusterwait import ready as _ready
+from fusuma_bench.clusterwait import wait as _wait
 from fusuma_bench.report import meta
 
 # A move through the agent as fast as one from the CLI (issue 27): within a quarter.
@@ -130,22 +132,6 @@ def _vm(name: str, **spec: Any) -> dict[str, Any]:
 def _items(lab: Lab) -> dict[str, dict[str, Any]]:
     out = lab.get("fusumavm")["items"]
     return {o["metadata"]["name"]: o for o in out}
-
-
-def _ready(o: dict[str, Any]) -> bool:
-    st = o.get("status") or {}
-    conds = {c["type"]: c["status"] for c in st.get("conditions") or []}
-    return st.get("state") == "Running" and conds.get("Ready") == "True"
-
-
-def _wait(fn: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(every)
-    raise FusumaError(f"timed out after {timeout:.0f} s waiting for {what}.")
 
 
 def run(hosts: int, vms: int, lease_seconds: int, qemu: str | None,

@@ -45,6 +45,9 @@ import yaml
 from fusuma.cluster.lab import Lab
 from fusuma.cluster.moveslots import MOVE_QUEUED
 from fusuma.errors import FusumaError
+from fusuma_bench.clusterwait import ready as _ready
+from fusuma_bench.clusterwait import wait as _wait
+from fusuma_bench.netprobe import ICMP_HEAD
 
 NETWORK = "benchlan"
 SUBNET = "10.125.0"
@@ -63,17 +66,9 @@ TARGETS = {"parallel_whole_run_s": 5.0, "parallel_guest_downtime_ms_median": 100
 # argv: STOPFILE INTERVAL_MS MAX_ROUNDS IP... One echo to each IP per round, a round
 # every INTERVAL_MS, until STOPFILE exists or MAX_ROUNDS; then one second for replies.
 # Prints, per IP, the rounds sent, the replies and the longest run of rounds without one.
-ECHO_MANY = textwrap.dedent("""
-    import json, os, select, socket, struct, sys, time
+ECHO_MANY = ICMP_HEAD + textwrap.dedent("""
     stop, every, rounds = sys.argv[1], float(sys.argv[2]) / 1000, int(sys.argv[3])
     ips = sys.argv[4:]
-    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
-    ident = os.getpid() & 0xFFFF
-    def csum(b):
-        b += b"\\0" * (len(b) % 2)
-        t = sum(struct.unpack("!%dH" % (len(b) // 2), b))
-        t = (t >> 16) + (t & 0xFFFF); t += t >> 16
-        return ~t & 0xFFFF
     got = {ip: set() for ip in ips}
     t0 = time.monotonic()
     n = 0
@@ -228,16 +223,6 @@ def nics() -> list[dict[str, str]]:
     return [{"network": NETWORK}]
 
 
-def _wait(fn: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(every)
-    raise FusumaError(f"timed out after {timeout:.0f} s waiting for {what}.")
-
-
 def _in(ns: str) -> list[str]:
     return ["nsenter", f"--net=/run/netns/{ns}", "--"]
 
@@ -260,12 +245,6 @@ def _answering(client: str, ips: list[str], work: Path) -> list[str]:
 def _items(lab: Lab, names: list[str]) -> dict[str, dict[str, Any]]:
     return {o["metadata"]["name"]: o for o in lab.get("fusumavm")["items"]
             if o["metadata"]["name"] in names}
-
-
-def _ready(o: dict[str, Any]) -> bool:
-    st = o.get("status") or {}
-    conds = {c["type"]: c["status"] for c in st.get("conditions") or []}
-    return st.get("state") == "Running" and conds.get("Ready") == "True"
 
 
 def run(lab: Lab, names: list[str], cli: Callable[..., str], work: Path,
