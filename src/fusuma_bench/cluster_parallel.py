@@ -161,6 +161,31 @@ def clock_lost_ms(lines: list[tuple[float, float]], t_a: float, t_b: float
     return round(((b[0] - a[0]) - (b[1] - a[1])) * 1000, 1), round(gap * 1000, 1)
 
 
+def clock_figures(lines: list[tuple[float, float]], t_from: float, t_to: float
+                  ) -> dict[str, Any]:
+    """The guest clock probe's figures: its lines, how far the guest's clock went over
+    the host's from the first line to the last (``rate``: 1.0 for a clock that keeps
+    time and sees pauses), and, across the moves (from a line before the first patch to
+    one a second after the last move ended) and over the lead before them, the time
+    the guest's clock did not see; a sentence instead where the lines do not reach."""
+    out: dict[str, Any] = {"lines": len(lines)}
+    if len(lines) >= 2:
+        host = lines[-1][0] - lines[0][0]
+        out["host_span_s"] = round(host, 2)
+        out["guest_span_s"] = round(lines[-1][1] - lines[0][1], 2)
+        out["rate"] = round((lines[-1][1] - lines[0][1]) / host, 3) if host > 0 else None
+    for what, (a, b) in (("lost_ms", (t_from - 0.1, t_to + 1.0)),
+                         ("lost_ms_before_moves", (t_from - LEAD_S + 0.1, t_from - 0.1))):
+        try:
+            out[what], gap = clock_lost_ms(lines, a, b)
+        except FusumaError as exc:
+            out[what] = str(exc)
+            continue
+        if what == "lost_ms":
+            out["longest_arrival_gap_ms"] = gap
+    return out
+
+
 def summarize(moves: dict[str, dict[str, Any]], guest_ms: dict[str, float],
               whole_s: float, queued: set[str], most_at_once: dict[str, int],
               clock: dict[str, Any]) -> dict[str, Any]:
@@ -351,14 +376,10 @@ def run(lab: Lab, names: list[str], cli: Callable[..., str], work: Path,
                 lines.append((float(parts[0]), float(parts[1])))
             except ValueError:
                 continue
-    # Across the moves (from a line before the first patch to one a second after the
-    # last move ended), and for comparison over the lead before them, as long.
-    lost, gap = clock_lost_ms(lines, t_from - 0.1, t_to + 1.0)
-    still, _ = clock_lost_ms(lines, t_from - LEAD_S + 0.1, t_from - 0.1)
-    clock = {"vm": probe_vm, "lost_ms": lost, "lost_ms_before_moves": still,
-             "longest_arrival_gap_ms": gap,
-             "fusuma_downtime_ms": done.get(probe_vm, {}).get("downtimeMs"),
-             "echo_downtime_ms": guest[probe_vm]}
+    clock = clock_figures(lines, t_from, t_to)
+    clock.update({"vm": probe_vm,
+                  "fusuma_downtime_ms": done.get(probe_vm, {}).get("downtimeMs"),
+                  "echo_downtime_ms": guest[probe_vm]})
     out = summarize(done, guest, whole, queued, most, clock)
     out["parallel_echo_interval_ms"] = interval_ms
     out["parallel_echoes_lost"] = sum(got[ips[n]]["sent"] - got[ips[n]]["received"]

@@ -99,3 +99,14 @@ def test_the_guest_clock_probe_finds_the_time_its_clock_did_not_see() -> None:
     lost, gap = clock_lost_ms(lines, 0.5, 2.0)
     assert lost == 150.0 and gap == 160.0
     assert clock_lost_ms(lines, 1.5, 2.5)[0] == 0.0
+
+
+def test_a_clock_probe_that_falls_silent_is_reported_not_fatal() -> None:
+    from fusuma_bench.cluster_parallel import clock_figures
+
+    lines = [(10.0 + i, 700.0 + 3 * i) for i in range(5)]     # a guest clock 3x fast
+    out = clock_figures(lines, 12.5, 20.0)
+    assert (out["lines"], out["host_span_s"], out["guest_span_s"], out["rate"]) == \
+        (5, 4.0, 12.0, 3.0)
+    assert out["lost_ms"] == "the guest clock probe has no line before or after the span."
+    assert out["lost_ms_before_moves"] == -6000.0     # 3 s of host time, 9 of guest
