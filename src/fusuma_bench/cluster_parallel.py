@@ -71,7 +71,7 @@ ECHO_MANY = ICMP_HEAD + textwrap.dedent("""
     ips = sys.argv[4:]
     got = {ip: set() for ip in ips}
     t0 = time.monotonic()
-    n = 0
+    n = unsent = 0
     end = None
     def drain(wait):
         r, _, _ = select.select([s], [], [], max(0.0, wait))
@@ -95,7 +95,10 @@ ECHO_MANY = ICMP_HEAD + textwrap.dedent("""
             for ip in ips:
                 body = struct.pack("!BBHHH", 8, 0, 0, ident, n & 0xFFFF) + b"fusuma"
                 body = body[:2] + struct.pack("!H", csum(body)) + body[4:]
-                s.sendto(body, (ip, 0))
+                try:
+                    s.sendto(body, (ip, 0))
+                except OSError:
+                    unsent += 1     # the kernel's queue for it is full (ARP unresolved)
             n += 1
             continue
         drain(t0 + n * every - now)
@@ -106,7 +109,7 @@ ECHO_MANY = ICMP_HEAD + textwrap.dedent("""
             run = 0 if (i & 0xFFFF) in got[ip] else run + 1
             worst = max(worst, run)
         out[ip] = {"sent": n, "received": len(got[ip]), "longest_lost_run": worst}
-    print(json.dumps(out))
+    print(json.dumps({"unsent": unsent, "ips": out}))
 """)
 
 # argv: OUT ADDR PORT SECONDS. One connection; each line (the guest's /proc/uptime)
@@ -263,7 +266,7 @@ def _answering(client: str, ips: list[str], work: Path) -> list[str]:
     """Which of ``ips`` answer 10 echoes (0.1 s apart) with at least one."""
     p = _echo(client, ips, 10, 100.0, work / "never")
     out, _ = p.communicate(timeout=30)
-    got = json.loads(out)
+    got = json.loads(out)["ips"]
     return [ip for ip in ips if got[ip]["received"] > 0]
 
 
@@ -367,8 +370,14 @@ def run(lab: Lab, names: list[str], cli: Callable[..., str], work: Path,
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    got = json.loads(echoed)
-    guest = {n: float(got[ips[n]]["longest_lost_run"]) * interval_ms for n in names}
+    try:
+        echo_out = json.loads(echoed)
+    except ValueError:
+        echo_out = {"unsent": None, "ips": {}}
+        progress(f"the echo probe printed no result: {echoed[-200:]!r}")
+    got = echo_out["ips"]
+    guest = {n: float(got[ips[n]]["longest_lost_run"]) * interval_ms for n in names
+             if ips[n] in got}
     lines = []
     for line in log.read_text().splitlines():
         parts = line.split()
@@ -380,14 +389,15 @@ def run(lab: Lab, names: list[str], cli: Callable[..., str], work: Path,
     clock = clock_figures(lines, t_from, t_to)
     clock.update({"vm": probe_vm,
                   "fusuma_downtime_ms": done.get(probe_vm, {}).get("downtimeMs"),
-                  "echo_downtime_ms": guest[probe_vm]})
+                  "echo_downtime_ms": guest.get(probe_vm)})
     out = summarize(done, guest, whole, queued, most, clock)
     out["parallel_moves_unfinished"] = sorted(set(names) - set(done))
     if out["parallel_moves_unfinished"]:
         out["parallel_whole_run_s"] = None        # not measured: the run did not end
     out["parallel_echo_interval_ms"] = interval_ms
     out["parallel_echoes_lost"] = sum(got[ips[n]]["sent"] - got[ips[n]]["received"]
-                                      for n in names)
+                                      for n in names if ips[n] in got)
+    out["parallel_echoes_unsent"] = echo_out["unsent"]
     return out
 
 
