@@ -110,3 +110,9 @@ def test_a_clock_probe_that_falls_silent_is_reported_not_fatal() -> None:
         (5, 4.0, 12.0, 3.0)
     assert out["lost_ms"] == "the guest clock probe has no line before or after the span."
     assert out["lost_ms_before_moves"] == -6000.0     # 3 s of host time, 9 of guest
+
+
+def test_every_target_belongs_to_a_case() -> None:
+    from fusuma_bench.cluster import CASES, TARGETS, case_of
+
+    assert {case_of(k) for k in TARGETS} == set(CASES)
