@@ -28,9 +28,16 @@ dir and cgroup prefix, an agent on each) and, measured from outside like a user:
                             wall time (lastMove.wallMs: the source agent's start, before
                             the destination's prepare, to the guest resuming there)
                             under TLS over the same in the clear, less 1
+  parallel_*                every VM re-hosted at once, each to the next host, by one
+                            `kubectl apply` (fusuma_bench.cluster_parallel): the whole
+                            run, each move's downtime as fusuma records it and as an
+                            ICMP echo from a client namespace sees it; median, p99
   failover_s                a host's agent, supervisors and QEMUs killed (SIGKILL) to
                             each of its restartable VMs Running on another host;
   failover_after_expiry_s   the same less the Lease duration (what the target bounds)
+
+``cases`` picks which of in-host, between-hosts, parallel and failover run (all by
+default; the VMs are applied in any case, on a FusumaNetwork when parallel runs).
 
 Everything the lab made is removed at the end (processes by pid, namespaces, cgroups).
 """
@@ -59,12 +66,16 @@ from fusuma.cluster.lab import Lab, LabHost
 from fusuma.cluster.resources import parse_time
 from fusuma.errors import FusumaError
 from fusuma.paths import UID_SPAN
+from fusuma_bench import cluster_parallel
+from fusuma_bench.clusterwait import ready as _ready
+from fusuma_bench.clusterwait import wait as _wait
 from fusuma_bench.report import meta
 
 # A move through the agent as fast as one from the CLI (issue 27): within a quarter.
 TARGETS = {"in_host_downtime_ms_median": 10.0, "in_host_agent_cli_downtime_ratio": 1.25,
            "between_hosts_total_ms_median": 2000.0, "failover_after_expiry_s": 30.0,
-           "tls_slowdown_pct": 10.0}
+           "tls_slowdown_pct": 10.0, **cluster_parallel.TARGETS}
+CASES = ("in-host", "between-hosts", "parallel", "failover")
 # In-host moves: the agent's and the CLI's alternate, each after this long without a
 # move (the agents' writes after the one before have ended), between the same two
 # partitions of one host; the CLI's VM is named so.
@@ -123,39 +134,28 @@ def _items(lab: Lab) -> dict[str, dict[str, Any]]:
     return {o["metadata"]["name"]: o for o in out}
 
 
-def _ready(o: dict[str, Any]) -> bool:
-    st = o.get("status") or {}
-    conds = {c["type"]: c["status"] for c in st.get("conditions") or []}
-    return st.get("state") == "Running" and conds.get("Ready") == "True"
-
-
-def _wait(fn: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(every)
-    raise FusumaError(f"timed out after {timeout:.0f} s waiting for {what}.")
-
-
 def run(hosts: int, vms: int, lease_seconds: int, qemu: str | None,
         progress: Callable[[str], None] = lambda s: None,
-        in_host_moves: int = IN_HOST_MOVES) -> dict[str, Any]:
+        in_host_moves: int = IN_HOST_MOVES, cases: tuple[str, ...] = CASES,
+        moves_per_pair: int | None = None,
+        echo_interval_ms: float = cluster_parallel.PING_INTERVAL_MS) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="fusuma-bench-cluster-"))
     tag = uuid.uuid4().hex[:5]
     envs = [host_env(tag, i, base) for i in range(hosts)]
     lab = Lab(base / "lab", envs, lease_seconds=lease_seconds)
     results: dict[str, Any] = {}
+    parallel = "parallel" in cases
+    agent_args = ("--moves-per-pair", str(moves_per_pair)) if moves_per_pair else ()
     try:
         progress("starting etcd, kube-apiserver and the agents")
         t = time.monotonic()
         lab.start()
         for h in lab.hosts:
-            lab.start_agent(h)
+            lab.start_agent(h, *agent_args)
         results["lab_start_s"] = round(time.monotonic() - t, 2)
         per_part = -(-(vms + 2) // (2 * hosts))
-        mem = max(1024, 64 + (per_part + 2) * 160)
+        # Re-hosted all at once, a partition holds its own VMs and those coming in.
+        mem = max(1024, 64 + (per_part * (2 if parallel else 1) + 2) * 160)
         q = {"qemu": qemu} if qemu else {}
         parts = [{"apiVersion": "fusuma.io/v1alpha1", "kind": "FusumaPartition",
                   "metadata": {"name": f"{h.name}-p{j}"},
@@ -166,15 +166,30 @@ def run(hosts: int, vms: int, lease_seconds: int, qemu: str | None,
                           for o in lab.get("fusumahost", namespace=None)["items"])
               and len(lab.get("fusumahost", namespace=None)["items"]) == hosts, 120,
               "the hosts' partitions")
-        results.update(_apply(lab, vms, progress))
-        results.update(_in_host(lab, envs, in_host_moves, progress))
-        results.update(_between_hosts(lab, envs, progress))
-        results.update(_failover(lab, envs, lease_seconds, progress))
+        if parallel:
+            cluster_parallel.network(lab, progress)
+        results.update(_apply(lab, vms, progress,
+                              cluster_parallel.nics() if parallel else None))
+        if "in-host" in cases:
+            results.update(_in_host(lab, envs, in_host_moves, progress))
+        if "between-hosts" in cases:
+            results.update(_between_hosts(lab, envs, progress, agent_args))
+        if parallel:
+            results.update(cluster_parallel.run(
+                lab, [f"b{i:02d}" for i in range(vms)],
+                lambda h, *args: _cli(lab, h, *args), base, progress, echo_interval_ms,
+                settle=lambda: _settle(lab, envs, progress)))
+        if "failover" in cases:
+            results.update(_failover(lab, envs, lease_seconds, progress))
     finally:
         progress("removing the lab")
         with contextlib.suppress(Exception):
             lab.kubectl("delete", "fusumavm", "--all", "--wait=false", timeout=60)
             _wait(lambda: not lab.get("fusumavm")["items"], 180, "the VMs' deletion", 1)
+        if parallel:
+            with contextlib.suppress(Exception):
+                lab.kubectl("delete", "fusumanetwork", "--all", "--wait=true",
+                            timeout=120)
         for h, env in zip(lab.hosts, envs, strict=False):
             lab.stop_agent(h)
             from fusuma import spawn
@@ -190,7 +205,7 @@ def run(hosts: int, vms: int, lease_seconds: int, qemu: str | None,
     summary = {k: v for k, v in results.items() if not isinstance(v, list)}
     targets = [{"metric": k, "target": v, "value": summary.get(k),
                 "met": summary.get(k) is not None and summary[k] <= v}
-               for k, v in TARGETS.items()]
+               for k, v in TARGETS.items() if case_of(k) in cases]
     from fusuma.host.accel import probe_accel
 
     return {"meta": meta(probe_accel("auto").name, hosts=hosts, vms=vms,
@@ -198,15 +213,31 @@ def run(hosts: int, vms: int, lease_seconds: int, qemu: str | None,
                          in_host_moves=f"{in_host_moves} by the agent and as many by the "
                          f"CLI, alternating, each after {IN_HOST_GAP_S} s without a move",
                          between_hosts_blocks=f"{WARM_UP} moves not counted, then blocks "
-                         f"of {PER_BLOCK}: {', '.join(BLOCKS)}"),
+                         f"of {PER_BLOCK}: {', '.join(BLOCKS)}", cases=list(cases),
+                         moves_per_pair=moves_per_pair or "the agent's default",
+                         parallel_echo=f"an ICMP echo to every VM every "
+                         f"{echo_interval_ms} ms from a client namespace on the last "
+                         f"host's bridge" if parallel else None),
             "summary": summary, "targets": targets,
             "samples": {k: v for k, v in results.items() if isinstance(v, list)},
             "leftovers": left}
 
 
-def _apply(lab: Lab, vms: int, progress: Callable[[str], None]) -> dict[str, Any]:
+def case_of(metric: str) -> str:
+    """The case that measures ``metric`` (a target's)."""
+    for prefix, case in (("in_host", "in-host"), ("between_hosts", "between-hosts"),
+                         ("tls", "between-hosts"), ("parallel", "parallel"),
+                         ("failover", "failover")):
+        if metric.startswith(prefix):
+            return case
+    raise ValueError(f"no case measures {metric}")
+
+
+def _apply(lab: Lab, vms: int, progress: Callable[[str], None],
+           nics: list[dict[str, str]] | None = None) -> dict[str, Any]:
     progress(f"kubectl apply of {vms} VMs")
-    docs = [_vm(f"b{i:02d}", restartable=True) for i in range(vms)]
+    docs = [_vm(f"b{i:02d}", restartable=True, **({"nics": nics} if nics else {}))
+            for i in range(vms)]
     t0 = time.monotonic()
     lab.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
     seen: dict[str, float] = {}
@@ -386,12 +417,13 @@ def _settle(lab: Lab, envs: list[dict[str, str]], progress: Callable[[str], None
         last = used
 
 
-def _agents(lab: Lab, hosts: list[LabHost], plain: bool) -> None:
+def _agents(lab: Lab, hosts: list[LabHost], plain: bool,
+            args: tuple[str, ...] = ()) -> None:
     """Restart ``hosts``' agents, with moves in the clear or (as usual) under TLS."""
     since = time.time()
     for h in hosts:
         lab.stop_agent(h)
-        lab.start_agent(h, env={PLAIN_MOVES_ENV: "1"} if plain else {})
+        lab.start_agent(h, *args, env={PLAIN_MOVES_ENV: "1"} if plain else {})
 
     def back() -> bool:
         for h in hosts:
@@ -405,7 +437,8 @@ def _agents(lab: Lab, hosts: list[LabHost], plain: bool) -> None:
 
 
 def _between_hosts(lab: Lab, envs: list[dict[str, str]],
-                   progress: Callable[[str], None]) -> dict[str, Any]:
+                   progress: Callable[[str], None],
+                   agent_args: tuple[str, ...] = ()) -> dict[str, Any]:
     pair = lab.hosts[:2]
     hosts = [h.name for h in pair]
     lab.kubectl("apply", "-f", "-", input=yaml.safe_dump(
@@ -419,7 +452,7 @@ def _between_hosts(lab: Lab, envs: list[dict[str, str]],
     n = 0
     for b, mode in enumerate(("warm-up", *BLOCKS)):
         if mode != "warm-up":
-            _agents(lab, pair, plain=mode == "plain")
+            _agents(lab, pair, plain=mode == "plain", args=agent_args)
             settled.append(_settle(lab, envs, progress))
         count = WARM_UP if mode == "warm-up" else PER_BLOCK
         for i in range(count):
@@ -444,7 +477,7 @@ def _between_hosts(lab: Lab, envs: list[dict[str, str]],
                                     ("sent", "bytesSent")):
                     got[what].append(lm[field])
                 got["paused"].append(bool(lm.get("paused")))
-    _agents(lab, pair, plain=False)
+    _agents(lab, pair, plain=False, args=agent_args)
     out: dict[str, Any] = {"between_hosts_settle_s": settled}
     for mode, got in runs.items():
         name = "between_hosts" if mode == "tls" else "between_hosts_plain"

@@ -55,14 +55,10 @@ STREAM = textwrap.dedent("""
                       "local": local, "error": err}))
 """)
 
-# argv: HOST COUNT. One ICMP echo a millisecond, replies counted by sequence. Prints the
-# count lost and the longest run of lost ones (in echoes: ms). An echo whose moment the
-# prober itself missed by more than BEHIND_S (it got no CPU: a loaded host) is skipped,
-# not sent late in a burst, and counted apart: a stall of the prober is not the guest's
-# outage, and a burst of hundreds of echoes loses replies of its own.
-ECHO = textwrap.dedent("""
+# The head of a probe that sends ICMP echoes: a raw socket ``s``, the echoes' ``ident``
+# and the checksum ``csum``.
+ICMP_HEAD = textwrap.dedent("""
     import json, os, select, socket, struct, sys, time
-    host, count = sys.argv[1], int(sys.argv[2])
     s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
     ident = os.getpid() & 0xFFFF
     def csum(b):
@@ -70,6 +66,15 @@ ECHO = textwrap.dedent("""
         t = sum(struct.unpack("!%dH" % (len(b) // 2), b))
         t = (t >> 16) + (t & 0xFFFF); t += t >> 16
         return ~t & 0xFFFF
+""")
+
+# argv: HOST COUNT. One ICMP echo a millisecond, replies counted by sequence. Prints the
+# count lost and the longest run of lost ones (in echoes: ms). An echo whose moment the
+# prober itself missed by more than 5 ms (it got no CPU: a loaded host) is skipped, not
+# sent late in a burst, and counted apart: a stall of the prober is not the guest's
+# outage, and a burst of hundreds of echoes loses replies of its own.
+ECHO = ICMP_HEAD + textwrap.dedent("""
+    host, count = sys.argv[1], int(sys.argv[2])
     got, skipped = set(), set()
     t0 = time.monotonic()
     seq = 0

@@ -13,6 +13,7 @@ import pytest
 from fusuma.cluster import hostmove
 from fusuma.cluster.context import AgentConfig
 from fusuma.cluster.kube import ADDRESS, HOST
+from fusuma.cluster.moveslots import PairSlots
 from fusuma.cluster.owners import Owner
 from fusuma.cluster.resources import VmView
 from fusuma.paths import Paths
@@ -206,6 +207,7 @@ class FakeAgent:
         self.vms_informer = self
         self.hosts_informer = self
         self.cfg = AgentConfig(host=host)
+        self.move_slots = PairSlots(self.cfg.moves_per_pair)
         self.creds_fetched = 0
 
     def move_creds(self) -> None:

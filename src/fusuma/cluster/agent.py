@@ -6,6 +6,13 @@ placement controller (acting only while it holds the placement Lease), and a poo
 that reconciles objects, one object at a time per object (``submit``). The main thread
 wakes on every change, and at least every ``RESYNC_S``, and hands each object that
 concerns this host to the pool.
+
+A VM with a move between hosts under way or wanted is reconciled on threads of their
+own, the moves out of this host apart from those into it (``moves_out``, ``moves_in``):
+a move's source half waits for its destination's half on the other host, which must
+never wait for a thread that source halves hold there. The moves out of this host run
+at most ``AgentConfig.moves_per_pair`` at once per destination host
+(``fusuma.cluster.moveslots``); the others wait their turn.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from fusuma.cluster.kube import (
     Obj,
 )
 from fusuma.cluster.lease import Election, Observer, host_lease_name, renew_heartbeat
+from fusuma.cluster.moveslots import PairSlots
 from fusuma.cluster.networks import NetworkReconciler
 from fusuma.cluster.owners import Owners
 from fusuma.cluster.reconcile import PartitionReconciler, SegmentReconciler, VmReconciler
@@ -65,6 +73,10 @@ STATUS_EVERY_S = 10.0
 PLACEMENT_EVERY_S = 1.0
 # How often an agent looks over the addresses it holds (fusuma.cluster.addresses.sweep).
 ADDRESS_SWEEP_S = 30.0
+# Threads for moves between hosts, each way: a running move holds one on its source host
+# and one on its destination (at most moves_per_pair per pair of hosts); a move waiting
+# for its slot holds one for a moment.
+MOVE_THREADS = 32
 
 
 class Agent:
@@ -98,6 +110,9 @@ class Agent:
         self._tls_lock = threading.Lock()
         self._tls_reported: dict[str, Any] | None = None
         self.pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="reconcile")
+        self.moves_out = ThreadPoolExecutor(MOVE_THREADS, thread_name_prefix="move-out")
+        self.moves_in = ThreadPoolExecutor(MOVE_THREADS, thread_name_prefix="move-in")
+        self.move_slots = PairSlots(cfg.moves_per_pair, on_free=self.wake.set)
         self.vm_rec = VmReconciler(self)
         self.part_rec = PartitionReconciler(self)
         self.seg_rec = SegmentReconciler(self)
@@ -148,7 +163,8 @@ class Agent:
         finally:
             for inf in self.informers:
                 inf.stop()
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            for pool in (self.pool, self.moves_out, self.moves_in):
+                pool.shutdown(wait=True, cancel_futures=True)
             LOG.info("fusuma agent for host %s stopped", self.host)
 
     def register(self) -> None:
@@ -201,11 +217,23 @@ class Agent:
             v = VmView(o)
             uids.add(v.uid)
             if self._concerns(v):
-                self.submit(("vm", v.namespace, v.name), self._vm)
+                self.submit(("vm", v.namespace, v.name), self._vm, self._pool_for(v))
         self._orphans(uids)
         if time.monotonic() - self._swept_at >= ADDRESS_SWEEP_S:
             self._swept_at = time.monotonic()
             self.submit(("addresses",), self._sweep_addresses)
+
+    def _pool_for(self, v: VmView) -> ThreadPoolExecutor:
+        """Where ``v``'s pass runs: with the moves into this host, those out of it, or
+        (no move between hosts) with everything else."""
+        m = v.move or {}
+        if m.get("toHost") == self.host:
+            return self.moves_in
+        if m.get("fromHost") == self.host:
+            return self.moves_out
+        if v.host == self.host and v.want_host not in (None, self.host):
+            return self.moves_out
+        return self.pool
 
     def _sweep_addresses(self, k: tuple[str, ...]) -> None:
         from fusuma.cluster import addresses
@@ -245,14 +273,17 @@ class Agent:
             LOG.warning("deleted VM %s: its FusumaVM %s is gone", name, owner.label)
         self.owners.remove("vms", name)
 
-    def submit(self, k: tuple[str, ...], fn: Callable[[tuple[str, ...]], None]) -> None:
+    def submit(self, k: tuple[str, ...], fn: Callable[[tuple[str, ...]], None],
+               pool: ThreadPoolExecutor | None = None) -> None:
+        """Reconcile ``k`` by ``fn`` on ``pool`` (the reconcile pool unless given), or
+        again after the pass of ``k`` that runs now."""
         with self._lock:
             if k in self._inflight:
                 self._dirty.add(k)
                 return
             self._inflight.add(k)
         try:
-            self.pool.submit(self._work, k, fn)
+            (pool or self.pool).submit(self._work, k, fn)
         except RuntimeError:         # shutting down
             with self._lock:
                 self._inflight.discard(k)

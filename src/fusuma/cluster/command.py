@@ -36,10 +36,15 @@ if TYPE_CHECKING:
               help="Heartbeat Lease duration: the host is lost this long after its last "
                    "renewal.")
 @click.option("--workers", type=click.IntRange(1, 64), default=8, show_default=True,
-              help="Objects reconciled at once.")
+              help="Objects reconciled at once (moves between hosts have threads of "
+                   "their own).")
+@click.option("--moves-per-pair", type=click.IntRange(1, 16), default=4, show_default=True,
+              help="Live moves this host runs at once to any one other host; more wait "
+                   "their turn (the VM's Moved condition says MoveQueued).")
 @pass_ctx
 def agent(c: Ctx, kubeconfig: Path, namespace: str | None, host_name: str | None,
-          address: str | None, lease_seconds: int, workers: int) -> None:
+          address: str | None, lease_seconds: int, workers: int,
+          moves_per_pair: int) -> None:
     """Run this host's fusuma agent: register it, reconcile the cluster's objects here.
 
     \b
@@ -70,6 +75,7 @@ def agent(c: Ctx, kubeconfig: Path, namespace: str | None, host_name: str | None
     name = host_name or socket.gethostname().split(".")[0].lower()
     Agent(c.paths, cfg, AgentConfig(host=name, address=address, namespace=namespace,
                                     lease_seconds=lease_seconds, workers=workers,
+                                    moves_per_pair=moves_per_pair,
                                     plain_moves=os.environ.get(PLAIN_MOVES_ENV) == "1")).run()
 
 

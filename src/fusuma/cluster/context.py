@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from fusuma.cluster.events import Recorder
 from fusuma.cluster.informer import Informer
 from fusuma.cluster.kube import Kind, Kube, Obj
+from fusuma.cluster.moveslots import DEFAULT_PER_PAIR, PairSlots
 from fusuma.cluster.owners import Owners
 from fusuma.cluster.resources import FAILED, VmView
 from fusuma.frozen import frozen
@@ -33,6 +34,8 @@ class AgentConfig:
     lease_seconds: int = 40
     workers: int = 8
     plain_moves: bool = False
+    # Moves between hosts this agent runs at once to any one other host.
+    moves_per_pair: int = DEFAULT_PER_PAIR
 
 
 class VmMoves(Protocol):
@@ -82,6 +85,11 @@ class AgentContext(Protocol):
 
     @property
     def vm_rec(self) -> VmMoves: ...
+
+    @property
+    def move_slots(self) -> PairSlots:
+        """The slots of the moves out of this host, per destination host."""
+        ...
 
     def ctx(self) -> Ctx:
         """This thread's context on this host."""

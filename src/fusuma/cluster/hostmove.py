@@ -57,6 +57,7 @@ from fusuma.cluster import ConflictApiError, NotFoundApiError, addresses
 from fusuma.cluster.context import PLAIN_MOVES_ENV, AgentContext, VmMoves
 from fusuma.cluster.events import WARNING
 from fusuma.cluster.kube import HOST, VM, Obj
+from fusuma.cluster.moveslots import MOVE_QUEUED, unqueued
 from fusuma.cluster.owners import Owner
 from fusuma.cluster.resources import (
     FAILED,
@@ -328,7 +329,8 @@ class HostMoveSource(_Side):
                               "from": f"{a.host}/{self.partition}",
                               "to": f"{self.dest}/{to}",
                               "phase": RECORD_PHASE[MovePhase.PREPARE],
-                              "startedAt": started, "record": record}, state=MOVING)
+                              "startedAt": started, "record": record}, state=MOVING,
+                       **unqueued(v.status))
         except Exception:
             # No record, so no destination can have begun: the guest never stopped
             # running here; say so, or no later pass would take it up again.
@@ -657,6 +659,29 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
     gen, when = r.move_failed.get(key, (-1, 0.0))
     if gen == v.generation and time.monotonic() - when < MOVE_RETRY_S:
         return       # this spec's move failed a moment ago: not again at once
+    waiting = a.move_slots.take(a.host, dest, key)
+    if waiting is not None:
+        queued(a, v, waiting.sentence(a.host, dest))
+        return
+    with a.move_slots.held(a.host, dest, key):
+        _live(a, r, v, local, dest, part, placed)
+
+
+def queued(a: AgentContext, v: VmView, why: str) -> None:
+    """Say in the VM's Moved condition that its move waits for a slot (``why``)."""
+    conds = list(v.status.get("conditions") or [])
+    now: Obj = next((cd for cd in conds if cd.get("type") == "Moved"), {})
+    if (now.get("reason"), now.get("message")) == (MOVE_QUEUED, why):
+        return
+    new = a.kube.patch_status(VM, v.name, {"conditions": set_condition(
+        conds, "Moved", False, MOVE_QUEUED, why, v.generation)}, v.namespace)
+    a.vms_informer.put(new)
+
+
+def _live(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord, dest: str, part: str,
+          placed: bool) -> None:
+    """Under a slot of the pair (this host, ``dest``): move running ``v`` there."""
+    c = a.ctx()
     record: dict[str, Any] = {f: getattr(local, f) for f in CARRIED
                               if getattr(local, f, None) is not None}
     if local.boot != "kernel":

@@ -20,6 +20,7 @@ from fusuma.cluster import FINALIZER
 from fusuma.cluster.context import AgentContext
 from fusuma.cluster.events import WARNING
 from fusuma.cluster.kube import PARTITION, SEGMENT, VM, Kind, Obj
+from fusuma.cluster.moveslots import unqueued
 from fusuma.cluster.owners import Owner, Section
 from fusuma.cluster.resources import (
     CREATING,
@@ -122,7 +123,9 @@ class VmReconciler:
                      conds: list[tuple[str, bool | None, str, str]]) -> None:
         """Merge ``fields`` and conditions into v's status, if anything changed."""
         st = v.status
-        conditions = list(st.get("conditions") or [])
+        # A move between hosts this host waited to start is no longer wanted here.
+        conditions: list[Obj] = list(st.get("conditions") or [])
+        conditions = unqueued(st).get("conditions", conditions)
         for ctype, ok, reason, msg in conds:
             conditions = set_condition(conditions, ctype, ok, reason, msg, v.generation)
         fields = {**fields, "observedGeneration": v.generation}
