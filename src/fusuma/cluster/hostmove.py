@@ -659,11 +659,12 @@ def begin(a: AgentContext, r: VmMoves, v: VmView, local: VmRecord) -> None:
     gen, when = r.move_failed.get(key, (-1, 0.0))
     if gen == v.generation and time.monotonic() - when < MOVE_RETRY_S:
         return       # this spec's move failed a moment ago: not again at once
-    waiting = a.move_slots.take(a.host, dest, key)
+    slot = f"{v.namespace}/{v.name}"      # the VM's place in its pair's slots
+    waiting = a.move_slots.take(a.host, dest, slot)
     if waiting is not None:
         queued(a, v, waiting.sentence(a.host, dest))
         return
-    with a.move_slots.held(a.host, dest, key):
+    with a.move_slots.held(a.host, dest, slot):
         _live(a, r, v, local, dest, part, placed)
 
 
