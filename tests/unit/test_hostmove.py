@@ -392,6 +392,24 @@ def test_a_destination_finding_the_move_called_off_undoes_its_prepare() -> None:
     assert here.deleted == ["vm0"] and "vm0" not in a.owners.owned
 
 
+def test_a_destination_interrupted_while_preparing_calls_the_move_off_at_once() -> None:
+    """The destination's agent started its incoming QEMU and died (or lost the API
+    server) before the record said Prepared: the source never learns where to stream.
+    Taken up again, the destination calls the move off and undoes its prepare, rather
+    than wait for a stream that never comes while the source waits PREPARE_TIMEOUT_S
+    (the kill matrix between hosts, Preparing x destination agent, took 60 s)."""
+    a, here = world("h1", {**MID_MOVE, "phase": "Preparing"}, VmState.STARTING)
+    # Were it waited for, the stream fails at once here (the test never hangs).
+    here.answers[rpc.RemoteIncomingWait] = rpc.StreamState(status="failed")
+    hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))
+    assert [type(r) for r in here.sent] == [rpc.IncomingAbort]
+    assert here.db.decisions == [Decision.BACK]
+    assert here.deleted == ["vm0"] and "vm0" not in a.owners.owned
+    move = recorded(a)
+    assert (move["decision"], move["decidedBy"], move["phase"]) == ("back", "h1", "Failed")
+    assert move["message"] == "host h1's agent was interrupted while preparing the move"
+
+
 def test_a_source_that_cannot_write_the_first_record_keeps_its_guest_running(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from fusuma.vm import view

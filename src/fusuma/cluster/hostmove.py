@@ -118,6 +118,21 @@ FAULT_MIRROR_SPEED = "FUSUMA_FAULT_HOST_MOVE_MIRROR_SPEED"
 # ... and from the destination agent's: seconds it waits after it recorded "forward",
 # before its QEMU runs the guest (a test kills it there).
 FAULT_DECIDED_DELAY = "FUSUMA_FAULT_HOST_MOVE_DECIDED_DELAY"
+# Holds at the other phases of a move, for the kill matrix between hosts
+# (tests/cluster/test_move_kill_matrix.py): the destination's agent waits once its
+# incoming QEMU started, before the record says Prepared (PREPARE), and once that QEMU
+# holds the whole stream, before it decides (STREAMED); the source's waits once
+# "forward" is recorded, before it ends its own QEMU (RELEASE).
+FAULT_PREPARE_DELAY = "FUSUMA_FAULT_HOST_MOVE_PREPARE_DELAY"
+FAULT_STREAMED_DELAY = "FUSUMA_FAULT_HOST_MOVE_STREAMED_DELAY"
+FAULT_RELEASE_DELAY = "FUSUMA_FAULT_HOST_MOVE_RELEASE_DELAY"
+
+
+def fault_hold(env: str) -> None:
+    """Fault injection (tests): sleep the seconds environment variable ``env`` names."""
+    delay = float(os.environ.get(env) or 0)
+    if delay > 0:
+        time.sleep(delay)
 
 
 class MoveRefused(MigrationError):
@@ -362,9 +377,7 @@ class HostMoveSource(_Side):
             nbd = stream_uri(self.a, self.dest, str(prep.get("nbd") or ""))
         if not plain:
             self.a.move_creds()
-        delay = float(os.environ.get(FAULT_STREAM_DELAY) or 0)
-        if delay > 0:    # fault injection (tests): someone else may connect first
-            time.sleep(delay)
+        fault_hold(FAULT_STREAM_DELAY)      # (tests) someone else may connect first
         jh.phase(MovePhase.STREAMING, uri=uri)
         self.record(MovePhase.STREAMING)
         out = self.c.parts.client(self.partition).send(
@@ -392,6 +405,7 @@ class HostMoveSource(_Side):
         move went forward."""
         if decision == Decision.FORWARD:
             self.mirror(Decision.FORWARD)
+            fault_hold(FAULT_RELEASE_DELAY)
             with contextlib.suppress(FusumaError):
                 self.supervisor().send(rpc.Release(self.v.name))
             return True
@@ -550,6 +564,7 @@ class HostMoveDest(_Side):
                                nbd=disk is not None and where is None,
                                shared_disk=where is not None),
             timeout=120)
+        fault_hold(FAULT_PREPARE_DELAY)
         jh.phase(MovePhase.PREPARED, uri=prep.uri)
         self.record(MovePhase.PREPARED, {"uri": prep.uri, "destPid": prep.pid,
                                          "prepareMs": prep.prepare_ms, "tls": tls,
@@ -576,12 +591,11 @@ class HostMoveDest(_Side):
                 raise MoveAborted(f"host {self.source}'s Lease expired during the move")
             if time.monotonic() > deadline:
                 raise MigrationError(f"the stream of {v.name!r} did not complete in time")
+        fault_hold(FAULT_STREAMED_DELAY)
         if self.decide(Decision.FORWARD) != Decision.FORWARD:
             raise MoveAborted(f"the move of {v.name!r} was decided back")
         self.mirror(Decision.FORWARD)
-        delay = float(os.environ.get(FAULT_DECIDED_DELAY) or 0)
-        if delay > 0:    # fault injection (tests): this agent is killed here
-            time.sleep(delay)
+        fault_hold(FAULT_DECIDED_DELAY)     # (tests) this agent is killed here
         # Asked afresh: a supervisor killed since "forward" is started again, and adopts
         # the incoming QEMU, which holds the only copy of the guest now.
         fin = self.supervisor().send(rpc.IncomingCommit(v.name))
@@ -775,6 +789,19 @@ def _destination(a: AgentContext, v: VmView, m: Obj) -> None:
         return
     if local is None and not at(m, MovePhase.PREPARE):
         return        # nothing here: the source will decide back
+    if local is not None and at(m, MovePhase.PREPARE):
+        # This host's agent died (or lost the API server) preparing: the record never
+        # said Prepared, so the source does not know where to stream and would wait
+        # for it in vain (PREPARE_TIMEOUT_S): call the move off now.
+        why = f"host {a.host}'s agent was interrupted while preparing the move"
+        LOG.warning("incoming move of %s: %s; calling it off", v.name, why)
+        if dst.decide(Decision.BACK, why) == Decision.BACK:
+            with dst.job():
+                dst.abort()
+            dst.remove()
+            with contextlib.suppress(FusumaError):
+                dst.record_failed(why)
+        return
     record = current_record(a, v, m) if local is None else {}
     if record is None:
         return
