@@ -410,6 +410,38 @@ def test_a_destination_interrupted_while_preparing_calls_the_move_off_at_once() 
     assert move["message"] == "host h1's agent was interrupted while preparing the move"
 
 
+def test_a_destination_whose_qemu_died_after_forward_says_the_guest_is_lost_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """"forward" is recorded and the incoming QEMU, the only copy of the guest, is
+    killed before it runs it: the destination's next pass finds no QEMU to commit. It
+    says the guest is lost on this host (crashed here, Failed in the FusumaVM, which
+    names this host), so that the source finishes the move and the VM is started
+    again here; before, each pass raised, and the FusumaVM named the source for ever."""
+    from fusuma.errors import NotFoundError
+
+    a, here = world("h1", {**MID_MOVE, "phase": "Streamed", "decision": "forward",
+                           "decidedBy": "h1"}, VmState.STARTING)
+    answer = here.send
+
+    def send(req: Any, timeout: float | None = None) -> Any:
+        if isinstance(req, rpc.RemoteIncomingWait):
+            here.sent.append(req)
+            raise NotFoundError("no incoming QEMU of 'vm0' in partition 'p0'.")
+        return answer(req, timeout)
+
+    monkeypatch.setattr(here, "send", send)
+    hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))
+    assert here.db.vms["vm0"].state == VmState.CRASHED and not here.deleted
+    st = a.kube.obj["status"]
+    assert (st["host"], st["state"], st.get("pid")) == ("h1", "Failed", None), st
+    why = ("the guest was lost: its QEMU on host h1 exited after the move was decided "
+           "forward, before it ran the guest.")
+    assert st["message"] == why
+    move = recorded(a)
+    assert (move["phase"], move["decision"], move["message"]) == ("Switched", "forward", why)
+    assert [r for r, _ in a.emitted] == ["GuestLost"]
+
+
 def test_a_source_that_cannot_write_the_first_record_keeps_its_guest_running(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from fusuma.vm import view

@@ -67,7 +67,7 @@ from fusuma.cluster.resources import (
     now_iso,
     set_condition,
 )
-from fusuma.errors import FusumaError, MigrationError, StateError
+from fusuma.errors import FusumaError, MigrationError, NotFoundError, StateError
 from fusuma.frozen import frozen
 from fusuma.images import store
 from fusuma.migration import FAULT_STREAM_BPS
@@ -465,7 +465,7 @@ class HostMoveSource(_Side):
         t0 = out.t0 if out is not None else None
         last = {k: move.get(k) for k in ("id", "kind", "mode", "from", "to", "uri", "tls",
                                          "channels", "prepareMs", "bytesSent", "paused",
-                                         "decision", "decidedBy")}
+                                         "decision", "decidedBy", "message")}
         last.update({"result": "ok", "startedAt": started, "finishedAt": now_iso(),
                      "downtimeMs": round((float(resume) - float(stop)) * 1000, 2)
                      if resume and stop else move.get("qemuDowntimeMs"),
@@ -617,6 +617,38 @@ class HostMoveDest(_Side):
         self.mirror(Decision.BACK)
         with contextlib.suppress(FusumaError, NotFoundApiError):
             self.supervisor().send(rpc.IncomingAbort(self.v.name))
+
+    def lost(self) -> str | None:
+        """After "forward", once finishing failed: why the guest is lost here (its
+        incoming QEMU, the only copy now, exited before it ran the guest), or None (it
+        is still there, and a next pass commits it; or its supervisor cannot be asked)."""
+        try:
+            status = self.supervisor().send(
+                rpc.RemoteIncomingWait(self.v.name, timeout=0.0), timeout=30).status
+        except NotFoundError:
+            status = "gone"
+        except FusumaError:
+            return None
+        if status != "gone":
+            return None
+        return (f"its QEMU on host {self.a.host} exited after the move was decided "
+                "forward, before it ran the guest")
+
+    def bury(self, why: str) -> None:
+        """Under the job: the guest was lost here (``why``). Say so, in this host's
+        record and in the cluster's (the switch, to no QEMU), so that the source
+        finishes the move and the VM is started again as any crashed VM is, here;
+        otherwise each pass tried to commit a QEMU that is gone, and the FusumaVM named
+        the source, which holds nothing, for ever."""
+        a, c, v = self.a, self.c, self.v
+        if c.db.vm(v.name).state != VmState.CRASHED:
+            c.db.transition(v.name, VmState.CRASHED, pid=None, error=why)
+        msg = f"the guest was lost: {why}."
+        a.add_finalizer(VM, a.vms_informer.get(v.namespace, v.name) or v.obj)
+        self.record(MovePhase.SWITCHED, {"message": msg}, host=a.host,
+                    partition=self.partition, pid=None, state=FAILED, message=msg,
+                    ownerUID=v.uid)
+        a.events.emit(v.obj, "GuestLost", msg, WARNING)
 
     def refuse(self, why: str) -> None:
         """Call the move off before preparing anything here."""
@@ -818,7 +850,12 @@ def _destination(a: AgentContext, v: VmView, m: Obj) -> None:
         except FusumaError as exc:
             LOG.warning("incoming move of %s: %s", v.name, exc)
             if dst.decide(Decision.BACK, f"host {a.host}: {exc}") == Decision.FORWARD:
-                raise      # the guest is here: the next pass commits it
+                gone = dst.lost()
+                if gone is None:
+                    raise      # the guest is here: the next pass commits it
+                LOG.warning("incoming move of %s: %s", v.name, gone)
+                dst.bury(gone)
+                return
             rec = c.db.find_vm(v.name)
             if rec is not None and rec.state in (VmState.RUNNING, VmState.PAUSED):
                 raise      # committed here: never undone
