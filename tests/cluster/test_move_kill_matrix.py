@@ -79,7 +79,8 @@ PHASES: dict[str, Phase] = {
                       lambda m, q, s, d: m.get("phase") == "Prepared"),
     "Streaming": Phase({FAULT_STREAM_BPS: SLOW},
                        lambda m, q, s, d: m.get("phase") == "Streaming"),
-    "Streamed": Phase({FAULT_STREAMED_DELAY: HOLD},
+    # The destination waits from its prepare on: the stream (a second or so) ends first.
+    "Streamed": Phase({FAULT_STREAMED_DELAY: "3"},
                       lambda m, q, s, d: m.get("phase") == "Streamed"
                       and not m.get("decision")),
     "Committed": Phase({FAULT_DECIDED_DELAY: HOLD},

@@ -120,8 +120,9 @@ FAULT_MIRROR_SPEED = "FUSUMA_FAULT_HOST_MOVE_MIRROR_SPEED"
 FAULT_DECIDED_DELAY = "FUSUMA_FAULT_HOST_MOVE_DECIDED_DELAY"
 # Holds at the other phases of a move, for the kill matrix between hosts
 # (tests/cluster/test_move_kill_matrix.py): the destination's agent waits once its
-# incoming QEMU started, before the record says Prepared (PREPARE), and once that QEMU
-# holds the whole stream, before it decides (STREAMED); the source's waits once
+# incoming QEMU started, before the record says Prepared (PREPARE), and once it
+# is prepared, before it asks that QEMU whether it holds the whole stream, so that the
+# stream ends (Streamed) before it decides (STREAMED); the source's waits once
 # "forward" is recorded, before it ends its own QEMU (RELEASE).
 FAULT_PREPARE_DELAY = "FUSUMA_FAULT_HOST_MOVE_PREPARE_DELAY"
 FAULT_STREAMED_DELAY = "FUSUMA_FAULT_HOST_MOVE_STREAMED_DELAY"
@@ -575,6 +576,7 @@ class HostMoveDest(_Side):
         """Wait until the incoming QEMU holds the whole stream; record "forward" (in the
         cluster, then in the job), run the guest here and record the switch."""
         a, c, v = self.a, self.c, self.v
+        fault_hold(FAULT_STREAMED_DELAY)
         dst = self.supervisor()
         deadline = time.monotonic() + STREAM_TIMEOUT_S
         while True:
@@ -591,7 +593,6 @@ class HostMoveDest(_Side):
                 raise MoveAborted(f"host {self.source}'s Lease expired during the move")
             if time.monotonic() > deadline:
                 raise MigrationError(f"the stream of {v.name!r} did not complete in time")
-        fault_hold(FAULT_STREAMED_DELAY)
         if self.decide(Decision.FORWARD) != Decision.FORWARD:
             raise MoveAborted(f"the move of {v.name!r} was decided back")
         self.mirror(Decision.FORWARD)
