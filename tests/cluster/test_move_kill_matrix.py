@@ -23,7 +23,9 @@ the move reads back with the same md5 through the guest agent; where none runs, 
 FusumaVM says Failed; the move's lastMove says where it ended; the next move of the
 same VM works. One lab and one guest serve every case (module-scoped); a guest that a
 case lost is started again (and its data written anew) for the next. Each case's
-outcome goes to test-output/host-move-matrix.jsonl.
+outcome goes to test-output/host-move-matrix.jsonl. Of the 30 cases, 26 run here: four
+that take the path of another case, or have no process to kill, are left out
+(``LEFT_OUT``) to keep the module within its share of the suite's time.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ VM = "kv"
 HOSTS = ("h0", "h1", "h2")
 WRITE = ("dd if=/dev/urandom of=/tmp/blob bs=1M count=8 2>/dev/null && "
          "md5sum /tmp/blob > /tmp/blob.md5 && cat /tmp/blob.md5")
-HOLD = "2"                      # seconds a side is held at a phase
+HOLD = "1.5"                    # seconds a side is held at a phase
 SLOW = str(12 * 2**20)          # bytes/s: a stream that lasts a few seconds
 FAST = str(2**40)               # a source QEMU keeps a limit: lifted elsewhere
 
@@ -91,7 +93,22 @@ PHASES: dict[str, Phase] = {
 }
 ACTORS = ("source-agent", "destination-agent", "source-qemu", "destination-qemu",
           "apiserver")
-CASES = [(p, a) for p in PHASES for a in ACTORS]
+# Left out, to keep the module within its share of the suite's time: cases that take
+# the very path of a case kept (measured, all passed: test-output/host-move-matrix.jsonl
+# of the full 30), and one with nothing to kill.
+LEFT_OUT = {
+    # The source QEMU dead before the stream: the stream fails to start, as Preparing's.
+    ("Prepared", "source-qemu"),
+    # The source agent restarted before the stream: it decides back, as at Preparing.
+    ("Prepared", "source-agent"),
+    # The source ends its QEMU as soon as it sees "forward": none is left at Committed
+    # (Releasing holds the source there and kills it).
+    ("Committed", "source-qemu"),
+    # The destination's half is over at the switch: its restarted agent finds the VM
+    # running and returns, as after any restart.
+    ("Releasing", "destination-agent"),
+}
+CASES = [(p, a) for p in PHASES for a in ACTORS if (p, a) not in LEFT_OUT]
 
 
 def qemus(c: Cluster) -> Qemus:
@@ -110,6 +127,7 @@ class Guest:
     c: Cluster
     md5: str = ""                 # the data's md5 line, as written in the guest
     env: dict[str, str] | None = None     # the agents' fault environment now
+    checked: int | None = None    # the QEMU whose guest's data a case last read back
 
     def agents(self, env: dict[str, str]) -> None:
         """h0's and h1's agents run with ``env`` (restarted only if it changes)."""
@@ -130,8 +148,10 @@ class Guest:
         st = o["status"]
         if o["spec"].get("host") != st["host"]:
             patch_host(c, VM, st["host"])
-        if guest(c, st["host"], "md5sum /tmp/blob 2>&1 || true") != self.md5:
+        if st["pid"] != self.checked \
+                and guest(c, st["host"], "md5sum /tmp/blob 2>&1 || true") != self.md5:
             self.write(st["host"])
+        self.checked = None
 
 
 @pytest.fixture(scope="module")
@@ -178,12 +198,13 @@ def settled(c: Cluster, move_id: str) -> dict[str, Any] | None:
     """The FusumaVM's status once move ``move_id`` is over and the guest runs (or is
     reported failed), and the hosts hold what the status says: one QEMU on its host,
     none elsewhere, no other host defining it."""
-    st = c.vm(VM).get("status") or {}
+    o = c.vm(VM)
+    st = o.get("status") or {}
     if st.get("move") or (st.get("lastMove") or {}).get("id") != move_id:
         return None
     q = qemus(c)
     if st.get("state") == "Running":
-        if c.running(VM) is None or q != {st["host"]: [st["pid"]]}:
+        if c.cond(o, "Ready").get("status") != "True" or q != {st["host"]: [st["pid"]]}:
             return None
     elif st.get("state") != "Failed" or q:
         return None
@@ -215,7 +236,8 @@ def test_kill_during_a_move_between_hosts(kv: Guest, phase: str, actor: str) -> 
         time.sleep(0.3)
     t_kill = time.monotonic()
     killed = kill_actor(c, g, actor, src, dst, q_held)
-    st = wait_for(lambda: settled(c, move["id"]), 150, f"the end of move {move['id']}")
+    st = wait_for(lambda: settled(c, move["id"]), 150, f"the end of move {move['id']}",
+                  every=0.2)
     recovered_s = time.monotonic() - t_kill
     last = st["lastMove"]
 
@@ -264,10 +286,11 @@ def test_kill_during_a_move_between_hosts(kv: Guest, phase: str, actor: str) -> 
     patch_host(c, VM, there_)
     nxt = wait_for(lambda: (v := c.vm(VM)["status"]).get("host") == there_
                    and not v.get("move") and c.running(VM) and v, 120,
-                   f"the next move to {there_}")
+                   f"the next move to {there_}", every=0.2)
     assert (nxt["lastMove"]["result"], nxt["lastMove"]["decision"]) == ("ok", "forward")
     assert qemus(c) == {there_: [nxt["pid"]]}
     assert guest(c, there_, "md5sum /tmp/blob") == g.md5
+    g.checked = nxt["pid"]
     row = {"phase": phase, "killed": actor if killed else f"{actor} (no process)",
            "from": src, "to": dst, "outcome": outcome, "decision": last.get("decision"),
            "message": last.get("message"), "recovered_s": round(recovered_s, 2),

@@ -442,6 +442,17 @@ def test_a_destination_whose_qemu_died_after_forward_says_the_guest_is_lost_ther
     assert [r for r, _ in a.emitted] == ["GuestLost"]
 
 
+def test_a_destination_whose_guest_crashed_after_the_switch_leaves_the_move_alone() -> None:
+    """The guest ran here (the record says Switched) and its QEMU crashed before the
+    source finished the move: a crash like any other (the VM is started again as a
+    crashed one is), not a guest lost "before it ran" (which the record said)."""
+    a, here = world("h1", {**MID_MOVE, "phase": "Switched", "decision": "forward",
+                           "decidedBy": "h1"}, VmState.CRASHED)
+    hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))
+    assert here.sent == [] and here.db.jobs == [] and a.emitted == []
+    assert recorded(a)["phase"] == "Switched" and "message" not in recorded(a)
+
+
 def test_a_source_that_cannot_write_the_first_record_keeps_its_guest_running(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from fusuma.vm import view

@@ -814,6 +814,8 @@ def _destination(a: AgentContext, v: VmView, m: Obj) -> None:
             dst.record(MovePhase.SWITCHED, {"destPid": local.pid}, host=a.host,
                        partition=local.partition, pid=local.pid, state=RUNNING)
         return
+    if local is not None and at(m, MovePhase.SWITCHED):
+        return        # it ran here, and crashed since: a crash like any other, no move's
     if called_off(m):
         if local is not None:
             with dst.job():
