@@ -394,6 +394,67 @@ def test_a_destination_finding_the_move_called_off_undoes_its_prepare() -> None:
     assert here.deleted == ["vm0"] and "vm0" not in a.owners.owned
 
 
+def test_a_destination_interrupted_while_preparing_calls_the_move_off_at_once() -> None:
+    """The destination's agent started its incoming QEMU and died (or lost the API
+    server) before the record said Prepared: the source never learns where to stream.
+    Taken up again, the destination calls the move off and undoes its prepare, rather
+    than wait for a stream that never comes while the source waits PREPARE_TIMEOUT_S
+    (the kill matrix between hosts, Preparing x destination agent, took 60 s)."""
+    a, here = world("h1", {**MID_MOVE, "phase": "Preparing"}, VmState.STARTING)
+    # Were it waited for, the stream fails at once here (the test never hangs).
+    here.answers[rpc.RemoteIncomingWait] = rpc.StreamState(status="failed")
+    hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))
+    assert [type(r) for r in here.sent] == [rpc.IncomingAbort]
+    assert here.db.decisions == [Decision.BACK]
+    assert here.deleted == ["vm0"] and "vm0" not in a.owners.owned
+    move = recorded(a)
+    assert (move["decision"], move["decidedBy"], move["phase"]) == ("back", "h1", "Failed")
+    assert move["message"] == "host h1's agent was interrupted while preparing the move"
+
+
+def test_a_destination_whose_qemu_died_after_forward_says_the_guest_is_lost_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """"forward" is recorded and the incoming QEMU, the only copy of the guest, is
+    killed before it runs it: the destination's next pass finds no QEMU to commit. It
+    says the guest is lost on this host (crashed here, Failed in the FusumaVM, which
+    names this host), so that the source finishes the move and the VM is started
+    again here; before, each pass raised, and the FusumaVM named the source for ever."""
+    from fusuma.errors import NotFoundError
+
+    a, here = world("h1", {**MID_MOVE, "phase": "Streamed", "decision": "forward",
+                           "decidedBy": "h1"}, VmState.STARTING)
+    answer = here.send
+
+    def send(req: Any, timeout: float | None = None) -> Any:
+        if isinstance(req, rpc.RemoteIncomingWait):
+            here.sent.append(req)
+            raise NotFoundError("no incoming QEMU of 'vm0' in partition 'p0'.")
+        return answer(req, timeout)
+
+    monkeypatch.setattr(here, "send", send)
+    hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))
+    assert here.db.vms["vm0"].state == VmState.CRASHED and not here.deleted
+    st = a.kube.obj["status"]
+    assert (st["host"], st["state"], st.get("pid")) == ("h1", "Failed", None), st
+    why = ("the guest was lost: its QEMU on host h1 exited after the move was decided "
+           "forward, before it ran the guest.")
+    assert st["message"] == why
+    move = recorded(a)
+    assert (move["phase"], move["decision"], move["message"]) == ("Switched", "forward", why)
+    assert [r for r, _ in a.emitted] == ["GuestLost"]
+
+
+def test_a_destination_whose_guest_crashed_after_the_switch_leaves_the_move_alone() -> None:
+    """The guest ran here (the record says Switched) and its QEMU crashed before the
+    source finished the move: a crash like any other (the VM is started again as a
+    crashed one is), not a guest lost "before it ran" (which the record said)."""
+    a, here = world("h1", {**MID_MOVE, "phase": "Switched", "decision": "forward",
+                           "decidedBy": "h1"}, VmState.CRASHED)
+    hostmove.step(a, a, VmView(a.kube.get(None, "vm0")))
+    assert here.sent == [] and here.db.jobs == [] and a.emitted == []
+    assert recorded(a)["phase"] == "Switched" and "message" not in recorded(a)
+
+
 def test_a_source_that_cannot_write_the_first_record_keeps_its_guest_running(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from fusuma.vm import view

@@ -68,7 +68,7 @@ from fusuma.cluster.resources import (
     now_iso,
     set_condition,
 )
-from fusuma.errors import FusumaError, MigrationError, StateError
+from fusuma.errors import FusumaError, MigrationError, NotFoundError, StateError
 from fusuma.frozen import frozen
 from fusuma.images import store
 from fusuma.migration import FAULT_STREAM_BPS
@@ -119,6 +119,22 @@ FAULT_MIRROR_SPEED = "FUSUMA_FAULT_HOST_MOVE_MIRROR_SPEED"
 # ... and from the destination agent's: seconds it waits after it recorded "forward",
 # before its QEMU runs the guest (a test kills it there).
 FAULT_DECIDED_DELAY = "FUSUMA_FAULT_HOST_MOVE_DECIDED_DELAY"
+# Holds at the other phases of a move, for the kill matrix between hosts
+# (tests/cluster/test_move_kill_matrix.py): the destination's agent waits once its
+# incoming QEMU started, before the record says Prepared (PREPARE), and once it
+# is prepared, before it asks that QEMU whether it holds the whole stream, so that the
+# stream ends (Streamed) before it decides (STREAMED); the source's waits once
+# "forward" is recorded, before it ends its own QEMU (RELEASE).
+FAULT_PREPARE_DELAY = "FUSUMA_FAULT_HOST_MOVE_PREPARE_DELAY"
+FAULT_STREAMED_DELAY = "FUSUMA_FAULT_HOST_MOVE_STREAMED_DELAY"
+FAULT_RELEASE_DELAY = "FUSUMA_FAULT_HOST_MOVE_RELEASE_DELAY"
+
+
+def fault_hold(env: str) -> None:
+    """Fault injection (tests): sleep the seconds environment variable ``env`` names."""
+    delay = float(os.environ.get(env) or 0)
+    if delay > 0:
+        time.sleep(delay)
 
 
 class MoveRefused(MigrationError):
@@ -364,9 +380,7 @@ class HostMoveSource(_Side):
             nbd = stream_uri(self.a, self.dest, str(prep.get("nbd") or ""))
         if not plain:
             self.a.move_creds()
-        delay = float(os.environ.get(FAULT_STREAM_DELAY) or 0)
-        if delay > 0:    # fault injection (tests): someone else may connect first
-            time.sleep(delay)
+        fault_hold(FAULT_STREAM_DELAY)      # (tests) someone else may connect first
         jh.phase(MovePhase.STREAMING, uri=uri)
         self.record(MovePhase.STREAMING)
         out = self.c.parts.client(self.partition).send(
@@ -394,6 +408,7 @@ class HostMoveSource(_Side):
         move went forward."""
         if decision == Decision.FORWARD:
             self.mirror(Decision.FORWARD)
+            fault_hold(FAULT_RELEASE_DELAY)
             with contextlib.suppress(FusumaError):
                 self.supervisor().send(rpc.Release(self.v.name))
             return True
@@ -456,7 +471,7 @@ class HostMoveSource(_Side):
         t0 = out.t0 if out is not None else None
         last = {k: move.get(k) for k in ("id", "kind", "mode", "from", "to", "uri", "tls",
                                          "channels", "prepareMs", "bytesSent", "paused",
-                                         "decision", "decidedBy")}
+                                         "decision", "decidedBy", "message")}
         last.update({"result": "ok", "startedAt": started, "finishedAt": now_iso(),
                      "downtimeMs": round((float(resume) - float(stop)) * 1000, 2)
                      if resume and stop else move.get("qemuDowntimeMs"),
@@ -555,6 +570,7 @@ class HostMoveDest(_Side):
                                nbd=disk is not None and where is None,
                                shared_disk=where is not None),
             timeout=120)
+        fault_hold(FAULT_PREPARE_DELAY)
         jh.phase(MovePhase.PREPARED, uri=prep.uri)
         self.record(MovePhase.PREPARED, {"uri": prep.uri, "destPid": prep.pid,
                                          "prepareMs": prep.prepare_ms, "tls": tls,
@@ -565,6 +581,7 @@ class HostMoveDest(_Side):
         """Wait until the incoming QEMU holds the whole stream; record "forward" (in the
         cluster, then in the job), run the guest here and record the switch."""
         a, c, v = self.a, self.c, self.v
+        fault_hold(FAULT_STREAMED_DELAY)
         dst = self.supervisor()
         deadline = time.monotonic() + STREAM_TIMEOUT_S
         while True:
@@ -584,9 +601,7 @@ class HostMoveDest(_Side):
         if self.decide(Decision.FORWARD) != Decision.FORWARD:
             raise MoveAborted(f"the move of {v.name!r} was decided back")
         self.mirror(Decision.FORWARD)
-        delay = float(os.environ.get(FAULT_DECIDED_DELAY) or 0)
-        if delay > 0:    # fault injection (tests): this agent is killed here
-            time.sleep(delay)
+        fault_hold(FAULT_DECIDED_DELAY)     # (tests) this agent is killed here
         # Asked afresh: a supervisor killed since "forward" is started again, and adopts
         # the incoming QEMU, which holds the only copy of the guest now.
         fin = self.supervisor().send(rpc.IncomingCommit(v.name))
@@ -608,6 +623,38 @@ class HostMoveDest(_Side):
         self.mirror(Decision.BACK)
         with contextlib.suppress(FusumaError, NotFoundApiError):
             self.supervisor().send(rpc.IncomingAbort(self.v.name))
+
+    def lost(self) -> str | None:
+        """After "forward", once finishing failed: why the guest is lost here (its
+        incoming QEMU, the only copy now, exited before it ran the guest), or None (it
+        is still there, and a next pass commits it; or its supervisor cannot be asked)."""
+        try:
+            status = self.supervisor().send(
+                rpc.RemoteIncomingWait(self.v.name, timeout=0.0), timeout=30).status
+        except NotFoundError:
+            status = "gone"
+        except FusumaError:
+            return None
+        if status != "gone":
+            return None
+        return (f"its QEMU on host {self.a.host} exited after the move was decided "
+                "forward, before it ran the guest")
+
+    def bury(self, why: str) -> None:
+        """Under the job: the guest was lost here (``why``). Say so, in this host's
+        record and in the cluster's (the switch, to no QEMU), so that the source
+        finishes the move and the VM is started again as any crashed VM is, here;
+        otherwise each pass tried to commit a QEMU that is gone, and the FusumaVM named
+        the source, which holds nothing, for ever."""
+        a, c, v = self.a, self.c, self.v
+        if c.db.vm(v.name).state != VmState.CRASHED:
+            c.db.transition(v.name, VmState.CRASHED, pid=None, error=why)
+        msg = f"the guest was lost: {why}."
+        a.add_finalizer(VM, a.vms_informer.get(v.namespace, v.name) or v.obj)
+        self.record(MovePhase.SWITCHED, {"message": msg}, host=a.host,
+                    partition=self.partition, pid=None, state=FAILED, message=msg,
+                    ownerUID=v.uid)
+        a.events.emit(v.obj, "GuestLost", msg, WARNING)
 
     def refuse(self, why: str) -> None:
         """Call the move off before preparing anything here."""
@@ -796,6 +843,8 @@ def _destination(a: AgentContext, v: VmView, m: Obj) -> None:
             dst.record(MovePhase.SWITCHED, {"destPid": local.pid}, host=a.host,
                        partition=local.partition, pid=local.pid, state=RUNNING)
         return
+    if local is not None and at(m, MovePhase.SWITCHED):
+        return        # it ran here, and crashed since: a crash like any other, no move's
     if called_off(m):
         if local is not None:
             with dst.job():
@@ -804,6 +853,19 @@ def _destination(a: AgentContext, v: VmView, m: Obj) -> None:
         return
     if local is None and not at(m, MovePhase.PREPARE):
         return        # nothing here: the source will decide back
+    if local is not None and at(m, MovePhase.PREPARE):
+        # This host's agent died (or lost the API server) preparing: the record never
+        # said Prepared, so the source does not know where to stream and would wait
+        # for it in vain (PREPARE_TIMEOUT_S): call the move off now.
+        why = f"host {a.host}'s agent was interrupted while preparing the move"
+        LOG.warning("incoming move of %s: %s; calling it off", v.name, why)
+        if dst.decide(Decision.BACK, why) == Decision.BACK:
+            with dst.job():
+                dst.abort()
+            dst.remove()
+            with contextlib.suppress(FusumaError):
+                dst.record_failed(why)
+        return
     record = current_record(a, v, m) if local is None else {}
     if record is None:
         return
@@ -820,7 +882,12 @@ def _destination(a: AgentContext, v: VmView, m: Obj) -> None:
         except FusumaError as exc:
             LOG.warning("incoming move of %s: %s", v.name, exc)
             if dst.decide(Decision.BACK, f"host {a.host}: {exc}") == Decision.FORWARD:
-                raise      # the guest is here: the next pass commits it
+                gone = dst.lost()
+                if gone is None:
+                    raise      # the guest is here: the next pass commits it
+                LOG.warning("incoming move of %s: %s", v.name, gone)
+                dst.bury(gone)
+                return
             rec = c.db.find_vm(v.name)
             if rec is not None and rec.state in (VmState.RUNNING, VmState.PAUSED):
                 raise      # committed here: never undone

@@ -337,6 +337,17 @@ class Lab:
                 p.wait(10)
         h.agent = None
 
+    def restart_apiserver(self, down_s: float = 1.0) -> float:
+        """kill -9 the API server (every agent's connection to it is lost) and start it
+        again on the same etcd after ``down_s`` seconds; return once it is ready, with
+        the seconds it was gone."""
+        t0 = time.monotonic()
+        self.apiserver.kill()
+        self.apiserver.wait(10)
+        time.sleep(down_s)
+        self._apiserver()
+        return time.monotonic() - t0
+
     def close(self) -> None:
         """End every process this lab started (by pid) and remove its namespaces."""
         for h in self.hosts:

@@ -16,7 +16,8 @@ requesting user's host name (``fusuma:host:NAME``, or the ServiceAccount
 - **its side of a move between hosts** while ``status.move`` names it: the destination
   writes only its fields of the record (``uri``, ``tls``, ``channels``, ``destPid``,
   ``prepareMs``, ``resumeTs``, the phase, the decision) and, at the switch, the VM's
-  ``host`` (itself), ``partition``, ``pid``, ``state``; the source, once the guest runs
+  ``host`` (itself), ``partition``, ``pid``, ``state`` (Running, or Failed if the
+  guest was lost there); the source, once the guest runs
   at the destination, only its fields and the end of the record (``lastMove``). Nobody
   rewrites the move's identity or its record (the source's device set) as a peer, and a
   recorded decision is never changed;
@@ -145,8 +146,10 @@ def _variables() -> list[Obj]:
             _status_same_except(VM_STATUS, DEST_SWITCH),
             f"({_same('object.?status', 'oldObject.?status', 'host')} || "
             f"{_str('object.?status.?host')} == variables.me)",
+            # Running, or Failed: the guest was lost here after "forward"
+            # (hostmove.HostMoveDest.bury).
             f"({_same('object.?status', 'oldObject.?status', 'state')} || "
-            f"{_str('object.?status.?state')} == 'Running')",
+            f"{_one_of(_str('object.?status.?state'), 'Running', 'Failed')})",
             f"({_same('object.?status', 'oldObject.?status', 'ownerUID')} || "
             f"{_str('object.?status.?ownerUID')} == object.metadata.uid)"]),
         "sourceSide": " && ".join([
