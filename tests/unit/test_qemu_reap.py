@@ -115,3 +115,23 @@ def test_a_slow_reap_holds_neither_the_event_loop_nor_the_exit(tmp_path: Path) -
     assert status == -signal.SIGKILL
     assert reap is not None and reap.done() and reap.result() == -signal.SIGKILL
     assert exit_status(child.pid) is None     # reaped: no longer our child
+
+
+def test_a_qemu_seen_ended_is_never_signalled_by_its_old_pid(tmp_path: Path) -> None:
+    """Once the pidfd said the QEMU ended, a worker may reap it at any moment and its
+    pid go to another process: kill() then only waits for the exit's handling."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        inst = QemuInstance("v", other.pid, Qmp("v", tmp_path / "q.sock",
+                                                logging.getLogger("q")),
+                            run_dir=tmp_path / "run-v", ram_file=None, role=Role.RUNNING)
+        inst.gone_at = time.monotonic()        # its pid now names ``other``
+
+        async def run() -> None:
+            asyncio.get_running_loop().call_later(0.1, inst.exited.set)
+            await inst.kill(timeout=5)
+        asyncio.run(run())
+        assert other.poll() is None, "the process that took the pid was killed"
+    finally:
+        other.kill()
+        other.wait()

@@ -392,7 +392,9 @@ class QemuInstance:
     async def kill(self, timeout: float = 10.0) -> None:
         """SIGKILL, and wait until the exit has been handled."""
         self.stopping = True
-        if not self.exited.is_set():
+        if not self.exited.is_set() and self.gone_at is None:
+            # Not once its pidfd said it ended: a worker may have reaped it already, and
+            # its pid may be another process's by now.
             process.kill(self.pid)
         await self.wait_exit(timeout)
 

@@ -251,6 +251,11 @@ class PartitionHost:
             # at the top weight gets ~1% of the core, and its start (~0.3 s of CPU)
             # then takes tens of seconds, against the QMP connect's deadline.
             self.control_cpu(vm.name)
+            sharing = self.instances.get(vm.name)
+            if sharing is not None:
+                # An in-place move's: the running QEMU shares the leaf; a failed start
+                # gives it back its class's weight.
+                rev.add(lambda: self.class_cpu(vm.name, sharing.pid))
         cg, part, mergeable = self.cg, self.partition, vm.mergeable
         # Where the memory hierarchy is separate (cgroup v1), QEMU's memory membership is
         # its RAM file's group: guest RAM is faulted lazily and charged there, wherever

@@ -300,13 +300,14 @@ async def transfer(h: PartitionHost, vm: str, timeout: float = 600.0,
     # The old QEMU is paused (postmigrate): the leaving side now, as a source is.
     leaving(h, old, owns_ram=False)
     end = time.time()
+
+    def ms(a: float | None, b: float | None) -> str:
+        return "unknown" if a is None or b is None else f"{(b - a) * 1000:.0f}"
     h.log.info("cpr-transfer of %s: the new QEMU took the descriptors, built its machine "
-               "and listened in %.0f ms; the guest stopped %.0f ms after that, ran again "
-               "%.0f ms after its stop; the old QEMU's results read %.0f ms later", vm,
-               (connected_ts - t0) * 1000,
-               ((stop_ts or connected_ts) - connected_ts) * 1000,
-               ((resume_ts or end) - (stop_ts or end)) * 1000,
-               (end - (resume_ts or end)) * 1000)
+               "and listened in %s ms; the guest stopped %s ms after that, ran again %s ms "
+               "after its stop; the old QEMU's results read %s ms later", vm,
+               ms(t0, connected_ts), ms(connected_ts, stop_ts), ms(stop_ts, resume_ts),
+               ms(resume_ts, end))
     return rpc.Streamed(t0=t0, connected_ts=connected_ts, stop_ts=stop_ts,
                         qemu_total_ms=info.total_ms, qemu_downtime_ms=info.downtime_ms,
                         bytes_sent=info.transferred, source_pid=old.pid, dest_pid=new.pid,
