@@ -380,3 +380,26 @@ def test_the_moves_part_without_qemu_10_or_when_a_step_fails(
     out = network_moves.run(Broken(), move_runs=1, downtime_runs=1)
     assert out["error"] == "`fusuma vm exec mv` exited 1: no agent"
     assert all(k["runs"] == 0 for k in out["kinds"])
+
+
+def test_the_cluster_echo_prober_skips_rounds_it_missed(tmp_path: Path) -> None:
+    """bench cluster's prober of many guests, stopped for 0.5 s: it skips the rounds
+    it missed instead of sending them in one burst (whose replies the kernel drops, a
+    false outage of every guest), and loses none of those it sent."""
+    from fusuma_bench.cluster_parallel import ECHO_MANY
+
+    p = subprocess.Popen([sys.executable, "-c", ECHO_MANY, str(tmp_path / "never"), "10",
+                          "150", "127.0.0.1"], stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.4)
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.5)
+        os.kill(p.pid, signal.SIGCONT)
+        out = json.loads(p.communicate(timeout=30)[0])
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    seen = out["ips"]["127.0.0.1"]
+    assert out["skipped"] >= 30 and seen["sent"] + out["skipped"] == 150, out
+    assert seen["received"] == seen["sent"] and seen["longest_lost_run"] == 0, out
