@@ -361,7 +361,12 @@ class QemuInstance:
                 self.status = exit_status(self.pid)
                 self._reap = asyncio.get_running_loop().run_in_executor(
                     None, self.child.wait)
-                if self.status is None:      # not reapable yet after all: wait for it
+                if self.status is None or self.role != Role.LEAVING:
+                    # Only a move's released source is not waited for. After any other
+                    # end (a stop before qemu-img works on the disk, a restart) the reap,
+                    # off the loop, comes first: a disk snapshot's qemu-img run while the
+                    # QEMU it followed was not yet reaped failed to allocate its stack
+                    # (ENOMEM; test_disk_snapshot_restored_running_and_stopped).
                     self.status = await self._reap
             await self.qmp.disconnect()
             remove_run_files(self.run_dir)
