@@ -192,18 +192,7 @@ def test_a_stalled_prober_skips_echoes_instead_of_losing_a_burst() -> None:
     """The prober stopped for 0.8 s (as a loaded host may leave it without a CPU):
     it skips the echoes it missed; before, it sent them in one burst when it ran again,
     and hundreds of their replies were lost: a false outage of the guest."""
-    p = subprocess.Popen([sys.executable, "-c", netprobe.ECHO, "127.0.0.1", "1500"],
-                         stdout=subprocess.PIPE, text=True)
-    try:
-        time.sleep(0.4)
-        os.kill(p.pid, signal.SIGSTOP)
-        time.sleep(0.8)
-        os.kill(p.pid, signal.SIGCONT)
-        out = json.loads(p.communicate(timeout=30)[0])
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    out = _stalled([netprobe.ECHO, "127.0.0.1", "1500"], 0.8)
     assert out["skipped"] >= 500 and out["sent"] + out["skipped"] == 1500, out
     assert out["lost"] == 0 and out["longest_lost_run"] == 0, out
 
@@ -388,18 +377,24 @@ def test_the_cluster_echo_prober_skips_rounds_it_missed(tmp_path: Path) -> None:
     false outage of every guest), and loses none of those it sent."""
     from fusuma_bench.cluster_parallel import ECHO_MANY
 
-    p = subprocess.Popen([sys.executable, "-c", ECHO_MANY, str(tmp_path / "never"), "10",
-                          "150", "127.0.0.1"], stdout=subprocess.PIPE, text=True)
+    out = _stalled([ECHO_MANY, str(tmp_path / "never"), "10", "150", "127.0.0.1"], 0.5)
+    seen = out["ips"]["127.0.0.1"]
+    assert out["skipped"] >= 30 and seen["sent"] + out["skipped"] == 150, out
+    assert seen["received"] == seen["sent"] and seen["longest_lost_run"] == 0, out
+
+
+def _stalled(script_and_args: list[str], stall_s: float) -> Any:
+    """Run a probe script, stop it for ``stall_s`` after 0.4 s (a loaded host leaving
+    it without a CPU), and return what it printed."""
+    p = subprocess.Popen([sys.executable, "-c", *script_and_args],
+                         stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(0.4)
         os.kill(p.pid, signal.SIGSTOP)
-        time.sleep(0.5)
+        time.sleep(stall_s)
         os.kill(p.pid, signal.SIGCONT)
-        out = json.loads(p.communicate(timeout=30)[0])
+        return json.loads(p.communicate(timeout=30)[0])
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    seen = out["ips"]["127.0.0.1"]
-    assert out["skipped"] >= 30 and seen["sent"] + out["skipped"] == 150, out
-    assert seen["received"] == seen["sent"] and seen["longest_lost_run"] == 0, out
