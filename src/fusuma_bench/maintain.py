@@ -26,7 +26,6 @@ removed afterwards, also on failure.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +44,7 @@ from fusuma.state import VmRecord
 from fusuma.vm import VmManager
 from fusuma_bench.agents import wait_agents
 from fusuma_bench.report import meta
+from fusuma_bench.report_maintain import median, nearest_rank
 from fusuma_bench.steady import qemu_cpu_s, wait_quiet
 
 LOG = logging.getLogger(__name__)
@@ -102,23 +102,14 @@ class Case:
                 "to_qemu": self.target_qemu, "maintain_s": self.maintain_s,
                 "moves": len(self.moves),
                 "downtime_ms_max": max(downs) if downs else None,
-                "downtime_ms_median": _median(downs),
-                "downtime_ms_p99": _nearest_rank(downs, 0.99),
+                "downtime_ms_median": median(downs),
+                "downtime_ms_p99": nearest_rank(downs, 0.99),
                 "wall_ms_sum": _wall_sums(self.moves),
-                "bytes_sent_median": _median([float(m["bytes_sent"]) for m in self.moves]),
+                "bytes_sent_median": median([float(m["bytes_sent"]) for m in self.moves]),
                 "bytes_sent_total": sum(int(m["bytes_sent"]) for m in self.moves),
                 "vm_downtime_ms": per_vm, "data_intact": self.data_intact,
                 "busy_guests": self.busy,
                 "busy_cores_before": self.busy_cores_before, "error": self.error}
-
-
-def _nearest_rank(values: Sequence[float], q: float) -> float | None:
-    """The q-quantile by nearest rank (of 16 moves, p99 is the largest)."""
-    if not values:
-        return None
-    s = sorted(values)
-    rank = math.ceil(round(q * len(s), 9))      # 1-based; round: 0.99 * 100 is 98.999...
-    return s[min(len(s), max(rank, 1)) - 1]
 
 
 def _wall_sums(moves: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -133,14 +124,6 @@ def _wall_sums(moves: Sequence[dict[str, Any]]) -> dict[str, float]:
         for step, ms in (m.get("wall_ms") or {}).items():
             sums[step] = sums.get(step, 0.0) + float(ms)
     return {k: round(v, 2) for k, v in sums.items() if v}
-
-
-def _median(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    mid = len(s) // 2
-    return round(s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2, 3)
 
 
 def run(parts: PartitionManager, vms: VmManager, counts: Sequence[int], source: str,

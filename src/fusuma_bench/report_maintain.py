@@ -9,6 +9,7 @@ how much, and why.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import field
 from functools import partial
 from pathlib import Path
@@ -173,7 +174,7 @@ def checks(res: Result) -> list[Check]:
         if not downs:
             out.append(Check(target, "no move measured", UNMEASURED))
             continue
-        med, p99 = _median(downs), _rank(downs, 0.99)
+        med, p99 = median(downs) or 0.0, nearest_rank(downs, 0.99) or 0.0
         ok = med <= TARGET_DOWNTIME_MS and p99 <= TARGET_DOWNTIME_P99_MS
         said = (f"median {med:.2f} ms, p99 {p99:.2f} ms over {len(downs)} moves, "
                 f"{'busy' if busy else 'idle'} guests"
@@ -189,16 +190,21 @@ def checks(res: Result) -> list[Check]:
     return out
 
 
-def _median(values: list[float]) -> float:
-    v = sorted(values)
-    n = len(v)
-    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+def median(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    mid = len(s) // 2
+    return round(s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2, 3)
 
 
-def _rank(values: list[float], q: float) -> float:
-    """The nearest-rank percentile ``q`` (as the benchmark computes its p99)."""
-    v = sorted(values)
-    return v[max(0, math.ceil(q * len(v)) - 1)]
+def nearest_rank(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile by nearest rank (of 16 moves, p99 is the largest)."""
+    if not values:
+        return None
+    s = sorted(values)
+    rank = math.ceil(round(q * len(s), 9))      # 1-based; round: 0.99 * 100 is 98.999...
+    return s[min(len(s), max(rank, 1)) - 1]
 
 
 # -- markdown -----------------------------------------------------------------------

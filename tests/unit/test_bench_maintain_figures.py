@@ -3,7 +3,8 @@ moves' time went (each step of ``wall_ms`` summed over the moves)."""
 
 from __future__ import annotations
 
-from fusuma_bench.maintain import Case, _nearest_rank
+from fusuma_bench.maintain import Case
+from fusuma_bench.report_maintain import nearest_rank as _nearest_rank
 
 
 def test_p99_is_the_nearest_rank() -> None:
